@@ -1,0 +1,41 @@
+// Collectives over a fixed group of ranks, on torch tensors.
+//
+// Contract: every rank of the group calls every method in the same order, with tensors of the
+// same shape and dtype. Operations a backend cannot do throw Error; none silently does nothing.
+// Backends: MPI (CPU tensors; device tensors are staged through host memory) and, in GPU
+// builds, NCCL (bootstrapped over MPI: rank 0's unique id travels by MPI_Bcast).
+#pragma once
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+
+namespace mpitrain {
+
+enum class ReduceOp { sum, avg, max, min };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;  // "mpi", "nccl"
+  virtual void all_reduce(torch::Tensor& t, ReduceOp op) = 0;  // in place
+  virtual void broadcast(torch::Tensor& t, int root) = 0;       // in place
+  // out holds size() * in.numel() elements; rank r's `in` lands at out's r-th slice of dim 0
+  // (out.view({size(), -1})[r]).
+  virtual void all_gather(const torch::Tensor& in, torch::Tensor& out) = 0;
+  virtual void barrier() = 0;
+};
+
+// The MPI backend over `comm` (not owned; it must outlive the communicator).
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
+
+// The backend the config asks for: "mpi", "nccl", or "auto" (NCCL on CUDA devices when built
+// with NCCL, else MPI). Throws UsageError for "nccl" in a build without it.
+std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
+                                                const torch::Device& device);
+
+}  // namespace mpitrain

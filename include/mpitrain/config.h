@@ -1,0 +1,118 @@
+// The run configuration: YAML into one typed struct per concern, validated strictly.
+//
+// Every key in the YAML must be read by some field, otherwise:
+//   config.yaml: unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)
+//   config.yaml: train.micro_batch must be > 0, got -4
+// Errors are UsageError (exit 2) and always name the file and the full key.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpitrain {
+
+// Presets (n_layer/n_head/n_embd/seq_len/vocab_size): tiny 6/6/192/256/data,
+// gpt2 12/12/768/1024/50257, gpt2-medium 24/16/1024/1024/50257, gpt2-large 36/20/1280/1024/50257,
+// gpt2-xl 48/25/1600/1024/50257; custom requires n_layer, n_head, n_embd and seq_len.
+// parse_config fills the zero fields from the preset, so after it only vocab_size may be 0.
+struct ModelConfig {
+  std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | custom
+  int64_t n_layer = 0;          // transformer blocks (0 = from preset)
+  int64_t n_head = 0;           // attention heads (0 = from preset)
+  int64_t n_embd = 0;           // model width (0 = from preset)
+  int64_t seq_len = 0;          // context length in tokens (0 = from preset)
+  int64_t vocab_size = 0;       // 0 = the shards' vocab_size; otherwise >= it (padding allowed)
+  double dropout = 0.0;         // dropout probability, [0, 1)
+};
+
+struct DataConfig {
+  std::vector<std::string> train;  // shard files, directories or glob patterns (non-empty)
+  std::vector<std::string> val;    // the same for validation; may be empty if eval.every == 0
+  uint64_t seed = 1337;            // seed of the global sample order
+  bool shuffle = true;             // shuffle the training windows (val is never shuffled)
+};
+
+struct TrainConfig {
+  int64_t micro_batch = 8;    // sequences per rank per micro-step
+  int64_t grad_accum = 0;     // micro-steps per optimizer step (0 = from global_batch, else 1)
+  int64_t global_batch = 0;   // sequences per optimizer step (0 = micro_batch*world*grad_accum)
+  int64_t steps = 1000;       // optimizer steps in the whole run
+  uint64_t seed = 42;         // seed of parameter initialisation and dropout
+  int64_t threads = 0;        // torch intra-op threads per rank (0 = cores / ranks on host)
+  std::string out_dir = "runs/default";  // metrics.jsonl and the run's resolved config go here
+};
+
+struct OptimConfig {
+  double lr = 6e-4;            // peak learning rate, > 0
+  double min_lr = 6e-5;        // floor of the cosine decay, [0, lr]
+  int64_t warmup_steps = 100;  // linear warm-up steps, [0, train.steps]
+  double weight_decay = 0.1;   // AdamW decay for matrices (never biases, norms or embeddings' 1-D)
+  double beta1 = 0.9;          // [0, 1)
+  double beta2 = 0.95;         // [0, 1)
+  double eps = 1e-8;           // > 0
+  double grad_clip = 1.0;      // global-norm clip (0 = off)
+};
+
+struct EvalConfig {
+  int64_t every = 100;   // optimizer steps between validation passes (0 = never)
+  int64_t batches = 20;  // micro-batches per rank per validation pass, > 0
+};
+
+struct LogConfig {
+  int64_t every = 10;          // steps between progress lines, > 0
+  std::string level = "info";  // debug | info | warn | error
+  std::string metrics = "";    // JSONL metrics file ("" = <train.out_dir>/metrics.jsonl)
+};
+
+struct CheckpointConfig {
+  std::string dir = "checkpoints";  // ckpt-<step:08>.h5 and `latest` live here
+  int64_t every = 0;                // steps between checkpoints (0 = only at the end)
+  int64_t keep = 3;                 // keep the newest K complete checkpoints, >= 1
+  std::string resume = "auto";      // auto (newest in dir, if any) | none | path to a .h5
+};
+
+struct CommConfig {
+  std::string backend = "auto";  // auto | mpi | nccl
+  double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
+};
+
+struct SampleConfig {
+  int64_t tokens = 0;         // tokens to generate after training (0 = none)
+  std::string prompt = "";    // text prompt (byte tokenizer)
+  double temperature = 0.8;   // > 0
+  int64_t top_k = 40;         // 0 = no top-k filtering
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OptimConfig optim;
+  EvalConfig eval;
+  LogConfig log;
+  CheckpointConfig checkpoint;
+  CommConfig comm;
+  SampleConfig sample;
+
+  std::string source = "<defaults>";  // the file it came from, for error messages
+};
+
+// Parses YAML text (`source` names it in errors), then applies `overrides` ("section.key=value",
+// the value parsed as YAML), then validates everything that does not depend on the world size.
+// Throws UsageError naming `source` and the key.
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+
+// Reads the file, then parse_config. A missing or unreadable file is a UsageError.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// Checks that depend on the world size and resolves train.grad_accum / train.global_batch:
+// global_batch must equal micro_batch * world * grad_accum when both are given.
+void resolve_for_world(Config& cfg, int world_size);
+
+// The resolved configuration as YAML (every key, in a stable order); parse_config of the result
+// gives back an equal Config.
+std::string to_yaml(const Config& cfg);
+
+}  // namespace mpitrain

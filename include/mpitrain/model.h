@@ -1,0 +1,96 @@
+// The GPT-2 family in libtorch: token + position embeddings, pre-LayerNorm blocks of causal
+// self-attention and a GELU MLP, a final LayerNorm, and an output layer tied to the token
+// embedding. GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpitrain/config.h"
+
+namespace mpitrain {
+
+struct GPTDims {
+  int64_t n_layer = 0;
+  int64_t n_head = 0;
+  int64_t n_embd = 0;
+  int64_t seq_len = 0;
+  int64_t vocab_size = 0;
+  double dropout = 0.0;
+};
+
+// The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
+// taking the data's. A model vocabulary smaller than the data's is a UsageError.
+GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size);
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTDims& d);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  int64_t n_head_, n_embd_;
+  double dropout_;
+  torch::Tensor causal_mask_;  // cached [T, T] mask for the explicit path (not a parameter)
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const GPTDims& d);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTDims& d);
+  torch::Tensor forward(torch::Tensor x);
+
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+
+ private:
+  double dropout_;
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const GPTDims& d);
+
+  // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, vocab_size].
+  torch::Tensor forward(const torch::Tensor& idx);
+  // Mean cross-entropy of next-token prediction; targets [B, T].
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+
+  const GPTDims& dims() const { return dims_; }
+  // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...).
+  std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
+  int64_t num_params() const;
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  torch::Tensor hidden(const torch::Tensor& idx);
+  GPTDims dims_;
+};
+TORCH_MODULE(GPT);
+
+// Autoregressive sampling from `prompt` (non-empty): `n` new tokens, temperature and top-k
+// (0 = all), seeded so that the same call gives the same tokens.
+std::vector<int64_t> generate(GPT& model, std::vector<int64_t> prompt, int64_t n,
+                              double temperature, int64_t top_k, uint64_t seed);
+
+}  // namespace mpitrain

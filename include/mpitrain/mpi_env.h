@@ -1,0 +1,58 @@
+// Everything a rank learns from MPI alone: world rank and size, host-local rank and the host map.
+// No rendezvous server, no environment variables: MPI_Init_thread and MPI_Comm_split_type.
+#pragma once
+
+#include <mpi.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace mpitrain {
+
+// Owns MPI_Init_thread / MPI_Finalize. Works as a singleton (no mpirun: world size 1).
+class MpiSession {
+ public:
+  MpiSession(int& argc, char**& argv);
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Ends every rank of the job with `code` (MPI_Abort); with one rank, a plain exit.
+  [[noreturn]] void abort(int code);
+
+ private:
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+// Where the ranks are: computed collectively over `comm` (every rank must call it).
+struct Topology {
+  int rank = 0;                    // rank in comm
+  int size = 1;                    // ranks in comm
+  int local_rank = 0;              // rank among the ranks on this host
+  int local_size = 1;              // ranks on this host
+  int host_index = 0;              // index of this host in `hosts`
+  std::string host;                // this rank's host name
+  std::vector<std::string> hosts;  // distinct host names in order of their lowest rank
+  std::vector<int> host_of_rank;   // host index of every rank
+
+  static Topology discover(MPI_Comm comm);
+  // "4 ranks on 2 hosts: hostA[0-1] hostB[2-3]"
+  std::string host_map() const;
+};
+
+// Runs `phase` on every rank of `comm` and agrees on the outcome: if any rank threw UsageError,
+// the lowest such rank prints its message once and every rank throws ReportedUsageError.
+// Use it for start-up phases whose bad input may be seen by only some ranks.
+struct ReportedUsageError {
+  int exit_code = 2;
+};
+void agree(MPI_Comm comm, const std::function<void()>& phase);
+
+// Compact rank ranges: {0,1,2,5} -> "0-2,5".
+std::string rank_ranges(const std::vector<int>& ranks);
+
+}  // namespace mpitrain

@@ -1,0 +1,49 @@
+// AdamW with decoupled weight decay (matrices only: never biases or LayerNorm parameters),
+// global-norm gradient clipping, and the warm-up + cosine learning-rate schedule.
+// Our own small optimizer rather than torch::optim: its state is plain named tensors, which
+// makes the checkpoint format explicit and resume bitwise exact.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpitrain/config.h"
+
+namespace mpitrain {
+
+// Learning rate at optimizer step `step` (0-based) of `total_steps`: linear warm-up from lr/warmup
+// to lr over warmup_steps, then cosine decay to min_lr at the last step.
+double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step);
+
+class AdamW {
+ public:
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg);
+
+  void step(double lr);  // one update from the parameters' .grad()
+  void zero_grad();      // drops the gradients (set to undefined)
+
+  size_t size() const { return params_.size(); }
+  const std::string& name(size_t i) const { return names_[i]; }
+  torch::Tensor& param(size_t i) { return params_[i]; }
+  torch::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
+  torch::Tensor& exp_avg_sq(size_t i) { return exp_avg_sq_[i]; }
+  bool decays(size_t i) const { return decay_[i]; }
+  int64_t steps_taken() const { return t_; }
+  void set_steps_taken(int64_t t) { t_ = t; }
+
+ private:
+  OptimConfig cfg_;
+  std::vector<std::string> names_;
+  std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
+  std::vector<bool> decay_;
+  int64_t t_ = 0;
+};
+
+// Scales all gradients so their global L2 norm is at most max_norm (0 = no clipping); returns the
+// norm before clipping. The gradients must already be identical on every rank (after all-reduce).
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
+}  // namespace mpitrain

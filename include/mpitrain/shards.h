@@ -1,0 +1,108 @@
+// HDF5 token shards (format v1, docs/formats.md) and the reader that feeds training:
+// a deterministic global order of training windows, of which each rank reads its own slice.
+//
+// A window is seq_len+1 consecutive tokens of one shard (inputs and shifted targets); shard i
+// holds (num_tokens_i - 1) / seq_len windows, window j starting at token j*seq_len.
+// The order of windows is a function of (seed, shard list, seq_len) only: epoch e is a seeded
+// pseudo-random permutation (a Feistel bijection, O(1) memory) of all windows. The cursor saved in
+// checkpoints is the global count of windows consumed, so resume is exact on any world size.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mpitrain {
+
+constexpr const char* kShardFormat = "mpitrain-tokens";
+constexpr int64_t kShardVersion = 1;
+
+struct ShardMeta {
+  int64_t vocab_size = 0;
+  int64_t eot_token = -1;
+  std::string tokenizer = "byte";  // byte | gpt2 | ...
+  std::string source;              // free text
+};
+
+// Writes one shard: /tokens (uint16 if vocab_size <= 65536, else uint32; contiguous),
+// /doc_offsets (uint64, when non-empty) and the root attributes. Tokens >= vocab_size are a
+// UsageError. Written to `path + ".tmp"` then renamed, so a reader never sees half a shard.
+void write_shard(const std::string& path, const std::vector<uint32_t>& tokens,
+                 const std::vector<uint64_t>& doc_offsets, const ShardMeta& meta);
+
+struct ShardInfo {
+  std::string path;
+  ShardMeta meta;
+  uint64_t num_tokens = 0;
+  int dtype_bytes = 2;  // 2 (uint16) or 4 (uint32)
+};
+
+// Opens and validates a shard's metadata. Bad files are UsageError naming the file and the
+// attribute or dataset: "<path>: not an HDF5 file", "<path>: missing dataset 'tokens'",
+// "<path>: attribute 'format' is 'x', expected 'mpitrain-tokens'", "<path>: unsupported version 2",
+// "<path>: dataset 'tokens' has type float, expected uint16 or uint32".
+ShardInfo read_shard_info(const std::string& path);
+
+// Reads a whole shard's tokens (tests, inspect, pack round trips).
+std::vector<uint32_t> read_shard_tokens(const std::string& path);
+
+// Expands files, directories (their *.h5 files) and glob patterns into a sorted, de-duplicated
+// list. Nothing matched is a UsageError naming `key` ("data.train: no shard matches 'x*.h5'").
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& patterns,
+                                            const std::string& key);
+
+// A seeded bijection on [0, n): the shuffled order of one epoch.
+class Permutation {
+ public:
+  Permutation(uint64_t n, uint64_t seed);
+  uint64_t operator()(uint64_t i) const;  // i < n
+  uint64_t size() const { return n_; }
+
+ private:
+  uint64_t n_;
+  int half_bits_;
+  uint64_t keys_[4];
+};
+
+// The token source for one split: opens every shard (memory-mapping contiguous datasets, reading
+// chunked ones into memory), checks they agree on vocab_size, and serves windows by global index.
+class TokenDataset {
+ public:
+  // Throws UsageError for bad shards, mixed vocab sizes, or shards shorter than one window.
+  TokenDataset(const std::vector<std::string>& paths, int64_t seq_len, uint64_t seed, bool shuffle);
+  ~TokenDataset();
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+
+  int64_t seq_len() const { return seq_len_; }
+  int64_t vocab_size() const { return vocab_size_; }
+  int64_t eot_token() const { return eot_token_; }
+  const std::string& tokenizer() const { return tokenizer_; }
+  uint64_t num_windows() const { return total_windows_; }  // per epoch
+  uint64_t num_tokens() const { return total_tokens_; }
+  const std::vector<std::string>& paths() const { return paths_; }
+
+  // Writes the seq_len+1 tokens of global window `index` (any index >= 0: epochs wrap) to `dst`.
+  void window(uint64_t index, int64_t* dst) const;
+
+  // Fills `dst` (rows x (seq_len+1)) with the windows of one rank's slice of one micro-step:
+  // global windows start + rank*rows + i for i in [0, rows).
+  void batch(uint64_t start, int rank, int64_t rows, int64_t* dst) const;
+
+ private:
+  struct Shard;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::string> paths_;
+  std::vector<uint64_t> first_window_;  // prefix sums of windows per shard
+  int64_t seq_len_;
+  uint64_t seed_;
+  bool shuffle_;
+  int64_t vocab_size_ = 0;
+  int64_t eot_token_ = -1;
+  std::string tokenizer_;
+  uint64_t total_windows_ = 0;
+  uint64_t total_tokens_ = 0;
+};
+
+}  // namespace mpitrain

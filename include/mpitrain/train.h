@@ -1,0 +1,47 @@
+// The training run: data-parallel GPT training over the ranks of an MPI communicator.
+// Torch-free header so the CLI and tests can call it without the heavy includes.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpitrain/config.h"
+
+namespace mpitrain {
+
+struct TrainHooks {
+  int64_t stop_after = -1;   // end after this many completed steps with a checkpoint (-1 = never)
+  bool keep_params = false;  // copy the final parameters into TrainResult::params (tests)
+};
+
+struct TrainResult {
+  int64_t final_step = 0;
+  int64_t num_params = 0;
+  std::vector<std::pair<int64_t, double>> losses;      // (step, train loss) at every logged step
+  std::vector<std::pair<int64_t, double>> val_losses;  // (step, val loss) at every evaluation
+  std::string last_checkpoint;                         // path of the newest checkpoint written
+  std::string sample;                                  // generated text (rank 0, sample.tokens > 0)
+  std::vector<std::pair<std::string, std::vector<float>>> params;  // when hooks.keep_params
+};
+
+// Trains per `cfg` on the ranks of `comm` (every rank calls it). Bad input throws UsageError
+// (already agreed across ranks: see agree() in mpi_env.h); anything else throws Error.
+TrainResult train(Config cfg, MPI_Comm comm, const TrainHooks& hooks = {});
+
+// `mpitrain sample CHECKPOINT`: loads a checkpoint and prints generated text (any rank count;
+// rank 0 generates).
+struct SampleArgs {
+  std::string checkpoint;
+  std::string prompt;
+  int64_t tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1;
+};
+std::string run_sample(const SampleArgs& args);
+
+}  // namespace mpitrain

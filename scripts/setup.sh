@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs mpitrain's Debian packages (when missing) and builds it into build/.
+# Used by scripts/demo.sh and scripts/test.sh; safe to run again (does only what is missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  build-essential cmake pkg-config
+  libtorch-dev libopenblas0-openmp       # libtorch; OpenBLAS (else the reference BLAS: ~60x slower)
+  libopenmpi-dev openmpi-bin             # MPI: launch, bootstrap and the CPU all-reduce
+  libhdf5-dev hdf5-tools                 # token shards and checkpoints
+  libyaml-cpp-dev libspdlog-dev libcli11-dev libgtest-dev zlib1g-dev
+  fortunes                               # the demo's English text corpus
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > build.log 2>&1 || { cat build.log; exit 1; }
+cmake --build build -j"${JOBS:-2}" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
+echo "setup: built build/mpitrain"

@@ -1,0 +1,278 @@
+// HDF5 checkpoints (see checkpoint.h and docs/formats.md).
+#include "mpitrain/checkpoint.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "mpitrain/error.h"
+#include "mpitrain/h5.h"
+#include "mpitrain/log.h"
+
+namespace mpitrain {
+namespace {
+
+// ---- durable file system steps -----------------------------------------------------------------
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) throw Error(concat(path, ": cannot open for fsync: ", std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw Error(concat(path, ": fsync failed: ", std::strerror(errno)));
+}
+
+void rename_durably(const std::string& from, const std::string& to, const std::string& dir) {
+  if (std::rename(from.c_str(), to.c_str()) != 0)
+    throw Error(concat(to, ": cannot rename from ", from, ": ", std::strerror(errno)));
+  fsync_path(dir, /*directory=*/true);
+}
+
+void make_dirs(const std::string& dir) {
+  std::string partial;
+  std::stringstream ss(dir);
+  std::string part;
+  if (!dir.empty() && dir[0] == '/') partial = "/";
+  while (std::getline(ss, part, '/')) {
+    if (part.empty()) continue;
+    partial += part + "/";
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST)
+      throw UsageError(concat(dir, ": cannot create checkpoint directory: ", std::strerror(errno)));
+  }
+}
+
+// Complete checkpoints in dir, by step, oldest first.
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    long long step = 0;
+    char tail[8] = {};
+    const std::string name = e->d_name;
+    if (std::sscanf(name.c_str(), "ckpt-%lld.h%2s", &step, tail) == 2 && std::string(tail) == "5" &&
+        name == checkpoint_name(step))
+      out.emplace_back(step, dir + "/" + name);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string read_latest(const std::string& dir) {
+  std::ifstream in(dir + "/latest");
+  std::string name;
+  if (in) std::getline(in, name);
+  return name;
+}
+
+// ---- tensors in and out ------------------------------------------------------------------------
+
+void write_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
+  torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
+  auto ds = h5::write(loc, name, H5T_NATIVE_FLOAT, dims, c.data_ptr<float>());
+  h5::set_attr(ds.get(), "crc32",
+               static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), c.numel() * sizeof(float))));
+}
+
+void read_tensor(hid_t loc, const std::string& file, const std::string& name, torch::Tensor& into) {
+  if (!h5::exists(loc, name)) throw UsageError(concat(file, ": missing dataset '", name, "'"));
+  h5::Dataset ds(H5Dopen2(loc, name.c_str(), H5P_DEFAULT), name);
+  auto dims = h5::shape(ds.get());
+  std::vector<int64_t> shape(dims.begin(), dims.end());
+  if (shape != into.sizes().vec())
+    throw UsageError(concat(file, ": dataset '", name, "' has shape ", c10::IntArrayRef(shape),
+                         ", the model expects ", into.sizes()));
+  torch::Tensor buf = torch::empty(into.sizes(), torch::kFloat32);
+  try {
+    h5::read(ds.get(), H5T_NATIVE_FLOAT, buf.data_ptr<float>());
+  } catch (const UsageError&) {
+    throw UsageError(concat(file, ": cannot read dataset '", name, "' (truncated or corrupt file?)"));
+  }
+  auto crc = h5::get_attr_int(ds.get(), "crc32");
+  if (!crc) throw UsageError(concat(file, ": dataset '", name, "' has no crc32 attribute"));
+  if (static_cast<uint32_t>(*crc) != h5::crc32(buf.data_ptr<float>(), buf.numel() * sizeof(float)))
+    throw UsageError(concat(file, ": checksum mismatch in dataset '", name, "'"));
+  torch::NoGradGuard no_grad;
+  into.copy_(buf);
+}
+
+int64_t require_int(hid_t obj, const std::string& file, const std::string& name) {
+  auto v = h5::get_attr_int(obj, name);
+  if (!v) throw UsageError(concat(file, ": missing attribute '", name, "'"));
+  return *v;
+}
+
+h5::File open_checkpoint(const std::string& path) {
+  h5::File f = h5::open_read(path);
+  auto format = h5::get_attr_string(f.get(), "format");
+  if (!format || *format != kCheckpointFormat)
+    throw UsageError(concat(path, ": attribute 'format' is '", format.value_or(""), "', expected '",
+                         kCheckpointFormat, "'"));
+  const int64_t version = require_int(f.get(), path, "version");
+  if (version != kCheckpointVersion)
+    throw UsageError(concat(path, ": unsupported checkpoint version ", version, " (this mpitrain reads ",
+                         kCheckpointVersion, ")"));
+  return f;
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "ckpt-%08lld.h5", static_cast<long long>(step));
+  return buf;
+}
+
+// ---- save --------------------------------------------------------------------------------------
+
+std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
+                            int64_t keep) {
+  make_dirs(dir);
+  const std::string path = dir + "/" + checkpoint_name(st.step);
+  const std::string tmp = path + ".tmp";
+  {
+    h5::File f = h5::create(tmp);
+    const hid_t root = f.get();
+    const GPTDims& d = model->dims();
+    h5::set_attr(root, "format", std::string(kCheckpointFormat));
+    h5::set_attr(root, "version", kCheckpointVersion);
+    h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
+    h5::set_attr(root, "step", st.step);
+    h5::set_attr(root, "tokens_seen", st.tokens_seen);
+    h5::set_attr(root, "world_size", st.world_size);
+    h5::set_attr(root, "config", st.config_yaml);
+    h5::set_attr(root, "tokenizer", st.tokenizer);
+    h5::set_attr(root, "eot_token", st.eot_token);
+    h5::set_attr(root, "n_layer", d.n_layer);
+    h5::set_attr(root, "n_head", d.n_head);
+    h5::set_attr(root, "n_embd", d.n_embd);
+    h5::set_attr(root, "seq_len", d.seq_len);
+    h5::set_attr(root, "vocab_size", d.vocab_size);
+
+    auto model_group = h5::create_group(root, "model");
+    for (const auto& [name, p] : model->named_params()) write_tensor(model_group.get(), name, p);
+
+    auto optim_group = h5::create_group(root, "optim");
+    h5::set_attr(optim_group.get(), "steps_taken", opt.steps_taken());
+    for (size_t i = 0; i < opt.size(); ++i) {
+      auto g = h5::create_group(optim_group.get(), opt.name(i));
+      write_tensor(g.get(), "exp_avg", opt.exp_avg(i));
+      write_tensor(g.get(), "exp_avg_sq", opt.exp_avg_sq(i));
+    }
+
+    auto train_group = h5::create_group(root, "train");
+    h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
+    if (!st.rng_states.empty()) {
+      const size_t n = st.rng_states.front().size();
+      std::vector<uint8_t> flat;
+      for (const auto& s : st.rng_states) {
+        MPITRAIN_CHECK(s.size() == n, "RNG states of different sizes");
+        flat.insert(flat.end(), s.begin(), s.end());
+      }
+      auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8,
+                          {st.rng_states.size(), n}, flat.data());
+      h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
+    }
+    if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0)
+      throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
+  }
+  fsync_path(tmp, false);
+  rename_durably(tmp, path, dir);
+
+  // `latest` names the file just completed; written the same way so it is never half a name.
+  const std::string latest_tmp = dir + "/latest.tmp";
+  {
+    std::ofstream out(latest_tmp, std::ios::trunc);
+    out << checkpoint_name(st.step) << "\n";
+    if (!out.flush()) throw Error(concat(latest_tmp, ": cannot write (disk full?)"));
+  }
+  fsync_path(latest_tmp, false);
+  rename_durably(latest_tmp, dir + "/latest", dir);
+
+  // Keep the newest `keep`; the one just written is the newest by construction.
+  auto all = list_checkpoints(dir);
+  const std::string latest_name = checkpoint_name(st.step);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
+    if (all[i].second != path) std::remove(all[i].second.c_str());
+  return path;
+}
+
+// ---- resume ------------------------------------------------------------------------------------
+
+std::optional<std::string> find_resume_checkpoint(const CheckpointConfig& cfg) {
+  if (cfg.resume == "none") return std::nullopt;
+  if (cfg.resume != "auto") {
+    if (::access(cfg.resume.c_str(), R_OK) != 0)
+      throw UsageError(concat("checkpoint.resume: no such checkpoint '", cfg.resume, "'"));
+    return cfg.resume;
+  }
+  const std::string latest = read_latest(cfg.dir);
+  if (!latest.empty() && ::access((cfg.dir + "/" + latest).c_str(), R_OK) == 0)
+    return cfg.dir + "/" + latest;
+  auto all = list_checkpoints(cfg.dir);
+  if (all.empty()) return std::nullopt;
+  return all.back().second;
+}
+
+GPTDims checkpoint_dims(const std::string& path) {
+  h5::File f = open_checkpoint(path);
+  GPTDims d;
+  d.n_layer = require_int(f.get(), path, "n_layer");
+  d.n_head = require_int(f.get(), path, "n_head");
+  d.n_embd = require_int(f.get(), path, "n_embd");
+  d.seq_len = require_int(f.get(), path, "seq_len");
+  d.vocab_size = require_int(f.get(), path, "vocab_size");
+  return d;
+}
+
+void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st) {
+  h5::File f = open_checkpoint(path);
+  const hid_t root = f.get();
+  st.step = require_int(root, path, "step");
+  st.tokens_seen = require_int(root, path, "tokens_seen");
+  st.world_size = require_int(root, path, "world_size");
+  st.config_yaml = h5::get_attr_string(root, "config").value_or("");
+  st.tokenizer = h5::get_attr_string(root, "tokenizer").value_or("byte");
+  st.eot_token = h5::get_attr_int(root, "eot_token").value_or(-1);
+
+  for (auto& [name, p] : model->named_params()) read_tensor(root, path, "model/" + name, p);
+
+  if (opt) {
+    if (!h5::exists(root, "optim")) throw UsageError(concat(path, ": missing group 'optim'"));
+    auto g = h5::open_group(root, "optim");
+    opt->set_steps_taken(require_int(g.get(), path, "steps_taken"));
+    for (size_t i = 0; i < opt->size(); ++i) {
+      read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg", opt->exp_avg(i));
+      read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg_sq", opt->exp_avg_sq(i));
+    }
+  }
+
+  if (!h5::exists(root, "train")) throw UsageError(concat(path, ": missing group 'train'"));
+  auto train = h5::open_group(root, "train");
+  st.data_cursor = static_cast<uint64_t>(require_int(train.get(), path, "data_cursor"));
+  st.rng_states.clear();
+  if (h5::exists(train.get(), "rng_states")) {
+    h5::Dataset ds(H5Dopen2(train.get(), "rng_states", H5P_DEFAULT), "rng_states");
+    auto dims = h5::shape(ds.get());
+    if (dims.size() != 2) throw UsageError(concat(path, ": dataset 'train/rng_states' must be 2-D"));
+    std::vector<uint8_t> flat(dims[0] * dims[1]);
+    h5::read(ds.get(), H5T_NATIVE_UINT8, flat.data());
+    auto crc = h5::get_attr_int(ds.get(), "crc32");
+    if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(flat.data(), flat.size()))
+      throw UsageError(concat(path, ": checksum mismatch in dataset 'train/rng_states'"));
+    for (hsize_t r = 0; r < dims[0]; ++r)
+      st.rng_states.emplace_back(flat.begin() + r * dims[1], flat.begin() + (r + 1) * dims[1]);
+  }
+}
+
+}  // namespace mpitrain

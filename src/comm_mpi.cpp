@@ -1,0 +1,124 @@
+// The MPI communicator backend: CPU tensors reduced in place with MPI; tensors on a device are
+// staged through a host copy (correct, not fast: GPU runs use NCCL).
+#include <climits>
+
+#include "mpitrain/comm.h"
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+namespace {
+
+MPI_Datatype mpi_type(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return MPI_FLOAT;
+    case torch::kFloat64: return MPI_DOUBLE;
+    case torch::kInt64: return MPI_INT64_T;
+    case torch::kInt32: return MPI_INT32_T;
+    case torch::kUInt8: return MPI_UINT8_T;
+    case torch::kInt8: return MPI_INT8_T;
+    default:
+      throw Error(concat("MPI communicator: unsupported dtype ", t.scalar_type()));
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+// MPI counts are int: large tensors go in pieces.
+constexpr int64_t kMaxCount = INT_MAX / 2;
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "mpi"; }
+
+  void all_reduce(torch::Tensor& t, ReduceOp op) override {
+    with_host_copy(t, /*copy_back=*/true, [&](torch::Tensor& h) {
+      const MPI_Datatype type = mpi_type(h);
+      const size_t elem = h.element_size();
+      char* base = static_cast<char*>(h.data_ptr());
+      for (int64_t off = 0; off < h.numel(); off += kMaxCount) {
+        int count = static_cast<int>(std::min(kMaxCount, h.numel() - off));
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op), comm_));
+      }
+      if (op == ReduceOp::avg) {
+        if (!h.is_floating_point()) throw Error("all_reduce avg needs a floating-point tensor");
+        h.div_(size_);
+      }
+    });
+  }
+
+  void broadcast(torch::Tensor& t, int root) override {
+    with_host_copy(t, /*copy_back=*/rank_ != root, [&](torch::Tensor& h) {
+      const MPI_Datatype type = mpi_type(h);
+      const size_t elem = h.element_size();
+      char* base = static_cast<char*>(h.data_ptr());
+      for (int64_t off = 0; off < h.numel(); off += kMaxCount) {
+        int count = static_cast<int>(std::min(kMaxCount, h.numel() - off));
+        MPI_CHECK(MPI_Bcast(base + off * elem, count, type, root, comm_));
+      }
+    });
+  }
+
+  void all_gather(const torch::Tensor& in, torch::Tensor& out) override {
+    if (out.numel() != in.numel() * size_ || out.scalar_type() != in.scalar_type())
+      throw Error(concat("all_gather: out must hold ", size_, " x ", in.numel(), " elements of ",
+                      in.scalar_type()));
+    if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
+    torch::Tensor hin = in.to(torch::kCPU).contiguous();
+    with_host_copy(out, /*copy_back=*/true, [&](torch::Tensor& hout) {
+      const int count = static_cast<int>(hin.numel());
+      MPI_CHECK(MPI_Allgather(hin.data_ptr(), count, mpi_type(hin), hout.data_ptr(), count,
+                              mpi_type(hout), comm_));
+    });
+  }
+
+  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+
+ private:
+  // Runs fn on a contiguous CPU tensor holding t's data; copies the result back into t when t
+  // was not already such a tensor.
+  template <class Fn>
+  void with_host_copy(torch::Tensor& t, bool copy_back, Fn&& fn) {
+    if (t.is_cpu() && t.is_contiguous()) {
+      fn(t);
+      return;
+    }
+    torch::Tensor h = t.to(torch::kCPU).contiguous();
+    fn(h);
+    if (copy_back) t.copy_(h);
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
+  return std::make_unique<MpiCommunicator>(comm);
+}
+
+std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
+                                                const torch::Device& device) {
+  (void)device;
+  if (backend == "mpi" || backend == "auto") return make_mpi_communicator(comm);
+  if (backend == "nccl")
+    throw UsageError("comm.backend: 'nccl' needs a GPU build of mpitrain (this build has no NCCL)");
+  throw UsageError("comm.backend: unknown backend '" + backend + "'");
+}
+
+}  // namespace mpitrain

@@ -1,0 +1,501 @@
+// The run configuration: YAML text and --set overrides into Config, model presets, strict
+// validation, world-size resolution of the batch sizes, and the resolved config back as YAML.
+#include "mpitrain/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <type_traits>
+#include <utility>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+namespace {
+
+// ---- the key table ------------------------------------------------------------------------------
+// One row per YAML key, in struct order. Parsing, to_yaml and "did you mean" all walk this list,
+// so adding a field to config.h means adding one row here (plus its check in validate()).
+
+enum class Kind { integer, unsigned_integer, number, boolean, string, string_list };
+
+template <class T>
+constexpr Kind kind_of() {
+  if constexpr (std::is_same_v<T, int64_t>) return Kind::integer;
+  else if constexpr (std::is_same_v<T, uint64_t>) return Kind::unsigned_integer;
+  else if constexpr (std::is_same_v<T, double>) return Kind::number;
+  else if constexpr (std::is_same_v<T, bool>) return Kind::boolean;
+  else if constexpr (std::is_same_v<T, std::string>) return Kind::string;
+  else if constexpr (std::is_same_v<T, std::vector<std::string>>) return Kind::string_list;
+  else static_assert(sizeof(T) == 0, "config field of a type the YAML reader does not know");
+}
+
+struct Field {
+  const char* section;
+  const char* key;
+  const char* name;  // "section.key"
+  Kind kind;
+  void* (*get)(Config&);  // the member; its real type is the one `kind` names
+};
+
+// The kind is deduced from the member's declared type, so a row can never disagree with it.
+#define MPITRAIN_FIELD(sec, member)                                                  \
+  Field{#sec, #member, #sec "." #member,                                             \
+        kind_of<std::decay_t<decltype(std::declval<Config&>().sec.member)>>(),       \
+        [](Config& c) -> void* { return &c.sec.member; }}
+
+const Field kFields[] = {
+    MPITRAIN_FIELD(model, preset),       MPITRAIN_FIELD(model, n_layer),
+    MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
+    MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
+    MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(data, train),
+    MPITRAIN_FIELD(data, val),           MPITRAIN_FIELD(data, seed),
+    MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(train, micro_batch),
+    MPITRAIN_FIELD(train, grad_accum),   MPITRAIN_FIELD(train, global_batch),
+    MPITRAIN_FIELD(train, steps),        MPITRAIN_FIELD(train, seed),
+    MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
+    MPITRAIN_FIELD(optim, lr),           MPITRAIN_FIELD(optim, min_lr),
+    MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
+    MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
+    MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
+    MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
+    MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
+    MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
+    MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
+    MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(comm, backend),
+    MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(sample, tokens),
+    MPITRAIN_FIELD(sample, prompt),      MPITRAIN_FIELD(sample, temperature),
+    MPITRAIN_FIELD(sample, top_k),
+};
+#undef MPITRAIN_FIELD
+
+template <class T>
+T& member(const Field& f, Config& c) {
+  return *static_cast<T*>(f.get(c));
+}
+
+const Field* find_field(const std::string& name) {
+  for (const Field& f : kFields)
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
+bool is_section(const std::string& name) {
+  return std::any_of(std::begin(kFields), std::end(kFields),
+                     [&](const Field& f) { return name == f.section; });
+}
+
+// ---- messages -----------------------------------------------------------------------------------
+
+// The shortest decimal that reads back as the same double: "0.0006", not "0.00059999999999999995".
+std::string format_double(double v) {
+  char buf[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+// A YAML value as the user wrote it, for the "got X" part of a message.
+std::string describe(const YAML::Node& node) {
+  if (node.IsScalar()) return "'" + node.Scalar() + "'";
+  if (!node.IsSequence() && !node.IsMap()) return "null";
+  YAML::Emitter out;
+  out << YAML::Flow << node;
+  return out.c_str();
+}
+
+std::string show(int64_t v) { return std::to_string(v); }
+std::string show(double v) { return format_double(v); }
+std::string show(const std::string& s) { return "'" + s + "'"; }
+std::string show(const std::vector<std::string>& list) {
+  YAML::Emitter out;
+  out << YAML::Flow << list;
+  return out.c_str();
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// "unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)". `name` is a bare
+// section or section.key; it is compared with the known names of the same shape.
+UsageError unknown_key(const std::string& where, const std::string& name) {
+  const bool is_key = name.find('.') != std::string::npos;
+  std::string best;
+  size_t best_distance = 4;  // suggest only within 3 edits: further off is a guess, not a typo
+  for (const Field& f : kFields) {
+    const char* candidate = is_key ? f.name : f.section;
+    size_t d = edit_distance(name, candidate);
+    if (d < best_distance) best = candidate, best_distance = d;
+  }
+  // A key put in the wrong section ("train.lr") is no typo but still worth pointing at.
+  if (best.empty() && is_key) {
+    const std::string key = name.substr(name.find('.') + 1);
+    int matches = 0;
+    for (const Field& f : kFields)
+      if (key == f.key) best = f.name, ++matches;
+    if (matches != 1) best.clear();
+  }
+  std::string msg = concat(where, ": unknown key '", name, "'");
+  if (!best.empty()) msg += concat(" (did you mean '", best, "'?)");
+  return UsageError(msg);
+}
+
+// ---- reading values -----------------------------------------------------------------------------
+
+YAML::Node load_yaml(const std::string& text, const std::string& where) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    if (e.mark.is_null()) throw UsageError(concat(where, ": YAML syntax error: ", e.msg));
+    throw UsageError(concat(where, ": YAML syntax error at line ", e.mark.line + 1, ", column ",
+                         e.mark.column + 1, ": ", e.msg));
+  }
+}
+
+// Integers are parsed by hand rather than by yaml-cpp's as<>, which would take "8.0" or wrap an
+// overflowing value: both must be type errors.
+bool parse_integer(const std::string& s, int64_t& out) {
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno == ERANGE || *end != '\0') return false;
+  out = v;
+  return true;
+}
+
+bool parse_unsigned(const std::string& s, uint64_t& out) {
+  // strtoull accepts "-1" and wraps it around to 2^64-1.
+  if (s.empty() || s[0] == '-' || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  errno = 0;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (errno == ERANGE || *end != '\0') return false;
+  out = v;
+  return true;
+}
+
+// Infinities and NaN are refused so that every range check below is a plain comparison.
+bool parse_number(const std::string& s, double& out) {
+  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (*end != '\0' || !std::isfinite(v)) return false;
+  out = v;
+  return true;
+}
+
+// Stores `node` into the field, or throws "<where>: train.steps must be an integer, got 'x'".
+void set_field(const Field& f, const YAML::Node& node, Config& cfg, const std::string& where) {
+  static const char* const expected[] = {"an integer", "a non-negative integer",
+                                         "a number",   "a boolean",
+                                         "a string",   "a list of strings"};
+  auto type_error = [&] {
+    return UsageError(concat(where, ": ", f.name, " must be ", expected[static_cast<int>(f.kind)],
+                          ", got ", describe(node)));
+  };
+  const bool scalar = node.IsScalar();
+  const std::string text = scalar ? node.Scalar() : "";
+  bool ok = scalar;
+  switch (f.kind) {
+    case Kind::integer: ok = ok && parse_integer(text, member<int64_t>(f, cfg)); break;
+    case Kind::unsigned_integer: ok = ok && parse_unsigned(text, member<uint64_t>(f, cfg)); break;
+    case Kind::number: ok = ok && parse_number(text, member<double>(f, cfg)); break;
+    case Kind::boolean: ok = ok && YAML::convert<bool>::decode(node, member<bool>(f, cfg)); break;
+    case Kind::string: if (ok) member<std::string>(f, cfg) = text; break;
+    case Kind::string_list: {
+      // A single path is accepted as a one-element list: `train: data/train.h5`.
+      std::vector<std::string> list;
+      if (scalar) {
+        list.push_back(text);
+      } else if (node.IsSequence()) {
+        for (const YAML::Node& item : node) {
+          if (!item.IsScalar()) throw type_error();
+          list.push_back(item.Scalar());
+        }
+      } else {
+        throw type_error();
+      }
+      member<std::vector<std::string>>(f, cfg) = std::move(list);
+      ok = true;
+      break;
+    }
+  }
+  if (!ok) throw type_error();
+}
+
+std::string key_text(const YAML::Node& key) {
+  return key.IsScalar() ? key.Scalar() : describe(key);
+}
+
+// The document: a map of sections, each a map of keys. Duplicates are errors, because yaml-cpp
+// keeps both and the silent winner would depend on the order of the reads.
+void apply_document(const YAML::Node& root, Config& cfg, const std::string& where) {
+  if (root.IsNull()) return;  // an empty file: all defaults
+  if (!root.IsMap())
+    throw UsageError(concat(where,
+                         ": the top level must be a map of sections (model:, data:, ...), got ",
+                         describe(root)));
+  std::set<std::string> seen;
+  for (const auto& section : root) {
+    const std::string name = key_text(section.first);
+    if (!is_section(name)) throw unknown_key(where, name);
+    if (!seen.insert(name).second) throw UsageError(concat(where, ": duplicate key '", name, "'"));
+    const YAML::Node& body = section.second;
+    if (body.IsNull()) continue;  // "sample:" with every key commented out
+    if (!body.IsMap())
+      throw UsageError(concat(where, ": ", name, " must be a map of keys, got ", describe(body)));
+    for (const auto& item : body) {
+      const std::string full = name + "." + key_text(item.first);
+      const Field* f = find_field(full);
+      if (!f) throw unknown_key(where, full);
+      if (!seen.insert(full).second) throw UsageError(concat(where, ": duplicate key '", full, "'"));
+      set_field(*f, item.second, cfg, where);
+    }
+  }
+}
+
+// "section.key=value", the value parsed as YAML so that lists work: data.train=[a.h5,b.h5].
+void apply_override(const std::string& spec, Config& cfg) {
+  const std::string where = "--set";
+  const size_t eq = spec.find('=');
+  const std::string name = spec.substr(0, eq);
+  const size_t dot = name.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot == 0 || dot + 1 == name.size())
+    throw UsageError(concat(where, ": expected section.key=value, got '", spec, "'"));
+  const Field* f = find_field(name);
+  if (!f) throw unknown_key(where, name);
+  set_field(*f, load_yaml(spec.substr(eq + 1), where), cfg, where);
+}
+
+// ---- presets and validation ---------------------------------------------------------------------
+
+struct Preset {
+  const char* name;
+  int64_t n_layer, n_head, n_embd, seq_len, vocab_size;
+};
+
+const Preset kPresets[] = {
+    {"tiny", 6, 6, 192, 256, 0},  // vocab 0: taken from the shards
+    {"gpt2", 12, 12, 768, 1024, 50257},
+    {"gpt2-medium", 24, 16, 1024, 1024, 50257},
+    {"gpt2-large", 36, 20, 1280, 1024, 50257},
+    {"gpt2-xl", 48, 25, 1600, 1024, 50257},
+};
+
+// Fills the zero dimensions from the preset; an explicit non-zero value wins.
+void apply_preset(ModelConfig& m, const std::string& where) {
+  if (m.preset == "custom") {
+    for (const auto& [key, value] :
+         {std::pair{"n_layer", m.n_layer}, std::pair{"n_head", m.n_head},
+          std::pair{"n_embd", m.n_embd}, std::pair{"seq_len", m.seq_len}})
+      if (value == 0)
+        throw UsageError(
+            concat(where, ": model.", key, " must be set (> 0) when model.preset is 'custom', got 0"));
+    return;
+  }
+  for (const Preset& p : kPresets) {
+    if (m.preset != p.name) continue;
+    for (auto [field, value] : {std::pair{&m.n_layer, p.n_layer}, std::pair{&m.n_head, p.n_head},
+                                std::pair{&m.n_embd, p.n_embd}, std::pair{&m.seq_len, p.seq_len},
+                                std::pair{&m.vocab_size, p.vocab_size}})
+      if (*field == 0) *field = value;
+    return;
+  }
+  std::string names;
+  for (const Preset& p : kPresets) names += concat(p.name, "|");
+  throw UsageError(
+      concat(where, ": model.preset must be one of ", names, "custom, got ", show(m.preset)));
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool one_of(const std::string& s, std::initializer_list<const char*> allowed) {
+  return std::any_of(allowed.begin(), allowed.end(), [&](const char* a) { return s == a; });
+}
+
+bool has_empty(const std::vector<std::string>& list) {
+  return std::any_of(list.begin(), list.end(), [](const std::string& s) { return s.empty(); });
+}
+
+// Everything that does not depend on the world size; the first failure throws.
+void validate(const Config& c, const std::string& where) {
+  auto check = [&](bool ok, const char* key, const std::string& what, const std::string& got) {
+    if (!ok) throw UsageError(concat(where, ": ", key, " must be ", what, ", got ", got));
+  };
+  const ModelConfig& m = c.model;
+  check(m.n_layer > 0, "model.n_layer", "> 0", show(m.n_layer));
+  check(m.n_head > 0, "model.n_head", "> 0", show(m.n_head));
+  check(m.n_embd > 0, "model.n_embd", "> 0", show(m.n_embd));
+  check(m.seq_len > 0, "model.seq_len", "> 0", show(m.seq_len));
+  check(m.vocab_size >= 0, "model.vocab_size", ">= 0 (0 = from the shards)", show(m.vocab_size));
+  check(m.n_embd % m.n_head == 0, "model.n_embd", concat("divisible by model.n_head (", m.n_head, ")"),
+        show(m.n_embd));
+  check(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", show(m.dropout));
+
+  const DataConfig& d = c.data;
+  check(!d.train.empty() && !has_empty(d.train), "data.train",
+        "a non-empty list of shard files, directories or globs", show(d.train));
+  check(!has_empty(d.val), "data.val", "a list of non-empty paths", show(d.val));
+
+  check(c.eval.every >= 0, "eval.every", ">= 0 (0 = never)", show(c.eval.every));
+  check(c.eval.every == 0 || !d.val.empty(), "data.val",
+        concat("non-empty when eval.every > 0 (eval.every is ", c.eval.every,
+            "; set it to 0 to skip validation)"),
+        show(d.val));
+  check(c.eval.batches > 0, "eval.batches", "> 0", show(c.eval.batches));
+
+  const TrainConfig& t = c.train;
+  check(t.micro_batch > 0, "train.micro_batch", "> 0", show(t.micro_batch));
+  check(t.grad_accum >= 0, "train.grad_accum", ">= 0 (0 = derived)", show(t.grad_accum));
+  check(t.global_batch >= 0, "train.global_batch", ">= 0 (0 = derived)", show(t.global_batch));
+  check(t.steps > 0, "train.steps", "> 0", show(t.steps));
+  check(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", show(t.threads));
+  check(!t.out_dir.empty(), "train.out_dir", "non-empty", show(t.out_dir));
+
+  const OptimConfig& o = c.optim;
+  check(o.lr > 0, "optim.lr", "> 0", show(o.lr));
+  check(o.min_lr >= 0 && o.min_lr <= o.lr, "optim.min_lr",
+        concat("in [0, optim.lr] = [0, ", show(o.lr), "]"), show(o.min_lr));
+  check(o.warmup_steps >= 0 && o.warmup_steps <= t.steps, "optim.warmup_steps",
+        concat("in [0, train.steps] = [0, ", t.steps, "]"), show(o.warmup_steps));
+  check(o.weight_decay >= 0, "optim.weight_decay", ">= 0", show(o.weight_decay));
+  check(o.beta1 >= 0 && o.beta1 < 1, "optim.beta1", "in [0, 1)", show(o.beta1));
+  check(o.beta2 >= 0 && o.beta2 < 1, "optim.beta2", "in [0, 1)", show(o.beta2));
+  check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
+  check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
+
+  check(c.log.every > 0, "log.every", "> 0", show(c.log.every));
+  check(one_of(c.log.level, {"debug", "info", "warn", "error"}), "log.level",
+        "one of debug|info|warn|error", show(c.log.level));
+
+  const CheckpointConfig& k = c.checkpoint;
+  check(!k.dir.empty(), "checkpoint.dir", "non-empty", show(k.dir));
+  check(k.every >= 0, "checkpoint.every", ">= 0 (0 = only at the end)", show(k.every));
+  check(k.keep >= 1, "checkpoint.keep", ">= 1", show(k.keep));
+  check(one_of(k.resume, {"auto", "none"}) || (ends_with(k.resume, ".h5") && k.resume.size() > 3),
+        "checkpoint.resume", "'auto', 'none' or the path of a .h5 checkpoint", show(k.resume));
+
+  check(one_of(c.comm.backend, {"auto", "mpi", "nccl"}), "comm.backend", "one of auto|mpi|nccl",
+        show(c.comm.backend));
+  check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
+
+  const SampleConfig& s = c.sample;
+  check(s.tokens >= 0, "sample.tokens", ">= 0 (0 = none)", show(s.tokens));
+  check(s.temperature > 0, "sample.temperature", "> 0", show(s.temperature));
+  check(s.top_k >= 0, "sample.top_k", ">= 0 (0 = no filtering)", show(s.top_k));
+}
+
+}  // namespace
+
+// ---- public API ---------------------------------------------------------------------------------
+
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  Config cfg;
+  cfg.source = source;
+  apply_document(load_yaml(yaml_text, source), cfg, source);
+  for (const std::string& spec : overrides) apply_override(spec, cfg);
+  apply_preset(cfg.model, source);
+  validate(cfg, source);
+  return cfg;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  // stdio rather than ifstream: reading a directory must fail here, and ferror says so.
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (!file) throw UsageError(concat(path, ": cannot read config file (", std::strerror(errno), ")"));
+  std::string text;
+  char buf[8192];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(file) != 0;
+  const int err = errno;
+  std::fclose(file);
+  if (failed) throw UsageError(concat(path, ": cannot read config file (", std::strerror(err), ")"));
+  return parse_config(text, path, overrides);
+}
+
+void resolve_for_world(Config& cfg, int world_size) {
+  TrainConfig& t = cfg.train;
+  MPITRAIN_CHECK(world_size > 0 && t.micro_batch > 0 && t.grad_accum >= 0,
+                 concat("resolve_for_world on an unvalidated config (world size ", world_size, ")"));
+  const std::string& where = cfg.source;
+  // Products of user numbers: refuse rather than overflow.
+  auto times = [&](int64_t a, int64_t b) {
+    int64_t r = 0;
+    if (__builtin_mul_overflow(a, b, &r))
+      throw UsageError(
+          concat(where, ": train.micro_batch x world size x train.grad_accum is too large"));
+    return r;
+  };
+  const int64_t per_micro_step = times(t.micro_batch, world_size);
+  if (t.grad_accum == 0) {
+    if (t.global_batch == 0) {
+      t.grad_accum = 1;
+    } else if (t.global_batch % per_micro_step != 0) {
+      throw UsageError(concat(where, ": train.global_batch must be a multiple of train.micro_batch x ",
+                           "world size (", t.micro_batch, " x ", world_size, " = ", per_micro_step,
+                           "), got ", t.global_batch));
+    } else {
+      t.grad_accum = t.global_batch / per_micro_step;
+    }
+  } else if (t.global_batch != 0 && t.global_batch != times(per_micro_step, t.grad_accum)) {
+    throw UsageError(concat(where, ": train.global_batch must equal train.micro_batch x world size x ",
+                         "train.grad_accum (", t.micro_batch, " x ", world_size, " x ",
+                         t.grad_accum, " = ", times(per_micro_step, t.grad_accum), "), got ",
+                         t.global_batch));
+  }
+  t.global_batch = times(per_micro_step, t.grad_accum);
+}
+
+std::string to_yaml(const Config& cfg) {
+  Config c = cfg;  // the table's accessors take a mutable Config
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  const char* section = nullptr;
+  for (const Field& f : kFields) {
+    if (!section || std::strcmp(section, f.section) != 0) {
+      if (section) out << YAML::EndMap;
+      section = f.section;
+      out << YAML::Key << section << YAML::Value << YAML::BeginMap;
+    }
+    out << YAML::Key << f.key << YAML::Value;
+    switch (f.kind) {
+      case Kind::integer: out << member<int64_t>(f, c); break;
+      case Kind::unsigned_integer: out << member<uint64_t>(f, c); break;
+      case Kind::number: out << format_double(member<double>(f, c)); break;
+      case Kind::boolean: out << member<bool>(f, c); break;
+      case Kind::string: out << member<std::string>(f, c); break;
+      case Kind::string_list: out << YAML::Flow << member<std::vector<std::string>>(f, c); break;
+    }
+  }
+  out << YAML::EndMap << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace mpitrain

@@ -1,0 +1,141 @@
+// mpitrain's command line: parses arguments and calls into the library. Every process is started
+// by MPI (or alone, as a singleton); everything a rank needs comes from MPI.
+//
+//   mpitrain [train] CONFIG.yaml [--set key=value ...]   train (the default command)
+//   mpitrain pack INPUT... -o PREFIX                     text -> byte-level HDF5 token shards
+//   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
+//   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "mpitrain/config.h"
+#include "mpitrain/error.h"
+#include "mpitrain/h5.h"
+#include "mpitrain/log.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/pack.h"
+#include "mpitrain/train.h"
+
+namespace mpitrain {
+namespace {
+
+// Commands other than training, keyed by their first argument; anything else means `train`.
+bool is_command(const std::string& a) {
+  return a == "train" || a == "pack" || a == "inspect" || a == "sample";
+}
+
+int run_cli(int argc, char** argv, MpiSession& mpi) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && !is_command(args[0]) && args[0][0] != '-') args.insert(args.begin(), "train");
+  if (args.size() == 1 && (args[0] == "--version" || args[0] == "-V")) {
+    if (mpi.rank() == 0) std::printf("mpitrain %s\n", MPITRAIN_VERSION);
+    return 0;
+  }
+
+  CLI::App app{"mpitrain: GPT training launched by MPI, no rendezvous server"};
+  app.require_subcommand(1);
+
+  std::string config_path;
+  std::vector<std::string> overrides;
+  int64_t stop_after = -1;
+  auto* train_cmd = app.add_subcommand("train", "train a model (the default command)");
+  train_cmd->add_option("config", config_path, "YAML config file")->required();
+  train_cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
+  train_cmd->add_option("--stop-after", stop_after,
+                        "stop after this many completed steps, with a checkpoint (resume later)");
+
+  PackOptions pack;
+  auto* pack_cmd = app.add_subcommand("pack", "pack text files into byte-level HDF5 token shards");
+  pack_cmd->add_option("inputs", pack.inputs, "text files or directories")->required();
+  pack_cmd->add_option("-o,--output", pack.output_prefix, "output prefix: <prefix>-<split>-NNNNN.h5")
+      ->required();
+  pack_cmd->add_option("--doc-separator", pack.doc_separator,
+                       "a line holding exactly this separates documents (default: one per file)");
+  pack_cmd->add_option("--val-fraction", pack.val_fraction, "share of documents for val")
+      ->capture_default_str();
+  pack_cmd->add_option("--shard-tokens", pack.shard_tokens, "tokens per shard")->capture_default_str();
+  pack_cmd->add_option("--seed", pack.seed, "seed of the train/val assignment")->capture_default_str();
+
+  std::vector<std::string> inspect_files;
+  auto* inspect_cmd = app.add_subcommand("inspect", "print an HDF5 shard's or checkpoint's metadata");
+  inspect_cmd->add_option("files", inspect_files, "HDF5 files")->required();
+
+  SampleArgs sample;
+  auto* sample_cmd = app.add_subcommand("sample", "generate text from a checkpoint");
+  sample_cmd->add_option("checkpoint", sample.checkpoint, "checkpoint .h5")->required();
+  sample_cmd->add_option("--prompt", sample.prompt, "text to continue");
+  sample_cmd->add_option("--tokens", sample.tokens, "tokens to generate")->capture_default_str();
+  sample_cmd->add_option("--temperature", sample.temperature)->capture_default_str();
+  sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
+  sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
+
+  std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {  // --help
+      if (mpi.rank() == 0) std::printf("%s", app.help().c_str());
+      return 0;
+    }
+    throw UsageError(concat("command line: ", e.what()));
+  }
+
+  if (*train_cmd) {
+    Config cfg;
+    agree(MPI_COMM_WORLD, [&] { cfg = load_config(config_path, overrides); });
+    TrainHooks hooks;
+    hooks.stop_after = stop_after;
+    train(cfg, MPI_COMM_WORLD, hooks);
+    return 0;
+  }
+  if (*pack_cmd) {
+    // One rank packs; the others wait so the shards exist when the command returns everywhere.
+    agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() != 0) return;
+      PackResult r = pack_text(pack);
+      std::printf("packed %llu documents: %llu train tokens in %zu shards, %llu val tokens in %zu shards\n"
+                  "train unigram entropy: %.4f nats/token (the loss of a model that ignores context)\n",
+                  static_cast<unsigned long long>(r.documents),
+                  static_cast<unsigned long long>(r.train_tokens), r.train_shards.size(),
+                  static_cast<unsigned long long>(r.val_tokens), r.val_shards.size(),
+                  r.train_unigram_entropy);
+    });
+    return 0;
+  }
+  if (*inspect_cmd) {
+    agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() != 0) return;
+      for (const auto& f : inspect_files) std::printf("%s", h5::describe(f).c_str());
+    });
+    return 0;
+  }
+  if (*sample_cmd) {
+    agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() != 0) return;
+      std::printf("%s%s\n", sample.prompt.c_str(), run_sample(sample).c_str());
+    });
+    return 0;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace mpitrain
+
+int main(int argc, char** argv) {
+  mpitrain::MpiSession mpi(argc, argv);
+  try {
+    return mpitrain::run_cli(argc, argv, mpi);
+  } catch (const mpitrain::ReportedUsageError& e) {  // printed once already; every rank agreed
+    return e.exit_code;
+  } catch (const mpitrain::UsageError& e) {  // seen by this rank alone: print, end the job
+    std::fprintf(stderr, "mpitrain: %s\n", e.what());
+    mpi.abort(2);
+  } catch (const std::exception& e) {  // anything else: take every rank down, never hang
+    mpitrain::log::error(e.what());
+    mpi.abort(1);
+  }
+}

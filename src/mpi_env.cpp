@@ -1,0 +1,135 @@
+// MPI start-up, the host map, and agreement on start-up errors.
+#include "mpitrain/mpi_env.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+
+#include "mpitrain/error.h"
+#include "mpitrain/log.h"
+
+namespace mpitrain {
+
+// ---- MpiSession --------------------------------------------------------------------------------
+
+MpiSession::MpiSession(int& argc, char**& argv) {
+  int provided = 0;
+  MPI_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
+  // Errors come back as codes so MPI_CHECK can name the call, rank and host.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  char name[MPI_MAX_PROCESSOR_NAME];
+  int len = 0;
+  MPI_Get_processor_name(name, &len);
+  log::init(rank_, size_, std::string(name, static_cast<size_t>(len)));
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void MpiSession::abort(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (size_ == 1) {
+    MPI_Finalize();
+    std::_Exit(code);
+  }
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
+}
+
+// ---- Topology ----------------------------------------------------------------------------------
+
+Topology Topology::discover(MPI_Comm comm) {
+  Topology t;
+  MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
+  MPI_CHECK(MPI_Comm_size(comm, &t.size));
+
+  MPI_Comm local;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, t.rank, MPI_INFO_NULL, &local));
+  MPI_CHECK(MPI_Comm_rank(local, &t.local_rank));
+  MPI_CHECK(MPI_Comm_size(local, &t.local_size));
+
+  // The shared-memory split defines the hosts; the leader of each (local rank 0) names it.
+  int leader = t.rank;
+  MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, local));
+  MPI_Comm_free(&local);
+
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  MPI_CHECK(MPI_Get_processor_name(name, &len));
+  t.host.assign(name, static_cast<size_t>(len));
+
+  std::vector<int> leaders(t.size);
+  MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm));
+  std::vector<char> names(static_cast<size_t>(t.size) * MPI_MAX_PROCESSOR_NAME);
+  MPI_CHECK(MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(),
+                          MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm));
+
+  std::map<int, int> host_of_leader;  // ordered by leader rank = order of lowest rank
+  for (int l : leaders) host_of_leader.emplace(l, 0);
+  int idx = 0;
+  for (auto& [l, h] : host_of_leader) {
+    h = idx++;
+    t.hosts.emplace_back(&names[static_cast<size_t>(l) * MPI_MAX_PROCESSOR_NAME]);
+  }
+  t.host_of_rank.resize(t.size);
+  for (int r = 0; r < t.size; ++r) t.host_of_rank[r] = host_of_leader[leaders[r]];
+  t.host_index = t.host_of_rank[t.rank];
+  return t;
+}
+
+std::string rank_ranges(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string Topology::host_map() const {
+  std::string out = concat(size, size == 1 ? " rank" : " ranks", " on ", hosts.size(),
+                        hosts.size() == 1 ? " host:" : " hosts:");
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    std::vector<int> ranks;
+    for (int r = 0; r < size; ++r)
+      if (host_of_rank[r] == static_cast<int>(h)) ranks.push_back(r);
+    out += concat(" ", hosts[h], "[", rank_ranges(ranks), "]");
+  }
+  return out;
+}
+
+// ---- agree -------------------------------------------------------------------------------------
+
+void agree(MPI_Comm comm, const std::function<void()>& phase) {
+  std::string message;
+  try {
+    phase();
+  } catch (const UsageError& e) {
+    message = e.what();
+    if (message.empty()) message = "usage error";
+  }
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  int mine = message.empty() ? INT_MAX : rank, first = INT_MAX;
+  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == INT_MAX) return;
+  if (rank == first) std::fprintf(stderr, "mpitrain: %s\n", message.c_str());
+  std::fflush(stderr);
+  throw ReportedUsageError{2};
+}
+
+}  // namespace mpitrain

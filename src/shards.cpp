@@ -1,0 +1,385 @@
+// Token shards (format v1): writing, validating, path expansion, the seeded window permutation,
+// and TokenDataset, which memory-maps contiguous shards and serves windows by global index.
+#include "mpitrain/shards.h"
+
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "mpitrain/error.h"
+#include "mpitrain/h5.h"
+
+namespace mpitrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// ---- hashing -----------------------------------------------------------------------------------
+
+// splitmix64's finalizer: a cheap, well-mixed 64-bit bijection.
+uint64_t fmix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Key of epoch `epoch`: every epoch gets an unrelated permutation.
+uint64_t epoch_key(uint64_t seed, uint64_t epoch) {
+  return fmix(seed ^ fmix(epoch + 0x9E3779B97F4A7C15ull));
+}
+
+// ---- opening a shard ---------------------------------------------------------------------------
+
+// C-like name of an HDF5 type, for messages ("float", "int32", "uint8").
+std::string type_name(hid_t t) {
+  size_t size = H5Tget_size(t);
+  switch (H5Tget_class(t)) {
+    case H5T_INTEGER:
+      return concat(H5Tget_sign(t) == H5T_SGN_NONE ? "uint" : "int", size * 8);
+    case H5T_FLOAT:
+      return size == 4 ? "float" : size == 8 ? "double" : concat("float", size * 8);
+    case H5T_STRING: return "string";
+    case H5T_COMPOUND: return "compound";
+    case H5T_ENUM: return "enum";
+    case H5T_ARRAY: return "array";
+    default: return "non-numeric";
+  }
+}
+
+// An open, validated shard: the file, its tokens dataset and the metadata.
+struct OpenShard {
+  h5::File file;
+  h5::Dataset tokens;
+  ShardInfo info;
+  off_t file_size = 0;
+};
+
+OpenShard open_shard(const std::string& path) {
+  OpenShard s;
+  s.info.path = path;
+  s.file = h5::open_read(path);
+  hid_t f = s.file.get();
+  auto bad = [&](const std::string& what) { return UsageError(path + ": " + what); };
+
+  // Format and version first: a foreign HDF5 file is reported as such, not as a broken shard.
+  auto format = h5::get_attr_string(f, "format");
+  if (!format) throw bad("missing attribute 'format' (not an mpitrain token shard?)");
+  if (*format != kShardFormat)
+    throw bad(concat("attribute 'format' is '", *format, "', expected '", kShardFormat, "'"));
+  auto version = h5::get_attr_int(f, "version");
+  if (!version) throw bad("missing attribute 'version'");
+  if (*version != kShardVersion)
+    throw bad(concat("unsupported version ", *version, " (this build reads version ", kShardVersion,
+                  ")"));
+  auto vocab = h5::get_attr_int(f, "vocab_size");
+  if (!vocab) throw bad("missing attribute 'vocab_size'");
+  if (*vocab <= 0) throw bad(concat("attribute 'vocab_size' is ", *vocab, ", expected > 0"));
+  s.info.meta.vocab_size = *vocab;
+  s.info.meta.eot_token = h5::get_attr_int(f, "eot_token").value_or(-1);
+  s.info.meta.tokenizer = h5::get_attr_string(f, "tokenizer").value_or(s.info.meta.tokenizer);
+  s.info.meta.source = h5::get_attr_string(f, "source").value_or("");
+
+  if (H5Lexists(f, "tokens", H5P_DEFAULT) <= 0) throw bad("missing dataset 'tokens'");
+  hid_t d = H5Dopen2(f, "tokens", H5P_DEFAULT);
+  if (d < 0) throw bad("'tokens' is not a dataset");
+  s.tokens = h5::Dataset(d);
+  h5::Datatype type(H5Dget_type(d), path + ": type of dataset 'tokens'");
+  size_t size = H5Tget_size(type.get());
+  if (H5Tget_class(type.get()) != H5T_INTEGER || H5Tget_sign(type.get()) != H5T_SGN_NONE ||
+      (size != 2 && size != 4))
+    throw bad(concat("dataset 'tokens' has type ", type_name(type.get()),
+                  ", expected uint16 or uint32"));
+  s.info.dtype_bytes = static_cast<int>(size);
+  auto dims = h5::shape(d);
+  if (dims.size() != 1)
+    throw bad(concat("dataset 'tokens' has ", dims.size(), " dimensions, expected 1"));
+  s.info.num_tokens = dims[0];
+  if (auto n = h5::get_attr_int(f, "num_tokens"); n && static_cast<uint64_t>(*n) != dims[0])
+    throw bad(concat("attribute 'num_tokens' is ", *n, " but dataset 'tokens' holds ", dims[0]));
+
+  // HDF5 opens some truncated files happily; a contiguous dataset running past the end of the
+  // file would otherwise surface as a read error (or SIGBUS through mmap) much later.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw bad("cannot stat");
+  s.file_size = st.st_size;
+  haddr_t offset = H5Dget_offset(d);
+  if (offset != HADDR_UNDEF &&
+      offset + H5Dget_storage_size(d) > static_cast<uint64_t>(s.file_size))
+    throw bad("truncated file (dataset 'tokens' extends past the end)");
+  return s;
+}
+
+hid_t native_type(int bytes) { return bytes == 2 ? H5T_NATIVE_UINT16 : H5T_NATIVE_UINT32; }
+
+// Token `i` of a raw uint16/uint32 array. memcpy keeps unaligned mmap'd data well-defined and
+// compiles to a plain load.
+template <class T>
+void widen(const unsigned char* src, int64_t n, int64_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, src + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+    dst[i] = static_cast<int64_t>(v);
+  }
+}
+
+}  // namespace
+
+// ---- writing -----------------------------------------------------------------------------------
+
+void write_shard(const std::string& path, const std::vector<uint32_t>& tokens,
+                 const std::vector<uint64_t>& doc_offsets, const ShardMeta& meta) {
+  if (meta.vocab_size <= 0 || meta.vocab_size > (int64_t{1} << 32))
+    throw UsageError(concat(path, ": vocab_size ", meta.vocab_size, " out of range [1, 2^32]"));
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] >= static_cast<uint64_t>(meta.vocab_size))
+      throw UsageError(concat(path, ": token ", tokens[i], " at position ", i,
+                           " is >= vocab_size ", meta.vocab_size));
+  for (size_t i = 0; i < doc_offsets.size(); ++i)
+    if (doc_offsets[i] >= tokens.size())
+      throw UsageError(concat(path, ": doc_offsets[", i, "] = ", doc_offsets[i],
+                           " is past the end (", tokens.size(), " tokens)"));
+
+  const std::string tmp = path + ".tmp";
+  try {
+    h5::File f;
+    try {
+      f = h5::create(tmp);
+    } catch (const UsageError&) {  // name the shard the caller asked for, not our temporary
+      throw UsageError(path + ": cannot create (directory missing or not writable?)");
+    }
+    hid_t root = f.get();
+    std::vector<hsize_t> dims{tokens.size()};
+    static const uint32_t empty = 0;  // HDF5 rejects a null buffer even for zero elements
+    if (meta.vocab_size <= 65536) {
+      std::vector<uint16_t> narrow(tokens.begin(), tokens.end());
+      h5::write(root, "tokens", H5T_NATIVE_UINT16, dims,
+                narrow.empty() ? static_cast<const void*>(&empty) : narrow.data());
+    } else {
+      h5::write(root, "tokens", H5T_NATIVE_UINT32, dims,
+                tokens.empty() ? &empty : tokens.data());
+    }
+    if (!doc_offsets.empty())
+      h5::write(root, "doc_offsets", H5T_NATIVE_UINT64, {doc_offsets.size()}, doc_offsets.data());
+    h5::set_attr(root, "format", std::string(kShardFormat));
+    h5::set_attr(root, "version", kShardVersion);
+    h5::set_attr(root, "vocab_size", meta.vocab_size);
+    h5::set_attr(root, "eot_token", meta.eot_token);
+    h5::set_attr(root, "tokenizer", meta.tokenizer);
+    h5::set_attr(root, "num_tokens", static_cast<int64_t>(tokens.size()));
+    h5::set_attr(root, "source", meta.source);
+    if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(tmp + ": cannot flush (disk full?)");
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw UsageError(concat(path, ": cannot rename ", tmp, " into place: ", std::strerror(errno)));
+  }
+}
+
+// ---- reading metadata and tokens ---------------------------------------------------------------
+
+ShardInfo read_shard_info(const std::string& path) { return open_shard(path).info; }
+
+std::vector<uint32_t> read_shard_tokens(const std::string& path) {
+  OpenShard s = open_shard(path);
+  std::vector<uint32_t> out(s.info.num_tokens);
+  if (!out.empty()) h5::read(s.tokens.get(), H5T_NATIVE_UINT32, out.data());
+  return out;
+}
+
+// ---- path expansion ----------------------------------------------------------------------------
+
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& patterns,
+                                            const std::string& key) {
+  std::vector<std::string> out;
+  for (const std::string& pattern : patterns) {
+    size_t before = out.size();
+    std::error_code ec;
+    if (fs::is_directory(pattern, ec)) {
+      for (const auto& e : fs::directory_iterator(pattern, ec))
+        if (e.path().extension() == ".h5" && e.is_regular_file(ec)) out.push_back(e.path());
+    } else if (fs::is_regular_file(pattern, ec)) {
+      out.push_back(pattern);
+    } else {
+      glob_t g{};
+      if (::glob(pattern.c_str(), GLOB_TILDE, nullptr, &g) == 0)
+        for (size_t i = 0; i < g.gl_pathc; ++i)
+          if (fs::is_regular_file(g.gl_pathv[i], ec)) out.emplace_back(g.gl_pathv[i]);
+      globfree(&g);
+    }
+    if (out.size() == before) throw UsageError(concat(key, ": no shard matches '", pattern, "'"));
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// ---- Permutation -------------------------------------------------------------------------------
+
+Permutation::Permutation(uint64_t n, uint64_t seed) : n_(n) {
+  // Smallest even bit count (>= 2) whose range covers n: the Feistel domain is under 4n, so
+  // cycle-walking takes fewer than 4 rounds of the network on average.
+  int bits = 2;
+  while (bits < 64 && (uint64_t{1} << bits) < n) bits += 2;
+  half_bits_ = bits / 2;
+  uint64_t state = seed;
+  for (uint64_t& k : keys_) k = fmix(state += 0x9E3779B97F4A7C15ull);
+}
+
+uint64_t Permutation::operator()(uint64_t i) const {
+  if (i >= n_) throw Error(concat("Permutation: index ", i, " out of range [0, ", n_, ")"));
+  const uint64_t mask = (uint64_t{1} << half_bits_) - 1;
+  uint64_t x = i;
+  // Cycle-walking: the network permutes [0, 2^bits); iterating it from a value < n must come back
+  // below n (at worst to i itself), which makes the restriction a bijection on [0, n).
+  do {
+    uint64_t left = x >> half_bits_, right = x & mask;
+    for (uint64_t key : keys_) {
+      uint64_t next = left ^ (fmix(right ^ key) & mask);
+      left = right;
+      right = next;
+    }
+    x = (left << half_bits_) | right;
+  } while (x >= n_);
+  return x;
+}
+
+// ---- TokenDataset ------------------------------------------------------------------------------
+
+struct TokenDataset::Shard {
+  ShardInfo info;
+  uint64_t windows = 0;
+  const unsigned char* data = nullptr;  // num_tokens native uint16/uint32, maybe unaligned
+  void* map = nullptr;                  // the mmap'd range, when mapped
+  size_t map_len = 0;
+  std::vector<unsigned char> owned;     // the tokens, when not mapped
+
+  ~Shard() {
+    if (map) ::munmap(map, map_len);
+  }
+};
+
+namespace {
+
+// Maps the contiguous tokens dataset of `s` read-only; false if it cannot be mapped (chunked,
+// compressed, external, foreign byte order...) and must be read instead.
+bool map_tokens(const OpenShard& s, bool random_access, void** map, size_t* map_len,
+                const unsigned char** data) {
+  hid_t d = s.tokens.get();
+  const uint64_t bytes = s.info.num_tokens * static_cast<uint64_t>(s.info.dtype_bytes);
+  h5::PropList dcpl(H5Dget_create_plist(d));
+  if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS) return false;
+  haddr_t offset = H5Dget_offset(d);
+  if (offset == HADDR_UNDEF || H5Dget_storage_size(d) != bytes) return false;
+  if (offset + bytes > static_cast<uint64_t>(s.file_size)) return false;
+  h5::Datatype type(H5Dget_type(d));
+  if (H5Tequal(type.get(), native_type(s.info.dtype_bytes)) <= 0) return false;
+
+  int fd = ::open(s.info.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t base = offset / page * page;
+  const size_t len = static_cast<size_t>(offset - base + bytes);
+  void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(base));
+  ::close(fd);  // the mapping keeps the file alive
+  if (p == MAP_FAILED) return false;
+  // Shuffled windows jump around the file: kernel read-ahead would mostly fetch unused pages.
+  if (random_access) ::madvise(p, len, MADV_RANDOM);
+  const auto* start = static_cast<const unsigned char*>(p) + (offset - base);
+
+  // Cheap guard against misreading the offset: the head of the mapping must equal what HDF5
+  // itself reads.
+  hsize_t head = std::min<hsize_t>(s.info.num_tokens, 64), zero = 0;
+  std::vector<unsigned char> expect(head * static_cast<hsize_t>(s.info.dtype_bytes));
+  h5::Dataspace file_space(H5Dget_space(d));
+  h5::Dataspace mem_space(H5Screate_simple(1, &head, nullptr));
+  bool ok = H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &zero, nullptr, &head,
+                                nullptr) >= 0 &&
+            H5Dread(d, native_type(s.info.dtype_bytes), mem_space.get(), file_space.get(),
+                    H5P_DEFAULT, expect.data()) >= 0 &&
+            std::memcmp(expect.data(), start, expect.size()) == 0;
+  if (!ok) {
+    ::munmap(p, len);
+    return false;
+  }
+  *map = p;
+  *map_len = len;
+  *data = start;
+  return true;
+}
+
+}  // namespace
+
+TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_len, uint64_t seed,
+                           bool shuffle)
+    : paths_(paths), seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
+  if (seq_len <= 0) throw UsageError(concat("seq_len must be > 0, got ", seq_len));
+  if (paths.empty()) throw UsageError("no token shards given");
+  for (const std::string& path : paths) {
+    OpenShard s = open_shard(path);
+    if (shards_.empty()) {
+      vocab_size_ = s.info.meta.vocab_size;
+      eot_token_ = s.info.meta.eot_token;
+      tokenizer_ = s.info.meta.tokenizer;
+    } else if (s.info.meta.vocab_size != vocab_size_) {
+      throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size, " differs from ",
+                           vocab_size_, " in ", paths.front()));
+    }
+    const uint64_t window_tokens = static_cast<uint64_t>(seq_len) + 1;
+    if (s.info.num_tokens < window_tokens)
+      throw UsageError(concat(path, ": ", s.info.num_tokens,
+                           " tokens, shorter than one window of seq_len+1 = ", window_tokens));
+
+    auto shard = std::make_unique<Shard>();
+    shard->info = s.info;
+    shard->windows = (s.info.num_tokens - 1) / static_cast<uint64_t>(seq_len);
+    if (!map_tokens(s, shuffle, &shard->map, &shard->map_len, &shard->data)) {
+      shard->owned.resize(s.info.num_tokens * static_cast<uint64_t>(s.info.dtype_bytes));
+      h5::read(s.tokens.get(), native_type(s.info.dtype_bytes), shard->owned.data());
+      shard->data = shard->owned.data();
+    }
+    first_window_.push_back(total_windows_);
+    total_windows_ += shard->windows;
+    total_tokens_ += s.info.num_tokens;
+    shards_.push_back(std::move(shard));
+  }
+}
+
+TokenDataset::~TokenDataset() = default;
+
+void TokenDataset::window(uint64_t index, int64_t* dst) const {
+  const uint64_t epoch = index / total_windows_;
+  uint64_t k = index % total_windows_;
+  // Building the permutation is a handful of multiplies: cheaper than caching it across threads.
+  if (shuffle_) k = Permutation(total_windows_, epoch_key(seed_, epoch))(k);
+  const size_t i = static_cast<size_t>(
+      std::upper_bound(first_window_.begin(), first_window_.end(), k) - first_window_.begin() - 1);
+  const Shard& s = *shards_[i];
+  const uint64_t start = (k - first_window_[i]) * static_cast<uint64_t>(seq_len_);
+  const unsigned char* src = s.data + start * static_cast<uint64_t>(s.info.dtype_bytes);
+  if (s.info.dtype_bytes == 2)
+    widen<uint16_t>(src, seq_len_ + 1, dst);
+  else
+    widen<uint32_t>(src, seq_len_ + 1, dst);
+}
+
+void TokenDataset::batch(uint64_t start, int rank, int64_t rows, int64_t* dst) const {
+  if (rank < 0 || rows < 0)
+    throw Error(concat("TokenDataset::batch: bad rank ", rank, " or rows ", rows));
+  const uint64_t first = start + static_cast<uint64_t>(rank) * static_cast<uint64_t>(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    window(first + static_cast<uint64_t>(r), dst + r * (seq_len_ + 1));
+}
+
+}  // namespace mpitrain

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# End-to-end tests of the mpitrain binary: singleton and mpirun runs, pack/inspect/sample,
+# stop-and-resume through the CLI, and bad input (exit code 2, one line, printed once).
+# Usage: cli_test.sh PATH/TO/mpitrain [mpirun]
+set -u
+BIN=$(realpath "$1")
+MPIRUN=${2:-mpirun}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+WORK=$(mktemp -d /tmp/mpitrain-cli-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK"
+passed=0 failed=0
+ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
+bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
+check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+
+# ---- a small corpus ----
+mkdir corpus
+for i in $(seq 1 60); do
+  printf 'The quick brown fox %d jumps over the lazy dog.\n%%\nA stitch in time saves %d.\n%%\n' $i $i >> corpus/a.txt
+done
+"$BIN" pack corpus -o data/c --doc-separator % --val-fraction 0.2 --shard-tokens 3000 > pack.out 2>&1
+check "pack writes train and val shards" "ls data/c-train-00000.h5 data/c-val-00000.h5 >/dev/null 2>&1"
+check "pack reports counts" "grep -q 'packed 120 documents' pack.out"
+"$BIN" inspect data/c-train-00000.h5 > inspect.out 2>&1
+check "inspect shows the shard format" "grep -q \"@format = 'mpitrain-tokens'\" inspect.out && grep -q '/tokens  uint16' inspect.out"
+
+cat > cfg.yaml <<'YAML'
+model: {preset: custom, n_layer: 1, n_head: 2, n_embd: 16, seq_len: 32}
+data: {train: [data/c-train-*.h5], val: [data/c-val-*.h5]}
+train: {micro_batch: 2, steps: 6, threads: 1, out_dir: run}
+optim: {warmup_steps: 2}
+eval: {every: 3, batches: 1}
+log: {every: 1}
+checkpoint: {dir: ckpt, every: 3, keep: 2}
+sample: {tokens: 20, prompt: "The "}
+YAML
+
+# ---- singleton: no mpirun ----
+"$BIN" cfg.yaml --set checkpoint.dir=ckpt1 --set train.out_dir=run1 > single.out 2>&1
+rc=$?
+check "singleton run exits 0" "[ $rc -eq 0 ]"
+check "singleton host map" "grep -q '1 rank on 1 host' single.out"
+check "singleton writes final checkpoint" "[ -f ckpt1/ckpt-00000006.h5 ] && grep -qx ckpt-00000006.h5 ckpt1/latest"
+
+# ---- mpirun -np 2 ----
+"$MPIRUN" -np 2 "$BIN" cfg.yaml > mpi.out 2>&1
+rc=$?
+check "mpirun -np 2 exits 0" "[ $rc -eq 0 ]"
+check "host map names 2 ranks" "grep -q '2 ranks on 1 host' mpi.out"
+check "effective batch logged" "grep -q 'batch: 2 micro x 2 ranks x 1 accum = 4 sequences' mpi.out"
+check "progress printed once per step (rank 0 only)" "[ \$(grep -c 'step     6/6' mpi.out) -eq 1 ]"
+check "keep-last-2 checkpoints" "[ -f ckpt/ckpt-00000006.h5 ] && [ -f ckpt/ckpt-00000003.h5 ]"
+check "metrics.jsonl has every step and val" "[ \$(grep -c '\"loss\"' run/metrics.jsonl) -eq 6 ] && grep -q val_loss run/metrics.jsonl"
+check "sample printed" "grep -q 'sample:' mpi.out"
+"$BIN" inspect ckpt/ckpt-00000006.h5 > ickpt.out 2>&1
+check "inspect shows a checkpoint" "grep -q \"@format = 'mpitrain-checkpoint'\" ickpt.out && grep -q '@step = 6' ickpt.out"
+"$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 30 > sample.out 2>&1
+check "sample command generates text" "[ \$? -eq 0 ] && [ \$(wc -c < sample.out) -gt 30 ]"
+
+# ---- stop and resume through the CLI ----
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt2 --set train.out_dir=run2 --stop-after 4 > stop.out 2>&1
+check "--stop-after leaves a checkpoint at step 4" "[ -f ckpt2/ckpt-00000004.h5 ] && ! grep -q 'step     5/6' stop.out"
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt2 --set train.out_dir=run2 > resume.out 2>&1
+check "resume: auto continues at step 4" "grep -q 'resumed from ckpt2/ckpt-00000004.h5 at step 4' resume.out && grep -q 'step     6/6' resume.out && ! grep -q 'step     4/6' resume.out"
+check "resumed losses equal the straight run's" \
+  "[ \"\$(grep -o 'step     6/6 | loss [0-9.]*' resume.out)\" = \"\$(grep -o 'step     6/6 | loss [0-9.]*' mpi.out)\" ]"
+
+# ---- bad input: exit 2, one line naming file and key, printed once, nothing overwritten ----
+expect_usage() {  # name, expected substring, command...
+  local name=$1 want=$2
+  shift 2
+  "$@" > err.out 2>&1
+  local rc=$?
+  local n
+  n=$(grep -c "mpitrain: " err.out)
+  if [ $rc -eq 2 ] && [ "$n" -eq 1 ] && grep -q -- "$want" err.out; then ok "$name"
+  else bad "$name (rc=$rc, lines=$n)"; cat err.out; fi
+}
+printf 'train: {micro_bach: 2}\n' > typo.yaml
+expect_usage "unknown key under mpirun -np 2" "typo.yaml: unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)" \
+  "$MPIRUN" -np 2 "$BIN" typo.yaml
+expect_usage "out-of-range value" "cfg.yaml: train.micro_batch must be > 0, got -4" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set train.micro_batch=-4
+expect_usage "inconsistent global batch" "train.global_batch" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set train.global_batch=7
+expect_usage "missing config file" "nope.yaml: cannot read config file" "$MPIRUN" -np 2 "$BIN" nope.yaml
+expect_usage "no shard matches" "data.train: no shard matches" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set 'data.train=[data/none-*.h5]'
+printf 'not hdf5' > data/c-train-99999.h5
+expect_usage "non-HDF5 shard" "data/c-train-99999.h5: not an HDF5 file" "$MPIRUN" -np 2 "$BIN" cfg.yaml
+rm data/c-train-99999.h5
+expect_usage "singleton bad key" "unknown key" "$BIN" typo.yaml
+expect_usage "bad command-line flag" "command line" "$BIN" cfg.yaml --bogus
+before=$(md5sum ckpt/ckpt-00000006.h5)
+expect_usage "wrong model shape on resume" "ckpt/ckpt-00000006.h5: dataset 'model/" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_embd=32
+check "nothing on disk overwritten by a failed run" "[ \"\$(md5sum ckpt/ckpt-00000006.h5)\" = \"$before\" ]"
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

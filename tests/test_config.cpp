@@ -1,0 +1,524 @@
+// Tests of the configuration: parsing, presets, overrides, every validation message,
+// world-size resolution of the batch sizes and the to_yaml round trip.
+#include "mpitrain/config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+namespace {
+
+// ---- helpers ------------------------------------------------------------------------------------
+
+// The smallest file that validates: the defaults need training and validation shards.
+const char* const kMinimal = "data:\n  train: train.h5\n  val: val.h5\n";
+
+// The message of the UsageError that `f` throws, or a marker that makes every substring check
+// fail with a readable diff.
+std::string usage_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a UsageError: ") + e.what() + ">";
+  }
+  return "<no error>";
+}
+
+std::string parse_error(const std::string& yaml, const std::vector<std::string>& sets = {}) {
+  return usage_error([&] { parse_config(yaml, "run.yaml", sets); });
+}
+
+void expect_contains(const std::string& message, const std::vector<std::string>& pieces) {
+  for (const std::string& piece : pieces)
+    EXPECT_NE(message.find(piece), std::string::npos)
+        << "message: " << message << "\nexpected to contain: " << piece;
+}
+
+// Field-by-field equality (Config has no operator==; `source` is deliberately not compared).
+void expect_same(const Config& a, const Config& b) {
+  EXPECT_EQ(a.model.preset, b.model.preset);
+  EXPECT_EQ(a.model.n_layer, b.model.n_layer);
+  EXPECT_EQ(a.model.n_head, b.model.n_head);
+  EXPECT_EQ(a.model.n_embd, b.model.n_embd);
+  EXPECT_EQ(a.model.seq_len, b.model.seq_len);
+  EXPECT_EQ(a.model.vocab_size, b.model.vocab_size);
+  EXPECT_EQ(a.model.dropout, b.model.dropout);
+  EXPECT_EQ(a.data.train, b.data.train);
+  EXPECT_EQ(a.data.val, b.data.val);
+  EXPECT_EQ(a.data.seed, b.data.seed);
+  EXPECT_EQ(a.data.shuffle, b.data.shuffle);
+  EXPECT_EQ(a.train.micro_batch, b.train.micro_batch);
+  EXPECT_EQ(a.train.grad_accum, b.train.grad_accum);
+  EXPECT_EQ(a.train.global_batch, b.train.global_batch);
+  EXPECT_EQ(a.train.steps, b.train.steps);
+  EXPECT_EQ(a.train.seed, b.train.seed);
+  EXPECT_EQ(a.train.threads, b.train.threads);
+  EXPECT_EQ(a.train.out_dir, b.train.out_dir);
+  EXPECT_EQ(a.optim.lr, b.optim.lr);
+  EXPECT_EQ(a.optim.min_lr, b.optim.min_lr);
+  EXPECT_EQ(a.optim.warmup_steps, b.optim.warmup_steps);
+  EXPECT_EQ(a.optim.weight_decay, b.optim.weight_decay);
+  EXPECT_EQ(a.optim.beta1, b.optim.beta1);
+  EXPECT_EQ(a.optim.beta2, b.optim.beta2);
+  EXPECT_EQ(a.optim.eps, b.optim.eps);
+  EXPECT_EQ(a.optim.grad_clip, b.optim.grad_clip);
+  EXPECT_EQ(a.eval.every, b.eval.every);
+  EXPECT_EQ(a.eval.batches, b.eval.batches);
+  EXPECT_EQ(a.log.every, b.log.every);
+  EXPECT_EQ(a.log.level, b.log.level);
+  EXPECT_EQ(a.log.metrics, b.log.metrics);
+  EXPECT_EQ(a.checkpoint.dir, b.checkpoint.dir);
+  EXPECT_EQ(a.checkpoint.every, b.checkpoint.every);
+  EXPECT_EQ(a.checkpoint.keep, b.checkpoint.keep);
+  EXPECT_EQ(a.checkpoint.resume, b.checkpoint.resume);
+  EXPECT_EQ(a.comm.backend, b.comm.backend);
+  EXPECT_EQ(a.comm.bucket_mb, b.comm.bucket_mb);
+  EXPECT_EQ(a.sample.tokens, b.sample.tokens);
+  EXPECT_EQ(a.sample.prompt, b.sample.prompt);
+  EXPECT_EQ(a.sample.temperature, b.sample.temperature);
+  EXPECT_EQ(a.sample.top_k, b.sample.top_k);
+}
+
+// ---- parsing ------------------------------------------------------------------------------------
+
+TEST(Config, MinimalFileKeepsEveryDefault) {
+  Config c = parse_config(kMinimal, "run.yaml");
+  Config d;
+  d.data.train = {"train.h5"};
+  d.data.val = {"val.h5"};
+  d.model.n_layer = 6, d.model.n_head = 6, d.model.n_embd = 192, d.model.seq_len = 256;
+  expect_same(c, d);
+  EXPECT_EQ(c.source, "run.yaml");
+}
+
+TEST(Config, EmptyDocumentIsAllDefaultsSoOnlyTheRequiredKeysAreMissing) {
+  // Syntactically fine; validation then asks for the one key without a usable default.
+  for (const char* empty : {"", "\n", "# nothing but a comment\n"})
+    expect_contains(parse_error(empty), {"run.yaml: data.train must be a non-empty list"});
+  Config c = parse_config("", "run.yaml", {"data.train=a.h5", "data.val=b.h5"});
+  EXPECT_EQ(c.train.micro_batch, 8);
+  EXPECT_EQ(c.optim.lr, 6e-4);
+  EXPECT_EQ(c.model.preset, "tiny");
+}
+
+TEST(Config, EmptySectionIsAllowed) {
+  Config c = parse_config(std::string(kMinimal) + "sample:\n  # tokens: 100\n", "run.yaml");
+  EXPECT_EQ(c.sample.tokens, 0);
+}
+
+TEST(Config, DuplicateKeysAreErrors) {
+  expect_contains(parse_error(std::string(kMinimal) + "data:\n  shuffle: false\n"),
+                  {"run.yaml: duplicate key 'data'"});
+  expect_contains(parse_error("data:\n  train: a.h5\n  train: b.h5\n"),
+                  {"run.yaml: duplicate key 'data.train'"});
+}
+
+TEST(Config, ReadsScalarsListsAndBooleans) {
+  Config c = parse_config(
+      "data:\n  train: [a.h5, 'dir/b*.h5']\n  val: v.h5\n  shuffle: false\n"
+      "  seed: 18446744073709551615\n"
+      "train:\n  micro_batch: 4\n  out_dir: runs/x\n"
+      "optim:\n  lr: 3e-4\n  min_lr: 0\n  eps: 1\n",
+      "run.yaml");
+  EXPECT_EQ(c.data.train, (std::vector<std::string>{"a.h5", "dir/b*.h5"}));
+  EXPECT_EQ(c.data.val, std::vector<std::string>{"v.h5"});
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.data.seed, 18446744073709551615ull);
+  EXPECT_EQ(c.train.micro_batch, 4);
+  EXPECT_EQ(c.train.out_dir, "runs/x");
+  EXPECT_EQ(c.optim.lr, 3e-4);
+  EXPECT_EQ(c.optim.min_lr, 0.0);
+  EXPECT_EQ(c.optim.eps, 1.0);
+}
+
+// ---- strictness ---------------------------------------------------------------------------------
+
+TEST(Config, UnknownKeySuggestsTheClosest) {
+  EXPECT_EQ(parse_error(std::string(kMinimal) + "train:\n  micro_bach: 4\n"),
+            "run.yaml: unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)");
+  EXPECT_EQ(parse_error(std::string(kMinimal) + "trian:\n  steps: 4\n"),
+            "run.yaml: unknown key 'trian' (did you mean 'train'?)");
+  // A key in the wrong section is pointed at its own.
+  EXPECT_EQ(parse_error(std::string(kMinimal) + "train:\n  lr: 0.1\n"),
+            "run.yaml: unknown key 'train.lr' (did you mean 'optim.lr'?)");
+  // Nothing close: no guess.
+  EXPECT_EQ(parse_error(std::string(kMinimal) + "train:\n  completely_else: 1\n"),
+            "run.yaml: unknown key 'train.completely_else'");
+  EXPECT_EQ(parse_error("wandb:\n  project: x\n"), "run.yaml: unknown key 'wandb'");
+}
+
+TEST(Config, WrongTypesNameTheKeyAndTheValue) {
+  struct Case {
+    std::string yaml, message;
+  };
+  const std::vector<Case> cases = {
+      {"train:\n  micro_batch: abc\n", "run.yaml: train.micro_batch must be an integer, got 'abc'"},
+      {"train:\n  micro_batch: 8.0\n", "train.micro_batch must be an integer, got '8.0'"},
+      {"train:\n  steps: 1e3\n", "train.steps must be an integer, got '1e3'"},
+      {"train:\n  steps: 99999999999999999999\n",
+       "train.steps must be an integer, got '99999999999999999999'"},
+      {"train:\n  steps: [1]\n", "train.steps must be an integer, got [1]"},
+      {"train:\n  steps:\n", "train.steps must be an integer, got null"},
+      {"train:\n  seed: -1\n", "train.seed must be a non-negative integer, got '-1'"},
+      {"data:\n  seed: 18446744073709551616\n", "data.seed must be a non-negative integer"},
+      {"optim:\n  lr: fast\n", "run.yaml: optim.lr must be a number, got 'fast'"},
+      {"optim:\n  lr: .inf\n", "optim.lr must be a number, got '.inf'"},
+      {"data:\n  shuffle: maybe\n", "run.yaml: data.shuffle must be a boolean, got 'maybe'"},
+      {"log:\n  level: {a: 1}\n", "run.yaml: log.level must be a string, got {a: 1}"},
+      {"data:\n  train: {a: 1}\n", "run.yaml: data.train must be a list of strings, got {a: 1}"},
+      {"data:\n  train: [a.h5, [b.h5]]\n",
+       "data.train must be a list of strings, got [a.h5, [b.h5]]"},
+      {"train: 5\n", "run.yaml: train must be a map of keys, got '5'"},
+      {"- train\n", "run.yaml: the top level must be a map of sections"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    expect_contains(parse_error(c.yaml), {c.message});
+  }
+}
+
+TEST(Config, YamlSyntaxErrorGivesLineAndColumn) {
+  expect_contains(parse_error("data:\n  train: [a.h5, b.h5\nval: x\n"),
+                  {"run.yaml: YAML syntax error at line ", ", column ", "end of sequence flow"});
+  expect_contains(parse_error("train:\n  steps: a: b\n"),
+                  {"run.yaml: YAML syntax error at line 2, column 11: illegal map value"});
+}
+
+// ---- presets ------------------------------------------------------------------------------------
+
+TEST(Config, TinyPresetLeavesVocabToTheData) {
+  Config c = parse_config(kMinimal, "run.yaml");
+  EXPECT_EQ(c.model.preset, "tiny");
+  EXPECT_EQ(c.model.n_layer, 6);
+  EXPECT_EQ(c.model.n_head, 6);
+  EXPECT_EQ(c.model.n_embd, 192);
+  EXPECT_EQ(c.model.seq_len, 256);
+  EXPECT_EQ(c.model.vocab_size, 0);
+}
+
+TEST(Config, Gpt2PresetsHaveTheirDimensions) {
+  struct Dims {
+    const char* preset;
+    int64_t n_layer, n_head, n_embd;
+  };
+  for (const Dims& d : {Dims{"gpt2", 12, 12, 768}, Dims{"gpt2-medium", 24, 16, 1024},
+                        Dims{"gpt2-large", 36, 20, 1280}, Dims{"gpt2-xl", 48, 25, 1600}}) {
+    SCOPED_TRACE(d.preset);
+    Config c = parse_config(kMinimal, "run.yaml", {std::string("model.preset=") + d.preset});
+    EXPECT_EQ(c.model.n_layer, d.n_layer);
+    EXPECT_EQ(c.model.n_head, d.n_head);
+    EXPECT_EQ(c.model.n_embd, d.n_embd);
+    EXPECT_EQ(c.model.seq_len, 1024);
+    EXPECT_EQ(c.model.vocab_size, 50257);
+  }
+}
+
+TEST(Config, ExplicitFieldOverridesThePreset) {
+  Config c = parse_config(std::string(kMinimal) + "model:\n  preset: gpt2\n  seq_len: 256\n",
+                          "run.yaml");
+  EXPECT_EQ(c.model.seq_len, 256);
+  EXPECT_EQ(c.model.n_layer, 12);
+  EXPECT_EQ(c.model.vocab_size, 50257);
+}
+
+TEST(Config, CustomPresetNeedsEveryDimension) {
+  const std::string custom = std::string(kMinimal) + "model:\n  preset: custom\n";
+  EXPECT_EQ(parse_error(custom + "  n_layer: 2\n  n_head: 2\n  n_embd: 64\n"),
+            "run.yaml: model.seq_len must be set (> 0) when model.preset is 'custom', got 0");
+  expect_contains(parse_error(custom), {"run.yaml: model.n_layer must be set"});
+  Config c = parse_config(custom + "  n_layer: 2\n  n_head: 2\n  n_embd: 64\n  seq_len: 32\n",
+                          "run.yaml");
+  EXPECT_EQ(c.model.n_layer, 2);
+  EXPECT_EQ(c.model.seq_len, 32);
+  EXPECT_EQ(c.model.vocab_size, 0);
+}
+
+TEST(Config, UnknownPresetListsTheNames) {
+  expect_contains(parse_error(kMinimal, {"model.preset=gpt3"}),
+                  {"run.yaml: model.preset must be one of", "tiny", "gpt2-medium", "gpt2-xl",
+                   "custom", "got 'gpt3'"});
+}
+
+// ---- validation ---------------------------------------------------------------------------------
+
+struct Invalid {
+  const char* name;                // test name suffix
+  std::vector<std::string> sets;   // overrides applied to kMinimal
+  std::vector<std::string> pieces; // substrings of the message, after "run.yaml: "
+};
+
+class Validation : public ::testing::TestWithParam<Invalid> {};
+
+TEST_P(Validation, NamesTheFileAndTheKey) {
+  const Invalid& v = GetParam();
+  const std::string message = parse_error(kMinimal, v.sets);
+  EXPECT_EQ(message.rfind("run.yaml: ", 0), 0u) << message;
+  expect_contains(message, v.pieces);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Config, Validation,
+    ::testing::Values(
+        Invalid{"n_layer", {"model.n_layer=-1"}, {"model.n_layer must be > 0, got -1"}},
+        Invalid{"n_head", {"model.n_head=-2"}, {"model.n_head must be > 0, got -2"}},
+        Invalid{"n_embd", {"model.n_embd=-3"}, {"model.n_embd must be > 0, got -3"}},
+        Invalid{"seq_len", {"model.seq_len=-4"}, {"model.seq_len must be > 0, got -4"}},
+        Invalid{"vocab_size", {"model.vocab_size=-1"}, {"model.vocab_size must be >= 0", "got -1"}},
+        Invalid{"n_embd_divisible",
+                {"model.n_embd=100", "model.n_head=6"},
+                {"model.n_embd must be divisible by model.n_head (6), got 100"}},
+        Invalid{"dropout_high", {"model.dropout=1"}, {"model.dropout must be in [0, 1), got 1"}},
+        Invalid{"dropout_low",
+                {"model.dropout=-0.1"},
+                {"model.dropout must be in [0, 1), got -0.1"}},
+        Invalid{"train_empty",
+                {"data.train=[]"},
+                {"data.train must be a non-empty list", "got []"}},
+        Invalid{"train_empty_entry", {"data.train=['']"}, {"data.train must be a non-empty list"}},
+        Invalid{"eval_every", {"eval.every=-1"}, {"eval.every must be >= 0", "got -1"}},
+        Invalid{"val_needed",
+                {"data.val=[]"},
+                {"data.val must be non-empty when eval.every > 0", "got []"}},
+        Invalid{"eval_batches", {"eval.batches=0"}, {"eval.batches must be > 0, got 0"}},
+        Invalid{"micro_batch", {"train.micro_batch=-4"}, {"train.micro_batch must be > 0, got -4"}},
+        Invalid{"grad_accum", {"train.grad_accum=-1"}, {"train.grad_accum must be >= 0", "got -1"}},
+        Invalid{"global_batch",
+                {"train.global_batch=-1"},
+                {"train.global_batch must be >= 0", "got -1"}},
+        Invalid{"steps", {"train.steps=0"}, {"train.steps must be > 0, got 0"}},
+        Invalid{"threads", {"train.threads=-1"}, {"train.threads must be >= 0", "got -1"}},
+        Invalid{"out_dir", {"train.out_dir=''"}, {"train.out_dir must be non-empty, got ''"}},
+        Invalid{"lr", {"optim.lr=0"}, {"optim.lr must be > 0, got 0"}},
+        Invalid{"min_lr_high",
+                {"optim.min_lr=0.001"},
+                {"optim.min_lr must be in [0, optim.lr] = [0, 0.0006], got 0.001"}},
+        Invalid{"min_lr_low",
+                {"optim.min_lr=-1e-5"},
+                {"optim.min_lr must be in [0,", "got -1e-05"}},
+        Invalid{"warmup_high",
+                {"optim.warmup_steps=2000"},
+                {"optim.warmup_steps must be in [0, train.steps] = [0, 1000], got 2000"}},
+        Invalid{"warmup_low", {"optim.warmup_steps=-1"}, {"optim.warmup_steps must be in", "-1"}},
+        Invalid{"weight_decay",
+                {"optim.weight_decay=-0.1"},
+                {"optim.weight_decay must be >= 0, got -0.1"}},
+        Invalid{"beta1", {"optim.beta1=1"}, {"optim.beta1 must be in [0, 1), got 1"}},
+        Invalid{"beta2", {"optim.beta2=-0.5"}, {"optim.beta2 must be in [0, 1), got -0.5"}},
+        Invalid{"eps", {"optim.eps=0"}, {"optim.eps must be > 0, got 0"}},
+        Invalid{"grad_clip", {"optim.grad_clip=-1"}, {"optim.grad_clip must be >= 0", "got -1"}},
+        Invalid{"log_every", {"log.every=0"}, {"log.every must be > 0, got 0"}},
+        Invalid{"log_level",
+                {"log.level=verbose"},
+                {"log.level must be one of debug|info|warn|error, got 'verbose'"}},
+        Invalid{"checkpoint_dir", {"checkpoint.dir=''"}, {"checkpoint.dir must be non-empty"}},
+        Invalid{"checkpoint_every",
+                {"checkpoint.every=-5"},
+                {"checkpoint.every must be >= 0", "got -5"}},
+        Invalid{"checkpoint_keep", {"checkpoint.keep=0"}, {"checkpoint.keep must be >= 1, got 0"}},
+        Invalid{"resume",
+                {"checkpoint.resume=ckpt.pt"},
+                {"checkpoint.resume must be 'auto', 'none' or", "got 'ckpt.pt'"}},
+        Invalid{"backend",
+                {"comm.backend=gloo"},
+                {"comm.backend must be one of auto|mpi|nccl, got 'gloo'"}},
+        Invalid{"bucket_mb", {"comm.bucket_mb=0"}, {"comm.bucket_mb must be > 0, got 0"}},
+        Invalid{"sample_tokens", {"sample.tokens=-1"}, {"sample.tokens must be >= 0", "got -1"}},
+        Invalid{"temperature",
+                {"sample.temperature=0"},
+                {"sample.temperature must be > 0, got 0"}},
+        Invalid{"top_k", {"sample.top_k=-1"}, {"sample.top_k must be >= 0", "got -1"}}),
+    [](const ::testing::TestParamInfo<Invalid>& info) { return std::string(info.param.name); });
+
+TEST(Config, BoundaryValuesAreAccepted) {
+  Config c = parse_config(kMinimal, "run.yaml",
+                          {"model.dropout=0", "optim.min_lr=6e-4", "optim.warmup_steps=1000",
+                           "optim.beta1=0", "optim.grad_clip=0", "eval.every=0", "data.val=[]",
+                           "checkpoint.keep=1", "checkpoint.resume=none", "comm.backend=nccl",
+                           "log.level=debug", "sample.top_k=0"});
+  EXPECT_EQ(c.optim.min_lr, c.optim.lr);
+  EXPECT_TRUE(c.data.val.empty());
+  c = parse_config(kMinimal, "run.yaml", {"checkpoint.resume=ckpt/ckpt-00000100.h5"});
+  EXPECT_EQ(c.checkpoint.resume, "ckpt/ckpt-00000100.h5");
+}
+
+// ---- overrides ----------------------------------------------------------------------------------
+
+TEST(Config, OverridesApplyAfterTheFile) {
+  Config c = parse_config(std::string(kMinimal) + "train:\n  steps: 10\n", "run.yaml",
+                          {"train.steps=5", "optim.warmup_steps=5", "data.train=[a.h5,b.h5]",
+                           "sample.prompt=Hello, world", "data.shuffle=false"});
+  EXPECT_EQ(c.train.steps, 5);
+  EXPECT_EQ(c.data.train, (std::vector<std::string>{"a.h5", "b.h5"}));
+  EXPECT_EQ(c.sample.prompt, "Hello, world");
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.source, "run.yaml");
+}
+
+TEST(Config, OverrideValidationUsesTheFinalValues) {
+  // warmup 100 > steps 50 only after the override: the check sees the overridden value.
+  expect_contains(parse_error(kMinimal, {"train.steps=50"}),
+                  {"run.yaml: optim.warmup_steps must be in [0, train.steps] = [0, 50], got 100"});
+}
+
+TEST(Config, BadOverridesNameSet) {
+  EXPECT_EQ(parse_error(kMinimal, {"train.stepz=5"}),
+            "--set: unknown key 'train.stepz' (did you mean 'train.steps'?)");
+  EXPECT_EQ(parse_error(kMinimal, {"trian.steps=5"}),
+            "--set: unknown key 'trian.steps' (did you mean 'train.steps'?)");
+  EXPECT_EQ(parse_error(kMinimal, {"foo"}), "--set: expected section.key=value, got 'foo'");
+  EXPECT_EQ(parse_error(kMinimal, {"steps=5"}), "--set: expected section.key=value, got 'steps=5'");
+  EXPECT_EQ(parse_error(kMinimal, {".steps=5"}),
+            "--set: expected section.key=value, got '.steps=5'");
+  EXPECT_EQ(parse_error(kMinimal, {"train.steps=abc"}),
+            "--set: train.steps must be an integer, got 'abc'");
+  expect_contains(parse_error(kMinimal, {"data.train=[a.h5"}), {"--set: YAML syntax error"});
+}
+
+// ---- files --------------------------------------------------------------------------------------
+
+TEST(Config, LoadConfigReadsTheFileAndNamesIt) {
+  char path[] = "/tmp/mpitrain_config_XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream out(path);
+    out << kMinimal << "train:\n  steps: 700\n  micro_bach: 3\n";
+  }
+  EXPECT_EQ(usage_error([&] { load_config(path); }),
+            std::string(path) +
+                ": unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)");
+  {
+    std::ofstream out(path);
+    out << kMinimal << "train:\n  steps: 700\n";
+  }
+  Config c = load_config(path, {"train.micro_batch=2"});
+  EXPECT_EQ(c.source, path);
+  EXPECT_EQ(c.train.steps, 700);
+  EXPECT_EQ(c.train.micro_batch, 2);
+  std::remove(path);
+}
+
+TEST(Config, LoadConfigOfAMissingFileOrADirectory) {
+  expect_contains(usage_error([] { load_config("/nonexistent/run.yaml"); }),
+                  {"/nonexistent/run.yaml: cannot read config file"});
+  expect_contains(usage_error([] { load_config("/tmp"); }), {"/tmp: cannot read config file"});
+}
+
+// ---- world size ---------------------------------------------------------------------------------
+
+Config with_batch(int64_t micro, int64_t accum, int64_t global) {
+  return parse_config(kMinimal, "run.yaml",
+                      {"train.micro_batch=" + std::to_string(micro),
+                       "train.grad_accum=" + std::to_string(accum),
+                       "train.global_batch=" + std::to_string(global)});
+}
+
+TEST(Config, WorldDefaultsToOneMicroStep) {
+  Config c = with_batch(8, 0, 0);
+  resolve_for_world(c, 4);
+  EXPECT_EQ(c.train.grad_accum, 1);
+  EXPECT_EQ(c.train.global_batch, 32);
+}
+
+TEST(Config, WorldDerivesGradAccumFromGlobalBatch) {
+  Config c = with_batch(8, 0, 128);
+  resolve_for_world(c, 4);
+  EXPECT_EQ(c.train.grad_accum, 4);
+  EXPECT_EQ(c.train.global_batch, 128);
+  resolve_for_world(c, 4);  // resolving twice changes nothing
+  EXPECT_EQ(c.train.grad_accum, 4);
+}
+
+TEST(Config, WorldDerivesGlobalBatchFromGradAccum) {
+  Config c = with_batch(2, 3, 0);
+  resolve_for_world(c, 1);
+  EXPECT_EQ(c.train.grad_accum, 3);
+  EXPECT_EQ(c.train.global_batch, 6);
+}
+
+TEST(Config, WorldRejectsANonDivisibleGlobalBatch) {
+  Config c = with_batch(8, 0, 100);
+  EXPECT_EQ(usage_error([&] { resolve_for_world(c, 4); }),
+            "run.yaml: train.global_batch must be a multiple of train.micro_batch x world size "
+            "(8 x 4 = 32), got 100");
+  c = with_batch(8, 0, 16);  // smaller than one micro-step of the world
+  expect_contains(usage_error([&] { resolve_for_world(c, 4); }), {"multiple", "got 16"});
+}
+
+TEST(Config, WorldRejectsInconsistentBatchSizes) {
+  Config c = with_batch(8, 2, 100);
+  expect_contains(usage_error([&] { resolve_for_world(c, 4); }),
+                  {"run.yaml: train.global_batch must equal", "train.micro_batch", "world size",
+                   "train.grad_accum", "(8 x 4 x 2 = 64), got 100"});
+  c = with_batch(8, 2, 64);
+  resolve_for_world(c, 4);
+  EXPECT_EQ(c.train.global_batch, 64);
+}
+
+// ---- round trip ---------------------------------------------------------------------------------
+
+TEST(Config, ToYamlRoundTripsEveryField) {
+  const char* full =
+      "model:\n  preset: custom\n  n_layer: 3\n  n_head: 4\n  n_embd: 64\n  seq_len: 128\n"
+      "  vocab_size: 300\n  dropout: 0.1\n"
+      "data:\n  train: [a.h5, 'dir with space/*.h5', 'null']\n  val: ['#v.h5']\n"
+      "  seed: 18446744073709551615\n  shuffle: false\n"
+      "train:\n  micro_batch: 3\n  grad_accum: 2\n  global_batch: 0\n  steps: 77\n"
+      "  seed: 7\n  threads: 2\n  out_dir: 'runs/a: b'\n"
+      "optim:\n  lr: 0.0003\n  min_lr: 1.0e-05\n  warmup_steps: 7\n  weight_decay: 0.01\n"
+      "  beta1: 0.85\n  beta2: 0.999\n  eps: 1e-10\n  grad_clip: 0.3333333333333333\n"
+      "eval:\n  every: 5\n  batches: 2\n"
+      "log:\n  every: 1\n  level: debug\n  metrics: ''\n"
+      "checkpoint:\n  dir: ck\n  every: 10\n  keep: 2\n  resume: ck/ckpt-00000010.h5\n"
+      "comm:\n  backend: mpi\n  bucket_mb: 0.5\n"
+      "sample:\n  tokens: 20\n  prompt: \"it's \\\"quoted\\\"\\nand: multi-line\"\n"
+      "  temperature: 1.25\n  top_k: 0\n";
+  Config a = parse_config(full, "full.yaml");
+  EXPECT_EQ(a.sample.prompt, "it's \"quoted\"\nand: multi-line");
+  EXPECT_EQ(a.data.train[2], "null");
+  const std::string yaml = to_yaml(a);
+  Config b = parse_config(yaml, "resolved.yaml");
+  expect_same(a, b);
+  EXPECT_EQ(to_yaml(b), yaml);
+}
+
+TEST(Config, ToYamlListsEveryKeyInStructOrder) {
+  Config c = parse_config(kMinimal, "run.yaml");
+  const std::string yaml = to_yaml(c);
+  size_t last = 0;
+  for (const char* key : {"model:", "preset:", "dropout:", "data:", "shuffle:", "train:",
+                          "out_dir:", "optim:", "grad_clip:", "eval:", "batches:", "log:",
+                          "metrics:", "checkpoint:", "resume:", "comm:", "bucket_mb:", "sample:",
+                          "top_k:"}) {
+    size_t at = yaml.find(key, last);
+    ASSERT_NE(at, std::string::npos) << key << " missing or out of order in\n" << yaml;
+    last = at;
+  }
+  // Doubles come out short when that is exact, and round-trip when it is not.
+  EXPECT_NE(yaml.find("lr: 0.0006\n"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("eps: 1e-08\n"), std::string::npos) << yaml;
+  expect_same(c, parse_config(yaml, "resolved.yaml"));
+}
+
+TEST(Config, ResolvedConfigRoundTripsAndResolvesAgain) {
+  Config c = with_batch(4, 0, 32);
+  resolve_for_world(c, 2);
+  Config again = parse_config(to_yaml(c), "resolved.yaml");
+  expect_same(c, again);
+  resolve_for_world(again, 2);
+  EXPECT_EQ(again.train.grad_accum, 4);
+}
+
+}  // namespace
+}  // namespace mpitrain

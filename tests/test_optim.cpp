@@ -1,0 +1,67 @@
+// AdamW (against a scalar reference), weight-decay groups, clipping, and the LR schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "mpitrain/optim.h"
+
+using namespace mpitrain;
+
+TEST(LrSchedule, WarmupThenCosineToMin) {
+  OptimConfig c;
+  c.lr = 1.0;
+  c.min_lr = 0.1;
+  c.warmup_steps = 10;
+  EXPECT_DOUBLE_EQ(lr_at(c, 110, 0), 0.1);
+  EXPECT_DOUBLE_EQ(lr_at(c, 110, 4), 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(c, 110, 9), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at(c, 110, 10), 1.0);                  // decay starts at the peak
+  EXPECT_NEAR(lr_at(c, 110, 10 + 99 / 2.0), 0.55, 0.01);    // halfway: mean of lr and min_lr
+  EXPECT_DOUBLE_EQ(lr_at(c, 110, 109), 0.1);                 // last step: min_lr
+  for (int s = 10; s < 109; ++s) EXPECT_GE(lr_at(c, 110, s), lr_at(c, 110, s + 1));
+  c.warmup_steps = 0;
+  EXPECT_DOUBLE_EQ(lr_at(c, 5, 0), 1.0);
+}
+
+TEST(AdamW, MatchesScalarReference) {
+  OptimConfig c;
+  c.lr = 0.01;
+  c.beta1 = 0.9;
+  c.beta2 = 0.95;
+  c.eps = 1e-8;
+  c.weight_decay = 0.1;
+  torch::Tensor w = torch::tensor({{0.5, -1.0}}, torch::kFloat64).requires_grad_(true);
+  torch::Tensor b = torch::tensor({0.25}, torch::kFloat64).requires_grad_(true);
+  AdamW opt({{"w", w}, {"b", b}}, c);
+  EXPECT_TRUE(opt.decays(0));
+  EXPECT_FALSE(opt.decays(1));  // 1-D: no decay
+  double rw = 0.5, rb = 0.25, mw = 0, vw = 0, mb = 0, vb = 0;
+  for (int t = 1; t <= 5; ++t) {
+    const double gw = 0.3 * t, gb = -0.2;
+    w.mutable_grad() = torch::tensor({{gw, gw}}, torch::kFloat64);
+    b.mutable_grad() = torch::tensor({gb}, torch::kFloat64);
+    opt.step(c.lr);
+    auto ref = [&](double& p, double& m, double& v, double g, bool decay) {
+      if (decay) p *= 1 - c.lr * c.weight_decay;
+      m = c.beta1 * m + (1 - c.beta1) * g;
+      v = c.beta2 * v + (1 - c.beta2) * g * g;
+      const double mh = m / (1 - std::pow(c.beta1, t)), vh = v / (1 - std::pow(c.beta2, t));
+      p -= c.lr * mh / (std::sqrt(vh) + c.eps);
+    };
+    ref(rw, mw, vw, gw, true);
+    ref(rb, mb, vb, gb, false);
+    EXPECT_NEAR(w[0][0].item<double>(), rw, 1e-12);
+    EXPECT_NEAR(b[0].item<double>(), rb, 1e-12);
+  }
+  EXPECT_EQ(opt.steps_taken(), 5);
+}
+
+TEST(ClipGradNorm, ScalesToMaxNormAndReportsTheNormBefore) {
+  torch::Tensor a = torch::zeros({2}).requires_grad_(true), b = torch::zeros({1}).requires_grad_(true);
+  a.mutable_grad() = torch::tensor({3.0f, 0.0f});
+  b.mutable_grad() = torch::tensor({4.0f});
+  EXPECT_NEAR(clip_grad_norm({a, b}, 1.0), 5.0, 1e-6);
+  EXPECT_NEAR(torch::cat({a.grad(), b.grad()}).norm().item<double>(), 1.0, 1e-5);
+  EXPECT_NEAR(clip_grad_norm({a, b}, 0.0), 1.0, 1e-5);  // 0 = off: unchanged
+  EXPECT_NEAR(torch::cat({a.grad(), b.grad()}).norm().item<double>(), 1.0, 1e-5);
+}

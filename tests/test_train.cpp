@@ -1,0 +1,153 @@
+// Whole training runs under a real mpirun (-np 2 and -np 4):
+//  - DP equivalence: N ranks x micro_batch b give the same parameters after 10 steps as one rank
+//    with micro_batch N*b (each rank recomputes the single-rank run on MPI_COMM_SELF);
+//  - exact resume: 20 steps straight vs 10 steps, stop, resume, 10 more: bitwise identical
+//    parameters and identical logged train and val losses (with dropout and accumulation on, so
+//    RNG state, optimizer moments and the data cursor all have to come back exactly).
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+
+#include "mpitrain/config.h"
+#include "mpitrain/log.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/error.h"
+#include "mpitrain/shards.h"
+#include "mpitrain/train.h"
+
+using namespace mpitrain;
+
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// Rank 0 makes a temp dir with a train and a val shard of patterned tokens; all ranks get its path.
+std::string shared_data_dir() {
+  static std::string dir;
+  if (!dir.empty()) return dir;
+  char buf[256] = {};
+  if (world_rank() == 0) {
+    char tmpl[] = "/tmp/mpitrain-train-XXXXXX";
+    std::snprintf(buf, sizeof buf, "%s", mkdtemp(tmpl));
+    std::mt19937 rng(5);
+    for (const char* split : {"train", "val"}) {
+      std::vector<uint32_t> tokens;
+      for (int i = 0; i < 6000; ++i) tokens.push_back(i % 7 == 0 ? rng() % 64 : (tokens.empty() ? 0 : (tokens.back() * 3 + 1) % 64));
+      ShardMeta meta;
+      meta.vocab_size = 64;
+      meta.eot_token = 0;
+      write_shard(std::string(buf) + "/d-" + split + "-00000.h5", tokens, {}, meta);
+    }
+  }
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  dir = buf;
+  return dir;
+}
+
+Config small_config(const std::string& run, int64_t micro, int64_t steps) {
+  const std::string d = shared_data_dir();
+  std::string yaml = concat(
+      "model: {preset: custom, n_layer: 2, n_head: 2, n_embd: 32, seq_len: 16}\n",
+      "data: {train: ['", d, "/d-train-*.h5'], val: ['", d, "/d-val-*.h5']}\n",
+      "train: {micro_batch: ", micro, ", steps: ", steps, ", threads: 1, out_dir: '", d, "/", run, "-out'}\n",
+      "optim: {lr: 0.003, min_lr: 0.0003, warmup_steps: 3}\n",
+      "eval: {every: 5, batches: 2}\n",
+      "log: {every: 1, level: warn}\n",
+      "checkpoint: {dir: '", d, "/", run, "-ckpt', every: 0, keep: 2, resume: auto}\n");
+  return parse_config(yaml, run + ".yaml");
+}
+
+void expect_allclose(const TrainResult& a, const TrainResult& b, double rtol, double atol) {
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const auto& [name, x] = a.params[i];
+    const auto& y = b.params[i].second;
+    ASSERT_EQ(x.size(), y.size()) << name;
+    double worst = 0;
+    for (size_t k = 0; k < x.size(); ++k)
+      worst = std::max(worst, std::abs(x[k] - y[k]) - (atol + rtol * std::abs(y[k])));
+    EXPECT_LE(worst, 0.0) << name;
+  }
+}
+
+}  // namespace
+
+TEST(Train, DataParallelEqualsOneRankWithTheWholeBatch) {
+  const int n = world_size(), r = world_rank();
+  ASSERT_GE(n, 2) << "run under mpirun -np >= 2";
+  const int64_t b = 2;
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult dp = train(small_config("dp", b, 10), MPI_COMM_WORLD, keep);
+
+  Config single = small_config(concat("single-", r), b * n, 10);
+  TrainResult one = train(single, MPI_COMM_SELF, keep);
+
+  EXPECT_EQ(dp.final_step, 10);
+  EXPECT_EQ(one.final_step, 10);
+  expect_allclose(dp, one, 1e-4, 1e-5);
+  ASSERT_EQ(dp.losses.size(), one.losses.size());
+  for (size_t i = 0; i < dp.losses.size(); ++i) EXPECT_NEAR(dp.losses[i].second, one.losses[i].second, 1e-4);
+  // And the run learned something: the loss fell.
+  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.3);
+}
+
+TEST(Train, ResumeIsBitwiseExact) {
+  auto cfg_for = [](const std::string& run) {
+    Config c = small_config(run, 2, 20);
+    c.train.grad_accum = 2;
+    c.model.dropout = 0.1;
+    return c;
+  };
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult straight = train(cfg_for("straight"), MPI_COMM_WORLD, keep);
+
+  TrainHooks stop = keep;
+  stop.stop_after = 10;
+  TrainResult first = train(cfg_for("resumed"), MPI_COMM_WORLD, stop);
+  EXPECT_EQ(first.final_step, 10);
+  EXPECT_FALSE(first.last_checkpoint.empty() && world_rank() == 0);
+  TrainResult second = train(cfg_for("resumed"), MPI_COMM_WORLD, keep);  // resume: auto
+  EXPECT_EQ(second.final_step, 20);
+
+  auto losses = first.losses;
+  losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+  ASSERT_EQ(losses.size(), straight.losses.size());
+  for (size_t i = 0; i < losses.size(); ++i) {
+    EXPECT_EQ(losses[i].first, straight.losses[i].first);
+    EXPECT_EQ(losses[i].second, straight.losses[i].second) << "step " << losses[i].first;  // exact
+  }
+  auto vals = first.val_losses;
+  vals.insert(vals.end(), second.val_losses.begin(), second.val_losses.end());
+  ASSERT_EQ(vals.size(), straight.val_losses.size());
+  for (size_t i = 0; i < vals.size(); ++i) EXPECT_EQ(vals[i], straight.val_losses[i]);
+
+  ASSERT_EQ(second.params.size(), straight.params.size());
+  for (size_t i = 0; i < straight.params.size(); ++i)
+    EXPECT_EQ(second.params[i].second, straight.params[i].second) << straight.params[i].first;  // bitwise
+}
+
+TEST(Train, BadDataIsAUsageErrorOnEveryRank) {
+  Config c = small_config("bad", 2, 5);
+  c.data.train = {shared_data_dir() + "/nothing-*.h5"};
+  EXPECT_THROW(train(c, MPI_COMM_WORLD), ReportedUsageError);
+}
+
+TEST(Train, Cleanup) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());
+}
