@@ -5,6 +5,7 @@
 //   mpitrain pack INPUT... -o PREFIX                     text -> byte-level HDF5 token shards
 //   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
+//   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/mpi_env.h"
+#include "mpitrain/netcheck.h"
 #include "mpitrain/pack.h"
 #include "mpitrain/train.h"
 
@@ -24,7 +26,7 @@ namespace {
 
 // Commands other than training, keyed by their first argument; anything else means `train`.
 bool is_command(const std::string& a) {
-  return a == "train" || a == "pack" || a == "inspect" || a == "sample";
+  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "netcheck";
 }
 
 int run_cli(int argc, char** argv, MpiSession& mpi) {
@@ -72,6 +74,12 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
 
+  NetcheckOptions netcheck;
+  auto* netcheck_cmd = app.add_subcommand("netcheck", "check the launch: host map, links, all-reduce bandwidth");
+  netcheck_cmd->add_option("--max-bytes", netcheck.max_bytes, "largest all-reduce message")->capture_default_str();
+  netcheck_cmd->add_option("--p2p-bytes", netcheck.p2p_bytes, "point-to-point message")->capture_default_str();
+  netcheck_cmd->add_option("--iters", netcheck.iters, "timed repetitions")->capture_default_str();
+
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
   try {
     app.parse(args);
@@ -88,8 +96,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     agree(MPI_COMM_WORLD, [&] { cfg = load_config(config_path, overrides); });
     TrainHooks hooks;
     hooks.stop_after = stop_after;
-    train(cfg, MPI_COMM_WORLD, hooks);
-    return 0;
+    return train(cfg, MPI_COMM_WORLD, hooks).exit_code;
   }
   if (*pack_cmd) {
     // One rank packs; the others wait so the shards exist when the command returns everywhere.
@@ -112,6 +119,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     });
     return 0;
   }
+  if (*netcheck_cmd) return run_netcheck(netcheck, MPI_COMM_WORLD, local_gpu_count());
   if (*sample_cmd) {
     agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() != 0) return;

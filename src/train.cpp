@@ -14,13 +14,17 @@
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
+#include "mpitrain/consistency.h"
 #include "mpitrain/ddp.h"
 #include "mpitrain/error.h"
+#include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
+#include "mpitrain/netcheck.h"
 #include "mpitrain/optim.h"
 #include "mpitrain/shards.h"
+#include "mpitrain/signals.h"
 
 namespace mpitrain {
 namespace {
@@ -236,7 +240,11 @@ std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot) {
 
 // ---- the run -----------------------------------------------------------------------------------
 
+int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
+
 TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
+  install_stop_signals();
+  follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
   const Topology topo = Topology::discover(mpi_comm);
   agree(mpi_comm, [&] { resolve_for_world(cfg, topo.size); });
   log::set_level(log::parse_level(cfg.log.level));
@@ -303,6 +311,13 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.world_size = topo.size;
   st.config_yaml = to_yaml(cfg);
 
+  // Same binary, config and data everywhere? ("code not synced on node 2")
+  agree(mpi_comm, [&] {
+    check_consistency(mpi_comm, topo,
+                      {binary_fingerprint(), h5::crc32(st.config_yaml.data(), st.config_yaml.size()),
+                       shard_list_fingerprint(train_data->paths())});
+  });
+
   if (topo.rank == 0) {
     make_dir(cfg.train.out_dir);
     std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
@@ -363,8 +378,17 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     }
 
     if (val_data && (every(step + 1, cfg.eval.every) || (last && cfg.eval.every > 0))) run_eval(step + 1);
-    const bool stop_here = hooks.stop_after >= 0 && step + 1 == hooks.stop_after;
+    // A stop signal on any rank stops every rank after this step, with a checkpoint.
+    int signal = pending_stop_signal(), any_signal = 0;
+    MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
+    const bool stop_here = (hooks.stop_after >= 0 && step + 1 == hooks.stop_after) || any_signal != 0;
     if (every(step + 1, cfg.checkpoint.every) || last || stop_here) save();
+    if (any_signal != 0 && !last) {
+      result.exit_code = exit_code_for_signal(any_signal);
+      log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1, ": checkpoint written, exit code ",
+                       result.exit_code));
+      break;
+    }
     if (stop_here) break;
   }
   result.final_step = st.step;

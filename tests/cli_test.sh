@@ -66,6 +66,27 @@ check "resume: auto continues at step 4" "grep -q 'resumed from ckpt2/ckpt-00000
 check "resumed losses equal the straight run's" \
   "[ \"\$(grep -o 'step     6/6 | loss [0-9.]*' resume.out)\" = \"\$(grep -o 'step     6/6 | loss [0-9.]*' mpi.out)\" ]"
 
+# ---- netcheck ----
+"$MPIRUN" -np 2 "$BIN" netcheck --max-bytes 65536 --p2p-bytes 65536 --iters 2 > netcheck.out 2>&1
+rc=$?
+check "netcheck exits 0 and reports the host and links" \
+  "[ $rc -eq 0 ] && grep -q 'netcheck: OK (1 host, 2 ranks)' netcheck.out && grep -q 'busbw' netcheck.out"
+
+# ---- SIGUSR1 (Slurm's pre-preemption warning): checkpoint, exit 75, resume ----
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=100000 \
+  --set eval.every=0 --set 'data.val=[]' > usr1.out 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do grep -q 'step    10/' usr1.out 2>/dev/null && break; sleep 0.1; done
+kill -USR1 $pid
+wait $pid
+rc=$?
+check "SIGUSR1 to mpirun: exit code 75" "[ $rc -eq 75 ]"
+check "SIGUSR1: checkpoint written and logged" "grep -q 'stopped by signal 10' usr1.out && [ -s ckpt3/latest ]"
+stopped=$(sed 's/ckpt-0*\([0-9]*\).h5/\1/' ckpt3/latest 2>/dev/null)
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=$((stopped + 3)) \
+  --set eval.every=0 --set 'data.val=[]' > usr1b.out 2>&1
+check "resume after SIGUSR1 continues from its checkpoint" "grep -q \"at step $stopped \" usr1b.out"
+
 # ---- bad input: exit 2, one line naming file and key, printed once, nothing overwritten ----
 expect_usage() {  # name, expected substring, command...
   local name=$1 want=$2

@@ -1,10 +1,27 @@
 // main() for every test binary: MPI start-up (singleton or under mpirun), then GoogleTest.
-// Only rank 0 prints GoogleTest's progress; every rank's failures still fail the run, because
-// the exit code is the maximum over ranks.
+// Rank 0 prints GoogleTest's usual progress; other ranks print only their failures, prefixed with
+// the rank. The exit code is the maximum over ranks, so a failure on any rank fails the test.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <cstdio>
+
 #include "mpitrain/mpi_env.h"
+
+namespace {
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+}  // namespace
 
 int main(int argc, char** argv) {
   mpitrain::MpiSession mpi(argc, argv);
@@ -12,11 +29,10 @@ int main(int argc, char** argv) {
   if (mpi.rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(mpi.rank()));
   }
   int rc = RUN_ALL_TESTS();
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (rc != 0 && mpi.rank() != 0)
-    fprintf(stderr, "rank %d: some tests failed on this rank\n", mpi.rank());
   return worst;
 }

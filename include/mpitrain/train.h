@@ -19,6 +19,7 @@ struct TrainHooks {
 };
 
 struct TrainResult {
+  int exit_code = 0;  // 0, or kExitPreempted / kExitInterrupted after a stop signal (signals.h)
   int64_t final_step = 0;
   int64_t num_params = 0;
   std::vector<std::pair<int64_t, double>> losses;      // (step, train loss) at every logged step
@@ -31,6 +32,9 @@ struct TrainResult {
 // Trains per `cfg` on the ranks of `comm` (every rank calls it). Bad input throws UsageError
 // (already agreed across ranks: see agree() in mpi_env.h); anything else throws Error.
 TrainResult train(Config cfg, MPI_Comm comm, const TrainHooks& hooks = {});
+
+// GPUs this process can use (0 in CPU builds or without devices).
+int local_gpu_count();
 
 // `mpitrain sample CHECKPOINT`: loads a checkpoint and prints generated text (any rank count;
 // rank 0 generates).
