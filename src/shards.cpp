@@ -382,4 +382,32 @@ void TokenDataset::batch(uint64_t start, int rank, int64_t rows, int64_t* dst) c
     window(first + static_cast<uint64_t>(r), dst + r * (seq_len_ + 1));
 }
 
+// ---- BatchPrefetcher ---------------------------------------------------------------------------
+
+BatchPrefetcher::BatchPrefetcher(const TokenDataset& data, int rank, int64_t rows)
+    : data_(data), rank_(rank), rows_(rows) {}
+
+BatchPrefetcher::~BatchPrefetcher() {
+  if (pending_.valid()) pending_.wait();
+}
+
+std::vector<int64_t> BatchPrefetcher::read(uint64_t start) const {
+  std::vector<int64_t> out(static_cast<size_t>(rows_ * (data_.seq_len() + 1)));
+  data_.batch(start, rank_, rows_, out.data());
+  return out;
+}
+
+const std::vector<int64_t>& BatchPrefetcher::take(uint64_t start, uint64_t next_start) {
+  if (pending_.valid() && pending_start_ == start) {
+    current_ = pending_.get();
+  } else {
+    if (pending_.valid()) pending_.wait();  // a stale prefetch: drop it
+    pending_ = {};
+    current_ = read(start);
+  }
+  pending_start_ = next_start;
+  pending_ = std::async(std::launch::async, [this, next_start] { return read(next_start); });
+  return current_;
+}
+
 }  // namespace mpitrain

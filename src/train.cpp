@@ -133,14 +133,18 @@ void resume_from(const std::string& path, GPT& model, AdamW& opt, TrainState& st
   log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
 }
 
-// One rank's slice of one micro-step: inputs and targets [rows, T].
+// Inputs and targets [rows, T] from rows x (T+1) window tokens.
+std::pair<torch::Tensor, torch::Tensor> to_tensors(const std::vector<int64_t>& buf, int64_t rows, int64_t T) {
+  torch::Tensor all = torch::from_blob(const_cast<int64_t*>(buf.data()), {rows, T + 1}, torch::kInt64);
+  return {all.slice(1, 0, T).clone(), all.slice(1, 1, T + 1).clone()};
+}
+
+// One rank's slice of one micro-step, read synchronously (evaluation).
 std::pair<torch::Tensor, torch::Tensor> get_batch(const TokenDataset& data, uint64_t start, int rank,
                                                   int64_t rows, std::vector<int64_t>& buf) {
-  const int64_t T = data.seq_len();
-  buf.resize(static_cast<size_t>(rows * (T + 1)));
+  buf.resize(static_cast<size_t>(rows * (data.seq_len() + 1)));
   data.batch(start, rank, rows, buf.data());
-  torch::Tensor all = torch::from_blob(buf.data(), {rows, T + 1}, torch::kInt64);
-  return {all.slice(1, 0, T).clone(), all.slice(1, 1, T + 1).clone()};
+  return to_tensors(buf, rows, data.seq_len());
 }
 
 // Mean validation loss over eval.batches micro-batches per rank: the same windows every time.
@@ -326,7 +330,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   TrainResult result;
   result.num_params = model->num_params();
   Progress progress(cfg, topo.rank == 0, tokens_per_step, st.step);
-  std::vector<int64_t> buf;
+  BatchPrefetcher prefetch(*train_data, topo.rank, micro);
+  const uint64_t micro_stride = static_cast<uint64_t>(topo.size * micro);
   auto save = [&] {
     auto rng = gather_rng_states(*comm);
     if (topo.rank == 0) {
@@ -352,8 +357,9 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     // ---- one optimizer step: accumulate micro-batches; grads averaged across ranks once ----
     torch::Tensor loss_sum = torch::zeros({1}, torch::kFloat64);
     for (int64_t m = 0; m < accum; ++m) {
-      const uint64_t start = st.data_cursor + static_cast<uint64_t>(m * topo.size * micro);
-      auto [x, y] = get_batch(*train_data, start, topo.rank, micro, buf);
+      const uint64_t start = st.data_cursor + static_cast<uint64_t>(m) * micro_stride;
+      // The next micro-batch follows in the global order, also across the step boundary.
+      auto [x, y] = to_tensors(prefetch.take(start, start + micro_stride), micro, T);
       torch::Tensor loss = model->loss(x.to(device), y.to(device));
       (loss / static_cast<double>(accum)).backward();
       loss_sum += loss.detach().to(torch::kCPU, torch::kFloat64);

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,6 +104,31 @@ class TokenDataset {
   std::string tokenizer_;
   uint64_t total_windows_ = 0;
   uint64_t total_tokens_ = 0;
+};
+
+// Prepares the next micro-batch on a background thread while the current one trains, so the
+// loop never waits on I/O. The caller names the batch it needs now and the one it will need next;
+// a batch that was not prefetched is read synchronously (always correct, only slower).
+class BatchPrefetcher {
+ public:
+  BatchPrefetcher(const TokenDataset& data, int rank, int64_t rows);
+  ~BatchPrefetcher();
+  BatchPrefetcher(const BatchPrefetcher&) = delete;
+  BatchPrefetcher& operator=(const BatchPrefetcher&) = delete;
+
+  // The rows x (seq_len+1) tokens of the micro-batch at global window `start` (see batch()),
+  // then starts reading the one at `next_start` in the background.
+  const std::vector<int64_t>& take(uint64_t start, uint64_t next_start);
+
+ private:
+  std::vector<int64_t> read(uint64_t start) const;
+
+  const TokenDataset& data_;
+  int rank_;
+  int64_t rows_;
+  std::vector<int64_t> current_;
+  std::future<std::vector<int64_t>> pending_;
+  uint64_t pending_start_ = 0;
 };
 
 }  // namespace mpitrain
