@@ -4,5 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# What the fault and multi-host tests use beyond the build (Slurm, munge, docker.io and
+# debootstrap are installed by their own tests).
+missing=()
+for p in openssh-server openssh-client iproute2 bc procps; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 cd build
 ctest --output-on-failure "$@"

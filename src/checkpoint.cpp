@@ -224,6 +224,18 @@ std::optional<std::string> find_resume_checkpoint(const CheckpointConfig& cfg) {
   return all.back().second;
 }
 
+std::vector<std::string> resume_candidates(const CheckpointConfig& cfg) {
+  std::vector<std::string> out;
+  auto first = find_resume_checkpoint(cfg);
+  if (!first) return out;
+  out.push_back(*first);
+  if (cfg.resume != "auto") return out;
+  auto all = list_checkpoints(cfg.dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (it->second != *first) out.push_back(it->second);
+  return out;
+}
+
 GPTDims checkpoint_dims(const std::string& path) {
   h5::File f = open_checkpoint(path);
   GPTDims d;

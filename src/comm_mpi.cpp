@@ -4,6 +4,7 @@
 
 #include "mpitrain/comm.h"
 #include "mpitrain/error.h"
+#include "mpitrain/watchdog.h"
 
 namespace mpitrain {
 namespace {
@@ -45,6 +46,7 @@ class MpiCommunicator final : public Communicator {
   std::string name() const override { return "mpi"; }
 
   void all_reduce(torch::Tensor& t, ReduceOp op) override {
+    Watchdog::Scope watch("all_reduce");
     with_host_copy(t, /*copy_back=*/true, [&](torch::Tensor& h) {
       const MPI_Datatype type = mpi_type(h);
       const size_t elem = h.element_size();
@@ -61,6 +63,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void broadcast(torch::Tensor& t, int root) override {
+    Watchdog::Scope watch("broadcast");
     with_host_copy(t, /*copy_back=*/rank_ != root, [&](torch::Tensor& h) {
       const MPI_Datatype type = mpi_type(h);
       const size_t elem = h.element_size();
@@ -77,6 +80,7 @@ class MpiCommunicator final : public Communicator {
       throw Error(concat("all_gather: out must hold ", size_, " x ", in.numel(), " elements of ",
                       in.scalar_type()));
     if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
+    Watchdog::Scope watch("all_gather");
     torch::Tensor hin = in.to(torch::kCPU).contiguous();
     with_host_copy(out, /*copy_back=*/true, [&](torch::Tensor& hout) {
       const int count = static_cast<int>(hin.numel());
@@ -85,7 +89,10 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  void barrier() override { MPI_CHECK(MPI_Barrier(comm_)); }
+  void barrier() override {
+    Watchdog::Scope watch("barrier");
+    MPI_CHECK(MPI_Barrier(comm_));
+  }
 
  private:
   // Runs fn on a contiguous CPU tensor holding t's data; copies the result back into t when t

@@ -70,7 +70,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(comm, backend),
-    MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(sample, tokens),
+    MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(fault, collective_timeout_s),
+    MPITRAIN_FIELD(fault, first_collective_timeout_s),                    MPITRAIN_FIELD(sample, tokens),
     MPITRAIN_FIELD(sample, prompt),      MPITRAIN_FIELD(sample, temperature),
     MPITRAIN_FIELD(sample, top_k),
 };
@@ -403,6 +404,10 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(c.comm.backend, {"auto", "mpi", "nccl"}), "comm.backend", "one of auto|mpi|nccl",
         show(c.comm.backend));
   check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
+  check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
+        show(c.fault.collective_timeout_s));
+  check(c.fault.first_collective_timeout_s > 0, "fault.first_collective_timeout_s", "> 0",
+        show(c.fault.first_collective_timeout_s));
 
   const SampleConfig& s = c.sample;
   check(s.tokens >= 0, "sample.tokens", ">= 0 (0 = none)", show(s.tokens));

@@ -25,6 +25,7 @@
 #include "mpitrain/optim.h"
 #include "mpitrain/shards.h"
 #include "mpitrain/signals.h"
+#include "mpitrain/watchdog.h"
 
 namespace mpitrain {
 namespace {
@@ -88,10 +89,24 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm) {
 }
 
 // Loads the checkpoint on rank 0 and broadcasts it: ranks on other hosts need not see the file.
-void resume_from(const std::string& path, GPT& model, AdamW& opt, TrainState& st,
+// A corrupt newest checkpoint (checksum, truncation) falls back to the previous one, with a
+// warning; an explicitly named checkpoint must load.
+void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, TrainState& st,
                  Communicator& comm, MPI_Comm mpi_comm, uint64_t seed) {
+  std::string path;
   agree(mpi_comm, [&] {
-    if (comm.rank() == 0) load_checkpoint(path, model, &opt, st);
+    if (comm.rank() != 0) return;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      try {
+        load_checkpoint(candidates[i], model, &opt, st);
+        path = candidates[i];
+        return;
+      } catch (const UsageError& e) {
+        if (i + 1 == candidates.size()) throw;
+        log::warn(concat("cannot resume from ", candidates[i], ": ", e.what(), "; falling back to ",
+                         candidates[i + 1]));
+      }
+    }
   });
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < opt.size(); ++i) {
@@ -252,6 +267,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const Topology topo = Topology::discover(mpi_comm);
   agree(mpi_comm, [&] { resolve_for_world(cfg, topo.size); });
   log::set_level(log::parse_level(cfg.log.level));
+  Watchdog::start(cfg.fault.collective_timeout_s, cfg.fault.first_collective_timeout_s);
   const int threads = configure_threads(cfg.train.threads, topo.local_size);
   log::info(topo.host_map());
 
@@ -305,13 +321,13 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.world_size = topo.size;
   st.tokenizer = train_data->tokenizer();
   st.eot_token = train_data->eot_token();
-  std::optional<std::string> resume;
+  std::vector<std::string> resume;
   agree(mpi_comm, [&] {
-    if (topo.rank == 0) resume = find_resume_checkpoint(cfg.checkpoint);
+    if (topo.rank == 0) resume = resume_candidates(cfg.checkpoint);
   });
-  int has_resume = resume ? 1 : 0;
+  int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
-  if (has_resume) resume_from(resume.value_or(""), model, opt, st, *comm, mpi_comm, cfg.train.seed);
+  if (has_resume) resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed);
   st.world_size = topo.size;
   st.config_yaml = to_yaml(cfg);
 
@@ -353,6 +369,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   for (int64_t step = st.step; step < cfg.train.steps; ++step) {
     const bool last = step + 1 == cfg.train.steps;
     progress.start_step();
+    Watchdog::set_step(step + 1);
+    maybe_hang_for_test(topo.rank, step + 1);
 
     // ---- one optimizer step: accumulate micro-batches; grads averaged across ranks once ----
     torch::Tensor loss_sum = torch::zeros({1}, torch::kFloat64);
@@ -386,7 +404,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     if (val_data && (every(step + 1, cfg.eval.every) || (last && cfg.eval.every > 0))) run_eval(step + 1);
     // A stop signal on any rank stops every rank after this step, with a checkpoint.
     int signal = pending_stop_signal(), any_signal = 0;
-    MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
+    {
+      Watchdog::Scope watch("all_reduce(stop signal)");
+      MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
+    }
     const bool stop_here = (hooks.stop_after >= 0 && step + 1 == hooks.stop_after) || any_signal != 0;
     if (every(step + 1, cfg.checkpoint.every) || last || stop_here) save();
     if (any_signal != 0 && !last) {

@@ -41,6 +41,11 @@ std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, cons
 // none.
 std::optional<std::string> find_resume_checkpoint(const CheckpointConfig& cfg);
 
+// Every checkpoint a run may resume from, best first: an explicit checkpoint.resume path alone;
+// for "auto", the one `latest` names, then the other ckpt-*.h5 in checkpoint.dir, newest first
+// (the fallbacks when the newest turns out to be corrupt).
+std::vector<std::string> resume_candidates(const CheckpointConfig& cfg);
+
 // The model dimensions a checkpoint was written with (for `mpitrain sample`).
 GPTDims checkpoint_dims(const std::string& path);
 

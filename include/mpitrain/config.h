@@ -77,6 +77,11 @@ struct CommConfig {
   double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
 };
 
+struct FaultConfig {
+  double collective_timeout_s = 300;         // a collective that takes longer aborts the job, > 0
+  double first_collective_timeout_s = 900;   // the first one (may include NCCL set-up), > 0
+};
+
 struct SampleConfig {
   int64_t tokens = 0;         // tokens to generate after training (0 = none)
   std::string prompt = "";    // text prompt (byte tokenizer)
@@ -93,6 +98,7 @@ struct Config {
   LogConfig log;
   CheckpointConfig checkpoint;
   CommConfig comm;
+  FaultConfig fault;
   SampleConfig sample;
 
   std::string source = "<defaults>";  // the file it came from, for error messages

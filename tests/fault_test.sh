@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Fault injection under a real mpirun -np 4: a rank killed with SIGKILL, a rank that stops
+# calling collectives (the watchdog), a corrupt newest checkpoint (fallback on resume).
+# Prints PASS/FAIL lines and the measured times to exit. Usage: fault_test.sh PATH/TO/mpitrain
+set -u
+BIN=$(realpath "$1")
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+WORK=$(mktemp -d /tmp/mpitrain-fault-XXXXXX)
+trap 'pkill -9 -f "$WORK" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
+cd "$WORK"
+passed=0 failed=0
+check() { if eval "$2"; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi; }
+
+mkdir corpus
+for i in $(seq 1 200); do printf 'Line %d of a small corpus for fault tests.\n%%\n' $i >> corpus/a.txt; done
+"$BIN" pack corpus -o data/c --doc-separator % --val-fraction 0.1 > /dev/null 2>&1
+cat > cfg.yaml <<YAML
+model: {preset: custom, n_layer: 1, n_head: 2, n_embd: 16, seq_len: 32}
+data: {train: [$WORK/data/c-train-*.h5]}
+train: {micro_batch: 2, steps: 100000, threads: 1, out_dir: $WORK/run}
+eval: {every: 0}
+log: {every: 1}
+checkpoint: {dir: $WORK/ckpt, every: 5, keep: 3}
+fault: {collective_timeout_s: 5, first_collective_timeout_s: 30}
+YAML
+
+wait_for_step() {  # file, step
+  for _ in $(seq 1 900); do grep -q "step *$2/" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  return 1
+}
+
+# ---- kill -9 one of 4 ranks: every rank gone quickly, non-zero exit, newest checkpoint loads ----
+mpirun -np 4 "$BIN" "$WORK/cfg.yaml" > kill.out 2>&1 &
+mpid=$!
+wait_for_step kill.out 12
+victim=$(pgrep -f "$BIN $WORK/cfg.yaml" | sed -n 3p)
+t0=$(date +%s.%N)
+kill -9 "$victim"
+timeout 60 tail --pid=$mpid -f /dev/null
+rc=$(wait $mpid; echo $?)
+t1=$(date +%s.%N)
+left=$(pgrep -f "$BIN $WORK/cfg.yaml" | wc -l)
+secs=$(echo "$t1 - $t0" | bc)
+echo "time from kill -9 to job exit: ${secs} s (exit code $rc)"
+check "kill -9 of one rank: job exits non-zero within 30 s" "[ $rc -ne 0 ] && [ \$(echo \"$secs < 30\" | bc) -eq 1 ]"
+check "kill -9 of one rank: no orphan ranks" "[ $left -eq 0 ]"
+latest=$(cat ckpt/latest)
+"$BIN" inspect "ckpt/$latest" > inspect.out 2>&1
+check "newest checkpoint after the kill is complete and loadable" "grep -q '@step' inspect.out"
+"$BIN" sample "ckpt/$latest" --tokens 5 > /dev/null 2>&1
+check "newest checkpoint after the kill loads (sample)" "[ \$? -eq 0 ]"
+
+# ---- a corrupt newest checkpoint: resume falls back to the previous one with a warning ----
+prev=$(ls ckpt/ckpt-*.h5 | sort | tail -2 | head -1)
+newest=$(ls ckpt/ckpt-*.h5 | sort | tail -1)
+size=$(stat -c %s "$newest")
+truncate -s $((size / 2)) "$newest"
+mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --stop-after $(( $(basename "$prev" .h5 | sed 's/ckpt-0*//') + 2 )) > fallback.out 2>&1
+rc=$?
+check "corrupt newest checkpoint: resume falls back to the previous one" \
+  "[ $rc -eq 0 ] && grep -q 'cannot resume from .*$(basename "$newest")' fallback.out && grep -q 'resumed from .*$(basename "$prev")' fallback.out"
+
+# ---- a rank that stops calling collectives: the watchdog aborts the job ----
+rm -rf ckpt run
+MPITRAIN_TEST_HANG=2:8 mpirun -np 4 -x MPITRAIN_TEST_HANG "$BIN" "$WORK/cfg.yaml" > hang.out 2>&1 &
+mpid=$!
+wait_for_step hang.out 7
+t0=$(date +%s.%N)
+timeout 90 tail --pid=$mpid -f /dev/null
+rc=$(wait $mpid; echo $?)
+t1=$(date +%s.%N)
+secs=$(echo "$t1 - $t0" | bc)
+echo "time from the hang (step 8) to job exit with a 5 s collective timeout: ${secs} s (exit code $rc)"
+check "watchdog: a hung rank ends the job with exit code 3" "[ $rc -eq 3 ]"
+check "watchdog: the message names the collective, step, rank and host" \
+  "grep -q 'watchdog: collective .* at step 8 has not completed' hang.out && grep -q '\\[rank [0-9] @ ' hang.out"
+check "watchdog: no orphan ranks" "[ \$(pgrep -f \"$BIN $WORK/cfg.yaml\" | wc -l) -eq 0 ]"
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
