@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -45,9 +47,23 @@ void make_dirs(const std::string& dir) {
     if (part.empty()) continue;
     partial += part + "/";
     if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST)
-      throw UsageError(concat(dir, ": cannot create checkpoint directory: ", std::strerror(errno)));
+      throw UsageError(concat(dir, ": cannot create directory: ", std::strerror(errno)));
   }
 }
+
+}  // namespace
+
+void ensure_writable_dir(const std::string& dir, const std::string& key) {
+  try {
+    make_dirs(dir);
+  } catch (const UsageError& e) {
+    throw UsageError(concat(key, ": ", e.what()));
+  }
+  if (::access(dir.c_str(), W_OK) != 0)
+    throw UsageError(concat(key, ": directory '", dir, "' is not writable"));
+}
+
+namespace {
 
 // Complete checkpoints in dir, by step, oldest first.
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& dir) {
@@ -125,6 +141,60 @@ h5::File open_checkpoint(const std::string& path) {
   return f;
 }
 
+// The whole checkpoint into `tmp` (HDF5), flushed.
+void write_checkpoint_file(const std::string& tmp, GPT& model, AdamW& opt, const TrainState& st) {
+  h5::File f = h5::create(tmp);
+  const hid_t root = f.get();
+  const GPTDims& d = model->dims();
+  h5::set_attr(root, "format", std::string(kCheckpointFormat));
+  h5::set_attr(root, "version", kCheckpointVersion);
+  h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
+  h5::set_attr(root, "step", st.step);
+  h5::set_attr(root, "tokens_seen", st.tokens_seen);
+  h5::set_attr(root, "world_size", st.world_size);
+  h5::set_attr(root, "config", st.config_yaml);
+  h5::set_attr(root, "tokenizer", st.tokenizer);
+  h5::set_attr(root, "eot_token", st.eot_token);
+  h5::set_attr(root, "n_layer", d.n_layer);
+  h5::set_attr(root, "n_head", d.n_head);
+  h5::set_attr(root, "n_embd", d.n_embd);
+  h5::set_attr(root, "seq_len", d.seq_len);
+  h5::set_attr(root, "vocab_size", d.vocab_size);
+
+  auto model_group = h5::create_group(root, "model");
+  for (const auto& [name, p] : model->named_params()) write_tensor(model_group.get(), name, p);
+
+  // Test-only fault hook: die half-way through the file of step N (tests/fault_test.sh).
+  if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == st.step) {
+    H5Fflush(root, H5F_SCOPE_GLOBAL);
+    std::raise(SIGKILL);
+  }
+
+  auto optim_group = h5::create_group(root, "optim");
+  h5::set_attr(optim_group.get(), "steps_taken", opt.steps_taken());
+  for (size_t i = 0; i < opt.size(); ++i) {
+    auto g = h5::create_group(optim_group.get(), opt.name(i));
+    write_tensor(g.get(), "exp_avg", opt.exp_avg(i));
+    write_tensor(g.get(), "exp_avg_sq", opt.exp_avg_sq(i));
+  }
+
+  auto train_group = h5::create_group(root, "train");
+  h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
+  if (!st.rng_states.empty()) {
+    const size_t n = st.rng_states.front().size();
+    std::vector<uint8_t> flat;
+    for (const auto& s : st.rng_states) {
+      MPITRAIN_CHECK(s.size() == n, "RNG states of different sizes");
+      flat.insert(flat.end(), s.begin(), s.end());
+    }
+    auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8,
+                        {st.rng_states.size(), n}, flat.data());
+    h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
+  }
+  if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0)
+    throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
+  }
+
 }  // namespace
 
 std::string checkpoint_name(int64_t step) {
@@ -140,51 +210,12 @@ std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, cons
   make_dirs(dir);
   const std::string path = dir + "/" + checkpoint_name(st.step);
   const std::string tmp = path + ".tmp";
-  {
-    h5::File f = h5::create(tmp);
-    const hid_t root = f.get();
-    const GPTDims& d = model->dims();
-    h5::set_attr(root, "format", std::string(kCheckpointFormat));
-    h5::set_attr(root, "version", kCheckpointVersion);
-    h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
-    h5::set_attr(root, "step", st.step);
-    h5::set_attr(root, "tokens_seen", st.tokens_seen);
-    h5::set_attr(root, "world_size", st.world_size);
-    h5::set_attr(root, "config", st.config_yaml);
-    h5::set_attr(root, "tokenizer", st.tokenizer);
-    h5::set_attr(root, "eot_token", st.eot_token);
-    h5::set_attr(root, "n_layer", d.n_layer);
-    h5::set_attr(root, "n_head", d.n_head);
-    h5::set_attr(root, "n_embd", d.n_embd);
-    h5::set_attr(root, "seq_len", d.seq_len);
-    h5::set_attr(root, "vocab_size", d.vocab_size);
-
-    auto model_group = h5::create_group(root, "model");
-    for (const auto& [name, p] : model->named_params()) write_tensor(model_group.get(), name, p);
-
-    auto optim_group = h5::create_group(root, "optim");
-    h5::set_attr(optim_group.get(), "steps_taken", opt.steps_taken());
-    for (size_t i = 0; i < opt.size(); ++i) {
-      auto g = h5::create_group(optim_group.get(), opt.name(i));
-      write_tensor(g.get(), "exp_avg", opt.exp_avg(i));
-      write_tensor(g.get(), "exp_avg_sq", opt.exp_avg_sq(i));
-    }
-
-    auto train_group = h5::create_group(root, "train");
-    h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
-    if (!st.rng_states.empty()) {
-      const size_t n = st.rng_states.front().size();
-      std::vector<uint8_t> flat;
-      for (const auto& s : st.rng_states) {
-        MPITRAIN_CHECK(s.size() == n, "RNG states of different sizes");
-        flat.insert(flat.end(), s.begin(), s.end());
-      }
-      auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8,
-                          {st.rng_states.size(), n}, flat.data());
-      h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
-    }
-    if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0)
-      throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
+  try {
+    write_checkpoint_file(tmp, model, opt, st);
+  } catch (const Error& e) {
+    std::remove(tmp.c_str());  // never leave half a file; the complete ones stay as they were
+    throw UsageError(concat(tmp, ": cannot write checkpoint (disk full or not writable?): ", e.what(),
+                            "; earlier checkpoints are untouched"));
   }
   fsync_path(tmp, false);
   rename_durably(tmp, path, dir);
@@ -194,14 +225,13 @@ std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, cons
   {
     std::ofstream out(latest_tmp, std::ios::trunc);
     out << checkpoint_name(st.step) << "\n";
-    if (!out.flush()) throw Error(concat(latest_tmp, ": cannot write (disk full?)"));
+    if (!out.flush()) throw UsageError(concat(latest_tmp, ": cannot write (disk full?); the checkpoint itself is complete"));
   }
   fsync_path(latest_tmp, false);
   rename_durably(latest_tmp, dir + "/latest", dir);
 
   // Keep the newest `keep`; the one just written is the newest by construction.
   auto all = list_checkpoints(dir);
-  const std::string latest_name = checkpoint_name(st.step);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
     if (all[i].second != path) std::remove(all[i].second.c_str());
   return path;

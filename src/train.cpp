@@ -323,7 +323,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.eot_token = train_data->eot_token();
   std::vector<std::string> resume;
   agree(mpi_comm, [&] {
-    if (topo.rank == 0) resume = resume_candidates(cfg.checkpoint);
+    if (topo.rank != 0) return;
+    ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
+    ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
+    resume = resume_candidates(cfg.checkpoint);
   });
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));

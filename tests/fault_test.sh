@@ -60,6 +60,17 @@ rc=$?
 check "corrupt newest checkpoint: resume falls back to the previous one" \
   "[ $rc -eq 0 ] && grep -q 'cannot resume from .*$(basename "$newest")' fallback.out && grep -q 'resumed from .*$(basename "$prev")' fallback.out"
 
+# ---- killed while writing a checkpoint: `latest` still names the previous complete one ----
+rm -rf ckpt run
+MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 -x MPITRAIN_TEST_DIE_IN_SAVE "$BIN" "$WORK/cfg.yaml" > save.out 2>&1
+rc=$?
+check "killed during the checkpoint write: job fails" "[ $rc -ne 0 ] && [ -f ckpt/ckpt-00000010.h5.tmp ]"
+check "killed during the checkpoint write: latest still names the previous complete checkpoint" \
+  "grep -qx ckpt-00000005.h5 ckpt/latest && [ ! -f ckpt/ckpt-00000010.h5 ]"
+mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --stop-after 12 > save2.out 2>&1
+check "killed during the checkpoint write: resume continues from step 5" \
+  "[ \$? -eq 0 ] && grep -q 'resumed from .*ckpt-00000005.h5 at step 5' save2.out"
+
 # ---- a rank that stops calling collectives: the watchdog aborts the job ----
 rm -rf ckpt run
 MPITRAIN_TEST_HANG=2:8 mpirun -np 4 -x MPITRAIN_TEST_HANG "$BIN" "$WORK/cfg.yaml" > hang.out 2>&1 &

@@ -28,6 +28,10 @@ struct TrainState {
   std::vector<std::vector<uint8_t>> rng_states;  // per rank: torch's CPU generator state
 };
 
+// Creates `dir` if needed and checks it can be written; UsageError naming `key` otherwise. Run at
+// start-up so a bad checkpoint.dir fails before training, not at the first save.
+void ensure_writable_dir(const std::string& dir, const std::string& key);
+
 // "ckpt-00000120.h5"
 std::string checkpoint_name(int64_t step);
 

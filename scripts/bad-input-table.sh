@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Regenerates the bad-input table of docs/operations.md: runs mpitrain on each bad input (under
+# mpirun -np 2 where it matters) and prints a Markdown row with the exit code, how many times the
+# message was printed, and the message. Usage: scripts/bad-input-table.sh [build/mpitrain]
+set -u
+B=$(realpath "${1:-build/mpitrain}")
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+W=$(mktemp -d /tmp/mpitrain-badin-XXXXXX)
+trap 'umount "$W/full" 2>/dev/null; chmod -R u+w "$W"; rm -rf "$W"' EXIT
+cd "$W"
+mkdir c
+for i in $(seq 1 50); do printf 'hello world %d\n%%\n' "$i" >> c/a.txt; done
+"$B" pack c -o d/c --doc-separator % > /dev/null
+cat > ok.yaml <<'YAML'
+model: {preset: custom, n_layer: 1, n_head: 2, n_embd: 16, seq_len: 16}
+data: {train: [d/c-train-*.h5], val: [d/c-val-*.h5]}
+train: {micro_batch: 2, steps: 2, threads: 1}
+optim: {warmup_steps: 1}
+eval: {every: 0}
+checkpoint: {dir: ck}
+YAML
+"$B" ok.yaml > /dev/null 2>&1
+
+row() {  # description, command...
+  local what=$1
+  shift
+  "$@" > out.txt 2>&1
+  local rc=$?
+  local n msg
+  n=$(grep -c '^mpitrain: ' out.txt)
+  msg=$(grep -m1 '^mpitrain: ' out.txt | sed "s|$W/||g; s/|/\\\\|/g")
+  printf '| %s | %s | %s | `%s` |\n' "$what" "$rc" "$n" "$msg"
+}
+echo '| bad input | exit | printed | message |'
+echo '|---|---|---|---|'
+printf 'model: {preset: tiny\n' > syntax.yaml
+row "config: YAML syntax (mpirun -np 2)" mpirun -np 2 "$B" syntax.yaml
+printf 'train: {micro_bach: 2}\n' > unk.yaml
+row "config: unknown key (mpirun -np 2)" mpirun -np 2 "$B" unk.yaml
+row "config: wrong type" "$B" ok.yaml --set train.micro_batch=abc
+row "config: out of range" "$B" ok.yaml --set optim.lr=-1
+row "config: n_embd not divisible by n_head" "$B" ok.yaml --set model.n_head=3
+row "config: global batch != micro x world x accum (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set train.global_batch=6
+row "config: validation on but no val data" "$B" ok.yaml --set eval.every=5 --set 'data.val=[]'
+row "config: unknown preset" "$B" ok.yaml --set model.preset=gpt5
+row "CLI: missing config file" "$B" missing.yaml
+row "CLI: unknown flag" "$B" ok.yaml --bogus
+row "CLI: malformed --set" "$B" ok.yaml --set train
+row "data: no shard matches" "$B" ok.yaml --set 'data.train=[nothing/*.h5]'
+echo junk > d/c-train-00009.h5
+row "data: not an HDF5 file (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set checkpoint.resume=none
+rm d/c-train-00009.h5
+row "data: shard shorter than one window" "$B" ok.yaml --set model.seq_len=100000 --set checkpoint.resume=none
+row "data: model vocab smaller than the data's" "$B" ok.yaml --set model.vocab_size=100 --set checkpoint.resume=none
+row "checkpoint: wrong model shape" "$B" ok.yaml --set model.n_embd=32 --set train.steps=3
+cp ck/ckpt-00000002.h5 trunc.h5 && truncate -s 3000 trunc.h5
+row "checkpoint: truncated" "$B" ok.yaml --set checkpoint.resume=trunc.h5
+cp ck/ckpt-00000002.h5 flip.h5
+python3 - flip.h5 <<'PY' 2>/dev/null || printf '\xff\xff\xff\xff' | dd of=flip.h5 bs=1 seek=$(( $(stat -c %s flip.h5) - 200 )) conv=notrunc 2>/dev/null
+import sys; p=sys.argv[1]; b=bytearray(open(p,'rb').read()); b[-200]^=0xff; open(p,'wb').write(b)
+PY
+row "checkpoint: checksum mismatch" "$B" ok.yaml --set checkpoint.resume=flip.h5
+row "checkpoint: missing" "$B" ok.yaml --set checkpoint.resume=nope.h5
+row "checkpoint: not a checkpoint (a shard)" "$B" ok.yaml --set checkpoint.resume=d/c-train-00000.h5
+row "CLI: inspect a missing file" "$B" inspect nothing.h5
+row "CLI: sample from a non-HDF5 file" "$B" sample c/a.txt
+mkdir ro && chmod 555 ro
+row "CLI: checkpoint dir cannot be created" "$B" ok.yaml --set checkpoint.dir=/proc/mpitrain --set checkpoint.resume=none
+row "CLI: out_dir cannot be created" "$B" ok.yaml --set train.out_dir=/proc/mpitrain --set checkpoint.resume=none
+mkdir full
+if mount -t tmpfs -o size=200k tmpfs full 2>/dev/null; then
+  cp -r ck full/ck 2>/dev/null
+  row "checkpoint: disk full on save (200 KiB tmpfs)" "$B" ok.yaml --set checkpoint.dir=full/ck2 --set checkpoint.resume=none --set model.n_embd=64
+  umount full
+fi
