@@ -10,6 +10,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin             # MPI: launch, bootstrap and the CPU all-reduce
   libhdf5-dev hdf5-tools                 # token shards and checkpoints
   libyaml-cpp-dev libspdlog-dev libcli11-dev libgtest-dev zlib1g-dev
+  libpcre2-dev nlohmann-json3-dev        # pack: the GPT-2 BPE pre-tokenizer regex, vocab.json
   fortunes                               # the demo's English text corpus
 )
 missing=()

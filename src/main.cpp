@@ -8,6 +8,7 @@
 //   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -50,12 +51,26 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
                         "stop after this many completed steps, with a checkpoint (resume later)");
 
   PackOptions pack;
-  auto* pack_cmd = app.add_subcommand("pack", "pack text files into byte-level HDF5 token shards");
-  pack_cmd->add_option("inputs", pack.inputs, "text files or directories")->required();
+  auto* pack_cmd = app.add_subcommand(
+      "pack", "pack text or token arrays (nanoGPT/llm.c .bin, .npy) into HDF5 token shards");
+  pack_cmd->add_option("inputs", pack.inputs, "files or directories")->required();
   pack_cmd->add_option("-o,--output", pack.output_prefix, "output prefix: <prefix>-<split>-NNNNN.h5")
       ->required();
+  pack_cmd->add_option("--format", pack.format,
+                       "auto (by extension: .bin llm.c or nanoGPT, .npy, else text) | text | "
+                       "nanogpt | llmc | npy")
+      ->capture_default_str();
+  pack_cmd->add_option("--tokenizer", pack.tokenizer, "text: byte (default) | gpt2");
+  pack_cmd->add_option("--bpe-dir", pack.bpe_dir,
+                       "gpt2: directory with vocab.json + merges.txt or encoder.json + vocab.bpe");
+  pack_cmd->add_option("--vocab", pack.bpe_vocab, "gpt2: vocab.json / encoder.json");
+  pack_cmd->add_option("--merges", pack.bpe_merges, "gpt2: merges.txt / vocab.bpe");
+  pack_cmd->add_option("--vocab-size", pack.vocab_size,
+                       "token arrays: tokens must be below this (default 50257)");
+  pack_cmd->add_option("--eot", pack.eot_token,
+                       "token arrays: end-of-text id; documents start at it (default 50256)");
   pack_cmd->add_option("--doc-separator", pack.doc_separator,
-                       "a line holding exactly this separates documents (default: one per file)");
+                       "text: a line holding exactly this separates documents (default: one per file)");
   pack_cmd->add_option("--val-fraction", pack.val_fraction, "share of documents for val")
       ->capture_default_str();
   pack_cmd->add_option("--shard-tokens", pack.shard_tokens, "tokens per shard")->capture_default_str();
@@ -99,17 +114,20 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     return train(cfg, MPI_COMM_WORLD, hooks).exit_code;
   }
   if (*pack_cmd) {
-    // One rank packs; the others wait so the shards exist when the command returns everywhere.
-    agree(MPI_COMM_WORLD, [&] {
-      if (mpi.rank() != 0) return;
-      PackResult r = pack_text(pack);
-      std::printf("packed %llu documents: %llu train tokens in %zu shards, %llu val tokens in %zu shards\n"
-                  "train unigram entropy: %.4f nats/token (the loss of a model that ignores context)\n",
-                  static_cast<unsigned long long>(r.documents),
+    // Collective: the ranks share the input; the shards are the same on any number of ranks.
+    PackResult r;
+    agree(MPI_COMM_WORLD, [&] { r = mpitrain::pack(pack, MPI_COMM_WORLD); });
+    if (mpi.rank() == 0) {
+      std::printf("packed %llu documents (%s tokenizer, vocab %lld): %llu train tokens in %zu shards, "
+                  "%llu val tokens in %zu shards\n",
+                  static_cast<unsigned long long>(r.documents), r.tokenizer.c_str(),
+                  static_cast<long long>(r.vocab_size),
                   static_cast<unsigned long long>(r.train_tokens), r.train_shards.size(),
-                  static_cast<unsigned long long>(r.val_tokens), r.val_shards.size(),
-                  r.train_unigram_entropy);
-    });
+                  static_cast<unsigned long long>(r.val_tokens), r.val_shards.size());
+      if (!std::isnan(r.train_unigram_entropy))
+        std::printf("train unigram entropy: %.4f nats/token (the loss of a model that ignores context)\n",
+                    r.train_unigram_entropy);
+    }
     return 0;
   }
   if (*inspect_cmd) {

@@ -1,17 +1,27 @@
-// `mpitrain pack`: walks text inputs, splits them into documents, assigns each document to train
-// or val by a seeded hash, and writes byte-tokenized shards of at most shard_tokens tokens.
+// `mpitrain pack`, collective over a communicator: rank 0 plans (walks the inputs, reads headers,
+// resolves the tokenizer), every rank tokenizes a contiguous share of the input, documents are
+// numbered globally (an exclusive scan) and split train/val by a hash of that number, and each
+// shard — cut at fixed positions of the global token order — is written by exactly one rank, so
+// the output is the same on any number of ranks.
 #include "mpitrain/pack.h"
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <system_error>
 
+#include "mpitrain/bpe.h"
 #include "mpitrain/error.h"
+#include "mpitrain/importers.h"
+#include "mpitrain/pack_plan.h"
 #include "mpitrain/shards.h"
 
 namespace mpitrain {
@@ -20,85 +30,32 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// ---- inputs ------------------------------------------------------------------------------------
+constexpr int64_t kMaxDenseVocab = int64_t{1} << 22;  // counted for the entropy up to this size
+constexpr uint64_t kChunk = uint64_t{1} << 28;        // tokens per MPI message (< 2^31 bytes)
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
+// ---- agreement ---------------------------------------------------------------------------------
 
-// Every input file in a deterministic order: inputs as given, each directory's regular files
-// sorted. Walks skip symlinks (no loops, no escaping the tree) and *.dat files (the strfile
-// indexes that sit beside fortune files). A file named explicitly is always taken.
-std::vector<std::string> collect_files(const std::vector<std::string>& inputs) {
-  std::vector<std::string> files;
-  for (const std::string& input : inputs) {
-    std::error_code ec;
-    fs::file_status st = fs::status(input, ec);
-    if (!fs::exists(st)) throw UsageError(input + ": no such file or directory");
-    if (fs::is_regular_file(st)) {
-      files.push_back(input);
-      continue;
-    }
-    if (!fs::is_directory(st)) throw UsageError(input + ": not a regular file or directory");
-    std::vector<std::string> found;
-    fs::recursive_directory_iterator it(input, ec), end;
-    if (ec) throw UsageError(concat(input, ": cannot list directory: ", ec.message()));
-    for (; it != end; it.increment(ec)) {
-      if (ec) throw UsageError(concat(input, ": cannot list directory: ", ec.message()));
-      if (it->is_symlink(ec) || !it->is_regular_file(ec)) continue;
-      std::string path = it->path().string();
-      if (!ends_with(path, ".dat")) found.push_back(std::move(path));
-    }
-    if (ec) throw UsageError(concat(input, ": cannot list directory: ", ec.message()));
-    if (found.empty()) throw UsageError(input + ": empty directory");
-    std::sort(found.begin(), found.end());
-    files.insert(files.end(), found.begin(), found.end());
+// Runs `phase` on every rank; if any rank threw UsageError, every rank throws the message of the
+// lowest such rank (its input comes first, so the report does not depend on the world size).
+void all_or_none(MPI_Comm comm, const std::function<void()>& phase) {
+  std::string message;
+  bool failed = false;
+  try {
+    phase();
+  } catch (const UsageError& e) {
+    message = e.what();
+    failed = true;
   }
-  return files;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError(path + ": cannot open for reading");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw UsageError(path + ": read error");
-  return text;
-}
-
-bool blank(const std::string& s) {
-  return std::all_of(s.begin(), s.end(), [](unsigned char c) {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-  });
-}
-
-// Splits on lines that are exactly `sep` (a trailing '\r' is tolerated so CRLF files split too).
-// Each document keeps its bytes, newlines included; blank documents are dropped.
-std::vector<std::string> split_documents(const std::string& text, const std::string& sep) {
-  std::vector<std::string> docs;
-  auto add = [&](size_t from, size_t to) {
-    std::string doc = text.substr(from, to - from);
-    if (!blank(doc)) docs.push_back(std::move(doc));
-  };
-  if (sep.empty()) {
-    add(0, text.size());
-    return docs;
-  }
-  size_t doc_start = 0, line_start = 0;
-  while (line_start < text.size()) {
-    size_t nl = text.find('\n', line_start);
-    size_t line_end = nl == std::string::npos ? text.size() : nl;
-    size_t next = nl == std::string::npos ? text.size() : nl + 1;
-    size_t len = line_end - line_start;
-    if (len > 0 && text[line_end - 1] == '\r') --len;
-    if (len == sep.size() && text.compare(line_start, len, sep) == 0) {
-      add(doc_start, line_start);
-      doc_start = next;
-    }
-    line_start = next;
-  }
-  add(doc_start, text.size());
-  return docs;
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  int mine = failed ? rank : INT_MAX, first = INT_MAX;
+  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == INT_MAX) return;
+  uint64_t len = message.size();
+  MPI_CHECK(MPI_Bcast(&len, 1, MPI_UINT64_T, first, comm));
+  message.resize(len);
+  MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(len), MPI_CHAR, first, comm));
+  throw UsageError(message);
 }
 
 // ---- split choice ------------------------------------------------------------------------------
@@ -110,154 +67,313 @@ uint64_t fmix(uint64_t z) {
 }
 
 // A uniform [0, 1) number from (seed, document index): the same corpus and seed always give the
-// same split, whatever the shard size.
+// same split, whatever the shard size or the number of ranks.
 double unit_hash(uint64_t seed, uint64_t k) {
   uint64_t h = fmix(seed ^ fmix(k + 0x9E3779B97F4A7C15ull));
   return static_cast<double>(h >> 11) * 0x1.0p-53;
 }
 
-// ---- one split's shards ------------------------------------------------------------------------
+// One range, loaded: its tokens and the documents it owns (those that start in it).
+struct Unit {
+  size_t file = 0;
+  std::unique_ptr<MappedFile> map;  // token arrays
+  std::vector<uint16_t> u16;        // text, tokenized: EOT + tokens per document
+  std::vector<uint32_t> u32;        // (u32 when the vocabulary needs it)
+  TokenView view;
+  std::vector<uint64_t> starts;  // where each owned document starts
+  uint64_t end = 0;              // where the last owned document ends
+};
 
+void load_text(Unit& u, const PackInput& f, const PackOptions& o, const ShardMeta& meta,
+               Gpt2Bpe* bpe) {
+  const std::string text = read_whole_file(f.path);
+  const bool narrow = meta.vocab_size <= 65536;
+  std::vector<uint32_t> ids;
+  for (auto [offset, length] : split_documents(text, o.doc_separator)) {
+    const std::string_view doc(text.data() + offset, length);
+    ids.assign(1, static_cast<uint32_t>(meta.eot_token));
+    if (bpe) {
+      try {
+        bpe->encode(doc, ids);
+      } catch (const InvalidUtf8& e) {
+        throw UsageError(concat(f.path, ": invalid UTF-8 at byte ", offset + e.offset,
+                                " (the gpt2 tokenizer reads UTF-8 text)"));
+      }
+    } else {
+      for (unsigned char c : doc) ids.push_back(c);
+    }
+    u.starts.push_back(narrow ? u.u16.size() : u.u32.size());
+    if (narrow)
+      u.u16.insert(u.u16.end(), ids.begin(), ids.end());
+    else
+      u.u32.insert(u.u32.end(), ids.begin(), ids.end());
+  }
+  u.view = narrow ? TokenView{reinterpret_cast<const unsigned char*>(u.u16.data()), Dtype::u16,
+                              u.u16.size()}
+                  : TokenView{reinterpret_cast<const unsigned char*>(u.u32.data()), Dtype::u32,
+                              u.u32.size()};
+  u.end = u.view.count;
+}
+
+void load_tokens(Unit& u, const PackInput& f, const PackRange& r, const ShardMeta& meta) {
+  u.map = std::make_unique<MappedFile>(f.path);
+  const uint64_t need = f.layout.offset + f.layout.count * dtype_bytes(f.layout.dtype);
+  if (u.map->size() != need)
+    throw UsageError(concat(f.path, ": changed size while packing (", u.map->size(),
+                            " bytes, expected ", need, ")"));
+  u.view = TokenView{u.map->data() + f.layout.offset, f.layout.dtype, f.layout.count};
+  // A document starts at every EOT; the tokens before a file's first EOT are a document too.
+  const std::vector<uint64_t> eots =
+      scan_tokens(u.view, r.begin, r.end, meta.vocab_size, meta.eot_token, f.path);
+  if (r.begin == 0 && (eots.empty() || eots[0] != 0)) u.starts.push_back(0);
+  u.starts.insert(u.starts.end(), eots.begin(), eots.end());
+  // The last document runs on to the next EOT, possibly through later ranks' ranges.
+  u.end = u.starts.empty() ? r.end : next_eot(u.view, r.end, meta.eot_token);
+}
+
+// ---- one split's stream on this rank -----------------------------------------------------------
+
+// The split's tokens on this rank, in global order, as ranges of units.
+struct Stream {
+  struct Segment {
+    const Unit* unit;
+    uint64_t begin, end;
+  };
+  std::vector<Segment> segments;
+  std::vector<uint64_t> first;  // position of each segment's first token in the stream
+  uint64_t size = 0;
+
+  void add(const Unit* u, uint64_t begin, uint64_t end) {
+    if (!segments.empty() && segments.back().unit == u && segments.back().end == begin) {
+      segments.back().end = end;
+    } else {
+      segments.push_back({u, begin, end});
+      first.push_back(size);
+    }
+    size += end - begin;
+  }
+
+  // Stream positions [from, to) into dst.
+  void read(uint64_t from, uint64_t to, uint32_t* dst) const {
+    size_t i = std::upper_bound(first.begin(), first.end(), from) - first.begin() - 1;
+    for (; from < to; ++i) {
+      const Segment& s = segments[i];
+      const uint64_t b = s.begin + (from - first[i]);
+      const uint64_t e = std::min(s.end, b + (to - from));
+      copy_tokens(s.unit->view, b, e, dst);
+      dst += e - b;
+      from += e - b;
+    }
+  }
+};
+
+std::string shard_path(const std::string& prefix, const char* split, uint64_t index) {
+  char num[32];
+  std::snprintf(num, sizeof num, "%05llu", static_cast<unsigned long long>(index));
+  return prefix + "-" + split + "-" + num + ".h5";
+}
+
+// ---- writing -----------------------------------------------------------------------------------
+
+// Writes the shards of one split that start on this rank. Shard k holds global stream positions
+// [k*L, (k+1)*L); its writer is the rank holding position k*L, and the ranks after it send the
+// rest of that shard (at most one message per rank and split, posted up front by post_send).
 class SplitWriter {
  public:
-  SplitWriter(std::string prefix, std::string split, uint64_t shard_tokens, ShardMeta meta)
-      : prefix_(std::move(prefix)), split_(std::move(split)), limit_(shard_tokens),
-        meta_(std::move(meta)) {}
-
-  // EOT then the document's bytes; a document longer than the room left continues in the next
-  // shard (its offset is recorded where its EOT lands).
-  void add(const std::string& doc) {
-    if (tokens_.size() >= limit_) flush();
-    offsets_.push_back(tokens_.size());
-    tokens_.push_back(static_cast<uint32_t>(kByteEot));
-    ++counts_[kByteEot];
-    for (unsigned char c : doc) ++counts_[c];
-    size_t pos = 0;
-    while (pos < doc.size()) {
-      if (tokens_.size() >= limit_) flush();
-      size_t take = std::min<size_t>(doc.size() - pos, limit_ - tokens_.size());
-      for (size_t i = 0; i < take; ++i)
-        tokens_.push_back(static_cast<unsigned char>(doc[pos + i]));
-      pos += take;
-    }
-    total_ += doc.size() + 1;
-    ++docs_;
+  SplitWriter(const Stream& stream, const std::vector<uint64_t>& sizes, int rank, int split,
+              uint64_t limit, MPI_Comm comm)
+      : s_(stream), n_(sizes), rank_(rank), tag_(split), limit_(limit), comm_(comm) {
+    o_.resize(n_.size() + 1, 0);
+    for (size_t r = 0; r < n_.size(); ++r) o_[r + 1] = o_[r] + n_[r];
   }
+  uint64_t total() const { return o_.back(); }
+  uint64_t shards() const { return (total() + limit_ - 1) / limit_; }
 
-  // Writes the last partial shard, then removes higher-numbered shards left by an earlier, larger
-  // pack into the same prefix, so a glob over the prefix never mixes two corpora.
-  void finish() {
-    if (!tokens_.empty()) flush();
-    for (size_t i = paths_.size();; ++i) {
-      std::error_code ec;
-      if (!fs::remove(path(i), ec)) break;
+  // This rank's head belongs to a shard that starts on an earlier rank: send it there.
+  void post_send(std::vector<MPI_Request>& reqs) {
+    const uint64_t mine = o_[rank_];
+    if (n_[rank_] == 0 || mine % limit_ == 0) return;
+    const uint64_t k = mine / limit_;
+    int owner = rank_ - 1;
+    while (!(o_[owner] <= k * limit_ && k * limit_ < o_[owner + 1])) --owner;
+    send_.resize(std::min(n_[rank_], (k + 1) * limit_ - mine));
+    s_.read(0, send_.size(), send_.data());
+    for (uint64_t off = 0; off < send_.size(); off += kChunk) {
+      reqs.emplace_back();
+      MPI_CHECK(MPI_Isend(send_.data() + off,
+                          static_cast<int>(std::min(kChunk, send_.size() - off)), MPI_UINT32_T,
+                          owner, tag_, comm_, &reqs.back()));
     }
   }
 
-  const std::vector<std::string>& paths() const { return paths_; }
-  uint64_t tokens() const { return total_; }
-  uint64_t documents() const { return docs_; }
-
-  // Entropy of the token frequencies in nats: the loss of the best model that ignores context,
-  // the bar a trained model's loss has to go well below.
-  double unigram_entropy() const {
-    double h = 0;
-    for (uint64_t c : counts_)
-      if (c > 0) {
-        const double p = static_cast<double>(c) / static_cast<double>(total_);
-        h -= p * std::log(p);
+  // Assembles and writes this rank's shards. A failed write is remembered in `error`, and the
+  // receives go on regardless, so that no sender is left waiting.
+  void write(const std::string& prefix, const char* split, const ShardMeta& meta,
+             std::string& error) {
+    const uint64_t mine = o_[rank_], mine_end = o_[rank_ + 1];
+    if (n_[rank_] == 0) return;
+    std::vector<uint32_t> tokens;
+    std::vector<uint64_t> offsets;
+    for (uint64_t k = (mine + limit_ - 1) / limit_; k * limit_ < mine_end; ++k) {
+      const uint64_t start = k * limit_, stop = std::min(start + limit_, total());
+      tokens.resize(stop - start);
+      s_.read(start - mine, std::min(stop, mine_end) - mine, tokens.data());
+      for (size_t q = static_cast<size_t>(rank_) + 1; q < n_.size() && o_[q] < stop; ++q) {
+        const uint64_t len = std::min(stop, o_[q + 1]) - o_[q];
+        for (uint64_t off = 0; off < len; off += kChunk)
+          MPI_CHECK(MPI_Recv(tokens.data() + (o_[q] - start) + off,
+                             static_cast<int>(std::min(kChunk, len - off)), MPI_UINT32_T,
+                             static_cast<int>(q), tag_, comm_, MPI_STATUS_IGNORE));
       }
-    return h;
+      if (!error.empty()) continue;
+      offsets.clear();
+      for (size_t i = 0; i < tokens.size(); ++i)
+        if (tokens[i] == static_cast<uint32_t>(meta.eot_token)) offsets.push_back(i);
+      try {
+        write_shard(shard_path(prefix, split, k), tokens, offsets, meta);
+      } catch (const UsageError& e) {
+        error = e.what();
+      }
+    }
   }
 
  private:
-  std::string path(size_t index) const {
-    char num[32];
-    std::snprintf(num, sizeof num, "%05zu", index);
-    return prefix_ + "-" + split_ + "-" + num + ".h5";
-  }
-
-  void flush() {
-    std::string p = path(paths_.size());
-    write_shard(p, tokens_, offsets_, meta_);
-    paths_.push_back(std::move(p));
-    tokens_.clear();
-    offsets_.clear();
-  }
-
-  std::string prefix_, split_;
+  const Stream& s_;
+  std::vector<uint64_t> n_, o_;  // tokens per rank, and their prefix sums
+  int rank_, tag_;
   uint64_t limit_;
-  ShardMeta meta_;
-  std::vector<uint32_t> tokens_;
-  std::vector<uint64_t> offsets_;
-  std::vector<std::string> paths_;
-  uint64_t total_ = 0, docs_ = 0;
-  std::array<uint64_t, kByteVocab> counts_{};
+  MPI_Comm comm_;
+  std::vector<uint32_t> send_;
 };
 
 }  // namespace
 
-// ---- pack_text ---------------------------------------------------------------------------------
+// ---- pack --------------------------------------------------------------------------------------
 
-PackResult pack_text(const PackOptions& opts) {
-  if (opts.inputs.empty()) throw UsageError("pack: no inputs given");
-  if (opts.output_prefix.empty()) throw UsageError("pack: output prefix is empty");
-  if (!(opts.val_fraction >= 0.0 && opts.val_fraction < 1.0))
-    throw UsageError(concat("pack: val_fraction ", opts.val_fraction, " not in [0, 1)"));
-  if (opts.shard_tokens == 0) throw UsageError("pack: shard_tokens must be > 0");
+PackResult pack(const PackOptions& opts, MPI_Comm comm) {
+  int rank = 0, world = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &world));
 
-  const std::vector<std::string> files = collect_files(opts.inputs);
+  PackPlan plan;
+  std::optional<Gpt2Bpe> bpe;
+  all_or_none(comm, [&] {
+    if (rank == 0) plan = make_pack_plan(opts, bpe);
+  });
+  broadcast_pack_plan(plan, comm);
+  const ShardMeta& meta = plan.meta;
 
-  fs::path dir = fs::path(opts.output_prefix).parent_path();
-  if (!dir.empty()) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw UsageError(concat(dir.string(), ": cannot create output directory: ", ec.message()));
-  }
-
-  ShardMeta meta;
-  meta.vocab_size = kByteVocab;
-  meta.eot_token = kByteEot;
-  meta.tokenizer = "byte";
-  meta.source = concat("pack_text: ", files.size(), " files");
-  SplitWriter train(opts.output_prefix, "train", opts.shard_tokens, meta);
-  SplitWriter val(opts.output_prefix, "val", opts.shard_tokens, meta);
-
-  // Each document is routed one step late, so that the last one can still be redirected: tiny
-  // corpora whose hashes sent nothing to val get the last document as their val split (and a
-  // corpus whose documents all hashed to val keeps its last one for train).
-  std::string pending;
-  bool have_pending = false, pending_val = false;
-  uint64_t k = 0;
-  for (const std::string& file : files) {
-    for (std::string& doc : split_documents(read_file(file), opts.doc_separator)) {
-      if (have_pending) (pending_val ? val : train).add(pending);
-      pending = std::move(doc);
-      have_pending = true;
-      pending_val = unit_hash(opts.seed, k++) < opts.val_fraction;
+  // ---- tokenize this rank's share ----
+  std::vector<Unit> units;
+  all_or_none(comm, [&] {
+    for (const PackRange& r : pack_ranges(plan, rank, world)) {
+      const PackInput& f = plan.files[r.file];
+      units.emplace_back();
+      units.back().file = r.file;
+      if (f.format != InputFormat::text) {
+        load_tokens(units.back(), f, r, meta);
+        continue;
+      }
+      if (meta.tokenizer == "gpt2" && !bpe) bpe = load_bpe(opts);
+      load_text(units.back(), f, opts, meta, meta.tokenizer == "gpt2" ? &*bpe : nullptr);
     }
-  }
-  if (!have_pending) {
+  });
+
+  // ---- number the documents globally and choose their split ----
+  uint64_t my_docs = 0, first_doc = 0, docs = 0;
+  for (const Unit& u : units) my_docs += u.starts.size();
+  MPI_CHECK(MPI_Exscan(&my_docs, &first_doc, 1, MPI_UINT64_T, MPI_SUM, comm));
+  if (rank == 0) first_doc = 0;  // MPI_Exscan leaves rank 0's result undefined
+  MPI_CHECK(MPI_Allreduce(&my_docs, &docs, 1, MPI_UINT64_T, MPI_SUM, comm));
+  if (docs == 0) {
     std::string names;
     for (const std::string& in : opts.inputs) names += (names.empty() ? "" : ", ") + in;
     throw UsageError(names + ": no documents (every input file is empty or blank)");
   }
-  if (train.documents() == 0)
-    pending_val = false;
-  else if (opts.val_fraction > 0 && val.documents() == 0)
-    pending_val = true;
-  (pending_val ? val : train).add(pending);
-  train.finish();
-  val.finish();
+  auto hashed_val = [&](uint64_t k) { return unit_hash(opts.seed, k) < opts.val_fraction; };
+  // A tiny corpus whose hashes sent nothing to val gets its last document as the val split (and
+  // one whose documents all hashed to val keeps its last one for train).
+  std::array<uint64_t, 2> before_last{}, before_last_all{};  // train, val among docs < last
+  for (uint64_t k = first_doc; k < first_doc + my_docs && k + 1 < docs; ++k)
+    ++before_last[hashed_val(k) ? 1 : 0];
+  MPI_CHECK(
+      MPI_Allreduce(before_last.data(), before_last_all.data(), 2, MPI_UINT64_T, MPI_SUM, comm));
+  auto is_val = [&](uint64_t k) {
+    if (k + 1 < docs) return hashed_val(k);
+    if (before_last_all[0] == 0) return false;
+    if (opts.val_fraction > 0 && before_last_all[1] == 0) return true;
+    return hashed_val(k);
+  };
+
+  std::array<Stream, 2> streams;  // train, val
+  uint64_t k = first_doc;
+  for (const Unit& u : units)
+    for (size_t d = 0; d < u.starts.size(); ++d, ++k)
+      streams[is_val(k) ? 1 : 0].add(&u, u.starts[d],
+                                     d + 1 < u.starts.size() ? u.starts[d + 1] : u.end);
+
+  // ---- the train split's unigram entropy ----
+  double entropy = std::numeric_limits<double>::quiet_NaN();
+  if (meta.vocab_size <= kMaxDenseVocab) {
+    std::vector<uint64_t> counts(static_cast<size_t>(meta.vocab_size), 0), all(counts.size());
+    for (const Stream::Segment& s : streams[0].segments)
+      count_tokens(s.unit->view, s.begin, s.end, counts.data());
+    MPI_CHECK(MPI_Allreduce(counts.data(), all.data(), static_cast<int>(all.size()), MPI_UINT64_T,
+                            MPI_SUM, comm));
+    uint64_t n = 0;
+    for (uint64_t c : all) n += c;
+    entropy = 0;
+    for (uint64_t c : all)
+      if (c > 0) {
+        const double p = static_cast<double>(c) / static_cast<double>(n);
+        entropy -= p * std::log(p);
+      }
+  }
+
+  // ---- write the shards ----
+  std::vector<uint64_t> sizes(2 * static_cast<size_t>(world));
+  const uint64_t mine[2] = {streams[0].size, streams[1].size};
+  MPI_CHECK(MPI_Allgather(mine, 2, MPI_UINT64_T, sizes.data(), 2, MPI_UINT64_T, comm));
+  static const char* kSplits[2] = {"train", "val"};
+  std::vector<SplitWriter> writers;
+  for (int s = 0; s < 2; ++s) {
+    std::vector<uint64_t> n(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) n[r] = sizes[2 * static_cast<size_t>(r) + s];
+    writers.emplace_back(streams[s], n, rank, s, opts.shard_tokens, comm);
+  }
+  std::vector<MPI_Request> sends;
+  for (SplitWriter& w : writers) w.post_send(sends);
+  std::string error;
+  for (int s = 0; s < 2; ++s) writers[s].write(opts.output_prefix, kSplits[s], meta, error);
+  MPI_CHECK(MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE));
+  all_or_none(comm, [&] {
+    if (!error.empty()) throw UsageError(error);
+  });
 
   PackResult r;
-  r.train_shards = train.paths();
-  r.val_shards = val.paths();
-  r.documents = k;
-  r.train_tokens = train.tokens();
-  r.val_tokens = val.tokens();
-  r.train_unigram_entropy = train.unigram_entropy();
+  for (int s = 0; s < 2; ++s) {
+    auto& paths = s == 0 ? r.train_shards : r.val_shards;
+    for (uint64_t i = 0; i < writers[s].shards(); ++i)
+      paths.push_back(shard_path(opts.output_prefix, kSplits[s], i));
+    // Shards past the last one, left by an earlier, larger pack into the same prefix, would mix two
+    // corpora under one glob: remove them.
+    if (rank == 0)
+      for (uint64_t i = paths.size();; ++i) {
+        std::error_code ec;
+        if (!fs::remove(shard_path(opts.output_prefix, kSplits[s], i), ec)) break;
+      }
+  }
+  MPI_CHECK(MPI_Barrier(comm));  // the stale shards are gone when pack returns anywhere
+  r.documents = docs;
+  r.train_tokens = writers[0].total();
+  r.val_tokens = writers[1].total();
+  r.vocab_size = meta.vocab_size;
+  r.eot_token = meta.eot_token;
+  r.tokenizer = meta.tokenizer;
+  r.train_unigram_entropy = entropy;
   return r;
 }
+
+PackResult pack_text(const PackOptions& opts) { return pack(opts, MPI_COMM_SELF); }
 
 }  // namespace mpitrain

@@ -1,5 +1,10 @@
-// `mpitrain pack`: text files into byte-level HDF5 token shards with a train/val split.
+// `mpitrain pack`: text (byte or GPT-2 BPE tokenizer) and token arrays (nanoGPT .bin, llm.c .bin,
+// .npy) into HDF5 token shards with a per-document train/val split. Collective over an MPI
+// communicator: ranks share the input, and the shards are the same whatever the number of ranks
+// (docs/pack.md).
 #pragma once
+
+#include <mpi.h>
 
 #include <cstdint>
 #include <string>
@@ -8,12 +13,20 @@
 namespace mpitrain {
 
 struct PackOptions {
-  std::vector<std::string> inputs;  // text files or directories (regular files, recursively)
-  std::string output_prefix;        // shards are <prefix>-<split>-<index:05>.h5
-  std::string doc_separator;        // a line holding exactly this splits documents ("" = file)
-  double val_fraction = 0.05;       // share of documents that go to val, [0, 1)
+  std::vector<std::string> inputs;    // files or directories (regular files, recursively)
+  std::string output_prefix;          // shards are <prefix>-<split>-<index:05>.h5
+  std::string format = "auto";        // auto | text | nanogpt | llmc | npy (auto: by extension)
+  std::string tokenizer;              // byte | gpt2; "" = byte for text (token arrays: see below)
+  std::string bpe_dir;                // gpt2: vocab.json + merges.txt or encoder.json + vocab.bpe
+  std::string bpe_vocab, bpe_merges;  // gpt2: the two files named directly (instead of bpe_dir)
+  // Token-array inputs: every token must be < vocab_size; documents start at each eot. 0 / -1
+  // mean the tokenizer's values, and without a tokenizer GPT-2's (50257 / 50256).
+  int64_t vocab_size = 0;
+  int64_t eot_token = -1;
+  std::string doc_separator;            // text: a line holding exactly this splits documents
+  double val_fraction = 0.05;           // share of documents that go to val, [0, 1)
   uint64_t shard_tokens = 100'000'000;  // tokens per shard, > 0
-  uint64_t seed = 0;                // seeds the per-document train/val choice
+  uint64_t seed = 0;                    // seeds the per-document train/val choice
 };
 
 struct PackResult {
@@ -22,16 +35,29 @@ struct PackResult {
   uint64_t documents = 0;
   uint64_t train_tokens = 0;
   uint64_t val_tokens = 0;
-  double train_unigram_entropy = 0;  // nats per token of the train split's token frequencies
+  int64_t vocab_size = 0;
+  int64_t eot_token = -1;
+  std::string tokenizer;
+  // Nats per token of the train split's token frequencies; NaN when the vocabulary is too large
+  // to count densely (> 2^22).
+  double train_unigram_entropy = 0;
 };
 
 // The byte tokenizer: vocab 257, token = byte value, end-of-text = 256.
 constexpr int64_t kByteVocab = 257;
 constexpr int64_t kByteEot = 256;
+// GPT-2's vocabulary: the defaults for token arrays.
+constexpr int64_t kGpt2Vocab = 50257;
+constexpr int64_t kGpt2Eot = 50256;
 
-// Packs with the byte tokenizer: each document becomes EOT followed by its bytes; /doc_offsets
-// records where each document's EOT is. Bad inputs (missing files, empty directories, no
-// documents) are UsageError naming the path.
+// Packs on every rank of `comm` (collective; MPI_COMM_SELF packs alone). Every document becomes
+// EOT followed by its tokens (text), or keeps its tokens as they are (token arrays, whose
+// documents start at their EOTs); /doc_offsets records each EOT. A document goes to val when
+// hash(seed, global document index) < val_fraction. Bad input is a UsageError naming the file,
+// thrown on every rank with the same message.
+PackResult pack(const PackOptions& opts, MPI_Comm comm);
+
+// pack(opts, MPI_COMM_SELF).
 PackResult pack_text(const PackOptions& opts);
 
 }  // namespace mpitrain

@@ -1,0 +1,93 @@
+// `mpitrain pack`'s inputs: finding the files, cutting text into documents, and the token-array
+// formats: nanoGPT .bin (headerless uint16), llm.c .bin (1024-byte header) and numpy .npy (1-D
+// integer arrays). Token arrays are memory-mapped, validated and copied out by token range, so a
+// rank touches only its share of a large file. Every bad file is a UsageError naming it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace mpitrain {
+
+// ---- files and text documents ------------------------------------------------------------------
+
+// Every input file in a deterministic order: inputs as given, each directory's regular files
+// sorted. Walks skip symlinks and *.dat files (strfile indexes beside fortune files); a file named
+// explicitly is always taken. Missing inputs and empty directories are UsageError.
+std::vector<std::string> collect_input_files(const std::vector<std::string>& inputs);
+
+std::string read_whole_file(const std::string& path);
+
+// Documents of a text: the whole text, or the pieces between lines that are exactly `sep` (a
+// trailing '\r' is tolerated). Blank documents are dropped. Each is (byte offset, length).
+std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
+                                                       const std::string& sep);
+
+// ---- token-array formats -----------------------------------------------------------------------
+
+enum class InputFormat { text, nanogpt, llmc, npy };
+enum class Dtype { u8, i8, u16, i16, u32, i32, u64, i64 };
+
+const char* format_name(InputFormat f);
+// "auto" is not a format: see detect_format. Unknown names are a UsageError.
+InputFormat parse_format(const std::string& name);
+size_t dtype_bytes(Dtype d);
+
+constexpr int32_t kLlmcMagicV1 = 20240520;   // version 1: uint16 tokens (GPT-2)
+constexpr int32_t kLlmcMagicV7 = 20240801;   // version 7: uint32 tokens (Llama 3)
+constexpr uint64_t kLlmcHeaderBytes = 1024;  // 256 int32; [0] magic, [1] version, [2] count
+
+// Format by name: *.npy is npy, *.bin is llm.c when it starts with an llm.c magic and nanoGPT
+// otherwise, *.h5 / *.hdf5 are refused (UsageError), anything else is text.
+InputFormat detect_format(const std::string& path);
+
+// Where a token array's tokens are in its file.
+struct TokenLayout {
+  Dtype dtype = Dtype::u16;
+  uint64_t offset = 0;  // header bytes before the first token
+  uint64_t count = 0;   // tokens
+};
+
+// Reads and checks a token file's header and size (not the tokens): llm.c magic, version and
+// exact size; npy magic, version, dtype, order, 1-D shape and exact size; nanoGPT even size.
+// Empty arrays are refused ("no tokens").
+TokenLayout read_token_layout(const std::string& path, InputFormat format);
+
+// A read-only memory map of a whole file (empty files map nothing).
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const unsigned char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// A typed array of tokens in memory (a mapped file or a buffer); positions index tokens.
+struct TokenView {
+  const unsigned char* data = nullptr;
+  Dtype dtype = Dtype::u16;
+  uint64_t count = 0;
+};
+
+// Checks tokens [begin, end) are in [0, vocab_size) and returns the positions holding `eot`.
+// A bad token is a UsageError "<path>: token 50300 at position 17 is >= vocab_size 50257" (or
+// "... is negative"); positions count from the file's first token.
+std::vector<uint64_t> scan_tokens(const TokenView& v, uint64_t begin, uint64_t end,
+                                  int64_t vocab_size, int64_t eot, const std::string& path);
+// The first position >= from holding `eot`, or v.count.
+uint64_t next_eot(const TokenView& v, uint64_t from, int64_t eot);
+// Tokens [begin, end) widened to uint32 (they are known to be < vocab_size <= 2^32).
+void copy_tokens(const TokenView& v, uint64_t begin, uint64_t end, uint32_t* dst);
+// Adds tokens [begin, end) into counts[token] (counts holds vocab_size entries).
+void count_tokens(const TokenView& v, uint64_t begin, uint64_t end, uint64_t* counts);
+
+}  // namespace mpitrain
