@@ -2,7 +2,7 @@
 // by MPI (or alone, as a singleton); everything a rank needs comes from MPI.
 //
 //   mpitrain [train] CONFIG.yaml [--set key=value ...]   train (the default command)
-//   mpitrain pack INPUT... -o PREFIX                     text -> byte-level HDF5 token shards
+//   mpitrain pack INPUT... -o PREFIX                     text / .bin / .npy -> HDF5 token shards
 //   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
 //   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
