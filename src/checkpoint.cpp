@@ -100,9 +100,23 @@ void write_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
                static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), c.numel() * sizeof(float))));
 }
 
+// A dataset that exists but may be something else (a group, after tampering): usage error.
+// (found by fuzz_checkpoint: fuzz/regressions/fuzz_checkpoint/)
+h5::Dataset open_dataset(hid_t loc, const std::string& file, const std::string& name) {
+  const hid_t id = H5Dopen2(loc, name.c_str(), H5P_DEFAULT);
+  if (id < 0) throw UsageError(concat(file, ": '", name, "' is not a readable dataset"));
+  return h5::Dataset(id);
+}
+
+h5::Group open_group(hid_t loc, const std::string& file, const std::string& name) {
+  const hid_t id = H5Gopen2(loc, name.c_str(), H5P_DEFAULT);
+  if (id < 0) throw UsageError(concat(file, ": '", name, "' is not a readable group"));
+  return h5::Group(id);
+}
+
 void read_tensor(hid_t loc, const std::string& file, const std::string& name, torch::Tensor& into) {
   if (!h5::exists(loc, name)) throw UsageError(concat(file, ": missing dataset '", name, "'"));
-  h5::Dataset ds(H5Dopen2(loc, name.c_str(), H5P_DEFAULT), name);
+  h5::Dataset ds = open_dataset(loc, file, name);
   auto dims = h5::shape(ds.get());
   std::vector<int64_t> shape(dims.begin(), dims.end());
   if (shape != into.sizes().vec())
@@ -291,7 +305,7 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
 
   if (opt) {
     if (!h5::exists(root, "optim")) throw UsageError(concat(path, ": missing group 'optim'"));
-    auto g = h5::open_group(root, "optim");
+    auto g = open_group(root, path, "optim");
     opt->set_steps_taken(require_int(g.get(), path, "steps_taken"));
     for (size_t i = 0; i < opt->size(); ++i) {
       read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg", opt->exp_avg(i));
@@ -300,11 +314,11 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
   }
 
   if (!h5::exists(root, "train")) throw UsageError(concat(path, ": missing group 'train'"));
-  auto train = h5::open_group(root, "train");
+  auto train = open_group(root, path, "train");
   st.data_cursor = static_cast<uint64_t>(require_int(train.get(), path, "data_cursor"));
   st.rng_states.clear();
   if (h5::exists(train.get(), "rng_states")) {
-    h5::Dataset ds(H5Dopen2(train.get(), "rng_states", H5P_DEFAULT), "rng_states");
+    h5::Dataset ds = open_dataset(train.get(), path, "rng_states");
     auto dims = h5::shape(ds.get());
     if (dims.size() != 2) throw UsageError(concat(path, ": dataset 'train/rng_states' must be 2-D"));
     std::vector<uint8_t> flat(dims[0] * dims[1]);

@@ -112,9 +112,18 @@ OpenShard open_shard(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) throw bad("cannot stat");
   s.file_size = st.st_size;
   haddr_t offset = H5Dget_offset(d);
-  if (offset != HADDR_UNDEF &&
-      offset + H5Dget_storage_size(d) > static_cast<uint64_t>(s.file_size))
+  const hsize_t stored = H5Dget_storage_size(d);
+  if (offset != HADDR_UNDEF && offset + stored > static_cast<uint64_t>(s.file_size))
     throw bad("truncated file (dataset 'tokens' extends past the end)");
+  // A dataset can declare any length without storing it (unallocated space, fill values):
+  // reading it would allocate the declared size. Real token data is stored, and a contiguous
+  // dataset stores exactly its size (found by fuzz_shard: fuzz/regressions/fuzz_shard/).
+  const hsize_t raw = s.info.num_tokens * static_cast<hsize_t>(s.info.dtype_bytes);
+  h5::PropList dcpl(H5Dget_create_plist(d), "dataset 'tokens' creation properties");
+  const bool contiguous = H5Pget_layout(dcpl.get()) == H5D_CONTIGUOUS;
+  if (raw > 0 && (stored == 0 || (contiguous && stored != raw)))
+    throw bad(concat("dataset 'tokens' declares ", s.info.num_tokens, " tokens but stores ", stored,
+                     " bytes (unallocated or corrupt)"));
   return s;
 }
 

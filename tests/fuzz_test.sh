@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing of the untrusted-input parsers, short enough for CI (fuzz/README.md).
+#
+#   bash tests/fuzz_test.sh [seconds-per-target]      (default 30)
+#
+# Configures <repo>/build-fuzz with clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer),
+# builds fuzz_config, fuzz_shard and fuzz_checkpoint (-j2), then for each target:
+#   1. replays every input committed under fuzz/regressions/<target>/ (crashes found earlier);
+#   2. fuzzes for the given time, starting from a temporary copy of fuzz/corpus/<target>/ (the
+#      committed corpus never grows), printing libFuzzer's execution count.
+# A crash input is kept under build-fuzz/fuzz-artifacts/<target>/ and its path printed.
+# Exit status: 0 all passed, 1 something failed, 77 skipped (no clang or no libFuzzer runtime).
+# FUZZ_TARGETS="fuzz_shard ..." limits the run to some targets.
+set -uo pipefail
+
+seconds=${1:-30}
+if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
+  echo "usage: bash tests/fuzz_test.sh [seconds-per-target]" >&2
+  exit 2
+fi
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build="$root/build-fuzz"
+read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint}"
+
+skip() {
+  echo "SKIP: $*"
+  exit 77
+}
+
+# ---- tools ---------------------------------------------------------------------------------------
+command -v clang >/dev/null 2>&1 && command -v clang++ >/dev/null 2>&1 ||
+  skip "clang/clang++ not installed (Debian: apt-get install clang libclang-rt-dev)"
+command -v cmake >/dev/null 2>&1 || skip "cmake not installed"
+work=$(mktemp -d "${TMPDIR:-/tmp}/mpitrain-fuzz.XXXXXX") || exit 1
+trap 'rm -rf "$work"' EXIT
+printf '#include <cstddef>\n#include <cstdint>\nextern "C" int LLVMFuzzerTestOneInput(const uint8_t*, size_t) { return 0; }\n' \
+  >"$work/probe.cpp"
+clang++ -fsanitize=fuzzer,address "$work/probe.cpp" -o "$work/probe" >/dev/null 2>&1 ||
+  skip "clang++ cannot link -fsanitize=fuzzer,address (the libFuzzer runtime: apt-get install libclang-rt-dev)"
+
+# ---- build -----------------------------------------------------------------------------------------
+echo "== configuring and building $build (clang, libFuzzer + ASan)"
+if ! CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DMPITRAIN_FUZZ=ON \
+    -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    >"$work/configure.log" 2>&1; then
+  tail -n 30 "$work/configure.log"
+  echo "FAIL: cmake configure of $build"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+if ! cmake --build "$build" -j2 --target "${targets[@]}" >"$work/build.log" 2>&1; then
+  grep -E "error|Error" "$work/build.log" | head -n 30
+  echo "FAIL: building ${targets[*]} (full log: rerun cmake --build $build --target ${targets[*]})"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+# ---- run -------------------------------------------------------------------------------------------
+passed=0
+failed=0
+pass() { echo "PASS: $*"; passed=$((passed + 1)); }
+fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
+
+# The harnesses write their HDF5 files below FUZZ_SCRATCH; a crash skips their own clean-up, the
+# trap above does not.
+export FUZZ_SCRATCH="$work/scratch"
+mkdir -p "$FUZZ_SCRATCH"
+common=(-rss_limit_mb=2048 -timeout=60)
+
+for target in "${targets[@]}"; do
+  bin="$build/$target"
+  artifacts="$build/fuzz-artifacts/$target"
+  mkdir -p "$artifacts"
+
+  # 1. Regressions: every input that once crashed must now run clean.
+  regressions=()
+  if [[ -d $root/fuzz/regressions/$target ]]; then
+    while IFS= read -r -d '' f; do regressions+=("$f"); done \
+      < <(find "$root/fuzz/regressions/$target" -type f -print0 | sort -z)
+  fi
+  if ((${#regressions[@]})); then
+    bad=0
+    for input in "${regressions[@]}"; do
+      log="$artifacts/regression-$(basename "$input").log"
+      if ! "$bin" "${common[@]}" "$input" >"$log" 2>&1; then
+        bad=$((bad + 1))
+        echo "  $target: regression input ${input#"$root"/} still fails:"
+        grep -E "PROPERTY VIOLATED|ERROR: |SUMMARY: " "$log" | head -n 3 | sed 's/^/    /'
+        echo "    log: $log"
+      fi
+    done
+    if ((bad)); then
+      fail "$target regressions ($bad of ${#regressions[@]} inputs fail)"
+    else
+      pass "$target regressions (${#regressions[@]} inputs)"
+    fi
+  fi
+
+  # 2. Fuzzing from a throw-away copy of the seed corpus.
+  corpus="$work/corpus/$target"
+  mkdir -p "$corpus"
+  if [[ -d $root/fuzz/corpus/$target ]]; then cp -R "$root/fuzz/corpus/$target/." "$corpus/"; fi
+  log="$build/fuzz-artifacts/$target.log"
+  "$bin" "${common[@]}" -max_total_time="$seconds" -print_final_stats=1 \
+    -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1
+  rc=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
+  echo "  $target: execs ${execs:-?} in ${seconds}s (log: $log)"
+  if ((rc == 0)); then
+    pass "$target fuzzing ${seconds}s"
+  else
+    crash=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n 1)
+    grep -E "PROPERTY VIOLATED|ERROR: |SUMMARY: " "$log" | head -n 3 | sed 's/^/    /'
+    if [[ -n $crash ]]; then
+      echo "    crash input kept: $crash"
+      echo "    replay: FUZZ_VERBOSE=1 $bin $crash   (then commit it under fuzz/regressions/$target/)"
+    fi
+    fail "$target fuzzing ${seconds}s (exit status $rc)"
+  fi
+done
+
+echo "$passed passed, $failed failed"
+((failed == 0))
