@@ -167,7 +167,7 @@ struct ShardSpec {
            (!n || static_cast<uint64_t>(*n) == dims[0]) &&
            // Tokens declared but never stored (late allocation: nothing written) are refused:
            // reading them would allocate the declared size (regressions/unallocated-*).
-           !(write == never && layout != compact && count() > 0);
+           !(written == 0 && layout != compact && count() > 0);
   }
 };
 
@@ -236,9 +236,12 @@ ShardSpec decode_shard(FuzzedDataProvider& in, const ShardSpec* first) {
     // Offset so that an exhausted input (0) still gives a usable length.
     hsize_t d = (in.ConsumeIntegralInRange<hsize_t>(0, r == 0 ? 600 : 4) + (r == 0 ? 40 : 2)) %
                 (r == 0 ? 601 : 5);
-    // A declared extent far beyond anything written: only where no storage is written for it.
-    if (r == 0 && rank == 1 && s.write == ShardSpec::never && in.ConsumeProbability<float>() > 0.9f)
-      d = s.layout == ShardSpec::contiguous
+    // A declared extent far beyond anything written, where that costs no space in the file:
+    // nothing written at all, or (chunked) only the first chunks.
+    const bool chunked = s.layout == ShardSpec::chunked || s.layout == ShardSpec::deflate;
+    if (r == 0 && rank == 1 && s.write != ShardSpec::full &&
+        (s.write == ShardSpec::never || chunked) && in.ConsumeProbability<float>() > 0.9f)
+      d = s.layout == ShardSpec::contiguous || chunked
               ? in.PickValueInArray<hsize_t>({1u << 20, 1ull << 31, 1ull << 40})
               : hsize_t{1} << 20;
     s.dims.push_back(d);
@@ -250,7 +253,7 @@ ShardSpec decode_shard(FuzzedDataProvider& in, const ShardSpec* first) {
   const uint64_t n = s.count();
   if (s.write == ShardSpec::partial && rank != 1) s.write = ShardSpec::full;
   s.written = s.write == ShardSpec::full      ? n
-              : s.write == ShardSpec::partial ? in.ConsumeIntegralInRange<uint64_t>(0, n)
+              : s.write == ShardSpec::partial ? in.ConsumeIntegralInRange<uint64_t>(0, std::min<uint64_t>(n, 600))
                                               : 0;
   const uint64_t mask = kTypes[s.type].mask;
   const int value_mode = in.ConsumeIntegralInRange<int>(0, 2);
