@@ -20,7 +20,8 @@
 //     own check is what decides);
 //   - on success, the metadata, the tokens (read_shard_tokens) and every window()/batch() row
 //     equal what was written at the right offsets (shuffled epochs are a permutation of the
-//     windows). Token values are NOT checked against vocab_size: the reader does not promise that.
+//     windows). Token values are NOT checked against vocab_size: the reader does not promise that;
+//   - no HDF5 identifier (file, dataset, attribute, ...) is left open after an input.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <hdf5.h>
 #include <sys/stat.h>

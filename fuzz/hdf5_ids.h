@@ -7,6 +7,7 @@
 #include <hdf5.h>
 
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 struct Hdf5Ids {

@@ -321,6 +321,12 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
     h5::Dataset ds = open_dataset(train.get(), path, "rng_states");
     auto dims = h5::shape(ds.get());
     if (dims.size() != 2) throw UsageError(concat(path, ": dataset 'train/rng_states' must be 2-D"));
+    // Allocate only what the file really stores (found by fuzz_checkpoint: a declared shape of
+    // 65536 x 65536 that was never written asked for 4 GiB before the checksum could refuse it).
+    if (dims[0] > static_cast<hsize_t>(std::max<int64_t>(st.world_size, 1)) || dims[1] > (1u << 20) ||
+        H5Dget_storage_size(ds.get()) != dims[0] * dims[1])
+      throw UsageError(concat(path, ": dataset 'train/rng_states' has shape [", dims[0], ", ", dims[1],
+                              "] that does not match world_size ", st.world_size, " or its stored size"));
     std::vector<uint8_t> flat(dims[0] * dims[1]);
     h5::read(ds.get(), H5T_NATIVE_UINT8, flat.data());
     auto crc = h5::get_attr_int(ds.get(), "crc32");
