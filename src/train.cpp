@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -47,16 +48,6 @@ int configure_threads(int64_t requested, int local_size) {
   torch::set_num_threads(threads);
   at::globalContext().setFlushDenormal(true);  // denormals make fp32 CPU kernels crawl
   return threads;
-}
-
-void make_dir(const std::string& dir) {
-  std::string partial;
-  for (size_t i = 0; i <= dir.size(); ++i) {
-    if (i == dir.size() || dir[i] == '/') {
-      if (!partial.empty()) ::mkdir(partial.c_str(), 0755);
-    }
-    if (i < dir.size()) partial += dir[i];
-  }
 }
 
 std::vector<uint8_t> rng_state() {
@@ -195,7 +186,8 @@ class Progress {
     if (!writer) return;
     const std::string path =
         cfg.log.metrics.empty() ? cfg.train.out_dir + "/metrics.jsonl" : cfg.log.metrics;
-    if (auto slash = path.rfind('/'); slash != std::string::npos) make_dir(path.substr(0, slash));
+    std::error_code ec;  // a failure shows as the open below failing
+    if (auto slash = path.rfind('/'); slash != std::string::npos) std::filesystem::create_directories(path.substr(0, slash), ec);
     metrics_.open(path, std::ios::app);
     if (!metrics_) throw UsageError(concat("log.metrics: cannot write '", path, "'"));
   }
@@ -342,7 +334,6 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   });
 
   if (topo.rank == 0) {
-    make_dir(cfg.train.out_dir);
     std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
   }
 
