@@ -34,6 +34,7 @@
 #include <iterator>
 #include <optional>
 #include <set>
+#include <climits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -246,6 +247,11 @@ struct Effects {
   // Datasets replaced, relinked, deleted or with a rewritten checksum: nothing is known about
   // whether their checksum matches any more.
   std::set<std::string> modified;
+  // The integer values n_head and n_embd now hold (checkpoint_dims wants n_embd % n_head == 0).
+  int64_t n_head = 1, n_embd = 4;
+  // Integer attributes whose last write is a value the readers must refuse (by name; a later
+  // write of another kind, or a deletion, removes the entry: the outcome is then judged above).
+  std::set<std::string> nonsense;
 
   void touch(const std::string& path) {
     must_detect.erase(path);
@@ -266,6 +272,28 @@ bool in_list(const std::string& s, std::initializer_list<const char*> l) {
     if (s == x) return true;
   return false;
 }
+
+// Whether the readers accept the integer `v` as attribute `name` (the rules of load_checkpoint and
+// checkpoint_dims): counts are >= 0, world_size is a possible MPI world size that has room for the
+// 2 rows of train/rng_states, eot_token is -1 or a token of the 8-token vocabulary, dimensions
+// are >= 1 (n_head and n_embd: their divisibility is checked at the end of mutate()). Attributes
+// read as strings (config, tokenizer) are not integers; mpitrain_version and fuzz_extra are
+// never read.
+bool acceptable_int(const std::string& name, int64_t v) {
+  if (name == "fuzz_extra" || name == "mpitrain_version") return true;
+  if (name == "version") return v == kCheckpointVersion;
+  if (in_list(name, {"step", "tokens_seen", "steps_taken", "data_cursor"})) return v >= 0;
+  if (name == "world_size") return v >= 2 && v <= INT32_MAX;
+  if (name == "eot_token") return v >= -1 && v < 8;
+  if (in_list(name, {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"})) return v >= 1;
+  return false;  // format, config, tokenizer: strings
+}
+
+// Attributes that may be absent (or hold any string, for the string ones).
+bool optional_attr(const std::string& name) {
+  return in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"});
+}
+
 
 // Removes `path` and everything under it from the list.
 void forget(std::vector<Object>& objs, const std::string& path) {
@@ -304,6 +332,7 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
   // What: an integer, a double, a string, bytes, or nothing (delete).
   const int kind = in.ConsumeIntegralInRange<int>(0, 6);
   bool harmless = false;
+  std::optional<int64_t> wrote_int;  // the value, when an integer was written
   try {
     switch (kind) {
       case 0:
@@ -311,17 +340,18 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         std::optional<int64_t> old = h5::get_attr_int(obj, name);
         int64_t v = kind == 0 ? in.PickValueInArray(kInterestingInts)
                               : old.value_or(0) + in.ConsumeIntegralInRange<int64_t>(-1, 1);
-        if (name == "format" || name == "fuzz_extra") harmless = name == "fuzz_extra";
-        else if (name == "version") harmless = v == kCheckpointVersion;
-        else if (name == "crc32") harmless = old && *old == v;
-        else harmless = true;  // integers where integers are expected, or ignored attributes
+        if (name == "crc32") harmless = old && *old == v;
+        else harmless = acceptable_int(name, v);  // an integer where one is expected, in range
         h5::set_attr(obj, name, v);
+        if (name == "n_head") fx.n_head = v;
+        if (name == "n_embd") fx.n_embd = v;
+        wrote_int = v;
         note("attr " + obj_path + " " + name + " = " + std::to_string(v));
         break;
       }
       case 2: {
         double v = in.ConsumeFloatingPoint<double>();
-        harmless = in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"});
+        harmless = in_list(name, {"fuzz_extra", "mpitrain_version"});  // never read
         h5::set_attr(obj, name, v);
         note("attr " + obj_path + " " + name + " = (double)");
         break;
@@ -330,7 +360,7 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
       case 4: {
         std::string v = kind == 3 ? in.ConsumeRandomLengthString(40)
                                   : std::string(name == "format" ? kCheckpointFormat : "1");
-        harmless = in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"}) ||
+        harmless = in_list(name, {"fuzz_extra", "config", "tokenizer", "mpitrain_version"}) ||
                    (name == "format" && v == kCheckpointFormat);
         h5::set_attr(obj, name, v);
         note("attr " + obj_path + " " + name + " = '" + v + "'");
@@ -340,28 +370,38 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         std::vector<uint8_t> v = in.ConsumeBytes<uint8_t>(in.ConsumeIntegralInRange<size_t>(1, 3));
         if (v.empty()) v.push_back(0);
         // A one-element uint8 array reads back as an integer.
-        harmless = in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"}) ||
-                   (v.size() == 1 && (in_list(name, {"step", "tokens_seen", "world_size", "n_layer",
-                                                      "n_head", "n_embd", "seq_len", "vocab_size",
-                                                      "steps_taken", "data_cursor"}) ||
-                                      (name == "version" && v[0] == kCheckpointVersion)));
+        harmless = in_list(name, {"fuzz_extra", "mpitrain_version"}) ||
+                   (v.size() == 1 && acceptable_int(name, v[0]));
         if (name == "crc32") {
           auto old = h5::get_attr_int(obj, name);
           harmless = v.size() == 1 && old && *old == v[0];
         }
         h5::set_attr(obj, name, v);
+        if (v.size() == 1 && name == "n_head") fx.n_head = v[0];
+        if (v.size() == 1 && name == "n_embd") fx.n_embd = v[0];
+        if (v.size() == 1) wrote_int = v[0];
         note("attr " + obj_path + " " + name + " = bytes");
         break;
       }
       default:
         if (H5Aexists(obj, name.c_str()) > 0) H5Adelete(obj, name.c_str());
-        harmless = in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"});
+        harmless = optional_attr(name);
         note("attr " + obj_path + " " + name + " deleted");
     }
   } catch (const Error&) {  // HDF5 refused to write it: nothing changed
   }
   H5Oclose(obj);
   fx.any = true;
+  if (name != "crc32") {
+    // world_size 1 is refused only because of train/rng_states' 2 rows: not nonsense by itself.
+    const bool nonsense = wrote_int && !acceptable_int(name, *wrote_int) &&
+                          !(name == "world_size" && *wrote_int == 1) &&
+                          in_list(name, {"step", "tokens_seen", "world_size", "eot_token", "steps_taken",
+                                         "data_cursor", "n_layer", "n_head", "n_embd", "seq_len",
+                                         "vocab_size"});
+    if (nonsense) fx.nonsense.insert(name);
+    else fx.nonsense.erase(name);
+  }
   // Only checkpoint_dims reads n_*; only load_checkpoint reads the rest.
   if (name == "crc32" && obj_path != "/") {
     if (!harmless && g->loaded.count(obj_path) && !fx.modified.count(obj_path)) {
@@ -573,6 +613,7 @@ void mutate(FuzzedDataProvider& in, Effects& fx, std::vector<Object>& objs,
         fx.truncated = true;
     }
   }
+  if (fx.n_head >= 1 && fx.n_embd >= 1 && fx.n_embd % fx.n_head != 0) fx.harmful_dims = true;
 }
 
 // Flips bytes inside datasets' raw data: each flip picks a dataset (by the fraction) and a byte
@@ -696,6 +737,15 @@ void run_one(const uint8_t* bytes, size_t size) {
   const bool got_dims = outcome("checkpoint_dims", [&] { dims = checkpoint_dims(g->work); });
 
   if (other && loaded) bug("a checkpoint loaded into a model of other dimensions");
+  for (const std::string& name : fx.nonsense) {
+    const bool dims_attr = in_list(name, {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"});
+    if (loaded && !dims_attr && (opt || name != "steps_taken"))
+      bug("load_checkpoint accepted the out-of-range attribute '" + name + "'");
+    if (got_dims && dims_attr) bug("checkpoint_dims accepted the out-of-range attribute '" + name + "'");
+  }
+  if (got_dims && fx.n_head >= 1 && fx.n_embd % fx.n_head != 0)
+    bug("checkpoint_dims accepted n_embd " + std::to_string(fx.n_embd) + " not divisible by n_head " +
+        std::to_string(fx.n_head));
   if (!other && !fx.truncated && !fx.harmful_load && !loaded)
     bug(fx.any ? "a harmlessly modified checkpoint did not load" : "the unmodified checkpoint did not load");
   if (!fx.truncated && !fx.harmful_dims && !got_dims) bug("checkpoint_dims refused an intact header");

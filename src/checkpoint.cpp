@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <climits>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "mpitrain/error.h"
@@ -92,8 +95,14 @@ std::string read_latest(const std::string& dir) {
 
 // ---- tensors in and out ------------------------------------------------------------------------
 
+// Host fp32 contiguous, as the model holds it (no copy) or as a copy: the snapshot's tensors.
+torch::Tensor host_fp32(const torch::Tensor& t, bool copy) {
+  torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32, /*non_blocking=*/false, copy);
+  return c.contiguous();
+}
+
 void write_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
-  torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  const torch::Tensor c = host_fp32(t, /*copy=*/false);  // a no-op for a snapshot's tensors
   std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
   auto ds = h5::write(loc, name, H5T_NATIVE_FLOAT, dims, c.data_ptr<float>());
   h5::set_attr(ds.get(), "crc32",
@@ -142,6 +151,25 @@ int64_t require_int(hid_t obj, const std::string& file, const std::string& name)
   return *v;
 }
 
+// A required integer attribute in [lo, hi]; `shown` is its name in the message ("train/data_cursor").
+int64_t require_int_in(hid_t obj, const std::string& file, const std::string& name, const std::string& shown,
+                       int64_t lo, int64_t hi = INT64_MAX) {
+  auto v = h5::get_attr_int(obj, name);
+  if (!v) throw UsageError(concat(file, ": missing attribute '", shown, "'"));
+  if (*v < lo || *v > hi)
+    throw UsageError(concat(file, ": attribute '", shown, "' must be ",
+                            hi == INT64_MAX ? concat(">= ", lo) : concat("between ", lo, " and ", hi), ", got ", *v));
+  return *v;
+}
+
+// An optional attribute that, when present, must have the type the loader reads it as.
+std::optional<std::string> optional_string(hid_t obj, const std::string& file, const std::string& name) {
+  if (!h5::has_attr(obj, name)) return std::nullopt;
+  auto v = h5::get_attr_string(obj, name);
+  if (!v) throw UsageError(concat(file, ": attribute '", name, "' must be a string"));
+  return v;
+}
+
 h5::File open_checkpoint(const std::string& path) {
   h5::File f = h5::open_read(path);
   auto format = h5::get_attr_string(f.get(), "format");
@@ -156,10 +184,11 @@ h5::File open_checkpoint(const std::string& path) {
 }
 
 // The whole checkpoint into `tmp` (HDF5), flushed.
-void write_checkpoint_file(const std::string& tmp, GPT& model, AdamW& opt, const TrainState& st) {
+void write_checkpoint_file(const std::string& tmp, const CheckpointSnapshot& snap) {
+  const TrainState& st = snap.state;
   h5::File f = h5::create(tmp);
   const hid_t root = f.get();
-  const GPTDims& d = model->dims();
+  const GPTDims& d = snap.dims;
   h5::set_attr(root, "format", std::string(kCheckpointFormat));
   h5::set_attr(root, "version", kCheckpointVersion);
   h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
@@ -176,7 +205,7 @@ void write_checkpoint_file(const std::string& tmp, GPT& model, AdamW& opt, const
   h5::set_attr(root, "vocab_size", d.vocab_size);
 
   auto model_group = h5::create_group(root, "model");
-  for (const auto& [name, p] : model->named_params()) write_tensor(model_group.get(), name, p);
+  for (const auto& [name, p] : snap.params) write_tensor(model_group.get(), name, p);
 
   // Test-only fault hook: die half-way through the file of step N (tests/fault_test.sh).
   if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == st.step) {
@@ -185,11 +214,11 @@ void write_checkpoint_file(const std::string& tmp, GPT& model, AdamW& opt, const
   }
 
   auto optim_group = h5::create_group(root, "optim");
-  h5::set_attr(optim_group.get(), "steps_taken", opt.steps_taken());
-  for (size_t i = 0; i < opt.size(); ++i) {
-    auto g = h5::create_group(optim_group.get(), opt.name(i));
-    write_tensor(g.get(), "exp_avg", opt.exp_avg(i));
-    write_tensor(g.get(), "exp_avg_sq", opt.exp_avg_sq(i));
+  h5::set_attr(optim_group.get(), "steps_taken", snap.steps_taken);
+  for (const auto& m : snap.moments) {
+    auto g = h5::create_group(optim_group.get(), m.name);
+    write_tensor(g.get(), "exp_avg", m.exp_avg);
+    write_tensor(g.get(), "exp_avg_sq", m.exp_avg_sq);
   }
 
   auto train_group = h5::create_group(root, "train");
@@ -219,13 +248,26 @@ std::string checkpoint_name(int64_t step) {
 
 // ---- save --------------------------------------------------------------------------------------
 
-std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
-                            int64_t keep) {
+CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState& st, bool copy) {
+  torch::NoGradGuard no_grad;
+  CheckpointSnapshot snap;
+  snap.dims = model->dims();
+  for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, host_fp32(p, copy));
+  snap.moments.reserve(opt.size());
+  for (size_t i = 0; i < opt.size(); ++i)
+    snap.moments.push_back({opt.name(i), host_fp32(opt.exp_avg(i), copy), host_fp32(opt.exp_avg_sq(i), copy)});
+  snap.steps_taken = opt.steps_taken();
+  snap.state = st;
+  return snap;
+}
+
+std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep) {
+  const TrainState& st = snap.state;
   make_dirs(dir);
   const std::string path = dir + "/" + checkpoint_name(st.step);
   const std::string tmp = path + ".tmp";
   try {
-    write_checkpoint_file(tmp, model, opt, st);
+    write_checkpoint_file(tmp, snap);
   } catch (const Error& e) {
     std::remove(tmp.c_str());  // never leave half a file; the complete ones stay as they were
     throw UsageError(concat(tmp, ": cannot write checkpoint (disk full or not writable?): ", e.what(),
@@ -248,6 +290,82 @@ std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, cons
   auto all = list_checkpoints(dir);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
     if (all[i].second != path) std::remove(all[i].second.c_str());
+  return path;
+}
+
+std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
+                            int64_t keep) {
+  return write_checkpoint(dir, snapshot_checkpoint(model, opt, st, /*copy=*/false), keep);
+}
+
+// ---- asynchronous save ---------------------------------------------------------------------------
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+AsyncCheckpointWriter::AsyncCheckpointWriter(std::string dir, int64_t keep, bool async)
+    : dir_(std::move(dir)), keep_(keep), async_(async) {}
+
+AsyncCheckpointWriter::~AsyncCheckpointWriter() {
+  join();
+  if (error_) {  // unwinding from another failure, or wait() was never called: log, do not throw
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& e) {
+      log::error(concat("checkpoint write failed: ", e.what()));
+    } catch (...) {
+      log::error("checkpoint write failed");
+    }
+  }
+}
+
+void AsyncCheckpointWriter::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void AsyncCheckpointWriter::wait() {
+  join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+std::string AsyncCheckpointWriter::save(GPT& model, AdamW& opt, const TrainState& st) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  ++saves_;
+  if (!async_) {
+    auto snap = snapshot_checkpoint(model, opt, st, /*copy=*/false);
+    const std::string path = write_checkpoint(dir_, snap, keep_);
+    const double ms = ms_since(t0);
+    stalled_ms_ += ms;
+    log::info(concat("checkpoint step ", st.step, ": ", path, " written in ", static_cast<int64_t>(ms + 0.5),
+                     " ms (synchronous: the loop waited for all of it)"));
+    return path;
+  }
+  wait();  // at most one write in flight; a failed previous write ends the job here
+  const double waited = ms_since(t0);
+  const auto t1 = Clock::now();
+  auto snap = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, st, /*copy=*/true));
+  const double snap_ms = ms_since(t1);
+  const std::string path = dir_ + "/" + checkpoint_name(st.step);
+  thread_ = std::thread([this, snap] {
+    const auto t2 = std::chrono::steady_clock::now();
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // HDF5's error stack is per thread
+    try {
+      const std::string written = write_checkpoint(dir_, *snap, keep_);
+      log::info(concat("checkpoint step ", snap->state.step, ": ", written, " written in ",
+                       static_cast<int64_t>(ms_since(t2) + 0.5), " ms (background)"));
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+  stalled_ms_ += ms_since(t0);
+  log::info(concat("checkpoint step ", st.step, ": ",
+                   waited >= 1 ? concat("waited ", static_cast<int64_t>(waited + 0.5), " ms for the previous write, ")
+                               : std::string(),
+                   "snapshot ", static_cast<int64_t>(snap_ms + 0.5), " ms (async write started)"));
   return path;
 }
 
@@ -283,39 +401,50 @@ std::vector<std::string> resume_candidates(const CheckpointConfig& cfg) {
 GPTDims checkpoint_dims(const std::string& path) {
   h5::File f = open_checkpoint(path);
   GPTDims d;
-  d.n_layer = require_int(f.get(), path, "n_layer");
-  d.n_head = require_int(f.get(), path, "n_head");
-  d.n_embd = require_int(f.get(), path, "n_embd");
-  d.seq_len = require_int(f.get(), path, "seq_len");
-  d.vocab_size = require_int(f.get(), path, "vocab_size");
+  d.n_layer = require_int_in(f.get(), path, "n_layer", "n_layer", 1);
+  d.n_head = require_int_in(f.get(), path, "n_head", "n_head", 1);
+  d.n_embd = require_int_in(f.get(), path, "n_embd", "n_embd", 1);
+  d.seq_len = require_int_in(f.get(), path, "seq_len", "seq_len", 1);
+  d.vocab_size = require_int_in(f.get(), path, "vocab_size", "vocab_size", 1);
+  if (d.n_embd % d.n_head != 0)
+    throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
+                            d.n_embd));
   return d;
 }
 
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st) {
   h5::File f = open_checkpoint(path);
   const hid_t root = f.get();
-  st.step = require_int(root, path, "step");
-  st.tokens_seen = require_int(root, path, "tokens_seen");
-  st.world_size = require_int(root, path, "world_size");
-  st.config_yaml = h5::get_attr_string(root, "config").value_or("");
-  st.tokenizer = h5::get_attr_string(root, "tokenizer").value_or("byte");
-  st.eot_token = h5::get_attr_int(root, "eot_token").value_or(-1);
+  // The training state's scalars first: nonsense there is refused before any tensor is read.
+  // (Negative counts would resume the loop, the lr schedule and the data order at nonsense.)
+  st.step = require_int_in(root, path, "step", "step", 0);
+  st.tokens_seen = require_int_in(root, path, "tokens_seen", "tokens_seen", 0);
+  st.world_size = require_int_in(root, path, "world_size", "world_size", 1, INT_MAX);
+  st.config_yaml = optional_string(root, path, "config").value_or("");
+  st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
+  st.eot_token = -1;
+  if (h5::has_attr(root, "eot_token"))  // a token of the model's vocabulary, or -1 (none)
+    st.eot_token = require_int_in(root, path, "eot_token", "eot_token", -1, model->dims().vocab_size - 1);
+  int64_t steps_taken = 0;
+  if (opt) {
+    if (!h5::exists(root, "optim")) throw UsageError(concat(path, ": missing group 'optim'"));
+    auto g = open_group(root, path, "optim");
+    steps_taken = require_int_in(g.get(), path, "steps_taken", "optim/steps_taken", 0);
+  }
+  if (!h5::exists(root, "train")) throw UsageError(concat(path, ": missing group 'train'"));
+  auto train = open_group(root, path, "train");
+  st.data_cursor = static_cast<uint64_t>(require_int_in(train.get(), path, "data_cursor", "train/data_cursor", 0));
 
   for (auto& [name, p] : model->named_params()) read_tensor(root, path, "model/" + name, p);
 
   if (opt) {
-    if (!h5::exists(root, "optim")) throw UsageError(concat(path, ": missing group 'optim'"));
-    auto g = open_group(root, path, "optim");
-    opt->set_steps_taken(require_int(g.get(), path, "steps_taken"));
+    opt->set_steps_taken(steps_taken);
     for (size_t i = 0; i < opt->size(); ++i) {
       read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg", opt->exp_avg(i));
       read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg_sq", opt->exp_avg_sq(i));
     }
   }
 
-  if (!h5::exists(root, "train")) throw UsageError(concat(path, ": missing group 'train'"));
-  auto train = open_group(root, path, "train");
-  st.data_cursor = static_cast<uint64_t>(require_int(train.get(), path, "data_cursor"));
   st.rng_states.clear();
   if (h5::exists(train.get(), "rng_states")) {
     h5::Dataset ds = open_dataset(train.get(), path, "rng_states");

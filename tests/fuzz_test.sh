@@ -3,8 +3,10 @@
 #
 #   bash tests/fuzz_test.sh [seconds-per-target]      (default 30)
 #
-# Configures <repo>/build-fuzz with clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer),
-# builds fuzz_config, fuzz_shard and fuzz_checkpoint (-j2), then for each target:
+# Configures <repo>/build-fuzz (or $FUZZ_BUILD_DIR; CTest's `fuzz` test uses <build>/fuzz) with
+# clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer; -O1 and line tables only, which builds
+# faster than RelWithDebInfo and still gives file:line in sanitizer reports), builds fuzz_config,
+# fuzz_shard and fuzz_checkpoint (-j2), then for each target:
 #   1. replays every input committed under fuzz/regressions/<target>/ (crashes found earlier);
 #   2. fuzzes for the given time, starting from a temporary copy of fuzz/corpus/<target>/ (the
 #      committed corpus never grows), printing libFuzzer's execution count.
@@ -19,7 +21,7 @@ if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
   exit 2
 fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-build="$root/build-fuzz"
+build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint}"
 
 skip() {
@@ -40,8 +42,10 @@ clang++ -fsanitize=fuzzer,address "$work/probe.cpp" -o "$work/probe" >/dev/null 
 
 # ---- build -----------------------------------------------------------------------------------------
 echo "== configuring and building $build (clang, libFuzzer + ASan)"
+build_start=$SECONDS
 if ! CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DMPITRAIN_FUZZ=ON \
-    -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Fuzz \
+    -DCMAKE_C_FLAGS_FUZZ="-O1 -gline-tables-only" -DCMAKE_CXX_FLAGS_FUZZ="-O1 -gline-tables-only" \
     >"$work/configure.log" 2>&1; then
   tail -n 30 "$work/configure.log"
   echo "FAIL: cmake configure of $build"
@@ -54,6 +58,7 @@ if ! cmake --build "$build" -j2 --target "${targets[@]}" >"$work/build.log" 2>&1
   echo "0 passed, 1 failed"
   exit 1
 fi
+echo "   built in $((SECONDS - build_start)) s"
 
 # ---- run -------------------------------------------------------------------------------------------
 passed=0

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
+#include <map>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
@@ -183,5 +186,252 @@ TEST(Checkpoint, BadCheckpointsAreUsageErrorsNamingFileAndDataset) {
   ASSERT_EQ(truncate(good.c_str(), 4000), 0);
   e = load_error(good, dims());
   EXPECT_NE(e.find(good), std::string::npos) << e;
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// ---- nonsense in the training state's attributes ------------------------------------------------
+
+namespace {
+// Rewrites one integer attribute of `obj` ("/", "/train", "/optim") in the file.
+void set_int_attr(const std::string& path, const std::string& obj, const std::string& name, int64_t v) {
+  h5::silence_errors();
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  hid_t o = H5Oopen(f, obj.c_str(), H5P_DEFAULT);
+  ASSERT_GE(o, 0);
+  h5::set_attr(o, name, v);
+  H5Oclose(o);
+  H5Fclose(f);
+}
+
+std::string dims_error(const std::string& path) {
+  try {
+    checkpoint_dims(path);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Checkpoint, OutOfRangeStateAttributesAreUsageErrorsNamingFileAndAttribute) {
+  const std::string dir = temp_dir();
+  Trained a(1);
+  TrainState st;
+  st.step = 5;
+  st.tokens_seen = 80;
+  st.data_cursor = 10;
+  st.world_size = 2;
+  st.eot_token = 31;
+  st.rng_states = {{1, 2}, {3, 4}};
+  const std::string good = save_checkpoint(dir, a.model, a.opt, st, 100);
+  const std::string bad = dir + "/bad.h5";
+  struct Case {
+    const char* obj;
+    const char* attr;
+    int64_t value;
+    const char* message;  // what the one-line error says after "<file>: "
+  };
+  const Case cases[] = {
+      {"/", "step", -1, "attribute 'step' must be >= 0, got -1"},
+      {"/", "tokens_seen", -48, "attribute 'tokens_seen' must be >= 0, got -48"},
+      {"/", "world_size", 0, "attribute 'world_size' must be between 1 and 2147483647, got 0"},
+      {"/", "world_size", -2, "attribute 'world_size' must be between 1 and 2147483647, got -2"},
+      {"/", "world_size", int64_t{1} << 40, "attribute 'world_size' must be between 1 and 2147483647"},
+      {"/", "eot_token", -2, "attribute 'eot_token' must be between -1 and 31, got -2"},
+      {"/", "eot_token", 32, "attribute 'eot_token' must be between -1 and 31, got 32"},
+      {"/train", "data_cursor", -6, "attribute 'train/data_cursor' must be >= 0, got -6"},
+      {"/optim", "steps_taken", -3, "attribute 'optim/steps_taken' must be >= 0, got -3"},
+  };
+  for (const Case& c : cases) {
+    std::system(("cp " + good + " " + bad).c_str());
+    set_int_attr(bad, c.obj, c.attr, c.value);
+    const std::string e = load_error(bad, dims());
+    EXPECT_EQ(e.rfind(bad + ": ", 0), 0u) << c.attr << ": " << e;
+    EXPECT_NE(e.find(c.message), std::string::npos) << c.attr << ": " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;  // one line
+  }
+  // Limits themselves are fine: step 0, eot_token -1 (none), world_size = rows of rng_states.
+  std::system(("cp " + good + " " + bad).c_str());
+  set_int_attr(bad, "/", "step", 0);
+  set_int_attr(bad, "/", "eot_token", -1);
+  EXPECT_EQ(load_error(bad, dims()), "");
+  // A wrongly typed optional attribute is not silently replaced by its default.
+  std::system(("cp " + good + " " + bad).c_str());
+  {
+    hid_t f = H5Fopen(bad.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    h5::set_attr(f, "eot_token", std::string("31"));
+    h5::set_attr(f, "tokenizer", int64_t{3});
+    H5Fclose(f);
+  }
+  EXPECT_NE(load_error(bad, dims()).find("attribute 'tokenizer' must be a string"), std::string::npos);
+  // The dimensions `mpitrain sample` builds a model from.
+  std::system(("cp " + good + " " + bad).c_str());
+  set_int_attr(bad, "/", "n_layer", 0);
+  EXPECT_NE(dims_error(bad).find("attribute 'n_layer' must be >= 1, got 0"), std::string::npos) << dims_error(bad);
+  std::system(("cp " + good + " " + bad).c_str());
+  set_int_attr(bad, "/", "n_head", 3);
+  EXPECT_NE(dims_error(bad).find("attribute 'n_embd' must be divisible by 'n_head' (3), got 16"), std::string::npos)
+      << dims_error(bad);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// ---- asynchronous save ----------------------------------------------------------------------------
+
+namespace {
+// Every dataset of a checkpoint with its values and crc32, and every integer/string root, optim
+// and train attribute: what two checkpoint files must share to be "the same checkpoint".
+struct Contents {
+  std::map<std::string, std::vector<uint8_t>> data;  // raw bytes, native type
+  std::map<std::string, int64_t> ints;               // "<object>@<attr>"
+  std::map<std::string, std::string> strings;
+  bool operator==(const Contents& o) const { return data == o.data && ints == o.ints && strings == o.strings; }
+};
+
+struct Visit {
+  Contents* c;
+  std::string where;
+};
+
+herr_t collect_attr(hid_t obj, const char* name, const H5A_info_t*, void* op) {
+  auto* v = static_cast<Visit*>(op);
+  if (auto i = h5::get_attr_int(obj, name)) v->c->ints[v->where + "@" + name] = *i;
+  else if (auto s = h5::get_attr_string(obj, name)) v->c->strings[v->where + "@" + name] = *s;
+  return 0;
+}
+
+herr_t collect_link(hid_t root, const char* name, const H5L_info_t*, void* op) {
+  Visit v{static_cast<Contents*>(op), name};
+  hid_t o = H5Oopen(root, name, H5P_DEFAULT);
+  if (o < 0) return -1;
+  H5Aiterate2(o, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect_attr, &v);
+  if (H5Iget_type(o) == H5I_DATASET) {
+    hid_t type = H5Dget_type(o);
+    hid_t native = H5Tget_native_type(type, H5T_DIR_ASCEND);
+    std::vector<uint8_t> bytes(static_cast<size_t>(H5Dget_storage_size(o)));
+    if (!bytes.empty()) H5Dread(o, native, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data());
+    H5Tclose(native);
+    H5Tclose(type);
+    v.c->data[name] = std::move(bytes);
+  }
+  H5Oclose(o);
+  return 0;
+}
+
+Contents read_contents(const std::string& path) {
+  Contents c;
+  h5::File f = h5::open_read(path);
+  Visit root{&c, ""};
+  H5Aiterate2(f.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, collect_attr, &root);
+  H5Lvisit(f.get(), H5_INDEX_NAME, H5_ITER_INC, collect_link, &c);
+  return c;
+}
+}  // namespace
+
+TEST(Checkpoint, AsyncSaveWritesTheSameCheckpointAsSyncAndSnapshotsBeforeReturning) {
+  const std::string dir = temp_dir();
+  Trained a(1);
+  TrainState st;
+  st.step = 4;
+  st.tokens_seen = 64;
+  st.data_cursor = 8;
+  st.world_size = 2;
+  st.config_yaml = "model:\n  preset: tiny\n";
+  st.eot_token = 31;
+  st.rng_states = {{1, 2, 3}, {4, 5, 6}};
+  const std::string sync_path = save_checkpoint(dir + "/sync", a.model, a.opt, st, 3);
+
+  // The values at save() time, then the live state changes at once while the write runs.
+  std::vector<torch::Tensor> params_then, avg_then;
+  for (auto& [name, p] : a.model->named_params()) params_then.push_back(p.detach().clone());
+  for (size_t i = 0; i < a.opt.size(); ++i) avg_then.push_back(a.opt.exp_avg(i).clone());
+  std::string async_path;
+  {
+    AsyncCheckpointWriter w(dir + "/async", 3);
+    async_path = w.save(a.model, a.opt, st);
+    EXPECT_EQ(async_path, dir + "/async/ckpt-00000004.h5");
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& [name, p] : a.model->named_params()) p.fill_(42.0f);
+      for (size_t i = 0; i < a.opt.size(); ++i) a.opt.exp_avg(i).fill_(-7.0f);
+      a.opt.set_steps_taken(99);
+      st.step = 99;
+      st.rng_states[0][0] = 77;
+    }
+    w.wait();
+    EXPECT_EQ(w.saves(), 1);
+  }
+  ASSERT_EQ(access(async_path.c_str(), F_OK), 0);
+  EXPECT_EQ(access((async_path + ".tmp").c_str(), F_OK), -1);
+  std::ifstream latest(dir + "/async/latest");
+  std::string name;
+  std::getline(latest, name);
+  EXPECT_EQ(name, "ckpt-00000004.h5");
+
+  // Same datasets, values, CRCs and attributes (mpitrain_version included) as the sync save.
+  const Contents s = read_contents(sync_path), as = read_contents(async_path);
+  EXPECT_GT(s.data.size(), 10u);
+  EXPECT_TRUE(s.data == as.data);
+  EXPECT_TRUE(s.ints == as.ints);
+  EXPECT_TRUE(s.strings == as.strings);
+  EXPECT_EQ(as.ints.count("model/ln_f.weight@crc32"), 1u);
+
+  // And it loads to the values of save() time, not the ones set after it returned.
+  Trained b(2);
+  TrainState got;
+  load_checkpoint(async_path, b.model, &b.opt, got);
+  auto pb = b.model->named_params();
+  for (size_t i = 0; i < pb.size(); ++i) EXPECT_TRUE(bitwise_equal(pb[i].second, params_then[i])) << pb[i].first;
+  for (size_t i = 0; i < b.opt.size(); ++i) EXPECT_TRUE(bitwise_equal(b.opt.exp_avg(i), avg_then[i]));
+  EXPECT_EQ(b.opt.steps_taken(), 3);
+  EXPECT_EQ(got.step, 4);
+  EXPECT_EQ(got.rng_states[0][0], 1);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(Checkpoint, AsyncWriteFailureIsRethrownAtTheNextSaveOrWait) {
+  const std::string dir = temp_dir();
+  Trained a(1);
+  TrainState st;
+  st.step = 1;
+  // A directory where the .tmp file should go: the HDF5 create fails on the writer thread.
+  ASSERT_EQ(::mkdir((dir + "/ckpt-00000001.h5.tmp").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((dir + "/ckpt-00000001.h5.tmp/x").c_str(), 0755), 0);  // not removable
+  AsyncCheckpointWriter w(dir, 3);
+  w.save(a.model, a.opt, st);  // returns at once; the failure comes later
+  try {
+    w.wait();
+    ADD_FAILURE() << "wait() did not rethrow the write's failure";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt-00000001.h5.tmp: cannot write checkpoint"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(access((dir + "/ckpt-00000001.h5").c_str(), F_OK), -1);
+  EXPECT_EQ(access((dir + "/latest").c_str(), F_OK), -1);
+  w.wait();  // reported once
+
+  // A failure surfaces at the next save() too, before anything else is written.
+  w.save(a.model, a.opt, st);
+  st.step = 2;
+  EXPECT_THROW(w.save(a.model, a.opt, st), UsageError);
+  EXPECT_EQ(access((dir + "/ckpt-00000002.h5").c_str(), F_OK), -1);
+  // And then it works again.
+  w.save(a.model, a.opt, st);
+  w.wait();
+  EXPECT_EQ(access((dir + "/ckpt-00000002.h5").c_str(), F_OK), 0);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(Checkpoint, SyncWriterWritesOnTheCallingThread) {
+  const std::string dir = temp_dir();
+  Trained a(1);
+  TrainState st;
+  st.step = 3;
+  AsyncCheckpointWriter w(dir, 3, /*async=*/false);
+  const std::string path = w.save(a.model, a.opt, st);
+  EXPECT_EQ(access(path.c_str(), F_OK), 0);  // complete when save() returns
+  w.wait();
+  EXPECT_EQ(w.saves(), 1);
   std::system(("rm -rf " + dir).c_str());
 }

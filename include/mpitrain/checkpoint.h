@@ -4,8 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "mpitrain/config.h"
@@ -35,10 +38,70 @@ void ensure_writable_dir(const std::string& dir, const std::string& key);
 // "ckpt-00000120.h5"
 std::string checkpoint_name(int64_t step);
 
-// Writes dir/ckpt-<step:08>.h5 and updates dir/latest, then deletes all but the newest `keep`
-// complete checkpoints (never the one just written). Returns the path written. One rank calls it.
+// Everything a checkpoint holds, as host tensors (CPU, contiguous fp32), detached from the live
+// model and optimizer: what a save writes.
+struct CheckpointSnapshot {
+  struct Moments {
+    std::string name;
+    torch::Tensor exp_avg, exp_avg_sq;
+  };
+  GPTDims dims;
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  std::vector<Moments> moments;  // one per AdamW parameter, in the optimizer's order
+  int64_t steps_taken = 0;
+  TrainState state;
+};
+
+// Copies the parameters, AdamW moments and step count, and `st` into host memory. With
+// copy=false, tensors that already are CPU contiguous fp32 are referenced, not copied: for a write
+// on the calling thread that finishes before they change (the synchronous save).
+CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState& st, bool copy = true);
+
+// Writes dir/ckpt-<step:08>.h5 (tmp, fsync, rename, directory fsync) and updates dir/latest the
+// same way, then deletes all but the newest `keep` complete checkpoints (never the one just
+// written). Returns the path written. A failed write (disk full) removes its .tmp and is a
+// UsageError; earlier checkpoints stay as they were. One rank calls it.
+std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep);
+
+// snapshot_checkpoint(copy=false) + write_checkpoint, on the calling thread.
 std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
                             int64_t keep);
+
+// Checkpoint saves for the training loop (checkpoint.async). save() is the loop's only stall:
+//  - async: wait for the previous write (at most one in flight) and rethrow its error, take a
+//    snapshot (copies), start write_checkpoint on a background thread, return;
+//  - sync:  snapshot without copies and write on the calling thread (= save_checkpoint).
+// wait() waits for the write in flight and rethrows its error (UsageError for a full disk: exit 2
+// as for a synchronous save); call it before the end of training and before exiting on a signal.
+// Logs "checkpoint step N: snapshot X ms (async write started)" and "... written in Y ms".
+class AsyncCheckpointWriter {
+ public:
+  AsyncCheckpointWriter(std::string dir, int64_t keep, bool async = true);
+  ~AsyncCheckpointWriter();  // waits for a write in flight; an error then is logged, not thrown
+  AsyncCheckpointWriter(const AsyncCheckpointWriter&) = delete;
+  AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
+
+  // Returns the path of the checkpoint (being) written.
+  std::string save(GPT& model, AdamW& opt, const TrainState& st);
+  void wait();
+
+  bool async() const { return async_; }
+  // Time the calling thread spent in save() (waiting for the previous write + snapshot, or the
+  // whole write when synchronous), over all saves so far, and how many.
+  double stalled_ms() const { return stalled_ms_; }
+  int64_t saves() const { return saves_; }
+
+ private:
+  void join();  // joins the thread; its error (if any) stays in error_
+
+  std::string dir_;
+  int64_t keep_;
+  bool async_;
+  std::thread thread_;
+  std::exception_ptr error_;  // written by the thread, read after join()
+  double stalled_ms_ = 0;
+  int64_t saves_ = 0;
+};
 
 // The checkpoint a run resumes from: checkpoint.resume "none" -> none; a path -> that file (it must
 // exist); "auto" -> the one `latest` names in checkpoint.dir, else the newest ckpt-*.h5 there, else
