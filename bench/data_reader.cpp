@@ -1,7 +1,8 @@
-// bench/data_reader: tokens/s per rank of the training reader (TokenDataset::batch through the
-// BatchPrefetcher's synchronous path: shuffled windows widened to int64) against a baseline
-// measured in the same run: memcpy of the same number of token bytes from the page-cached,
-// memory-mapped shard. Run under mpirun with 1, 2, 4 ranks (bench/data_reader.sh does).
+// bench/data_reader: tokens/s per rank of the training reader (TokenDataset::batch, what the
+// BatchPrefetcher's read runs: shuffled windows widened to the int32 tokens training takes)
+// against a baseline measured in the same run: memcpy of the same number of token bytes (uint16)
+// from the page-cached, memory-mapped shard. Run under mpirun with 1, 2, 4 ranks
+// (bench/data_reader.sh does).
 //
 //   bench_data_reader [--tokens N] [--seq-len T] [--rows B] [--seconds S] [--dir D]
 #include <fcntl.h>
@@ -68,7 +69,7 @@ int main(int argc, char** argv) {
 
   TokenDataset data({path}, T, 1234, /*shuffle=*/true);
   const int64_t per_batch = rows * T;  // tokens trained on per micro-batch
-  std::vector<int64_t> buf(static_cast<size_t>(rows * (T + 1)));
+  std::vector<int32_t> buf(static_cast<size_t>(rows * (T + 1)));
 
   // ---- the reader: this rank's slices of consecutive micro-steps, as training reads them ----
   for (int i = 0; i < 3; ++i) data.batch(static_cast<uint64_t>(i) * size * rows, rank, rows, buf.data());  // warm

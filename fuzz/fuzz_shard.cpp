@@ -14,7 +14,9 @@
 //   - the only acceptable exception is mpitrain::UsageError;
 //   - for an untruncated file the harness knows whether the shard is valid (format, version,
 //     vocab_size > 0, /tokens an unsigned 16/32-bit 1-D dataset, num_tokens attribute absent or
-//     equal to its length): valid shards must open, invalid ones must be refused;
+//     equal to its length, its data stored: not left unallocated, and for a chunked dataset every
+//     chunk written): valid shards must open, invalid ones must be refused; TokenDataset also
+//     refuses vocab_size > 2^31 (it serves int32 tokens);
 //   - a file cut inside the contiguous storage of /tokens must be refused (the superblock's
 //     end-of-file address is sometimes patched to match, so that HDF5 opens the cut file and our
 //     own check is what decides);
@@ -157,6 +159,18 @@ struct ShardSpec {
   // Token i as the reader must return it (1-D).
   uint32_t expected(uint64_t i) const { return i < written ? values[i] : fill.value_or(0); }
 
+  // Chunked layouts (1-D): chunks the extent covers, and chunks the written prefix allocated
+  // (HDF5's default for chunked datasets allocates a chunk when it is first written).
+  bool is_chunked() const { return layout == chunked || layout == deflate; }
+  hsize_t chunk_len() const {
+    return unlimited ? chunk : std::max<hsize_t>(1, std::min(chunk, dims.empty() ? 1 : dims[0]));
+  }
+  bool all_chunks_stored() const {
+    if (!is_chunked() || dims.size() != 1) return true;
+    const hsize_t c = chunk_len();
+    return (dims[0] + c - 1) / c == (written + c - 1) / c;
+  }
+
   // Whether a correct reader must accept it (before truncation).
   bool valid() const {
     auto f = format.as_string();
@@ -167,8 +181,9 @@ struct ShardSpec {
            tokens_obj == dataset && kTypes[type].accepted && dims.size() == 1 &&
            (!n || static_cast<uint64_t>(*n) == dims[0]) &&
            // Tokens declared but never stored (late allocation: nothing written) are refused:
-           // reading them would allocate the declared size (regressions/unallocated-*).
-           !(written == 0 && layout != compact && count() > 0);
+           // reading them would allocate the declared size (regressions/unallocated-*); so are
+           // chunked tokens with chunks never written (regressions/chunked-tokens-mostly-unstored-oom).
+           !(written == 0 && layout != compact && count() > 0) && all_chunks_stored();
   }
 };
 
@@ -494,10 +509,12 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
   const uint64_t seed = in.ConsumeIntegral<uint64_t>();
   const bool shuffle = in.ConsumeBool();
 
-  // What a correct TokenDataset does with these shards.
+  // What a correct TokenDataset does with these shards (it serves int32 tokens, so it also
+  // refuses vocab_size > 2^31).
   bool should_open = seq_len > 0;
   for (const ShardSpec* s : specs) {
     should_open = should_open && s->valid() && *s->vocab.as_int() == *specs[0]->vocab.as_int() &&
+                  *s->vocab.as_int() <= (int64_t{1} << 31) &&
                   s->dims[0] >= static_cast<uint64_t>(seq_len) + 1;
   }
 
@@ -538,13 +555,16 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
   }
   if (seq_len > (1 << 16)) return;  // windows too long to be worth copying around
   const size_t width = static_cast<size_t>(seq_len) + 1;
+  // Tokens come out as int32: the stored value's bits (a value >= 2^31 is out of any accepted
+  // vocabulary; its bits are still what must come back).
   auto expected_window = [&](uint64_t k) {
-    std::vector<int64_t> w(width);
-    for (size_t t = 0; t < width; ++t) w[t] = windows[k].first->expected(windows[k].second + t);
+    std::vector<int32_t> w(width);
+    for (size_t t = 0; t < width; ++t)
+      w[t] = static_cast<int32_t>(windows[k].first->expected(windows[k].second + t));
     return w;
   };
   auto get = [&](uint64_t index) {
-    std::vector<int64_t> w(width);
+    std::vector<int32_t> w(width);
     data->window(index, w.data());
     return w;
   };
@@ -566,7 +586,7 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
     } else if (!epoch_checked && total_windows <= 2048) {
       epoch_checked = true;
       // A shuffled epoch is a permutation of the windows.
-      std::vector<std::vector<int64_t>> want, have;
+      std::vector<std::vector<int32_t>> want, have;
       for (uint64_t k = 0; k < total_windows; ++k) {
         want.push_back(expected_window(k));
         have.push_back(get(epoch * total_windows + k));
@@ -581,7 +601,7 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
   const uint64_t start = in.ConsumeIntegral<uint64_t>();
   const int rank = in.ConsumeIntegralInRange<int>(0, 7);
   const int64_t rows = in.ConsumeIntegralInRange<int64_t>(0, 4);
-  std::vector<int64_t> buf(static_cast<size_t>(rows) * width);
+  std::vector<int32_t> buf(static_cast<size_t>(rows) * width);
   outcome("batch", [&] { data->batch(start, rank, rows, buf.data()); });
   for (int64_t r = 0; r < rows; ++r) {
     const auto want = get(start + static_cast<uint64_t>(rank) * rows + r);

@@ -109,13 +109,13 @@ bool mapped(const std::string& path) {
   return false;
 }
 
-std::vector<int64_t> expected_window(const std::vector<uint32_t>& t, uint64_t j, int64_t seq) {
+std::vector<int32_t> expected_window(const std::vector<uint32_t>& t, uint64_t j, int64_t seq) {
   auto from = t.begin() + static_cast<int64_t>(j) * seq;
-  return std::vector<int64_t>(from, from + seq + 1);
+  return std::vector<int32_t>(from, from + seq + 1);
 }
 
-std::vector<int64_t> get_window(const TokenDataset& ds, uint64_t g) {
-  std::vector<int64_t> w(static_cast<size_t>(ds.seq_len() + 1));
+std::vector<int32_t> get_window(const TokenDataset& ds, uint64_t g) {
+  std::vector<int32_t> w(static_cast<size_t>(ds.seq_len() + 1));
   ds.window(g, w.data());
   return w;
 }
@@ -254,6 +254,89 @@ TEST(Shards, ChunkedReadsLikeContiguous) {
   for (uint64_t g = 0; g < 2 * a.num_windows(); ++g) ASSERT_EQ(get_window(a, g), get_window(b, g));
 }
 
+namespace {
+
+// /tokens of `declared` uint16 tokens, of which only the first `written` are written (chunked
+// with `chunk` tokens a chunk, deflate when available; or contiguous when chunk is 0). Returns
+// the path.
+std::string write_partial(const TempDir& dir, const std::string& name, hsize_t declared,
+                          hsize_t written, hsize_t chunk) {
+  const std::string path = dir / name;
+  h5::File f = h5::create(path);
+  h5::Dataspace space(H5Screate_simple(1, &declared, nullptr));
+  h5::PropList dcpl(H5Pcreate(H5P_DATASET_CREATE));
+  if (chunk) {
+    EXPECT_GE(H5Pset_chunk(dcpl.get(), 1, &chunk), 0);
+    if (H5Zfilter_avail(H5Z_FILTER_DEFLATE) > 0) H5Pset_deflate(dcpl.get(), 1);
+  }
+  h5::Dataset d(H5Dcreate2(f.get(), "tokens", H5T_STD_U16LE, space.get(), H5P_DEFAULT, dcpl.get(),
+                           H5P_DEFAULT));
+  if (written > 0) {
+    std::vector<uint16_t> tok(written);
+    for (hsize_t i = 0; i < written; ++i) tok[i] = static_cast<uint16_t>(i % 257);
+    hsize_t zero = 0;
+    h5::Dataspace file_space(H5Dget_space(d.get()));
+    h5::Dataspace mem_space(H5Screate_simple(1, &written, nullptr));
+    EXPECT_GE(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &zero, nullptr, &written,
+                                  nullptr), 0);
+    EXPECT_GE(H5Dwrite(d.get(), H5T_NATIVE_UINT16, mem_space.get(), file_space.get(), H5P_DEFAULT,
+                       tok.data()), 0);
+  }
+  h5::set_attr(f.get(), "format", std::string(kShardFormat));
+  h5::set_attr(f.get(), "version", kShardVersion);
+  h5::set_attr(f.get(), "vocab_size", int64_t{257});
+  return path;
+}
+
+}  // namespace
+
+// Tokens a dataset declares but does not store would be allocated (and zero-filled) in full on
+// reading: refused up front (fuzz/regressions/fuzz_shard/chunked-tokens-mostly-unstored-oom and
+// unallocated-contiguous-tokens-oom).
+TEST(Shards, DeclaredButUnstoredTokensRefused) {
+  TempDir dir;
+  // 2^40 tokens declared, one chunk of 2^34 stored: no allocation may be attempted.
+  const std::string huge = write_partial(dir, "huge.h5", hsize_t{1} << 40, 64, 64);
+  expect_bad_shard(huge, "dataset 'tokens' declares 1099511627776 tokens but only 1 chunks of "
+                         "17179869184 are stored");
+  expect_usage([&] { read_shard_tokens(huge); }, huge + ": ", "are stored");
+
+  // One chunk of two missing.
+  const std::string half = write_partial(dir, "half.h5", 128, 64, 64);
+  expect_bad_shard(half, "declares 128 tokens but only 1 chunks of 2 are stored");
+
+  // Nothing stored at all, chunked or contiguous.
+  expect_bad_shard(write_partial(dir, "none-chunked.h5", 1000, 0, 64),
+                   "declares 1000 tokens but stores 0 bytes");
+  expect_bad_shard(write_partial(dir, "none-contiguous.h5", hsize_t{1} << 40, 0, 0),
+                   "declares 1099511627776 tokens but stores 0 bytes");
+
+  // Every chunk stored, the last one only partly written: a valid shard (the rest is fill).
+  const std::string full = write_partial(dir, "full.h5", 100, 70, 64);
+  EXPECT_EQ(read_shard_info(full).num_tokens, 100u);
+  auto tokens = read_shard_tokens(full);
+  ASSERT_EQ(tokens.size(), 100u);
+  EXPECT_EQ(tokens[69], 69u);
+  EXPECT_EQ(tokens[99], 0u);
+  TokenDataset ds({full}, 9, 0, false);
+  EXPECT_EQ(ds.num_windows(), 11u);
+}
+
+TEST(Shards, VocabBeyondInt32Refused) {
+  TempDir dir;
+  const std::string p = dir / "big-vocab.h5";
+  write_shard(p, ramp(100, 0, 257), {}, meta((int64_t{1} << 31) + 1));
+  EXPECT_EQ(read_shard_info(p).meta.vocab_size, (int64_t{1} << 31) + 1);  // a valid shard ...
+  expect_usage([&] { TokenDataset({p}, 8, 0, true); }, p + ": ",
+               "vocab_size 2147483649 exceeds 2^31");  // ... that training cannot read as int32
+  const std::string q = dir / "max-vocab.h5";
+  write_shard(q, {0, 1, 2, 0x7FFFFFFF, 4}, {}, meta(int64_t{1} << 31));
+  TokenDataset ok({q}, 4, 0, false);
+  std::vector<int32_t> w(5);
+  ok.window(0, w.data());
+  EXPECT_EQ(w, (std::vector<int32_t>{0, 1, 2, 0x7FFFFFFF, 4}));
+}
+
 // ---- Permutation -------------------------------------------------------------------------------
 
 TEST(Permutation, BijectionForManySizesAndSeeds) {
@@ -309,7 +392,7 @@ TEST(TokenDataset, WindowContentsAndOrder) {
   EXPECT_EQ(plain.paths(), paths);
 
   // Unshuffled: shard by shard, window j at token j*seq; epochs repeat.
-  std::map<int64_t, std::vector<int64_t>> by_first;
+  std::map<int64_t, std::vector<int32_t>> by_first;
   uint64_t g = 0;
   for (const auto& t : shards)
     for (uint64_t j = 0; j < (t.size() - 1) / seq; ++j, ++g) {
@@ -343,7 +426,7 @@ TEST(TokenDataset, WindowContentsAndOrder) {
 
   // batch(): rows consecutive windows of one rank's slice.
   const int64_t rows = 3;
-  std::vector<int64_t> buf(rows * (seq + 1));
+  std::vector<int32_t> buf(rows * (seq + 1));
   a.batch(20, 2, rows, buf.data());
   for (int64_t r = 0; r < rows; ++r) {
     auto w = get_window(a, 20 + 2 * rows + static_cast<uint64_t>(r));

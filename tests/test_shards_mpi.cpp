@@ -76,13 +76,13 @@ class ShardsMpi : public ::testing::Test {
   }
 
   // Everyone's slice of one micro-step, in rank order (every rank gets the whole step).
-  std::vector<int64_t> gather_step(const TokenDataset& ds, uint64_t start) const {
+  std::vector<int32_t> gather_step(const TokenDataset& ds, uint64_t start) const {
     const int64_t per_rank = kRows * (kSeq + 1);
-    std::vector<int64_t> mine(static_cast<size_t>(per_rank));
+    std::vector<int32_t> mine(static_cast<size_t>(per_rank));
     ds.batch(start, rank_, kRows, mine.data());
-    std::vector<int64_t> all(static_cast<size_t>(per_rank * world_));
-    MPI_Allgather(mine.data(), static_cast<int>(per_rank), MPI_INT64_T, all.data(),
-                  static_cast<int>(per_rank), MPI_INT64_T, MPI_COMM_WORLD);
+    std::vector<int32_t> all(static_cast<size_t>(per_rank * world_));
+    MPI_Allgather(mine.data(), static_cast<int>(per_rank), MPI_INT32_T, all.data(),
+                  static_cast<int>(per_rank), MPI_INT32_T, MPI_COMM_WORLD);
     return all;
   }
 
@@ -102,7 +102,7 @@ TEST_F(ShardsMpi, SlicesPartitionTheGlobalOrder) {
 
   std::vector<int64_t> first_token;  // by global window index, as gathered from all ranks
   size_t mismatches = 0;
-  std::vector<int64_t> single(static_cast<size_t>(step * (kSeq + 1)));
+  std::vector<int32_t> single(static_cast<size_t>(step * (kSeq + 1)));
   for (uint64_t s = 0; s < steps; ++s) {
     const uint64_t start = s * step;
     // Each rank also reports the global indices it read: together exactly [start, start+step).
@@ -114,11 +114,11 @@ TEST_F(ShardsMpi, SlicesPartitionTheGlobalOrder) {
     for (uint64_t i = 0; i < step; ++i) mismatches += all_idx[i] != start + i;
 
     // The ranks' slices, concatenated, are what one reader with rows*world rows gets.
-    std::vector<int64_t> all = gather_step(ds, start);
+    std::vector<int32_t> all = gather_step(ds, start);
     ds.batch(start, 0, static_cast<int64_t>(step), single.data());
     mismatches += all != single;
     for (uint64_t i = 0; i < step; ++i) {
-      const int64_t* w = all.data() + i * (kSeq + 1);
+      const int32_t* w = all.data() + i * (kSeq + 1);
       for (int64_t j = 0; j < kSeq; ++j) mismatches += w[j + 1] != w[j] + 1;  // one shard, in order
       first_token.push_back(w[0]);
     }
@@ -152,11 +152,11 @@ TEST_F(ShardsMpi, ResumeFromCursorContinuesExactly) {
   // A fresh reader (the restarted job) from the cursor vs. the old one carrying on; and the
   // same windows for a job restarted on one rank with rows*world rows.
   TokenDataset resumed(paths_, kSeq, kSeed, true);
-  std::vector<int64_t> single(static_cast<size_t>(step * (kSeq + 1)));
+  std::vector<int32_t> single(static_cast<size_t>(step * (kSeq + 1)));
   size_t mismatches = 0;
   for (uint64_t s = 0; s < 4; ++s) {
     const uint64_t start = cursor + s * step;
-    std::vector<int64_t> a = gather_step(running, start), b = gather_step(resumed, start);
+    std::vector<int32_t> a = gather_step(running, start), b = gather_step(resumed, start);
     resumed.batch(start, 0, static_cast<int64_t>(step), single.data());
     mismatches += (a != b) + (a != single);
   }

@@ -70,7 +70,8 @@ class Permutation {
 // chunked ones into memory), checks they agree on vocab_size, and serves windows by global index.
 class TokenDataset {
  public:
-  // Throws UsageError for bad shards, mixed vocab sizes, or shards shorter than one window.
+  // Throws UsageError for bad shards, mixed vocab sizes, vocab_size > 2^31 (tokens are served as
+  // int32), or shards shorter than one window.
   TokenDataset(const std::vector<std::string>& paths, int64_t seq_len, uint64_t seed, bool shuffle);
   ~TokenDataset();
   TokenDataset(const TokenDataset&) = delete;
@@ -85,14 +86,19 @@ class TokenDataset {
   const std::vector<std::string>& paths() const { return paths_; }
 
   // Writes the seq_len+1 tokens of global window `index` (any index >= 0: epochs wrap) to `dst`.
-  void window(uint64_t index, int64_t* dst) const;
+  // Tokens are int32 (what the embedding takes; a shard's uint16 widens with a plain vector
+  // copy): the constructor refuses vocab_size > 2^31, so every in-vocabulary token fits. A stored
+  // value >= 2^31 (out of vocabulary, never written by write_shard) comes out negative.
+  void window(uint64_t index, int32_t* dst) const;
 
   // Fills `dst` (rows x (seq_len+1)) with the windows of one rank's slice of one micro-step:
   // global windows start + rank*rows + i for i in [0, rows).
-  void batch(uint64_t start, int rank, int64_t rows, int64_t* dst) const;
+  void batch(uint64_t start, int rank, int64_t rows, int32_t* dst) const;
 
  private:
   struct Shard;
+  // Global window index -> the first of its seq_len+1 tokens (native uint16/uint32) and their width.
+  const unsigned char* locate(uint64_t k, int* dtype_bytes) const;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::string> paths_;
   std::vector<uint64_t> first_window_;  // prefix sums of windows per shard
@@ -116,18 +122,18 @@ class BatchPrefetcher {
   BatchPrefetcher(const BatchPrefetcher&) = delete;
   BatchPrefetcher& operator=(const BatchPrefetcher&) = delete;
 
-  // The rows x (seq_len+1) tokens of the micro-batch at global window `start` (see batch()),
-  // then starts reading the one at `next_start` in the background.
-  const std::vector<int64_t>& take(uint64_t start, uint64_t next_start);
+  // The rows x (seq_len+1) int32 tokens of the micro-batch at global window `start` (see
+  // batch()), then starts reading the one at `next_start` in the background.
+  const std::vector<int32_t>& take(uint64_t start, uint64_t next_start);
 
  private:
-  std::vector<int64_t> read(uint64_t start) const;
+  std::vector<int32_t> read(uint64_t start) const;
 
   const TokenDataset& data_;
   int rank_;
   int64_t rows_;
-  std::vector<int64_t> current_;
-  std::future<std::vector<int64_t>> pending_;
+  std::vector<int32_t> current_;
+  std::future<std::vector<int32_t>> pending_;
   uint64_t pending_start_ = 0;
 };
 
