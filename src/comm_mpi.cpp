@@ -1,8 +1,10 @@
 // The MPI communicator backend: CPU tensors reduced in place with MPI; tensors on a device are
 // staged through a host copy (correct, not fast: GPU runs use NCCL).
 #include <climits>
+#include <vector>
 
 #include "mpitrain/comm.h"
+#include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/watchdog.h"
 
@@ -34,6 +36,44 @@ MPI_Op mpi_op(ReduceOp op) {
 
 // MPI counts are int: large tensors go in pieces.
 constexpr int64_t kMaxCount = INT_MAX / 2;
+
+class DoneWork final : public Work {
+ public:
+  void wait() override {}
+};
+
+// A non-blocking all-reduce on a contiguous host buffer (the tensor itself, or a staging copy of
+// a device tensor that wait() copies back).
+class MpiWork final : public Work {
+ public:
+  MpiWork(torch::Tensor host, torch::Tensor target, ReduceOp op, int size)
+      : host_(std::move(host)), target_(std::move(target)), op_(op), size_(size) {}
+  ~MpiWork() override {
+    try {
+      wait();
+    } catch (...) {  // only reachable when an MPI error is already ending the job
+    }
+  }
+  std::vector<MPI_Request>& requests() { return requests_; }
+
+  void wait() override {
+    if (done_) return;
+    done_ = true;
+    {
+      Watchdog::Scope watch("all_reduce(bucket)");
+      MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+    }
+    if (op_ == ReduceOp::avg) host_.div_(size_);
+    if (target_.defined()) target_.copy_(host_);
+  }
+
+ private:
+  torch::Tensor host_, target_;
+  ReduceOp op_;
+  int size_;
+  std::vector<MPI_Request> requests_;
+  bool done_ = false;
+};
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -94,6 +134,24 @@ class MpiCommunicator final : public Communicator {
     MPI_CHECK(MPI_Barrier(comm_));
   }
 
+  std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op) override {
+    if (op == ReduceOp::avg && !t.is_floating_point())
+      throw Error("all_reduce avg needs a floating-point tensor");
+    const bool staged = !(t.is_cpu() && t.is_contiguous());
+    torch::Tensor host = staged ? t.to(torch::kCPU).contiguous() : t;
+    auto work = std::make_unique<MpiWork>(host, staged ? t : torch::Tensor(), op, size_);
+    const MPI_Datatype type = mpi_type(host);
+    const size_t elem = host.element_size();
+    char* base = static_cast<char*>(host.data_ptr());
+    for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
+      int count = static_cast<int>(std::min(kMaxCount, host.numel() - off));
+      work->requests().emplace_back();
+      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op), comm_,
+                               &work->requests().back()));
+    }
+    return work;
+  }
+
  private:
   // Runs fn on a contiguous CPU tensor holding t's data; copies the result back into t when t
   // was not already such a tensor.
@@ -115,16 +173,42 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
+std::unique_ptr<Work> Communicator::all_reduce_async(torch::Tensor& t, ReduceOp op) {
+  all_reduce(t, op);
+  return std::make_unique<DoneWork>();
+}
+
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
   return std::make_unique<MpiCommunicator>(comm);
 }
 
+#ifdef MPITRAIN_WITH_NCCL
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, const torch::Device& device);  // comm_nccl.cpp
+bool have_nccl() { return true; }
+#else
+bool have_nccl() { return false; }
+int64_t cuda_peak_allocated_bytes(int) { return -1; }  // CPU build (GPU builds: cuda_stats.cpp)
+#endif
+
 std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
                                                 const torch::Device& device) {
-  (void)device;
-  if (backend == "mpi" || backend == "auto") return make_mpi_communicator(comm);
-  if (backend == "nccl")
+  (void)device;  // CPU builds: only the MPI backend exists
+  if (backend == "mpi") return make_mpi_communicator(comm);
+  if (backend == "auto") {
+#ifdef MPITRAIN_WITH_NCCL
+    if (device.is_cuda()) return make_nccl_communicator(comm, device);
+#endif
+    return make_mpi_communicator(comm);
+  }
+  if (backend == "nccl") {
+#ifdef MPITRAIN_WITH_NCCL
+    if (!device.is_cuda())
+      throw UsageError("comm.backend: 'nccl' needs CUDA devices, but this run trains on the CPU (train.device)");
+    return make_nccl_communicator(comm, device);
+#else
     throw UsageError("comm.backend: 'nccl' needs a GPU build of mpitrain (this build has no NCCL)");
+#endif
+  }
   throw UsageError("comm.backend: unknown backend '" + backend + "'");
 }
 

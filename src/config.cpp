@@ -55,12 +55,14 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, preset),       MPITRAIN_FIELD(model, n_layer),
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
-    MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(data, train),
+    MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
+    MPITRAIN_FIELD(data, train),
     MPITRAIN_FIELD(data, val),           MPITRAIN_FIELD(data, seed),
     MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(train, micro_batch),
     MPITRAIN_FIELD(train, grad_accum),   MPITRAIN_FIELD(train, global_batch),
     MPITRAIN_FIELD(train, steps),        MPITRAIN_FIELD(train, seed),
     MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
+    MPITRAIN_FIELD(train, device),       MPITRAIN_FIELD(train, precision),
     MPITRAIN_FIELD(optim, lr),           MPITRAIN_FIELD(optim, min_lr),
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
@@ -69,8 +71,10 @@ const Field kFields[] = {
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
-    MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(comm, backend),
-    MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(fault, collective_timeout_s),
+    MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
+    MPITRAIN_FIELD(comm, backend),
+    MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
+    MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),                    MPITRAIN_FIELD(sample, tokens),
     MPITRAIN_FIELD(sample, prompt),      MPITRAIN_FIELD(sample, temperature),
     MPITRAIN_FIELD(sample, top_k),
@@ -377,6 +381,9 @@ void validate(const Config& c, const std::string& where) {
   check(t.steps > 0, "train.steps", "> 0", show(t.steps));
   check(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", show(t.threads));
   check(!t.out_dir.empty(), "train.out_dir", "non-empty", show(t.out_dir));
+  check(one_of(t.device, {"auto", "cpu", "cuda"}), "train.device", "one of auto|cpu|cuda", show(t.device));
+  check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
+        show(t.precision));
 
   const OptimConfig& o = c.optim;
   check(o.lr > 0, "optim.lr", "> 0", show(o.lr));

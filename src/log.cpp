@@ -55,6 +55,7 @@ void init(int rank, int world_size, const std::string& host) {
 }
 
 void set_level(Level level) { state().out->set_level(to_spd(level)); }
+bool enabled(Level level) { return state().out->should_log(to_spd(level)); }
 void set_all_ranks(bool all_ranks) { state().all_ranks = all_ranks; }
 
 Level parse_level(const std::string& name) {

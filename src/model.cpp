@@ -17,6 +17,7 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
   d.n_embd = cfg.n_embd;
   d.seq_len = cfg.seq_len;
   d.dropout = cfg.dropout;
+  d.fused_loss = cfg.fused_loss;
   d.vocab_size = cfg.vocab_size > 0 ? cfg.vocab_size : data_vocab_size;
   if (d.vocab_size < data_vocab_size)
     throw UsageError(concat("model.vocab_size must be >= the data's vocab_size ", data_vocab_size,
@@ -125,9 +126,87 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  if (dims_.fused_loss) {
+    auto x = hidden(idx);
+    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}).to(torch::kLong));
+  }
   auto logits = forward(idx);
   return F::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat32),
-                          targets.reshape({-1}));
+                          targets.reshape({-1}).to(torch::kLong));
+}
+
+// ---- fused, chunked classifier + cross-entropy -------------------------------------------------
+
+namespace {
+
+int64_t chunk_rows(int64_t vocab, int64_t rows) {
+  return rows > 0 ? rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, vocab));
+}
+
+// One chunk's logits in fp32 (the matmul itself runs in the autocast dtype, if any).
+torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w) {
+  return torch::matmul(h, w.t()).to(torch::kFloat32);
+}
+
+// Sum over the chunk of logsumexp(logits) - logits[target].
+torch::Tensor chunk_loss_sum(const torch::Tensor& logits, const torch::Tensor& lse, const torch::Tensor& t) {
+  return (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum();
+}
+
+class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
+                               const torch::Tensor& w, const torch::Tensor& t, int64_t chunk) {
+    const int64_t n = h.size(0), rows = chunk_rows(w.size(0), chunk);
+    const double inv_n = 1.0 / static_cast<double>(n);
+    torch::Tensor grad_h = torch::empty(h.sizes(), h.options().dtype(torch::kFloat32));
+    torch::Tensor grad_w = torch::zeros(w.sizes(), w.options().dtype(torch::kFloat32));
+    torch::Tensor total = torch::zeros({}, h.options().dtype(torch::kFloat32));
+    for (int64_t start = 0; start < n; start += rows) {
+      const int64_t len = std::min(rows, n - start);
+      auto hc = h.narrow(0, start, len), tc = t.narrow(0, start, len);
+      torch::Tensor logits = chunk_logits(hc, w);
+      torch::Tensor lse = logits.logsumexp(1);
+      total += chunk_loss_sum(logits, lse, tc);
+      // d(mean loss)/d(logits) = (softmax - onehot) / n, computed in place over the logits.
+      torch::Tensor g = logits.sub_(lse.unsqueeze(1)).exp_();
+      g.scatter_add_(1, tc.unsqueeze(1), torch::full({len, 1}, -1.0f, g.options()));
+      g.mul_(inv_n);
+      grad_h.narrow(0, start, len).copy_(torch::matmul(g, w));
+      grad_w.add_(torch::matmul(g.t(), hc));
+    }
+    ctx->save_for_backward({grad_h, grad_w});
+    ctx->saved_data["h_dtype"] = static_cast<int64_t>(h.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+    return total * inv_n;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_out) {
+    auto saved = ctx->get_saved_variables();
+    const torch::Tensor& g = grad_out[0];
+    auto h_dtype = static_cast<torch::ScalarType>(ctx->saved_data["h_dtype"].toInt());
+    auto w_dtype = static_cast<torch::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    return {(saved[0] * g).to(h_dtype), (saved[1] * g).to(w_dtype), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& targets, int64_t rows_override) {
+  if (torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
+    return LinearCrossEntropy::apply(hidden, weight, targets, rows_override);
+  // No gradients wanted (evaluation): the loss alone, chunk by chunk.
+  const int64_t n = hidden.size(0), rows = chunk_rows(weight.size(0), rows_override);
+  torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
+  for (int64_t start = 0; start < n; start += rows) {
+    const int64_t len = std::min(rows, n - start);
+    auto hc = hidden.narrow(0, start, len);
+    torch::Tensor logits = chunk_logits(hc, weight);
+    total += chunk_loss_sum(logits, logits.logsumexp(1), targets.narrow(0, start, len));
+  }
+  return total / static_cast<double>(n);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> GPTImpl::named_params() const {

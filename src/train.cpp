@@ -13,10 +13,12 @@
 #include <memory>
 #include <optional>
 
+#include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
 #include "mpitrain/consistency.h"
 #include "mpitrain/ddp.h"
+#include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
@@ -50,24 +52,45 @@ int configure_threads(int64_t requested, int local_size) {
   return threads;
 }
 
-std::vector<uint8_t> rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
+// A generator's state as bytes (torch's own serialisation).
+std::vector<uint8_t> generator_state(at::Generator gen) {
   std::lock_guard<std::mutex> lock(gen.mutex());
   torch::Tensor s = gen.get_state();
   return std::vector<uint8_t>(s.data_ptr<uint8_t>(), s.data_ptr<uint8_t>() + s.numel());
 }
 
-void set_rng_state(const std::vector<uint8_t>& bytes) {
-  auto gen = at::detail::getDefaultCPUGenerator();
+void set_generator_state(at::Generator gen, const uint8_t* bytes, size_t n) {
   std::lock_guard<std::mutex> lock(gen.mutex());
-  torch::Tensor s = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
-  std::memcpy(s.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  torch::Tensor s = torch::empty({static_cast<int64_t>(n)}, torch::kUInt8);
+  std::memcpy(s.data_ptr<uint8_t>(), bytes, n);
   gen.set_state(s);
 }
 
+// This rank's RNG state: the CPU generator's, followed on a GPU by the device generator's
+// (dropout on the GPU draws from the latter).
+std::vector<uint8_t> rng_state(const torch::Device& device) {
+  std::vector<uint8_t> bytes = generator_state(at::detail::getDefaultCPUGenerator());
+  if (device.is_cuda()) {
+    auto gpu = generator_state(at::globalContext().defaultGenerator(device));
+    bytes.insert(bytes.end(), gpu.begin(), gpu.end());
+  }
+  return bytes;
+}
+
+// Restores rng_state(device)'s bytes; false (nothing changed) when they were written on another
+// kind of device (a CPU checkpoint resumed on a GPU or the reverse).
+bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& device) {
+  const size_t cpu = generator_state(at::detail::getDefaultCPUGenerator()).size();
+  const size_t gpu = device.is_cuda() ? generator_state(at::globalContext().defaultGenerator(device)).size() : 0;
+  if (bytes.size() != cpu + gpu) return false;
+  set_generator_state(at::detail::getDefaultCPUGenerator(), bytes.data(), cpu);
+  if (gpu > 0) set_generator_state(at::globalContext().defaultGenerator(device), bytes.data() + cpu, gpu);
+  return true;
+}
+
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
-std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm) {
-  auto mine = rng_state();
+std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const torch::Device& device) {
+  auto mine = rng_state(device);
   torch::Tensor in = torch::from_blob(mine.data(), {static_cast<int64_t>(mine.size())}, torch::kUInt8);
   torch::Tensor out = torch::empty({comm.size() * in.numel()}, torch::kUInt8);
   comm.all_gather(in, out);
@@ -83,7 +106,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm) {
 // A corrupt newest checkpoint (checksum, truncation) falls back to the previous one, with a
 // warning; an explicitly named checkpoint must load.
 void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, TrainState& st,
-                 Communicator& comm, MPI_Comm mpi_comm, uint64_t seed) {
+                 Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device) {
   std::string path;
   agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
@@ -122,6 +145,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   comm.broadcast(dims, 0);
   n_states = dims[0].item<int64_t>();
   state_bytes = dims[1].item<int64_t>();
+  bool restored = false;
   if (n_states == comm.size() && state_bytes > 0) {
     torch::Tensor all = torch::empty({n_states, state_bytes}, torch::kUInt8);
     if (comm.rank() == 0)
@@ -129,40 +153,60 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
         std::memcpy(all[r].data_ptr<uint8_t>(), st.rng_states[r].data(), state_bytes);
     comm.broadcast(all, 0);
     torch::Tensor mine = all[comm.rank()].contiguous();
-    set_rng_state(std::vector<uint8_t>(mine.data_ptr<uint8_t>(), mine.data_ptr<uint8_t>() + state_bytes));
-  } else {
-    if (n_states > 0)
-      log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
-                    ": RNG streams are reseeded (the data order continues exactly)"));
-    torch::manual_seed(seed + 7919 * static_cast<uint64_t>(comm.rank() + 1) + st.step);
+    restored = set_rng_state(std::vector<uint8_t>(mine.data_ptr<uint8_t>(), mine.data_ptr<uint8_t>() + state_bytes),
+                             device);
+    int all_restored = restored ? 1 : 0;  // one kind of device for all ranks, but be sure
+    {
+      Watchdog::Scope watch("all_reduce(rng restored)");
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_restored, 1, MPI_INT, MPI_MIN, mpi_comm));
+    }
+    if (!all_restored && comm.rank() == 0)
+      log::warn("checkpoint's RNG states come from another kind of device (CPU/GPU): RNG streams are reseeded "
+                "(the data order continues exactly)");
+    restored = all_restored != 0;
+  } else if (n_states > 0) {
+    log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
+                     ": RNG streams are reseeded (the data order continues exactly)"));
   }
+  if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(comm.rank() + 1) + st.step);
   log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
 }
 
-// Inputs and targets [rows, T] from rows x (T+1) window tokens.
-std::pair<torch::Tensor, torch::Tensor> to_tensors(const std::vector<int64_t>& buf, int64_t rows, int64_t T) {
-  torch::Tensor all = torch::from_blob(const_cast<int64_t*>(buf.data()), {rows, T + 1}, torch::kInt64);
-  return {all.slice(1, 0, T).clone(), all.slice(1, 1, T + 1).clone()};
+// Inputs [rows, T] (int32: the embedding takes them as they are) and targets [rows, T] (int64:
+// cross_entropy in libtorch 1.13 wants Long; the conversion is the copy clone() made anyway)
+// from rows x (T+1) int32 window tokens.
+std::pair<torch::Tensor, torch::Tensor> to_tensors(const std::vector<int32_t>& buf, int64_t rows, int64_t T) {
+  torch::Tensor all = torch::from_blob(const_cast<int32_t*>(buf.data()), {rows, T + 1}, torch::kInt32);
+  return {all.slice(1, 0, T).clone(), all.slice(1, 1, T + 1).to(torch::kInt64)};
 }
 
 // One rank's slice of one micro-step, read synchronously (evaluation).
 std::pair<torch::Tensor, torch::Tensor> get_batch(const TokenDataset& data, uint64_t start, int rank,
-                                                  int64_t rows, std::vector<int64_t>& buf) {
+                                                  int64_t rows, std::vector<int32_t>& buf) {
   buf.resize(static_cast<size_t>(rows * (data.seq_len() + 1)));
   data.batch(start, rank, rows, buf.data());
   return to_tensors(buf, rows, data.seq_len());
 }
 
+// A batch for the device. From pageable memory a host-to-device copy synchronises the stream;
+// from pinned memory it is asynchronous, so the host goes on queueing the step.
+torch::Tensor to_device(const torch::Tensor& t, const torch::Device& device) {
+  if (!device.is_cuda()) return t;
+  return t.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 // Mean validation loss over eval.batches micro-batches per rank: the same windows every time.
-double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const Config& cfg) {
+double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const Config& cfg,
+                const torch::Device& device, Precision precision) {
   torch::NoGradGuard no_grad;
   model->eval();
-  std::vector<int64_t> buf;
+  std::vector<int32_t> buf;
   const int64_t rows = cfg.train.micro_batch;
-  torch::Tensor sum = torch::zeros({1}, torch::kFloat64);
+  torch::Tensor sum = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device));
   for (int64_t b = 0; b < cfg.eval.batches; ++b) {
     auto [x, y] = get_batch(val, static_cast<uint64_t>(b * comm.size() * rows), comm.rank(), rows, buf);
-    sum += model->loss(x, y).to(torch::kFloat64);
+    Autocast autocast(precision, device);
+    sum += model->loss(x.to(device), y.to(device)).to(torch::kFloat64);
   }
   comm.all_reduce(sum, ReduceOp::avg);
   model->train();
@@ -182,7 +226,7 @@ std::string human_duration(double seconds) {
 class Progress {
  public:
   Progress(const Config& cfg, bool writer, int64_t tokens_per_step, int64_t first_step)
-      : cfg_(cfg), tokens_per_step_(tokens_per_step), first_step_(first_step) {
+      : cfg_(cfg), tokens_per_step_(tokens_per_step), first_step_(first_step), last_reported_(first_step) {
     if (!writer) return;
     const std::string path =
         cfg.log.metrics.empty() ? cfg.train.out_dir + "/metrics.jsonl" : cfg.log.metrics;
@@ -192,15 +236,27 @@ class Progress {
     if (!metrics_) throw UsageError(concat("log.metrics: cannot write '", path, "'"));
   }
 
-  void start_step() { step_start_ = Clock::now(); }
+  // Marks the start of a step; the first call starts the clock of the first interval.
+  void start_step() {
+    if (!timing_) {
+      interval_start_ = Clock::now();
+      timing_ = true;
+    }
+  }
 
+  // At a log step, after the loss was read (on a GPU that waits for the queued work, so the
+  // interval's time is real): tokens/s and ms/step averaged over the steps since the last report.
   void report(int64_t step, double loss, double lr, double norm) {
-    const double dt = std::chrono::duration<double>(Clock::now() - step_start_).count();
-    elapsed_ += dt;
+    const auto now = Clock::now();
+    const double interval = std::chrono::duration<double>(now - interval_start_).count();
+    const int64_t steps = std::max<int64_t>(1, step + 1 - last_reported_);
+    interval_start_ = now;
+    last_reported_ = step + 1;
+    elapsed_ += interval;
+    const double dt = interval / static_cast<double>(steps);
     const int64_t done = step + 1 - first_step_;
     const double avg = elapsed_ / static_cast<double>(std::max<int64_t>(1, done));
     const double tok_s = static_cast<double>(tokens_per_step_) / dt;
-    if (!every(step + 1, cfg_.log.every) && step + 1 != cfg_.train.steps) return;
     char line[256];
     std::snprintf(line, sizeof line,
                   "step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms/step | ETA %s",
@@ -217,6 +273,17 @@ class Progress {
     }
   }
 
+  // Runs fn without counting its time in the current interval (evaluation, checkpoints).
+  template <class Fn>
+  auto untimed(Fn&& fn) {
+    struct Shift {
+      Progress& p;
+      Clock::time_point t0 = Clock::now();
+      ~Shift() { p.interval_start_ += Clock::now() - t0; }
+    } shift{*this};
+    return fn();
+  }
+
   void report_val(int64_t step, double val_loss) {
     log::info(concat("step ", step, " | val loss ", val_loss));
     if (metrics_.is_open()) {
@@ -231,8 +298,10 @@ class Progress {
   const Config& cfg_;
   int64_t tokens_per_step_;
   int64_t first_step_;
+  int64_t last_reported_;
   double elapsed_ = 0;
-  Clock::time_point step_start_;
+  bool timing_ = false;
+  Clock::time_point interval_start_;
   std::ofstream metrics_;
 };
 
@@ -267,8 +336,22 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   std::unique_ptr<TokenDataset> train_data, val_data;
   GPTDims dims;
   std::unique_ptr<Communicator> comm;
-  const torch::Device device(torch::kCPU);
+  torch::Device device(torch::kCPU);
+  const Precision precision = parse_precision(cfg.train.precision);
   agree(mpi_comm, [&] {
+    const DeviceChoice where = choose_device(cfg.train.device, cfg.comm.backend, local_gpu_count(),
+                                             topo.local_rank, topo.local_size, topo.host);
+    if (where.cuda) {
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.index));
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(device);
+    }
+    log::debug(concat("rank ", topo.rank, " (host ", topo.host, ", local rank ", topo.local_rank, ") trains on ",
+                      where.describe));
+    if (topo.rank == 0)
+      log::info(concat("device: ", where.cuda ? "CUDA, one GPU per local rank" : "CPU", where.shared ? " (GPUs shared by ranks)" : "",
+                       "; rank 0 on ", where.describe, "; precision ", precision_name(precision)));
+    if (precision == Precision::fp16 && !where.cuda)
+      throw UsageError("train.precision: fp16 needs CUDA (this run trains on the CPU); use bf16 or fp32");
     train_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.train, "data.train"),
                                                 cfg.model.seq_len, cfg.data.seed, cfg.data.shuffle);
     if (!cfg.data.val.empty()) {
@@ -295,7 +378,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   AdamW opt(model->named_params(), cfg.optim);
   std::vector<torch::Tensor> params;
   for (size_t i = 0; i < opt.size(); ++i) params.push_back(opt.param(i));
-  GradSync grad_sync(params, *comm, cfg.comm.bucket_mb);
+  // MPI may only be called from the main thread (MPI_THREAD_FUNNELED), and on CUDA the backward
+  // hooks run on autograd's device threads: there the MPI backend reduces after backward.
+  const bool overlap = cfg.comm.overlap && !(device.is_cuda() && comm->name() == "mpi");
+  GradSync grad_sync(params, *comm, cfg.comm.bucket_mb, overlap);
+  LossScaler scaler(precision == Precision::fp16);
 
   const int64_t T = dims.seq_len, micro = cfg.train.micro_batch, accum = cfg.train.grad_accum;
   const int64_t global_batch = cfg.train.global_batch;
@@ -304,7 +391,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                 " heads, width ", dims.n_embd, ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
   log::info(concat("batch: ", micro, " micro x ", topo.size, " ranks x ", accum, " accum = ", global_batch,
                 " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
-                " all-reduce buckets; ", threads, " threads per rank; backend ", comm->name()));
+                " all-reduce buckets", grad_sync.overlapping() ? " (overlapped with backward)" : "", "; ", threads,
+                " threads per rank; backend ", comm->name()));
   log::info(concat("data: ", train_data->num_tokens(), " train tokens in ", train_data->paths().size(),
                 " shards (", train_data->num_windows(), " windows/epoch)",
                 val_data ? concat(", ", val_data->num_tokens(), " val tokens") : std::string()));
@@ -322,7 +410,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   });
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
-  if (has_resume) resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed);
+  if (has_resume) resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed, device);
   st.world_size = topo.size;
   st.config_yaml = to_yaml(cfg);
 
@@ -342,18 +430,19 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   Progress progress(cfg, topo.rank == 0, tokens_per_step, st.step);
   BatchPrefetcher prefetch(*train_data, topo.rank, micro);
   const uint64_t micro_stride = static_cast<uint64_t>(topo.size * micro);
+  // Rank 0 writes; with checkpoint.async the loop stalls only for the host snapshot.
+  AsyncCheckpointWriter checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.async);
   auto save = [&] {
-    auto rng = gather_rng_states(*comm);
+    auto rng = gather_rng_states(*comm, device);
     if (topo.rank == 0) {
       st.rng_states = std::move(rng);
-      result.last_checkpoint = save_checkpoint(cfg.checkpoint.dir, model, opt, st, cfg.checkpoint.keep);
-      log::info(concat("checkpoint ", result.last_checkpoint));
+      result.last_checkpoint = checkpoints.save(model, opt, st);
     }
-    comm->barrier();  // nobody runs ahead of a checkpoint that may yet fail
+    if (!checkpoints.async()) comm->barrier();  // nobody runs ahead of a checkpoint that may yet fail
   };
 
   auto run_eval = [&](int64_t at_step) {
-    const double v = evaluate(model, *val_data, *comm, cfg);
+    const double v = progress.untimed([&] { return evaluate(model, *val_data, *comm, cfg, device, precision); });
     result.val_losses.emplace_back(at_step, v);
     if (topo.rank == 0) progress.report_val(at_step, v);
   };
@@ -367,19 +456,32 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     maybe_hang_for_test(topo.rank, step + 1);
 
     // ---- one optimizer step: accumulate micro-batches; grads averaged across ranks once ----
-    torch::Tensor loss_sum = torch::zeros({1}, torch::kFloat64);
+    // The loss stays on the device until a log step reads it: no host synchronisation per step.
+    torch::Tensor loss_sum = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device));
     for (int64_t m = 0; m < accum; ++m) {
       const uint64_t start = st.data_cursor + static_cast<uint64_t>(m) * micro_stride;
       // The next micro-batch follows in the global order, also across the step boundary.
       auto [x, y] = to_tensors(prefetch.take(start, start + micro_stride), micro, T);
-      torch::Tensor loss = model->loss(x.to(device), y.to(device));
-      (loss / static_cast<double>(accum)).backward();
-      loss_sum += loss.detach().to(torch::kCPU, torch::kFloat64);
+      torch::Tensor loss;
+      {
+        Autocast autocast(precision, device);
+        loss = model->loss(to_device(x, device), to_device(y, device));
+      }
+      if (m + 1 == accum) grad_sync.arm();  // this backward completes the step's gradients
+      scaler.scale_loss(loss / static_cast<double>(accum)).backward();
+      loss_sum += loss.detach().to(torch::kFloat64);
     }
     grad_sync.all_reduce_grads();
-    const double norm = clip_grad_norm(params, cfg.optim.grad_clip);
+    const bool finite = scaler.unscale_and_check(params);  // fp16 only; identical on every rank
+    const torch::Tensor norm = clip_grad_norm_(params, cfg.optim.grad_clip);
     const double lr = lr_at(cfg.optim, cfg.train.steps, step);
-    opt.step(lr);
+    if (finite) {
+      opt.step(lr);
+    } else {
+      log::warn(concat("step ", step + 1, ": fp16 gradients overflowed at loss scale ", scaler.scale(),
+                       "; step skipped"));
+    }
+    scaler.update(finite);
     opt.zero_grad();
     st.step = step + 1;
     st.data_cursor += static_cast<uint64_t>(global_batch);
@@ -387,12 +489,15 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
 
     if (every(step + 1, cfg.log.every) || last) {
       comm->all_reduce(loss_sum, ReduceOp::avg);
-      const double loss = loss_sum.item<double>() / static_cast<double>(accum);
+      double loss = 0, grad_norm = 0;
+      {
+        Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
+        loss = loss_sum.item<double>() / static_cast<double>(accum);
+        grad_norm = norm.item<double>();
+      }
       result.losses.emplace_back(step + 1, loss);
       if (!std::isfinite(loss)) throw Error(concat("loss is ", loss, " at step ", step + 1));
-      if (topo.rank == 0) progress.report(step, loss, lr, norm);
-    } else if (topo.rank == 0) {
-      progress.report(step, 0, lr, norm);  // times the step; prints nothing
+      if (topo.rank == 0) progress.report(step, loss, lr, grad_norm);
     }
 
     if (val_data && (every(step + 1, cfg.eval.every) || (last && cfg.eval.every > 0))) run_eval(step + 1);
@@ -412,7 +517,16 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     }
     if (stop_here) break;
   }
+  // The last asynchronous write completes (or its failure ends the job, exit 2) before any rank
+  // finishes, also when stopping on a signal.
+  if (checkpoints.async()) {
+    if (topo.rank == 0) checkpoints.wait();
+    comm->barrier();
+  }
   result.final_step = st.step;
+  if (device.is_cuda() && topo.rank == 0)
+    log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
+                     static_cast<double>(cuda_peak_allocated_bytes(device.index())) / (1 << 30), " GiB"));
 
   if (topo.rank == 0 && cfg.sample.tokens > 0 && st.tokenizer == "byte") {
     std::vector<int64_t> prompt{st.eot_token};

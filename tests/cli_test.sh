@@ -118,5 +118,37 @@ expect_usage "wrong model shape on resume" "ckpt/ckpt-00000006.h5: dataset 'mode
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_embd=32
 check "nothing on disk overwritten by a failed run" "[ \"\$(md5sum ckpt/ckpt-00000006.h5)\" = \"$before\" ]"
 
+# ==== BEGIN checkpoint.async (asynchronous checkpoint save) ===================================
+# Same run as "mpirun -np 2" above with the writes on a background thread: the same checkpoint
+# contents, stop-and-resume with the same losses, and a failed background write ends the job
+# with exit 2 and leaves no checkpoint.
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckptA --set train.out_dir=runA \
+  --set checkpoint.async=true > async.out 2>&1
+rc=$?
+check "async: mpirun -np 2 exits 0, logs snapshot and background write" \
+  "[ $rc -eq 0 ] && grep -q 'checkpoint step 3: snapshot [0-9]* ms (async write started)' async.out && grep -q 'ckptA/ckpt-00000006.h5 written in [0-9]* ms (background)' async.out"
+check "async: checkpoints and latest as with sync saves" \
+  "[ -f ckptA/ckpt-00000003.h5 ] && [ -f ckptA/ckpt-00000006.h5 ] && grep -qx ckpt-00000006.h5 ckptA/latest && ! ls ckptA/*.tmp >/dev/null 2>&1"
+check "async: model, AdamW moments, train state and CRCs equal the sync run's" \
+  "h5diff ckpt/ckpt-00000006.h5 ckptA/ckpt-00000006.h5 /model /model && h5diff ckpt/ckpt-00000006.h5 ckptA/ckpt-00000006.h5 /optim /optim && h5diff ckpt/ckpt-00000006.h5 ckptA/ckpt-00000006.h5 /train /train"
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckptB --set train.out_dir=runB \
+  --set checkpoint.async=true --stop-after 4 > astop.out 2>&1
+rc=$?
+check "async: --stop-after 4 waits for its checkpoint" "[ $rc -eq 0 ] && [ -f ckptB/ckpt-00000004.h5 ] && grep -qx ckpt-00000004.h5 ckptB/latest"
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckptB --set train.out_dir=runB \
+  --set checkpoint.async=true > aresume.out 2>&1
+check "async: resume continues at step 4 with the straight run's losses" \
+  "grep -q 'resumed from ckptB/ckpt-00000004.h5 at step 4' aresume.out && [ \"\$(grep -o 'step     6/6 | loss [0-9.]*' aresume.out)\" = \"\$(grep -o 'step     6/6 | loss [0-9.]*' mpi.out)\" ] && [ \"\$(grep -o 'step     5/6 | loss [0-9.]*' aresume.out)\" = \"\$(grep -o 'step     5/6 | loss [0-9.]*' mpi.out)\" ]"
+# A directory (not removable) where step 3's .tmp file goes: the background write fails.
+mkdir -p ckptC/ckpt-00000003.h5.tmp/x
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckptC --set train.out_dir=runC \
+  --set checkpoint.async=true > afail.out 2>&1
+rc=$?
+check "async: a failed background write ends the job with exit 2, printed once" \
+  "[ $rc -eq 2 ] && [ \$(grep -c 'mpitrain: ckptC/ckpt-00000003.h5.tmp: cannot write checkpoint' afail.out) -eq 1 ]"
+check "async: after the failed write no checkpoint and no latest" \
+  "! ls ckptC/ckpt-*.h5 >/dev/null 2>&1 && [ ! -e ckptC/latest ]"
+# ==== END checkpoint.async ===================================================================
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -106,3 +106,47 @@ TEST(Model, GenerateIsDeterministicPerSeed) {
   EXPECT_NE(a, c);
   for (auto t : a) EXPECT_LT(t, 50);
 }
+
+// The fused, chunked classifier + cross-entropy equals logits-then-cross_entropy in value and in
+// the gradients of both the hidden states and the (tied) weight, whatever the chunking.
+TEST(Model, FusedLinearCrossEntropyEqualsTheTextbookPath) {
+  torch::manual_seed(21);
+  const int64_t n = 50, c = 12, v = 33;
+  auto h0 = torch::randn({n, c}), w0 = torch::randn({v, c}) * 0.5;
+  auto t = torch::randint(0, v, {n}, torch::kLong);
+
+  auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  auto ref = torch::nn::functional::cross_entropy(torch::matmul(h, w.t()), t);
+  ref.backward();
+  for (int64_t rows : {0, 7, 50, 64}) {
+    auto hf = h0.clone().requires_grad_(true), wf = w0.clone().requires_grad_(true);
+    auto loss = linear_cross_entropy(hf, wf, t, rows);
+    (loss * 3.0).backward();  // the incoming gradient is applied in backward
+    EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-5) << rows;
+    EXPECT_TRUE(torch::allclose(hf.grad(), h.grad() * 3.0, 1e-5, 1e-6)) << rows;
+    EXPECT_TRUE(torch::allclose(wf.grad(), w.grad() * 3.0, 1e-5, 1e-6)) << rows;
+    torch::NoGradGuard no_grad;  // evaluation path: the loss alone
+    EXPECT_NEAR(linear_cross_entropy(h0, w0, t, rows).item<double>(), ref.item<double>(), 1e-5);
+  }
+
+  // In the model: the fused loss and the plain one agree, and so do their gradients.
+  GPTDims d;
+  d.n_layer = 1;
+  d.n_head = 2;
+  d.n_embd = 16;
+  d.seq_len = 8;
+  d.vocab_size = 40;
+  torch::manual_seed(5);
+  GPT fused(d);
+  d.fused_loss = false;
+  torch::manual_seed(5);
+  GPT plain(d);
+  auto x = torch::randint(0, 40, {3, 8}, torch::kLong), y = torch::randint(0, 40, {3, 8}, torch::kLong);
+  auto lf = fused->loss(x, y), lp = plain->loss(x, y.to(torch::kInt32));  // int32 targets are accepted
+  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-5);
+  lf.backward();
+  lp.backward();
+  auto pf = fused->named_params(), pp = plain->named_params();
+  for (size_t i = 0; i < pf.size(); ++i)
+    EXPECT_TRUE(torch::allclose(pf[i].second.grad(), pp[i].second.grad(), 1e-4, 1e-6)) << pf[i].first;
+}

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "mpitrain/amp.h"
 #include "mpitrain/optim.h"
 
 using namespace mpitrain;
@@ -64,4 +65,57 @@ TEST(ClipGradNorm, ScalesToMaxNormAndReportsTheNormBefore) {
   EXPECT_NEAR(torch::cat({a.grad(), b.grad()}).norm().item<double>(), 1.0, 1e-5);
   EXPECT_NEAR(clip_grad_norm({a, b}, 0.0), 1.0, 1e-5);  // 0 = off: unchanged
   EXPECT_NEAR(torch::cat({a.grad(), b.grad()}).norm().item<double>(), 1.0, 1e-5);
+}
+
+// fp16 loss scaling (the arithmetic is device-independent; test_gpu repeats it on CUDA).
+TEST(LossScaler, UnscalesSkipsOverflowsAndGrows) {
+  auto p = torch::zeros({4}).requires_grad_(true);
+  LossScaler scaler(/*enabled=*/true, /*init_scale=*/1024.0, /*growth_interval=*/2);
+  EXPECT_EQ(scaler.scale_loss(torch::tensor(1.5)).item<double>(), 1536.0);
+  p.mutable_grad() = torch::full({4}, 512.0f);
+  EXPECT_TRUE(scaler.unscale_and_check({p}));
+  EXPECT_TRUE(torch::equal(p.grad(), torch::full({4}, 0.5f)));
+  scaler.update(true);
+  scaler.update(true);
+  EXPECT_EQ(scaler.scale(), 2048.0);  // doubled after 2 good steps
+  p.mutable_grad() = torch::tensor({1.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 0.0f});
+  EXPECT_FALSE(scaler.unscale_and_check({p}));
+  scaler.update(false);
+  EXPECT_EQ(scaler.scale(), 1024.0);  // halved, growth count reset
+  EXPECT_EQ(scaler.good_steps(), 0);
+
+  LossScaler off(false);
+  p.mutable_grad() = torch::full({4}, std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(off.unscale_and_check({p}));  // disabled: nothing checked or touched
+  EXPECT_EQ(off.scale(), 1.0);
+}
+
+// The multi-tensor AdamW equals the textbook per-parameter update bit for bit on the CPU.
+TEST(AdamW, ForeachUpdateEqualsPerParameterLoop) {
+  torch::manual_seed(11);
+  OptimConfig oc;
+  oc.weight_decay = 0.1;
+  std::vector<std::pair<std::string, torch::Tensor>> params{
+      {"w", torch::randn({16, 8}).requires_grad_(true)}, {"b", torch::randn({8}).requires_grad_(true)}};
+  std::vector<torch::Tensor> ref, m, v;
+  for (auto& [n, p] : params) {
+    ref.push_back(p.detach().clone());
+    m.push_back(torch::zeros_like(p));
+    v.push_back(torch::zeros_like(p));
+  }
+  AdamW opt(params, oc);
+  for (int t = 1; t <= 4; ++t) {
+    const double lr = 1e-2 / t;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto g = torch::randn_like(ref[i]);
+      params[i].second.mutable_grad() = g.clone();
+      if (ref[i].dim() >= 2) ref[i].mul_(1.0 - lr * oc.weight_decay);
+      m[i].mul_(oc.beta1).add_(g, 1.0 - oc.beta1);
+      v[i].mul_(oc.beta2).addcmul_(g, g, 1.0 - oc.beta2);
+      auto denom = (v[i].sqrt() / std::sqrt(1.0 - std::pow(oc.beta2, t))).add_(oc.eps);
+      ref[i].addcdiv_(m[i], denom, -lr / (1.0 - std::pow(oc.beta1, t)));
+    }
+    opt.step(lr);
+  }
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i].second.detach(), ref[i])) << i;
 }

@@ -3,7 +3,9 @@
 //    with micro_batch N*b (each rank recomputes the single-rank run on MPI_COMM_SELF);
 //  - exact resume: 20 steps straight vs 10 steps, stop, resume, 10 more: bitwise identical
 //    parameters and identical logged train and val losses (with dropout and accumulation on, so
-//    RNG state, optimizer moments and the data cursor all have to come back exactly).
+//    RNG state, optimizer moments and the data cursor all have to come back exactly);
+//  - the all-reduce overlapped with backward gives bitwise the same run as after backward;
+//  - bf16 autocast tracks fp32; fp16 on the CPU is refused.
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
@@ -145,6 +147,46 @@ TEST(Train, BadDataIsAUsageErrorOnEveryRank) {
   Config c = small_config("bad", 2, 5);
   c.data.train = {shared_data_dir() + "/nothing-*.h5"};
   EXPECT_THROW(train(c, MPI_COMM_WORLD), ReportedUsageError);
+}
+
+// Overlapping the bucket all-reduces with backward changes when they run, not what they compute.
+TEST(Train, OverlappedAllReduceGivesBitwiseTheSameRun) {
+  auto cfg_for = [](const std::string& run, bool overlap) {
+    Config c = small_config(run, 2, 8);
+    c.train.grad_accum = 2;
+    c.comm.bucket_mb = 0.01;  // several buckets
+    c.comm.overlap = overlap;
+    return c;
+  };
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult after = train(cfg_for("no-overlap", false), MPI_COMM_WORLD, keep);
+  TrainResult during = train(cfg_for("overlap", true), MPI_COMM_WORLD, keep);
+  ASSERT_EQ(after.params.size(), during.params.size());
+  for (size_t i = 0; i < after.params.size(); ++i)
+    EXPECT_EQ(after.params[i].second, during.params[i].second) << after.params[i].first;
+}
+
+// bf16 autocast (CPU autocast here; CUDA on GPU machines): fp32 master weights, losses close to
+// the fp32 run's, and still learning. fp16 is refused on the CPU.
+TEST(Train, Bf16AutocastTracksFp32) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult fp32 = train(small_config("fp32", 2, 10), MPI_COMM_WORLD, keep);
+  Config c = small_config("bf16", 2, 10);
+  c.train.precision = "bf16";
+  TrainResult bf16 = train(c, MPI_COMM_WORLD, keep);
+  ASSERT_EQ(fp32.losses.size(), bf16.losses.size());
+  for (size_t i = 0; i < fp32.losses.size(); ++i)
+    EXPECT_NEAR(bf16.losses[i].second, fp32.losses[i].second, 0.05) << "step " << fp32.losses[i].first;
+  EXPECT_LT(bf16.losses.back().second, bf16.losses.front().second - 0.3);
+  bool differs = false;  // autocast really ran in bf16: not bit-identical to fp32
+  for (size_t i = 0; i < fp32.params.size(); ++i) differs = differs || fp32.params[i].second != bf16.params[i].second;
+  EXPECT_TRUE(differs);
+
+  Config fp16 = small_config("fp16", 2, 5);
+  fp16.train.precision = "fp16";
+  EXPECT_THROW(train(fp16, MPI_COMM_WORLD), ReportedUsageError);
 }
 
 TEST(Train, Cleanup) {

@@ -16,6 +16,15 @@ namespace mpitrain {
 
 enum class ReduceOp { sum, avg, max, min };
 
+// A collective in flight (Communicator::all_reduce_async). wait() makes its result visible to
+// the work that follows: MPI waits for the request on the host; NCCL makes the caller's current
+// CUDA stream wait for the communication stream (no host synchronisation).
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -28,13 +37,23 @@ class Communicator {
   // (out.view({size(), -1})[r]).
   virtual void all_gather(const torch::Tensor& in, torch::Tensor& out) = 0;
   virtual void barrier() = 0;
+
+  // Starts an in-place all-reduce of `t` and returns at once; `t` must stay alive and unchanged
+  // until wait(). Every rank must start async collectives in the same order. The default runs
+  // the blocking all_reduce (already complete when returned).
+  virtual std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op);
+  // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
+  virtual void check_async_errors() {}
 };
 
 // The MPI backend over `comm` (not owned; it must outlive the communicator).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
 
+// True in builds with the NCCL backend (CMake found CUDA libtorch and NCCL).
+bool have_nccl();
+
 // The backend the config asks for: "mpi", "nccl", or "auto" (NCCL on CUDA devices when built
-// with NCCL, else MPI). Throws UsageError for "nccl" in a build without it.
+// with NCCL, else MPI). Throws UsageError for "nccl" in a build without it or on a CPU device.
 std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
                                                 const torch::Device& device);
 

@@ -24,6 +24,7 @@ struct ModelConfig {
   int64_t seq_len = 0;          // context length in tokens (0 = from preset)
   int64_t vocab_size = 0;       // 0 = the shards' vocab_size; otherwise >= it (padding allowed)
   double dropout = 0.0;         // dropout probability, [0, 1)
+  bool fused_loss = true;       // chunked classifier + cross-entropy: no [tokens x vocab] logits
 };
 
 struct DataConfig {
@@ -41,6 +42,8 @@ struct TrainConfig {
   uint64_t seed = 42;         // seed of parameter initialisation and dropout
   int64_t threads = 0;        // torch intra-op threads per rank (0 = cores / ranks on host)
   std::string out_dir = "runs/default";  // metrics.jsonl and the run's resolved config go here
+  std::string device = "auto";     // auto (CUDA when this build and host have it) | cpu | cuda
+  std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA)
 };
 
 struct OptimConfig {
@@ -70,11 +73,13 @@ struct CheckpointConfig {
   int64_t every = 0;                // steps between checkpoints (0 = only at the end)
   int64_t keep = 3;                 // keep the newest K complete checkpoints, >= 1
   std::string resume = "auto";      // auto (newest in dir, if any) | none | path to a .h5
+  bool async = false;               // snapshot to host memory, write on a background thread
 };
 
 struct CommConfig {
   std::string backend = "auto";  // auto | mpi | nccl
   double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
+  bool overlap = true;           // launch each bucket's all-reduce during backward, when it is ready
 };
 
 struct FaultConfig {

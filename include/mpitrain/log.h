@@ -14,6 +14,7 @@ enum class Level { debug = 0, info = 1, warn = 2, error = 3 };
 // Called once after MPI start-up. Console output comes from rank 0 only unless `all_ranks`.
 void init(int rank, int world_size, const std::string& host);
 void set_level(Level level);
+bool enabled(Level level);  // would a message at `level` be printed (rank 0's view)?
 void set_all_ranks(bool all_ranks);
 Level parse_level(const std::string& name);  // throws std::invalid_argument
 

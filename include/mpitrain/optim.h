@@ -22,7 +22,9 @@ class AdamW {
  public:
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg);
 
-  void step(double lr);  // one update from the parameters' .grad()
+  // One update from the parameters' .grad(): multi-tensor (foreach) kernels per group, or
+  // PyTorch's fused AdamW kernel for CUDA parameters with libtorch >= 2.
+  void step(double lr);
   void zero_grad();      // drops the gradients (set to undefined)
 
   size_t size() const { return params_.size(); }
@@ -40,10 +42,15 @@ class AdamW {
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
   int64_t t_ = 0;
+  torch::Tensor step_tensor_;  // the step count on the device (fused CUDA kernel)
 };
 
 // Scales all gradients so their global L2 norm is at most max_norm (0 = no clipping); returns the
-// norm before clipping. The gradients must already be identical on every rank (after all-reduce).
+// norm before clipping as a 0-dim fp32 tensor on the gradients' device (reading it is the only
+// host synchronisation, so the training loop reads it only when it logs). The gradients must
+// already be identical on every rank (after all-reduce).
+torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm);
+// The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 
 }  // namespace mpitrain

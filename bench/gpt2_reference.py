@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Plain-PyTorch reference for bench/gpu_throughput.sh: the same GPT-2 as mpitrain's model
+(pre-LayerNorm blocks, GELU tanh, tied embeddings, GPT-2 initialisation, no dropout), trained the
+way a careful PyTorch user would: SDPA attention (flash/cuDNN kernels), bf16 autocast with fp32
+master weights, fused AdamW, optionally torch.compile. Random windows of the same token file
+mpitrain trains on. Prints one JSON line: tokens/s, ms/step, peak GPU memory, first losses.
+
+    python3 bench/gpt2_reference.py --tokens data.npy --mode eager|compile [--steps 60]
+"""
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, seq_len, n_layer, n_head, d):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq_len, d)
+        self.h = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        proj_std = 0.02 / math.sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln_" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, 0.0, proj_std if name.endswith("proj.weight") else 0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", required=True, help="1-D .npy of token ids")
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10, help="steps excluded from the timing")
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seed", type=int, default=42)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dev = torch.device("cuda")
+    data = torch.from_numpy(np.load(args.tokens).astype(np.int64))
+    model = GPT(args.vocab, args.seq_len, 12, 12, 768).to(dev)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    step_fn = torch.compile(model) if args.mode == "compile" else model
+    B, T = args.micro_batch, args.seq_len
+    gen = torch.Generator().manual_seed(args.seed)
+
+    losses, t0 = [], None
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        starts = torch.randint(0, data.numel() - T - 1, (B,), generator=gen)
+        batch = torch.stack([data[s:s + T + 1] for s in starts.tolist()]).to(dev, non_blocking=True)
+        x, y = batch[:, :-1], batch[:, 1:]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step < 5 or step + 1 == args.steps:
+            losses.append(round(loss.item(), 4))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    timed = args.steps - args.warmup
+    print(json.dumps({
+        "name": f"pytorch {args.mode}",
+        "tokens_per_s": timed * B * T / dt,
+        "ms_per_step": 1e3 * dt / timed,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "losses": losses,
+        "torch": torch.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+// The NCCL backend (GPU builds only; compiled when CMake finds CUDA libtorch and NCCL, or RCCL
+// for ROCm, whose API is NCCL's).
+//
+// Bootstrap without a rendezvous server: rank 0 calls ncclGetUniqueId, the 128-byte id travels by
+// MPI_Bcast, every rank calls ncclCommInitRank on its own GPU, then an MPI barrier. Collectives
+// on CUDA tensors are enqueued on the caller's current stream (blocking API) or on a dedicated
+// communication stream (all_reduce_async, for the gradient buckets launched during backward),
+// with CUDA events ordering the two streams: nothing here synchronises the host except
+// barrier(). Tensors on the CPU (loss sums, RNG states, resume scalars) go through the MPI
+// backend over the same communicator.
+//
+// Failures: every NCCL call is checked, and ncclCommGetAsyncError after each enqueue; an error
+// is an Error naming the rank and host (the job then ends by MPI_Abort in main). A collective
+// that never completes is caught by the watchdog (watchdog.h), whose abort hook calls
+// ncclCommAbort before MPI_Abort.
+#include <cuda_runtime_api.h>
+#if defined(MPITRAIN_WITH_RCCL)
+#include <rccl/rccl.h>
+#else
+#include <nccl.h>
+#endif
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+
+#include "mpitrain/comm.h"
+#include "mpitrain/error.h"
+#include "mpitrain/log.h"
+#include "mpitrain/watchdog.h"
+
+namespace mpitrain {
+
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, const torch::Device& device);
+
+namespace {
+
+// "NCCL ncclAllReduce failed on [rank 3 @ node07]: unhandled system error (Connection refused)"
+[[noreturn]] void nccl_failure(ncclResult_t r, ncclComm_t comm, const char* what) {
+  std::string detail;
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last != '\0') detail = concat(" (", last, ")");
+  }
+  throw Error(concat("NCCL ", what, " failed on ", log::identity(), ": ", ncclGetErrorString(r), detail));
+}
+
+void nccl_check(ncclResult_t r, ncclComm_t comm, const char* what) {
+  if (r != ncclSuccess && r != ncclInProgress) nccl_failure(r, comm, what);
+}
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(concat("CUDA ", what, " failed on ", log::identity(), ": ", cudaGetErrorString(e)));
+}
+
+ncclDataType_t nccl_type(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return ncclFloat32;
+    case torch::kFloat64: return ncclFloat64;
+    case torch::kFloat16: return ncclFloat16;
+    case torch::kBFloat16: return ncclBfloat16;
+    case torch::kInt32: return ncclInt32;
+    case torch::kInt64: return ncclInt64;
+    case torch::kUInt8: return ncclUint8;
+    case torch::kInt8: return ncclInt8;
+    default: throw Error(concat("NCCL communicator: unsupported dtype ", t.scalar_type()));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;  // NCCL >= 2.10
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+// An event recorded on the communication stream; wait() orders the caller's current stream
+// after it (the host does not wait).
+class NcclWork final : public Work {
+ public:
+  NcclWork(cudaEvent_t done, int device) : done_(done), device_(device) {}
+  ~NcclWork() override { cudaEventDestroy(done_); }
+  void wait() override {
+    cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_).stream(), done_, 0),
+               "cudaStreamWaitEvent");
+  }
+
+ private:
+  cudaEvent_t done_;
+  int device_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(MPI_Comm mpi, const torch::Device& device)
+      : mpi_(mpi), device_(device.index()), host_(make_mpi_communicator(mpi)) {
+    rank_ = host_->rank();
+    size_ = host_->size();
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    // At log level debug NCCL itself says which interface and transport it chose.
+    if (log::enabled(log::Level::debug) && std::getenv("NCCL_DEBUG") == nullptr) {
+      setenv("NCCL_DEBUG", "INFO", 0);
+      setenv("NCCL_DEBUG_SUBSYS", "INIT,NET", 0);
+    }
+
+    ncclUniqueId id;
+    if (rank_ == 0) nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+    {
+      Watchdog::Scope watch("MPI_Bcast(NCCL unique id)");
+      MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, mpi_));
+    }
+    {
+      Watchdog::Scope watch("ncclCommInitRank");
+      nccl_check(ncclCommInitRank(&comm_, size_, id, rank_), nullptr, "ncclCommInitRank");
+    }
+    abort_target()->store(comm_);
+    Watchdog::on_abort([] {
+      if (ncclComm_t c = abort_target()->exchange(nullptr)) ncclCommAbort(c);
+    });
+    stream_ = std::make_unique<c10::cuda::CUDAStream>(
+        c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_)));
+    {
+      Watchdog::Scope watch("barrier(after ncclCommInitRank)");
+      MPI_CHECK(MPI_Barrier(mpi_));
+    }
+    int version = 0;
+    ncclGetVersion(&version);
+    const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
+    log::info(concat("NCCL ", version / 10000, ".", (version / 100) % 100, ".", version % 100, ": ", size_,
+                     " ranks; communicator ready"));
+    log::debug(concat("NCCL_SOCKET_IFNAME=", ifname ? ifname : "(unset: NCCL's own choice)",
+                      " (NCCL's INIT/NET lines above name the interface it uses)"));
+  }
+
+  ~NcclCommunicator() override {
+    if (abort_target()->exchange(nullptr) != nullptr) ncclCommDestroy(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "nccl"; }
+
+  void all_reduce(torch::Tensor& t, ReduceOp op) override {
+    if (!on_device(t)) return host_->all_reduce(t, op);
+    Watchdog::Scope watch("ncclAllReduce");
+    nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
+                             current()),
+               comm_, "ncclAllReduce");
+    check_async_errors();
+  }
+
+  void broadcast(torch::Tensor& t, int root) override {
+    if (!on_device(t)) return host_->broadcast(t, root);
+    Watchdog::Scope watch("ncclBroadcast");
+    nccl_check(ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), root, comm_, current()),
+               comm_, "ncclBroadcast");
+    check_async_errors();
+  }
+
+  void all_gather(const torch::Tensor& in, torch::Tensor& out) override {
+    if (!in.is_cuda() || !on_device(out)) return host_->all_gather(in, out);
+    if (out.numel() != in.numel() * size_ || out.scalar_type() != in.scalar_type())
+      throw Error(concat("all_gather: out must hold ", size_, " x ", in.numel(), " elements of ",
+                         in.scalar_type()));
+    torch::Tensor src = in.contiguous();
+    Watchdog::Scope watch("ncclAllGather");
+    nccl_check(ncclAllGather(src.data_ptr(), out.data_ptr(), src.numel(), nccl_type(src), comm_, current()),
+               comm_, "ncclAllGather");
+    check_async_errors();
+  }
+
+  // Waits for this rank's GPU work (under the watchdog: a stuck NCCL kernel shows here), then
+  // for every rank.
+  void barrier() override {
+    {
+      Watchdog::Scope watch("cudaStreamSynchronize(barrier)");
+      cuda_check(cudaStreamSynchronize(current()), "cudaStreamSynchronize");
+      cuda_check(cudaStreamSynchronize(stream_->stream()), "cudaStreamSynchronize");
+    }
+    check_async_errors();
+    host_->barrier();
+  }
+
+  std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op) override {
+    if (!on_device(t)) return host_->all_reduce_async(t, op);
+    cudaEvent_t ready = nullptr, done = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    auto work = std::make_unique<NcclWork>(done, device_);
+    // The communication stream starts after everything the compute stream has queued so far
+    // (the bucket was just filled there) ...
+    cuda_check(cudaEventRecord(ready, current()), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(stream_->stream(), ready, 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(ready);  // released once recorded work completes
+    // ... and the caching allocator must not hand t's memory to the compute stream while NCCL
+    // may still read it.
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
+    {
+      Watchdog::Scope watch("ncclAllReduce(bucket)");
+      nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
+                               stream_->stream()),
+                 comm_, "ncclAllReduce");
+    }
+    cuda_check(cudaEventRecord(done, stream_->stream()), "cudaEventRecord");
+    check_async_errors();
+    return work;
+  }
+
+  void check_async_errors() override {
+    ncclResult_t r = ncclSuccess;
+    nccl_check(ncclCommGetAsyncError(comm_, &r), comm_, "ncclCommGetAsyncError");
+    if (r != ncclSuccess && r != ncclInProgress) nccl_failure(r, comm_, "collective (asynchronous error)");
+  }
+
+ private:
+  static std::atomic<ncclComm_t>* abort_target() {
+    static std::atomic<ncclComm_t> target{nullptr};
+    return &target;
+  }
+
+  bool on_device(const torch::Tensor& t) const {
+    if (!t.is_cuda()) return false;
+    if (t.get_device() != device_)
+      throw Error(concat("NCCL communicator on cuda:", device_, " got a tensor on cuda:", t.get_device()));
+    if (!t.is_contiguous()) throw Error("NCCL communicator: tensors must be contiguous");
+    return true;
+  }
+  cudaStream_t current() const {
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+  }
+
+  MPI_Comm mpi_;
+  int device_;
+  std::unique_ptr<Communicator> host_;
+  int rank_ = 0;
+  int size_ = 1;
+  ncclComm_t comm_ = nullptr;
+  std::unique_ptr<c10::cuda::CUDAStream> stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, const torch::Device& device) {
+  if (!device.is_cuda() || !device.has_index())
+    throw Error("make_nccl_communicator: needs a CUDA device with an index");
+  return std::make_unique<NcclCommunicator>(comm, device);
+}
+
+}  // namespace mpitrain

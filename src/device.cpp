@@ -1,0 +1,52 @@
+// Device per rank (see device.h).
+#include "mpitrain/device.h"
+
+#include <cstdlib>
+#include <sstream>
+#include <vector>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+namespace {
+
+std::string visible_devices_note(int index) {
+  const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (env == nullptr) return "";
+  std::vector<std::string> ids;
+  std::stringstream in(env);
+  for (std::string id; std::getline(in, id, ',');) ids.push_back(id);
+  if (index >= 0 && index < static_cast<int>(ids.size()))
+    return concat(" (CUDA_VISIBLE_DEVICES=", env, ": physical GPU ", ids[index], ")");
+  return concat(" (CUDA_VISIBLE_DEVICES=", env, ")");
+}
+
+}  // namespace
+
+DeviceChoice choose_device(const std::string& requested, const std::string& backend, int gpus,
+                           int local_rank, int local_size, const std::string& host) {
+  DeviceChoice c;
+  if (requested == "cpu" || (requested == "auto" && gpus <= 0)) {
+    c.describe = "cpu";
+    return c;
+  }
+  if (gpus <= 0)
+    throw UsageError(concat("train.device: 'cuda' but host ", host, " has no GPU this process can use",
+                            visible_devices_note(-1),
+                            " (or this build of mpitrain has no CUDA); use train.device: cpu or auto"));
+  c.cuda = true;
+  if (local_size > gpus) {
+    if (backend != "mpi")
+      throw UsageError(concat("train.device: host ", host, " runs ", local_size, " ranks but has ", gpus,
+                              " GPU", gpus == 1 ? "" : "s", visible_devices_note(-1),
+                              "; NCCL needs one GPU per rank: start at most ", gpus,
+                              " ranks there (mpirun --map-by ppr:", gpus,
+                              ":node), or set comm.backend: mpi to share GPUs"));
+    c.shared = true;
+  }
+  c.index = local_rank % gpus;
+  c.describe = concat("cuda:", c.index, visible_devices_note(c.index), c.shared ? " (shared by ranks)" : "");
+  return c;
+}
+
+}  // namespace mpitrain
