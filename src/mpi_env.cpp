@@ -11,14 +11,19 @@
 
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/watchdog.h"
 
 namespace mpitrain {
 
 // ---- MpiSession --------------------------------------------------------------------------------
 
 MpiSession::MpiSession(int& argc, char**& argv) {
+  // MPI_THREAD_MULTIPLE lets the watchdog thread answer and ask other ranks while the main thread
+  // is inside a collective (watchdog.h). MPITRAIN_WATCHDOG_PEERS=0 asks for MPI_THREAD_FUNNELED.
+  const char* peers = std::getenv("MPITRAIN_WATCHDOG_PEERS");
+  const bool want_multiple = !(peers && std::string(peers) == "0");
   int provided = 0;
-  MPI_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
+  MPI_CHECK(MPI_Init_thread(&argc, &argv, want_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED, &provided));
   // Errors come back as codes so MPI_CHECK can name the call, rank and host.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
@@ -27,18 +32,22 @@ MpiSession::MpiSession(int& argc, char**& argv) {
   int len = 0;
   MPI_Get_processor_name(name, &len);
   log::init(rank_, size_, std::string(name, static_cast<size_t>(len)));
+  Watchdog::attach(MPI_COMM_WORLD, provided >= MPI_THREAD_MULTIPLE);  // collective
 }
 
 MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  Watchdog::detach();  // joins the watchdog thread, frees its communicator
+  MPI_Finalize();
 }
 
 void MpiSession::abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
   if (size_ == 1) {
+    Watchdog::detach();
     MPI_Finalize();
     std::_Exit(code);
   }

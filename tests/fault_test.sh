@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fault injection under a real mpirun -np 4: a rank killed with SIGKILL, a rank that stops
-# calling collectives (the watchdog), a corrupt newest checkpoint (fallback on resume).
+# calling collectives and a rank frozen by SIGSTOP (the watchdog must name that rank), a corrupt
+# newest checkpoint (fallback on resume).
 # Prints PASS/FAIL lines and the measured times to exit. Usage: fault_test.sh PATH/TO/mpitrain
 set -u
 BIN=$(realpath "$1")
@@ -71,8 +72,9 @@ mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --stop-after 12 > save2.out 2>&1
 check "killed during the checkpoint write: resume continues from step 5" \
   "[ \$? -eq 0 ] && grep -q 'resumed from .*ckpt-00000005.h5 at step 5' save2.out"
 
-# ---- a rank that stops calling collectives: the watchdog aborts the job ----
+# ---- a rank that stops calling collectives: the watchdog names it and aborts the job ----
 rm -rf ckpt run
+HOST=$(hostname)
 MPITRAIN_TEST_HANG=2:8 mpirun -np 4 -x MPITRAIN_TEST_HANG "$BIN" "$WORK/cfg.yaml" > hang.out 2>&1 &
 mpid=$!
 wait_for_step hang.out 7
@@ -82,10 +84,40 @@ rc=$(wait $mpid; echo $?)
 t1=$(date +%s.%N)
 secs=$(echo "$t1 - $t0" | bc)
 echo "time from the hang (step 8) to job exit with a 5 s collective timeout: ${secs} s (exit code $rc)"
-check "watchdog: a hung rank ends the job with exit code 3" "[ $rc -eq 3 ]"
-check "watchdog: the message names the collective, step, rank and host" \
-  "grep -q 'watchdog: collective .* at step 8 has not completed' hang.out && grep -q '\\[rank [0-9] @ ' hang.out"
+grep 'watchdog:' hang.out | sed 's/^/  /'
+check "watchdog: a hung rank ends the job with exit code 3 within 20 s" \
+  "[ $rc -eq 3 ] && [ \$(echo \"$secs < 20\" | bc) -eq 1 ]"
+check "watchdog: the message names the waiting rank's collective, step, rank and host" \
+  "grep -q 'watchdog: .* (collective #[0-9]*) at step 8 on rank [013] (host $HOST) has not completed after' hang.out"
+check "watchdog: the message names the stopped rank 2 and its host, and where it is" \
+  "grep -q 'rank 2 (host $HOST) has not arrived: it is at step 8, outside any collective for [0-9.]* s (its last was #[0-9]* ' hang.out"
+check "watchdog: the other waiting ranks are not blamed" \
+  "! grep 'watchdog:' hang.out | grep -q -E 'rank [013] \\(host [^)]*\\) (has not arrived|did not answer)'"
+check "watchdog: the report is printed once" "[ \$(grep -c 'watchdog:' hang.out) -eq 1 ]"
 check "watchdog: no orphan ranks" "[ \$(pgrep -f \"$BIN $WORK/cfg.yaml\" | wc -l) -eq 0 ]"
+
+# ---- a rank frozen whole (SIGSTOP: not even its watchdog thread runs): the query times out ----
+rm -rf ckpt run
+mpirun -np 4 "$BIN" "$WORK/cfg.yaml" > frozen.out 2>&1 &
+mpid=$!
+wait_for_step frozen.out 7
+victim=""
+for p in $(pgrep -f "$BIN $WORK/cfg.yaml"); do
+  tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=2 && victim=$p
+done
+t0=$(date +%s.%N)
+kill -STOP "$victim"
+timeout 90 tail --pid=$mpid -f /dev/null
+rc=$(wait $mpid; echo $?)
+t1=$(date +%s.%N)
+secs=$(echo "$t1 - $t0" | bc)
+echo "time from SIGSTOP of rank 2 to job exit with a 5 s collective timeout: ${secs} s (exit code $rc)"
+grep 'watchdog:' frozen.out | sed 's/^/  /'
+check "watchdog: a frozen rank ends the job with exit code 3 within 25 s" \
+  "[ -n \"$victim\" ] && [ $rc -eq 3 ] && [ \$(echo \"$secs < 25\" | bc) -eq 1 ]"
+check "watchdog: the frozen rank 2 is named as not answering" \
+  "grep -q 'rank 2 (host $HOST) did not answer within 3 s' frozen.out && [ \$(grep -c 'watchdog:' frozen.out) -eq 1 ]"
+check "watchdog: no orphan ranks after the frozen rank" "[ \$(pgrep -f \"$BIN $WORK/cfg.yaml\" | wc -l) -eq 0 ]"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
