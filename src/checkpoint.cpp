@@ -1,6 +1,8 @@
 // HDF5 checkpoints (see checkpoint.h and docs/formats.md).
 #include "mpitrain/checkpoint.h"
 
+#include <cmath>
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -223,6 +225,10 @@ void write_checkpoint_file(const std::string& tmp, const CheckpointSnapshot& sna
 
   auto train_group = h5::create_group(root, "train");
   h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
+  if (st.loss_scale > 0) {  // fp16 runs: the dynamic loss scale continues where it was
+    h5::set_attr(train_group.get(), "loss_scale", st.loss_scale);
+    h5::set_attr(train_group.get(), "loss_scale_good_steps", st.loss_scale_good_steps);
+  }
   if (!st.rng_states.empty()) {
     const size_t n = st.rng_states.front().size();
     std::vector<uint8_t> flat;
@@ -434,6 +440,15 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
   if (!h5::exists(root, "train")) throw UsageError(concat(path, ": missing group 'train'"));
   auto train = open_group(root, path, "train");
   st.data_cursor = static_cast<uint64_t>(require_int_in(train.get(), path, "data_cursor", "train/data_cursor", 0));
+  st.loss_scale = 0;
+  st.loss_scale_good_steps = 0;
+  if (auto scale = h5::get_attr_double(train.get(), "loss_scale")) {
+    if (!(*scale > 0) || !std::isfinite(*scale))
+      throw UsageError(concat(path, ": attribute 'train/loss_scale' must be a finite number > 0, got ", *scale));
+    st.loss_scale = *scale;
+    st.loss_scale_good_steps = require_int_in(train.get(), path, "loss_scale_good_steps",
+                                              "train/loss_scale_good_steps", 0);
+  }
 
   for (auto& [name, p] : model->named_params()) read_tensor(root, path, "model/" + name, p);
 

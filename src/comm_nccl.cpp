@@ -203,12 +203,12 @@ class NcclCommunicator final : public Communicator {
     // ... and the caching allocator must not hand t's memory to the compute stream while NCCL
     // may still read it.
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
-    {
-      Watchdog::Scope watch("ncclAllReduce(bucket)");
-      nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
-                               stream_->stream()),
-                 comm_, "ncclAllReduce");
-    }
+    // No watchdog scope here: this runs on autograd's thread (the watchdog's scopes belong to
+    // the main thread), and enqueueing does not wait; a bucket that never completes is caught
+    // where the main thread synchronises (the logged loss, barrier()).
+    nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
+                             stream_->stream()),
+               comm_, "ncclAllReduce");
     cuda_check(cudaEventRecord(done, stream_->stream()), "cudaEventRecord");
     check_async_errors();
     return work;

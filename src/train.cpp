@@ -137,6 +137,10 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   st.data_cursor = static_cast<uint64_t>(s[2]);
   st.world_size = s[3];
   opt.set_steps_taken(s[4]);
+  torch::Tensor scale = torch::tensor({st.loss_scale, static_cast<double>(st.loss_scale_good_steps)}, torch::kFloat64);
+  comm.broadcast(scale, 0);
+  st.loss_scale = scale[0].item<double>();
+  st.loss_scale_good_steps = static_cast<int64_t>(scale[1].item<double>());
 
   // RNG states follow their rank when the world size is unchanged; otherwise reseed per rank.
   int64_t n_states = comm.rank() == 0 ? static_cast<int64_t>(st.rng_states.size()) : 0;
@@ -378,8 +382,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   AdamW opt(model->named_params(), cfg.optim);
   std::vector<torch::Tensor> params;
   for (size_t i = 0; i < opt.size(); ++i) params.push_back(opt.param(i));
-  // MPI may only be called from the main thread (MPI_THREAD_FUNNELED), and on CUDA the backward
-  // hooks run on autograd's device threads: there the MPI backend reduces after backward.
+  // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
+  // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
   const bool overlap = cfg.comm.overlap && !(device.is_cuda() && comm->name() == "mpi");
   GradSync grad_sync(params, *comm, cfg.comm.bucket_mb, overlap);
   LossScaler scaler(precision == Precision::fp16);
@@ -410,7 +414,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   });
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
-  if (has_resume) resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed, device);
+  if (has_resume) {
+    resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed, device);
+    scaler.restore(st.loss_scale, st.loss_scale_good_steps);  // fp16: the scale continues
+  }
   st.world_size = topo.size;
   st.config_yaml = to_yaml(cfg);
 
@@ -436,6 +443,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     auto rng = gather_rng_states(*comm, device);
     if (topo.rank == 0) {
       st.rng_states = std::move(rng);
+      st.loss_scale = scaler.enabled() ? scaler.scale() : 0.0;
+      st.loss_scale_good_steps = scaler.good_steps();
       result.last_checkpoint = checkpoints.save(model, opt, st);
     }
     if (!checkpoints.async()) comm->barrier();  // nobody runs ahead of a checkpoint that may yet fail
@@ -508,7 +517,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
     }
     const bool stop_here = (hooks.stop_after >= 0 && step + 1 == hooks.stop_after) || any_signal != 0;
-    if (every(step + 1, cfg.checkpoint.every) || last || stop_here) save();
+    if (every(step + 1, cfg.checkpoint.every) || last || stop_here) progress.untimed(save);
     if (any_signal != 0 && !last) {
       result.exit_code = exit_code_for_signal(any_signal);
       log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1, ": checkpoint written, exit code ",

@@ -87,7 +87,16 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
   EXPECT_EQ(got.config_yaml, st.config_yaml);
   EXPECT_EQ(got.eot_token, 31);
   EXPECT_EQ(got.rng_states, st.rng_states);
+  EXPECT_EQ(got.loss_scale, 0.0);  // not an fp16 run: no scale stored
   EXPECT_EQ(checkpoint_dims(path).n_embd, 16);
+
+  // An fp16 run's dynamic loss scale comes back with the state.
+  st.step = 4;
+  st.loss_scale = 8192.0;
+  st.loss_scale_good_steps = 17;
+  load_checkpoint(save_checkpoint(dir, a.model, a.opt, st, 3), b.model, &b.opt, got);
+  EXPECT_EQ(got.loss_scale, 8192.0);
+  EXPECT_EQ(got.loss_scale_good_steps, 17);
   std::system(("rm -rf " + dir).c_str());
 }
 

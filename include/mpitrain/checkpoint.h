@@ -24,6 +24,8 @@ struct TrainState {
   int64_t step = 0;            // optimizer steps completed
   int64_t tokens_seen = 0;     // training tokens consumed, all ranks together
   uint64_t data_cursor = 0;    // global training windows consumed (the sample-order cursor)
+  double loss_scale = 0;       // fp16 dynamic loss scale (0 = not an fp16 run)
+  int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed (fp16)
   int64_t world_size = 1;      // world size of the run that wrote it
   std::string config_yaml;     // the resolved config of that run
   std::string tokenizer = "byte";
