@@ -43,6 +43,9 @@ row "config: n_embd not divisible by n_head" "$B" ok.yaml --set model.n_head=3
 row "config: global batch != micro x world x accum (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set train.global_batch=6
 row "config: validation on but no val data" "$B" ok.yaml --set eval.every=5 --set 'data.val=[]'
 row "config: unknown preset" "$B" ok.yaml --set model.preset=gpt5
+row "config: CUDA asked for, no GPU (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set train.device=cuda --set checkpoint.resume=none
+row "config: fp16 on the CPU" "$B" ok.yaml --set train.precision=fp16 --set checkpoint.resume=none
+row "config: NCCL in a CPU build" "$B" ok.yaml --set comm.backend=nccl --set checkpoint.resume=none
 row "CLI: missing config file" "$B" missing.yaml
 row "CLI: unknown flag" "$B" ok.yaml --bogus
 row "CLI: malformed --set" "$B" ok.yaml --set train

@@ -31,6 +31,8 @@
 # 1 on any failure, 77 (with SKIP: reason) when this machine cannot run dockerd at all (no
 # namespaces, cgroups, bridges or VXLAN).
 #
+# Argument: the mpitrain binary under test; the image uses it (build-arg MPITRAIN_PREBUILT)
+# instead of compiling its own, unless MPITRAIN_SWARM_SOURCE_BUILD=1.
 # Environment: MPITRAIN_TEST_CACHE (base tarball cache), MPITRAIN_SWARM_DATA_ROOT (keep dockerd's
 # data-root there between runs: the build cache makes re-runs fast; default: a temp dir, removed),
 # MPITRAIN_SWARM_PORT (swarm's listen port on 127.0.0.1, default 2377), MPITRAIN_SWARM_SUBNET
@@ -384,7 +386,7 @@ else
 fi
 
 # ==== build ========================================================================================
-phase build "containers/Dockerfile (apt-get from the mirror, CMake build of mpitrain)"
+phase build "containers/Dockerfile (apt-get from the mirror; the tested binary or a CMake build of mpitrain)"
 # The context: the source tree as git sees it (tracked and new files, not the ignored build*/,
 # runs/, data/), which is what containers/Dockerfile.dockerignore leaves to BuildKit.
 mkdir -p "$WORK/context"
@@ -396,10 +398,19 @@ else
     | tar -C "$WORK/context" -x
 fi
 info "context: $(du -sh "$WORK/context" | cut -f1), $(find "$WORK/context" -type f | wc -l) files"
+# The binary this test was given (built on this Debian 12 host, the base image's release) goes
+# into the image instead of a second compile inside the build, unless MPITRAIN_SWARM_SOURCE_BUILD=1
+# (then the Dockerfile's CMake build runs, as for users).
+prebuilt=()
+if [ "${MPITRAIN_SWARM_SOURCE_BUILD:-0}" != 1 ] && [ -n "${1:-}" ] && [ -x "${1:-}" ]; then
+  mkdir -p "$WORK/context/.prebuilt" && cp "$1" "$WORK/context/.prebuilt/mpitrain"
+  prebuilt=(--build-arg MPITRAIN_PREBUILT=.prebuilt/mpitrain)
+  info "mpitrain: the tested binary $1 (MPITRAIN_SWARM_SOURCE_BUILD=1 compiles it in the image instead)"
+fi
 # Host network for the build's RUN steps: the mirror is reached as the host reaches it, with no
 # docker0, NAT or ip_forward.
 if DOCKER_BUILDKIT=0 DK_TIMEOUT=3000 dk build --network host -f containers/Dockerfile \
-     --build-arg BASE_IMAGE="$BASE" -t "$IMAGE" "$WORK/context" > "$WORK/build.log" 2>&1; then
+     --build-arg BASE_IMAGE="$BASE" "${prebuilt[@]}" -t "$IMAGE" "$WORK/context" > "$WORK/build.log" 2>&1; then
   pass "build: $IMAGE ($(dk image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1 / 1e6}'))"
   grep -E '^runtime packages:' "$WORK/build.log" | sed 's/^/  /'
 else
