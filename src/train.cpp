@@ -37,6 +37,21 @@ using Clock = std::chrono::steady_clock;
 
 bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
 
+// Start-up checks that find a config value wrong only at run time ("data.train: no shard
+// matches ...", "train.device: ...") say which file the key came from, like parse_config's.
+template <class Fn>
+void naming_config_file(const Config& cfg, Fn&& fn) {
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.",
+                                "fault.", "sample."})
+      if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
+    throw;
+  }
+}
+
 // ---- start-up helpers --------------------------------------------------------------------------
 
 // Torch threads per rank: the cores this process may use, shared by the ranks on its host.
@@ -342,7 +357,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   std::unique_ptr<Communicator> comm;
   torch::Device device(torch::kCPU);
   const Precision precision = parse_precision(cfg.train.precision);
-  agree(mpi_comm, [&] {
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     const DeviceChoice where = choose_device(cfg.train.device, cfg.comm.backend, local_gpu_count(),
                                              topo.local_rank, topo.local_size, topo.host);
     if (where.cuda) {
@@ -367,7 +382,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     }
     dims = model_dims(cfg.model, train_data->vocab_size());
     comm = make_communicator(cfg.comm.backend, mpi_comm, device);
-  });
+  }); });
 
   torch::manual_seed(cfg.train.seed);
   GPT model(dims);
@@ -406,12 +421,12 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.tokenizer = train_data->tokenizer();
   st.eot_token = train_data->eot_token();
   std::vector<std::string> resume;
-  agree(mpi_comm, [&] {
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     if (topo.rank != 0) return;
     ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
     ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
     resume = resume_candidates(cfg.checkpoint);
-  });
+  }); });
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
   if (has_resume) {
