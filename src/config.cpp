@@ -381,6 +381,8 @@ void validate(const Config& c, const std::string& where) {
   check(t.steps > 0, "train.steps", "> 0", show(t.steps));
   check(t.threads >= 0, "train.threads", ">= 0 (0 = automatic)", show(t.threads));
   check(!t.out_dir.empty(), "train.out_dir", "non-empty", show(t.out_dir));
+  check(one_of(c.model.fused_loss, {"auto", "on", "off"}), "model.fused_loss", "one of auto|on|off",
+        show(c.model.fused_loss));
   check(one_of(t.device, {"auto", "cpu", "cuda"}), "train.device", "one of auto|cpu|cuda", show(t.device));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));

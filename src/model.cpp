@@ -17,7 +17,7 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
   d.n_embd = cfg.n_embd;
   d.seq_len = cfg.seq_len;
   d.dropout = cfg.dropout;
-  d.fused_loss = cfg.fused_loss;
+  d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
   d.vocab_size = cfg.vocab_size > 0 ? cfg.vocab_size : data_vocab_size;
   if (d.vocab_size < data_vocab_size)
     throw UsageError(concat("model.vocab_size must be >= the data's vocab_size ", data_vocab_size,

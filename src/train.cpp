@@ -381,6 +381,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                              train_data->vocab_size()));
     }
     dims = model_dims(cfg.model, train_data->vocab_size());
+    // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
+    if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
     comm = make_communicator(cfg.comm.backend, mpi_comm, device);
   }); });
 

@@ -136,6 +136,7 @@ TEST(Model, FusedLinearCrossEntropyEqualsTheTextbookPath) {
   d.n_embd = 16;
   d.seq_len = 8;
   d.vocab_size = 40;
+  d.fused_loss = true;
   torch::manual_seed(5);
   GPT fused(d);
   d.fused_loss = false;

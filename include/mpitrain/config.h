@@ -24,7 +24,8 @@ struct ModelConfig {
   int64_t seq_len = 0;          // context length in tokens (0 = from preset)
   int64_t vocab_size = 0;       // 0 = the shards' vocab_size; otherwise >= it (padding allowed)
   double dropout = 0.0;         // dropout probability, [0, 1)
-  bool fused_loss = true;       // chunked classifier + cross-entropy: no [tokens x vocab] logits
+  std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]
+                                    // logits): auto (on CUDA) | on | off
 };
 
 struct DataConfig {

@@ -21,7 +21,7 @@ struct GPTDims {
   int64_t seq_len = 0;
   int64_t vocab_size = 0;
   double dropout = 0.0;
-  bool fused_loss = true;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
+  bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
 };
 
 // The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
