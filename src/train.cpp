@@ -225,7 +225,7 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   for (int64_t b = 0; b < cfg.eval.batches; ++b) {
     auto [x, y] = get_batch(val, static_cast<uint64_t>(b * comm.size() * rows), comm.rank(), rows, buf);
     Autocast autocast(precision, device);
-    sum += model->loss(x.to(device), y.to(device)).to(torch::kFloat64);
+    sum += model->loss(to_device(x, device), to_device(y, device)).to(torch::kFloat64);
   }
   comm.all_reduce(sum, ReduceOp::avg);
   model->train();
