@@ -42,25 +42,14 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "harness.h"
 #include "hdf5_ids.h"
 
 using namespace mpitrain;
 
+const char* const kFuzzTarget = "fuzz_checkpoint";
+
 namespace {
-
-[[noreturn]] void bug(const std::string& what) {
-  std::fprintf(stderr, "\nfuzz_checkpoint: PROPERTY VIOLATED: %s\n", what.c_str());
-  std::abort();
-}
-
-bool verbose() {
-  static const bool v = std::getenv("FUZZ_VERBOSE") != nullptr;
-  return v;
-}
-
-void note(const std::string& s) {
-  if (verbose()) std::fprintf(stderr, "  %s\n", s.c_str());
-}
 
 // ---- the fixed state: the scratch dir, the original checkpoint, the models -------------------
 
@@ -109,22 +98,6 @@ void remove_scratch() {
   ::rmdir(g->dir.c_str());
 }
 
-std::string make_scratch() {
-  std::string base = "/dev/shm";
-  if (const char* s = std::getenv("FUZZ_SCRATCH"); s && *s) {
-    base = s;
-  } else if (::access(base.c_str(), W_OK) != 0) {
-    const char* t = std::getenv("TMPDIR");
-    base = t && *t ? t : "/tmp";
-  }
-  std::string tmpl = base + "/mpitrain-fuzz-ckpt-XXXXXX";
-  if (!::mkdtemp(tmpl.data())) {
-    std::perror("fuzz_checkpoint: mkdtemp");
-    std::abort();
-  }
-  return tmpl;
-}
-
 void setup() {
   torch::set_num_threads(1);
   h5::silence_errors();
@@ -132,7 +105,7 @@ void setup() {
   // open otherwise dominate the run time.
   H5set_free_list_limits(64 << 20, 16 << 20, 64 << 20, 16 << 20, 64 << 20, 16 << 20);
   g = new World;
-  g->dir = make_scratch();
+  g->dir = make_scratch_dir();
   std::atexit(remove_scratch);
   g->work = g->dir + "/work.h5";
 

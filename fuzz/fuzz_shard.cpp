@@ -44,22 +44,14 @@
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/shards.h"
+#include "harness.h"
 #include "hdf5_ids.h"
 
 using namespace mpitrain;
 
+const char* const kFuzzTarget = "fuzz_shard";
+
 namespace {
-
-[[noreturn]] void bug(const std::string& what) {
-  std::fprintf(stderr, "\nfuzz_shard: PROPERTY VIOLATED: %s\n", what.c_str());
-  std::abort();
-}
-
-// FUZZ_VERBOSE=1: one line per step, for replaying a single input by hand.
-bool verbose() {
-  static const bool v = std::getenv("FUZZ_VERBOSE") != nullptr;
-  return v;
-}
 
 // ---- the per-process scratch directory -------------------------------------------------------
 
@@ -72,21 +64,7 @@ void remove_scratch() {
 
 const std::string& scratch_dir() {
   if (g_dir.empty()) {
-    // FUZZ_SCRATCH (set by tests/fuzz_test.sh, which removes it afterwards: a crash skips our
-    // atexit clean-up), else /dev/shm, else $TMPDIR or /tmp.
-    std::string base = "/dev/shm";
-    if (const char* s = std::getenv("FUZZ_SCRATCH"); s && *s) {
-      base = s;
-    } else if (::access(base.c_str(), W_OK) != 0) {
-      const char* t = std::getenv("TMPDIR");
-      base = t && *t ? t : "/tmp";
-    }
-    std::string tmpl = base + "/mpitrain-fuzz-shard-XXXXXX";
-    if (!::mkdtemp(tmpl.data())) {
-      std::perror("fuzz_shard: mkdtemp");
-      std::abort();
-    }
-    g_dir = tmpl;
+    g_dir = make_scratch_dir();
     std::atexit(remove_scratch);
   }
   return g_dir;
