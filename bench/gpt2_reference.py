@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
 """Plain-PyTorch reference for bench/gpu_throughput.sh: the same GPT-2 as mpitrain's model
-(pre-LayerNorm blocks, GELU tanh, tied embeddings, GPT-2 initialisation, no dropout), trained the
-way a careful PyTorch user would: SDPA attention (flash/cuDNN kernels), bf16 autocast with fp32
-master weights, fused AdamW, optionally torch.compile. Random windows of the same token file
-mpitrain trains on. Prints one JSON line: tokens/s, ms/step, peak GPU memory, first losses.
+(pre-LayerNorm blocks, GELU tanh, tied embeddings, GPT-2 initialisation, no dropout, parameter
+names as mpitrain's), trained the way a careful PyTorch user would: SDPA attention (flash/cuDNN
+kernels), bf16 autocast with fp32 master weights, fused AdamW, mpitrain's warm-up + cosine
+schedule, optionally torch.compile. Prints one JSON line: tokens/s, ms/step, peak GPU memory,
+losses.
 
     python3 bench/gpt2_reference.py --tokens data.npy --mode eager|compile [--steps 60]
+    python3 bench/gpt2_reference.py --dump-init DIR        initial weights, one .npy per parameter
+                                                           (mpitrain's model.init_from), then exit
+
+For the loss-parity check, --sequential reads the windows in mpitrain's unshuffled order (window
+j = tokens [j*T, j*T+T], batch k = windows k*B .. k*B+B-1) and --all-losses records every step.
 """
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -23,19 +30,17 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.ln_1 = nn.LayerNorm(d)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.attn_proj = nn.Linear(d, d)
+        self.attn = nn.ModuleDict(dict(c_attn=nn.Linear(d, 3 * d), c_proj=nn.Linear(d, d)))
         self.ln_2 = nn.LayerNorm(d)
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.mlp_proj = nn.Linear(4 * d, d)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(d, 4 * d), c_proj=nn.Linear(4 * d, d)))
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        x = x + self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
@@ -52,7 +57,7 @@ class GPT(nn.Module):
             elif "ln_" in name:
                 nn.init.ones_(p)
             else:
-                nn.init.normal_(p, 0.0, proj_std if name.endswith("proj.weight") else 0.02)
+                nn.init.normal_(p, 0.0, proj_std if name.endswith("c_proj.weight") else 0.02)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.size(1), device=idx.device)
@@ -63,9 +68,20 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def lr_at(step, total, lr, min_lr, warmup):
+    """mpitrain's schedule (src/optim.cpp): linear warm-up, then cosine decay to min_lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    decay_steps = total - warmup
+    if decay_steps <= 1:
+        return lr
+    progress = min(1.0, (step - warmup) / (decay_steps - 1))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", required=True, help="1-D .npy of token ids")
+    ap.add_argument("--tokens", help="1-D .npy of token ids")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from the timing")
@@ -73,18 +89,34 @@ def main():
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--min-lr", type=float, default=6e-5)
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--sequential", action="store_true", help="mpitrain's unshuffled window order")
+    ap.add_argument("--all-losses", action="store_true", help="record the loss of every step")
+    ap.add_argument("--dump-init", metavar="DIR", help="write the initial weights as .npy files and exit")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.seq_len, 12, 12, 768)  # drawn on the CPU: the same for every mode
+    if args.dump_init:
+        os.makedirs(args.dump_init, exist_ok=True)
+        for name, p in model.named_parameters():
+            np.save(os.path.join(args.dump_init, name + ".npy"), p.detach().numpy().astype(np.float32))
+        print(f"wrote {len(list(model.parameters()))} tensors to {args.dump_init}")
+        return
+    if not args.tokens:
+        ap.error("--tokens is required")
+
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     dev = torch.device("cuda")
     data = torch.from_numpy(np.load(args.tokens).astype(np.int64))
-    model = GPT(args.vocab, args.seq_len, 12, 12, 768).to(dev)
+    model = model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
     step_fn = torch.compile(model) if args.mode == "compile" else model
     B, T = args.micro_batch, args.seq_len
     gen = torch.Generator().manual_seed(args.seed)
@@ -95,16 +127,21 @@ def main():
         if step == args.warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        starts = torch.randint(0, data.numel() - T - 1, (B,), generator=gen)
-        batch = torch.stack([data[s:s + T + 1] for s in starts.tolist()]).to(dev, non_blocking=True)
+        if args.sequential:
+            starts = [(step * B + i) * T for i in range(B)]
+        else:
+            starts = torch.randint(0, data.numel() - T - 1, (B,), generator=gen).tolist()
+        batch = torch.stack([data[s:s + T + 1] for s in starts]).pin_memory().to(dev, non_blocking=True)
         x, y = batch[:, :-1], batch[:, 1:]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step < 5 or step + 1 == args.steps:
+        if args.all_losses or step < 5 or step + 1 == args.steps:
             losses.append(round(loss.item(), 4))
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0

@@ -65,6 +65,29 @@ PY
 row "checkpoint: checksum mismatch" "$B" ok.yaml --set checkpoint.resume=flip.h5
 row "checkpoint: missing" "$B" ok.yaml --set checkpoint.resume=nope.h5
 row "checkpoint: not a checkpoint (a shard)" "$B" ok.yaml --set checkpoint.resume=d/c-train-00000.h5
+npy() {  # file, header dict, data bytes: a version 1.0 .npy header (padded to 64 bytes), zero data
+  local h=$2
+  while [ $(( (10 + ${#h} + 1) % 64 )) -ne 0 ]; do h="$h "; done
+  { printf '\x93NUMPY\x01\x00'; printf "\\x$(printf %02x $(( (${#h} + 1) % 256 )))\\x$(printf %02x $(( (${#h} + 1) / 256 )))"
+    printf '%s\n' "$h"; head -c "$3" /dev/zero; } > "$1"
+}
+row "init_from: no such directory (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set model.init_from=nowhere --set checkpoint.resume=none
+mkdir iw
+printf junk > iw/wte.weight.npy && printf junk > iw/lm_head.weight.npy
+row "init_from: missing and extra .npy files" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
+rm iw/lm_head.weight.npy
+for n in wpe.weight ln_f.weight ln_f.bias h.0.ln_1.weight h.0.ln_1.bias h.0.ln_2.weight h.0.ln_2.bias \
+         h.0.attn.c_attn.weight h.0.attn.c_attn.bias h.0.attn.c_proj.weight h.0.attn.c_proj.bias \
+         h.0.mlp.c_fc.weight h.0.mlp.c_fc.bias h.0.mlp.c_proj.weight h.0.mlp.c_proj.bias; do
+  printf junk > "iw/$n.npy"
+done
+row "init_from: not a .npy file" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
+npy iw/wte.weight.npy "{'descr': '<i8', 'fortran_order': False, 'shape': (257, 16), }" $((257 * 16 * 8))
+row "init_from: integer dtype" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
+npy iw/wte.weight.npy "{'descr': '<f4', 'fortran_order': False, 'shape': (16, 257), }" $((257 * 16 * 4))
+row "init_from: wrong (transposed) shape" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
+npy iw/wte.weight.npy "{'descr': '<f4', 'fortran_order': False, 'shape': (257, 16), }" 1000
+row "init_from: truncated data" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
 row "CLI: inspect a missing file" "$B" inspect nothing.h5
 row "CLI: sample from a non-HDF5 file" "$B" sample c/a.txt
 mkdir ro && chmod 555 ro

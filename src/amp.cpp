@@ -69,6 +69,10 @@ void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 
 }  // namespace
 
+c10::ScalarType autocast_dtype_or(c10::DeviceType type, c10::ScalarType fallback) {
+  return autocast_enabled(type) ? autocast_dtype(type) : fallback;
+}
+
 Autocast::Autocast(Precision p, const torch::Device& device) {
   if (p == Precision::fp32) return;
   if (p == Precision::fp16 && !device.is_cuda())

@@ -56,6 +56,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
+    MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, init_from),
     MPITRAIN_FIELD(data, train),
     MPITRAIN_FIELD(data, val),           MPITRAIN_FIELD(data, seed),
     MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(train, micro_batch),
@@ -383,6 +384,8 @@ void validate(const Config& c, const std::string& where) {
   check(!t.out_dir.empty(), "train.out_dir", "non-empty", show(t.out_dir));
   check(one_of(c.model.fused_loss, {"auto", "on", "off"}), "model.fused_loss", "one of auto|on|off",
         show(c.model.fused_loss));
+  check(one_of(c.model.fused_kernels, {"auto", "on", "off"}), "model.fused_kernels", "one of auto|on|off",
+        show(c.model.fused_kernels));
   check(one_of(t.device, {"auto", "cpu", "cuda"}), "train.device", "one of auto|cpu|cuda", show(t.device));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -60,16 +61,14 @@ std::string read_prefix(const std::string& path, size_t n) {
 // The header is a Python dict literal such as
 //   {'descr': '<u2', 'fortran_order': False, 'shape': (1000,), }
 // numpy writes exactly these three keys; anything else is refused rather than guessed at.
-struct NpyHeader {
-  std::string descr;
-  bool fortran_order = true;
-  std::vector<uint64_t> shape;
-};
-
-NpyHeader parse_npy_dict(const std::string& path, std::string_view s) {
+NpyHeader parse_npy_dict(const std::string& path, std::string_view s, const std::string& wanted) {
   size_t i = 0;
   auto bad = [&](const std::string& what) {
-    return UsageError(concat(path, ": malformed .npy header (", what, "): ", s.substr(0, 120)));
+    std::string shown(s.substr(0, 120));  // one line: no padding, newline or other control bytes
+    for (char& c : shown)
+      if (std::iscntrl(static_cast<unsigned char>(c))) c = ' ';
+    shown.erase(shown.find_last_not_of(' ') + 1);
+    return UsageError(concat(path, ": malformed .npy header (", what, "): ", shown));
   };
   auto ws = [&] {
     while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
@@ -107,8 +106,8 @@ NpyHeader parse_npy_dict(const std::string& path, std::string_view s) {
     ws();
     if (key == "descr") {
       if (i < s.size() && s[i] != '\'' && s[i] != '"')
-        throw UsageError(path +
-                         ": unsupported dtype (a structured array), expected a 1-D integer array");
+        throw UsageError(
+            concat(path, ": unsupported dtype (a structured array), expected ", wanted));
       h.descr = str();
       got_descr = true;
     } else if (key == "fortran_order") {
@@ -144,39 +143,15 @@ Dtype npy_dtype(const std::string& path, const std::string& descr) {
                           "', expected a little-endian integer: <u2 <i2 <u4 <i4 <u8 <i8 |u1 |i1"));
 }
 
-std::string shape_text(const std::vector<uint64_t>& shape) {
-  std::string s = "(";
-  for (size_t k = 0; k < shape.size(); ++k) s += concat(k ? ", " : "", shape[k]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
-TokenLayout npy_layout(const std::string& path, uint64_t size) {
-  const std::string pre = read_prefix(path, 12);
-  if (pre.size() < 10 || pre.compare(0, 6, "\x93NUMPY") != 0)
-    throw UsageError(path + ": not a .npy file (no \\x93NUMPY magic)");
-  const int major = static_cast<unsigned char>(pre[6]), minor = static_cast<unsigned char>(pre[7]);
-  if (major < 1 || major > 3)
-    throw UsageError(concat(path, ": unsupported .npy version ", major, ".", minor));
-  uint64_t header_len = 0, start = 10;
-  if (major == 1) {
-    header_len = static_cast<unsigned char>(pre[8]) | static_cast<unsigned char>(pre[9]) << 8;
-  } else {
-    if (pre.size() < 12) throw UsageError(path + ": truncated .npy header");
-    uint32_t n32;
-    std::memcpy(&n32, pre.data() + 8, 4);
-    header_len = n32;
-    start = 12;
-  }
-  if (header_len > (1u << 20) || start + header_len > size)
-    throw UsageError(concat(path, ": truncated .npy header (", header_len, " bytes announced)"));
-  const std::string all = read_prefix(path, start + header_len);
-  const NpyHeader h = parse_npy_dict(path, std::string_view(all).substr(start));
+TokenLayout npy_layout(const std::string& path) {
+  const NpyHeader h = read_npy_header(path, "a 1-D integer array");
   TokenLayout t;
   t.dtype = npy_dtype(path, h.descr);
   if (h.shape.size() != 1)
-    throw UsageError(concat(path, ": shape ", shape_text(h.shape), " is not 1-D (expected (N,))"));
+    throw UsageError(
+        concat(path, ": shape ", npy_shape_text(h.shape), " is not 1-D (expected (N,))"));
   if (h.fortran_order) throw UsageError(path + ": fortran_order is True, expected False");
-  t.offset = start + header_len;
+  t.offset = h.data_offset;
   t.count = h.shape[0];
   return t;
 }
@@ -274,6 +249,41 @@ std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
   return docs;
 }
 
+// ---- npy headers -------------------------------------------------------------------------------
+
+NpyHeader read_npy_header(const std::string& path, const std::string& wanted) {
+  const uint64_t size = file_size(path);
+  const std::string pre = read_prefix(path, 12);
+  if (pre.size() < 10 || pre.compare(0, 6, "\x93NUMPY") != 0)
+    throw UsageError(path + ": not a .npy file (no \\x93NUMPY magic)");
+  const int major = static_cast<unsigned char>(pre[6]), minor = static_cast<unsigned char>(pre[7]);
+  if (major < 1 || major > 3)
+    throw UsageError(concat(path, ": unsupported .npy version ", major, ".", minor));
+  uint64_t header_len = 0, start = 10;
+  if (major == 1) {
+    header_len = static_cast<unsigned char>(pre[8]) | static_cast<unsigned char>(pre[9]) << 8;
+  } else {
+    if (pre.size() < 12) throw UsageError(path + ": truncated .npy header");
+    uint32_t n32;
+    std::memcpy(&n32, pre.data() + 8, 4);
+    header_len = n32;
+    start = 12;
+  }
+  if (header_len > (1u << 20) || start + header_len > size)
+    throw UsageError(concat(path, ": truncated .npy header (", header_len, " bytes announced)"));
+  const std::string all = read_prefix(path, start + header_len);
+  NpyHeader h = parse_npy_dict(path, std::string_view(all).substr(start), wanted);
+  h.data_offset = start + header_len;
+  h.file_size = size;
+  return h;
+}
+
+std::string npy_shape_text(const std::vector<uint64_t>& shape) {
+  std::string s = "(";
+  for (size_t k = 0; k < shape.size(); ++k) s += concat(k ? ", " : "", shape[k]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
 // ---- formats -----------------------------------------------------------------------------------
 
 const char* format_name(InputFormat f) {
@@ -343,7 +353,7 @@ TokenLayout read_token_layout(const std::string& path, InputFormat format) {
                               " tokens need ", want, " (",
                               size < want ? "truncated" : "trailing data", ")"));
   } else if (format == InputFormat::npy) {
-    t = npy_layout(path, size);
+    t = npy_layout(path);
     const uint64_t item = dtype_bytes(t.dtype);  // saturate: the shape is the file's claim
     const uint64_t want =
         t.count > (UINT64_MAX - t.offset) / item ? UINT64_MAX : t.offset + t.count * item;

@@ -3,8 +3,12 @@
 #include "mpitrain/model.h"
 
 #include <cmath>
+#include <optional>
+#include <tuple>
 
+#include "mpitrain/amp.h"
 #include "mpitrain/error.h"
+#include "mpitrain/fused_ops.h"
 
 namespace mpitrain {
 
@@ -18,6 +22,7 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
   d.seq_len = cfg.seq_len;
   d.dropout = cfg.dropout;
   d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
+  d.fused_kernels = cfg.fused_kernels == "on";  // likewise
   d.vocab_size = cfg.vocab_size > 0 ? cfg.vocab_size : data_vocab_size;
   if (d.vocab_size < data_vocab_size)
     throw UsageError(concat("model.vocab_size must be >= the data's vocab_size ", data_vocab_size,
@@ -68,6 +73,11 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   return c_proj(F::gelu(c_fc(x), F::GELUFuncOptions().approximate("tanh")));
 }
 
+torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
+  // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
+  return c_proj(bias_gelu(F::linear(x, c_fc->weight), c_fc->bias));
+}
+
 BlockImpl::BlockImpl(const GPTDims& d) : dropout_(d.dropout) {
   ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
   attn = register_module("attn", CausalSelfAttention(d));
@@ -81,6 +91,16 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
   return x + m;
+}
+
+std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
+                                                                 c10::ScalarType normed_dtype) {
+  auto [r1, n1] = add_layernorm(x, delta, ln_1->weight, ln_1->bias, ln_1->options.eps(), normed_dtype);
+  auto [r2, n2] = add_layernorm(r1, attn(n1), ln_2->weight, ln_2->bias, ln_2->options.eps(), normed_dtype);
+  auto m = mlp->forward_fused(n2);
+  if (is_training() && dropout_ > 0)
+    m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
+  return {r2, m};
 }
 
 // ---- GPT ---------------------------------------------------------------------------------------
@@ -117,8 +137,19 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   torch::Tensor x = wte(idx) + wpe(pos);
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
+  if (dims_.fused_kernels) return hidden_fused(x);
   for (const auto& block : *h) x = block->as<Block>()->forward(x);
   return ln_f(x);
+}
+
+// The residual stream x stays fp32 (the embeddings are; add_layernorm adds the bf16/fp16 block
+// outputs of an autocast region in fp32, as the unfused path's type promotion does); each block's
+// MLP output is added by the next LayerNorm, the last one's by ln_f.
+torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
+  const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
+  torch::Tensor delta;
+  for (const auto& block : *h) std::tie(x, delta) = block->as<Block>()->forward_fused(x, delta, normed_dtype);
+  return add_layernorm(x, delta, ln_f->weight, ln_f->bias, ln_f->options.eps(), normed_dtype).second;
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
@@ -143,20 +174,46 @@ int64_t chunk_rows(int64_t vocab, int64_t rows) {
   return rows > 0 ? rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, vocab));
 }
 
-// One chunk's logits in fp32 (the matmul itself runs in the autocast dtype, if any).
-torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& w) {
-  return torch::matmul(h, w.t()).to(torch::kFloat32);
-}
-
 // Sum over the chunk of logsumexp(logits) - logits[target].
 torch::Tensor chunk_loss_sum(const torch::Tensor& logits, const torch::Tensor& lse, const torch::Tensor& t) {
   return (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum();
 }
 
+// One chunk: the sum of its losses and, when `grad_scale` is set, the chunk's logits replaced by
+// grad_scale * (softmax - onehot), the gradient of grad_scale * loss sum. On CUDA with the
+// kernels built this is one kernel over the logits in their own (autocast) dtype; elsewhere, ATen
+// ops over an fp32 copy.
+struct ChunkResult {
+  torch::Tensor loss_sum, grad;
+};
+
+ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, std::optional<double> grad_scale,
+                                  FusedImpl impl) {
+#ifdef MPITRAIN_FUSED_KERNELS
+  const auto dt = logits.scalar_type();
+  if (impl == FusedImpl::automatic && logits.is_cuda() && logits.is_contiguous() &&
+      (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16)) {
+    torch::Tensor targets = t.to(torch::kLong).contiguous();
+    torch::Tensor loss = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat32));
+    fused_softmax_cross_entropy(logits, targets, loss, grad_scale ? *grad_scale : 0.0, grad_scale.has_value());
+    return {loss.sum(), grad_scale ? logits : torch::Tensor()};
+  }
+#endif
+  (void)impl;
+  logits = logits.to(torch::kFloat32);
+  torch::Tensor lse = logits.logsumexp(1);
+  torch::Tensor loss_sum = chunk_loss_sum(logits, lse, t);
+  if (!grad_scale) return {loss_sum, torch::Tensor()};
+  torch::Tensor g = logits.sub_(lse.unsqueeze(1)).exp_();  // in place over the fp32 copy
+  g.scatter_add_(1, t.unsqueeze(1), torch::full({t.size(0), 1}, -1.0f, g.options()));
+  g.mul_(*grad_scale);
+  return {loss_sum, g};
+}
+
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
-                               const torch::Tensor& w, const torch::Tensor& t, int64_t chunk) {
+                               const torch::Tensor& w, const torch::Tensor& t, int64_t chunk, int64_t impl) {
     const int64_t n = h.size(0), rows = chunk_rows(w.size(0), chunk);
     const double inv_n = 1.0 / static_cast<double>(n);
     torch::Tensor grad_h = torch::empty(h.sizes(), h.options().dtype(torch::kFloat32));
@@ -165,13 +222,10 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     for (int64_t start = 0; start < n; start += rows) {
       const int64_t len = std::min(rows, n - start);
       auto hc = h.narrow(0, start, len), tc = t.narrow(0, start, len);
-      torch::Tensor logits = chunk_logits(hc, w);
-      torch::Tensor lse = logits.logsumexp(1);
-      total += chunk_loss_sum(logits, lse, tc);
-      // d(mean loss)/d(logits) = (softmax - onehot) / n, computed in place over the logits.
-      torch::Tensor g = logits.sub_(lse.unsqueeze(1)).exp_();
-      g.scatter_add_(1, tc.unsqueeze(1), torch::full({len, 1}, -1.0f, g.options()));
-      g.mul_(inv_n);
+      // d(mean loss)/d(logits) = (softmax - onehot) / n, computed over the chunk's logits.
+      auto [loss_sum, g] =
+          softmax_cross_entropy(torch::matmul(hc, w.t()), tc, inv_n, static_cast<FusedImpl>(impl));
+      total += loss_sum;
       grad_h.narrow(0, start, len).copy_(torch::matmul(g, w));
       grad_w.add_(torch::matmul(g.t(), hc));
     }
@@ -187,24 +241,25 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     const torch::Tensor& g = grad_out[0];
     auto h_dtype = static_cast<torch::ScalarType>(ctx->saved_data["h_dtype"].toInt());
     auto w_dtype = static_cast<torch::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-    return {(saved[0] * g).to(h_dtype), (saved[1] * g).to(w_dtype), torch::Tensor(), torch::Tensor()};
+    return {(saved[0] * g).to(h_dtype), (saved[1] * g).to(w_dtype), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
 }  // namespace
 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                   const torch::Tensor& targets, int64_t rows_override) {
+                                   const torch::Tensor& targets, int64_t rows_override, FusedImpl impl) {
   if (torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
-    return LinearCrossEntropy::apply(hidden, weight, targets, rows_override);
+    return LinearCrossEntropy::apply(hidden, weight, targets, rows_override, static_cast<int64_t>(impl));
   // No gradients wanted (evaluation): the loss alone, chunk by chunk.
   const int64_t n = hidden.size(0), rows = chunk_rows(weight.size(0), rows_override);
   torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t len = std::min(rows, n - start);
     auto hc = hidden.narrow(0, start, len);
-    torch::Tensor logits = chunk_logits(hc, weight);
-    total += chunk_loss_sum(logits, logits.logsumexp(1), targets.narrow(0, start, len));
+    total += softmax_cross_entropy(torch::matmul(hc, weight.t()), targets.narrow(0, start, len), std::nullopt, impl)
+                 .loss_sum;
   }
   return total / static_cast<double>(n);
 }

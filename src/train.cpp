@@ -20,6 +20,7 @@
 #include "mpitrain/ddp.h"
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
+#include "mpitrain/fused_ops.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/model.h"
@@ -383,12 +384,41 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     dims = model_dims(cfg.model, train_data->vocab_size());
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
+    // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
+    // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist.
+    if (cfg.model.fused_kernels == "auto") dims.fused_kernels = device.is_cuda() && fused_kernels_built();
+    if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
+      log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
+                       dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
+                                                                                       : "on (ATen reference)")
+                                          : "off"));
     comm = make_communicator(cfg.comm.backend, mpi_comm, device);
   }); });
+
+  // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the
+  // checkpoint's weights, and model.init_from only seeds a fresh start.
+  std::vector<std::string> resume;
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+    if (topo.rank != 0) return;
+    ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
+    ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
+    resume = resume_candidates(cfg.checkpoint);
+  }); });
+  int has_resume = resume.empty() ? 0 : 1;
+  MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
 
   torch::manual_seed(cfg.train.seed);
   GPT model(dims);
   model->to(device);
+  if (!cfg.model.init_from.empty() && has_resume) {
+    log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg.model.init_from, ") is not read"));
+  } else if (!cfg.model.init_from.empty()) {  // rank 0 reads; the broadcast below does the rest
+    int64_t n = 0;
+    agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+      if (topo.rank == 0) n = load_npy_weights(cfg.model.init_from, model);
+    }); });
+    log::info(concat("model: initial weights from ", cfg.model.init_from, " (", n, " tensors)"));
+  }
   {  // identical initial parameters on every rank, whatever each rank's RNG did
     torch::NoGradGuard no_grad;
     for (auto& [name, p] : model->named_params()) comm->broadcast(p, 0);
@@ -422,15 +452,6 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.world_size = topo.size;
   st.tokenizer = train_data->tokenizer();
   st.eot_token = train_data->eot_token();
-  std::vector<std::string> resume;
-  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    if (topo.rank != 0) return;
-    ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
-    ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
-    resume = resume_candidates(cfg.checkpoint);
-  }); });
-  int has_resume = resume.empty() ? 0 : 1;
-  MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
   if (has_resume) {
     resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed, device);
     scaler.restore(st.loss_scale, st.loss_scale_good_steps);  // fp16: the scale continues

@@ -113,6 +113,14 @@ expect_usage "non-HDF5 shard" "data/c-train-99999.h5: not an HDF5 file" "$MPIRUN
 rm data/c-train-99999.h5
 expect_usage "singleton bad key" "unknown key" "$BIN" typo.yaml
 expect_usage "bad command-line flag" "command line" "$BIN" cfg.yaml --bogus
+# model.init_from: rank 0 reads the directory; its error ends every rank (resume none: ckpt/ has
+# checkpoints, and a resumed run does not read init_from).
+expect_usage "model.init_from: no such directory" "cfg.yaml: model.init_from: no such directory 'nowhere'" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.init_from=nowhere --set checkpoint.resume=none
+mkdir initw && printf 'junk' > initw/wte.weight.npy && printf 'junk' > initw/lm_head.weight.npy
+expect_usage "model.init_from: missing and extra .npy files" \
+  "cfg.yaml: model.init_from: missing initw/wpe.weight.npy, initw/h.0.ln_1.weight.npy, initw/h.0.ln_1.bias.npy and 12 more (one <parameter name>.npy per model parameter); initw/lm_head.weight.npy matches no model parameter" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.init_from=initw --set checkpoint.resume=none
 before=$(md5sum ckpt/ckpt-00000006.h5)
 expect_usage "wrong model shape on resume" "ckpt/ckpt-00000006.h5: dataset 'model/" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_embd=32

@@ -1,17 +1,23 @@
 // HDF5 checkpoints: bitwise round trip of model, optimizer and state; `latest` and keep-last-K;
-// resume lookup; and the errors for wrong shapes, formats and corrupted data.
+// resume lookup; and the errors for wrong shapes, formats and corrupted data. Initial weights from
+// .npy files (model.init_from): bitwise loads and one error per kind of bad input.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <sys/stat.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "npy_writer.h"
 
 using namespace mpitrain;
 
@@ -443,4 +449,129 @@ TEST(Checkpoint, SyncWriterWritesOnTheCallingThread) {
   w.wait();
   EXPECT_EQ(w.saves(), 1);
   std::system(("rm -rf " + dir).c_str());
+}
+
+// ---- model.init_from: initial weights from .npy files ----------------------------------------
+
+namespace {
+// One <name>.npy per parameter of `m`, in `descr` ('<f4' or '<f8').
+std::string write_npy_dir(GPT& m, const std::string& descr = "<f4") {
+  const std::string dir = temp_dir();
+  for (const auto& [name, p] : m->named_params())
+    npy_test::write_npy_tensor(dir + "/" + name + ".npy", p, descr);
+  return dir;
+}
+
+bool same_params(GPT& a, GPT& b) {
+  auto pa = a->named_params(), pb = b->named_params();
+  if (pa.size() != pb.size()) return false;
+  for (size_t i = 0; i < pa.size(); ++i)
+    if (!bitwise_equal(pa[i].second, pb[i].second)) return false;
+  return true;
+}
+}  // namespace
+
+TEST(InitFrom, NpyWeightsLoadBitwiseFromFloat32AndFloat64AndRoundedFromFloat16) {
+  torch::manual_seed(1);
+  GPT a(dims());
+  torch::manual_seed(2);
+  GPT b(dims());
+  ASSERT_FALSE(same_params(a, b));
+  for (const char* descr : {"<f4", "<f8"}) {
+    SCOPED_TRACE(descr);
+    const std::string dir = write_npy_dir(a, descr);
+    // numpy writes version 2.0 for headers over 64 KiB; any version is read the same.
+    npy_test::write_npy_tensor(dir + "/ln_f.bias.npy", a->ln_f->bias, descr, 2);
+    std::ofstream(dir + "/README.txt") << "other files are ignored";
+    torch::manual_seed(2);
+    GPT c(dims());
+    EXPECT_EQ(load_npy_weights(dir, c), static_cast<int64_t>(a->named_params().size()));
+    EXPECT_TRUE(same_params(a, c));
+    std::system(("rm -rf " + dir).c_str());
+  }
+  const std::string dir = write_npy_dir(a);
+  npy_test::write_npy_tensor(dir + "/wte.weight.npy", a->wte->weight, "<f2");
+  GPT c(dims());
+  load_npy_weights(dir, c);
+  EXPECT_TRUE(bitwise_equal(c->wte->weight, a->wte->weight.to(torch::kHalf).to(torch::kFloat32)));
+  EXPECT_FALSE(bitwise_equal(c->wte->weight, a->wte->weight));
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(InitFrom, BadInputIsAUsageErrorNamingKeyAndFile) {
+  torch::manual_seed(1);
+  GPT a(dims());
+  // Runs `spoil` on a good directory; the load must fail with one line "model.init_from: ..."
+  // holding `want`, and leave the model as it was (all but NaN are found before any weight changes).
+  auto expect_bad = [&](const std::string& what, const std::function<void(const std::string&)>& spoil,
+                        const std::string& want, bool unchanged = true) {
+    SCOPED_TRACE(what);
+    const std::string dir = write_npy_dir(a);
+    spoil(dir);
+    torch::manual_seed(2);
+    GPT b(dims());
+    torch::manual_seed(2);
+    GPT before(dims());
+    std::string msg = "<no error>";
+    try {
+      load_npy_weights(dir, b);
+    } catch (const UsageError& e) {
+      msg = e.what();
+    }
+    EXPECT_EQ(msg.rfind("model.init_from: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(want), std::string::npos) << msg << "\nwanted: " << want;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    if (unchanged) {
+      EXPECT_TRUE(same_params(b, before)) << "the model changed although the load failed";
+    }
+    std::system(("rm -rf " + dir).c_str());
+  };
+  using npy_test::write_npy_bytes;
+  const std::string c_attn = "h.0.attn.c_attn.weight.npy";  // [48, 16]
+  auto spoil_c_attn = [&](const std::string& dict, size_t bytes) {  // replaces c_attn's file
+    return [=](const std::string& d) { write_npy_bytes(d + "/" + c_attn, dict, std::string(bytes, '\0')); };
+  };
+  auto c_attn_as = [&](const std::string& descr, const std::string& shape, size_t bytes) {
+    return spoil_c_attn("{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }", bytes);
+  };
+  expect_bad("no directory", [](const std::string& d) { std::system(("rm -rf " + d).c_str()); },
+             "no such directory '");
+  expect_bad("a file, not a directory",
+             [](const std::string& d) { std::system(("rm -rf " + d + " && touch " + d).c_str()); },
+             "' is not a directory");
+  expect_bad("missing file", [](const std::string& d) { std::remove((d + "/ln_f.bias.npy").c_str()); },
+             "/ln_f.bias.npy (one <parameter name>.npy per model parameter)");
+  expect_bad("files matching no parameter",
+             [&](const std::string& d) {
+               npy_test::write_npy_tensor(d + "/lm_head.weight.npy", a->wte->weight);
+               std::rename((d + "/wpe.weight.npy").c_str(), (d + "/transformer.wpe.weight.npy").c_str());
+             },
+             "/transformer.wpe.weight.npy match no model parameter (a naming mistake?");
+  expect_bad("bad magic", [&](const std::string& d) { std::ofstream(d + "/" + c_attn) << "PK\3\4 a zip"; },
+             c_attn + ": not a .npy file (no \\x93NUMPY magic)");
+  expect_bad("malformed header", spoil_c_attn("{'descr': '<f4', 'shape': 48}", 0),
+             c_attn + ": malformed .npy header (shape is not a tuple): {'descr': '<f4', 'shape': 48}");
+  expect_bad("integer dtype", c_attn_as("<i4", "(48, 16)", 48 * 16 * 4),
+             c_attn + ": dtype '<i4', expected little-endian float32 '<f4' or float64 '<f8'");
+  expect_bad("big-endian", c_attn_as(">f4", "(48, 16)", 48 * 16 * 4), c_attn + ": dtype '>f4'");
+  expect_bad("fortran order",
+             spoil_c_attn("{'descr': '<f4', 'fortran_order': True, 'shape': (48, 16), }", 48 * 16 * 4),
+             c_attn + ": fortran_order is True, expected False");
+  expect_bad("shape", c_attn_as("<f4", "(48, 8)", 48 * 8 * 4),
+             c_attn + ": shape (48, 8), but parameter 'h.0.attn.c_attn.weight' has shape (48, 16)");
+  expect_bad("transposed", c_attn_as("<f4", "(16, 48)", 48 * 16 * 4),
+             "has shape (48, 16) (transposed? Hugging Face GPT-2's Conv1D weights need .T)");
+  expect_bad("truncated data", c_attn_as("<f4", "(48, 16)", 48 * 16 * 4 - 4),
+             c_attn + ": size 3196 bytes, but shape (48, 16) of '<f4' needs 3200 (truncated)");
+  expect_bad("trailing data", c_attn_as("<f4", "(48, 16)", 48 * 16 * 4 + 8),
+             c_attn + ": size 3208 bytes, but shape (48, 16) of '<f4' needs 3200 (trailing data)");
+  expect_bad("NaN",
+             [&](const std::string& d) {
+               std::string data(48 * 16 * 4, '\0');
+               const float nan = std::nanf("");
+               std::memcpy(&data[4 * 17], &nan, 4);
+               write_npy_bytes(d + "/" + c_attn, "{'descr': '<f4', 'fortran_order': False, 'shape': (48, 16), }",
+                               data);
+             },
+             c_attn + ": holds NaN or infinite values", /*unchanged=*/false);
 }

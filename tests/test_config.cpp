@@ -53,6 +53,9 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.seq_len, b.model.seq_len);
   EXPECT_EQ(a.model.vocab_size, b.model.vocab_size);
   EXPECT_EQ(a.model.dropout, b.model.dropout);
+  EXPECT_EQ(a.model.fused_loss, b.model.fused_loss);
+  EXPECT_EQ(a.model.fused_kernels, b.model.fused_kernels);
+  EXPECT_EQ(a.model.init_from, b.model.init_from);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val, b.data.val);
   EXPECT_EQ(a.data.seed, b.data.seed);
@@ -139,6 +142,25 @@ TEST(Config, ReadsScalarsListsAndBooleans) {
   EXPECT_EQ(c.optim.lr, 3e-4);
   EXPECT_EQ(c.optim.min_lr, 0.0);
   EXPECT_EQ(c.optim.eps, 1.0);
+}
+
+// YAML 1.1 reads on/off as booleans; these keys take the words as written.
+TEST(Config, FusedSwitchesTakeAutoOnOff) {
+  EXPECT_EQ(parse_config(kMinimal, "run.yaml").model.fused_kernels, "auto");
+  for (const char* v : {"auto", "on", "off"}) {
+    Config c = parse_config(kMinimal, "run.yaml", {std::string("model.fused_kernels=") + v});
+    EXPECT_EQ(c.model.fused_kernels, v);
+  }
+}
+
+// model.init_from: a directory of .npy weights (read at start-up, not here); "" = random init.
+TEST(Config, InitFromDefaultsToEmptyAndRoundTrips) {
+  EXPECT_EQ(parse_config(kMinimal, "run.yaml").model.init_from, "");
+  Config c = parse_config(kMinimal, "run.yaml", {"model.init_from=weights/gpt2"});
+  EXPECT_EQ(c.model.init_from, "weights/gpt2");
+  expect_same(c, parse_config(to_yaml(c), "resolved.yaml"));
+  EXPECT_EQ(parse_error(std::string(kMinimal) + "model:\n  init_form: w\n"),
+            "run.yaml: unknown key 'model.init_form' (did you mean 'model.init_from'?)");
 }
 
 // ---- strictness ---------------------------------------------------------------------------------
@@ -281,6 +303,9 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"dropout_low",
                 {"model.dropout=-0.1"},
                 {"model.dropout must be in [0, 1), got -0.1"}},
+        Invalid{"fused_kernels",
+                {"model.fused_kernels=fast"},
+                {"model.fused_kernels must be one of auto|on|off, got 'fast'"}},
         Invalid{"train_empty",
                 {"data.train=[]"},
                 {"data.train must be a non-empty list", "got []"}},

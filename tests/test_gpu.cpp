@@ -1,5 +1,6 @@
 // GPU tests: the NCCL backend, bf16 autocast and fp16 loss scaling on CUDA, fused AdamW against
-// the CPU path, checkpoints moving between GPU and CPU. Compiled in every build; each test is
+// the CPU path, checkpoints moving between GPU and CPU, the fused block kernels against their
+// ATen reference (model.fused_kernels). Compiled in every build; each test is
 // skipped, with a message, where no CUDA device is visible (CTest then shows "Skipped").
 // On a GPU machine: mpirun -np 1 build/tests/test_gpu
 #include <gtest/gtest.h>
@@ -8,10 +9,12 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
+#include "mpitrain/fused_ops.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
 
@@ -167,4 +170,181 @@ TEST(Gpu, CheckpointsMoveBetweenGpuAndCpu) {
     EXPECT_TRUE(torch::equal(c[i].second.cpu(), b[i].second)) << c[i].first;
   }
   std::filesystem::remove_all(dir);
+}
+
+// ---- fused block kernels (src/kernels/fused_kernels.cu) against the ATen reference ------------
+
+#define REQUIRE_FUSED_KERNELS()                                                                 \
+  REQUIRE_CUDA();                                                                               \
+  if (!fused_kernels_built())                                                                   \
+  GTEST_SKIP() << "this GPU build has no fused kernels (no CUDA compiler at configure time): skipped"
+
+namespace {
+
+struct Tol {
+  double rtol, atol;
+};
+
+Tol tol_for(c10::ScalarType t) {
+  return t == torch::kFloat32 ? Tol{1e-4, 1e-5} : Tol{2e-2, 2e-2};  // one bf16/fp16 rounding step
+}
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, Tol tol, const std::string& what) {
+  ASSERT_EQ(got.defined(), want.defined()) << what;
+  if (!got.defined()) return;
+  ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  auto g = got.to(torch::kFloat32).cpu(), w = want.to(torch::kFloat32).cpu();
+  EXPECT_TRUE(torch::allclose(g, w, tol.rtol, tol.atol))
+      << what << ": max |diff| " << (g - w).abs().max().item<double>();
+}
+
+// Forward outputs and the gradients of every input, for the given output gradients.
+std::vector<torch::Tensor> add_layernorm_run(FusedImpl impl, const torch::Tensor& x, const torch::Tensor& delta,
+                                             const torch::Tensor& w, const torch::Tensor& b, c10::ScalarType out,
+                                             const torch::Tensor& d_res, const torch::Tensor& d_norm) {
+  auto xi = x.detach().clone().requires_grad_(true), wi = w.detach().clone().requires_grad_(true),
+       bi = b.detach().clone().requires_grad_(true);
+  torch::Tensor di = delta.defined() ? delta.detach().clone().requires_grad_(true) : torch::Tensor();
+  auto [res, normed] = add_layernorm(xi, di, wi, bi, 1e-5, out, impl);
+  torch::Tensor loss = (normed.to(torch::kFloat32) * d_norm).sum();
+  if (d_res.defined()) loss = loss + (res * d_res).sum();
+  loss.backward();
+  return {res.detach(), normed.detach(), xi.grad(), di.defined() ? di.grad() : torch::Tensor(), wi.grad(), bi.grad()};
+}
+
+}  // namespace
+
+TEST(Gpu, FusedAddLayerNormKernelMatchesReference) {
+  REQUIRE_FUSED_KERNELS();
+  torch::manual_seed(11);
+  const char* names[] = {"residual", "normed", "d_x", "d_delta", "d_weight", "d_bias"};
+  for (int64_t cols : {768, 100, 33}) {
+    for (int64_t rows : {int64_t{1}, int64_t{37}, int64_t{2048}}) {
+      for (c10::ScalarType delta_t : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, c10::ScalarType::Undefined}) {
+        for (auto out_t : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+          for (bool residual_used : {true, false}) {
+            auto opts = torch::dtype(torch::kFloat32).device(kGpu);
+            auto x = torch::randn({rows, cols}, opts) * 3 + 1;
+            torch::Tensor delta;
+            if (delta_t != c10::ScalarType::Undefined) delta = torch::randn({rows, cols}, opts).to(delta_t);
+            auto w = torch::randn({cols}, opts), b = torch::randn({cols}, opts);
+            auto d_norm = torch::randn({rows, cols}, opts);
+            auto d_res = residual_used ? torch::randn({rows, cols}, opts) : torch::Tensor();
+            auto got = add_layernorm_run(FusedImpl::automatic, x, delta, w, b, out_t, d_res, d_norm);
+            auto want = add_layernorm_run(FusedImpl::reference, x, delta, w, b, out_t, d_res, d_norm);
+            const std::string where = "cols " + std::to_string(cols) + " rows " + std::to_string(rows) + " delta " +
+                                      c10::toString(delta_t) + " out " + c10::toString(out_t) +
+                                      (residual_used ? " residual used" : " residual unused");
+            for (size_t i = 0; i < got.size(); ++i) {
+              // Gradients reached through a low-precision output or delta carry its rounding;
+              // the parameter gradients sum over rows, so their tolerance grows with them.
+              Tol tol = tol_for(i == 1 ? out_t : (i == 3 && delta.defined() ? delta_t : torch::kFloat32));
+              if (i >= 4) tol = Tol{1e-3, 1e-3 * std::sqrt(static_cast<double>(rows))};
+              expect_close(got[i], want[i], tol, where + ": " + names[i]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Gpu, FusedBiasGeluKernelMatchesReference) {
+  REQUIRE_FUSED_KERNELS();
+  torch::manual_seed(12);
+  for (int64_t cols : {3072, 100, 24}) {
+    for (auto t : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+      for (bool aligned : {true, false}) {
+        const int64_t rows = 67;
+        auto opts = torch::dtype(t).device(kGpu);
+        // The unaligned case starts one element into its storage: the kernels' scalar path.
+        auto pre = torch::empty({rows * cols + 1}, opts).narrow(0, aligned ? 0 : 1, rows * cols).view({rows, cols});
+        pre.copy_(torch::randn({rows, cols}, opts) * 2);
+        auto bias = torch::randn({cols}, torch::dtype(torch::kFloat32).device(kGpu));
+        auto d_out = torch::randn({rows, cols}, opts);
+        std::vector<torch::Tensor> res[2];
+        for (int k = 0; k < 2; ++k) {
+          auto p = pre.detach().clone().requires_grad_(true), bb = bias.detach().clone().requires_grad_(true);
+          if (!aligned) {  // keep the clone unaligned too
+            auto storage = torch::empty({rows * cols + 1}, opts).narrow(0, 1, rows * cols).view({rows, cols});
+            storage.copy_(pre);
+            p = storage.detach().requires_grad_(true);
+          }
+          auto y = bias_gelu(p, bb, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+          (y.to(torch::kFloat32) * d_out.to(torch::kFloat32)).sum().backward();
+          res[k] = {y.detach(), p.grad(), bb.grad()};
+        }
+        const std::string where = "cols " + std::to_string(cols) + " " + c10::toString(t) +
+                                  (aligned ? " aligned" : " unaligned");
+        expect_close(res[0][0], res[1][0], tol_for(t), where + ": out");
+        expect_close(res[0][1], res[1][1], tol_for(t), where + ": d_pre");
+        expect_close(res[0][2], res[1][2], Tol{1e-3, 1e-2}, where + ": d_bias");
+      }
+    }
+  }
+}
+
+TEST(Gpu, FusedKernelsModelMatchesTheUnfusedModel) {
+  REQUIRE_FUSED_KERNELS();
+  GPTDims d = tiny_dims();
+  d.fused_kernels = true;
+  torch::manual_seed(13);
+  GPT fused(d);
+  d.fused_kernels = false;
+  torch::manual_seed(13);
+  GPT plain(d);
+  fused->to(kGpu);
+  plain->to(kGpu);
+  auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
+  auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
+  auto lf = fused->loss(x, y), lp = plain->loss(x, y);
+  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-4);
+  lf.backward();
+  lp.backward();
+  auto pf = fused->named_params(), pp = plain->named_params();
+  for (size_t i = 0; i < pf.size(); ++i)
+    expect_close(pf[i].second.grad(), pp[i].second.grad(), Tol{1e-3, 1e-5}, pf[i].first);
+  // bf16: the same model within bf16's precision.
+  Autocast ac(Precision::bf16, kGpu);
+  EXPECT_NEAR(fused->loss(x, y).item<double>(), plain->loss(x, y).item<double>(), 2e-2);
+}
+
+TEST(Gpu, FusedSoftmaxCrossEntropyKernelMatchesReference) {
+  REQUIRE_FUSED_KERNELS();
+  torch::manual_seed(14);
+  // vocab 1001: the kernel's scalar path; 2048: 16-byte packs. Chunks of 50 rows: several chunks.
+  for (int64_t vocab : {1001, 2048}) {
+    for (bool bf16 : {false, true}) {
+      auto h0 = torch::randn({300, 64}, kGpu), w0 = torch::randn({vocab, 64}, kGpu) * 0.1;
+      auto t = torch::randint(0, vocab, {300}, torch::dtype(torch::kLong).device(kGpu));
+      std::vector<torch::Tensor> res[2];
+      for (int k = 0; k < 2; ++k) {
+        auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+        torch::Tensor loss;
+        {
+          std::optional<Autocast> ac;
+          if (bf16) ac.emplace(Precision::bf16, kGpu);
+          loss = linear_cross_entropy(h, w, t, 50, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+        }
+        (loss * 2.0).backward();
+        torch::Tensor eval_loss;
+        {
+          torch::NoGradGuard no_grad;
+          std::optional<Autocast> ac;
+          if (bf16) ac.emplace(Precision::bf16, kGpu);
+          eval_loss = linear_cross_entropy(h0, w0, t, 50, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+        }
+        res[k] = {loss.detach(), h.grad(), w.grad(), eval_loss};
+      }
+      const std::string where = "vocab " + std::to_string(vocab) + (bf16 ? " bf16" : " fp32");
+      // bf16: the kernel's gradient is rounded to bf16 before the matmuls, the reference's is
+      // rounded by autocast at the same point; the loss is reduced in fp32 by both.
+      const Tol tol = bf16 ? Tol{2e-2, 1e-4} : Tol{1e-4, 1e-6};
+      expect_close(res[0][0], res[1][0], Tol{1e-4, 1e-4}, where + ": loss");
+      expect_close(res[0][1], res[1][1], tol, where + ": d_hidden");
+      expect_close(res[0][2], res[1][2], tol, where + ": d_weight");
+      expect_close(res[0][3], res[1][3], Tol{1e-4, 1e-4}, where + ": loss without gradients");
+    }
+  }
 }

@@ -1,9 +1,12 @@
 // The GPT model: GPT-2 124M parameter count, tied embeddings, initialisation, causality, and
-// that the tiny model can overfit one batch (the loss can go to ~0).
+// that the tiny model can overfit one batch (the loss can go to ~0). The fused ops (fused_ops.h)
+// against libtorch's own layer_norm / gelu autograd, and the model with them against without.
 #include <gtest/gtest.h>
 
+#include "mpitrain/amp.h"
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
+#include "mpitrain/fused_ops.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
 
@@ -150,4 +153,212 @@ TEST(Model, FusedLinearCrossEntropyEqualsTheTextbookPath) {
   auto pf = fused->named_params(), pp = plain->named_params();
   for (size_t i = 0; i < pf.size(); ++i)
     EXPECT_TRUE(torch::allclose(pf[i].second.grad(), pp[i].second.grad(), 1e-4, 1e-6)) << pf[i].first;
+}
+
+// ---- fused ops (fused_ops.h) -------------------------------------------------------------------
+
+namespace {
+
+// |a - b| <= atol + rtol * |b| everywhere; an undefined gradient counts as zeros.
+::testing::AssertionResult tensors_close(torch::Tensor a, torch::Tensor b, double rtol, double atol) {
+  if (!a.defined() && !b.defined()) return ::testing::AssertionSuccess();
+  if (!a.defined()) a = torch::zeros_like(b);
+  if (!b.defined()) b = torch::zeros_like(a);
+  if (a.sizes() != b.sizes())
+    return ::testing::AssertionFailure() << "shapes " << a.sizes() << " vs " << b.sizes();
+  if (a.scalar_type() != b.scalar_type())
+    return ::testing::AssertionFailure() << "dtypes " << a.scalar_type() << " vs " << b.scalar_type();
+  auto x = a.to(torch::kDouble), y = b.to(torch::kDouble);
+  const double excess = ((x - y).abs() - (atol + rtol * y.abs())).max().item<double>();
+  if (excess <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max |a - b| = " << (x - y).abs().max().item<double>()
+                                       << ", over the tolerance by " << excess;
+}
+
+struct AddLnCase {
+  const char* name;
+  bool residual_in_loss;  // the residual output reaches the loss (else its gradient is undefined)
+  bool normed_in_loss;    // the normed output reaches the loss
+  bool with_delta;
+  c10::ScalarType dtype;  // of delta and of the normed output
+  double rtol, atol;
+};
+
+void PrintTo(const AddLnCase& c, std::ostream* os) { *os << c.name; }
+
+class AddLayerNormVsLibtorch : public ::testing::TestWithParam<AddLnCase> {};
+
+}  // namespace
+
+// residual = x + delta, normed = layer_norm(residual) in values and in all four gradients,
+// against x + delta and torch::layer_norm under libtorch's autograd; odd sizes.
+TEST_P(AddLayerNormVsLibtorch, ValuesAndGradients) {
+  const AddLnCase& c = GetParam();
+  const int64_t rows = 37, cols = 100;
+  const double eps = 1e-5;
+  torch::manual_seed(31);
+  const auto x0 = torch::randn({rows, cols}) * 2 + 0.5, d0 = torch::randn({rows, cols}).to(c.dtype);
+  const auto w0 = torch::randn({cols}), b0 = torch::randn({cols});
+  const auto gr = torch::randn({rows, cols}), gn = torch::randn({rows, cols});
+  auto loss_of = [&](const torch::Tensor& r, const torch::Tensor& n) {
+    torch::Tensor loss = torch::zeros({});
+    if (c.residual_in_loss) loss = loss + (r * gr).sum();
+    if (c.normed_in_loss) loss = loss + (n.to(torch::kFloat32) * gn).sum();
+    return loss;
+  };
+  auto leaf = [](const torch::Tensor& t) { return t.clone().requires_grad_(true); };
+
+  auto x = leaf(x0), d = leaf(d0), w = leaf(w0), b = leaf(b0);
+  const auto r = c.with_delta ? x + d : x * 1;
+  const auto n = torch::layer_norm(r, {cols}, w, b, eps).to(c.dtype);
+  loss_of(r, n).backward();
+
+  for (FusedImpl impl : {FusedImpl::reference, FusedImpl::automatic}) {
+    SCOPED_TRACE(impl == FusedImpl::reference ? "reference" : "automatic");
+    auto xf = leaf(x0), df = leaf(d0), wf = leaf(w0), bf = leaf(b0);
+    auto [rf, nf] = add_layernorm(xf, c.with_delta ? df : torch::Tensor(), wf, bf, eps, c.dtype, impl);
+    EXPECT_EQ(rf.scalar_type(), torch::kFloat32);
+    EXPECT_EQ(nf.scalar_type(), c.dtype);
+    EXPECT_TRUE(tensors_close(rf, r, 1e-6, 1e-6));
+    EXPECT_TRUE(tensors_close(nf, n, c.rtol, c.atol));
+    loss_of(rf, nf).backward();
+    EXPECT_TRUE(tensors_close(xf.grad(), x.grad(), c.rtol, c.atol)) << "d x";
+    EXPECT_TRUE(tensors_close(wf.grad(), w.grad(), c.rtol, c.atol)) << "d weight";
+    EXPECT_TRUE(tensors_close(bf.grad(), b.grad(), c.rtol, c.atol)) << "d bias";
+    if (c.with_delta) {
+      ASSERT_TRUE(df.grad().defined());
+      EXPECT_EQ(df.grad().scalar_type(), c.dtype);
+      EXPECT_TRUE(tensors_close(df.grad(), d.grad(), c.rtol, c.atol)) << "d delta";
+    } else {
+      EXPECT_FALSE(df.grad().defined());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fused, AddLayerNormVsLibtorch,
+    ::testing::Values(AddLnCase{"both_outputs", true, true, true, torch::kFloat32, 1e-4, 1e-5},
+                      AddLnCase{"normed_only", false, true, true, torch::kFloat32, 1e-4, 1e-5},
+                      AddLnCase{"residual_only", true, false, true, torch::kFloat32, 1e-4, 1e-5},
+                      AddLnCase{"no_delta", true, true, false, torch::kFloat32, 1e-4, 1e-5},
+                      AddLnCase{"no_delta_normed_only", false, true, false, torch::kFloat32, 1e-4, 1e-5},
+                      // one bf16 ulp is 2^-8 relative: a value rounded the other way is still close
+                      AddLnCase{"bf16", true, true, true, torch::kBFloat16, 1e-2, 1e-2}),
+    [](const ::testing::TestParamInfo<AddLnCase>& info) { return std::string(info.param.name); });
+
+// gelu_tanh(pre + bias) against F::gelu(pre + bias, tanh) under autograd, fp32 and bf16, 3-D.
+TEST(Fused, BiasGeluVsLibtorch) {
+  namespace F = torch::nn::functional;
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const bool bf16 = dtype == torch::kBFloat16;
+    const double rtol = bf16 ? 1e-2 : 1e-5, atol = bf16 ? 1e-2 : 1e-6;
+    torch::manual_seed(32);
+    const auto p0 = (torch::randn({3, 5, 70}) * 3).to(dtype), b0 = torch::randn({70});
+    const auto g = torch::randn({3, 5, 70});
+    auto p = p0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+    auto ref = F::gelu(p + b, F::GELUFuncOptions().approximate("tanh")).to(dtype);
+    (ref.to(torch::kFloat32) * g).sum().backward();
+    for (FusedImpl impl : {FusedImpl::reference, FusedImpl::automatic}) {
+      auto pf = p0.clone().requires_grad_(true), bf = b0.clone().requires_grad_(true);
+      auto out = bias_gelu(pf, bf, impl);
+      EXPECT_EQ(out.scalar_type(), dtype);
+      EXPECT_TRUE(tensors_close(out, ref, rtol, atol));
+      (out.to(torch::kFloat32) * g).sum().backward();
+      EXPECT_TRUE(tensors_close(pf.grad(), p.grad(), rtol, atol)) << "d pre";
+      EXPECT_TRUE(tensors_close(bf.grad(), b.grad(), bf16 ? 1e-3 : 1e-5, bf16 ? 1e-3 : 1e-5)) << "d bias";
+    }
+  }
+}
+
+// Autocast must not re-type the ops inside (a guard: Debian's 1.13 CPU autocast lists none of
+// them, newer libtorch lists more): under CPU bf16 autocast the results equal those outside it.
+TEST(Fused, AutocastDoesNotChangeTheOps) {
+  torch::manual_seed(33);
+  const auto x = torch::randn({9, 24}), d = torch::randn({9, 24}).to(torch::kBFloat16);
+  const auto w = torch::randn({24}), b = torch::randn({24});
+  auto [r0, n0] = add_layernorm(x, d, w, b, 1e-5, torch::kBFloat16);
+  auto g0 = bias_gelu(x, w);
+  Autocast amp(Precision::bf16, torch::kCPU);
+  EXPECT_EQ(autocast_dtype_or(c10::DeviceType::CPU, torch::kFloat32), torch::kBFloat16);
+  auto [r1, n1] = add_layernorm(x, d, w, b, 1e-5, torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(r0, r1));
+  EXPECT_TRUE(torch::equal(n0, n1));
+  EXPECT_TRUE(torch::equal(g0, bias_gelu(x, w)));
+}
+
+TEST(Fused, KernelsAreBuiltOnlyWithACudaCompiler) {
+#ifdef MPITRAIN_FUSED_KERNELS
+  EXPECT_TRUE(fused_kernels_built());
+#else
+  EXPECT_FALSE(fused_kernels_built());
+#endif
+}
+
+// The model with fused_kernels against without, from the same initial parameters: the same loss
+// and gradients (with the plain and the fused loss, with dropout drawing the same masks), the
+// same parameter names, and the same logits in evaluation. fp32 only here: under autocast the
+// fused path's LayerNorm outputs are bf16 where libtorch's layer_norm keeps fp32.
+TEST(Model, FusedKernelsMatchTheUnfusedModel) {
+  for (bool fused_loss : {false, true}) {
+    for (double dropout : {0.0, 0.1}) {
+      SCOPED_TRACE(concat("fused_loss ", fused_loss, " dropout ", dropout));
+      GPTDims d = small_dims();
+      d.fused_loss = fused_loss;
+      d.dropout = dropout;
+      torch::manual_seed(41);
+      GPT plain(d);
+      d.fused_kernels = true;
+      torch::manual_seed(41);
+      GPT fused(d);
+      auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
+      torch::manual_seed(42);
+      auto lp = plain->loss(x, y);
+      torch::manual_seed(42);
+      auto lf = fused->loss(x, y);
+      EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-5);
+      lp.backward();
+      lf.backward();
+      auto pp = plain->named_params(), pf = fused->named_params();
+      ASSERT_EQ(pp.size(), pf.size());
+      for (size_t i = 0; i < pp.size(); ++i) {
+        EXPECT_EQ(pf[i].first, pp[i].first);
+        EXPECT_TRUE(tensors_close(pf[i].second.grad(), pp[i].second.grad(), 1e-4, 1e-6)) << pp[i].first;
+      }
+      plain->eval();
+      fused->eval();
+      torch::NoGradGuard no_grad;
+      EXPECT_TRUE(tensors_close(fused->forward(x), plain->forward(x), 1e-4, 1e-5)) << "eval logits";
+    }
+  }
+}
+
+// Under bf16 autocast the fused model still tracks the unfused one (bf16 LayerNorm outputs).
+TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
+  GPTDims d = small_dims();
+  torch::manual_seed(43);
+  GPT plain(d);
+  d.fused_kernels = true;
+  torch::manual_seed(43);
+  GPT fused(d);
+  auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
+  torch::Tensor lp, lf;
+  {
+    Autocast amp(Precision::bf16, torch::kCPU);
+    lp = plain->loss(x, y);
+    lf = fused->loss(x, y);
+  }
+  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 2e-2);
+  lp.backward();
+  lf.backward();
+  auto pp = plain->named_params(), pf = fused->named_params();
+  for (size_t i = 0; i < pp.size(); ++i) {
+    const auto& gp = pp[i].second.grad();
+    const auto& gf = pf[i].second.grad();
+    ASSERT_TRUE(gf.defined()) << pp[i].first;
+    EXPECT_EQ(gf.scalar_type(), torch::kFloat32) << pp[i].first;
+    // Direction, not elementwise values: bf16 noise is large for tiny gradient entries.
+    const double cos = (gf * gp).sum().item<double>() / (gf.norm() * gp.norm()).item<double>();
+    EXPECT_GT(cos, 0.99) << pp[i].first;
+  }
 }

@@ -17,6 +17,7 @@
 #include "mpitrain/importers.h"
 #include "mpitrain/pack.h"
 #include "mpitrain/shards.h"
+#include "npy_writer.h"
 
 using namespace mpitrain;
 namespace fs = std::filesystem;
@@ -85,24 +86,11 @@ void write_llmc(const std::string& path, int version, const std::vector<uint32_t
   write_text(path, bytes);
 }
 
-// .npy as numpy writes it: magic, version, header length, the dict padded to 64 bytes, data.
-void write_npy_raw(const std::string& path, const std::string& dict, const std::string& data,
-                   int major = 1) {
-  const size_t pre = major == 1 ? 10 : 12;
-  std::string h = dict;
-  while ((pre + h.size() + 1) % 64 != 0) h += ' ';
-  h += '\n';
-  std::string bytes = std::string("\x93NUMPY", 6) + static_cast<char>(major) + '\0';
-  const auto len = static_cast<uint32_t>(h.size());
-  bytes.append(reinterpret_cast<const char*>(&len), major == 1 ? 2 : 4);
-  write_text(path, bytes + h + data);
-}
-
 template <class T>
 void write_npy(const std::string& path, const std::string& descr, const std::vector<uint32_t>& t,
                int major = 1) {
   std::vector<T> v(t.begin(), t.end());
-  write_npy_raw(path,
+  npy_test::write_npy_bytes(path,
                 "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (" +
                     std::to_string(t.size()) + ",), }",
                 std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T)), major);
@@ -415,7 +403,7 @@ TEST(PackInputs, BadFiles) {
 
   auto npy_bad = [&](const std::string& name, const std::string& dict, const std::string& contains,
                      int major = 1) {
-    write_npy_raw(dir / name, "{'descr': " + dict + "}", std::string(4, '\0'), major);
+    npy_test::write_npy_bytes(dir / name, "{'descr': " + dict + "}", std::string(4, '\0'), major);
     expect_bad(dir / name, contains);
   };
   write_text(dir / "magic.npy", "NUMPY? not really");

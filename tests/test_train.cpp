@@ -5,9 +5,12 @@
 //    parameters and identical logged train and val losses (with dropout and accumulation on, so
 //    RNG state, optimizer moments and the data cursor all have to come back exactly);
 //  - the all-reduce overlapped with backward gives bitwise the same run as after backward;
-//  - bf16 autocast tracks fp32; fp16 on the CPU is refused.
+//  - bf16 autocast tracks fp32; fp16 on the CPU is refused;
+//  - model.init_from: .npy weights give bitwise the run that drew them;
+//  - model.fused_kernels=on (the fused ops' ATen reference on the CPU) trains like off.
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -16,10 +19,12 @@
 
 #include "mpitrain/config.h"
 #include "mpitrain/log.h"
+#include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/error.h"
 #include "mpitrain/shards.h"
 #include "mpitrain/train.h"
+#include "npy_writer.h"
 
 using namespace mpitrain;
 
@@ -187,6 +192,61 @@ TEST(Train, Bf16AutocastTracksFp32) {
   Config fp16 = small_config("fp16", 2, 5);
   fp16.train.precision = "fp16";
   EXPECT_THROW(train(fp16, MPI_COMM_WORLD), ReportedUsageError);
+}
+
+// model.init_from: the weights a run with train.seed 42 draws, saved as .npy (rank 0 writes them;
+// only rank 0 reads them), make a run with another seed bitwise that run. A bad directory ends
+// every rank cleanly; a resumed run takes its checkpoint and does not read init_from at all.
+TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
+  const std::string dir = shared_data_dir() + "/init-weights";
+  if (world_rank() == 0) {
+    const Config c = small_config("init-drawn", 2, 4);
+    EXPECT_EQ(c.train.seed, 42u);
+    torch::manual_seed(c.train.seed);
+    GPT drawn(model_dims(c.model, 64));
+    EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0);
+    for (const auto& [name, p] : drawn->named_params()) npy_test::write_npy_tensor(dir + "/" + name + ".npy", p);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult drawn = train(small_config("init-drawn", 2, 4), MPI_COMM_WORLD, keep);
+  Config c = small_config("init-npy", 2, 4);
+  c.model.init_from = dir;
+  c.train.seed = 7;  // would draw other weights
+  TrainResult loaded = train(c, MPI_COMM_WORLD, keep);
+  ASSERT_EQ(loaded.losses.size(), drawn.losses.size());
+  for (size_t i = 0; i < drawn.losses.size(); ++i) EXPECT_EQ(loaded.losses[i], drawn.losses[i]);  // exact
+  ASSERT_EQ(loaded.params.size(), drawn.params.size());
+  for (size_t i = 0; i < drawn.params.size(); ++i)
+    EXPECT_EQ(loaded.params[i].second, drawn.params[i].second) << drawn.params[i].first;
+
+  Config bad = small_config("init-bad", 2, 4);
+  bad.model.init_from = dir + "/nowhere";
+  EXPECT_THROW(train(bad, MPI_COMM_WORLD), ReportedUsageError);
+  c.model.init_from = dir + "/nowhere";  // not read: "init-npy" resumes from its step-4 checkpoint
+  c.train.steps = 5;
+  EXPECT_EQ(train(c, MPI_COMM_WORLD).final_step, 5);
+}
+
+// model.fused_kernels: on (on the CPU: the fused ops' ATen reference) trains like the default
+// (auto = off on the CPU): the same losses and parameters up to float rounding.
+TEST(Train, FusedKernelsTrackTheUnfusedRun) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult plain = train(small_config("unfused", 2, 6), MPI_COMM_WORLD, keep);
+  Config c = small_config("fused", 2, 6);
+  c.model.fused_kernels = "on";
+  TrainResult fused = train(c, MPI_COMM_WORLD, keep);
+  ASSERT_EQ(fused.losses.size(), plain.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(fused.losses[i].second));
+    EXPECT_NEAR(fused.losses[i].second, plain.losses[i].second, 1e-4) << "step " << plain.losses[i].first;
+  }
+  expect_allclose(fused, plain, 1e-3, 1e-5);
+  bool differs = false;  // the fused ops really ran: other rounding, not bit-identical parameters
+  for (size_t i = 0; i < plain.params.size(); ++i) differs = differs || fused.params[i].second != plain.params[i].second;
+  EXPECT_TRUE(differs);
 }
 
 TEST(Train, Cleanup) {

@@ -19,6 +19,9 @@ enum class Precision { fp32, bf16, fp16 };
 Precision parse_precision(const std::string& name);  // fp32 | bf16 | fp16 (validated by config)
 const char* precision_name(Precision p);
 
+// The dtype autocast computes in on `type` when autocast is enabled there, else `fallback`.
+c10::ScalarType autocast_dtype_or(c10::DeviceType type, c10::ScalarType fallback);
+
 // Autocast to the precision's dtype on `device`'s type for the object's lifetime (fp32: nothing).
 class Autocast {
  public:

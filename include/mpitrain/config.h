@@ -26,6 +26,10 @@ struct ModelConfig {
   double dropout = 0.0;         // dropout probability, [0, 1)
   std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]
                                     // logits): auto (on CUDA) | on | off
+  std::string fused_kernels = "auto";  // residual add + LayerNorm and bias + GELU as fused ops
+                                       // (fused_ops.h): auto (on CUDA) | on | off
+  std::string init_from;  // directory of <parameter name>.npy initial weights, fresh start only
+                          // (docs/formats.md); "" = GPT-2 random initialisation
 };
 
 struct DataConfig {

@@ -56,6 +56,26 @@ struct TokenLayout {
 // Empty arrays are refused ("no tokens").
 TokenLayout read_token_layout(const std::string& path, InputFormat format);
 
+// ---- numpy .npy headers (token arrays here; model.init_from's weights: checkpoint.h) -----------
+
+// A .npy file's header: magic "\x93NUMPY", version 1.0, 2.0 or 3.0, and the dict numpy writes,
+// e.g. {'descr': '<f4', 'fortran_order': False, 'shape': (48, 16), }. Other keys are refused.
+struct NpyHeader {
+  std::string descr;           // numpy's dtype string: '<u2', '<f4', '|u1', ...
+  bool fortran_order = false;
+  std::vector<uint64_t> shape;
+  uint64_t data_offset = 0;    // header bytes before the first element
+  uint64_t file_size = 0;
+};
+
+// Reads and checks `path`'s header, not its data: a missing magic, an unsupported version, a
+// truncated or malformed header and a structured dtype ("..., expected <wanted>") are UsageError
+// naming the file.
+NpyHeader read_npy_header(const std::string& path, const std::string& wanted);
+
+// A shape as numpy prints it: "(48, 16)", "(5,)", "()".
+std::string npy_shape_text(const std::vector<uint64_t>& shape);
+
 // A read-only memory map of a whole file (empty files map nothing).
 class MappedFile {
  public:

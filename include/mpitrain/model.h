@@ -1,6 +1,8 @@
 // The GPT-2 family in libtorch: token + position embeddings, pre-LayerNorm blocks of causal
 // self-attention and a GELU MLP, a final LayerNorm, and an output layer tied to the token
 // embedding. GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+// With dims.fused_kernels the residual adds, LayerNorms and the MLP's bias + GELU run as the
+// fused ops of fused_ops.h; the parameters (and so checkpoints) are the same either way.
 #pragma once
 
 #include <torch/torch.h>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "mpitrain/config.h"
+#include "mpitrain/fused_ops.h"
 
 namespace mpitrain {
 
@@ -22,6 +25,7 @@ struct GPTDims {
   int64_t vocab_size = 0;
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
+  bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
 };
 
 // The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
@@ -46,6 +50,8 @@ class MLPImpl : public torch::nn::Module {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
+  // The same with c_fc's bias add and the GELU as one bias_gelu (dims.fused_kernels).
+  torch::Tensor forward_fused(const torch::Tensor& x);
 
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
 };
@@ -55,6 +61,12 @@ class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const GPTDims& d);
   torch::Tensor forward(torch::Tensor x);
+  // dims.fused_kernels: each LayerNorm absorbs the residual add before it. Takes the residual
+  // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
+  // returns the stream after the attention add and this block's MLP output, still to be added.
+  // `normed_dtype` is the dtype of the LayerNorm outputs (autocast's, else fp32).
+  std::pair<torch::Tensor, torch::Tensor> forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
+                                                        c10::ScalarType normed_dtype);
 
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
@@ -86,6 +98,7 @@ class GPTImpl : public torch::nn::Module {
 
  private:
   torch::Tensor hidden(const torch::Tensor& idx);
+  torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with add_layernorm
   GPTDims dims_;
 };
 TORCH_MODULE(GPT);
@@ -95,10 +108,14 @@ TORCH_MODULE(GPT);
 // wanted, the forward pass computes the gradients of hidden and weight in the same pass over
 // each chunk (softmax minus one-hot), so the backward pass only scales them. Peak memory for
 // the classifier is one chunk's logits instead of N x V floats several times over (GPT-2 at
-// B=16, T=1024: 3.3 GB per fp32 copy). hidden [N, C], weight [V, C], targets [N] (int64).
-// `rows` overrides the chunk height (0 = automatic; tests use small ones).
+// B=16, T=1024: 3.3 GB per fp32 copy). On CUDA, with the kernels built, each chunk's softmax,
+// loss and gradient are one kernel over the logits in their autocast dtype
+// (fused_softmax_cross_entropy); FusedImpl::reference forces the ATen path over an fp32 copy.
+// hidden [N, C], weight [V, C], targets [N] (int64). `rows` overrides the chunk height
+// (0 = automatic; tests use small ones).
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                   const torch::Tensor& targets, int64_t rows = 0);
+                                   const torch::Tensor& targets, int64_t rows = 0,
+                                   FusedImpl impl = FusedImpl::automatic);
 
 // Autoregressive sampling from `prompt` (non-empty): `n` new tokens, temperature and top-k
 // (0 = all), seeded so that the same call gives the same tokens.

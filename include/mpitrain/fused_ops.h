@@ -1,0 +1,42 @@
+// Fused elementwise ops of the GPT block (model.fused_kernels, docs/config.md) as autograd
+// functions with hand-written backward passes, and the classifier's fused softmax
+// cross-entropy (model.fused_loss). On CUDA they run the kernels of
+// fused_kernels.h when those were built and the tensors suit them (contiguous fp32 residual
+// stream and parameters, activations fp32/bf16/fp16); elsewhere an ATen reference
+// implementation of the same formulas runs, which the CPU tests check against libtorch's own
+// layer_norm/gelu autograd and the GPU tests check the kernels against.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <utility>
+
+namespace mpitrain {
+
+enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel where it applies
+
+// True when this build has the CUDA kernels (a CUDA compiler was found at configure time).
+bool fused_kernels_built();
+
+// residual = x + delta (delta undefined: residual = x) and normed = layer_norm(residual) *
+// weight + bias, cast to out_dtype. Returns {residual, normed}; gradients flow to x, delta,
+// weight and bias from either output. x, weight, bias: fp32; delta: any float dtype, x's shape.
+// The LayerNorm is over the last dimension, with the biased variance.
+std::pair<torch::Tensor, torch::Tensor> add_layernorm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, const torch::Tensor& bias,
+                                                      double eps, c10::ScalarType out_dtype,
+                                                      FusedImpl impl = FusedImpl::automatic);
+
+// gelu_tanh(pre + bias) over the last dimension (bias fp32 [pre.size(-1)]), in pre's dtype.
+torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, FusedImpl impl = FusedImpl::automatic);
+
+// The classifier's softmax cross-entropy over one chunk of logits, by the CUDA kernel (only in
+// builds with the kernels; elsewhere an Error): loss[r] = logsumexp(logits[r]) -
+// logits[r][targets[r]], and with with_grad the logits are overwritten in place by
+// grad_scale * (softmax - onehot), the gradient of grad_scale * sum(loss). logits: contiguous
+// CUDA [rows, vocab], fp32/bf16/fp16; targets int64 [rows]; loss fp32 [rows]. Used by
+// linear_cross_entropy (model.h), whose ATen path is the reference the GPU tests compare with.
+void fused_softmax_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& loss,
+                                 double grad_scale, bool with_grad);
+
+}  // namespace mpitrain
