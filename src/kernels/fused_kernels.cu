@@ -23,9 +23,14 @@
 // All arithmetic is fp32; inputs and outputs are converted at the loads and stores.
 #include "mpitrain/fused_kernels.h"
 
+#ifdef MPITRAIN_CUDA_EMULATION
+#include "cuda_emu.h"  // tests/: the kernels on CPU threads (tests/test_kernels_emu.cpp)
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#define MPITRAIN_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -351,8 +356,9 @@ const char* softmax_cross_entropy(void* logits, DType t, const int64_t* targets,
     constexpr int kVec = 16 / sizeof(T);
     auto launch = [&](auto width) {
       constexpr int N = decltype(width)::value;
-      softmax_xent_kernel<T, N><<<dim3(static_cast<unsigned>(rows)), dim3(512), 0, s>>>(
-          static_cast<T*>(logits), targets, loss, static_cast<int>(cols), scale, with_grad);
+      const auto kernel = softmax_xent_kernel<T, N>;
+      MPITRAIN_LAUNCH(kernel, dim3(static_cast<unsigned>(rows)), dim3(512), s, static_cast<T*>(logits), targets,
+                      loss, static_cast<int>(cols), scale, with_grad);
     };
     // Every row starts 16-byte aligned when the base is and a row is a whole number of packs.
     if (cols % kVec == 0 && aligned16(logits))
@@ -375,9 +381,9 @@ const char* add_layernorm_forward(const float* x, const void* delta, DType delta
     using TD = decltype(d);
     with_dtype(normed_t, [&](auto n) {
       using TN = decltype(n);
-      add_layernorm_forward_kernel<TD, TN><<<grid, block, 0, s>>>(
-          x, static_cast<const TD*>(delta), gamma, beta, eps, residual, static_cast<TN*>(normed), mean, rstd, rows,
-          static_cast<int>(cols));
+      const auto kernel = add_layernorm_forward_kernel<TD, TN>;
+      MPITRAIN_LAUNCH(kernel, grid, block, s, x, static_cast<const TD*>(delta), gamma, beta, eps, residual,
+                      static_cast<TN*>(normed), mean, rstd, rows, static_cast<int>(cols));
     });
   });
   return launch_status();
@@ -395,17 +401,18 @@ const char* add_layernorm_backward(const float* residual, const float* mean, con
     using TN = decltype(n);
     with_dtype(delta_t, [&](auto d) {
       using TD = decltype(d);
-      add_layernorm_backward_kernel<TN, TD>
-          <<<dim3(static_cast<unsigned>((rows + kRowsPerLnBlock - 1) / kRowsPerLnBlock)), dim3(kWarp * kRowsPerLnBlock),
-             0, s>>>(residual, mean, rstd, gamma, static_cast<const TN*>(d_normed), d_out, d_x,
-                     static_cast<TD*>(d_delta), rows, c);
+      const auto kernel = add_layernorm_backward_kernel<TN, TD>;
+      MPITRAIN_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kRowsPerLnBlock - 1) / kRowsPerLnBlock)),
+                      dim3(kWarp * kRowsPerLnBlock), s, residual, mean, rstd, gamma,
+                      static_cast<const TN*>(d_normed), d_out, d_x, static_cast<TD*>(d_delta), rows, c);
     });
     if (d_normed == nullptr) {
       memset_status = cudaMemsetAsync(partials, 0, sizeof(float) * 2 * column_blocks(rows) * cols, s);
     } else {
       const dim3 grid(static_cast<unsigned>((cols + kWarp - 1) / kWarp), static_cast<unsigned>(column_blocks(rows)));
-      layernorm_param_grad_kernel<TN><<<grid, dim3(kWarp, kColumnLanes), 0, s>>>(
-          residual, mean, rstd, static_cast<const TN*>(d_normed), partials, rows, c);
+      const auto kernel = layernorm_param_grad_kernel<TN>;
+      MPITRAIN_LAUNCH(kernel, grid, dim3(kWarp, kColumnLanes), s, residual, mean, rstd,
+                      static_cast<const TN*>(d_normed), partials, rows, c);
     }
   });
   if (memset_status != cudaSuccess) return cudaGetErrorString(memset_status);
@@ -425,8 +432,9 @@ const char* bias_gelu_forward(const void* pre, const float* bias, void* out, DTy
       constexpr int N = decltype(width)::value;
       const int64_t packs = n / N;
       const auto grid = static_cast<unsigned>(std::min<int64_t>((packs + block - 1) / block, int64_t{1} << 16));
-      bias_gelu_forward_kernel<T, N><<<grid, block, 0, s>>>(static_cast<const T*>(pre), bias, static_cast<T*>(out),
-                                                             packs, static_cast<int>(cols));
+      const auto kernel = bias_gelu_forward_kernel<T, N>;
+      MPITRAIN_LAUNCH(kernel, grid, block, s, static_cast<const T*>(pre), bias, static_cast<T*>(out), packs,
+                      static_cast<int>(cols));
     };
     if (cols % kVec == 0 && aligned16(pre) && aligned16(out))
       launch(std::integral_constant<int, kVec>{});
@@ -448,9 +456,9 @@ const char* bias_gelu_backward(const void* pre, const float* bias, const void* d
       const int64_t packs_per_row = cols / N;
       const dim3 grid(static_cast<unsigned>((packs_per_row + kWarp - 1) / kWarp),
                       static_cast<unsigned>(column_blocks(rows)));
-      bias_gelu_backward_kernel<T, N><<<grid, dim3(kWarp, kColumnLanes), 0, s>>>(
-          static_cast<const T*>(pre), bias, static_cast<const T*>(d_out), static_cast<T*>(d_pre), partials, rows,
-          static_cast<int>(cols));
+      const auto kernel = bias_gelu_backward_kernel<T, N>;
+      MPITRAIN_LAUNCH(kernel, grid, dim3(kWarp, kColumnLanes), s, static_cast<const T*>(pre), bias,
+                      static_cast<const T*>(d_out), static_cast<T*>(d_pre), partials, rows, static_cast<int>(cols));
     };
     if (cols % kVec == 0 && aligned16(pre) && aligned16(d_out) && aligned16(d_pre))
       launch(std::integral_constant<int, kVec>{});
