@@ -418,6 +418,25 @@ GPTDims checkpoint_dims(const std::string& path) {
   if (d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));
+  // The declared dimensions must be those of the stored tensors: `sample` builds the model from
+  // them before reading any tensor, so a damaged attribute must not make it allocate gigabytes.
+  auto expect_stored = [&](const std::string& name, std::vector<int64_t> want, const char* declared_by) {
+    if (!h5::exists(f.get(), name)) throw UsageError(concat(path, ": missing dataset '", name, "'"));
+    h5::Dataset ds = open_dataset(f.get(), path, name);
+    const auto dims = h5::shape(ds.get());
+    const std::vector<int64_t> got(dims.begin(), dims.end());
+    if (got != want)
+      throw UsageError(concat(path, ": dataset '", name, "' has shape ", c10::IntArrayRef(got), ", but the attributes ",
+                              declared_by, " declare ", c10::IntArrayRef(want)));
+    if (H5Dget_storage_size(ds.get()) < static_cast<hsize_t>(want[0] * want[1]) * sizeof(float))
+      throw UsageError(concat(path, ": dataset '", name, "' is not fully stored (truncated or corrupt file?)"));
+  };
+  expect_stored("model/wte.weight", {d.vocab_size, d.n_embd}, "'vocab_size' and 'n_embd'");
+  expect_stored("model/wpe.weight", {d.seq_len, d.n_embd}, "'seq_len' and 'n_embd'");
+  expect_stored(concat("model/h.", d.n_layer - 1, ".attn.c_attn.weight"), {3 * d.n_embd, d.n_embd},
+                "'n_layer' and 'n_embd'");
+  if (h5::exists(f.get(), concat("model/h.", d.n_layer, ".attn.c_attn.weight")))
+    throw UsageError(concat(path, ": attribute 'n_layer' declares ", d.n_layer, " layers, but the file holds more"));
   return d;
 }
 

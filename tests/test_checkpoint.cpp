@@ -229,6 +229,34 @@ std::string dims_error(const std::string& path) {
 }
 }  // namespace
 
+TEST(Checkpoint, DeclaredDimsMustMatchTheStoredTensorsBeforeAnythingIsAllocated) {
+  const std::string dir = temp_dir();
+  Trained a(1);
+  TrainState st;
+  st.step = 1;
+  const std::string path = save_checkpoint(dir, a.model, a.opt, st, 3);
+  const GPTDims d = checkpoint_dims(path);
+  EXPECT_EQ(d.n_layer, dims().n_layer);
+  // A damaged attribute asking for a huge model is refused by the stored shapes, not by an OOM.
+  set_int_attr(path, "/", "n_embd", int64_t{1} << 20);
+  std::string e = dims_error(path);
+  EXPECT_NE(e.find("dataset 'model/wte.weight' has shape"), std::string::npos) << e;
+  EXPECT_NE(e.find("'vocab_size' and 'n_embd'"), std::string::npos) << e;
+  set_int_attr(path, "/", "n_embd", d.n_embd);
+  set_int_attr(path, "/", "seq_len", 1 << 30);
+  EXPECT_NE(dims_error(path).find("'seq_len' and 'n_embd'"), std::string::npos) << dims_error(path);
+  set_int_attr(path, "/", "seq_len", d.seq_len);
+  set_int_attr(path, "/", "n_layer", 100000);
+  e = dims_error(path);
+  EXPECT_NE(e.find("missing dataset 'model/h.99999.attn.c_attn.weight'"), std::string::npos) << e;
+  set_int_attr(path, "/", "n_layer", d.n_layer - 1);
+  EXPECT_NE(dims_error(path).find("declares 1 layers, but the file holds more"), std::string::npos)
+      << dims_error(path);
+  set_int_attr(path, "/", "n_layer", d.n_layer);
+  EXPECT_EQ(dims_error(path), "");
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Checkpoint, OutOfRangeStateAttributesAreUsageErrorsNamingFileAndAttribute) {
   const std::string dir = temp_dir();
   Trained a(1);
