@@ -259,12 +259,23 @@ std::string checkpoint_name(int64_t step) {
 
 CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState& st, bool copy) {
   torch::NoGradGuard no_grad;
+  // From a GPU, the copies go into pinned host memory without waiting for each other (DMA at
+  // full PCIe speed), and one synchronisation at the end makes them complete.
+  int64_t gpu = -1;
+  auto take = [&](const torch::Tensor& t) {
+    if (!copy || !t.is_cuda() || t.scalar_type() != torch::kFloat32) return host_fp32(t, copy);
+    gpu = t.device().index();
+    torch::Tensor host = torch::empty(t.sizes(), torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
+    host.copy_(t.detach(), /*non_blocking=*/true);
+    return host;
+  };
   CheckpointSnapshot snap;
   snap.dims = model->dims();
-  for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, host_fp32(p, copy));
+  for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, take(p));
   snap.moments.reserve(opt.size());
   for (size_t i = 0; i < opt.size(); ++i)
-    snap.moments.push_back({opt.name(i), host_fp32(opt.exp_avg(i), copy), host_fp32(opt.exp_avg_sq(i), copy)});
+    snap.moments.push_back({opt.name(i), take(opt.exp_avg(i)), take(opt.exp_avg_sq(i))});
+  if (gpu >= 0) torch::cuda::synchronize(gpu);
   snap.steps_taken = opt.steps_taken();
   snap.state = st;
   return snap;

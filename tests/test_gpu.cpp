@@ -172,6 +172,34 @@ TEST(Gpu, CheckpointsMoveBetweenGpuAndCpu) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Gpu, AsyncCheckpointOfAGpuModelEqualsTheSyncOne) {
+  REQUIRE_CUDA();
+  const std::string dir = temp_dir();
+  torch::manual_seed(6);
+  GPT model(tiny_dims());
+  model->to(kGpu);
+  OptimConfig oc;
+  AdamW opt(model->named_params(), oc);
+  for (auto& [name, p] : model->named_params()) p.mutable_grad() = torch::randn_like(p);
+  opt.step(1e-3);
+  TrainState st;
+  st.step = 1;
+  std::string async_path;
+  {
+    AsyncCheckpointWriter writer(dir + "/async", 3, /*async=*/true);  // pinned snapshot, one sync
+    async_path = writer.save(model, opt, st);
+    writer.wait();
+  }
+  GPT loaded(tiny_dims());
+  AdamW loaded_opt(loaded->named_params(), oc);
+  TrainState back;
+  load_checkpoint(async_path, loaded, &loaded_opt, back);
+  auto a = model->named_params(), b = loaded->named_params();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second.cpu(), b[i].second)) << a[i].first;
+  for (size_t i = 0; i < opt.size(); ++i) EXPECT_TRUE(torch::equal(opt.exp_avg_sq(i).cpu(), loaded_opt.exp_avg_sq(i)));
+  std::filesystem::remove_all(dir);
+}
+
 // ---- fused block kernels (src/kernels/fused_kernels.cu) against the ATen reference ------------
 
 #define REQUIRE_FUSED_KERNELS()                                                                 \
