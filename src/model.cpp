@@ -170,8 +170,16 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 
 namespace {
 
-int64_t chunk_rows(int64_t vocab, int64_t rows) {
-  return rows > 0 ? rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, vocab));
+// Rows per chunk: `rows` if given, else about 256 MiB of logits. The CUDA kernel keeps a chunk's
+// logits in the autocast dtype (no fp32 copy), so 16-bit logits get twice the rows, halving the
+// number of chunks and of the [vocab x C] weight-gradient additions between them.
+int64_t chunk_rows(const torch::Tensor& h, int64_t vocab, int64_t rows, FusedImpl impl) {
+  if (rows > 0) return rows;
+  int64_t bytes = 4;
+  if (impl == FusedImpl::automatic && fused_kernels_built() && h.is_cuda() &&
+      c10::elementSize(autocast_dtype_or(h.device().type(), torch::kFloat32)) == 2)
+    bytes = 2;
+  return std::max<int64_t>(1, ((int64_t{1} << 28) / bytes) / std::max<int64_t>(1, vocab));
 }
 
 // Sum over the chunk of logsumexp(logits) - logits[target].
@@ -214,7 +222,7 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
                                const torch::Tensor& w, const torch::Tensor& t, int64_t chunk, int64_t impl) {
-    const int64_t n = h.size(0), rows = chunk_rows(w.size(0), chunk);
+    const int64_t n = h.size(0), rows = chunk_rows(h, w.size(0), chunk, static_cast<FusedImpl>(impl));
     const double inv_n = 1.0 / static_cast<double>(n);
     torch::Tensor grad_h = torch::empty(h.sizes(), h.options().dtype(torch::kFloat32));
     torch::Tensor grad_w = torch::zeros(w.sizes(), w.options().dtype(torch::kFloat32));
@@ -253,7 +261,7 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
   if (torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
     return LinearCrossEntropy::apply(hidden, weight, targets, rows_override, static_cast<int64_t>(impl));
   // No gradients wanted (evaluation): the loss alone, chunk by chunk.
-  const int64_t n = hidden.size(0), rows = chunk_rows(weight.size(0), rows_override);
+  const int64_t n = hidden.size(0), rows = chunk_rows(hidden, weight.size(0), rows_override, impl);
   torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t len = std::min(rows, n - start);
