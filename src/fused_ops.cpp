@@ -14,10 +14,16 @@
 #include "mpitrain/error.h"
 
 #ifdef MPITRAIN_FUSED_KERNELS
+#include "mpitrain/fused_kernels.h"
+#ifdef MPITRAIN_FUSED_EMULATION
+// tests/test_fused_emu.cpp: this file with the kernels compiled for CPU threads
+// (tests/cuda_emu.h), dispatching CPU tensors to them, so that the code below runs without a GPU.
+#define MPITRAIN_KERNEL_DEVICE_GUARD(device)
+#else
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-
-#include "mpitrain/fused_kernels.h"
+#define MPITRAIN_KERNEL_DEVICE_GUARD(device) c10::cuda::CUDAGuard device_guard(device)
+#endif
 #endif
 
 namespace mpitrain {
@@ -26,6 +32,17 @@ bool fused_kernels_built() {
 #ifdef MPITRAIN_FUSED_KERNELS
   return true;
 #else
+  return false;
+#endif
+}
+
+bool fused_kernel_device(const torch::Tensor& t) {
+#if defined(MPITRAIN_FUSED_EMULATION)
+  return t.is_cpu();
+#elif defined(MPITRAIN_FUSED_KERNELS)
+  return t.is_cuda();
+#else
+  (void)t;
   return false;
 #endif
 }
@@ -74,7 +91,7 @@ std::optional<kernels::DType> kernel_dtype(c10::ScalarType t) {
 }
 
 // A CUDA tensor on `device` (the parameters are contiguous already; activations are made so).
-bool on(const Tensor& t, const torch::Device& device) { return t.is_cuda() && t.device() == device; }
+bool on(const Tensor& t, const torch::Device& device) { return fused_kernel_device(t) && t.device() == device; }
 
 bool fp32_vector(const Tensor& t, int64_t cols, const torch::Device& device) {
   return on(t, device) && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.size(0) == cols &&
@@ -82,7 +99,12 @@ bool fp32_vector(const Tensor& t, int64_t cols, const torch::Device& device) {
 }
 
 void* current_stream(const torch::Device& device) {
+#ifdef MPITRAIN_FUSED_EMULATION
+  (void)device;
+  return nullptr;
+#else
   return static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream());
+#endif
 }
 
 void kernel_check(const char* error, const char* kernel, int line) {
@@ -93,14 +115,14 @@ bool layernorm_kernel_applies(const Tensor& x, const Tensor& delta, const Tensor
                               c10::ScalarType out_dtype) {
   const auto& dev = x.device();
   const int64_t cols = x.size(-1);
-  return x.is_cuda() && x.numel() > 0 && x.scalar_type() == torch::kFloat32 && fp32_vector(weight, cols, dev) &&
+  return fused_kernel_device(x) && x.numel() > 0 && x.scalar_type() == torch::kFloat32 && fp32_vector(weight, cols, dev) &&
          fp32_vector(bias, cols, dev) && kernel_dtype(out_dtype) &&
          (!delta.defined() ||
           (on(delta, dev) && delta.sizes() == x.sizes() && kernel_dtype(delta.scalar_type())));
 }
 
 bool gelu_kernel_applies(const Tensor& pre, const Tensor& bias) {
-  return pre.is_cuda() && pre.numel() > 0 && kernel_dtype(pre.scalar_type()) &&
+  return fused_kernel_device(pre) && pre.numel() > 0 && kernel_dtype(pre.scalar_type()) &&
          fp32_vector(bias, pre.size(-1), pre.device());
 }
 
@@ -122,7 +144,7 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
 #ifdef MPITRAIN_FUSED_KERNELS
     kernel = impl == FusedImpl::automatic && layernorm_kernel_applies(x, delta, weight, bias, out_dtype);
     if (kernel) {
-      c10::cuda::CUDAGuard device_guard(x.device());
+      MPITRAIN_KERNEL_DEVICE_GUARD(x.device());
       const int64_t cols = x.size(-1), rows = rows_of(x);
       const Tensor xc = x.contiguous();
       const Tensor dc = delta.defined() ? delta.contiguous() : Tensor();
@@ -173,7 +195,7 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
       d_beta = torch::zeros_like(weight);
 #ifdef MPITRAIN_FUSED_KERNELS
     } else if (ctx->saved_data["kernel"].toBool()) {
-      c10::cuda::CUDAGuard device_guard(residual.device());
+      MPITRAIN_KERNEL_DEVICE_GUARD(residual.device());
       const auto normed_dtype = static_cast<c10::ScalarType>(ctx->saved_data["normed_dtype"].toInt());
       const Tensor dn = d_n.to(normed_dtype).contiguous();
       const Tensor dr = d_r.defined() ? d_r.to(torch::kFloat32).contiguous() : Tensor();
@@ -229,7 +251,7 @@ class BiasGelu : public torch::autograd::Function<BiasGelu> {
 #ifdef MPITRAIN_FUSED_KERNELS
     kernel = impl == FusedImpl::automatic && gelu_kernel_applies(pre, bias);
     if (kernel) {
-      c10::cuda::CUDAGuard device_guard(pre.device());
+      MPITRAIN_KERNEL_DEVICE_GUARD(pre.device());
       const Tensor pc = pre.contiguous();
       out = torch::empty(pre.sizes(), pre.options());
       kernel_check(kernels::bias_gelu_forward(pc.data_ptr(), bias.data_ptr<float>(), out.data_ptr(),
@@ -258,7 +280,7 @@ class BiasGelu : public torch::autograd::Function<BiasGelu> {
     Tensor d_pre, d_bias;
 #ifdef MPITRAIN_FUSED_KERNELS
     if (ctx->saved_data["kernel"].toBool()) {
-      c10::cuda::CUDAGuard device_guard(pre.device());
+      MPITRAIN_KERNEL_DEVICE_GUARD(pre.device());
       const Tensor pc = pre.contiguous();
       const Tensor dc = grads[0].to(pre.scalar_type()).contiguous();
       d_pre = torch::empty(pre.sizes(), pre.options());
@@ -313,14 +335,14 @@ void fused_softmax_cross_entropy(const torch::Tensor& logits, const torch::Tenso
                                  double grad_scale, bool with_grad) {
 #ifdef MPITRAIN_FUSED_KERNELS
   const auto dt = kernel_dtype(logits.scalar_type());
-  MPITRAIN_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && dt.has_value() &&
+  MPITRAIN_CHECK(fused_kernel_device(logits) && logits.dim() == 2 && logits.is_contiguous() && dt.has_value() &&
                      targets.scalar_type() == torch::kLong && targets.is_contiguous() &&
                      targets.numel() == logits.size(0) && on(targets, logits.device()) &&
                      loss.scalar_type() == torch::kFloat32 && loss.is_contiguous() && loss.numel() == logits.size(0) &&
                      on(loss, logits.device()),
                  "fused_softmax_cross_entropy: contiguous CUDA logits [rows, vocab] (fp32/bf16/fp16), int64 "
                  "targets [rows] and fp32 loss [rows] on the same device");
-  c10::cuda::CUDAGuard device_guard(logits.device());
+  MPITRAIN_KERNEL_DEVICE_GUARD(logits.device());
   kernel_check(kernels::softmax_cross_entropy(logits.data_ptr(), *dt, targets.data_ptr<int64_t>(),
                                               loss.data_ptr<float>(), static_cast<float>(grad_scale), with_grad,
                                               logits.size(0), logits.size(1), current_stream(logits.device())),

@@ -176,7 +176,7 @@ namespace {
 int64_t chunk_rows(const torch::Tensor& h, int64_t vocab, int64_t rows, FusedImpl impl) {
   if (rows > 0) return rows;
   int64_t bytes = 4;
-  if (impl == FusedImpl::automatic && fused_kernels_built() && h.is_cuda() &&
+  if (impl == FusedImpl::automatic && fused_kernel_device(h) &&
       c10::elementSize(autocast_dtype_or(h.device().type(), torch::kFloat32)) == 2)
     bytes = 2;
   return std::max<int64_t>(1, ((int64_t{1} << 28) / bytes) / std::max<int64_t>(1, vocab));
@@ -199,7 +199,7 @@ ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, 
                                   FusedImpl impl) {
 #ifdef MPITRAIN_FUSED_KERNELS
   const auto dt = logits.scalar_type();
-  if (impl == FusedImpl::automatic && logits.is_cuda() && logits.is_contiguous() &&
+  if (impl == FusedImpl::automatic && fused_kernel_device(logits) && logits.is_contiguous() &&
       (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16)) {
     torch::Tensor targets = t.to(torch::kLong).contiguous();
     torch::Tensor loss = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat32));

@@ -17,6 +17,9 @@ enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel wh
 
 // True when this build has the CUDA kernels (a CUDA compiler was found at configure time).
 bool fused_kernels_built();
+// Whether `t` is where the kernels run: a CUDA tensor in a build with the kernels (a CPU tensor
+// in the CPU-emulation test build, tests/test_fused_emu.cpp); false otherwise.
+bool fused_kernel_device(const torch::Tensor& t);
 
 // residual = x + delta (delta undefined: residual = x) and normed = layer_norm(residual) *
 // weight + bias, cast to out_dtype. Returns {residual, normed}; gradients flow to x, delta,
