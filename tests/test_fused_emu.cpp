@@ -107,12 +107,7 @@ TEST(FusedEmu, LinearCrossEntropyThroughTheKernelMatchesTheReference) {
 }
 
 TEST(FusedEmu, TheFusedModelMatchesTheUnfusedModel) {
-  GPTDims d;
-  d.n_layer = 2;
-  d.n_head = 2;
-  d.n_embd = 32;
-  d.seq_len = 8;
-  d.vocab_size = 48;
+  GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
   d.fused_kernels = true;
   d.fused_loss = true;
   torch::manual_seed(24);
