@@ -229,6 +229,9 @@ struct Effects {
   void touch(const std::string& path) {
     must_detect.erase(path);
     modified.insert(path);
+    // checkpoint_dims checks the declared dims against the stored /model tensors' shapes (wte,
+    // wpe, the last layer) and that no further layer exists: any change under /model may fail it.
+    if (path == "/model" || path.rfind("/model/", 0) == 0) harmful_dims = true;
   }
 };
 
@@ -314,6 +317,9 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         int64_t v = kind == 0 ? in.PickValueInArray(kInterestingInts)
                               : old.value_or(0) + in.ConsumeIntegralInRange<int64_t>(-1, 1);
         if (name == "crc32") harmless = old && *old == v;
+        // checkpoint_dims compares these with the stored tensors' shapes: only the same value is
+        // harmless for it (n_head only has to divide n_embd, judged from fx.n_head/fx.n_embd).
+        else if (in_list(name, {"n_layer", "n_embd", "seq_len", "vocab_size"})) harmless = old && *old == v;
         else harmless = acceptable_int(name, v);  // an integer where one is expected, in range
         h5::set_attr(obj, name, v);
         if (name == "n_head") fx.n_head = v;
@@ -345,8 +351,8 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         // A one-element uint8 array reads back as an integer.
         harmless = in_list(name, {"fuzz_extra", "mpitrain_version"}) ||
                    (v.size() == 1 && acceptable_int(name, v[0]));
-        if (name == "crc32") {
-          auto old = h5::get_attr_int(obj, name);
+        if (name == "crc32" || in_list(name, {"n_layer", "n_embd", "seq_len", "vocab_size"})) {
+          auto old = h5::get_attr_int(obj, name);  // (dims: compared with the stored shapes)
           harmless = v.size() == 1 && old && *old == v[0];
         }
         h5::set_attr(obj, name, v);
