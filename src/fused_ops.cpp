@@ -331,13 +331,22 @@ torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, Fus
   return BiasGelu::apply(pre, bias, impl);
 }
 
+bool softmax_cross_entropy_kernel_applies(const torch::Tensor& logits) {
+#ifdef MPITRAIN_FUSED_KERNELS
+  return fused_kernel_device(logits) && logits.dim() == 2 && logits.is_contiguous() &&
+         kernel_dtype(logits.scalar_type()).has_value();
+#else
+  (void)logits;
+  return false;
+#endif
+}
+
 void fused_softmax_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& loss,
                                  double grad_scale, bool with_grad) {
 #ifdef MPITRAIN_FUSED_KERNELS
   const auto dt = kernel_dtype(logits.scalar_type());
-  MPITRAIN_CHECK(fused_kernel_device(logits) && logits.dim() == 2 && logits.is_contiguous() && dt.has_value() &&
-                     targets.scalar_type() == torch::kLong && targets.is_contiguous() &&
-                     targets.numel() == logits.size(0) && on(targets, logits.device()) &&
+  MPITRAIN_CHECK(softmax_cross_entropy_kernel_applies(logits) && targets.scalar_type() == torch::kLong &&
+                     targets.is_contiguous() && targets.numel() == logits.size(0) && on(targets, logits.device()) &&
                      loss.scalar_type() == torch::kFloat32 && loss.is_contiguous() && loss.numel() == logits.size(0) &&
                      on(loss, logits.device()),
                  "fused_softmax_cross_entropy: contiguous CUDA logits [rows, vocab] (fp32/bf16/fp16), int64 "

@@ -197,17 +197,12 @@ struct ChunkResult {
 
 ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, std::optional<double> grad_scale,
                                   FusedImpl impl) {
-#ifdef MPITRAIN_FUSED_KERNELS
-  const auto dt = logits.scalar_type();
-  if (impl == FusedImpl::automatic && fused_kernel_device(logits) && logits.is_contiguous() &&
-      (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16)) {
+  if (impl == FusedImpl::automatic && softmax_cross_entropy_kernel_applies(logits)) {
     torch::Tensor targets = t.to(torch::kLong).contiguous();
     torch::Tensor loss = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat32));
     fused_softmax_cross_entropy(logits, targets, loss, grad_scale ? *grad_scale : 0.0, grad_scale.has_value());
     return {loss.sum(), grad_scale ? logits : torch::Tensor()};
   }
-#endif
-  (void)impl;
   logits = logits.to(torch::kFloat32);
   torch::Tensor lse = logits.logsumexp(1);
   torch::Tensor loss_sum = chunk_loss_sum(logits, lse, t);

@@ -41,5 +41,8 @@ torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, Fus
 // linear_cross_entropy (model.h), whose ATen path is the reference the GPU tests compare with.
 void fused_softmax_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& loss,
                                  double grad_scale, bool with_grad);
+// Whether fused_softmax_cross_entropy takes these logits (kernels built, on their device,
+// contiguous 2-D fp32/bf16/fp16); linear_cross_entropy uses its ATen path otherwise.
+bool softmax_cross_entropy_kernel_applies(const torch::Tensor& logits);
 
 }  // namespace mpitrain
