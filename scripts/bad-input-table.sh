@@ -4,7 +4,7 @@
 # message was printed, and the message. Usage: scripts/bad-input-table.sh [build/mpitrain]
 set -u
 B=$(realpath "${1:-build/mpitrain}")
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 W=$(mktemp -d /tmp/mpitrain-badin-XXXXXX)
 trap 'umount "$W/full" 2>/dev/null; chmod -R u+w "$W"; rm -rf "$W"' EXIT
 cd "$W"

@@ -68,6 +68,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
     MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
+    MPITRAIN_FIELD(optim, fused),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
@@ -400,6 +401,7 @@ void validate(const Config& c, const std::string& where) {
   check(o.beta1 >= 0 && o.beta1 < 1, "optim.beta1", "in [0, 1)", show(o.beta1));
   check(o.beta2 >= 0 && o.beta2 < 1, "optim.beta2", "in [0, 1)", show(o.beta2));
   check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
+  check(one_of(o.fused, {"auto", "on", "off"}), "optim.fused", "one of auto|on|off", show(o.fused));
   check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
 
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));

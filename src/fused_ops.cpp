@@ -320,7 +320,7 @@ std::pair<torch::Tensor, torch::Tensor> add_layernorm(const torch::Tensor& x, co
   MPITRAIN_CHECK(weight.dim() == 1 && weight.size(0) == cols && bias.dim() == 1 && bias.size(0) == cols,
                  concat("add_layernorm: weight and bias must be [", cols, "]"));
   MPITRAIN_CHECK(!delta.defined() || delta.sizes() == x.sizes(), "add_layernorm: delta must have x's shape");
-  auto out = AddLayerNorm::apply(x, delta.defined() ? c10::optional<Tensor>(delta) : c10::nullopt, weight, bias,
+  auto out = apply_autograd_function<AddLayerNorm>(x, delta.defined() ? c10::optional<Tensor>(delta) : c10::nullopt, weight, bias,
                                  eps, out_dtype, impl);
   return {out[0], out[1]};
 }
@@ -328,7 +328,7 @@ std::pair<torch::Tensor, torch::Tensor> add_layernorm(const torch::Tensor& x, co
 torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, FusedImpl impl) {
   MPITRAIN_CHECK(bias.dim() == 1 && bias.size(0) == pre.size(-1),
                  concat("bias_gelu: bias must be [", pre.size(-1), "]"));
-  return BiasGelu::apply(pre, bias, impl);
+  return apply_autograd_function<BiasGelu>(pre, bias, impl);
 }
 
 bool softmax_cross_entropy_kernel_applies(const torch::Tensor& logits) {

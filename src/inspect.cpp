@@ -31,9 +31,25 @@ std::string attr_value(hid_t obj, const std::string& name) {
   return "<?>";
 }
 
+// The object-info calls that take a fields mask: H5Oget_info2/H5Ovisit2 with H5O_info_t in HDF5
+// 1.10 (Debian 12), H5Oget_info3/H5Ovisit3 with H5O_info2_t from 1.12 (Debian 13: 1.14).
+#if H5_VERSION_GE(1, 12, 0)
+using ObjectInfo = H5O_info2_t;
+herr_t object_info(hid_t obj, ObjectInfo* info, unsigned fields) { return H5Oget_info3(obj, info, fields); }
+herr_t visit_objects(hid_t obj, H5O_iterate2_t op, void* data, unsigned fields) {
+  return H5Ovisit3(obj, H5_INDEX_NAME, H5_ITER_INC, op, data, fields);
+}
+#else
+using ObjectInfo = H5O_info_t;
+herr_t object_info(hid_t obj, ObjectInfo* info, unsigned fields) { return H5Oget_info2(obj, info, fields); }
+herr_t visit_objects(hid_t obj, H5O_iterate_t op, void* data, unsigned fields) {
+  return H5Ovisit2(obj, H5_INDEX_NAME, H5_ITER_INC, op, data, fields);
+}
+#endif
+
 void list_attrs(hid_t obj, const std::string& indent, std::ostringstream& out) {
-  H5O_info_t info;
-  if (H5Oget_info2(obj, &info, H5O_INFO_NUM_ATTRS) < 0) return;
+  ObjectInfo info;
+  if (object_info(obj, &info, H5O_INFO_NUM_ATTRS) < 0) return;
   for (hsize_t i = 0; i < info.num_attrs; ++i) {
     char name[256] = {};
     H5Aget_name_by_idx(obj, ".", H5_INDEX_CRT_ORDER, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT) < 0 &&
@@ -48,7 +64,7 @@ struct Walk {
   int datasets = 0;
 };
 
-herr_t visit(hid_t root, const char* name, const H5O_info_t* info, void* op) {
+herr_t visit(hid_t root, const char* name, const ObjectInfo* info, void* op) {
   auto* w = static_cast<Walk*>(op);
   if (info->type != H5O_TYPE_DATASET) return 0;
   if (++w->datasets > 200) return w->datasets == 201 ? (*w->out << "  ...\n", 0) : 0;
@@ -70,7 +86,7 @@ std::string describe(const std::string& path) {
   out << path << "\n";
   list_attrs(f.get(), "  ", out);
   Walk w{f.get(), &out};
-  H5Ovisit2(f.get(), H5_INDEX_NAME, H5_ITER_INC, visit, &w, H5O_INFO_BASIC);
+  visit_objects(f.get(), visit, &w, H5O_INFO_BASIC);
   return out.str();
 }
 

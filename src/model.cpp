@@ -254,7 +254,7 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& targets, int64_t rows_override, FusedImpl impl) {
   if (torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
-    return LinearCrossEntropy::apply(hidden, weight, targets, rows_override, static_cast<int64_t>(impl));
+    return apply_autograd_function<LinearCrossEntropy>(hidden, weight, targets, rows_override, static_cast<int64_t>(impl));
   // No gradients wanted (evaluation): the loss alone, chunk by chunk.
   const int64_t n = hidden.size(0), rows = chunk_rows(hidden, weight.size(0), rows_override, impl);
   torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "mpitrain/error.h"
+
 namespace mpitrain {
 
 double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step) {
@@ -16,8 +18,25 @@ double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step) {
   return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr);
 }
 
-AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg)
-    : cfg_(cfg) {
+bool fused_adamw_available(torch::DeviceType device) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  if (device == torch::kCPU) return true;
+#endif
+#if defined(MPITRAIN_TORCH_CUDA) && TORCH_VERSION_MAJOR >= 2
+  if (device == torch::kCUDA) return true;
+#endif
+  (void)device;
+  return false;
+}
+
+std::string libtorch_version() {
+  return concat("libtorch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".", TORCH_VERSION_PATCH);
+}
+
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused)
+    : cfg_(cfg), fused_(fused) {
+  MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
+                 concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
   for (auto& [name, p] : named_params) {
     names_.push_back(name);
     params_.push_back(p);
@@ -35,9 +54,10 @@ void AdamW::step(double lr) {
   const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t_));
   const double step_size = lr / bc1;
   const double bc2_sqrt = std::sqrt(bc2);
-  // Two groups (with and without weight decay), each updated by multi-tensor kernels: a handful
-  // of launches per step instead of six per parameter. On CPU the foreach ops loop over the same
-  // per-tensor kernels, so results equal the textbook per-parameter loop bit for bit.
+  // Two groups (with and without weight decay), each updated by one fused kernel or by
+  // multi-tensor kernels: a handful of launches per step instead of six per parameter. On CPU the
+  // foreach ops loop over the same per-tensor kernels, so results equal the textbook
+  // per-parameter loop bit for bit.
   for (bool decay : {true, false}) {
     std::vector<torch::Tensor> p, g, m, v;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -49,8 +69,8 @@ void AdamW::step(double lr) {
     }
     if (p.empty()) continue;
     const double wd = decay ? cfg_.weight_decay : 0.0;
-#if defined(MPITRAIN_TORCH_CUDA) && TORCH_VERSION_MAJOR >= 2
-    if (p.front().is_cuda()) {  // one fused kernel for the whole group (as torch.optim.AdamW(fused=True))
+#if TORCH_VERSION_MAJOR >= 2
+    if (fused_) {  // one kernel for the whole group, as torch.optim.AdamW(fused=True)
       if (!step_tensor_.defined() || step_tensor_.device() != p.front().device())
         step_tensor_ = torch::zeros({}, torch::dtype(torch::kFloat32).device(p.front().device()));
       step_tensor_.fill_(static_cast<double>(t_));

@@ -426,7 +426,21 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   // Dropout streams differ per rank (as in DDP); the model above was drawn before this.
   torch::manual_seed(cfg.train.seed + 7919 * static_cast<uint64_t>(topo.rank + 1));
 
-  AdamW opt(model->named_params(), cfg.optim);
+  // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
+  bool fused_adamw = false;
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+    const bool available = fused_adamw_available(device.type());
+    if (cfg.optim.fused == "on" && !available)
+      throw UsageError(concat("optim.fused: on, but ", libtorch_version(), " has no fused AdamW kernel for ",
+                              device.is_cuda() ? "CUDA" : "the CPU",
+                              " (it has one for the CPU from libtorch 2.4, for CUDA from 2.0); use auto or off"));
+    fused_adamw = cfg.optim.fused != "off" && available;
+  }); });
+  if (topo.rank == 0)
+    log::info(concat("optimizer: AdamW with ", fused_adamw ? "the fused kernel" : "multi-tensor (foreach) kernels", " (",
+                     libtorch_version(), cfg.optim.fused == "off" ? ", optim.fused: off" : "",
+                     !fused_adamw && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
+  AdamW opt(model->named_params(), cfg.optim, fused_adamw);
   std::vector<torch::Tensor> params;
   for (size_t i = 0; i < opt.size(); ++i) params.push_back(opt.param(i));
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their

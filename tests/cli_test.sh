@@ -5,7 +5,7 @@
 set -u
 BIN=$(realpath "$1")
 MPIRUN=${2:-mpirun}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 WORK=$(mktemp -d /tmp/mpitrain-cli-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"

@@ -209,7 +209,9 @@ void launch(dim3 grid, dim3 block, Body&& body) {
             pending = pending || !f.done;
           }
         }
+        current_block = nullptr;  // `state` ends here
       }
+  current_body = nullptr;  // and `fn` here
 }
 
 }  // namespace cuda_emu

@@ -5,7 +5,7 @@
 # Prints PASS/FAIL lines and the measured times to exit. Usage: fault_test.sh PATH/TO/mpitrain
 set -u
 BIN=$(realpath "$1")
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 WORK=$(mktemp -d /tmp/mpitrain-fault-XXXXXX)
 trap 'pkill -9 -f "$WORK" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
 cd "$WORK"

@@ -24,7 +24,10 @@ TEST(LrSchedule, WarmupThenCosineToMin) {
   EXPECT_DOUBLE_EQ(lr_at(c, 5, 0), 1.0);
 }
 
-TEST(AdamW, MatchesScalarReference) {
+// Both update paths against the formula in fp64 (rounding ~1e-16 per operation, so 1e-12 after
+// five steps is loose for rounding and tight for any wrong term): the foreach kernels and, where
+// this libtorch has it for the CPU (2.4 and later), PyTorch's fused kernel.
+void expect_adamw_matches_scalar_reference(bool fused) {
   OptimConfig c;
   c.lr = 0.01;
   c.beta1 = 0.9;
@@ -33,7 +36,8 @@ TEST(AdamW, MatchesScalarReference) {
   c.weight_decay = 0.1;
   torch::Tensor w = torch::tensor({{0.5, -1.0}}, torch::kFloat64).requires_grad_(true);
   torch::Tensor b = torch::tensor({0.25}, torch::kFloat64).requires_grad_(true);
-  AdamW opt({{"w", w}, {"b", b}}, c);
+  AdamW opt({{"w", w}, {"b", b}}, c, fused);
+  EXPECT_EQ(opt.fused(), fused);
   EXPECT_TRUE(opt.decays(0));
   EXPECT_FALSE(opt.decays(1));  // 1-D: no decay
   double rw = 0.5, rb = 0.25, mw = 0, vw = 0, mb = 0, vb = 0;
@@ -56,6 +60,19 @@ TEST(AdamW, MatchesScalarReference) {
   }
   EXPECT_EQ(opt.steps_taken(), 5);
 }
+
+TEST(AdamW, MatchesScalarReference) { expect_adamw_matches_scalar_reference(/*fused=*/false); }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+TEST(AdamW, FusedCpuKernelMatchesScalarReference) {
+  ASSERT_TRUE(fused_adamw_available(torch::kCPU)) << libtorch_version();
+  expect_adamw_matches_scalar_reference(/*fused=*/true);
+}
+#else
+TEST(AdamW, NoFusedCpuKernelBeforeLibtorch24) {
+  EXPECT_FALSE(fused_adamw_available(torch::kCPU)) << libtorch_version();
+}
+#endif
 
 TEST(ClipGradNorm, ScalesToMaxNormAndReportsTheNormBefore) {
   torch::Tensor a = torch::zeros({2}).requires_grad_(true), b = torch::zeros({1}).requires_grad_(true);

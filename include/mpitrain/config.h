@@ -60,6 +60,7 @@ struct OptimConfig {
   double beta2 = 0.95;         // [0, 1)
   double eps = 1e-8;           // > 0
   double grad_clip = 1.0;      // global-norm clip (0 = off)
+  std::string fused = "auto";  // PyTorch's fused AdamW kernel: auto | on | off (optim.h)
 };
 
 struct EvalConfig {

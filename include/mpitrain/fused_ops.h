@@ -13,7 +13,20 @@
 
 namespace mpitrain {
 
-enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel where it applies
+enum class FusedImpl { automatic, reference };
+
+// F::apply(args...) for a torch::autograd::Function F. GCC 14 with libtorch 2.x reports
+// -Warray-bounds / -Wstringop-overflow inside std::vector<bool>::reserve when it inlines Function::apply
+// (custom_function.h): a false positive of GCC's in library code, silenced here, at the one
+// place this project calls apply.
+template <class F, class... Args>
+auto apply_autograd_function(Args&&... args) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+  return F::apply(std::forward<Args>(args)...);
+#pragma GCC diagnostic pop
+}  // automatic: the CUDA kernel where it applies
 
 // True when this build has the CUDA kernels (a CUDA compiler was found at configure time).
 bool fused_kernels_built();

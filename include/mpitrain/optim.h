@@ -18,13 +18,23 @@ namespace mpitrain {
 // to lr over warmup_steps, then cosine decay to min_lr at the last step.
 double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step);
 
+// Whether this libtorch has PyTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)) for
+// parameters on `device`: CUDA from libtorch 2.0 (GPU builds), the CPU from libtorch 2.4.
+bool fused_adamw_available(torch::DeviceType device);
+// "libtorch 2.6.0" (the headers this was compiled against).
+std::string libtorch_version();
+
 class AdamW {
  public:
-  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg);
+  // fused: update with PyTorch's fused AdamW kernel (fused_adamw_available() must hold for the
+  // parameters' device), else with multi-tensor (foreach) kernels.
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused = false);
 
-  // One update from the parameters' .grad(): multi-tensor (foreach) kernels per group, or
-  // PyTorch's fused AdamW kernel for CUDA parameters with libtorch >= 2.
+  // One update from the parameters' .grad(): one fused kernel per group, or the foreach kernels,
+  // which equal the textbook per-parameter loop bit for bit on the CPU. The fused kernel
+  // computes the same formula in another order (equal to rounding; tests/test_optim.cpp).
   void step(double lr);
+  bool fused() const { return fused_; }
   void zero_grad();      // drops the gradients (set to undefined)
 
   size_t size() const { return params_.size(); }
@@ -42,7 +52,8 @@ class AdamW {
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
   std::vector<bool> decay_;
   int64_t t_ = 0;
-  torch::Tensor step_tensor_;  // the step count on the device (fused CUDA kernel)
+  bool fused_ = false;
+  torch::Tensor step_tensor_;  // the step count on the parameters' device (fused kernel)
 };
 
 // Scales all gradients so their global L2 norm is at most max_norm (0 = no clipping); returns the

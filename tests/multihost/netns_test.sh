@@ -223,31 +223,51 @@ fi
 run_quiet "$BIN" pack "$corpus" -o "$T/data/f" --doc-separator %
 
 # ---- MPI settings: the launch kit's, with this test's network and ssh set-up --------------------
-if [ -f "$ROOT/hostfiles/mpitrain.env" ]; then
+# OpenMPI 4 (ORTE) reads the launcher's settings as OMPI_MCA_*, OpenMPI 5 (PRRTE) as PRTE_MCA_*
+# with "ssh" for "rsh" (hostfiles/README.md, section 7); each kit file is tested with its version.
+OMPI_MAJOR=$(ompi_info --version 2>/dev/null | sed -n 's/^Open MPI v\([0-9]*\)\..*/\1/p' | head -1)
+echo "OpenMPI ${OMPI_MAJOR:-?} ($(mpirun --version 2>&1 | head -1))"
+if [ "${OMPI_MAJOR:-4}" -ge 5 ]; then
+  KIT_ENV=$ROOT/hostfiles/mpitrain-ompi5.env
+  # shellcheck source=../../hostfiles/mpitrain-ompi5.env
+  [ -f "$KIT_ENV" ] && . "$KIT_ENV"
+  export OMPI_MCA_btl_tcp_if_include=$CIDR PRTE_MCA_oob_tcp_if_include=$CIDR
+  unset OMPI_MCA_btl_tcp_if_exclude PRTE_MCA_oob_tcp_if_exclude
+  export PRTE_MCA_plm_ssh_args="-F $T/ssh_config ${PRTE_MCA_plm_ssh_args:-}"
+  export PRTE_MCA_prte_tmpdir_base=$T/ompi         # session directories go with the temp dir
+else
+  KIT_ENV=$ROOT/hostfiles/mpitrain.env
   # shellcheck source=../../hostfiles/mpitrain.env
-  . "$ROOT/hostfiles/mpitrain.env"
+  [ -f "$KIT_ENV" ] && . "$KIT_ENV"
+  export OMPI_MCA_btl_tcp_if_include=$CIDR OMPI_MCA_oob_tcp_if_include=$CIDR
+  unset OMPI_MCA_btl_tcp_if_exclude OMPI_MCA_oob_tcp_if_exclude   # exclusive with the includes
+  export OMPI_MCA_plm_rsh_args="-F $T/ssh_config ${OMPI_MCA_plm_rsh_args:-}"
+  export OMPI_MCA_orte_tmpdir_base=$T/ompi         # session directories go with the temp dir
 fi
-export OMPI_MCA_btl_tcp_if_include=$CIDR OMPI_MCA_oob_tcp_if_include=$CIDR
-unset OMPI_MCA_btl_tcp_if_exclude OMPI_MCA_oob_tcp_if_exclude   # exclusive with the includes
-export OMPI_MCA_plm_rsh_args="-F $T/ssh_config ${OMPI_MCA_plm_rsh_args:-}"
-export OMPI_MCA_hwloc_base_binding_policy=none   # all three "hosts" share this machine's cores,
-export OMPI_MCA_mpi_yield_when_idle=1            # which may be fewer than the ranks
-export OMPI_MCA_orte_tmpdir_base=$T/ompi         # session directories go with the temp dir
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_mpi_yield_when_idle=1            # all three "hosts" share this machine's cores,
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # which may be fewer than the ranks
 mkdir -p "$T/ompi"
 for i in 0 1 2; do echo "${ADDRS[$i]} slots=${SLOTS[$i]}"; done > "$T/hosts"
 
-# Every kit parameter must be one this OpenMPI knows (it ignores unknown OMPI_MCA_ names).
-if command -v ompi_info >/dev/null && [ -f "$ROOT/hostfiles/mca-params.conf" ]; then
-  ompi_info --all --parsable | sed -n 's/^mca:[^:]*:[^:]*:param:\([^:]*\):value:.*/\1/p' | sort -u > "$T/known_params"
-  # settings and commented-out optional ones: `name = value` / `#name = value`
-  sed -n 's/^#\{0,1\}\([a-z0-9]*_[a-z0-9_]*\)[[:space:]]*=.*/\1/p' "$ROOT/hostfiles/mca-params.conf" | sort -u > "$T/conf_params"
-  sed -n 's/^#\{0,1\}export OMPI_MCA_\([a-z0-9_]*\)=.*/\1/p' "$ROOT/hostfiles/mpitrain.env" | sort -u > "$T/env_params"
-  unknown=$(comm -23 "$T/conf_params" "$T/known_params" | tr '\n' ' ')
-  check "launch kit: every parameter of hostfiles/mca-params.conf is known to ompi_info${unknown:+ (unknown: $unknown)}" \
-    "[ -z '$unknown' ] && [ -s '$T/conf_params' ]"
-  check "launch kit: hostfiles/mpitrain.env sets the same parameters as mca-params.conf" \
-    "cmp -s '$T/conf_params' '$T/env_params'"
+# Every kit parameter must be one this OpenMPI knows (it ignores unknown names silently).
+if command -v ompi_info >/dev/null && [ -f "$KIT_ENV" ]; then
+  {
+    ompi_info --all --parsable | sed -n 's/^mca:[^:]*:[^:]*:param:\([^:]*\):value:.*/\1/p'
+    if command -v prte_info >/dev/null; then prte_info --all 2>/dev/null | sed -n 's/.*MCA [a-z]*: "\([a-z0-9_]*\)" (current value.*/\1/p'; fi
+  } | sort -u > "$T/known_params"
+  sed -n 's/^#\{0,1\}export \(OMPI\|PRTE\)_MCA_\([a-z0-9_]*\)=.*/\2/p' "$KIT_ENV" | sort -u > "$T/env_params"
+  unknown=$(comm -23 "$T/env_params" "$T/known_params" | tr '\n' ' ')
+  check "launch kit: every parameter of hostfiles/$(basename "$KIT_ENV") is known to OpenMPI $OMPI_MAJOR${unknown:+ (unknown: $unknown)}" \
+    "[ -z '$unknown' ] && [ -s '$T/env_params' ]"
+  if [ "${OMPI_MAJOR:-4}" -lt 5 ] && [ -f "$ROOT/hostfiles/mca-params.conf" ]; then
+    # settings and commented-out optional ones: `name = value` / `#name = value`
+    sed -n 's/^#\{0,1\}\([a-z0-9]*_[a-z0-9_]*\)[[:space:]]*=.*/\1/p' "$ROOT/hostfiles/mca-params.conf" | sort -u > "$T/conf_params"
+    unknown=$(comm -23 "$T/conf_params" "$T/known_params" | tr '\n' ' ')
+    check "launch kit: every parameter of hostfiles/mca-params.conf is known to ompi_info${unknown:+ (unknown: $unknown)}" \
+      "[ -z '$unknown' ] && [ -s '$T/conf_params' ]"
+    check "launch kit: hostfiles/mpitrain.env sets the same parameters as mca-params.conf" \
+      "cmp -s '$T/conf_params' '$T/env_params'"
+  fi
 fi
 
 # " (exit N)" or " (timed out after N s)" for a failed command's exit code, "" for 0.
@@ -264,7 +284,7 @@ mpirun_on_node1() {  # name, command...
   local name=$1
   shift
   bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
-    mpirun --hostfile "$T/hosts" -np 4 "$@" > "$T/$name.out" 2>&1
+    mpirun --hostfile "$T/hosts" -np 4 --bind-to none "$@" > "$T/$name.out" 2>&1
 }
 
 # ---- placement: hostnames, ranks, local ranks, MCA settings reaching the remote ranks ----------

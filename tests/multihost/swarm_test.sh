@@ -311,26 +311,7 @@ mkdir -p "$WORK/client" "$CACHE"
 
 # ==== base image ===================================================================================
 phase base "Debian 12 base image (debootstrap, cached)"
-mirror=$(
-  { for f in /etc/apt/sources.list.d/*.sources; do
-      [ -f "$f" ] && awk 'BEGIN { RS = ""; FS = "\n" }
-        { types = ""; uris = ""; suites = ""; enabled = "yes"
-          for (i = 1; i <= NF; i++) {
-            if ($i ~ /^[ \t]*#/) continue
-            split($i, kv, /:[ \t]*/)
-            k = tolower(kv[1]); v = substr($i, index($i, ":") + 1); gsub(/^[ \t]+/, "", v)
-            if (k == "types") types = v; else if (k == "uris") uris = v
-            else if (k == "suites") suites = v; else if (k == "enabled") enabled = v
-          }
-          if (enabled != "no" && (" " types " ") ~ / deb / && (" " suites " ") ~ / bookworm /) {
-            split(uris, u, /[ \t]+/); print u[1]
-          } }' "$f"
-    done
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-      | awk '$1 == "deb" { i = 2; if ($2 ~ /^\[/) while (i <= NF && $i !~ /\]$/) i++; if ($2 ~ /^\[/) i++
-                            if ($(i + 1) == "bookworm") print $i }'
-  } | grep -E '^https?://' | head -1)
-mirror=${mirror:-http://deb.debian.org/debian}
+mirror=$("$REPO/scripts/debian-mirror.sh" bookworm)
 arch=$(dpkg --print-architecture)
 tarball=$CACHE/debootstrap-bookworm-minbase-$arch-$(printf '%s' "$mirror" | md5sum | cut -c1-8).tar
 info "mirror $mirror, cache $tarball"

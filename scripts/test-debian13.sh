@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# CI's second leg: this checkout on Debian 13 "trixie" (libtorch 2.6, OpenMPI 5, HDF5 1.14,
+# spdlog 1.15, yaml-cpp 0.8, CLI11 2.4), as a new user there would run it: the README's
+# scripts/test.sh, which installs the Debian packages with apt-get, builds and runs CTest.
+#
+# It runs in a Debian 13 root made by debootstrap from the mirror this machine's apt uses, kept
+# in $MPITRAIN_TEST_CACHE (default /var/cache/mpitrain-test)/debian13-root so that a second run
+# downloads nothing (the packages scripts/test.sh installs stay there too; apt-get upgrades them
+# when the mirror has newer ones). The checkout is copied in fresh each run and built from
+# scratch. Proc, sys, dev and a private /dev/shm are mounted in a mount namespace of this script's
+# own: they vanish with it, even if it is killed.
+#
+# Inside, every CTest test runs except those that need this host's own services: the multi-host
+# tests (network namespaces, Docker, Slurm) and the fuzz test, which run in the Debian 12 leg
+# (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS replaces that selection.
+#
+#   scripts/test-debian13.sh            (root; about 15 min the first time, then ~10)
+#   MPITRAIN_DEBIAN13_SHELL=1 scripts/test-debian13.sh   a shell in the root after the tests
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
+ROOT=$CACHE/debian13-root
+CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_|fuzz$)}
+
+say() { echo "debian13: $*"; }
+[ "$(id -u)" -eq 0 ] || { say "needs root (debootstrap, chroot, mounts)"; exit 1; }
+
+if ! command -v debootstrap > /dev/null; then
+  say "installing debootstrap"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap > /dev/null
+fi
+
+mirror=$("$REPO/scripts/debian-mirror.sh" bookworm)
+if [ ! -f "$ROOT/.mpitrain-root-complete" ]; then
+  say "debootstrap --variant=minbase trixie from $mirror into $ROOT (first run only)"
+  rm -rf "$ROOT"
+  mkdir -p "$CACHE"
+  if ! timeout 1500 debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
+      trixie "$ROOT" "$mirror" > "$CACHE/debian13-debootstrap.log" 2>&1; then
+    tail -20 "$CACHE/debian13-debootstrap.log"
+    say "debootstrap failed (log: $CACHE/debian13-debootstrap.log)"
+    exit 1
+  fi
+  cat > "$ROOT/etc/apt/sources.list" <<EOF
+deb $mirror trixie main
+deb $mirror trixie-updates main
+EOF
+  # No daemon starts inside the root when a package is installed (openssh-server, say).
+  printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"
+  chmod +x "$ROOT/usr/sbin/policy-rc.d"
+  touch "$ROOT/.mpitrain-root-complete"
+fi
+cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+say "root $ROOT: $(cat "$ROOT/etc/debian_version") ($(du -sh "$ROOT" 2>/dev/null | cut -f1))"
+
+# The checkout, fresh: tracked files and untracked ones git does not ignore (as CI's clone has).
+rm -rf "$ROOT/src/mpitrain"
+mkdir -p "$ROOT/src/mpitrain"
+(cd "$REPO" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - --no-recursion) \
+  | tar -C "$ROOT/src/mpitrain" -xf -
+if [ -d "$REPO/../shared" ]; then
+  rm -rf "$ROOT/src/shared"
+  cp -r "$REPO/../shared" "$ROOT/src/shared"
+fi
+
+inner=$(cat <<'EOF'
+set -euo pipefail
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+export DEBIAN_FRONTEND=noninteractive
+cd /src/mpitrain
+apt-get update -qq
+apt-get -y -qq upgrade > /dev/null
+echo "debian13: $(. /etc/os-release; echo "$PRETTY_NAME"); libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo '(not yet installed)')"
+start=$(date +%s)
+rc=0
+scripts/test.sh $CTEST_ARGS || rc=$?
+echo "debian13: packages: libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev), openmpi-bin $(dpkg-query -W -f='${Version}' openmpi-bin), libhdf5-dev $(dpkg-query -W -f='${Version}' libhdf5-dev), libspdlog-dev $(dpkg-query -W -f='${Version}' libspdlog-dev), libyaml-cpp-dev $(dpkg-query -W -f='${Version}' libyaml-cpp-dev), libcli11-dev $(dpkg-query -W -f='${Version}' libcli11-dev)"
+echo "debian13: scripts/test.sh took $(( $(date +%s) - start )) s, exit $rc"
+if [ "${MPITRAIN_DEBIAN13_SHELL:-0}" = 1 ]; then bash -i < /dev/tty > /dev/tty 2>&1 || true; fi
+exit $rc
+EOF
+)
+
+# A mount namespace of its own: the mounts below disappear when this command ends.
+unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" \
+  MPITRAIN_DEBIAN13_SHELL="${MPITRAIN_DEBIAN13_SHELL:-0}" INNER="$inner" bash -c '
+  set -euo pipefail
+  mount -t proc proc "$ROOT/proc"
+  mount --rbind /sys "$ROOT/sys"
+  mount --rbind /dev "$ROOT/dev"
+  mount -t tmpfs -o size=4g tmpfs "$ROOT/dev/shm"
+  mount -t tmpfs -o size=8g tmpfs "$ROOT/tmp"
+  exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" \
+    MPITRAIN_DEBIAN13_SHELL="$MPITRAIN_DEBIAN13_SHELL" bash -c "$INNER"
+'
