@@ -10,9 +10,12 @@
 # scratch. Proc, sys, dev and a private /dev/shm are mounted in a mount namespace of this script's
 # own: they vanish with it, even if it is killed.
 #
-# Inside, every CTest test runs except those that need this host's own services: the multi-host
-# tests (network namespaces, Docker, Slurm) and the fuzz test, which run in the Debian 12 leg
-# (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS replaces that selection.
+# Inside, every CTest test runs (the netns multi-host test too, under OpenMPI 5) except the Docker
+# swarm and Slurm kits, which need this host's daemons, and the fuzz test: those run in the
+# Debian 12 leg (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS replaces that selection.
+# When this machine has a CUDA toolkit with nccl.h in /usr/local/cuda (as the CI machine has),
+# it is mounted read-only into the root, so the GPU sources and CUDA kernels are compile-checked
+# against libtorch 2.6's headers with trixie's GCC as well.
 #
 #   scripts/test-debian13.sh            (root; about 15 min the first time, then ~10)
 #   MPITRAIN_DEBIAN13_SHELL=1 scripts/test-debian13.sh   a shell in the root after the tests
@@ -20,7 +23,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 ROOT=$CACHE/debian13-root
-CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_|fuzz$)}
+CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|fuzz)$}
 
 say() { echo "debian13: $*"; }
 [ "$(id -u)" -eq 0 ] || { say "needs root (debootstrap, chroot, mounts)"; exit 1; }
@@ -67,6 +70,7 @@ fi
 inner=$(cat <<'EOF'
 set -euo pipefail
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+[ -x /usr/local/cuda/bin/nvcc ] && PATH=$PATH:/usr/local/cuda/bin
 export DEBIAN_FRONTEND=noninteractive
 cd /src/mpitrain
 apt-get update -qq
@@ -83,14 +87,28 @@ EOF
 )
 
 # A mount namespace of its own: the mounts below disappear when this command ends.
-unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" \
+CUDA_DIR=""
+if [ -x /usr/local/cuda/bin/nvcc ] && [ -f /usr/local/cuda/include/nccl.h ]; then
+  CUDA_DIR=$(readlink -f /usr/local/cuda)
+  say "CUDA toolkit $CUDA_DIR mounted read-only: the GPU sources are compile-checked"
+else
+  rm -f "$ROOT/usr/local/cuda"
+  say "no CUDA toolkit with nccl.h in /usr/local/cuda: no GPU compile check in this leg"
+fi
+unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" \
   MPITRAIN_DEBIAN13_SHELL="${MPITRAIN_DEBIAN13_SHELL:-0}" INNER="$inner" bash -c '
   set -euo pipefail
+  mount --bind "$ROOT" "$ROOT"   # the root a mount point of its own (ip netns needs that)
   mount -t proc proc "$ROOT/proc"
   mount --rbind /sys "$ROOT/sys"
   mount --rbind /dev "$ROOT/dev"
   mount -t tmpfs -o size=4g tmpfs "$ROOT/dev/shm"
   mount -t tmpfs -o size=8g tmpfs "$ROOT/tmp"
+  if [ -n "$CUDA_DIR" ]; then
+    mkdir -p "$ROOT$CUDA_DIR"
+    mount --bind -o ro "$CUDA_DIR" "$ROOT$CUDA_DIR"
+    ln -sfn "$CUDA_DIR" "$ROOT/usr/local/cuda"
+  fi
   exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" \
     MPITRAIN_DEBIAN13_SHELL="$MPITRAIN_DEBIAN13_SHELL" bash -c "$INNER"
 '

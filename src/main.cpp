@@ -48,7 +48,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   train_cmd->add_option("config", config_path, "YAML config file")->required();
   train_cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
   train_cmd->add_option("--stop-after", stop_after,
-                        "stop after this many completed steps, with a checkpoint (resume later)");
+                        "stop after step N (absolute, counted from the start of training), with a checkpoint");
 
   PackOptions pack;
   auto* pack_cmd = app.add_subcommand(
@@ -73,7 +73,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
                        "text: a line holding exactly this separates documents (default: one per file)");
   pack_cmd->add_option("--val-fraction", pack.val_fraction, "share of documents for val")
       ->capture_default_str();
-  pack_cmd->add_option("--shard-tokens", pack.shard_tokens, "tokens per shard")->capture_default_str();
+  int64_t shard_tokens = static_cast<int64_t>(pack.shard_tokens);  // signed: "-1" must be refused, not wrapped
+  pack_cmd->add_option("--shard-tokens", shard_tokens, "tokens per shard")->capture_default_str();
   pack_cmd->add_option("--seed", pack.seed, "seed of the train/val assignment")->capture_default_str();
 
   std::vector<std::string> inspect_files;
@@ -96,15 +97,46 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   netcheck_cmd->add_option("--iters", netcheck.iters, "timed repetitions")->capture_default_str();
 
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
-  try {
-    app.parse(args);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) {  // --help
-      if (mpi.rank() == 0) std::printf("%s", app.help().c_str());
-      return 0;
+  // Every rank parses the same arguments and finds the same error: agree() prints it once.
+  bool help = false;
+  agree(MPI_COMM_WORLD, [&] {
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      if (e.get_exit_code() != 0) throw UsageError(concat("command line: ", e.what()));
+      help = true;  // --help
     }
-    throw UsageError(concat("command line: ", e.what()));
+  });
+  if (help) {
+    if (mpi.rank() == 0) std::printf("%s", app.help().c_str());
+    return 0;
   }
+  // Numeric options: a value out of range is an error naming the option, never ignored or wrapped.
+  agree(MPI_COMM_WORLD, [&] {
+    auto need = [](bool ok, const char* option, const std::string& range, const std::string& got) {
+      if (!ok) throw UsageError(concat("command line: ", option, " must be ", range, ", got ", got));
+    };
+    if (*train_cmd && train_cmd->count("--stop-after"))
+      need(stop_after >= 1, "--stop-after", ">= 1 (the step to stop after)", std::to_string(stop_after));
+    if (*pack_cmd) {
+      need(shard_tokens >= 1, "--shard-tokens", ">= 1", std::to_string(shard_tokens));
+      need(pack.val_fraction >= 0 && pack.val_fraction < 1, "--val-fraction", "in [0, 1)", concat(pack.val_fraction));
+      need(pack.vocab_size >= 0, "--vocab-size", ">= 1 (0 = the tokenizer's)", std::to_string(pack.vocab_size));
+      need(pack.eot_token >= -1, "--eot", ">= 0 (-1 = the tokenizer's)", std::to_string(pack.eot_token));
+      pack.shard_tokens = static_cast<uint64_t>(shard_tokens);
+    }
+    if (*sample_cmd) {
+      need(sample.tokens >= 1, "--tokens", ">= 1", std::to_string(sample.tokens));
+      need(std::isfinite(sample.temperature) && sample.temperature > 0, "--temperature", "a number > 0",
+           concat(sample.temperature));
+      need(sample.top_k >= 0, "--top-k", ">= 0 (0 = no top-k)", std::to_string(sample.top_k));
+    }
+    if (*netcheck_cmd) {
+      need(netcheck.max_bytes >= 4, "--max-bytes", ">= 4", std::to_string(netcheck.max_bytes));
+      need(netcheck.p2p_bytes >= 4, "--p2p-bytes", ">= 4", std::to_string(netcheck.p2p_bytes));
+      need(netcheck.iters >= 1, "--iters", ">= 1", std::to_string(netcheck.iters));
+    }
+  });
 
   if (*train_cmd) {
     Config cfg;
@@ -141,7 +173,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   if (*sample_cmd) {
     agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() != 0) return;
-      std::printf("%s%s\n", sample.prompt.c_str(), run_sample(sample).c_str());
+      std::printf("%s\n", run_sample(sample).c_str());  // the prompt and its continuation
     });
     return 0;
   }

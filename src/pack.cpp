@@ -10,6 +10,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -206,6 +207,23 @@ class SplitWriter {
     }
   }
 
+  // Shards are written as <shard>.partial (a name no *.h5 glob matches) and renamed only once
+  // every rank has written all of its shards: a pack that fails, or is killed, leaves the
+  // shards of an earlier pack into the same prefix as they were.
+  static std::string partial_path(const std::string& path) { return path + ".partial"; }
+  // Renames this rank's finished shards into place.
+  void commit() {
+    for (const std::string& path : written_)
+      if (std::rename(partial_path(path).c_str(), path.c_str()) != 0)
+        throw UsageError(concat(path, ": cannot rename ", partial_path(path), " to it: ", std::strerror(errno)));
+    written_.clear();
+  }
+  // Removes what this rank wrote (a failed pack).
+  void discard() {
+    for (const std::string& path : written_) std::remove(partial_path(path).c_str());
+    written_.clear();
+  }
+
   // Assembles and writes this rank's shards. A failed write is remembered in `error`, and the
   // receives go on regardless, so that no sender is left waiting.
   void write(const std::string& prefix, const char* split, const ShardMeta& meta,
@@ -230,7 +248,9 @@ class SplitWriter {
       for (size_t i = 0; i < tokens.size(); ++i)
         if (tokens[i] == static_cast<uint32_t>(meta.eot_token)) offsets.push_back(i);
       try {
-        write_shard(shard_path(prefix, split, k), tokens, offsets, meta);
+        const std::string path = shard_path(prefix, split, k);
+        written_.push_back(path);
+        write_shard(partial_path(path), tokens, offsets, meta);
       } catch (const UsageError& e) {
         error = e.what();
       }
@@ -243,6 +263,7 @@ class SplitWriter {
   int rank_, tag_;
   uint64_t limit_;
   MPI_Comm comm_;
+  std::vector<std::string> written_;  // final paths of the shards written as .partial
   std::vector<uint32_t> send_;
 };
 
@@ -254,6 +275,11 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   int rank = 0, world = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &world));
+  // Options first: nothing is read or written before they are known to be good.
+  if (opts.shard_tokens == 0 || opts.shard_tokens > (uint64_t{1} << 40))
+    throw UsageError(concat("pack: --shard-tokens must be in [1, 2^40], got ", opts.shard_tokens));
+  if (!(opts.val_fraction >= 0 && opts.val_fraction < 1))
+    throw UsageError(concat("pack: --val-fraction must be in [0, 1), got ", opts.val_fraction));
 
   PackPlan plan;
   std::optional<Gpt2Bpe> bpe;
@@ -346,9 +372,17 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   std::string error;
   for (int s = 0; s < 2; ++s) writers[s].write(opts.output_prefix, kSplits[s], meta, error);
   MPI_CHECK(MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE));
-  all_or_none(comm, [&] {
-    if (!error.empty()) throw UsageError(error);
-  });
+  try {
+    all_or_none(comm, [&] {
+      if (!error.empty()) throw UsageError(error);
+    });
+    all_or_none(comm, [&] {
+      for (SplitWriter& w : writers) w.commit();
+    });
+  } catch (...) {
+    for (SplitWriter& w : writers) w.discard();
+    throw;
+  }
 
   PackResult r;
   for (int s = 0; s < 2; ++s) {

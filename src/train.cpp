@@ -472,6 +472,12 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   }
   st.world_size = topo.size;
   st.config_yaml = to_yaml(cfg);
+  // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
+  if (hooks.stop_after >= 0 && st.step >= hooks.stop_after)
+    agree(mpi_comm, [&] {
+      throw UsageError(concat("command line: --stop-after ", hooks.stop_after, ": the run resumes at step ", st.step,
+                              ", already there (it counts absolute steps; use a larger N)"));
+    });
 
   // Same binary, config and data everywhere? ("code not synced on node 2")
   agree(mpi_comm, [&] {

@@ -121,6 +121,43 @@ mkdir initw && printf 'junk' > initw/wte.weight.npy && printf 'junk' > initw/lm_
 expect_usage "model.init_from: missing and extra .npy files" \
   "cfg.yaml: model.init_from: missing initw/wpe.weight.npy, initw/h.0.ln_1.weight.npy, initw/h.0.ln_1.bias.npy and 12 more (one <parameter name>.npy per model parameter); initw/lm_head.weight.npy matches no model parameter" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.init_from=initw --set checkpoint.resume=none
+# Command-line errors: printed once under mpirun -np 2, exit 2, every numeric option range-checked.
+expect_usage "unknown flag, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --bogus
+expect_usage "--set without a value, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --set
+expect_usage "unconvertible value, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --stop-after x
+expect_usage "--stop-after -5" "command line: --stop-after must be >= 1" "$MPIRUN" -np 2 "$BIN" cfg.yaml --stop-after -5
+expect_usage "--stop-after at a step the resumed run is already past" \
+  "command line: --stop-after 3: the run resumes at step 6" "$MPIRUN" -np 2 "$BIN" cfg.yaml --stop-after 3
+expect_usage "sample --tokens -1" "command line: --tokens must be >= 1" "$BIN" sample ckpt/ckpt-00000006.h5 --tokens -1
+expect_usage "sample --top-k -3" "command line: --top-k must be >= 0" "$BIN" sample ckpt/ckpt-00000006.h5 --top-k -3
+expect_usage "sample --temperature 0" "command line: --temperature must be a number > 0" \
+  "$BIN" sample ckpt/ckpt-00000006.h5 --temperature 0
+expect_usage "sample --temperature nan" "command line: --temperature must be a number > 0" \
+  "$BIN" sample ckpt/ckpt-00000006.h5 --temperature nan
+expect_usage "netcheck --iters -1" "command line: --iters must be >= 1" "$MPIRUN" -np 2 "$BIN" netcheck --iters -1
+expect_usage "netcheck --max-bytes 0" "command line: --max-bytes must be >= 4" "$MPIRUN" -np 2 "$BIN" netcheck --max-bytes 0
+shards_before=$(md5sum data/c-*.h5)
+expect_usage "pack --shard-tokens -1" "command line: --shard-tokens must be >= 1" \
+  "$MPIRUN" -np 2 "$BIN" pack corpus -o data/c --doc-separator % --shard-tokens -1
+expect_usage "pack --val-fraction 1" "command line: --val-fraction must be in" \
+  "$BIN" pack corpus -o data/c --doc-separator % --val-fraction 1
+# A directory where one new shard's file goes: that write fails after the others succeeded.
+mkdir -p data/c-train-00003.h5.partial.tmp/x
+expect_usage "pack failing while writing its shards" "data/c-train-00003.h5.partial" \
+  "$MPIRUN" -np 2 "$BIN" pack corpus -o data/c --doc-separator % --shard-tokens 500
+rm -r data/c-train-00003.h5.partial.tmp
+check "failed and refused packs left the earlier shards as they were, and no partial files" \
+  "[ \"\$(md5sum data/c-*.h5)\" = \"$shards_before\" ] && ! ls data/*.partial >/dev/null 2>&1"
+
+# sample prints the prompt once: greedy decoding of P for 6 tokens = P + c1..c6, and decoding
+# P + c1 for 5 tokens must give the same text (a prompt printed twice would not).
+"$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 6 --top-k 1 > greedy6.out 2>&1
+p1=$(head -c 5 greedy6.out)
+"$BIN" sample ckpt/ckpt-00000006.h5 --prompt "$p1" --tokens 5 --top-k 1 > greedy5.out 2>&1
+check "sample --prompt prints the prompt once, then its continuation" \
+  "[ \"\$(head -c 4 greedy6.out)\" = 'The ' ] && cmp -s greedy6.out greedy5.out"
+cmp -s greedy6.out greedy5.out || { echo "  6 tokens: '$(cat greedy6.out)'"; echo "  5 tokens after '$p1': '$(cat greedy5.out)'"; }
+
 before=$(md5sum ckpt/ckpt-00000006.h5)
 expect_usage "wrong model shape on resume" "ckpt/ckpt-00000006.h5: dataset 'model/" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_embd=32
