@@ -275,11 +275,6 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   int rank = 0, world = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &world));
-  // Options first: nothing is read or written before they are known to be good.
-  if (opts.shard_tokens == 0 || opts.shard_tokens > (uint64_t{1} << 40))
-    throw UsageError(concat("pack: --shard-tokens must be in [1, 2^40], got ", opts.shard_tokens));
-  if (!(opts.val_fraction >= 0 && opts.val_fraction < 1))
-    throw UsageError(concat("pack: --val-fraction must be in [0, 1), got ", opts.val_fraction));
 
   PackPlan plan;
   std::optional<Gpt2Bpe> bpe;

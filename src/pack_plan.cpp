@@ -75,7 +75,9 @@ PackPlan make_pack_plan(const PackOptions& o, std::optional<Gpt2Bpe>& bpe) {
   if (o.output_prefix.empty()) throw UsageError("pack: output prefix is empty");
   if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0))
     throw UsageError(concat("pack: val_fraction ", o.val_fraction, " not in [0, 1)"));
-  if (o.shard_tokens == 0) throw UsageError("pack: shard_tokens must be > 0");
+  // (an upper bound too: a negative number wrapped to 2^64 - 1 would make zero shards)
+  if (o.shard_tokens == 0 || o.shard_tokens > (uint64_t{1} << 40))
+    throw UsageError(concat("pack: shard_tokens must be > 0 and at most 2^40, got ", o.shard_tokens));
   const bool automatic = o.format.empty() || o.format == "auto";
   const InputFormat forced = automatic ? InputFormat::text : parse_format(o.format);
 
