@@ -146,6 +146,14 @@ void read_tensor(hid_t loc, const std::string& file, const std::string& name, to
   if (!crc) throw UsageError(concat(file, ": dataset '", name, "' has no crc32 attribute"));
   if (static_cast<uint32_t>(*crc) != h5::crc32(buf.data_ptr<float>(), buf.numel() * sizeof(float)))
     throw UsageError(concat(file, ": checksum mismatch in dataset '", name, "'"));
+  // A NaN or inf with a valid checksum was saved so (a diverged run): training on would only
+  // spread it. The first such element is named.
+  const torch::Tensor bad = torch::logical_not(torch::isfinite(buf)).reshape({-1}).nonzero();
+  if (bad.numel() > 0) {
+    const int64_t at = bad[0][0].item<int64_t>();
+    throw UsageError(concat(file, ": dataset '", name, "' holds ", bad.size(0), " non-finite value(s), the first ",
+                            buf.reshape({-1})[at].item<float>(), " at flat index ", at));
+  }
   torch::NoGradGuard no_grad;
   into.copy_(buf);
 }
@@ -452,6 +460,20 @@ GPTDims checkpoint_dims(const std::string& path) {
 }
 
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st) {
+  // The architecture first: equal tensor shapes are not enough (n_head changes the attention but
+  // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
+  {
+    const GPTDims have = checkpoint_dims(path), want = model->dims();
+    const std::pair<const char*, std::pair<int64_t, int64_t>> keys[] = {
+        {"n_layer", {have.n_layer, want.n_layer}}, {"n_head", {have.n_head, want.n_head}},
+        {"n_embd", {have.n_embd, want.n_embd}},    {"seq_len", {have.seq_len, want.seq_len}},
+        {"vocab_size", {have.vocab_size, want.vocab_size}}};
+    for (const auto& [key, values] : keys)
+      if (values.first != values.second)
+        throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",
+                                values.second, " (model.", key, "); a checkpoint resumes only the architecture it was "
+                                "saved from"));
+  }
   h5::File f = open_checkpoint(path);
   const hid_t root = f.get();
   // The training state's scalars first: nonsense there is refused before any tensor is read.

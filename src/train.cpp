@@ -131,6 +131,8 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
         load_checkpoint(candidates[i], model, &opt, st);
         path = candidates[i];
         return;
+      } catch (const ArchitectureMismatch&) {
+        throw;  // the configuration differs: an older checkpoint of the same run would too
       } catch (const UsageError& e) {
         if (i + 1 == candidates.size()) throw;
         log::warn(concat("cannot resume from ", candidates[i], ": ", e.what(), "; falling back to ",
@@ -492,6 +494,16 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
 
   TrainResult result;
   result.num_params = model->num_params();
+  // A run whose loss or parameters became NaN/inf stops here, printed once (every rank sees the
+  // same all-reduced values), without saving that state; exit 2.
+  auto diverged = [&](int64_t at_step, const std::string& what) {
+    agree(mpi_comm, [&] {
+      throw UsageError(concat("step ", at_step, ": ", what, " (", precision_name(precision),
+                              "): training diverged; this state is not saved, the newest checkpoint stays ",
+                              result.last_checkpoint.empty() ? std::string("as it was") : result.last_checkpoint,
+                              ". Try a lower optim.lr, a longer optim.warmup_steps or optim.grad_clip > 0"));
+    });
+  };
   Progress progress(cfg, topo.rank == 0, tokens_per_step, st.step);
   BatchPrefetcher prefetch(*train_data, topo.rank, micro);
   const uint64_t micro_stride = static_cast<uint64_t>(topo.size * micro);
@@ -563,7 +575,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
         grad_norm = norm.item<double>();
       }
       result.losses.emplace_back(step + 1, loss);
-      if (!std::isfinite(loss)) throw Error(concat("loss is ", loss, " at step ", step + 1));
+      if (!std::isfinite(loss) || !std::isfinite(grad_norm))  // the same values on every rank
+        diverged(step + 1, concat("the loss is ", loss, " and the gradient norm ", grad_norm));
       if (topo.rank == 0) progress.report(step, loss, lr, grad_norm);
     }
 
@@ -575,7 +588,24 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
     }
     const bool stop_here = (hooks.stop_after >= 0 && step + 1 == hooks.stop_after) || any_signal != 0;
-    if (every(step + 1, cfg.checkpoint.every) || last || stop_here) progress.untimed(save);
+    if (every(step + 1, cfg.checkpoint.every) || last || stop_here) {
+      // Never save a diverged state as the newest checkpoint: one check of every parameter (the
+      // same on every rank after the all-reduce) per save.
+      torch::Tensor all_finite;
+      {
+        torch::NoGradGuard no_grad;
+        std::vector<torch::Tensor> ok;
+        for (const auto& p : params) ok.push_back(torch::isfinite(p).all());
+        all_finite = torch::stack(ok).all();
+      }
+      bool finite_params = true;
+      {
+        Watchdog::Scope watch("device synchronize (parameter check)");
+        finite_params = all_finite.item<bool>();
+      }
+      if (!finite_params) diverged(step + 1, "a parameter is NaN or infinite");
+      progress.untimed(save);
+    }
     if (any_signal != 0 && !last) {
       result.exit_code = exit_code_for_signal(any_signal);
       log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1, ": checkpoint written, exit code ",

@@ -149,6 +149,19 @@ rm -r data/c-train-00003.h5.partial.tmp
 check "failed and refused packs left the earlier shards as they were, and no partial files" \
   "[ \"\$(md5sum data/c-*.h5)\" = \"$shards_before\" ] && ! ls data/*.partial >/dev/null 2>&1"
 
+# A diverging run (lr 1e30, no clipping) stops naming the step, printed once, exit 2, and never
+# saves a NaN state: caught at a logged step, and between log steps before a checkpoint.
+expect_usage "diverged run: stops at a logged step" "step [0-9]*: the loss is .*nan.*training diverged" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set optim.lr=1e30 --set optim.min_lr=0 --set optim.grad_clip=0 \
+  --set checkpoint.dir=ckptN --set train.out_dir=runN --set log.every=1
+check "diverged run: no checkpoint written" "! ls ckptN/ckpt-*.h5 >/dev/null 2>&1"
+expect_usage "diverged run: caught before a checkpoint between log steps" \
+  "step 2: a parameter is NaN or infinite (fp32): training diverged; this state is not saved, the newest checkpoint stays ckptM/ckpt-00000001.h5" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set optim.lr=1e30 --set optim.min_lr=0 --set optim.grad_clip=0 \
+  --set checkpoint.dir=ckptM --set train.out_dir=runM --set log.every=6 --set checkpoint.every=1 --set eval.every=0
+check "diverged run: the newest checkpoint is the last finite one" \
+  "grep -qx ckpt-00000001.h5 ckptM/latest && ! ls ckptM/ckpt-00000002.h5 >/dev/null 2>&1"
+
 # sample prints the prompt once: greedy decoding of P for 6 tokens = P + c1..c6, and decoding
 # P + c1 for 5 tokens must give the same text (a prompt printed twice would not).
 "$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 6 --top-k 1 > greedy6.out 2>&1
@@ -159,8 +172,10 @@ check "sample --prompt prints the prompt once, then its continuation" \
 cmp -s greedy6.out greedy5.out || { echo "  6 tokens: '$(cat greedy6.out)'"; echo "  5 tokens after '$p1': '$(cat greedy5.out)'"; }
 
 before=$(md5sum ckpt/ckpt-00000006.h5)
-expect_usage "wrong model shape on resume" "ckpt/ckpt-00000006.h5: dataset 'model/" \
+expect_usage "another architecture on resume, named" "ckpt/ckpt-00000006.h5: the checkpoint's model has n_embd 16, the configured one 32 (model.n_embd)" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_embd=32
+expect_usage "another n_head on resume (equal shapes), named" "ckpt/ckpt-00000006.h5: the checkpoint's model has n_head 2, the configured one 4 (model.n_head)" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.n_head=4
 check "nothing on disk overwritten by a failed run" "[ \"\$(md5sum ckpt/ckpt-00000006.h5)\" = \"$before\" ]"
 
 # ==== BEGIN checkpoint.async (asynchronous checkpoint save) ===================================

@@ -160,12 +160,46 @@ TEST(Checkpoint, BadCheckpointsAreUsageErrorsNamingFileAndDataset) {
   st.step = 1;
   const std::string path = save_checkpoint(dir, a.model, a.opt, st, 3);
 
+  // Another architecture is refused by name, also where every tensor shape agrees (n_head) and
+  // where the configured model is a prefix of the stored one (fewer layers).
   GPTDims wider = dims();
   wider.n_embd = 32;
   std::string e = load_error(path, wider);
-  EXPECT_NE(e.find(path), std::string::npos) << e;
-  EXPECT_NE(e.find("model/"), std::string::npos) << e;
-  EXPECT_NE(e.find("shape"), std::string::npos) << e;
+  EXPECT_EQ(e, concat(path, ": the checkpoint's model has n_embd 16, the configured one 32 (model.n_embd); "
+                            "a checkpoint resumes only the architecture it was saved from"));
+  GPTDims heads = dims();
+  heads.n_head = dims().n_head * 2;
+  e = load_error(path, heads);
+  EXPECT_NE(e.find(concat("has n_head ", dims().n_head, ", the configured one ", heads.n_head, " (model.n_head)")),
+            std::string::npos) << e;
+  if (dims().n_layer > 1) {
+    GPTDims shallower = dims();
+    shallower.n_layer = 1;
+    e = load_error(path, shallower);
+    EXPECT_NE(e.find("(model.n_layer)"), std::string::npos) << e;
+  }
+  GPTDims longer = dims();
+  longer.seq_len *= 2;
+  EXPECT_NE(load_error(path, longer).find("(model.seq_len)"), std::string::npos);
+
+  // A NaN saved with a valid checksum (a diverged run) is refused, naming the dataset.
+  const std::string nan_path = dir + "/nan.h5";
+  std::system(concat("cp ", path, " ", nan_path).c_str());
+  {
+    h5::silence_errors();
+    hid_t f = H5Fopen(nan_path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    hid_t ds = H5Dopen2(f, "model/ln_f.weight", H5P_DEFAULT);
+    std::vector<float> v(static_cast<size_t>(dims().n_embd), 1.0f);
+    v[3] = std::nanf("");
+    H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
+    h5::set_attr(ds, "crc32", static_cast<int64_t>(h5::crc32(v.data(), v.size() * sizeof(float))));
+    H5Dclose(ds);
+    H5Fclose(f);
+  }
+  e = load_error(nan_path, dims());
+  EXPECT_NE(e.find(concat(nan_path, ": dataset 'model/ln_f.weight' holds 1 non-finite value(s), the first nan at flat index 3")),
+            std::string::npos) << e;
 
   // Corrupt one dataset's bytes behind the checksum's back.
   {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mpitrain/config.h"
+#include "mpitrain/error.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
 
@@ -118,9 +119,17 @@ std::vector<std::string> resume_candidates(const CheckpointConfig& cfg);
 // The model dimensions a checkpoint was written with (for `mpitrain sample`).
 GPTDims checkpoint_dims(const std::string& path);
 
+// A checkpoint of another architecture than the model it is loaded into (n_layer, n_head, n_embd,
+// seq_len, vocab_size): not damage, so resuming does not fall back to an older checkpoint.
+struct ArchitectureMismatch : UsageError {
+  using UsageError::UsageError;
+};
+
 // Loads parameters (and, when opt is given, AdamW moments and step count) and the training state.
-// Every dataset's CRC32 is verified. Shape mismatches, missing datasets, wrong format or version,
-// and checksum failures are UsageError naming the file and dataset.
+// Every dataset's CRC32 is verified. An architecture other than the model's is
+// ArchitectureMismatch naming the file and key; shape mismatches, missing datasets, wrong format
+// or version, and checksum failures are UsageError naming the file and dataset. Non-finite
+// values in the model or AdamW state are refused too.
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st);
 
 // Initial weights from a directory of .npy files (model.init_from; docs/formats.md): one
