@@ -478,8 +478,30 @@ void TokenDataset::batch(uint64_t start, int rank, int64_t rows, int32_t* dst) c
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kAhead < rows) request(r + kAhead);
     const Src& s = ring[r % (kAhead + 1)];
-    copy_tokens(s.p, s.bytes, width, dst + r * width);
+    int32_t* row = dst + r * width;
+    copy_tokens(s.p, s.bytes, width, row);
+    // Every token must be in the declared vocabulary: a token past it would index past the
+    // embedding (a libtorch exception, or silently wrong training). One max per window, in the
+    // cache lines the copy just touched; compared unsigned, so that uint32 tokens >= 2^31 count.
+    uint32_t hi = 0;
+    for (int64_t j = 0; j < width; ++j) hi = std::max(hi, static_cast<uint32_t>(row[j]));
+    if (hi >= static_cast<uint64_t>(vocab_size_)) report_out_of_vocabulary(s.p, row, width);
   }
+}
+
+void TokenDataset::report_out_of_vocabulary(const unsigned char* window, const int32_t* row, int64_t width) const {
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const Shard& s = *shards_[i];
+    const uint64_t bytes = s.info.num_tokens * static_cast<uint64_t>(s.info.dtype_bytes);
+    if (window < s.data || window >= s.data + bytes) continue;
+    const uint64_t first = static_cast<uint64_t>(window - s.data) / static_cast<uint64_t>(s.info.dtype_bytes);
+    for (int64_t j = 0; j < width; ++j)
+      if (static_cast<uint32_t>(row[j]) >= static_cast<uint64_t>(vocab_size_))
+        throw UsageError(concat(s.info.path, ": token ", static_cast<uint32_t>(row[j]), " at position ",
+                                first + static_cast<uint64_t>(j), " of dataset 'tokens' is outside the vocabulary ",
+                                "(vocab_size ", vocab_size_, ")"));
+  }
+  throw Error("TokenDataset: a token outside the vocabulary in a window of no shard");
 }
 
 // ---- BatchPrefetcher ---------------------------------------------------------------------------

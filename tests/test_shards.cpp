@@ -183,6 +183,42 @@ TEST(Shards, TokenOutsideVocabRefused) {
   expect_usage([&] { write_shard(nodir, {1}, {}, meta(257)); }, nodir + ": ", "cannot create");
 }
 
+// A shard written by another tool can hold tokens past its declared vocabulary (write_shard
+// refuses them): reading a window that holds one is a UsageError naming the shard and the
+// position, mapped or read into memory, uint16 or uint32, whichever window hits it first.
+TEST(Shards, TokenOutsideVocabInAnotherToolsShardNamedWhenRead) {
+  TempDir dir;
+  for (bool wide : {false, true}) {
+    for (bool shuffle : {false, true}) {
+      const std::string p = dir / concat("other-tool-", wide, shuffle, ".h5");
+      std::vector<uint32_t> tokens(200);
+      for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i % 200);
+      write_shard(p, tokens, {}, meta(wide ? 70000 : 257));
+      {  // overwrite token 123 behind the writer's back, as h5py could
+        h5::silence_errors();
+        hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        ASSERT_GE(f, 0);
+        hid_t ds = H5Dopen2(f, "tokens", H5P_DEFAULT);
+        hid_t space = H5Dget_space(ds);
+        const hsize_t at = 123, one = 1;
+        H5Sselect_hyperslab(space, H5S_SELECT_SET, &at, nullptr, &one, nullptr);
+        hid_t mem = H5Screate_simple(1, &one, nullptr);
+        const uint32_t bad = wide ? 70001u : 300u;
+        H5Dwrite(ds, H5T_NATIVE_UINT32, mem, space, H5P_DEFAULT, &bad);
+        H5Sclose(mem);
+        H5Sclose(space);
+        H5Dclose(ds);
+        H5Fclose(f);
+      }
+      TokenDataset data({p}, 9, 0, shuffle);
+      std::vector<int32_t> batch(static_cast<size_t>(data.num_windows() * 10));
+      expect_usage([&] { data.batch(0, 0, static_cast<int64_t>(data.num_windows()), batch.data()); }, p + ": ",
+                   concat("token ", wide ? 70001 : 300, " at position 123 of dataset 'tokens' is outside the vocabulary "
+                          "(vocab_size ", wide ? 70000 : 257, ")"));
+    }
+  }
+}
+
 // ---- bad files ---------------------------------------------------------------------------------
 
 TEST(Shards, BadFilesNameTheFile) {

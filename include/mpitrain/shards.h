@@ -99,6 +99,9 @@ class TokenDataset {
   struct Shard;
   // Global window index -> the first of its seq_len+1 tokens (native uint16/uint32) and their width.
   const unsigned char* locate(uint64_t k, int* dtype_bytes) const;
+  // Throws the UsageError naming the shard and position of the first token >= vocab_size in the
+  // window copied from `window` into `row`.
+  [[noreturn]] void report_out_of_vocabulary(const unsigned char* window, const int32_t* row, int64_t width) const;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::string> paths_;
   std::vector<uint64_t> first_window_;  // prefix sums of windows per shard
