@@ -67,6 +67,9 @@ void ensure_writable_dir(const std::string& dir, const std::string& key) {
   } catch (const UsageError& e) {
     throw UsageError(concat(key, ": ", e.what()));
   }
+  struct stat st{};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw UsageError(concat(key, ": '", dir, "' exists and is not a directory"));
   if (::access(dir.c_str(), W_OK) != 0)
     throw UsageError(concat(key, ": directory '", dir, "' is not writable"));
 }

@@ -2,6 +2,8 @@
 // validation, world-size resolution of the batch sizes, and the resolved config back as YAML.
 #include "mpitrain/config.h"
 
+#include <sys/stat.h>
+
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -293,7 +295,7 @@ void apply_override(const std::string& spec, Config& cfg) {
     throw UsageError(concat(where, ": expected section.key=value, got '", spec, "'"));
   const Field* f = find_field(name);
   if (!f) throw unknown_key(where, name);
-  set_field(*f, load_yaml(spec.substr(eq + 1), where), cfg, where);
+  set_field(*f, load_yaml(spec.substr(eq + 1), concat("--set '", spec, "': the value of ", name)), cfg, where);
 }
 
 // ---- presets and validation ---------------------------------------------------------------------
@@ -445,13 +447,29 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  // A regular file of bounded size, checked before opening: a FIFO would block the open, and
+  // /dev/zero or /dev/urandom would never end.
+  constexpr long long kMaxConfigBytes = 1 << 20;
+  struct stat st{};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode))
+      throw UsageError(concat(path, ": cannot read config file (not a regular file)"));
+    if (st.st_size > kMaxConfigBytes)
+      throw UsageError(concat(path, ": config file of ", static_cast<long long>(st.st_size),
+                              " bytes, more than the 1 MiB a config may have"));
+  }
   // stdio rather than ifstream: reading a directory must fail here, and ferror says so.
   std::FILE* file = std::fopen(path.c_str(), "rb");
   if (!file) throw UsageError(concat(path, ": cannot read config file (", std::strerror(errno), ")"));
   std::string text;
   char buf[8192];
   size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0) text.append(buf, n);
+  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0 && text.size() <= static_cast<size_t>(kMaxConfigBytes))
+    text.append(buf, n);
+  if (text.size() > static_cast<size_t>(kMaxConfigBytes)) {
+    std::fclose(file);
+    throw UsageError(concat(path, ": config file of more than the 1 MiB a config may have"));
+  }
   const bool failed = std::ferror(file) != 0;
   const int err = errno;
   std::fclose(file);

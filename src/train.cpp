@@ -488,9 +488,6 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                        shard_list_fingerprint(train_data->paths())});
   });
 
-  if (topo.rank == 0) {
-    std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
-  }
 
   TrainResult result;
   result.num_params = model->num_params();
@@ -504,7 +501,13 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                               ". Try a lower optim.lr, a longer optim.warmup_steps or optim.grad_clip > 0"));
     });
   };
-  Progress progress(cfg, topo.rank == 0, tokens_per_step, st.step);
+  // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
+  std::optional<Progress> progress_holder;
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+    progress_holder.emplace(cfg, topo.rank == 0, tokens_per_step, st.step);
+  }); });
+  Progress& progress = *progress_holder;
+  if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
   BatchPrefetcher prefetch(*train_data, topo.rank, micro);
   const uint64_t micro_stride = static_cast<uint64_t>(topo.size * micro);
   // Rank 0 writes; with checkpoint.async the loop stalls only for the host snapshot.

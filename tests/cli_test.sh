@@ -149,6 +149,26 @@ rm -r data/c-train-00003.h5.partial.tmp
 check "failed and refused packs left the earlier shards as they were, and no partial files" \
   "[ \"\$(md5sum data/c-*.h5)\" = \"$shards_before\" ] && ! ls data/*.partial >/dev/null 2>&1"
 
+# Errors name the key; bad input changes nothing in the run directory; a config that never ends
+# (a device, a FIFO) fails at once.
+touch afile
+expect_usage "checkpoint.dir naming a file: refused at start-up" "cfg.yaml: checkpoint.dir: 'afile' exists and is not a directory" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=afile
+expect_usage "YAML syntax error in --set names the key and the --set" \
+  "--set 'train.micro_batch=\[1,': the value of train.micro_batch: YAML syntax error" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set 'train.micro_batch=[1,'
+mkdir -p runK mdir && printf 'kept\n' > runK/config.yaml
+expect_usage "log.metrics naming a directory" "cfg.yaml: log.metrics: cannot write 'mdir'" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set log.metrics=mdir --set train.out_dir=runK --set checkpoint.dir=ckptK
+check "a config error left out_dir/config.yaml as it was" "[ \"\$(cat runK/config.yaml)\" = kept ]"
+mkfifo cfg.fifo
+t0=$(date +%s)
+expect_usage "config path that is a FIFO: fails at once" "cfg.fifo: cannot read config file (not a regular file)" \
+  timeout 20 "$MPIRUN" -np 2 "$BIN" cfg.fifo
+expect_usage "config path /dev/zero: fails at once" "/dev/zero: cannot read config file (not a regular file)" \
+  timeout 20 "$MPIRUN" -np 2 "$BIN" /dev/zero
+check "both within 15 s" "[ \$(( \$(date +%s) - $t0 )) -lt 15 ]"
+
 # A diverging run (lr 1e30, no clipping) stops naming the step, printed once, exit 2, and never
 # saves a NaN state: caught at a logged step, and between log steps before a checkpoint.
 expect_usage "diverged run: stops at a logged step" "step [0-9]*: the loss is .*nan.*training diverged" \

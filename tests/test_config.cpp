@@ -406,7 +406,8 @@ TEST(Config, BadOverridesNameSet) {
             "--set: expected section.key=value, got '.steps=5'");
   EXPECT_EQ(parse_error(kMinimal, {"train.steps=abc"}),
             "--set: train.steps must be an integer, got 'abc'");
-  expect_contains(parse_error(kMinimal, {"data.train=[a.h5"}), {"--set: YAML syntax error"});
+  expect_contains(parse_error(kMinimal, {"data.train=[a.h5"}),
+                  {"--set 'data.train=[a.h5': the value of data.train: YAML syntax error at line 1"});
 }
 
 // ---- files --------------------------------------------------------------------------------------
