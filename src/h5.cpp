@@ -109,9 +109,14 @@ std::optional<std::string> get_attr_string(hid_t obj, const std::string& name) {
   Attribute a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), "attribute " + name);
   Datatype t(H5Aget_type(a.get()));
   if (H5Tget_class(t.get()) != H5T_STRING) return std::nullopt;
+  // Strings come variable-length (h5py's Python str) or fixed-length (numpy bytes, this
+  // project's writer), ASCII or UTF-8: the memory type takes the file's character set, since
+  // HDF5 refuses to convert between the two.
+  const H5T_cset_t cset = H5Tget_cset(t.get());
   if (H5Tis_variable_str(t.get()) > 0) {
     Datatype mem(H5Tcopy(H5T_C_S1));
     H5Tset_size(mem.get(), H5T_VARIABLE);
+    H5Tset_cset(mem.get(), cset);
     char* p = nullptr;
     if (H5Aread(a.get(), mem.get(), &p) < 0 || !p) return std::nullopt;
     std::string out(p);
@@ -123,6 +128,7 @@ std::optional<std::string> get_attr_string(hid_t obj, const std::string& name) {
   Datatype mem(H5Tcopy(H5T_C_S1));
   H5Tset_size(mem.get(), n);
   H5Tset_strpad(mem.get(), H5T_STR_NULLPAD);
+  H5Tset_cset(mem.get(), cset);
   if (H5Aread(a.get(), mem.get(), out.data()) < 0) return std::nullopt;
   out.resize(std::strlen(out.c_str()));
   return out;

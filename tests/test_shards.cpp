@@ -219,6 +219,48 @@ TEST(Shards, TokenOutsideVocabInAnotherToolsShardNamedWhenRead) {
   }
 }
 
+// h5py writes a Python str attribute as a variable-length UTF-8 string (and numpy bytes as a
+// fixed-length ASCII one): a shard written that way (docs/formats.md shows the Python) reads
+// like one of ours. The same attributes are made here with the C API.
+namespace {
+void set_vlen_utf8_attr(hid_t obj, const std::string& name, const std::string& value) {
+  if (H5Aexists(obj, name.c_str()) > 0) H5Adelete(obj, name.c_str());
+  hid_t type = H5Tcopy(H5T_C_S1);
+  H5Tset_size(type, H5T_VARIABLE);
+  H5Tset_cset(type, H5T_CSET_UTF8);
+  hid_t space = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate2(obj, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT);
+  const char* p = value.c_str();
+  H5Awrite(a, type, &p);
+  H5Aclose(a);
+  H5Sclose(space);
+  H5Tclose(type);
+}
+}  // namespace
+
+TEST(Shards, H5pyStyleVariableLengthUtf8AttributesRead) {
+  TempDir dir;
+  const std::string p = dir / "h5py.h5";
+  std::vector<uint32_t> tokens(100);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i % 50);
+  write_shard(p, tokens, {}, meta(257, 256));
+  {
+    h5::silence_errors();
+    hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    set_vlen_utf8_attr(f, "format", "mpitrain-tokens");
+    set_vlen_utf8_attr(f, "tokenizer", "byte");
+    set_vlen_utf8_attr(f, "source", "written by h5py \xc3\xa9");  // non-ASCII survives
+    H5Fclose(f);
+  }
+  const ShardInfo info = read_shard_info(p);
+  EXPECT_EQ(info.meta.tokenizer, "byte");
+  EXPECT_EQ(info.meta.source, "written by h5py \xc3\xa9");
+  EXPECT_EQ(info.meta.vocab_size, 257);
+  TokenDataset data({p}, 9, 0, false);
+  EXPECT_EQ(get_window(data, 1), expected_window(tokens, 1, 9));
+}
+
 // ---- bad files ---------------------------------------------------------------------------------
 
 TEST(Shards, BadFilesNameTheFile) {
