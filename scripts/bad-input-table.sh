@@ -93,6 +93,26 @@ row "CLI: sample from a non-HDF5 file" "$B" sample c/a.txt
 mkdir ro && chmod 555 ro
 row "CLI: checkpoint dir cannot be created" "$B" ok.yaml --set checkpoint.dir=/proc/mpitrain --set checkpoint.resume=none
 row "CLI: out_dir cannot be created" "$B" ok.yaml --set train.out_dir=/proc/mpitrain --set checkpoint.resume=none
+# Hardening classes (issue 17): command line, architecture, vocabulary, divergence, paths.
+row "CLI: unknown flag (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --bogus
+row "CLI: --set without a value (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set
+row "CLI: --stop-after -5" "$B" ok.yaml --stop-after -5
+row "CLI: --stop-after before the resumed step" "$B" ok.yaml --stop-after 1
+row "CLI: pack --shard-tokens -1" "$B" pack c -o d/c --doc-separator % --shard-tokens -1
+row "CLI: sample --temperature nan" "$B" sample ck/ckpt-00000002.h5 --temperature nan
+row "CLI: sample --tokens -1" "$B" sample ck/ckpt-00000002.h5 --tokens -1
+row "CLI: netcheck --iters -1 (mpirun -np 2)" mpirun -np 2 "$B" netcheck --iters -1
+row "config: YAML error inside --set" "$B" ok.yaml --set 'train.micro_batch=[1,'
+row "config: path is /dev/zero" "$B" /dev/zero
+mkfifo fifo.yaml
+row "config: path is a FIFO" timeout 20 "$B" fifo.yaml
+touch afile
+row "config: checkpoint.dir is a file (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set checkpoint.dir=afile
+row "resume: another n_head, equal shapes (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set model.n_head=4
+row "resume: another n_layer (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set model.n_layer=2
+row "training diverges (lr 1e30, mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set optim.lr=1e30 --set optim.min_lr=0 \
+  --set optim.grad_clip=0 --set checkpoint.dir=ckd --set log.every=1
+row "optim.fused: on without the kernel" "$B" ok.yaml --set optim.fused=on --set checkpoint.dir=ckf
 mkdir full
 if mount -t tmpfs -o size=200k tmpfs full 2>/dev/null; then
   cp -r ck full/ck 2>/dev/null
