@@ -16,7 +16,8 @@
 // Then load_checkpoint into a fresh-state model (+ AdamW, or none) and checkpoint_dims.
 //
 // Oracle: the only acceptable exception is mpitrain::UsageError; an unmodified or harmlessly
-// modified checkpoint must load and give back every tensor bitwise; a load into a model of other
+// modified checkpoint must load and give back every tensor bitwise (a change of the declared
+// dims, n_head included, is not harmless: load_checkpoint refuses another architecture); a load into a model of other
 // dimensions must fail; a load after flipping data bytes of a float32 (or the uint8 RNG) dataset
 // that the load reads must fail; no HDF5 identifier is left open after an input.
 #include <fcntl.h>
@@ -317,9 +318,9 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         int64_t v = kind == 0 ? in.PickValueInArray(kInterestingInts)
                               : old.value_or(0) + in.ConsumeIntegralInRange<int64_t>(-1, 1);
         if (name == "crc32") harmless = old && *old == v;
-        // checkpoint_dims compares these with the stored tensors' shapes: only the same value is
-        // harmless for it (n_head only has to divide n_embd, judged from fx.n_head/fx.n_embd).
-        else if (in_list(name, {"n_layer", "n_embd", "seq_len", "vocab_size"})) harmless = old && *old == v;
+        // checkpoint_dims compares these with the stored tensors' shapes, and load_checkpoint
+        // with the model's dims (n_head too): only the same value is harmless.
+        else if (in_list(name, {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"})) harmless = old && *old == v;
         else harmless = acceptable_int(name, v);  // an integer where one is expected, in range
         h5::set_attr(obj, name, v);
         if (name == "n_head") fx.n_head = v;
@@ -351,7 +352,7 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
         // A one-element uint8 array reads back as an integer.
         harmless = in_list(name, {"fuzz_extra", "mpitrain_version"}) ||
                    (v.size() == 1 && acceptable_int(name, v[0]));
-        if (name == "crc32" || in_list(name, {"n_layer", "n_embd", "seq_len", "vocab_size"})) {
+        if (name == "crc32" || in_list(name, {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"})) {
           auto old = h5::get_attr_int(obj, name);  // (dims: compared with the stored shapes)
           harmless = v.size() == 1 && old && *old == v[0];
         }
@@ -381,7 +382,8 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
     if (nonsense) fx.nonsense.insert(name);
     else fx.nonsense.erase(name);
   }
-  // Only checkpoint_dims reads n_*; only load_checkpoint reads the rest.
+  // checkpoint_dims reads n_*; load_checkpoint reads them too (through checkpoint_dims, then
+  // compared with the model's) and the rest.
   if (name == "crc32" && obj_path != "/") {
     if (!harmless && g->loaded.count(obj_path) && !fx.modified.count(obj_path)) {
       fx.modified.insert(obj_path);
@@ -394,7 +396,7 @@ void set_attr_op(FuzzedDataProvider& in, hid_t f, const std::vector<Object>& obj
   const bool shared = name == "format" || name == "version";
   if (!harmless) {
     if (dims_attr || shared) fx.harmful_dims = true;
-    if (!dims_attr) fx.harmful_load = true;
+    fx.harmful_load = true;
   }
 }
 
@@ -593,6 +595,8 @@ void mutate(FuzzedDataProvider& in, Effects& fx, std::vector<Object>& objs,
     }
   }
   if (fx.n_head >= 1 && fx.n_embd >= 1 && fx.n_embd % fx.n_head != 0) fx.harmful_dims = true;
+  // load_checkpoint runs checkpoint_dims first: whatever may fail that may fail the load.
+  if (fx.harmful_dims) fx.harmful_load = true;
 }
 
 // Flips bytes inside datasets' raw data: each flip picks a dataset (by the fraction) and a byte

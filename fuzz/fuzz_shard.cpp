@@ -22,7 +22,8 @@
 //     own check is what decides);
 //   - on success, the metadata, the tokens (read_shard_tokens) and every window()/batch() row
 //     equal what was written at the right offsets (shuffled epochs are a permutation of the
-//     windows). Token values are NOT checked against vocab_size: the reader does not promise that;
+//     windows), except that a window holding a token >= vocab_size (or >= 2^31) is refused with a
+//     UsageError naming the shard, and exactly those windows are;
 //   - no HDF5 identifier (file, dataset, attribute, ...) is left open after an input.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <hdf5.h>
@@ -541,10 +542,20 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
       w[t] = static_cast<int32_t>(windows[k].first->expected(windows[k].second + t));
     return w;
   };
-  auto get = [&](uint64_t index) {
+  // A window holding a token past the vocabulary is refused (UsageError); `refused` says so.
+  const uint64_t vocab = static_cast<uint64_t>(data->vocab_size());
+  auto out_of_vocab = [&](const std::vector<int32_t>& w) {
+    return std::any_of(w.begin(), w.end(), [&](int32_t t) { return static_cast<uint32_t>(t) >= vocab; });
+  };
+  auto get_or_refused = [&](uint64_t index, bool* refused) {
     std::vector<int32_t> w(width);
-    data->window(index, w.data());
+    *refused = !outcome("window", [&] { data->window(index, w.data()); });
+    if (*refused) w.assign(width, -1);
     return w;
+  };
+  auto get = [&](uint64_t index) {
+    bool refused = false;
+    return get_or_refused(index, &refused);
   };
 
   const int calls = in.ConsumeIntegralInRange<int>(1, 6);
@@ -552,21 +563,28 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
   for (int c = 0; c < calls; ++c) {
     const uint64_t index = in.ConsumeBool() ? in.ConsumeIntegralInRange<uint64_t>(0, 3 * total_windows)
                                             : in.ConsumeIntegral<uint64_t>();
-    const auto got = get(index);
-    if (got != get(index)) bug("window() is not deterministic");
+    bool refused = false, again = false;
+    const auto got = get_or_refused(index, &refused);
+    if (got != get_or_refused(index, &again) || refused != again) bug("window() is not deterministic");
     if (!materialise) continue;
     // The epoch of `index`, or the one before it if that one does not fit below 2^64 whole.
     uint64_t epoch = index / total_windows;
     if (epoch * total_windows > UINT64_MAX - (total_windows - 1)) --epoch;
     if (!shuffle) {
-      if (got != expected_window(index % total_windows))
+      const auto want = expected_window(index % total_windows);
+      if (refused != out_of_vocab(want))
+        bug("window(" + std::to_string(index) + ") " + (refused ? "refused without" : "served with") +
+            " a token outside the vocabulary");
+      if (!refused && got != want)
         bug("window(" + std::to_string(index) + ") differs from the tokens written there");
     } else if (!epoch_checked && total_windows <= 2048) {
       epoch_checked = true;
       // A shuffled epoch is a permutation of the windows.
+      // Windows with a token past the vocabulary are refused; all others come back.
       std::vector<std::vector<int32_t>> want, have;
       for (uint64_t k = 0; k < total_windows; ++k) {
-        want.push_back(expected_window(k));
+        auto w = expected_window(k);
+        want.push_back(out_of_vocab(w) ? std::vector<int32_t>(width, -1) : w);
         have.push_back(get(epoch * total_windows + k));
       }
       std::sort(want.begin(), want.end());
@@ -580,11 +598,15 @@ void check_dataset(FuzzedDataProvider& in, const std::vector<std::string>& paths
   const int rank = in.ConsumeIntegralInRange<int>(0, 7);
   const int64_t rows = in.ConsumeIntegralInRange<int64_t>(0, 4);
   std::vector<int32_t> buf(static_cast<size_t>(rows) * width);
-  outcome("batch", [&] { data->batch(start, rank, rows, buf.data()); });
+  const bool served = outcome("batch", [&] { data->batch(start, rank, rows, buf.data()); });
+  bool any_refused = false;
   for (int64_t r = 0; r < rows; ++r) {
-    const auto want = get(start + static_cast<uint64_t>(rank) * rows + r);
-    if (!std::equal(want.begin(), want.end(), buf.begin() + r * width)) bug("batch() row differs from window()");
+    bool refused = false;
+    const auto want = get_or_refused(start + static_cast<uint64_t>(rank) * rows + r, &refused);
+    any_refused = any_refused || refused;
+    if (served && !std::equal(want.begin(), want.end(), buf.begin() + r * width)) bug("batch() row differs from window()");
   }
+  if (served == any_refused) bug("batch() and window() disagree about a token outside the vocabulary");
 }
 
 }  // namespace
