@@ -151,8 +151,8 @@ void read_tensor(hid_t loc, const std::string& file, const std::string& name, to
     throw UsageError(concat(file, ": checksum mismatch in dataset '", name, "'"));
   // A NaN or inf with a valid checksum was saved so (a diverged run): training on would only
   // spread it. The first such element is named.
-  const torch::Tensor bad = torch::logical_not(torch::isfinite(buf)).reshape({-1}).nonzero();
-  if (bad.numel() > 0) {
+  if (!torch::isfinite(buf).all().item<bool>()) {
+    const torch::Tensor bad = torch::logical_not(torch::isfinite(buf)).reshape({-1}).nonzero();
     const int64_t at = bad[0][0].item<int64_t>();
     throw UsageError(concat(file, ": dataset '", name, "' holds ", bad.size(0), " non-finite value(s), the first ",
                             buf.reshape({-1})[at].item<float>(), " at flat index ", at));
@@ -429,22 +429,25 @@ std::vector<std::string> resume_candidates(const CheckpointConfig& cfg) {
   return out;
 }
 
-GPTDims checkpoint_dims(const std::string& path) {
-  h5::File f = open_checkpoint(path);
+namespace {
+
+// The declared model dimensions of the open checkpoint `root` (file name `path`), checked against
+// its stored tensors.
+GPTDims declared_dims(hid_t root, const std::string& path) {
   GPTDims d;
-  d.n_layer = require_int_in(f.get(), path, "n_layer", "n_layer", 1);
-  d.n_head = require_int_in(f.get(), path, "n_head", "n_head", 1);
-  d.n_embd = require_int_in(f.get(), path, "n_embd", "n_embd", 1);
-  d.seq_len = require_int_in(f.get(), path, "seq_len", "seq_len", 1);
-  d.vocab_size = require_int_in(f.get(), path, "vocab_size", "vocab_size", 1);
+  d.n_layer = require_int_in(root, path, "n_layer", "n_layer", 1);
+  d.n_head = require_int_in(root, path, "n_head", "n_head", 1);
+  d.n_embd = require_int_in(root, path, "n_embd", "n_embd", 1);
+  d.seq_len = require_int_in(root, path, "seq_len", "seq_len", 1);
+  d.vocab_size = require_int_in(root, path, "vocab_size", "vocab_size", 1);
   if (d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));
   // The declared dimensions must be those of the stored tensors: `sample` builds the model from
   // them before reading any tensor, so a damaged attribute must not make it allocate gigabytes.
   auto expect_stored = [&](const std::string& name, std::vector<int64_t> want, const char* declared_by) {
-    if (!h5::exists(f.get(), name)) throw UsageError(concat(path, ": missing dataset '", name, "'"));
-    h5::Dataset ds = open_dataset(f.get(), path, name);
+    if (!h5::exists(root, name)) throw UsageError(concat(path, ": missing dataset '", name, "'"));
+    h5::Dataset ds = open_dataset(root, path, name);
     const auto dims = h5::shape(ds.get());
     const std::vector<int64_t> got(dims.begin(), dims.end());
     if (got != want)
@@ -457,16 +460,25 @@ GPTDims checkpoint_dims(const std::string& path) {
   expect_stored("model/wpe.weight", {d.seq_len, d.n_embd}, "'seq_len' and 'n_embd'");
   expect_stored(concat("model/h.", d.n_layer - 1, ".attn.c_attn.weight"), {3 * d.n_embd, d.n_embd},
                 "'n_layer' and 'n_embd'");
-  if (h5::exists(f.get(), concat("model/h.", d.n_layer, ".attn.c_attn.weight")))
+  if (h5::exists(root, concat("model/h.", d.n_layer, ".attn.c_attn.weight")))
     throw UsageError(concat(path, ": attribute 'n_layer' declares ", d.n_layer, " layers, but the file holds more"));
   return d;
 }
 
+}  // namespace
+
+GPTDims checkpoint_dims(const std::string& path) {
+  h5::File f = open_checkpoint(path);
+  return declared_dims(f.get(), path);
+}
+
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st) {
+  h5::File f = open_checkpoint(path);
+  const hid_t root = f.get();
   // The architecture first: equal tensor shapes are not enough (n_head changes the attention but
   // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
   {
-    const GPTDims have = checkpoint_dims(path), want = model->dims();
+    const GPTDims have = declared_dims(root, path), want = model->dims();
     const std::pair<const char*, std::pair<int64_t, int64_t>> keys[] = {
         {"n_layer", {have.n_layer, want.n_layer}}, {"n_head", {have.n_head, want.n_head}},
         {"n_embd", {have.n_embd, want.n_embd}},    {"seq_len", {have.seq_len, want.seq_len}},
@@ -477,8 +489,6 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
                                 values.second, " (model.", key, "); a checkpoint resumes only the architecture it was "
                                 "saved from"));
   }
-  h5::File f = open_checkpoint(path);
-  const hid_t root = f.get();
   // The training state's scalars first: nonsense there is refused before any tensor is read.
   // (Negative counts would resume the loop, the lr schedule and the data order at nonsense.)
   st.step = require_int_in(root, path, "step", "step", 0);

@@ -447,26 +447,20 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  // A regular file of bounded size, checked before opening: a FIFO would block the open, and
-  // /dev/zero or /dev/urandom would never end.
-  constexpr long long kMaxConfigBytes = 1 << 20;
+  // A regular file, checked before opening (a FIFO would block the open), read up to a bound
+  // (below: /dev/zero would never end, and /proc files report size 0).
+  constexpr size_t kMaxConfigBytes = 1 << 20;
   struct stat st{};
-  if (::stat(path.c_str(), &st) == 0) {
-    if (!S_ISREG(st.st_mode))
-      throw UsageError(concat(path, ": cannot read config file (not a regular file)"));
-    if (st.st_size > kMaxConfigBytes)
-      throw UsageError(concat(path, ": config file of ", static_cast<long long>(st.st_size),
-                              " bytes, more than the 1 MiB a config may have"));
-  }
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw UsageError(concat(path, ": cannot read config file (not a regular file)"));
   // stdio rather than ifstream: reading a directory must fail here, and ferror says so.
   std::FILE* file = std::fopen(path.c_str(), "rb");
   if (!file) throw UsageError(concat(path, ": cannot read config file (", std::strerror(errno), ")"));
   std::string text;
   char buf[8192];
   size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0 && text.size() <= static_cast<size_t>(kMaxConfigBytes))
-    text.append(buf, n);
-  if (text.size() > static_cast<size_t>(kMaxConfigBytes)) {
+  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0 && text.size() <= kMaxConfigBytes) text.append(buf, n);
+  if (text.size() > kMaxConfigBytes) {
     std::fclose(file);
     throw UsageError(concat(path, ": config file of more than the 1 MiB a config may have"));
   }

@@ -13,7 +13,7 @@
 
 namespace mpitrain {
 
-enum class FusedImpl { automatic, reference };
+enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel where it applies
 
 // F::apply(args...) for a torch::autograd::Function F. GCC 14 with libtorch 2.x reports
 // -Warray-bounds / -Wstringop-overflow inside std::vector<bool>::reserve when it inlines Function::apply
@@ -26,7 +26,7 @@ auto apply_autograd_function(Args&&... args) {
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
   return F::apply(std::forward<Args>(args)...);
 #pragma GCC diagnostic pop
-}  // automatic: the CUDA kernel where it applies
+}
 
 // True when this build has the CUDA kernels (a CUDA compiler was found at configure time).
 bool fused_kernels_built();
