@@ -167,28 +167,44 @@ void read_or_refuse(const ShardInfo& info, F&& read) {
 
 hid_t native_type(int bytes) { return bytes == 2 ? H5T_NATIVE_UINT16 : H5T_NATIVE_UINT32; }
 
-// The reader's hot loop: `n` raw uint16 tokens (maybe unaligned: memcpy keeps mmap'd data
-// well-defined and compiles to a plain load) widened to int32. No aliasing, no bounds checks, no
-// calls: it compiles to vector loads and zero-extending unpacks (SSE2 in a baseline x86-64
-// build). With GCC on x86-64 an AVX2 clone is added too (picked once, at load time, on CPUs that
-// have it): half the store instructions, ~1.2x faster per window (bench/RESULTS-data.md).
+// The reader's hot loops: `n` raw uint16/uint32 tokens (maybe unaligned: memcpy keeps mmap'd
+// data well-defined and compiles to a plain load) copied as int32, returning the largest token
+// (for the vocabulary check) from the same pass: a second pass over the copied row halved the
+// reader's throughput. No aliasing, no bounds checks, no calls: vector loads, zero-extending
+// unpacks and unsigned max (SSE2/SSE4.1 in a baseline x86-64 build). With GCC on x86-64 an AVX2
+// clone is added too (picked once, at load time, on CPUs that have it): half the store
+// instructions, ~1.2x faster per window (bench/RESULTS-data.md).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
+#define MPITRAIN_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#else
+#define MPITRAIN_AVX2_CLONE
 #endif
-void widen_u16(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
+MPITRAIN_AVX2_CLONE
+uint32_t widen_u16(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
+  uint16_t hi = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint16_t v;
     std::memcpy(&v, src + 2 * i, 2);
     dst[i] = static_cast<int32_t>(v);
+    hi = std::max(hi, v);
   }
+  return hi;
+}
+MPITRAIN_AVX2_CLONE
+uint32_t copy_u32(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
+  uint32_t hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t v;
+    std::memcpy(&v, src + 4 * i, 4);
+    dst[i] = static_cast<int32_t>(v);
+    hi = std::max(hi, v);
+  }
+  return hi;
 }
 
-// `n` raw tokens of `dtype_bytes` each to int32 (uint32 is a plain copy of the same bits).
-inline void copy_tokens(const unsigned char* src, int dtype_bytes, int64_t n, int32_t* dst) {
-  if (dtype_bytes == 2)
-    widen_u16(src, n, dst);
-  else
-    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+// `n` raw tokens of `dtype_bytes` each to int32 (uint32: the same bits); returns the largest.
+inline uint32_t copy_tokens(const unsigned char* src, int dtype_bytes, int64_t n, int32_t* dst) {
+  return dtype_bytes == 2 ? widen_u16(src, n, dst) : copy_u32(src, n, dst);
 }
 
 }  // namespace
@@ -479,12 +495,10 @@ void TokenDataset::batch(uint64_t start, int rank, int64_t rows, int32_t* dst) c
     if (r + kAhead < rows) request(r + kAhead);
     const Src& s = ring[r % (kAhead + 1)];
     int32_t* row = dst + r * width;
-    copy_tokens(s.p, s.bytes, width, row);
     // Every token must be in the declared vocabulary: a token past it would index past the
-    // embedding (a libtorch exception, or silently wrong training). One max per window, in the
-    // cache lines the copy just touched; compared unsigned, so that uint32 tokens >= 2^31 count.
-    uint32_t hi = 0;
-    for (int64_t j = 0; j < width; ++j) hi = std::max(hi, static_cast<uint32_t>(row[j]));
+    // embedding (a libtorch exception, or silently wrong training). The copy returns the row's
+    // largest token, unsigned, so that uint32 tokens >= 2^31 count too.
+    const uint32_t hi = copy_tokens(s.p, s.bytes, width, row);
     if (hi >= static_cast<uint64_t>(vocab_size_)) report_out_of_vocabulary(s.p, row, width);
   }
 }
