@@ -13,7 +13,9 @@
 #   3. the OMPI_MCA_* environment copied into OpenMPI's system parameter file, so that the orted
 #      daemons mpirun starts over ssh (which do not inherit the container's environment) use the
 #      same interfaces and transports as mpirun itself;
-#   4. exec "$@" (by default `sshd -D -e`: sshd in the foreground, logging to stderr).
+#   4. run "$@" (by default `sshd -D -e`: sshd in the foreground, logging to stderr); on SIGTERM
+#      (a container stop) the mpitrain ranks in this container are asked to checkpoint and exit 75
+#      before sshd stops.
 set -euo pipefail
 
 log() { echo "mpitrain-entrypoint: $*" >&2; }
@@ -107,4 +109,37 @@ if command -v ip > /dev/null; then
   log "$(hostname): $(ip -4 -o addr show scope global | awk '{printf "%s %s  ", $2, $4}')"
 fi
 
-exec "$@"
+# ---- 4. run "$@" (sshd); a container stop checkpoints the training first ---------------------------
+# `docker stop`, a swarm task shutdown or a node drain sends SIGTERM to tini (PID 1), which passes it
+# here. Were sshd PID 1's only child, the container would end at once and the kernel would SIGKILL
+# its ranks mid-step. Instead every mpitrain rank in this container gets SIGTERM: at the end of its
+# step the whole job (ranks in other containers too) agrees to stop, writes one checkpoint and exits
+# 75; this script waits for the ranks and for the launcher and daemons that serve them (mpirun,
+# orted/prted: mpirun's exit code 75 reaches whoever started it) and only then stops sshd. The
+# container's stop grace period must cover one step plus one checkpoint write (stack.yml sets
+# stop_grace_period; `docker stop -t SECONDS` for plain containers): when it runs out Docker
+# SIGKILLs everything, and the newest complete checkpoint is the previous one.
+"$@" &
+main=$!
+job_processes() { pgrep -x 'mpitrain|mpirun|orterun|prterun|prte|orted|prted' || true; }
+on_stop() {
+  trap '' TERM INT
+  local ranks
+  ranks=$(pgrep -x mpitrain || true)
+  if [ -n "$ranks" ]; then
+    log "$1: SIGTERM to $(echo $ranks | wc -w) mpitrain rank(s) in this container: the job checkpoints and exits 75"
+    kill -TERM $ranks 2> /dev/null || true
+    local t0=$SECONDS
+    while [ -n "$(job_processes)" ]; do sleep 0.2; done
+    log "the job's processes here exited $((SECONDS - t0)) s after $1"
+  fi
+  kill -TERM "$main" 2> /dev/null || true
+}
+trap 'on_stop SIGTERM' TERM
+trap 'on_stop SIGINT' INT
+status=0
+while :; do
+  wait "$main" && status=0 || status=$?
+  kill -0 "$main" 2> /dev/null || break  # a trapped signal ended `wait` early: wait again
+done
+exit "$status"

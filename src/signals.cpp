@@ -18,8 +18,19 @@ extern "C" void on_stop_signal(int signo) {
     (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
     ::_exit(kExitInterrupted);
   }
-  if (g_signal == 0) g_signal = signo;
-  else if (signo == SIGINT) g_signal = SIGINT;  // a later Ctrl-C still arms the immediate exit
+  if (g_signal == 0) {
+    g_signal = signo;
+    // Once stopping, a launcher that has gone away (mpirun killed, its output pipes closed) must
+    // not end this rank at its next log line before the checkpoint is on disk: writes to a closed
+    // pipe then fail with EPIPE instead of raising SIGPIPE. (Before a stop signal SIGPIPE keeps
+    // its default, so ranks orphaned by a dead launcher do not train on unseen.)
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGPIPE, &ignore, nullptr);
+  } else if (signo == SIGINT) {
+    g_signal = SIGINT;  // a later Ctrl-C still arms the immediate exit
+  }
 }
 
 }  // namespace
@@ -29,13 +40,13 @@ void install_stop_signals() {
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
-  for (int s : {SIGUSR1, SIGTERM, SIGINT}) sigaction(s, &sa, nullptr);
+  for (int s : {SIGUSR1, SIGUSR2, SIGTERM, SIGINT}) sigaction(s, &sa, nullptr);
 }
 
 int pending_stop_signal() { return g_signal; }
 
 int exit_code_for_signal(int signo) {
-  return signo == SIGINT ? kExitInterrupted : signo == 0 ? kExitOk : kExitPreempted;
+  return signo == SIGINT || signo == SIGUSR2 ? kExitInterrupted : signo == 0 ? kExitOk : kExitPreempted;
 }
 
 void clear_stop_signal() { g_signal = 0; }

@@ -24,6 +24,8 @@
 #            host keys
 #   train    make-hostfile.sh in one container, a generated corpus packed in every container,
 #            mpirun -np 4 across the 3 containers: exit 0, the host map says 3 hosts, a checkpoint
+#   stop     a long run, then `docker stop` of a container holding a rank (not mpirun's): the job
+#            checkpoints, every rank exits 75 and so does mpirun in the other container
 #   cleanup  stack rm, swarm leave, dockerd stopped by PID, mounts, links, nft rules, sysctls,
 #            temp dirs: the machine as it was (checked, and reported as PASS/FAIL)
 #
@@ -545,4 +547,41 @@ ckpt=""
 [ -n "$rank0_ctr" ] && ckpt=$(dk exec "$rank0_ctr" sh -c 'ls /root/run/checkpoints/*.h5 2>/dev/null')
 check "checkpoint: written by rank 0 on ${rank0_host:-?} (${ckpt:-none})" \
   grep -q 'ckpt-00000005\.h5' <<< "$ckpt"
+end_phase
+
+# ==== stop =========================================================================================
+# A container stop (docker stop, a node drain) must keep the trainer's promise: the ranks in the
+# stopped container get SIGTERM from its entrypoint, the whole job checkpoints, every rank exits 75
+# and so does the mpirun in another container.
+phase stop "docker stop of one container mid-run: checkpoint, exit 75"
+victim=""
+for c in $ctrs; do
+  [ "$c" != "$first" ] && [ "$c" != "$rank0_ctr" ] && { victim=$c; break; }
+done
+sed -e 's/steps: 5,/steps: 1000000,/' -e 's#/root/run#/root/run-stop#g' -e 's/eval: {every: 5, batches: 2}/eval: {every: 0}/' \
+  "$WORK/config.yaml" > "$WORK/config-stop.yaml"
+for c in $ctrs; do dk exec -i "$c" sh -c 'cat > /root/config-stop.yaml' < "$WORK/config-stop.yaml"; done
+DK_TIMEOUT=300 dk exec -w /root "$first" \
+  mpirun -np $NP --map-by node -hostfile /root/hosts mpitrain /root/config-stop.yaml > "$WORK/stop.log" 2>&1 &
+stop_pid=$!
+for _ in $(seq 1 600); do grep -q 'step  *20/' "$WORK/stop.log" && break; sleep 0.1; done
+victim_host=$(dk exec "$victim" hostname 2>/dev/null)
+info "training reached step $(grep -Eo 'step +[0-9]+/' "$WORK/stop.log" | tail -1 | tr -dc 0-9); docker stop $victim_host"
+t_stop=$(now)
+DK_TIMEOUT=150 dk stop -t 120 "$victim" > /dev/null 2>&1
+stop_s=$(elapsed "$t_stop")
+wait $stop_pid
+stop_rc=$?
+tail -6 "$WORK/stop.log" | sed 's/^/  | /'
+dk logs "$victim" 2>&1 | grep 'mpitrain-entrypoint: SIG\|exited .* after' | sed 's/^/  victim: /'
+check "container stop: the entrypoint passed SIGTERM to the rank in $victim_host" \
+  bash -c 'grep -q "SIGTERM to 1 mpitrain rank" <<< "$1"' _ "$(dk logs "$victim" 2>&1)"
+check "container stop: every rank stopped after a checkpoint ($(grep -Eo 'stopped by signal [0-9]+ after step [0-9]+' "$WORK/stop.log" | head -1))" \
+  grep -q 'stopped by signal 15 after step [0-9]*: checkpoint written, exit code 75' "$WORK/stop.log"
+check "container stop: mpirun in another container exited 75 (was $stop_rc); docker stop took ${stop_s}s of its 120 s grace" \
+  test "$stop_rc" -eq 75
+stopped_at=$(grep -Eo 'stopped by signal 15 after step [0-9]+' "$WORK/stop.log" | head -1 | grep -Eo '[0-9]+$')
+stop_ckpt=$(dk exec "$rank0_ctr" sh -c 'ls /root/run-stop/checkpoints/ 2>/dev/null')
+check "container stop: the checkpoint of step ${stopped_at:-?} is on rank 0's host (${stop_ckpt//$'\n'/ })" \
+  grep -q "ckpt-$(printf '%08d' "${stopped_at:-0}")\.h5" <<< "$stop_ckpt"
 end_phase
