@@ -7,6 +7,8 @@ schedule, optionally torch.compile. Prints one JSON line: tokens/s, ms/step, pea
 losses.
 
     python3 bench/gpt2_reference.py --tokens data.npy --mode eager|compile [--steps 60]
+    python3 bench/gpt2_reference.py --device cpu --precision fp32 --threads 1 --n-layer 4 ...
+                                                           (bench/cpu_vs_pytorch.sh)
     python3 bench/gpt2_reference.py --dump-init DIR        initial weights, one .npy per parameter
                                                            (mpitrain's model.init_from), then exit
 
@@ -38,7 +40,12 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.attn.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # torch < 2.0 (Debian 12's 1.13): the plain masked-softmax attention
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
         x = x + self.attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
@@ -95,10 +102,26 @@ def main():
     ap.add_argument("--sequential", action="store_true", help="mpitrain's unshuffled window order")
     ap.add_argument("--all-losses", action="store_true", help="record the loss of every step")
     ap.add_argument("--dump-init", metavar="DIR", help="write the initial weights as .npy files and exit")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="bf16: autocast with fp32 master weights; fp32: no autocast")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (CPU); 0 = torch's default")
+    ap.add_argument("--n-layer", type=int, default=12)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--init-from", metavar="DIR", help="start from the .npy weights --dump-init wrote")
     args = ap.parse_args()
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # as mpitrain does for fp32 on the CPU
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.seq_len, 12, 12, 768)  # drawn on the CPU: the same for every mode
+    # drawn on the CPU: the same for every mode
+    model = GPT(args.vocab, args.seq_len, args.n_layer, args.n_head, args.n_embd)
+    if args.init_from:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.from_numpy(np.load(os.path.join(args.init_from, name + ".npy"))))
     if args.dump_init:
         os.makedirs(args.dump_init, exist_ok=True)
         for name, p in model.named_parameters():
@@ -108,34 +131,43 @@ def main():
     if not args.tokens:
         ap.error("--tokens is required")
 
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    dev = torch.device("cuda")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dev = torch.device(args.device)
     data = torch.from_numpy(np.load(args.tokens).astype(np.int64))
     model = model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # The fastest AdamW this torch offers on the device: fused on CUDA; on the CPU fused from torch
+    # 2.4, else the default (for-each where torch picks it).
+    fused = cuda or tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}))
     step_fn = torch.compile(model) if args.mode == "compile" else model
     B, T = args.micro_batch, args.seq_len
     gen = torch.Generator().manual_seed(args.seed)
 
-    losses, t0 = [], None
-    torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses, t0, step_ms = [], None, []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
         if step == args.warmup:
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
+        t_step = time.perf_counter()
         if args.sequential:
             starts = [(step * B + i) * T for i in range(B)]
         else:
             starts = torch.randint(0, data.numel() - T - 1, (B,), generator=gen).tolist()
-        batch = torch.stack([data[s:s + T + 1] for s in starts]).pin_memory().to(dev, non_blocking=True)
+        batch = torch.stack([data[s:s + T + 1] for s in starts])
+        batch = batch.pin_memory().to(dev, non_blocking=True) if cuda else batch
         x, y = batch[:, :-1], batch[:, 1:]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -143,16 +175,20 @@ def main():
         opt.zero_grad(set_to_none=True)
         if args.all_losses or step < 5 or step + 1 == args.steps:
             losses.append(round(loss.item(), 4))
-    torch.cuda.synchronize()
+        if step >= args.warmup:
+            step_ms.append(1e3 * (time.perf_counter() - t_step))
+    sync()
     dt = time.perf_counter() - t0
     timed = args.steps - args.warmup
     print(json.dumps({
         "name": f"pytorch {args.mode}",
         "tokens_per_s": timed * B * T / dt,
         "ms_per_step": 1e3 * dt / timed,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "median_ms_per_step": sorted(step_ms)[len(step_ms) // 2],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": losses,
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
     }))
 
 

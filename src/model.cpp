@@ -52,7 +52,9 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
     causal_mask_ = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
   auto mask = causal_mask_.index({torch::indexing::Slice(0, T), torch::indexing::Slice(0, T)});
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
+  // In place: the scores are nobody's saved input (the scalar product keeps nothing), so the
+  // masked copy the out-of-place form allocates per layer is not needed; the values are the same.
+  att = att.masked_fill_(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
   if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
   y = torch::matmul(att, v);
 #endif

@@ -86,6 +86,12 @@ stopped=$(sed 's/ckpt-0*\([0-9]*\).h5/\1/' ckpt3/latest 2>/dev/null)
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=$((stopped + 3)) \
   --set eval.every=0 --set 'data.val=[]' > usr1b.out 2>&1
 check "resume after SIGUSR1 continues from its checkpoint" "grep -q \"at step $stopped \" usr1b.out"
+check "resume with the same layout says nothing about the global batch" "! grep -q 'global batch on resume' usr1b.out"
+# A changed global batch on resume is allowed and said (here: 2 ranks -> 1).
+"$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=$((stopped + 5)) \
+  --set eval.every=0 --set 'data.val=[]' > usr1c.out 2>&1
+check "resume on 1 rank of a 2-rank checkpoint logs the global batch change" \
+  "grep -q 'global batch on resume: the checkpoint.s run used [0-9]* sequences per step ([0-9]* micro x 2 ranks' usr1c.out && grep -q 'data order continues at sample' usr1c.out"
 
 # ---- scripts/mpitrain-run: the ways users stop a job keep the documented exit codes ----
 # SIGTERM/SIGHUP (kill, a scheduler) -> 75 and Ctrl-C (SIGINT) -> 130, each after a checkpoint.
