@@ -17,9 +17,10 @@
 //
 // Oracle: the only acceptable exception is mpitrain::UsageError; an unmodified or harmlessly
 // modified checkpoint must load and give back every tensor bitwise (a change of the declared
-// dims, n_head included, is not harmless: load_checkpoint refuses another architecture); a load into a model of other
-// dimensions must fail; a load after flipping data bytes of a float32 (or the uint8 RNG) dataset
-// that the load reads must fail; no HDF5 identifier is left open after an input.
+// dims, n_head included, is not harmless: load_checkpoint refuses another architecture); a load
+// into a model of other dimensions must fail; a load after flipping data bytes of a float32 (or
+// the uint8 RNG) dataset that the load reads must fail; no HDF5 identifier is left open after an
+// input.
 #include <fcntl.h>
 #include <fuzzer/FuzzedDataProvider.h>
 #include <hdf5.h>

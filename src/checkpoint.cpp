@@ -151,8 +151,9 @@ void read_tensor(hid_t loc, const std::string& file, const std::string& name, to
     throw UsageError(concat(file, ": checksum mismatch in dataset '", name, "'"));
   // A NaN or inf with a valid checksum was saved so (a diverged run): training on would only
   // spread it. The first such element is named.
-  if (!torch::isfinite(buf).all().item<bool>()) {
-    const torch::Tensor bad = torch::logical_not(torch::isfinite(buf)).reshape({-1}).nonzero();
+  const torch::Tensor finite = torch::isfinite(buf);
+  if (!finite.all().item<bool>()) {
+    const torch::Tensor bad = torch::logical_not(finite).reshape({-1}).nonzero();
     const int64_t at = bad[0][0].item<int64_t>();
     throw UsageError(concat(file, ": dataset '", name, "' holds ", bad.size(0), " non-finite value(s), the first ",
                             buf.reshape({-1})[at].item<float>(), " at flat index ", at));

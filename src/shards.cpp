@@ -179,27 +179,27 @@ hid_t native_type(int bytes) { return bytes == 2 ? H5T_NATIVE_UINT16 : H5T_NATIV
 #else
 #define MPITRAIN_AVX2_CLONE
 #endif
-MPITRAIN_AVX2_CLONE
-uint32_t widen_u16(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
-  uint16_t hi = 0;
+// One loop for both token widths; each width's entry point below is cloned for AVX2, and this
+// body is inlined into every clone (so each is compiled for its own target).
+template <typename Token>
+__attribute__((always_inline)) inline uint32_t copy_as_int32(const unsigned char* __restrict src, int64_t n,
+                                                             int32_t* __restrict dst) {
+  Token hi = 0;
   for (int64_t i = 0; i < n; ++i) {
-    uint16_t v;
-    std::memcpy(&v, src + 2 * i, 2);
+    Token v;
+    std::memcpy(&v, src + sizeof(Token) * i, sizeof(Token));
     dst[i] = static_cast<int32_t>(v);
     hi = std::max(hi, v);
   }
   return hi;
 }
 MPITRAIN_AVX2_CLONE
+uint32_t widen_u16(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
+  return copy_as_int32<uint16_t>(src, n, dst);
+}
+MPITRAIN_AVX2_CLONE
 uint32_t copy_u32(const unsigned char* __restrict src, int64_t n, int32_t* __restrict dst) {
-  uint32_t hi = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t v;
-    std::memcpy(&v, src + 4 * i, 4);
-    dst[i] = static_cast<int32_t>(v);
-    hi = std::max(hi, v);
-  }
-  return hi;
+  return copy_as_int32<uint32_t>(src, n, dst);
 }
 
 // `n` raw tokens of `dtype_bytes` each to int32 (uint32: the same bits); returns the largest.

@@ -539,7 +539,6 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                        shard_list_fingerprint(train_data->paths())});
   });
 
-
   TrainResult result;
   result.num_params = model->num_params();
   // A run whose loss or parameters became NaN/inf stops here, printed once (every rank sees the

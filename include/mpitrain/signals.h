@@ -1,6 +1,7 @@
 // Graceful stops: SIGUSR1 (Slurm's warning before preemption or the time limit), SIGTERM, SIGINT
-// and SIGUSR2 (what `mpitrain-run` sends through mpirun for a Ctrl-C) set a flag; the training loop checks it after every step, all ranks agree, write a
-// checkpoint and exit with a documented code. A second SIGINT exits at once.
+// and SIGUSR2 (what `mpitrain-run` sends through mpirun for a Ctrl-C) set a flag; the training
+// loop checks it after every step, all ranks agree, write a checkpoint and exit with a documented
+// code. A second SIGINT exits at once.
 #pragma once
 
 namespace mpitrain {
