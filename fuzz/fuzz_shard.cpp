@@ -10,7 +10,7 @@
 // runs our readers on it, so the fuzzer explores OUR validation rather than HDF5's parser on
 // random bytes (HDF5 1.10 has known crashes on malformed files that are not ours to fix).
 //
-// Oracle (docs in shards.h / src/shards.cpp):
+// Oracle (docs in shards.h / src/data/shards.cpp):
 //   - the only acceptable exception is mpitrain::UsageError;
 //   - for an untruncated file the harness knows whether the shard is valid (format, version,
 //     vocab_size > 0, /tokens an unsigned 16/32-bit 1-D dataset, num_tokens attribute absent or

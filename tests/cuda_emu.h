@@ -1,4 +1,4 @@
-// A CPU emulation of the part of CUDA that src/kernels/fused_kernels.cu uses, so that the kernels
+// A CPU emulation of the part of CUDA that src/model/kernels/fused_kernels.cu uses, so that the kernels
 // (and their launchers) run on machines without a GPU: tests/test_kernels_emu.cpp compiles
 // fused_kernels.cu as C++ with MPITRAIN_CUDA_EMULATION defined and this header in place of the
 // CUDA runtime.

@@ -69,6 +69,8 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
   st.tokens_seen = 48;
   st.data_cursor = 6;
   st.world_size = 2;
+  st.dp = 2;
+  st.zero = 1;
   st.config_yaml = "model:\n  preset: tiny\n";
   st.eot_token = 31;
   st.rng_states = {{1, 2, 3}, {4, 5, 6}};
@@ -95,6 +97,25 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
   EXPECT_EQ(got.rng_states, st.rng_states);
   EXPECT_EQ(got.loss_scale, 0.0);  // not an fp16 run: no scale stored
   EXPECT_EQ(checkpoint_dims(path).n_embd, 16);
+  EXPECT_EQ(got.dp, st.dp);
+  EXPECT_EQ(got.tp, st.tp);
+  EXPECT_EQ(got.zero, st.zero);
+
+  // A version 1 file (before the layout attributes) still loads, as plain data parallel.
+  {
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    h5::set_attr(f, "version", int64_t{1});
+    for (const char* name : {"parallel_dp", "parallel_tp", "optim_zero"}) ASSERT_GE(H5Adelete(f, name), 0) << name;
+    H5Fclose(f);
+    Trained c(3);
+    TrainState v1;
+    load_checkpoint(path, c.model, &c.opt, v1);
+    EXPECT_EQ(v1.dp, 2);  // = world_size
+    EXPECT_EQ(v1.tp, 1);
+    EXPECT_EQ(v1.zero, 0);
+    for (size_t i = 0; i < a.opt.size(); ++i) EXPECT_TRUE(bitwise_equal(a.opt.exp_avg(i), c.opt.exp_avg(i)));
+  }
 
   // An fp16 run's dynamic loss scale comes back with the state.
   st.step = 4;
@@ -225,9 +246,9 @@ TEST(Checkpoint, BadCheckpointsAreUsageErrorsNamingFileAndDataset) {
   {
     h5::File f = h5::create(other);
     h5::set_attr(f.get(), "format", std::string(kCheckpointFormat));
-    h5::set_attr(f.get(), "version", int64_t{2});
+    h5::set_attr(f.get(), "version", int64_t{3});
   }
-  EXPECT_NE(load_error(other, dims()).find("unsupported checkpoint version 2"), std::string::npos);
+  EXPECT_NE(load_error(other, dims()).find("unsupported checkpoint version 3"), std::string::npos);
   std::ofstream(dir + "/text.h5") << "hello";
   EXPECT_NE(load_error(dir + "/text.h5", dims()).find("not an HDF5 file"), std::string::npos);
   st.step = 2;

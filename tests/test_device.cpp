@@ -6,6 +6,7 @@
 
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
+#include "mpitrain/layout.h"
 
 using namespace mpitrain;
 
@@ -57,4 +58,56 @@ TEST(Device, MpiBackendSharesGpus) {
 
 TEST(Device, CudaWithoutGpusIsAnError) {
   EXPECT_THROW(choose_device("cuda", "auto", 0, 0, 1, "h"), UsageError);
+}
+
+// ---- the dp x tp layout (layout.h) -------------------------------------------------------------
+
+namespace {
+// `per_host` ranks on each of the hosts, in rank order (mpirun's default by-slot placement).
+Topology hosts_of(const std::vector<std::pair<std::string, int>>& per_host) {
+  Topology t;
+  t.size = 0;
+  for (size_t h = 0; h < per_host.size(); ++h) {
+    t.hosts.push_back(per_host[h].first);
+    for (int i = 0; i < per_host[h].second; ++i) t.host_of_rank.push_back(static_cast<int>(h));
+    t.size += per_host[h].second;
+  }
+  return t;
+}
+}  // namespace
+
+TEST(Layout, TpGroupsAreConsecutiveRanksAndDpGroupsShareTheTpCoordinate) {
+  const Topology topo = hosts_of({{"a", 4}, {"b", 4}});
+  const MeshLayout l = plan_layout(topo, 2);
+  EXPECT_EQ(l.world, 8);
+  EXPECT_EQ(l.dp, 4);
+  EXPECT_EQ(l.tp, 2);
+  EXPECT_EQ(l.tp_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.dp_group(5), (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(l.dp_rank(5), 2);
+  EXPECT_EQ(l.tp_rank(5), 1);
+  EXPECT_EQ(l.describe(topo), "mesh: 8 ranks = dp 4 x tp 2; tp groups a[0-1] a[2-3] b[4-5] b[6-7]");
+  const MeshLayout flat = plan_layout(topo, 1);
+  EXPECT_EQ(flat.dp, 8);
+  EXPECT_EQ(flat.dp_group(3).size(), 8u);
+  EXPECT_EQ(flat.describe(topo), "mesh: 8 ranks = dp 8");
+}
+
+TEST(Layout, ALayoutThatDoesNotFitTheHostsIsRefusedNamingKeyAndHost) {
+  try {
+    plan_layout(hosts_of({{"a", 3}, {"b", 3}}), 2);  // ranks 2-3 would span a and b
+    FAIL() << "expected UsageError";
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("parallel.tp: 2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 2 is on host a and rank 3 on host b"), std::string::npos) << msg;
+  }
+  try {
+    plan_layout(hosts_of({{"a", 3}}), 2);
+    FAIL() << "expected UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.tp: 2 does not divide the world size 3"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(plan_layout(hosts_of({{"a", 4}, {"b", 2}}), 2));
 }

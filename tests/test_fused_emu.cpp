@@ -1,6 +1,6 @@
-// The GPU code path of the fused ops, run on the CPU: src/fused_ops.cpp and src/model.cpp are
+// The GPU code path of the fused ops, run on the CPU: src/model/fused_ops.cpp and src/model/model.cpp are
 // compiled here with MPITRAIN_FUSED_KERNELS (their CUDA branches) and MPITRAIN_FUSED_EMULATION
-// (CPU tensors go to the kernels), and linked with src/kernels/fused_kernels.cu compiled for CPU
+// (CPU tensors go to the kernels), and linked with src/model/kernels/fused_kernels.cu compiled for CPU
 // threads (tests/cuda_emu.h). So the dispatch, the buffers handed to the kernels, the partial-sum
 // reductions and the in-place loss gradient run as they would on a GPU, and the results are
 // compared with the ATen reference (FusedImpl::reference) and with the unfused model. What stays

@@ -200,7 +200,7 @@ TEST(Gpu, AsyncCheckpointOfAGpuModelEqualsTheSyncOne) {
   std::filesystem::remove_all(dir);
 }
 
-// ---- fused block kernels (src/kernels/fused_kernels.cu) against the ATen reference ------------
+// ---- fused block kernels (src/model/kernels/fused_kernels.cu) against the ATen reference ------------
 
 #define REQUIRE_FUSED_KERNELS()                                                                 \
   REQUIRE_CUDA();                                                                               \

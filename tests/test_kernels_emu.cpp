@@ -1,4 +1,4 @@
-// The CUDA kernels of src/kernels/fused_kernels.cu, launchers included, run on CPU threads under
+// The CUDA kernels of src/model/kernels/fused_kernels.cu, launchers included, run on CPU threads under
 // tests/cuda_emu.h (one fiber per CUDA thread, real barriers for __syncthreads and warp
 // shuffles) and checked against straightforward double-precision loops written here. This
 // checks the kernels' indexing, reductions, vectorised and scalar paths, dtype conversions and
@@ -13,7 +13,7 @@
 #include <vector>
 
 #define MPITRAIN_CUDA_EMULATION 1
-#include "../src/kernels/fused_kernels.cu"
+#include "../src/model/kernels/fused_kernels.cu"
 
 using namespace mpitrain::kernels;
 

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "mpitrain/comm.h"
+
 namespace mpitrain {
 
 enum class Precision { fp32, bf16, fp16 };
@@ -51,6 +53,9 @@ class LossScaler {
   // Divides every gradient by the scale and reports whether all are finite (one host
   // synchronisation per step, fp16 only). Disabled: true, nothing touched.
   bool unscale_and_check(const std::vector<torch::Tensor>& params);
+  // ZeRO-1: the same for `grads`, this rank's disjoint part of the averaged gradients; the
+  // verdict is agreed over `group` (every rank of it skips the step or none) on `device`.
+  bool unscale_and_check(const std::vector<torch::Tensor>& grads, Communicator& group, const torch::Device& device);
   // Halves the scale after an overflow, doubles it after growth_interval good steps.
   void update(bool finite);
 

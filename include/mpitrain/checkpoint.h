@@ -1,4 +1,4 @@
-// HDF5 checkpoints, format v1 (docs/formats.md): the full training state, unsharded fp32, so any
+// HDF5 checkpoints, format v2 (docs/formats.md): the full training state, unsharded fp32, so any
 // world size can load it. Written atomically: <file>.tmp, fsync, rename, fsync of the directory;
 // then `latest` is replaced the same way, so it only ever names a complete file.
 #pragma once
@@ -19,7 +19,7 @@
 namespace mpitrain {
 
 constexpr const char* kCheckpointFormat = "mpitrain-checkpoint";
-constexpr int64_t kCheckpointVersion = 1;
+constexpr int64_t kCheckpointVersion = 2;  // 2 = 1 + the writer's layout (parallel_dp/tp, optim_zero); both load
 
 struct TrainState {
   int64_t step = 0;            // optimizer steps completed
@@ -28,6 +28,8 @@ struct TrainState {
   double loss_scale = 0;       // fp16 dynamic loss scale (0 = not an fp16 run)
   int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed (fp16)
   int64_t world_size = 1;      // world size of the run that wrote it
+  int64_t dp = 1, tp = 1;      // that run's layout (world = dp x tp; version 1 files: dp = world_size)
+  int64_t zero = 0;            // that run's optim.zero (informative: any layout loads any checkpoint)
   std::string config_yaml;     // the resolved config of that run
   std::string tokenizer = "byte";
   int64_t eot_token = -1;
@@ -41,13 +43,24 @@ void ensure_writable_dir(const std::string& dir, const std::string& key);
 // "ckpt-00000120.h5"
 std::string checkpoint_name(int64_t step);
 
-// Everything a checkpoint holds, as host tensors (CPU, contiguous fp32), detached from the live
-// model and optimizer: what a save writes.
-struct CheckpointSnapshot {
+// AdamW's state in whole-parameter shapes, as a checkpoint stores it whatever the layout that
+// trained it: one entry per parameter, in named_params() order. For an unsharded AdamW the
+// tensors are its own (full_state_of); ZeRO-1 ranks assemble them (state_sync.h).
+struct FullOptimState {
   struct Moments {
     std::string name;
     torch::Tensor exp_avg, exp_avg_sq;
   };
+  std::vector<Moments> moments;
+  int64_t steps_taken = 0;
+};
+// An unsharded AdamW's state, by reference (no copy): loading into it loads into the optimizer.
+FullOptimState full_state_of(AdamW& opt);
+
+// Everything a checkpoint holds, as host tensors (CPU, contiguous fp32), detached from the live
+// model and optimizer: what a save writes.
+struct CheckpointSnapshot {
+  using Moments = FullOptimState::Moments;
   GPTDims dims;
   std::vector<std::pair<std::string, torch::Tensor>> params;
   std::vector<Moments> moments;  // one per AdamW parameter, in the optimizer's order
@@ -58,7 +71,7 @@ struct CheckpointSnapshot {
 // Copies the parameters, AdamW moments and step count, and `st` into host memory. With
 // copy=false, tensors that already are CPU contiguous fp32 are referenced, not copied: for a write
 // on the calling thread that finishes before they change (the synchronous save).
-CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState& st, bool copy = true);
+CheckpointSnapshot snapshot_checkpoint(GPT& model, const FullOptimState& opt, const TrainState& st, bool copy = true);
 
 // Writes dir/ckpt-<step:08>.h5 (tmp, fsync, rename, directory fsync) and updates dir/latest the
 // same way, then deletes all but the newest `keep` complete checkpoints (never the one just
@@ -85,7 +98,8 @@ class AsyncCheckpointWriter {
   AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
 
   // Returns the path of the checkpoint (being) written.
-  std::string save(GPT& model, AdamW& opt, const TrainState& st);
+  std::string save(GPT& model, const FullOptimState& opt, const TrainState& st);
+  std::string save(GPT& model, AdamW& opt, const TrainState& st) { return save(model, full_state_of(opt), st); }
   void wait();
 
   bool async() const { return async_; }
@@ -131,6 +145,8 @@ struct ArchitectureMismatch : UsageError {
 // or version, and checksum failures are UsageError naming the file and dataset. Non-finite
 // values in the model or AdamW state are refused too.
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st);
+// The same into `opt`'s tensors (allocated in whole-parameter shapes, named as the parameters).
+void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st);
 
 // Initial weights from a directory of .npy files (model.init_from; docs/formats.md): one
 // `<parameter name>.npy` per entry of named_params() ("wte.weight.npy", "h.0.ln_1.bias.npy"),

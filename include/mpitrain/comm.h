@@ -36,12 +36,17 @@ class Communicator {
   // out holds size() * in.numel() elements; rank r's `in` lands at out's r-th slice of dim 0
   // (out.view({size(), -1})[r]).
   virtual void all_gather(const torch::Tensor& in, torch::Tensor& out) = 0;
+  // The reverse: `in` holds size() * out.numel() elements; out = the reduction over all ranks of
+  // their `in`'s r-th slice of dim 0 (in.view({size(), -1})[r]) on rank r (ZeRO-1's gradients).
+  virtual void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) = 0;
   virtual void barrier() = 0;
 
   // Starts an in-place all-reduce of `t` and returns at once; `t` must stay alive and unchanged
   // until wait(). Every rank must start async collectives in the same order. The default runs
   // the blocking all_reduce (already complete when returned).
   virtual std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op);
+  // The same for reduce_scatter: `in` and `out` stay alive and `in` unchanged until wait().
+  virtual std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op);
   // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
   virtual void check_async_errors() {}
 };

@@ -61,6 +61,7 @@ struct OptimConfig {
   double eps = 1e-8;           // > 0
   double grad_clip = 1.0;      // global-norm clip (0 = off)
   std::string fused = "auto";  // PyTorch's fused AdamW kernel: auto | on | off (optim.h)
+  int64_t zero = 0;            // 1 = ZeRO-1: AdamW state sharded over the data-parallel ranks
 };
 
 struct EvalConfig {
@@ -88,6 +89,11 @@ struct CommConfig {
   bool overlap = true;           // launch each bucket's all-reduce during backward, when it is ready
 };
 
+// The layout of the ranks (mesh.h): world = dp x tp, tp groups consecutive ranks of one host.
+struct ParallelConfig {
+  int64_t tp = 1;  // tensor-parallel degree, >= 1
+};
+
 struct FaultConfig {
   double collective_timeout_s = 300;         // a collective that takes longer aborts the job, > 0
   double first_collective_timeout_s = 900;   // the first one (may include NCCL set-up), > 0
@@ -109,6 +115,7 @@ struct Config {
   LogConfig log;
   CheckpointConfig checkpoint;
   CommConfig comm;
+  ParallelConfig parallel;
   FaultConfig fault;
   SampleConfig sample;
 

@@ -1,7 +1,7 @@
 // CUDA kernels for the elementwise work of a GPT block and of the classifier's loss
-// (src/kernels/fused_kernels.cu), behind a torch-free C++ interface so that nvcc never sees
+// (src/model/kernels/fused_kernels.cu), behind a torch-free C++ interface so that nvcc never sees
 // libtorch's headers. Built only when CMake finds a CUDA compiler (MPITRAIN_FUSED_KERNELS is then
-// defined for the callers); src/fused_ops.cpp and linear_cross_entropy (src/model.cpp) call them
+// defined for the callers); src/model/fused_ops.cpp and linear_cross_entropy (src/model/model.cpp) call them
 // and keep an ATen reference implementation of the same formulas for the CPU, for shapes the
 // kernels do not take, and for the tests.
 //

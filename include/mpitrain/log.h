@@ -2,7 +2,7 @@
 //
 // Why a facade: a CUDA libtorch (pip torch 2.x) ships fmt headers that clash with the system fmt
 // Debian/Ubuntu's spdlog is built against, so no translation unit that includes torch may include
-// spdlog or fmt. Only src/log.cpp does; this header exposes plain strings.
+// spdlog or fmt. Only src/base/log.cpp does; this header exposes plain strings.
 #pragma once
 
 #include <string>

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mpitrain/config.h"
+#include "mpitrain/grad_sync.h"
 
 namespace mpitrain {
 
@@ -29,6 +30,12 @@ class AdamW {
   // fused: update with PyTorch's fused AdamW kernel (fused_adamw_available() must hold for the
   // parameters' device), else with multi-tensor (foreach) kernels.
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused = false);
+  // ZeRO-1: state for the slices of `named_params` that `shards` (a sharded GradSync over the same
+  // parameters in the same order) gives this rank, gradients read from its grad_shard()s. Each
+  // slot is a 1-D view of a run of one parameter's elements; the moments of bucket b's slices are
+  // views into bucket_moments(b), this rank's part of the bucket's padded layout.
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
+        const OptimConfig& cfg, bool fused = false);
 
   // One update from the parameters' .grad(): one fused kernel per group, or the foreach kernels,
   // which equal the textbook per-parameter loop bit for bit on the CPU. The fused kernel
@@ -37,7 +44,9 @@ class AdamW {
   bool fused() const { return fused_; }
   void zero_grad();      // drops the gradients (set to undefined)
 
+  // Slots: whole parameters, or (sharded) slices of them.
   size_t size() const { return params_.size(); }
+  bool sharded() const { return !bucket_exp_avg_.empty(); }
   const std::string& name(size_t i) const { return names_[i]; }
   torch::Tensor& param(size_t i) { return params_[i]; }
   torch::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
@@ -45,11 +54,20 @@ class AdamW {
   bool decays(size_t i) const { return decay_[i]; }
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }
+  // Sharded: the moments of this rank's part of bucket b (padding elements stay zero).
+  torch::Tensor& bucket_exp_avg(size_t b) { return bucket_exp_avg_[b]; }
+  torch::Tensor& bucket_exp_avg_sq(size_t b) { return bucket_exp_avg_sq_[b]; }
+  // Bytes of AdamW state this rank holds (both moments).
+  int64_t state_bytes() const;
+  // The gradient of slot i: its parameter's .grad(), or (sharded) its view of the gradient shard.
+  torch::Tensor grad(size_t i) const { return grads_.empty() ? params_[i].grad() : grads_[i]; }
 
  private:
   OptimConfig cfg_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
+  std::vector<torch::Tensor> grads_;  // sharded only
+  std::vector<torch::Tensor> bucket_exp_avg_, bucket_exp_avg_sq_;  // sharded only
   std::vector<bool> decay_;
   int64_t t_ = 0;
   bool fused_ = false;
@@ -61,6 +79,9 @@ class AdamW {
 // host synchronisation, so the training loop reads it only when it logs). The gradients must
 // already be identical on every rank (after all-reduce).
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm);
+// The same for a sharded AdamW (ZeRO-1): each rank holds a disjoint part of the averaged
+// gradients (AdamW::grad), so the squared norms are summed over `group` (the dp group) first.
+torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator& group);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

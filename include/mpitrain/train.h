@@ -36,16 +36,4 @@ TrainResult train(Config cfg, MPI_Comm comm, const TrainHooks& hooks = {});
 // GPUs this process can use (0 in CPU builds or without devices).
 int local_gpu_count();
 
-// `mpitrain sample CHECKPOINT`: loads a checkpoint and prints generated text (any rank count;
-// rank 0 generates).
-struct SampleArgs {
-  std::string checkpoint;
-  std::string prompt;
-  int64_t tokens = 200;
-  double temperature = 0.8;
-  int64_t top_k = 40;
-  uint64_t seed = 1;
-};
-std::string run_sample(const SampleArgs& args);
-
 }  // namespace mpitrain

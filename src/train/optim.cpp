@@ -47,6 +47,39 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
   }
 }
 
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
+             const OptimConfig& cfg, bool fused)
+    : cfg_(cfg), fused_(fused) {
+  MPITRAIN_CHECK(shards.sharded(), "AdamW: ZeRO-1 needs a sharded GradSync");
+  MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
+                 concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < shards.num_buckets(); ++b) {
+    bucket_exp_avg_.push_back(torch::zeros_like(shards.grad_shard(b)));
+    bucket_exp_avg_sq_.push_back(torch::zeros_like(shards.grad_shard(b)));
+  }
+  for (const GradSync::Slice& s : shards.owned_slices()) {
+    const auto& [name, p] = named_params.at(s.param);
+    names_.push_back(name);
+    params_.push_back(p.detach().view({-1}).narrow(0, s.begin, s.length));
+    grads_.push_back(shards.grad_shard(s.bucket).narrow(0, s.shard_offset, s.length));
+    exp_avg_.push_back(bucket_exp_avg_[s.bucket].narrow(0, s.shard_offset, s.length));
+    exp_avg_sq_.push_back(bucket_exp_avg_sq_[s.bucket].narrow(0, s.shard_offset, s.length));
+    decay_.push_back(p.dim() >= 2);  // the whole parameter's shape decides, as unsharded
+  }
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t n = 0;
+  if (sharded()) {
+    for (size_t b = 0; b < bucket_exp_avg_.size(); ++b)
+      n += bucket_exp_avg_[b].nbytes() + bucket_exp_avg_sq_[b].nbytes();
+  } else {
+    for (size_t i = 0; i < exp_avg_.size(); ++i) n += exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes();
+  }
+  return n;
+}
+
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
@@ -61,9 +94,10 @@ void AdamW::step(double lr) {
   for (bool decay : {true, false}) {
     std::vector<torch::Tensor> p, g, m, v;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (decay_[i] != decay || !params_[i].grad().defined()) continue;
+      torch::Tensor gi = grad(i);
+      if (decay_[i] != decay || !gi.defined()) continue;
       p.push_back(params_[i]);
-      g.push_back(params_[i].grad());
+      g.push_back(gi);
       m.push_back(exp_avg_[i]);
       v.push_back(exp_avg_sq_[i]);
     }
@@ -93,19 +127,21 @@ void AdamW::step(double lr) {
 }
 
 void AdamW::zero_grad() {
+  if (sharded()) return;  // the gradient shards are overwritten by the next reduce-scatter
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
 }
 
-torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm) {
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads, norms;
-  for (const auto& p : params)
-    if (p.grad().defined()) {
-      grads.push_back(p.grad());
-      norms.push_back(p.grad().to(torch::kFloat32).norm());
-    }
-  if (grads.empty()) return torch::zeros({}, torch::kFloat32);
-  torch::Tensor total = torch::stack(norms).norm();
+namespace {
+
+// ||g||^2 accumulated in fp64: the global norm then rounds to the same fp32 value however the
+// elements are partitioned (whole parameters, or ZeRO-1's slices summed across ranks), so the
+// clip coefficient, and with it the whole run, does not depend on the layout.
+torch::Tensor squared_norm64(const torch::Tensor& g) {
+  return at::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kFloat64).square();
+}
+
+torch::Tensor clip_by(std::vector<torch::Tensor>& grads, const torch::Tensor& squared_total, double max_norm) {
+  torch::Tensor total = squared_total.sqrt().to(torch::kFloat32).reshape({});
   if (max_norm > 0) {
     // min(1, max_norm / norm) as a device scalar: no host synchronisation; exactly 1 (no change)
     // when the norm is within bounds.
@@ -113,6 +149,35 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double m
     for (auto& g : grads) g.mul_(coef);
   }
   return total;
+}
+
+}  // namespace
+
+torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads, squares;
+  for (const auto& p : params)
+    if (p.grad().defined()) {
+      grads.push_back(p.grad());
+      squares.push_back(squared_norm64(p.grad()));
+    }
+  if (grads.empty()) return torch::zeros({}, torch::kFloat32);
+  return clip_by(grads, torch::stack(squares).sum(), max_norm);
+}
+
+torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator& group) {
+  MPITRAIN_CHECK(opt.sharded(), "clip_sharded_grad_norm_ needs a sharded AdamW");
+  torch::NoGradGuard no_grad;
+  // Summed on the shards' device, also on a rank that owns no element (the all-reduce below must
+  // take the same backend path on every rank).
+  torch::Tensor squared = torch::zeros({1}, opt.bucket_exp_avg(0).options().dtype(torch::kFloat64));
+  std::vector<torch::Tensor> grads;
+  for (size_t i = 0; i < opt.size(); ++i) {
+    grads.push_back(opt.grad(i));
+    squared += squared_norm64(grads.back());
+  }
+  group.all_reduce(squared, ReduceOp::sum);
+  return clip_by(grads, squared, max_norm);
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {

@@ -121,6 +121,21 @@ bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& params) {
   return finite.empty() || torch::stack(finite).all().item<bool>();
 }
 
+bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& grads, Communicator& group,
+                                   const torch::Device& device) {
+  if (!enabled_) return true;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> finite;
+  for (const auto& g : grads) {
+    g.mul_(1.0 / scale_);
+    finite.push_back(g.isfinite().all());
+  }
+  torch::Tensor ok = torch::ones({1}, torch::dtype(torch::kFloat32).device(device));
+  if (!finite.empty()) ok = torch::stack(finite).all().to(torch::kFloat32).reshape({1});
+  group.all_reduce(ok, ReduceOp::min);
+  return ok.item<float>() > 0.5f;
+}
+
 void LossScaler::update(bool finite) {
   if (!enabled_) return;
   if (!finite) {

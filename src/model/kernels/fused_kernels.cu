@@ -15,7 +15,7 @@
 // and write 16 bytes per thread where the width and the pointers allow it.
 //
 // Softmax cross-entropy (the classifier's loss, chunk by chunk, see linear_cross_entropy in
-// src/model.cpp): one block per row of logits computes the log-sum-exp in one online pass and
+// src/model/model.cpp): one block per row of logits computes the log-sum-exp in one online pass and
 // then overwrites the logits with the loss gradient in their own dtype, so a chunk costs two
 // reads and one write of bf16 logits instead of an fp32 copy, a log-softmax, a softmax and
 // casts.

@@ -24,9 +24,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "mpitrain/comm.h"
 #include "mpitrain/error.h"
@@ -82,6 +83,41 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// Every NCCL communicator alive in this process (one per mesh group), so that the watchdog's abort
+// hook aborts all of them: a stuck collective in any group must not keep the process alive.
+struct LiveComms {
+  std::mutex mu;
+  std::vector<ncclComm_t> comms;
+};
+LiveComms& live_comms() {
+  static LiveComms live;
+  return live;
+}
+
+void register_comm(ncclComm_t c) {
+  auto& live = live_comms();
+  std::lock_guard<std::mutex> lock(live.mu);
+  live.comms.push_back(c);
+  Watchdog::on_abort([] {  // the same hook every time: it aborts whatever is registered then
+    auto& l = live_comms();
+    std::lock_guard<std::mutex> g(l.mu);
+    for (ncclComm_t x : l.comms) ncclCommAbort(x);
+    l.comms.clear();
+  });
+}
+
+// True when `c` was still registered (not aborted): then the caller destroys it.
+bool unregister_comm(ncclComm_t c) {
+  auto& live = live_comms();
+  std::lock_guard<std::mutex> lock(live.mu);
+  for (auto it = live.comms.begin(); it != live.comms.end(); ++it)
+    if (*it == c) {
+      live.comms.erase(it);
+      return true;
+    }
+  return false;
+}
+
 // An event recorded on the communication stream; wait() orders the caller's current stream
 // after it (the host does not wait).
 class NcclWork final : public Work {
@@ -121,10 +157,7 @@ class NcclCommunicator final : public Communicator {
       Watchdog::Scope watch("ncclCommInitRank");
       nccl_check(ncclCommInitRank(&comm_, size_, id, rank_), nullptr, "ncclCommInitRank");
     }
-    abort_target()->store(comm_);
-    Watchdog::on_abort([] {
-      if (ncclComm_t c = abort_target()->exchange(nullptr)) ncclCommAbort(c);
-    });
+    register_comm(comm_);
     stream_ = std::make_unique<c10::cuda::CUDAStream>(
         c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_)));
     {
@@ -141,7 +174,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    if (abort_target()->exchange(nullptr) != nullptr) ncclCommDestroy(comm_);
+    if (unregister_comm(comm_)) ncclCommDestroy(comm_);
   }
 
   int rank() const override { return rank_; }
@@ -177,6 +210,17 @@ class NcclCommunicator final : public Communicator {
     check_async_errors();
   }
 
+  void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
+    if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter(in, out, op);
+    check_reduce_scatter(in, out);
+    torch::Tensor src = in.contiguous();
+    Watchdog::Scope watch("ncclReduceScatter");
+    nccl_check(ncclReduceScatter(src.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out), nccl_op(op), comm_,
+                                 current()),
+               comm_, "ncclReduceScatter");
+    check_async_errors();
+  }
+
   // Waits for this rank's GPU work (under the watchdog: a stuck NCCL kernel shows here), then
   // for every rank.
   void barrier() override {
@@ -191,6 +235,26 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op) override {
     if (!on_device(t)) return host_->all_reduce_async(t, op);
+    return on_comm_stream({t}, [&](cudaStream_t s) {
+      nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_, s), comm_,
+                 "ncclAllReduce");
+    });
+  }
+
+  std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
+    if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter_async(in, out, op);
+    check_reduce_scatter(in, out);
+    on_device(in);
+    return on_comm_stream({in, out}, [&](cudaStream_t s) {
+      nccl_check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out), nccl_op(op), comm_, s),
+                 comm_, "ncclReduceScatter");
+    });
+  }
+
+  // Enqueues `collective` on the communication stream after the work the caller's stream has
+  // queued so far; the returned Work orders the caller's stream after it.
+  template <class Fn>
+  std::unique_ptr<Work> on_comm_stream(std::initializer_list<torch::Tensor> tensors, Fn&& collective) {
     cudaEvent_t ready = nullptr, done = nullptr;
     cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
     cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
@@ -200,15 +264,13 @@ class NcclCommunicator final : public Communicator {
     cuda_check(cudaEventRecord(ready, current()), "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream_->stream(), ready, 0), "cudaStreamWaitEvent");
     cudaEventDestroy(ready);  // released once recorded work completes
-    // ... and the caching allocator must not hand t's memory to the compute stream while NCCL
-    // may still read it.
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
+    // ... and the caching allocator must not hand the tensors' memory to the compute stream while
+    // NCCL may still use it.
+    for (const auto& t : tensors) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     // No watchdog scope here: this runs on autograd's thread (the watchdog's scopes belong to
     // the main thread), and enqueueing does not wait; a bucket that never completes is caught
     // where the main thread synchronises (the logged loss, barrier()).
-    nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
-                             stream_->stream()),
-               comm_, "ncclAllReduce");
+    collective(stream_->stream());
     cuda_check(cudaEventRecord(done, stream_->stream()), "cudaEventRecord");
     check_async_errors();
     return work;
@@ -221,9 +283,10 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  static std::atomic<ncclComm_t>* abort_target() {
-    static std::atomic<ncclComm_t> target{nullptr};
-    return &target;
+  void check_reduce_scatter(const torch::Tensor& in, const torch::Tensor& out) const {
+    if (in.numel() != out.numel() * size_ || out.scalar_type() != in.scalar_type())
+      throw Error(concat("reduce_scatter: in must hold ", size_, " x ", out.numel(), " elements of ",
+                         out.scalar_type()));
   }
 
   bool on_device(const torch::Tensor& t) const {

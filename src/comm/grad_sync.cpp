@@ -1,10 +1,12 @@
-// Bucketed gradient all-reduce, optionally overlapped with backward (see ddp.h).
-#include "mpitrain/ddp.h"
+// Bucketed gradient all-reduce, optionally overlapped with backward (see grad_sync.h).
+#include "mpitrain/grad_sync.h"
+
+#include "mpitrain/error.h"
 
 namespace mpitrain {
 
-GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap)
-    : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1) {
+GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard)
+    : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard) {
   const double limit = bucket_mb * 1024.0 * 1024.0;
   bucket_of_.assign(params_.size(), 0);
   offset_.assign(params_.size(), 0);
@@ -30,7 +32,19 @@ GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double
       offset_[k] = static_cast<size_t>(n);
       n += params_[k].numel();
     }
-    bucket.flat = torch::empty({n}, params_[bucket.params.front()].options().requires_grad(false));
+    const int64_t n_ranks = comm_.size();
+    bucket.padded = shard_ ? (n + n_ranks - 1) / n_ranks * n_ranks : n;
+    const auto options = params_[bucket.params.front()].options().requires_grad(false);
+    // Padding stays zero: slots never cover it, and the all-gather writes zeros back into it.
+    bucket.flat = shard_ ? torch::zeros({bucket.padded}, options) : torch::empty({n}, options);
+    if (!shard_) continue;
+    bucket.shard = torch::zeros({bucket.padded / n_ranks}, options);
+    const int64_t lo = comm_.rank() * (bucket.padded / n_ranks), hi = lo + bucket.padded / n_ranks;
+    for (size_t k : bucket.params) {
+      const int64_t from = std::max<int64_t>(lo, static_cast<int64_t>(offset_[k]));
+      const int64_t to = std::min<int64_t>(hi, static_cast<int64_t>(offset_[k]) + params_[k].numel());
+      if (from < to) owned_.push_back({k, from - static_cast<int64_t>(offset_[k]), to - from, b, from - lo});
+    }
   }
   if (overlap_)
     for (size_t k = 0; k < params_.size(); ++k) {
@@ -87,10 +101,12 @@ void GradSync::launch_ready() {
     launch(buckets_[next_launch_++]);
 }
 
-void GradSync::launch(Bucket& b) { b.work = comm_.all_reduce_async(b.flat, ReduceOp::avg); }
+void GradSync::launch(Bucket& b) {
+  b.work = shard_ ? comm_.reduce_scatter_async(b.flat, b.shard, ReduceOp::avg) : comm_.all_reduce_async(b.flat, ReduceOp::avg);
+}
 
 void GradSync::all_reduce_grads() {
-  if (comm_.size() == 1) return;
+  if (comm_.size() == 1 && !shard_) return;
   torch::NoGradGuard no_grad;
   if (overlap_ && armed_) {
     // Buckets backward did not complete: parameters unused in this step contribute zeros.
@@ -110,11 +126,32 @@ void GradSync::all_reduce_grads() {
   for (auto& b : buckets_) {
     b.work->wait();
     b.work.reset();
+    if (shard_) {  // the optimizer reads grad_shard(); the whole gradients are spent
+      for (size_t k : b.params) params_[k].mutable_grad() = torch::Tensor();
+      continue;
+    }
     for (size_t k : b.params) {
       auto& p = params_[k];
       auto avg = b.flat.narrow(0, static_cast<int64_t>(offset_[k]), p.numel()).view(p.sizes());
       if (p.grad().defined()) p.mutable_grad().copy_(avg);
       else p.mutable_grad() = avg.clone();
+    }
+  }
+}
+
+void GradSync::all_gather_params() {
+  MPITRAIN_CHECK(shard_, "all_gather_params needs a sharded GradSync");
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    torch::Tensor mine = torch::zeros_like(bucket.shard);
+    for (const Slice& s : owned_)
+      if (s.bucket == b)
+        mine.narrow(0, s.shard_offset, s.length).copy_(params_[s.param].detach().view({-1}).narrow(0, s.begin, s.length));
+    comm_.all_gather(mine, bucket.flat);  // the gradients in flat were consumed by the reduce-scatter
+    for (size_t k : bucket.params) {
+      auto& p = params_[k];
+      p.detach().view({-1}).copy_(bucket.flat.narrow(0, static_cast<int64_t>(offset_[k]), p.numel()));
     }
   }
 }

@@ -194,8 +194,8 @@ h5::File open_checkpoint(const std::string& path) {
     throw UsageError(concat(path, ": attribute 'format' is '", format.value_or(""), "', expected '",
                          kCheckpointFormat, "'"));
   const int64_t version = require_int(f.get(), path, "version");
-  if (version != kCheckpointVersion)
-    throw UsageError(concat(path, ": unsupported checkpoint version ", version, " (this mpitrain reads ",
+  if (version != kCheckpointVersion && version != 1)
+    throw UsageError(concat(path, ": unsupported checkpoint version ", version, " (this mpitrain reads 1 and ",
                          kCheckpointVersion, ")"));
   return f;
 }
@@ -212,6 +212,9 @@ void write_checkpoint_file(const std::string& tmp, const CheckpointSnapshot& sna
   h5::set_attr(root, "step", st.step);
   h5::set_attr(root, "tokens_seen", st.tokens_seen);
   h5::set_attr(root, "world_size", st.world_size);
+  h5::set_attr(root, "parallel_dp", st.dp);
+  h5::set_attr(root, "parallel_tp", st.tp);
+  h5::set_attr(root, "optim_zero", st.zero);
   h5::set_attr(root, "config", st.config_yaml);
   h5::set_attr(root, "tokenizer", st.tokenizer);
   h5::set_attr(root, "eot_token", st.eot_token);
@@ -269,7 +272,15 @@ std::string checkpoint_name(int64_t step) {
 
 // ---- save --------------------------------------------------------------------------------------
 
-CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState& st, bool copy) {
+FullOptimState full_state_of(AdamW& opt) {
+  MPITRAIN_CHECK(!opt.sharded(), "full_state_of: a sharded AdamW holds slices (gather them: state_sync.h)");
+  FullOptimState full;
+  for (size_t i = 0; i < opt.size(); ++i) full.moments.push_back({opt.name(i), opt.exp_avg(i), opt.exp_avg_sq(i)});
+  full.steps_taken = opt.steps_taken();
+  return full;
+}
+
+CheckpointSnapshot snapshot_checkpoint(GPT& model, const FullOptimState& opt, const TrainState& st, bool copy) {
   torch::NoGradGuard no_grad;
   // From a GPU, the copies go into pinned host memory without waiting for each other (DMA at
   // full PCIe speed), and one synchronisation at the end makes them complete.
@@ -284,11 +295,10 @@ CheckpointSnapshot snapshot_checkpoint(GPT& model, AdamW& opt, const TrainState&
   CheckpointSnapshot snap;
   snap.dims = model->dims();
   for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, take(p));
-  snap.moments.reserve(opt.size());
-  for (size_t i = 0; i < opt.size(); ++i)
-    snap.moments.push_back({opt.name(i), take(opt.exp_avg(i)), take(opt.exp_avg_sq(i))});
+  snap.moments.reserve(opt.moments.size());
+  for (const auto& m : opt.moments) snap.moments.push_back({m.name, take(m.exp_avg), take(m.exp_avg_sq)});
   if (gpu >= 0) torch::cuda::synchronize(gpu);
-  snap.steps_taken = opt.steps_taken();
+  snap.steps_taken = opt.steps_taken;
   snap.state = st;
   return snap;
 }
@@ -327,7 +337,7 @@ std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& s
 
 std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
                             int64_t keep) {
-  return write_checkpoint(dir, snapshot_checkpoint(model, opt, st, /*copy=*/false), keep);
+  return write_checkpoint(dir, snapshot_checkpoint(model, full_state_of(opt), st, /*copy=*/false), keep);
 }
 
 // ---- asynchronous save ---------------------------------------------------------------------------
@@ -363,7 +373,7 @@ void AsyncCheckpointWriter::wait() {
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
-std::string AsyncCheckpointWriter::save(GPT& model, AdamW& opt, const TrainState& st) {
+std::string AsyncCheckpointWriter::save(GPT& model, const FullOptimState& opt, const TrainState& st) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   ++saves_;
@@ -474,6 +484,13 @@ GPTDims checkpoint_dims(const std::string& path) {
 }
 
 void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState& st) {
+  if (!opt) return load_checkpoint(path, model, static_cast<FullOptimState*>(nullptr), st);
+  FullOptimState full = full_state_of(*opt);
+  load_checkpoint(path, model, &full, st);
+  opt->set_steps_taken(full.steps_taken);
+}
+
+void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st) {
   h5::File f = open_checkpoint(path);
   const hid_t root = f.get();
   // The architecture first: equal tensor shapes are not enough (n_head changes the attention but
@@ -495,6 +512,14 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
   st.step = require_int_in(root, path, "step", "step", 0);
   st.tokens_seen = require_int_in(root, path, "tokens_seen", "tokens_seen", 0);
   st.world_size = require_int_in(root, path, "world_size", "world_size", 1, INT_MAX);
+  st.dp = st.world_size;  // version 1: plain data parallel
+  st.tp = 1;
+  st.zero = 0;
+  if (h5::has_attr(root, "parallel_tp")) {
+    st.tp = require_int_in(root, path, "parallel_tp", "parallel_tp", 1, st.world_size);
+    st.dp = require_int_in(root, path, "parallel_dp", "parallel_dp", 1, st.world_size);
+    st.zero = require_int_in(root, path, "optim_zero", "optim_zero", 0, 1);
+  }
   st.config_yaml = optional_string(root, path, "config").value_or("");
   st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
   st.eot_token = -1;
@@ -522,10 +547,10 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
   for (auto& [name, p] : model->named_params()) read_tensor(root, path, "model/" + name, p);
 
   if (opt) {
-    opt->set_steps_taken(steps_taken);
-    for (size_t i = 0; i < opt->size(); ++i) {
-      read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg", opt->exp_avg(i));
-      read_tensor(root, path, "optim/" + opt->name(i) + "/exp_avg_sq", opt->exp_avg_sq(i));
+    opt->steps_taken = steps_taken;
+    for (auto& m : opt->moments) {
+      read_tensor(root, path, "optim/" + m.name + "/exp_avg", m.exp_avg);
+      read_tensor(root, path, "optim/" + m.name + "/exp_avg_sq", m.exp_avg_sq);
     }
   }
 

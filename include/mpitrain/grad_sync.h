@@ -14,6 +14,16 @@
 // buckets that backward did not complete (parameters without a gradient contribute zeros), waits
 // for all of them and writes the averages into .grad().
 // Without overlap, everything happens in all_reduce_grads(), after backward.
+//
+// ZeRO-1 (shard = true; optim.zero: 1): each bucket's flat buffer is padded to a multiple of the
+// group size n and reduce-scattered instead of all-reduced, so rank r receives the averaged
+// gradients of elements [r*S, (r+1)*S) of every bucket (S = padded length / n) and nothing else;
+// .grad() is not written. owned_slices() says which parts of which parameters those elements
+// are (.grad() itself is dropped once packed): the optimizer keeps AdamW state for them only and
+// updates them in place, and
+// all_gather_params() then gives every rank every updated parameter (one all-gather per bucket,
+// using the bucket's gradient buffer as its destination). As in DeepSpeed stage 1 and Megatron's
+// distributed optimizer, the parameters stay whole on every rank.
 #pragma once
 
 #include <torch/torch.h>
@@ -27,15 +37,39 @@ namespace mpitrain {
 
 class GradSync {
  public:
-  GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap);
+  GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap,
+           bool shard = false);
   ~GradSync();
   GradSync(const GradSync&) = delete;  // the hooks hold `this`
   GradSync& operator=(const GradSync&) = delete;
 
   // Call before the backward whose gradients complete an optimizer step (the last micro-step).
   void arm();
-  // Averages every parameter's .grad() across ranks (a no-op with one rank).
+  // Averages every parameter's .grad() across ranks (a no-op with one rank); sharded: this
+  // rank's slices of the averaged gradients into grad_shard().
   void all_reduce_grads();
+
+  // ---- ZeRO-1 (sharded) ----
+  bool sharded() const { return shard_; }
+  // A contiguous run of one parameter's elements that this rank owns (flattened parameter index
+  // `begin`..begin+length) and where its averaged gradient sits in grad_shard(bucket).
+  struct Slice {
+    size_t param;
+    int64_t begin, length;
+    size_t bucket;
+    int64_t shard_offset;
+  };
+  const std::vector<Slice>& owned_slices() const { return owned_; }
+  // This rank's averaged gradients of bucket b (padding elements are zero).
+  const torch::Tensor& grad_shard(size_t b) const { return buckets_[b].shard; }
+  // Every rank's updated slices to every rank, written into the parameters.
+  void all_gather_params();
+  // The layout, for moving sharded optimizer state (checkpoints): bucket b's parameters, where
+  // parameter k starts in its bucket's flat buffer, and the buffer's padded length.
+  const std::vector<size_t>& bucket_params(size_t b) const { return buckets_[b].params; }
+  int64_t flat_offset(size_t k) const { return static_cast<int64_t>(offset_[k]); }
+  int64_t padded_length(size_t b) const { return buckets_[b].padded; }
+  Communicator& communicator() const { return comm_; }
 
   size_t num_buckets() const { return buckets_.size(); }
   bool overlapping() const { return overlap_; }
@@ -45,7 +79,9 @@ class GradSync {
  private:
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
-    torch::Tensor flat;          // packed gradients
+    torch::Tensor flat;          // packed gradients (sharded: padded to `padded` elements)
+    int64_t padded = 0;          // flat's length (sharded: a multiple of the group size)
+    torch::Tensor shard;         // sharded: this rank's reduce-scattered part of flat
     size_t ready = 0;            // parameters whose gradient is in `flat` (overlap)
     std::unique_ptr<Work> work;  // the all-reduce in flight
   };
@@ -60,6 +96,8 @@ class GradSync {
   std::vector<bool> seen_;
   Communicator& comm_;
   bool overlap_;
+  bool shard_;
+  std::vector<Slice> owned_;
   bool armed_ = false;
   size_t next_launch_ = 0;
   size_t launched_in_backward_ = 0;

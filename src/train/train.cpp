@@ -21,8 +21,10 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
+#include "mpitrain/layout.h"
+#include "mpitrain/mesh.h"
 #include "mpitrain/consistency.h"
-#include "mpitrain/ddp.h"
+#include "mpitrain/grad_sync.h"
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
@@ -32,8 +34,11 @@
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/netcheck.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/progress.h"
 #include "mpitrain/shards.h"
+#include "mpitrain/sample.h"
 #include "mpitrain/signals.h"
+#include "mpitrain/state_sync.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -51,7 +56,7 @@ void naming_config_file(const Config& cfg, Fn&& fn) {
     fn();
   } catch (const UsageError& e) {
     const std::string msg = e.what();
-    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.",
+    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
                                 "fault.", "sample."})
       if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
     throw;
@@ -117,132 +122,6 @@ void log_batch_change(const TrainState& st, const Config& cfg, int world) {
                                 " sequences instead of ", a.global_batch)));
 }
 
-// A generator's state as bytes (torch's own serialisation).
-std::vector<uint8_t> generator_state(at::Generator gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  torch::Tensor s = gen.get_state();
-  return std::vector<uint8_t>(s.data_ptr<uint8_t>(), s.data_ptr<uint8_t>() + s.numel());
-}
-
-void set_generator_state(at::Generator gen, const uint8_t* bytes, size_t n) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  torch::Tensor s = torch::empty({static_cast<int64_t>(n)}, torch::kUInt8);
-  std::memcpy(s.data_ptr<uint8_t>(), bytes, n);
-  gen.set_state(s);
-}
-
-// This rank's RNG state: the CPU generator's, followed on a GPU by the device generator's
-// (dropout on the GPU draws from the latter).
-std::vector<uint8_t> rng_state(const torch::Device& device) {
-  std::vector<uint8_t> bytes = generator_state(at::detail::getDefaultCPUGenerator());
-  if (device.is_cuda()) {
-    auto gpu = generator_state(at::globalContext().defaultGenerator(device));
-    bytes.insert(bytes.end(), gpu.begin(), gpu.end());
-  }
-  return bytes;
-}
-
-// Restores rng_state(device)'s bytes; false (nothing changed) when they were written on another
-// kind of device (a CPU checkpoint resumed on a GPU or the reverse).
-bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& device) {
-  const size_t cpu = generator_state(at::detail::getDefaultCPUGenerator()).size();
-  const size_t gpu = device.is_cuda() ? generator_state(at::globalContext().defaultGenerator(device)).size() : 0;
-  if (bytes.size() != cpu + gpu) return false;
-  set_generator_state(at::detail::getDefaultCPUGenerator(), bytes.data(), cpu);
-  if (gpu > 0) set_generator_state(at::globalContext().defaultGenerator(device), bytes.data() + cpu, gpu);
-  return true;
-}
-
-// Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
-std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const torch::Device& device) {
-  auto mine = rng_state(device);
-  torch::Tensor in = torch::from_blob(mine.data(), {static_cast<int64_t>(mine.size())}, torch::kUInt8);
-  torch::Tensor out = torch::empty({comm.size() * in.numel()}, torch::kUInt8);
-  comm.all_gather(in, out);
-  std::vector<std::vector<uint8_t>> all(comm.size());
-  for (int r = 0; r < comm.size(); ++r) {
-    const uint8_t* p = out.data_ptr<uint8_t>() + r * in.numel();
-    all[r].assign(p, p + in.numel());
-  }
-  return all;
-}
-
-// Loads the checkpoint on rank 0 and broadcasts it: ranks on other hosts need not see the file.
-// A corrupt newest checkpoint (checksum, truncation) falls back to the previous one, with a
-// warning; an explicitly named checkpoint must load.
-void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, TrainState& st,
-                 Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device) {
-  std::string path;
-  agree(mpi_comm, [&] {
-    if (comm.rank() != 0) return;
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      try {
-        load_checkpoint(candidates[i], model, &opt, st);
-        path = candidates[i];
-        return;
-      } catch (const ArchitectureMismatch&) {
-        throw;  // the configuration differs: an older checkpoint of the same run would too
-      } catch (const UsageError& e) {
-        if (i + 1 == candidates.size()) throw;
-        log::warn(concat("cannot resume from ", candidates[i], ": ", e.what(), "; falling back to ",
-                         candidates[i + 1]));
-      }
-    }
-  });
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < opt.size(); ++i) {
-    comm.broadcast(opt.param(i), 0);
-    comm.broadcast(opt.exp_avg(i), 0);
-    comm.broadcast(opt.exp_avg_sq(i), 0);
-  }
-  torch::Tensor scalars = torch::tensor({st.step, st.tokens_seen, static_cast<int64_t>(st.data_cursor),
-                                         st.world_size, opt.steps_taken()}, torch::kInt64);
-  comm.broadcast(scalars, 0);
-  auto s = scalars.accessor<int64_t, 1>();
-  st.step = s[0];
-  st.tokens_seen = s[1];
-  st.data_cursor = static_cast<uint64_t>(s[2]);
-  st.world_size = s[3];
-  opt.set_steps_taken(s[4]);
-  torch::Tensor scale = torch::tensor({st.loss_scale, static_cast<double>(st.loss_scale_good_steps)}, torch::kFloat64);
-  comm.broadcast(scale, 0);
-  st.loss_scale = scale[0].item<double>();
-  st.loss_scale_good_steps = static_cast<int64_t>(scale[1].item<double>());
-
-  // RNG states follow their rank when the world size is unchanged; otherwise reseed per rank.
-  int64_t n_states = comm.rank() == 0 ? static_cast<int64_t>(st.rng_states.size()) : 0;
-  int64_t state_bytes = n_states > 0 ? static_cast<int64_t>(st.rng_states[0].size()) : 0;
-  torch::Tensor dims = torch::tensor({n_states, state_bytes}, torch::kInt64);
-  comm.broadcast(dims, 0);
-  n_states = dims[0].item<int64_t>();
-  state_bytes = dims[1].item<int64_t>();
-  bool restored = false;
-  if (n_states == comm.size() && state_bytes > 0) {
-    torch::Tensor all = torch::empty({n_states, state_bytes}, torch::kUInt8);
-    if (comm.rank() == 0)
-      for (int64_t r = 0; r < n_states; ++r)
-        std::memcpy(all[r].data_ptr<uint8_t>(), st.rng_states[r].data(), state_bytes);
-    comm.broadcast(all, 0);
-    torch::Tensor mine = all[comm.rank()].contiguous();
-    restored = set_rng_state(std::vector<uint8_t>(mine.data_ptr<uint8_t>(), mine.data_ptr<uint8_t>() + state_bytes),
-                             device);
-    int all_restored = restored ? 1 : 0;  // one kind of device for all ranks, but be sure
-    {
-      Watchdog::Scope watch("all_reduce(rng restored)");
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_restored, 1, MPI_INT, MPI_MIN, mpi_comm));
-    }
-    if (!all_restored && comm.rank() == 0)
-      log::warn("checkpoint's RNG states come from another kind of device (CPU/GPU): RNG streams are reseeded "
-                "(the data order continues exactly)");
-    restored = all_restored != 0;
-  } else if (n_states > 0) {
-    log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
-                     ": RNG streams are reseeded (the data order continues exactly)"));
-  }
-  if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(comm.rank() + 1) + st.step);
-  log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
-}
-
 // Inputs [rows, T] (int32: the embedding takes them as they are) and targets [rows, T] (int64:
 // cross_entropy in libtorch 1.13 wants Long; the conversion is the copy clone() made anyway)
 // from rows x (T+1) int32 window tokens.
@@ -284,109 +163,6 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   return sum.item<double>() / static_cast<double>(cfg.eval.batches);
 }
 
-std::string human_duration(double seconds) {
-  const auto s = static_cast<long long>(seconds + 0.5);
-  char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, (s / 60) % 60);
-  else std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
-  return buf;
-}
-
-// ---- progress: console line and JSONL metrics (rank 0) ----------------------------------------
-
-class Progress {
- public:
-  Progress(const Config& cfg, bool writer, int64_t tokens_per_step, int64_t first_step)
-      : cfg_(cfg), tokens_per_step_(tokens_per_step), first_step_(first_step), last_reported_(first_step) {
-    if (!writer) return;
-    const std::string path =
-        cfg.log.metrics.empty() ? cfg.train.out_dir + "/metrics.jsonl" : cfg.log.metrics;
-    std::error_code ec;  // a failure shows as the open below failing
-    if (auto slash = path.rfind('/'); slash != std::string::npos) std::filesystem::create_directories(path.substr(0, slash), ec);
-    metrics_.open(path, std::ios::app);
-    if (!metrics_) throw UsageError(concat("log.metrics: cannot write '", path, "'"));
-  }
-
-  // Marks the start of a step; the first call starts the clock of the first interval.
-  void start_step() {
-    if (!timing_) {
-      interval_start_ = Clock::now();
-      timing_ = true;
-    }
-  }
-
-  // At a log step, after the loss was read (on a GPU that waits for the queued work, so the
-  // interval's time is real): tokens/s and ms/step averaged over the steps since the last report.
-  void report(int64_t step, double loss, double lr, double norm) {
-    const auto now = Clock::now();
-    const double interval = std::chrono::duration<double>(now - interval_start_).count();
-    const int64_t steps = std::max<int64_t>(1, step + 1 - last_reported_);
-    interval_start_ = now;
-    last_reported_ = step + 1;
-    elapsed_ += interval;
-    const double dt = interval / static_cast<double>(steps);
-    const int64_t done = step + 1 - first_step_;
-    const double avg = elapsed_ / static_cast<double>(std::max<int64_t>(1, done));
-    const double tok_s = static_cast<double>(tokens_per_step_) / dt;
-    char line[256];
-    std::snprintf(line, sizeof line,
-                  "step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms/step | ETA %s",
-                  static_cast<long long>(step + 1), static_cast<long long>(cfg_.train.steps), loss, lr,
-                  norm, tok_s, dt * 1e3,
-                  human_duration(avg * static_cast<double>(cfg_.train.steps - step - 1)).c_str());
-    log::info(line);
-    if (metrics_.is_open()) {
-      std::snprintf(line, sizeof line,
-                    "{\"step\": %lld, \"loss\": %.6f, \"lr\": %.6e, \"grad_norm\": %.6f, "
-                    "\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f}",
-                    static_cast<long long>(step + 1), loss, lr, norm, tok_s, dt * 1e3);
-      metrics_ << line << "\n" << std::flush;
-    }
-  }
-
-  // Runs fn without counting its time in the current interval (evaluation, checkpoints).
-  template <class Fn>
-  auto untimed(Fn&& fn) {
-    struct Shift {
-      Progress& p;
-      Clock::time_point t0 = Clock::now();
-      ~Shift() { p.interval_start_ += Clock::now() - t0; }
-    } shift{*this};
-    return fn();
-  }
-
-  void report_val(int64_t step, double val_loss) {
-    log::info(concat("step ", step, " | val loss ", val_loss));
-    if (metrics_.is_open()) {
-      char line[128];
-      std::snprintf(line, sizeof line, "{\"step\": %lld, \"val_loss\": %.6f}",
-                    static_cast<long long>(step), val_loss);
-      metrics_ << line << "\n" << std::flush;
-    }
-  }
-
- private:
-  const Config& cfg_;
-  int64_t tokens_per_step_;
-  int64_t first_step_;
-  int64_t last_reported_;
-  double elapsed_ = 0;
-  bool timing_ = false;
-  Clock::time_point interval_start_;
-  std::ofstream metrics_;
-};
-
-// Bytes as printable text for the sample: newlines kept, other control bytes escaped.
-std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot) {
-  std::string out;
-  for (int64_t t : tokens) {
-    if (t == eot) out += "\n<|endoftext|>\n";
-    else if (t == '\n' || t == '\t' || (t >= 32 && t < 256)) out += static_cast<char>(t);
-    else out += concat("\\x", std::hex, t);
-  }
-  return out;
-}
-
 }  // namespace
 
 // ---- the run -----------------------------------------------------------------------------------
@@ -397,17 +173,27 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   install_stop_signals();
   follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
   const Topology topo = Topology::discover(mpi_comm);
-  agree(mpi_comm, [&] { resolve_for_world(cfg, topo.size); });
+  // The layout: world = dp x tp. The batch arithmetic counts data-parallel ranks.
+  MeshLayout layout;
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+    layout = plan_layout(topo, cfg.parallel.tp);
+    if (layout.tp > 1)
+      throw UsageError(concat("parallel.tp: ", layout.tp, ": this version builds the mesh (", layout.describe(topo),
+                              ") but does not train tensor-parallel models yet; use parallel.tp: 1"));
+  }); });
+  agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
   log::set_level(log::parse_level(cfg.log.level));
+  log::set_all_ranks(cfg.log.level == "debug");  // debug: every rank's lines, each with its rank
   Watchdog::start(cfg.fault.collective_timeout_s, cfg.fault.first_collective_timeout_s);
   keep_freed_memory();
   const int threads = configure_threads(cfg.train.threads, topo.local_size);
   log::info(topo.host_map());
+  log::info(layout.describe(topo));
 
   // ---- data, model, communicator ----
   std::unique_ptr<TokenDataset> train_data, val_data;
   GPTDims dims;
-  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Mesh> mesh;
   torch::Device device(torch::kCPU);
   const Precision precision = parse_precision(cfg.train.precision);
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
@@ -444,7 +230,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                        dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
                                                                                        : "on (ATen reference)")
                                           : "off"));
-    comm = make_communicator(cfg.comm.backend, mpi_comm, device);
+    mesh = std::make_unique<Mesh>(mpi_comm, layout, cfg.comm.backend, device);
   }); });
 
   // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the
@@ -473,7 +259,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   }
   {  // identical initial parameters on every rank, whatever each rank's RNG did
     torch::NoGradGuard no_grad;
-    for (auto& [name, p] : model->named_params()) comm->broadcast(p, 0);
+    for (auto& [name, p] : model->named_params()) mesh->world().broadcast(p, 0);
   }
   // Dropout streams differ per rank (as in DDP); the model above was drawn before this.
   torch::manual_seed(cfg.train.seed + 7919 * static_cast<uint64_t>(topo.rank + 1));
@@ -492,13 +278,27 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     log::info(concat("optimizer: AdamW with ", fused_adamw ? "the fused kernel" : "multi-tensor (foreach) kernels", " (",
                      libtorch_version(), cfg.optim.fused == "off" ? ", optim.fused: off" : "",
                      !fused_adamw && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
-  AdamW opt(model->named_params(), cfg.optim, fused_adamw);
   std::vector<torch::Tensor> params;
-  for (size_t i = 0; i < opt.size(); ++i) params.push_back(opt.param(i));
+  for (auto& [name, p] : model->named_params()) params.push_back(p);
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
-  const bool overlap = cfg.comm.overlap && !(device.is_cuda() && comm->name() == "mpi");
-  GradSync grad_sync(params, *comm, cfg.comm.bucket_mb, overlap);
+  Communicator& dp = mesh->dp();
+  const bool overlap = cfg.comm.overlap && !(device.is_cuda() && dp.name() == "mpi");
+  // ZeRO-1: gradients reduce-scattered over the dp group, AdamW state for this rank's slices.
+  const bool zero = cfg.optim.zero == 1 && layout.dp > 1;
+  GradSync grad_sync(params, dp, cfg.comm.bucket_mb, overlap, zero);
+  AdamW opt = zero ? AdamW(model->named_params(), grad_sync, cfg.optim, fused_adamw)
+                   : AdamW(model->named_params(), cfg.optim, fused_adamw);
+  const GradSync* shards = zero ? &grad_sync : nullptr;
+  if (topo.rank == 0) {
+    const double mib = static_cast<double>(opt.state_bytes()) / (1 << 20);
+    log::info(zero ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-1: sharded over ", layout.dp,
+                            " data-parallel ranks; gradients reduce-scattered, parameters all-gathered)")
+                   : concat("optimizer state: ", mib, " MiB per rank (replicated",
+                            cfg.optim.zero == 1 ? "; optim.zero: 1 has nothing to shard with one data-parallel rank"
+                                                : "",
+                            ")"));
+  }
   LossScaler scaler(precision == Precision::fp16);
 
   const int64_t T = dims.seq_len, micro = cfg.train.micro_batch, accum = cfg.train.grad_accum;
@@ -506,10 +306,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const int64_t tokens_per_step = global_batch * T;
   log::info(concat("model: ", model->num_params(), " parameters (", dims.n_layer, " layers, ", dims.n_head,
                 " heads, width ", dims.n_embd, ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
-  log::info(concat("batch: ", micro, " micro x ", topo.size, " ranks x ", accum, " accum = ", global_batch,
+  log::info(concat("batch: ", micro, " micro x ", layout.dp, " ranks x ", accum, " accum = ", global_batch,
                 " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
-                " all-reduce buckets", grad_sync.overlapping() ? " (overlapped with backward)" : "", "; ", threads,
-                " threads per rank; backend ", comm->name()));
+                zero ? " reduce-scatter buckets" : " all-reduce buckets",
+                grad_sync.overlapping() ? " (overlapped with backward)" : "", "; ", threads,
+                " threads per rank; backend ", dp.name()));
   log::info(concat("data: ", train_data->num_tokens(), " train tokens in ", train_data->paths().size(),
                 " shards (", train_data->num_windows(), " windows/epoch)",
                 val_data ? concat(", ", val_data->num_tokens(), " val tokens") : std::string()));
@@ -519,11 +320,14 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   st.tokenizer = train_data->tokenizer();
   st.eot_token = train_data->eot_token();
   if (has_resume) {
-    resume_from(resume, model, opt, st, *comm, mpi_comm, cfg.train.seed, device);
+    resume_from(resume, model, opt, shards, st, mesh->world(), mpi_comm, cfg.train.seed, device);
     scaler.restore(st.loss_scale, st.loss_scale_good_steps);  // fp16: the scale continues
-    if (topo.rank == 0) log_batch_change(st, cfg, topo.size);
+    if (topo.rank == 0) log_batch_change(st, cfg, layout.dp);
   }
   st.world_size = topo.size;
+  st.dp = layout.dp;
+  st.tp = layout.tp;
+  st.zero = zero ? 1 : 0;
   st.config_yaml = to_yaml(cfg);
   // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
   if (hooks.stop_after >= 0 && st.step >= hooks.stop_after)
@@ -558,23 +362,24 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   }); });
   Progress& progress = *progress_holder;
   if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
-  BatchPrefetcher prefetch(*train_data, topo.rank, micro);
-  const uint64_t micro_stride = static_cast<uint64_t>(topo.size * micro);
+  BatchPrefetcher prefetch(*train_data, mesh->dp_rank(), micro);
+  const uint64_t micro_stride = static_cast<uint64_t>(layout.dp * micro);
   // Rank 0 writes; with checkpoint.async the loop stalls only for the host snapshot.
   AsyncCheckpointWriter checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.async);
   auto save = [&] {
-    auto rng = gather_rng_states(*comm, device);
+    auto rng = gather_rng_states(mesh->world(), device);
+    FullOptimState optim_state = gather_optim_state(opt, shards, model);  // ZeRO-1: assembled on rank 0
     if (topo.rank == 0) {
       st.rng_states = std::move(rng);
       st.loss_scale = scaler.enabled() ? scaler.scale() : 0.0;
       st.loss_scale_good_steps = scaler.good_steps();
-      result.last_checkpoint = checkpoints.save(model, opt, st);
+      result.last_checkpoint = checkpoints.save(model, optim_state, st);
     }
-    if (!checkpoints.async()) comm->barrier();  // nobody runs ahead of a checkpoint that may yet fail
+    if (!checkpoints.async()) mesh->world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
   };
 
   auto run_eval = [&](int64_t at_step) {
-    const double v = progress.untimed([&] { return evaluate(model, *val_data, *comm, cfg, device, precision); });
+    const double v = progress.untimed([&] { return evaluate(model, *val_data, dp, cfg, device, precision); });
     result.val_losses.emplace_back(at_step, v);
     if (topo.rank == 0) progress.report_val(at_step, v);
   };
@@ -594,6 +399,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       const uint64_t start = st.data_cursor + static_cast<uint64_t>(m) * micro_stride;
       // The next micro-batch follows in the global order, also across the step boundary.
       auto [x, y] = to_tensors(prefetch.take(start, start + micro_stride), micro, T);
+      if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
+        const uint64_t first = start + static_cast<uint64_t>(mesh->dp_rank() * micro);
+        log::debug(concat("data: step ", step + 1, " micro ", m, " windows ", first, "-", first + micro - 1));
+      }
       torch::Tensor loss;
       {
         Autocast autocast(precision, device);
@@ -603,12 +412,22 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       scaler.scale_loss(loss / static_cast<double>(accum)).backward();
       loss_sum += loss.detach().to(torch::kFloat64);
     }
-    grad_sync.all_reduce_grads();
-    const bool finite = scaler.unscale_and_check(params);  // fp16 only; identical on every rank
-    const torch::Tensor norm = clip_grad_norm_(params, cfg.optim.grad_clip);
+    grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
+    bool finite = true;  // fp16 only; the same verdict on every rank
+    torch::Tensor norm;
+    if (zero) {
+      std::vector<torch::Tensor> grads;
+      for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
+      finite = scaler.unscale_and_check(grads, dp, device);
+      norm = clip_sharded_grad_norm_(opt, cfg.optim.grad_clip, dp);
+    } else {
+      finite = scaler.unscale_and_check(params);
+      norm = clip_grad_norm_(params, cfg.optim.grad_clip);
+    }
     const double lr = lr_at(cfg.optim, cfg.train.steps, step);
     if (finite) {
       opt.step(lr);
+      if (zero) grad_sync.all_gather_params();  // every rank's updated slices to every rank
     } else {
       log::warn(concat("step ", step + 1, ": fp16 gradients overflowed at loss scale ", scaler.scale(),
                        "; step skipped"));
@@ -620,7 +439,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     st.tokens_seen += tokens_per_step;
 
     if (every(step + 1, cfg.log.every) || last) {
-      comm->all_reduce(loss_sum, ReduceOp::avg);
+      dp.all_reduce(loss_sum, ReduceOp::avg);
       double loss = 0, grad_norm = 0;
       {
         Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
@@ -671,7 +490,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   // finishes, also when stopping on a signal.
   if (checkpoints.async()) {
     if (topo.rank == 0) checkpoints.wait();
-    comm->barrier();
+    mesh->world().barrier();
   }
   result.final_step = st.step;
   if (device.is_cuda() && topo.rank == 0)

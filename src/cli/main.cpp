@@ -20,6 +20,7 @@
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/netcheck.h"
 #include "mpitrain/pack.h"
+#include "mpitrain/sample.h"
 #include "mpitrain/train.h"
 
 namespace mpitrain {

@@ -42,12 +42,12 @@ class DoneWork final : public Work {
   void wait() override {}
 };
 
-// A non-blocking all-reduce on a contiguous host buffer (the tensor itself, or a staging copy of
-// a device tensor that wait() copies back).
+// A non-blocking collective whose result lands in a contiguous host buffer (the tensor itself, or
+// a staging copy of a device tensor that wait() copies back); `input` keeps a staged input alive.
 class MpiWork final : public Work {
  public:
-  MpiWork(torch::Tensor host, torch::Tensor target, ReduceOp op, int size)
-      : host_(std::move(host)), target_(std::move(target)), op_(op), size_(size) {}
+  MpiWork(torch::Tensor host, torch::Tensor target, ReduceOp op, int size, torch::Tensor input = {})
+      : host_(std::move(host)), target_(std::move(target)), input_(std::move(input)), op_(op), size_(size) {}
   ~MpiWork() override {
     try {
       wait();
@@ -60,7 +60,7 @@ class MpiWork final : public Work {
     if (done_) return;
     done_ = true;
     {
-      Watchdog::Scope watch("all_reduce(bucket)");
+      Watchdog::Scope watch("wait(bucket)");
       MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
     }
     if (op_ == ReduceOp::avg) host_.div_(size_);
@@ -68,7 +68,7 @@ class MpiWork final : public Work {
   }
 
  private:
-  torch::Tensor host_, target_;
+  torch::Tensor host_, target_, input_;
   ReduceOp op_;
   int size_;
   std::vector<MPI_Request> requests_;
@@ -129,6 +129,10 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
+    reduce_scatter_async(in, out, op)->wait();
+  }
+
   void barrier() override {
     Watchdog::Scope watch("barrier");
     MPI_CHECK(MPI_Barrier(comm_));
@@ -149,6 +153,23 @@ class MpiCommunicator final : public Communicator {
       MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op), comm_,
                                &work->requests().back()));
     }
+    return work;
+  }
+
+  std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
+    if (in.numel() != out.numel() * size_ || out.scalar_type() != in.scalar_type())
+      throw Error(concat("reduce_scatter: in must hold ", size_, " x ", out.numel(), " elements of ",
+                         out.scalar_type()));
+    if (out.numel() > kMaxCount) throw Error("reduce_scatter: output too large for one MPI call");
+    if (op == ReduceOp::avg && !out.is_floating_point())
+      throw Error("reduce_scatter avg needs a floating-point tensor");
+    torch::Tensor hin = in.is_cpu() && in.is_contiguous() ? in : in.to(torch::kCPU).contiguous();
+    const bool staged = !(out.is_cpu() && out.is_contiguous());
+    torch::Tensor hout = staged ? torch::empty(out.sizes(), hin.options()) : out;
+    auto work = std::make_unique<MpiWork>(hout, staged ? out : torch::Tensor(), op, size_, hin);
+    work->requests().emplace_back();
+    MPI_CHECK(MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(out.numel()),
+                                        mpi_type(hin), mpi_op(op), comm_, &work->requests().back()));
     return work;
   }
 
@@ -178,6 +199,11 @@ std::unique_ptr<Work> Communicator::all_reduce_async(torch::Tensor& t, ReduceOp 
   return std::make_unique<DoneWork>();
 }
 
+std::unique_ptr<Work> Communicator::reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) {
+  reduce_scatter(in, out, op);
+  return std::make_unique<DoneWork>();
+}
+
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
   return std::make_unique<MpiCommunicator>(comm);
 }
@@ -187,7 +213,6 @@ std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, const torch:
 bool have_nccl() { return true; }
 #else
 bool have_nccl() { return false; }
-int64_t cuda_peak_allocated_bytes(int) { return -1; }  // CPU build (GPU builds: cuda_stats.cpp)
 #endif
 
 std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,

@@ -70,7 +70,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
     MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
-    MPITRAIN_FIELD(optim, fused),
+    MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
@@ -78,6 +78,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
+    MPITRAIN_FIELD(parallel, tp),
     MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),                    MPITRAIN_FIELD(sample, tokens),
     MPITRAIN_FIELD(sample, prompt),      MPITRAIN_FIELD(sample, temperature),
@@ -405,6 +406,8 @@ void validate(const Config& c, const std::string& where) {
   check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
   check(one_of(o.fused, {"auto", "on", "off"}), "optim.fused", "one of auto|on|off", show(o.fused));
   check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
+  check(o.zero == 0 || o.zero == 1, "optim.zero", "0 (off) or 1 (ZeRO-1: optimizer state sharded)",
+        show(o.zero));
 
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));
   check(one_of(c.log.level, {"debug", "info", "warn", "error"}), "log.level",
@@ -420,6 +423,7 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(c.comm.backend, {"auto", "mpi", "nccl"}), "comm.backend", "one of auto|mpi|nccl",
         show(c.comm.backend));
   check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
+  check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));
   check(c.fault.first_collective_timeout_s > 0, "fault.first_collective_timeout_s", "> 0",

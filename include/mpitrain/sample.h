@@ -1,0 +1,27 @@
+// Text out of a model: `mpitrain sample CHECKPOINT` and the byte tokenizer's decoding. Torch-free
+// so the CLI includes it without the heavy headers (generation itself is model.h's generate).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpitrain {
+
+// Byte tokens as printable text: `eot` as "\n<|endoftext|>\n", newlines, tabs and bytes from 32
+// up kept, other tokens escaped as "\x..".
+std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot);
+
+// `mpitrain sample CHECKPOINT`: loads a checkpoint and returns generated text (any rank count;
+// rank 0 generates).
+struct SampleArgs {
+  std::string checkpoint;
+  std::string prompt;
+  int64_t tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1;
+};
+std::string run_sample(const SampleArgs& args);
+
+}  // namespace mpitrain
