@@ -64,7 +64,7 @@ YAML
 }
 
 params=$(( (L * 12 * D * D) + (256 + T) * D ))
-echo "ZeRO-1 vs plain data parallel: GPT-2 $L layers x $D, seq $T, micro-batch $B, ~$((params / 1000))K parameters, $STEPS steps, $(nproc) cores, $(date -u +%F)"
+echo "ZeRO-1 vs plain data parallel: GPT-2 $L layers x $D, seq $T, micro-batch $B, ~$((params / 1000))K parameters, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
 printf '%-6s | %-16s | %-16s | %-11s | %-14s | %-14s | %-10s | %s\n' ranks "state/rank z0" "state/rank z1" "state ratio" "ms/step z0" "ms/step z1" "time ratio" "final loss z0 / z1"
 printf -- '-------+------------------+------------------+-------------+----------------+----------------+------------+-------------------\n'
 for np in $RANKS; do
