@@ -14,6 +14,10 @@
 # 1/dp of them). The final losses are printed too: they must be equal (tests/test_train.cpp checks
 # that the runs are bitwise the same).
 #
+# "peak RSS" is each process's peak resident memory (GNU time), rank 0 and the largest of the
+# others: the whole process (libtorch, MPI, activations, AdamW state, and the checkpoint saved at
+# the end, which under ZeRO-1 rank 0 assembles whole in host memory: docs/formats.md).
+#
 # Environment: STEPS (30), WARMUP (5), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (4/256/4/128/4),
 # RANKS ("1 2 4"), MPIRUN (mpirun).
 set -euo pipefail
@@ -44,7 +48,7 @@ PY
 
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 
-run() {  # ranks zero -> "state_mib ms_per_step final_loss"
+run() {  # ranks zero -> "state_mib ms_per_step final_loss rss_rank0_mib rss_others_mib"
   local np=$1 zero=$2 out=$WORK/run-$1-$2
   cat > cfg.yaml <<YAML
 model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T}
@@ -55,22 +59,28 @@ eval: {every: 0}
 log: {every: 1}
 checkpoint: {dir: $out/ckpt, every: 0, resume: none}
 YAML
-  "$MPIRUN" -np "$np" "$BIN" cfg.yaml > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
+  # Each rank's peak resident memory (GNU time; OpenMPI names the rank in OMPI_COMM_WORLD_RANK).
+  "$MPIRUN" -np "$np" bash -c 'exec /usr/bin/time -o "$0.rss.$OMPI_COMM_WORLD_RANK" -f %M "$@"' "$out" "$BIN" cfg.yaml \
+    > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
   local state ms loss
   state=$(grep -o 'optimizer state: [0-9.]* MiB' "$out.log" | awk '{ print $3 }')
   ms=$(grep '"ms_per_step"' "$out/metrics.jsonl" | tail -n +$((WARMUP + 1)) | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | median)
   loss=$(grep '"loss"' "$out/metrics.jsonl" | tail -1 | sed 's/.*"loss": \([0-9.]*\).*/\1/')
-  echo "$state $ms $loss"
+  local r0 others
+  r0=$(awk '{ printf "%.0f", $1 / 1024 }' "$out.rss.0")
+  others=$(cat "$out".rss.* | sort -n | tail -1 | awk '{ printf "%.0f", $1 / 1024 }')
+  [[ $np -gt 1 ]] && others=$(for f in "$out".rss.*; do [[ $f == "$out.rss.0" ]] || cat "$f"; done | sort -n | tail -1 | awk '{ printf "%.0f", $1 / 1024 }')
+  echo "$state $ms $loss $r0 $others"
 }
 
 params=$(( (L * 12 * D * D) + (256 + T) * D ))
 echo "ZeRO-1 vs plain data parallel: GPT-2 $L layers x $D, seq $T, micro-batch $B, ~$((params / 1000))K parameters, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
-printf '%-6s | %-16s | %-16s | %-11s | %-14s | %-14s | %-10s | %s\n' ranks "state/rank z0" "state/rank z1" "state ratio" "ms/step z0" "ms/step z1" "time ratio" "final loss z0 / z1"
-printf -- '-------+------------------+------------------+-------------+----------------+----------------+------------+-------------------\n'
+printf '%-5s | %-13s | %-13s | %-11s | %-10s | %-10s | %-10s | %-21s | %-21s | %s\n' ranks "state/rank z0" "state/rank z1" "state ratio" "ms/step z0" "ms/step z1" "time ratio" "peak RSS r0 z0 / z1" "peak RSS others z0/z1" "final loss z0 / z1"
+printf -- '------+---------------+---------------+-------------+------------+------------+------------+-----------------------+-----------------------+-------------------\n'
 for np in $RANKS; do
-  read -r s0 t0 l0 <<< "$(run "$np" 0)"
-  read -r s1 t1 l1 <<< "$(run "$np" 1)"
-  printf '%-6s | %12s MiB | %12s MiB | %11s | %14s | %14s | %10s | %s / %s\n' "$np" "$s0" "$s1" \
+  read -r s0 t0 l0 m0 o0 <<< "$(run "$np" 0)"
+  read -r s1 t1 l1 m1 o1 <<< "$(run "$np" 1)"
+  printf '%-5s | %9.2f MiB | %9.2f MiB | %11s | %10s | %10s | %10s | %7s / %7s MiB | %7s / %7s MiB | %s / %s\n' "$np" "$s0" "$s1" \
     "$(awk -v a="$s1" -v b="$s0" 'BEGIN { printf "%.3f", a / b }')" "$t0" "$t1" \
-    "$(awk -v a="$t1" -v b="$t0" 'BEGIN { printf "%.2f", a / b }')" "$l0" "$l1"
+    "$(awk -v a="$t1" -v b="$t0" 'BEGIN { printf "%.2f", a / b }')" "$m0" "$m1" "$o0" "$o1" "$l0" "$l1"
 done

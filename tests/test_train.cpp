@@ -228,40 +228,46 @@ TEST(Train, DataParallelEqualsOneRankWithTheWholeBatch) {
   EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.3);
 }
 
+// The same, for plain data parallelism and for ZeRO-1 (whose AdamW slices are gathered into the
+// checkpoint and scattered back on resume).
 TEST(Train, ResumeIsBitwiseExact) {
-  auto cfg_for = [](const std::string& run) {
-    Config c = small_config(run, 2, 20);
-    c.train.grad_accum = 2;
-    c.model.dropout = 0.1;
-    return c;
-  };
-  TrainHooks keep;
-  keep.keep_params = true;
-  TrainResult straight = train(cfg_for("straight"), MPI_COMM_WORLD, keep);
+  for (int64_t zero : {0, 1}) {
+    auto cfg_for = [zero](const std::string& run) {
+      Config c = small_config(concat(run, "-zero", zero), 2, 20);
+      c.train.grad_accum = 2;
+      c.model.dropout = 0.1;
+      c.optim.zero = zero;
+      c.comm.bucket_mb = 0.01;  // several buckets
+      return c;
+    };
+    TrainHooks keep;
+    keep.keep_params = true;
+    TrainResult straight = train(cfg_for("straight"), MPI_COMM_WORLD, keep);
 
-  TrainHooks stop = keep;
-  stop.stop_after = 10;
-  TrainResult first = train(cfg_for("resumed"), MPI_COMM_WORLD, stop);
-  EXPECT_EQ(first.final_step, 10);
-  EXPECT_FALSE(first.last_checkpoint.empty() && world_rank() == 0);
-  TrainResult second = train(cfg_for("resumed"), MPI_COMM_WORLD, keep);  // resume: auto
-  EXPECT_EQ(second.final_step, 20);
+    TrainHooks stop = keep;
+    stop.stop_after = 10;
+    TrainResult first = train(cfg_for("resumed"), MPI_COMM_WORLD, stop);
+    EXPECT_EQ(first.final_step, 10);
+    EXPECT_FALSE(first.last_checkpoint.empty() && world_rank() == 0);
+    TrainResult second = train(cfg_for("resumed"), MPI_COMM_WORLD, keep);  // resume: auto
+    EXPECT_EQ(second.final_step, 20);
 
-  auto losses = first.losses;
-  losses.insert(losses.end(), second.losses.begin(), second.losses.end());
-  ASSERT_EQ(losses.size(), straight.losses.size());
-  for (size_t i = 0; i < losses.size(); ++i) {
-    EXPECT_EQ(losses[i].first, straight.losses[i].first);
-    EXPECT_EQ(losses[i].second, straight.losses[i].second) << "step " << losses[i].first;  // exact
+    auto losses = first.losses;
+    losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+    ASSERT_EQ(losses.size(), straight.losses.size());
+    for (size_t i = 0; i < losses.size(); ++i) {
+      EXPECT_EQ(losses[i].first, straight.losses[i].first);
+      EXPECT_EQ(losses[i].second, straight.losses[i].second) << "zero " << zero << " step " << losses[i].first;  // exact
+    }
+    auto vals = first.val_losses;
+    vals.insert(vals.end(), second.val_losses.begin(), second.val_losses.end());
+    ASSERT_EQ(vals.size(), straight.val_losses.size());
+    for (size_t i = 0; i < vals.size(); ++i) EXPECT_EQ(vals[i], straight.val_losses[i]);
+
+    ASSERT_EQ(second.params.size(), straight.params.size());
+    for (size_t i = 0; i < straight.params.size(); ++i)
+      EXPECT_EQ(second.params[i].second, straight.params[i].second) << straight.params[i].first;  // bitwise
   }
-  auto vals = first.val_losses;
-  vals.insert(vals.end(), second.val_losses.begin(), second.val_losses.end());
-  ASSERT_EQ(vals.size(), straight.val_losses.size());
-  for (size_t i = 0; i < vals.size(); ++i) EXPECT_EQ(vals[i], straight.val_losses[i]);
-
-  ASSERT_EQ(second.params.size(), straight.params.size());
-  for (size_t i = 0; i < straight.params.size(); ++i)
-    EXPECT_EQ(second.params[i].second, straight.params[i].second) << straight.params[i].first;  // bitwise
 }
 
 TEST(Train, BadDataIsAUsageErrorOnEveryRank) {

@@ -1,19 +1,12 @@
-// The training loop: start-up from MPI alone, data-parallel steps with bucketed gradient
-// all-reduce, evaluation, progress and JSONL metrics, checkpoints and exact resume.
+// The training loop, top to bottom: start-up (startup.cpp), the model and its initial weights,
+// the optimizer and gradient sync (plain data parallel or ZeRO-1), resume (state_sync.cpp), then
+// the steps: micro-batches, gradient sync, clip, update, logging (progress.cpp), evaluation,
+// stop signals and checkpoints.
 #include "mpitrain/train.h"
 
-#include <sched.h>
-#include <sys/stat.h>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
-
 #include <chrono>
-#include <climits>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
+#include <cstdint>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -21,23 +14,21 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
-#include "mpitrain/layout.h"
-#include "mpitrain/mesh.h"
 #include "mpitrain/consistency.h"
-#include "mpitrain/grad_sync.h"
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
-#include "mpitrain/fused_ops.h"
+#include "mpitrain/grad_sync.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
+#include "mpitrain/mesh.h"
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
-#include "mpitrain/netcheck.h"
 #include "mpitrain/optim.h"
 #include "mpitrain/progress.h"
-#include "mpitrain/shards.h"
 #include "mpitrain/sample.h"
+#include "mpitrain/shards.h"
 #include "mpitrain/signals.h"
+#include "mpitrain/startup.h"
 #include "mpitrain/state_sync.h"
 #include "mpitrain/watchdog.h"
 
@@ -47,80 +38,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
-
-// Start-up checks that find a config value wrong only at run time ("data.train: no shard
-// matches ...", "train.device: ...") say which file the key came from, like parse_config's.
-template <class Fn>
-void naming_config_file(const Config& cfg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    const std::string msg = e.what();
-    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
-                                "fault.", "sample."})
-      if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
-    throw;
-  }
-}
-
-// ---- start-up helpers --------------------------------------------------------------------------
-
-// Torch threads per rank: the cores this process may use, shared by the ranks on its host.
-int configure_threads(int64_t requested, int local_size) {
-  int threads = static_cast<int>(requested);
-  if (threads <= 0) {
-    cpu_set_t set;
-    int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-    threads = std::max(1, cores / std::max(1, local_size));
-  }
-  torch::set_num_threads(threads);
-  at::globalContext().setFlushDenormal(true);  // denormals make fp32 CPU kernels crawl
-  return threads;
-}
-
-// Every step allocates and frees the same activation tensors. With glibc's defaults each of them
-// above its mmap threshold (128 KiB until a free raises it) is a fresh mmap: the kernel zeroes its
-// pages on first touch and unmaps them again at the free, and trimming returns the heap's top
-// likewise. That was 10% of a CPU step (4-layer model: 1.0M page faults in 26 steps, 2.1 s of
-// system time; bench/cpu_vs_pytorch.sh). Allocations up to glibc's largest threshold (32 MiB) come
-// from the heap, and freed memory stays in the process for the next step, as caching allocators
-// do. Settings the user made through MALLOC_*_ or GLIBC_TUNABLES are left alone.
-void keep_freed_memory() {
-#if defined(__GLIBC__)
-  const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_") ||
-      (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos))
-    return;
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, INT_MAX);
-#endif
-}
-
-// A resumed run may use another global batch (another world size, micro-batch or accumulation):
-// allowed, and said, with what it changes. The checkpoint's own run is known from the resolved
-// config it stores (rank 0 reads the checkpoint; older checkpoints without one say nothing).
-void log_batch_change(const TrainState& st, const Config& cfg, int world) {
-  if (st.config_yaml.empty()) return;
-  Config before;
-  try {
-    before = parse_config(st.config_yaml, "the checkpoint's stored config");
-  } catch (const std::exception&) {
-    return;  // a config this version no longer reads: nothing to compare
-  }
-  const TrainConfig &a = before.train, &b = cfg.train;
-  if (a.global_batch == b.global_batch && a.micro_batch == b.micro_batch && a.grad_accum == b.grad_accum &&
-      st.world_size == world)
-    return;
-  log::warn(concat("global batch on resume: the checkpoint's run used ", a.global_batch, " sequences per step (",
-                   a.micro_batch, " micro x ", st.world_size, " ranks x ", a.grad_accum, " accum), this run uses ",
-                   b.global_batch, " (", b.micro_batch, " micro x ", world, " ranks x ", b.grad_accum, " accum)",
-                   a.global_batch == b.global_batch
-                       ? ": the same samples per step, so the data order and the schedule continue as before"
-                       : concat(": the data order continues at sample ", st.data_cursor,
-                                " without repeating or skipping, and the learning-rate schedule goes on by step (",
-                                b.steps, " steps), so each remaining step now sees ", b.global_batch,
-                                " sequences instead of ", a.global_batch)));
-}
 
 // Inputs [rows, T] (int32: the embedding takes them as they are) and targets [rows, T] (int64:
 // cross_entropy in libtorch 1.13 wants Long; the conversion is the copy clone() made anyway)
@@ -167,83 +84,19 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 
 // ---- the run -----------------------------------------------------------------------------------
 
-int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
-
 TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
-  install_stop_signals();
-  follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
-  const Topology topo = Topology::discover(mpi_comm);
-  // The layout: world = dp x tp. The batch arithmetic counts data-parallel ranks.
-  MeshLayout layout;
-  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    layout = plan_layout(topo, cfg.parallel.tp);
-    if (layout.tp > 1)
-      throw UsageError(concat("parallel.tp: ", layout.tp, ": this version builds the mesh (", layout.describe(topo),
-                              ") but does not train tensor-parallel models yet; use parallel.tp: 1"));
-  }); });
-  agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
-  log::set_level(log::parse_level(cfg.log.level));
-  log::set_all_ranks(cfg.log.level == "debug");  // debug: every rank's lines, each with its rank
-  Watchdog::start(cfg.fault.collective_timeout_s, cfg.fault.first_collective_timeout_s);
-  keep_freed_memory();
-  const int threads = configure_threads(cfg.train.threads, topo.local_size);
-  log::info(topo.host_map());
-  log::info(layout.describe(topo));
-
-  // ---- data, model, communicator ----
-  std::unique_ptr<TokenDataset> train_data, val_data;
-  GPTDims dims;
-  std::unique_ptr<Mesh> mesh;
-  torch::Device device(torch::kCPU);
-  const Precision precision = parse_precision(cfg.train.precision);
-  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    const DeviceChoice where = choose_device(cfg.train.device, cfg.comm.backend, local_gpu_count(),
-                                             topo.local_rank, topo.local_size, topo.host);
-    if (where.cuda) {
-      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(where.index));
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(device);
-    }
-    log::debug(concat("rank ", topo.rank, " (host ", topo.host, ", local rank ", topo.local_rank, ") trains on ",
-                      where.describe));
-    if (topo.rank == 0)
-      log::info(concat("device: ", where.cuda ? "CUDA, one GPU per local rank" : "CPU", where.shared ? " (GPUs shared by ranks)" : "",
-                       "; rank 0 on ", where.describe, "; precision ", precision_name(precision)));
-    if (precision == Precision::fp16 && !where.cuda)
-      throw UsageError("train.precision: fp16 needs CUDA (this run trains on the CPU); use bf16 or fp32");
-    train_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.train, "data.train"),
-                                                cfg.model.seq_len, cfg.data.seed, cfg.data.shuffle);
-    if (!cfg.data.val.empty()) {
-      val_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.val, "data.val"),
-                                                cfg.model.seq_len, cfg.data.seed, /*shuffle=*/false);
-      if (val_data->vocab_size() != train_data->vocab_size())
-        throw UsageError(concat("data.val: vocab_size ", val_data->vocab_size(), " differs from data.train's ",
-                             train_data->vocab_size()));
-    }
-    dims = model_dims(cfg.model, train_data->vocab_size());
-    // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
-    if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
-    // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
-    // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist.
-    if (cfg.model.fused_kernels == "auto") dims.fused_kernels = device.is_cuda() && fused_kernels_built();
-    if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
-      log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
-                       dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
-                                                                                       : "on (ATen reference)")
-                                          : "off"));
-    mesh = std::make_unique<Mesh>(mpi_comm, layout, cfg.comm.backend, device);
-  }); });
-
-  // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the
-  // checkpoint's weights, and model.init_from only seeds a fresh start.
-  std::vector<std::string> resume;
-  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    if (topo.rank != 0) return;
-    ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
-    ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
-    resume = resume_candidates(cfg.checkpoint);
-  }); });
-  int has_resume = resume.empty() ? 0 : 1;
-  MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
+  Startup run = start_up(cfg, mpi_comm);  // MPI, layout, device, data, mesh; exit 2 on bad input
+  const Topology& topo = run.topo;
+  const MeshLayout& layout = run.layout;
+  const torch::Device device = run.device;
+  const Precision precision = run.precision;
+  const GPTDims& dims = run.dims;
+  std::unique_ptr<TokenDataset>& train_data = run.train_data;
+  std::unique_ptr<TokenDataset>& val_data = run.val_data;
+  std::unique_ptr<Mesh>& mesh = run.mesh;
+  const std::vector<std::string>& resume = run.resume;
+  const bool has_resume = run.has_resume;
+  const int threads = run.threads;
 
   torch::manual_seed(cfg.train.seed);
   GPT model(dims);

@@ -1,0 +1,63 @@
+// Start-up of a training run, before the model exists: signals, the topology and the mesh
+// layout, the batch arithmetic, logging, the watchdog, threads and allocator settings, the device,
+// the datasets and model dimensions, the communicators, and whether there is a checkpoint to
+// resume from. Every phase whose input may be bad on some ranks only runs under agree(), so a
+// bad value ends every rank with one message naming the file and key (exit 2).
+#pragma once
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mpitrain/amp.h"
+#include "mpitrain/checkpoint.h"
+#include "mpitrain/config.h"
+#include "mpitrain/error.h"
+#include "mpitrain/layout.h"
+#include "mpitrain/mesh.h"
+#include "mpitrain/model.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/shards.h"
+
+namespace mpitrain {
+
+// Start-up checks that find a config value wrong only at run time ("data.train: no shard
+// matches ...", "train.device: ...") say which file the key came from, like parse_config's.
+template <class Fn>
+void naming_config_file(const Config& cfg, Fn&& fn) {
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
+                                "fault.", "sample."})
+      if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
+    throw;
+  }
+}
+
+struct Startup {
+  Topology topo;
+  MeshLayout layout;
+  std::unique_ptr<Mesh> mesh;
+  torch::Device device{torch::kCPU};
+  Precision precision = Precision::fp32;
+  std::unique_ptr<TokenDataset> train_data, val_data;  // val_data null without data.val
+  GPTDims dims;
+  int threads = 1;                  // torch threads per rank
+  std::vector<std::string> resume;  // rank 0: checkpoints to resume from, best first
+  bool has_resume = false;          // every rank: resume is not empty on rank 0
+};
+
+// Everything above, in order; `cfg` is resolved for the world (train.grad_accum/global_batch).
+Startup start_up(Config& cfg, MPI_Comm mpi_comm);
+
+// A resumed run may use another global batch (another world size, micro-batch or accumulation):
+// allowed, and said, with what it changes. The checkpoint's own run is known from the resolved
+// config it stores (rank 0 reads the checkpoint; older checkpoints without one say nothing).
+void log_batch_change(const TrainState& st, const Config& cfg, int world);
+
+}  // namespace mpitrain
