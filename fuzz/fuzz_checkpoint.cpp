@@ -243,7 +243,8 @@ const int64_t kInterestingInts[] = {0, 1, -1, 2, 3, 4, 8, 7, 1LL << 31, 1LL << 3
 // Root attributes: the required integers of load_checkpoint, of checkpoint_dims, and the rest.
 const char* const kLoadInts[] = {"step", "tokens_seen", "world_size"};
 const char* const kDimsInts[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
-const char* const kOptional[] = {"config", "tokenizer", "eot_token", "mpitrain_version"};
+const char* const kOptional[] = {"config", "tokenizer", "eot_token", "mpitrain_version", "parallel_dp", "parallel_tp",
+                                 "optim_zero"};
 
 bool in_list(const std::string& s, std::initializer_list<const char*> l) {
   for (const char* x : l)
@@ -259,7 +260,9 @@ bool in_list(const std::string& s, std::initializer_list<const char*> l) {
 // never read.
 bool acceptable_int(const std::string& name, int64_t v) {
   if (name == "fuzz_extra" || name == "mpitrain_version") return true;
-  if (name == "version") return v == kCheckpointVersion;
+  if (name == "version") return v == kCheckpointVersion || v == 1;  // version 1 still loads
+  if (in_list(name, {"parallel_dp", "parallel_tp"})) return v >= 1 && v <= INT32_MAX;
+  if (name == "optim_zero") return v == 0 || v == 1;
   if (in_list(name, {"step", "tokens_seen", "steps_taken", "data_cursor"})) return v >= 0;
   if (name == "world_size") return v >= 2 && v <= INT32_MAX;
   if (name == "eot_token") return v >= -1 && v < 8;
@@ -269,7 +272,8 @@ bool acceptable_int(const std::string& name, int64_t v) {
 
 // Attributes that may be absent (or hold any string, for the string ones).
 bool optional_attr(const std::string& name) {
-  return in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version"});
+  return in_list(name, {"fuzz_extra", "config", "tokenizer", "eot_token", "mpitrain_version", "parallel_dp",
+                        "parallel_tp", "optim_zero"});
 }
 
 

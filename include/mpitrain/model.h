@@ -123,4 +123,8 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
 std::vector<int64_t> generate(GPT& model, std::vector<int64_t> prompt, int64_t n,
                               double temperature, int64_t top_k, uint64_t seed);
 
+// Byte tokens as printable text: `eot` as "\n<|endoftext|>\n", newlines, tabs and bytes from 32
+// up kept, other tokens escaped as "\x..".
+std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot);
+
 }  // namespace mpitrain

@@ -1,5 +1,5 @@
-// Text out of a model: `mpitrain sample CHECKPOINT` and the byte tokenizer's decoding. Torch-free
-// so the CLI includes it without the heavy headers (generation itself is model.h's generate).
+// `mpitrain sample CHECKPOINT`. Torch-free so the CLI includes it without the heavy headers
+// (generation itself is model.h's generate, byte decoding its decode_bytes).
 #pragma once
 
 #include <cstdint>
@@ -7,10 +7,6 @@
 #include <vector>
 
 namespace mpitrain {
-
-// Byte tokens as printable text: `eot` as "\n<|endoftext|>\n", newlines, tabs and bytes from 32
-// up kept, other tokens escaped as "\x..".
-std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot);
 
 // `mpitrain sample CHECKPOINT`: loads a checkpoint and returns generated text (any rank count;
 // rank 0 generates).

@@ -308,4 +308,14 @@ std::vector<int64_t> generate(GPT& model, std::vector<int64_t> tokens, int64_t n
   return tokens;
 }
 
+std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot) {
+  std::string out;
+  for (int64_t t : tokens) {
+    if (t == eot) out += "\n<|endoftext|>\n";
+    else if (t == '\n' || t == '\t' || (t >= 32 && t < 256)) out += static_cast<char>(t);
+    else out += concat("\\x", std::hex, t);
+  }
+  return out;
+}
+
 }  // namespace mpitrain

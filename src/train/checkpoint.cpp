@@ -512,14 +512,11 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   st.step = require_int_in(root, path, "step", "step", 0);
   st.tokens_seen = require_int_in(root, path, "tokens_seen", "tokens_seen", 0);
   st.world_size = require_int_in(root, path, "world_size", "world_size", 1, INT_MAX);
-  st.dp = st.world_size;  // version 1: plain data parallel
-  st.tp = 1;
-  st.zero = 0;
-  if (h5::has_attr(root, "parallel_tp")) {
-    st.tp = require_int_in(root, path, "parallel_tp", "parallel_tp", 1, st.world_size);
-    st.dp = require_int_in(root, path, "parallel_dp", "parallel_dp", 1, st.world_size);
-    st.zero = require_int_in(root, path, "optim_zero", "optim_zero", 0, 1);
-  }
+  // The writer's layout (version 2; informative, any layout loads): absent in version 1 files.
+  st.dp = h5::has_attr(root, "parallel_dp") ? require_int_in(root, path, "parallel_dp", "parallel_dp", 1, INT32_MAX)
+                                            : st.world_size;
+  st.tp = h5::has_attr(root, "parallel_tp") ? require_int_in(root, path, "parallel_tp", "parallel_tp", 1, INT32_MAX) : 1;
+  st.zero = h5::has_attr(root, "optim_zero") ? require_int_in(root, path, "optim_zero", "optim_zero", 0, 1) : 0;
   st.config_yaml = optional_string(root, path, "config").value_or("");
   st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
   st.eot_token = -1;

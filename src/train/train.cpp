@@ -25,7 +25,6 @@
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
 #include "mpitrain/progress.h"
-#include "mpitrain/sample.h"
 #include "mpitrain/shards.h"
 #include "mpitrain/signals.h"
 #include "mpitrain/startup.h"

@@ -1,4 +1,4 @@
-// `mpitrain sample`: text from a checkpoint, and byte-token decoding (see sample.h).
+// `mpitrain sample`: text from a checkpoint (see sample.h).
 #include <cstdio>
 
 #include "mpitrain/checkpoint.h"
@@ -8,16 +8,6 @@
 #include "mpitrain/sample.h"
 
 namespace mpitrain {
-
-std::string decode_bytes(const std::vector<int64_t>& tokens, int64_t eot) {
-  std::string out;
-  for (int64_t t : tokens) {
-    if (t == eot) out += "\n<|endoftext|>\n";
-    else if (t == '\n' || t == '\t' || (t >= 32 && t < 256)) out += static_cast<char>(t);
-    else out += concat("\\x", std::hex, t);
-  }
-  return out;
-}
 
 std::string run_sample(const SampleArgs& args) {
   GPTDims dims = checkpoint_dims(args.checkpoint);
