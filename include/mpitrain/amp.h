@@ -60,6 +60,8 @@ class LossScaler {
   void update(bool finite);
 
  private:
+  std::vector<torch::Tensor> unscale(const std::vector<torch::Tensor>& grads) const;
+
   bool enabled_;
   double scale_;
   int64_t growth_interval_;

@@ -51,6 +51,11 @@ class Communicator {
   virtual void check_async_errors() {}
 };
 
+// all_gather and reduce_scatter's shape rule, for every backend: `whole` (named `whole_name` in
+// the message) holds `size` x part.numel() elements of part's dtype; Error "<op>: ..." otherwise.
+void check_gather_sizes(const char* op, const char* whole_name, const torch::Tensor& whole,
+                        const torch::Tensor& part, int size);
+
 // The MPI backend over `comm` (not owned; it must outlive the communicator).
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
 

@@ -44,10 +44,12 @@ class DoneWork final : public Work {
 
 // A non-blocking collective whose result lands in a contiguous host buffer (the tensor itself, or
 // a staging copy of a device tensor that wait() copies back); `input` keeps a staged input alive.
+// `what` names it in watchdog messages (a string literal).
 class MpiWork final : public Work {
  public:
-  MpiWork(torch::Tensor host, torch::Tensor target, ReduceOp op, int size, torch::Tensor input = {})
-      : host_(std::move(host)), target_(std::move(target)), input_(std::move(input)), op_(op), size_(size) {}
+  MpiWork(const char* what, torch::Tensor host, torch::Tensor target, ReduceOp op, int size, torch::Tensor input = {})
+      : what_(what), host_(std::move(host)), target_(std::move(target)), input_(std::move(input)), op_(op),
+        size_(size) {}
   ~MpiWork() override {
     try {
       wait();
@@ -60,7 +62,7 @@ class MpiWork final : public Work {
     if (done_) return;
     done_ = true;
     {
-      Watchdog::Scope watch("wait(bucket)");
+      Watchdog::Scope watch(what_);
       MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
     }
     if (op_ == ReduceOp::avg) host_.div_(size_);
@@ -68,6 +70,7 @@ class MpiWork final : public Work {
   }
 
  private:
+  const char* what_;
   torch::Tensor host_, target_, input_;
   ReduceOp op_;
   int size_;
@@ -116,9 +119,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_gather(const torch::Tensor& in, torch::Tensor& out) override {
-    if (out.numel() != in.numel() * size_ || out.scalar_type() != in.scalar_type())
-      throw Error(concat("all_gather: out must hold ", size_, " x ", in.numel(), " elements of ",
-                      in.scalar_type()));
+    check_gather_sizes("all_gather", "out", out, in, size_);
     if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
     Watchdog::Scope watch("all_gather");
     torch::Tensor hin = in.to(torch::kCPU).contiguous();
@@ -143,7 +144,7 @@ class MpiCommunicator final : public Communicator {
       throw Error("all_reduce avg needs a floating-point tensor");
     const bool staged = !(t.is_cpu() && t.is_contiguous());
     torch::Tensor host = staged ? t.to(torch::kCPU).contiguous() : t;
-    auto work = std::make_unique<MpiWork>(host, staged ? t : torch::Tensor(), op, size_);
+    auto work = std::make_unique<MpiWork>("all_reduce(bucket)", host, staged ? t : torch::Tensor(), op, size_);
     const MPI_Datatype type = mpi_type(host);
     const size_t elem = host.element_size();
     char* base = static_cast<char*>(host.data_ptr());
@@ -157,16 +158,14 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
-    if (in.numel() != out.numel() * size_ || out.scalar_type() != in.scalar_type())
-      throw Error(concat("reduce_scatter: in must hold ", size_, " x ", out.numel(), " elements of ",
-                         out.scalar_type()));
+    check_gather_sizes("reduce_scatter", "in", in, out, size_);
     if (out.numel() > kMaxCount) throw Error("reduce_scatter: output too large for one MPI call");
     if (op == ReduceOp::avg && !out.is_floating_point())
       throw Error("reduce_scatter avg needs a floating-point tensor");
     torch::Tensor hin = in.is_cpu() && in.is_contiguous() ? in : in.to(torch::kCPU).contiguous();
     const bool staged = !(out.is_cpu() && out.is_contiguous());
     torch::Tensor hout = staged ? torch::empty(out.sizes(), hin.options()) : out;
-    auto work = std::make_unique<MpiWork>(hout, staged ? out : torch::Tensor(), op, size_, hin);
+    auto work = std::make_unique<MpiWork>("reduce_scatter(bucket)", hout, staged ? out : torch::Tensor(), op, size_, hin);
     work->requests().emplace_back();
     MPI_CHECK(MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(out.numel()),
                                         mpi_type(hin), mpi_op(op), comm_, &work->requests().back()));
@@ -202,6 +201,13 @@ std::unique_ptr<Work> Communicator::all_reduce_async(torch::Tensor& t, ReduceOp 
 std::unique_ptr<Work> Communicator::reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) {
   reduce_scatter(in, out, op);
   return std::make_unique<DoneWork>();
+}
+
+void check_gather_sizes(const char* op, const char* whole_name, const torch::Tensor& whole,
+                        const torch::Tensor& part, int size) {
+  if (whole.numel() != part.numel() * size || whole.scalar_type() != part.scalar_type())
+    throw Error(concat(op, ": ", whole_name, " must hold ", size, " x ", part.numel(), " elements of ",
+                       part.scalar_type()));
 }
 
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {

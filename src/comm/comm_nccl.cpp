@@ -200,9 +200,7 @@ class NcclCommunicator final : public Communicator {
 
   void all_gather(const torch::Tensor& in, torch::Tensor& out) override {
     if (!in.is_cuda() || !on_device(out)) return host_->all_gather(in, out);
-    if (out.numel() != in.numel() * size_ || out.scalar_type() != in.scalar_type())
-      throw Error(concat("all_gather: out must hold ", size_, " x ", in.numel(), " elements of ",
-                         in.scalar_type()));
+    check_gather_sizes("all_gather", "out", out, in, size_);
     torch::Tensor src = in.contiguous();
     Watchdog::Scope watch("ncclAllGather");
     nccl_check(ncclAllGather(src.data_ptr(), out.data_ptr(), src.numel(), nccl_type(src), comm_, current()),
@@ -212,7 +210,7 @@ class NcclCommunicator final : public Communicator {
 
   void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
     if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter(in, out, op);
-    check_reduce_scatter(in, out);
+    check_gather_sizes("reduce_scatter", "in", in, out, size_);
     torch::Tensor src = in.contiguous();
     Watchdog::Scope watch("ncclReduceScatter");
     nccl_check(ncclReduceScatter(src.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out), nccl_op(op), comm_,
@@ -243,7 +241,7 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
     if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter_async(in, out, op);
-    check_reduce_scatter(in, out);
+    check_gather_sizes("reduce_scatter", "in", in, out, size_);
     on_device(in);
     return on_comm_stream({in, out}, [&](cudaStream_t s) {
       nccl_check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out), nccl_op(op), comm_, s),
@@ -283,12 +281,6 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  void check_reduce_scatter(const torch::Tensor& in, const torch::Tensor& out) const {
-    if (in.numel() != out.numel() * size_ || out.scalar_type() != in.scalar_type())
-      throw Error(concat("reduce_scatter: in must hold ", size_, " x ", out.numel(), " elements of ",
-                         out.scalar_type()));
-  }
-
   bool on_device(const torch::Tensor& t) const {
     if (!t.is_cuda()) return false;
     if (t.get_device() != device_)

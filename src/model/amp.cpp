@@ -109,27 +109,30 @@ torch::Tensor LossScaler::scale_loss(const torch::Tensor& loss) const {
   return enabled_ ? loss * scale_ : loss;
 }
 
-bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& params) {
-  if (!enabled_) return true;
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> finite;
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    p.grad().mul_(1.0 / scale_);
-    finite.push_back(p.grad().isfinite().all());
-  }
-  return finite.empty() || torch::stack(finite).all().item<bool>();
-}
-
-bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& grads, Communicator& group,
-                                   const torch::Device& device) {
-  if (!enabled_) return true;
+// Divides each gradient by the scale; one 0-dim "all finite" flag per gradient.
+std::vector<torch::Tensor> LossScaler::unscale(const std::vector<torch::Tensor>& grads) const {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> finite;
   for (const auto& g : grads) {
     g.mul_(1.0 / scale_);
     finite.push_back(g.isfinite().all());
   }
+  return finite;
+}
+
+bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& params) {
+  if (!enabled_) return true;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  const std::vector<torch::Tensor> finite = unscale(grads);
+  return finite.empty() || torch::stack(finite).all().item<bool>();
+}
+
+bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& grads, Communicator& group,
+                                   const torch::Device& device) {
+  if (!enabled_) return true;
+  const std::vector<torch::Tensor> finite = unscale(grads);
   torch::Tensor ok = torch::ones({1}, torch::dtype(torch::kFloat32).device(device));
   if (!finite.empty()) ok = torch::stack(finite).all().to(torch::kFloat32).reshape({1});
   group.all_reduce(ok, ReduceOp::min);
