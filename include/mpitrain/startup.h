@@ -15,6 +15,7 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/config.h"
+#include "mpitrain/dir_lock.h"
 #include "mpitrain/error.h"
 #include "mpitrain/layout.h"
 #include "mpitrain/mesh.h"
@@ -50,10 +51,13 @@ struct Startup {
   int threads = 1;                  // torch threads per rank
   std::vector<std::string> resume;  // rank 0: checkpoints to resume from, best first
   bool has_resume = false;          // every rank: resume is not empty on rank 0
+  std::unique_ptr<DirLock> checkpoint_lock;  // rank 0: checkpoint.dir is this job's until the end
 };
 
 // Everything above, in order; `cfg` is resolved for the world (train.grad_accum/global_batch).
-Startup start_up(Config& cfg, MPI_Comm mpi_comm);
+// Rank 0 locks checkpoint.dir before it looks for a checkpoint to resume (dir_lock.h); a job
+// holding it already is exit 2 on every rank. force_unlock: --force-unlock.
+Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock = false);
 
 // A resumed run may use another global batch (another world size, micro-batch or accumulation):
 // allowed, and said, with what it changes. The checkpoint's own run is known from the resolved

@@ -16,6 +16,7 @@ namespace mpitrain {
 struct TrainHooks {
   int64_t stop_after = -1;   // end after this many completed steps with a checkpoint (-1 = never)
   bool keep_params = false;  // copy the final parameters into TrainResult::params (tests)
+  bool force_unlock = false; // --force-unlock: override checkpoint.dir's lock of a job that is gone
 };
 
 struct TrainResult {

@@ -50,6 +50,10 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   train_cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
   train_cmd->add_option("--stop-after", stop_after,
                         "stop after step N (absolute, counted from the start of training), with a checkpoint");
+  bool force_unlock = false;
+  train_cmd->add_flag("--force-unlock", force_unlock,
+                      "take checkpoint.dir's lock from a job that is gone (a dead node's lock kept by a shared "
+                      "filesystem); says whose lock it overrides");
 
   PackOptions pack;
   auto* pack_cmd = app.add_subcommand(
@@ -144,6 +148,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     agree(MPI_COMM_WORLD, [&] { cfg = load_config(config_path, overrides); });
     TrainHooks hooks;
     hooks.stop_after = stop_after;
+    hooks.force_unlock = force_unlock;
     return train(cfg, MPI_COMM_WORLD, hooks).exit_code;
   }
   if (*pack_cmd) {

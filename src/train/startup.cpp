@@ -55,7 +55,7 @@ void keep_freed_memory() {
 
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
 
-Startup start_up(Config& cfg, MPI_Comm mpi_comm) {
+Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   install_stop_signals();
   follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
   Startup run;
@@ -129,6 +129,14 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm) {
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     if (topo.rank != 0) return;
     ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");
+    // One job per checkpoint directory, before anything in it is read or written.
+    run.checkpoint_lock =
+        std::make_unique<DirLock>(cfg.checkpoint.dir, "checkpoint.dir", DirLock::self(topo.host), force_unlock);
+    if (const auto& gone = run.checkpoint_lock->overridden())
+      log::warn(concat("checkpoint.dir: --force-unlock overrode the lock of ", gone->describe(), " on '",
+                       cfg.checkpoint.dir, "'"));
+    else if (force_unlock)
+      log::info(concat("checkpoint.dir: --force-unlock: '", cfg.checkpoint.dir, "' was not locked, nothing overridden"));
     ensure_writable_dir(cfg.train.out_dir, "train.out_dir");
     resume = resume_candidates(cfg.checkpoint);
   }); });

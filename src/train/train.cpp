@@ -84,7 +84,7 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 // ---- the run -----------------------------------------------------------------------------------
 
 TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
-  Startup run = start_up(cfg, mpi_comm);  // MPI, layout, device, data, mesh; exit 2 on bad input
+  Startup run = start_up(cfg, mpi_comm, hooks.force_unlock);  // MPI, layout, device, data, mesh; exit 2 on bad input
   const Topology& topo = run.topo;
   const MeshLayout& layout = run.layout;
   const torch::Device device = run.device;

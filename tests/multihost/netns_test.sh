@@ -316,6 +316,34 @@ check "final checkpoint written: ckpt/ckpt-00000005.h5, named by ckpt/latest" \
   "[ -f ckpt/ckpt-00000005.h5 ] && grep -qx ckpt-00000005.h5 ckpt/latest"
 [ $rc -eq 0 ] || show_tail train.out
 
+# ---- one job per checkpoint directory, the holder on another host ------------------------------
+# A long run on mpt-node2 holds $T/ckpt (the directory all "hosts" share here, as a shared
+# filesystem would); a job started from node 1 is refused naming mpt-node2 and the holder's pid;
+# once the holder is killed with -9 the next job starts and resumes its checkpoint.
+lock_args=(--set model.preset=custom --set model.n_layer=1 --set model.n_head=2 --set model.n_embd=16
+  --set model.seq_len=32 --set "data.train=[$T/data/f-train-*.h5]" --set "data.val=[]" --set eval.every=0
+  --set train.micro_batch=2 --set train.threads=1 --set "train.out_dir=$T/run-lock" --set log.every=100
+  --set "checkpoint.dir=$T/ckpt" --set checkpoint.every=20 --set checkpoint.keep=1 --set sample.tokens=0)
+rm -f "$T/ckpt/latest"
+nsenter --target "${SSHD_PIDS[1]}" --net --uts -- "$BIN" "$ROOT/configs/demo.yaml" "${lock_args[@]}" \
+  --set train.steps=1000000 --set checkpoint.resume=none > "$T/holder.out" 2>&1 &
+HOLDER=$!
+for _ in $(seq 1 300); do [ -s "$T/ckpt/latest" ] && break; sleep 0.1; done
+mpirun_on_node1 lock_refused "$BIN" "$ROOT/configs/demo.yaml" "${lock_args[@]}" --set train.steps=1000000
+rc=$?
+check "a job on mpt-node2 holds checkpoint.dir; mpirun from mpt-node1 is refused (exit $rc), naming mpt-node2 and pid $HOLDER, once" \
+  "[ $rc -eq 2 ] && [ \$(grep -c \"in use by another job (host mpt-node2, pid $HOLDER, started\" lock_refused.out) -eq 1 ]"
+[ $rc -eq 2 ] || show_tail lock_refused.out
+kill -9 "$HOLDER" 2>/dev/null
+wait "$HOLDER" 2>/dev/null
+at=$(sed 's/ckpt-0*\([0-9]*\).h5/\1/' "$T/ckpt/latest" 2>/dev/null)
+mpirun_on_node1 lock_after "$BIN" "$ROOT/configs/demo.yaml" "${lock_args[@]}" --set train.steps=1000000 \
+  --set checkpoint.resume=auto --stop-after $((${at:-0} + 2))
+rc=$?
+check "after kill -9 of the holder on mpt-node2 the job from mpt-node1 starts (exit $rc) and resumes step ${at:-?}" \
+  "[ $rc -eq 0 ] && grep -q 'resumed from .*ckpt-0*${at:-x}.h5 at step ${at:-x}' lock_after.out"
+[ $rc -eq 0 ] || show_tail lock_after.out
+
 # ---- netcheck: host map, point-to-point and all-reduce over the three hosts --------------------
 # (a binary without netcheck treats the word as a config file: its help is train's)
 if ! nc_help=$("$BIN" netcheck --help 2>&1) || ! grep -q netcheck <<< "$nc_help"; then

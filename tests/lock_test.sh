@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One job per checkpoint directory (include/mpitrain/dir_lock.h), with real jobs: a second job on a
+# directory in use is refused (exit 2 on every rank, one line naming the directory and the holder,
+# printed once, the holder's checkpoints untouched); --force-unlock never overrides a live holder
+# on this host; a holder killed with -9 does not block the next job, which resumes its checkpoint;
+# a lock left by a holder that is gone from another host (held here by flock(1), as a shared
+# filesystem keeps a dead node's lock) is refused, then overridden by --force-unlock, which says
+# whose lock it overrode. The holder on another real host: tests/multihost/netns_test.sh.
+# Usage: lock_test.sh PATH/TO/mpitrain [mpirun]
+set -u
+BIN=$(realpath "$1")
+MPIRUN=${2:-mpirun}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+WORK=$(mktemp -d /tmp/mpitrain-lock-XXXXXX)
+BG=()  # background processes this test started, killed on exit whatever happens
+cleanup() {
+  for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+cd "$WORK" || exit 1
+passed=0 failed=0
+ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
+bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
+check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+# name, expected substring, command...: exit 2 and the substring in exactly one "mpitrain:" line
+expect_refused() {
+  local name=$1 want=$2
+  shift 2
+  "$@" > err.out 2>&1
+  local rc=$? n
+  n=$(grep -c "mpitrain: " err.out)
+  if [ $rc -eq 2 ] && [ "$n" -eq 1 ] && grep -q -- "$want" err.out; then ok "$name"
+  else bad "$name (rc=$rc, error lines=$n)"; sed 's/^/  | /' err.out; fi
+}
+
+mkdir corpus
+for i in $(seq 1 60); do
+  printf 'The quick brown fox %d jumps over the lazy dog.\n%%\nA stitch in time saves %d.\n%%\n' $i $i >> corpus/a.txt
+done
+"$BIN" pack corpus -o data/c --doc-separator % --shard-tokens 3000 > pack.out 2>&1 || { cat pack.out; exit 1; }
+cat > cfg.yaml <<'YAML'
+model: {preset: custom, n_layer: 1, n_head: 2, n_embd: 16, seq_len: 32}
+data: {train: [data/c-train-*.h5]}
+train: {micro_batch: 2, steps: 1000000, threads: 1, out_dir: run}
+optim: {warmup_steps: 2}
+eval: {every: 0}
+log: {every: 50}
+checkpoint: {dir: ckpt, every: 20, keep: 2}
+sample: {tokens: 0}
+YAML
+host=$(uname -n)
+
+# ---- the holder: a long run, once it has written a checkpoint ----
+"$BIN" cfg.yaml > a.out 2>&1 &
+A=$!
+BG+=("$A")
+for _ in $(seq 1 600); do [ -s ckpt/latest ] && break; sleep 0.1; done
+check "holder runs and has written a checkpoint" "kill -0 $A && [ -s ckpt/latest ]"
+check "the lock file names the holder: host, pid, start time" \
+  "grep -qx 'host=$host' ckpt/.mpitrain.lock && grep -qx 'pid=$A' ckpt/.mpitrain.lock && grep -q '^started=20' ckpt/.mpitrain.lock"
+
+# ---- a second job on the same directory ----
+before=$(ls -l --time-style=+%s.%N ckpt/*.h5 | wc -l)
+expect_refused "second job (mpirun -np 2) refused: exit 2, one line naming the directory and the holder" \
+  "cfg.yaml: checkpoint.dir: 'ckpt' is in use by another job (host $host, pid $A, started 20" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml
+check "the refused job resumed nothing and wrote nothing (no 'resumed', no training)" \
+  "! grep -q 'resumed from' err.out && ! grep -q 'step ' err.out"
+check "the holder is still running" "kill -0 $A"
+expect_refused "--force-unlock does not override a live holder on this host" \
+  "is locked by pid $A, which is alive on this host" "$BIN" cfg.yaml --force-unlock
+check "the holder is still running after the refused --force-unlock" "kill -0 $A"
+expect_refused "singleton second job refused too" "is in use by another job" "$BIN" cfg.yaml
+
+# ---- the holder killed with -9: the next job starts and resumes its checkpoint ----
+kill -9 $A
+wait $A 2>/dev/null
+at=$(sed 's/ckpt-0*\([0-9]*\).h5/\1/' ckpt/latest)
+"$BIN" cfg.yaml --stop-after $((at + 2)) > c.out 2>&1
+rc=$?
+check "after kill -9 of the holder the next job starts (exit $rc) and resumes at step $at" \
+  "[ $rc -eq 0 ] && grep -q \"resumed from ckpt/ckpt-0*$at.h5 at step $at\" c.out"
+check "a job that ended leaves the lock free and the lock file without a holder" \
+  "[ -f ckpt/.mpitrain.lock ] && [ ! -s ckpt/.mpitrain.lock ]"
+
+# ---- a lock kept for a holder that is gone from another host ----
+printf 'host=mpt-gone-node\npid=4242\nslurm_job=777\nstarted=2026-01-01T00:00:00Z\n' > ckpt/.mpitrain.lock
+( exec 9<ckpt/.mpitrain.lock && flock -n 9 && exec sleep 600 ) &   # the holder is the sleep itself
+F=$!
+BG+=("$F")
+sleep 0.5
+expect_refused "a lock kept for a gone holder on another host is refused, naming it with its Slurm job" \
+  "in use by another job (host mpt-gone-node, pid 4242, Slurm job 777, started 2026-01-01T00:00:00Z" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --force-unlock --stop-after $((at + 4)) > force.out 2>&1
+rc=$?
+check "--force-unlock overrides it (exit $rc) and says whose lock" \
+  "[ $rc -eq 0 ] && grep -q 'force-unlock overrode the lock of host mpt-gone-node, pid 4242, Slurm job 777' force.out"
+check "--force-unlock: the run resumed the directory's checkpoint" "grep -q 'resumed from ckpt/' force.out"
+kill $F 2>/dev/null
+"$BIN" cfg.yaml --force-unlock --stop-after $((at + 5)) > force2.out 2>&1
+rc=$?
+check "--force-unlock on a free directory overrides nothing and says so" \
+  "[ $rc -eq 0 ] && grep -q \"'ckpt' was not locked, nothing overridden\" force2.out"
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
