@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 # What the fault and multi-host tests use beyond the build (Slurm, munge, docker.io and
 # debootstrap are installed by their own tests), and the fuzz test's clang with its libFuzzer
-# runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12).
+# runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), and h5py
+# (tests/h5py_test.sh reads checkpoints with it).
 missing=()
-for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev; do
+for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev python3-h5py; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -72,6 +73,9 @@ struct CheckpointSnapshot {
 // copy=false, tensors that already are CPU contiguous fp32 are referenced, not copied: for a write
 // on the calling thread that finishes before they change (the synchronous save).
 CheckpointSnapshot snapshot_checkpoint(GPT& model, const FullOptimState& opt, const TrainState& st, bool copy = true);
+// The same copies into the tensors of `into`, a snapshot of this model and state taken before
+// (same names and shapes): no allocation.
+void snapshot_into(CheckpointSnapshot& into, GPT& model, const FullOptimState& opt, const TrainState& st);
 
 // Writes dir/ckpt-<step:08>.h5 (tmp, fsync, rename, directory fsync) and updates dir/latest the
 // same way, then deletes all but the newest `keep` complete checkpoints (never the one just
@@ -84,8 +88,11 @@ std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, cons
                             int64_t keep);
 
 // Checkpoint saves for the training loop (checkpoint.async). save() is the loop's only stall:
-//  - async: wait for the previous write (at most one in flight) and rethrow its error, take a
-//    snapshot (copies), start write_checkpoint on a background thread, return;
+//  - async: wait for the previous write (at most one in flight) and rethrow its error, copy the
+//    state into the host snapshot buffers, start write_checkpoint on a background thread, return.
+//    The buffers are allocated once, by prepare() at start-up (pinned for CUDA tensors, every page
+//    touched), or else by the first save, and reused by every later save: no save pays for fresh
+//    memory, so the first one stalls no longer than the others;
 //  - sync:  snapshot without copies and write on the calling thread (= save_checkpoint).
 // wait() waits for the write in flight and rethrows its error (UsageError for a full disk: exit 2
 // as for a synchronous save); call it before the end of training and before exiting on a signal.
@@ -101,6 +108,8 @@ class AsyncCheckpointWriter {
   std::string save(GPT& model, const FullOptimState& opt, const TrainState& st);
   std::string save(GPT& model, AdamW& opt, const TrainState& st) { return save(model, full_state_of(opt), st); }
   void wait();
+  // Async: allocates the snapshot buffers for this model and optimizer state now (no-op when sync).
+  void prepare(GPT& model, const FullOptimState& opt);
 
   bool async() const { return async_; }
   // Time the calling thread spent in save() (waiting for the previous write + snapshot, or the
@@ -116,6 +125,7 @@ class AsyncCheckpointWriter {
   bool async_;
   std::thread thread_;
   std::exception_ptr error_;  // written by the thread, read after join()
+  std::shared_ptr<CheckpointSnapshot> buffers_;  // async: the host snapshot every save copies into
   double stalled_ms_ = 0;
   int64_t saves_ = 0;
 };

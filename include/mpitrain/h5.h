@@ -83,6 +83,14 @@ std::optional<std::vector<uint8_t>> get_attr_bytes(hid_t obj, const std::string&
 // H5T_NATIVE_FLOAT) and shape `dims` from `data` (row-major, dims product elements).
 Dataset write(hid_t loc, const std::string& name, hid_t type, const std::vector<hsize_t>& dims,
               const void* data);
+// Creates a contiguous dataset whose storage is allocated at once and never filled: its bytes are
+// at raw_offset() in the file, for the caller to write there itself (checkpoints write their
+// tensors with large pwrite()s, the way dd does, instead of through H5Dwrite).
+Dataset create_allocated(hid_t loc, const std::string& name, hid_t type, const std::vector<hsize_t>& dims);
+// Where a dataset's bytes are in the file, when they can be read or written there directly as
+// `mem_type`: contiguous layout, storage allocated, of exactly `bytes` bytes, and the file's type
+// equal to mem_type. nullopt otherwise (chunked, compressed, another type: H5Dread converts).
+std::optional<uint64_t> raw_offset(hid_t dataset, hid_t mem_type, uint64_t bytes);
 // Shape of a dataset.
 std::vector<hsize_t> shape(hid_t dataset);
 // Reads the whole dataset converting to `type` into `out` (must hold product(shape) elements).

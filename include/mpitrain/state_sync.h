@@ -28,8 +28,12 @@ namespace mpitrain {
 
 // AdamW's state in whole-parameter shapes for the writer (rank 0 of opt's group). Unsharded: the
 // optimizer's own tensors (every rank). Sharded: collective over `shards`' communicator; rank 0
-// gets host fp32 tensors, the other ranks an empty state.
-FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model);
+// gets host fp32 tensors, the other ranks an empty state. `reuse` (rank 0, sharded): host tensors
+// of an earlier gather to fill again instead of allocating (the training loop keeps them between
+// saves, so that no save pays for fresh memory); filled on first use.
+FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model, FullOptimState* reuse = nullptr);
+// Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
+FullOptimState host_optim_state_like(GPT& model);
 
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
 std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const torch::Device& device);

@@ -181,6 +181,29 @@ Dataset write(hid_t loc, const std::string& name, hid_t type, const std::vector<
   return d;
 }
 
+Dataset create_allocated(hid_t loc, const std::string& name, hid_t type, const std::vector<hsize_t>& dims) {
+  Dataspace s(dims.empty() ? H5Screate(H5S_SCALAR)
+                           : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
+  PropList dcpl(H5Pcreate(H5P_DATASET_CREATE), "dataset creation properties");
+  if (H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS) < 0 || H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY) < 0 ||
+      H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER) < 0)
+    throw Error("HDF5: cannot set the layout of dataset " + name);
+  return Dataset(H5Dcreate2(loc, name.c_str(), type, s.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+                 "dataset " + name + " (disk full?)");
+}
+
+std::optional<uint64_t> raw_offset(hid_t dataset, hid_t mem_type, uint64_t bytes) {
+  PropList dcpl(H5Dget_create_plist(dataset), "dataset creation properties");
+  if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS || H5Pget_nfilters(dcpl.get()) != 0) return std::nullopt;
+  if (H5Pget_external_count(dcpl.get()) != 0) return std::nullopt;
+  Datatype t(H5Dget_type(dataset), "dataset type");
+  if (H5Tequal(t.get(), mem_type) <= 0) return std::nullopt;
+  if (H5Dget_storage_size(dataset) != bytes) return std::nullopt;
+  const haddr_t at = H5Dget_offset(dataset);
+  if (at == HADDR_UNDEF) return std::nullopt;
+  return static_cast<uint64_t>(at);
+}
+
 std::vector<hsize_t> shape(hid_t dataset) {
   Dataspace s(H5Dget_space(dataset));
   int nd = H5Sget_simple_extent_ndims(s.get());

@@ -18,6 +18,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -109,12 +111,100 @@ torch::Tensor host_fp32(const torch::Tensor& t, bool copy) {
   return c.contiguous();
 }
 
-void write_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
-  const torch::Tensor c = host_fp32(t, /*copy=*/false);  // a no-op for a snapshot's tensors
-  std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
-  auto ds = h5::write(loc, name, H5T_NATIVE_FLOAT, dims, c.data_ptr<float>());
-  h5::set_attr(ds.get(), "crc32",
-               static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), c.numel() * sizeof(float))));
+// One tensor of a checkpoint being written: its dataset (allocated, not yet written) and where its
+// bytes go in the file.
+struct RawTensor {
+  h5::Dataset ds;
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+  uint64_t offset = 0;
+};
+
+RawTensor allocate_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
+  MPITRAIN_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+                 "a snapshot tensor is host fp32 contiguous");
+  const std::vector<hsize_t> dims(t.sizes().begin(), t.sizes().end());
+  RawTensor r;
+  r.ds = h5::create_allocated(loc, name, H5T_NATIVE_FLOAT, dims);
+  r.data = static_cast<const uint8_t*>(t.data_ptr());
+  r.bytes = static_cast<uint64_t>(t.numel()) * sizeof(float);
+  if (r.bytes > 0) {
+    auto at = h5::raw_offset(r.ds.get(), H5T_NATIVE_FLOAT, r.bytes);
+    if (!at) throw Error(concat("HDF5: dataset ", name, " got no contiguous storage"));
+    r.offset = *at;
+  }
+  return r;
+}
+
+// pwrite/pread of a whole range (short transfers and EINTR continued). A read past the end of the
+// file is a UsageError (a truncated checkpoint), a failed write an Error (write_checkpoint turns
+// it into the disk-full message).
+void write_all(int fd, const uint8_t* p, uint64_t n, uint64_t off, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1u << 30), static_cast<off_t>(off));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) throw Error(concat(path, ": write failed: ", w < 0 ? std::strerror(errno) : "no progress"));
+    p += w, n -= static_cast<uint64_t>(w), off += static_cast<uint64_t>(w);
+  }
+}
+
+void read_all(int fd, uint8_t* p, uint64_t n, uint64_t off, const std::string& path, const std::string& name) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, std::min<uint64_t>(n, 1u << 30), static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      throw UsageError(concat(path, ": cannot read dataset '", name, "' (", r < 0 ? std::strerror(errno) : "end of file",
+                              "; truncated or corrupt file?)"));
+    p += r, n -= static_cast<uint64_t>(r), off += static_cast<uint64_t>(r);
+  }
+}
+
+// The tensors' bytes into the file at their offsets: one large pwrite each, in file order, as dd
+// writes; their CRC32s are computed meanwhile on a second thread (the CPU work of a save overlaps
+// its I/O). `between(i)` runs after tensor i is written (the test-only fault hook).
+std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawTensor>& tensors,
+                                    const std::function<void(size_t)>& between) {
+  std::vector<uint32_t> crcs(tensors.size());
+  std::thread crc([&] {
+    for (size_t i = 0; i < tensors.size(); ++i) crcs[i] = h5::crc32(tensors[i].data, tensors[i].bytes);
+  });
+  std::exception_ptr failed;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  try {
+    if (fd < 0) throw Error(concat(path, ": cannot open for writing: ", std::strerror(errno)));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      write_all(fd, tensors[i].data, tensors[i].bytes, tensors[i].offset, path);
+      // Start the disk writing these pages now (without waiting), so that the final fsync finds
+      // little left to do: the device works while the next tensors are copied in.
+      ::sync_file_range(fd, static_cast<off_t>(tensors[i].offset), static_cast<off_t>(tensors[i].bytes),
+                        SYNC_FILE_RANGE_WRITE);
+      between(i);
+    }
+    if (::close(fd) != 0) throw Error(concat(path, ": close failed: ", std::strerror(errno)));
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  crc.join();
+  if (failed) std::rethrow_exception(failed);
+  return crcs;
+}
+
+// Index of the first element of `v` that is NaN or infinite, or -1.
+int64_t first_non_finite(const float* v, int64_t n) {
+  constexpr int64_t kBlock = 1 << 16;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t bad = 0;  // a branch-free pass the compiler vectorizes; the element is found after
+    for (int64_t i = b; i < e; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &v[i], sizeof bits);
+      bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    if (bad)
+      for (int64_t i = b; i < e; ++i)
+        if (!std::isfinite(v[i])) return i;
+  }
+  return -1;
 }
 
 // A dataset that exists but may be something else (a group, after tampering): usage error.
@@ -131,35 +221,90 @@ h5::Group open_group(hid_t loc, const std::string& file, const std::string& name
   return h5::Group(id);
 }
 
-void read_tensor(hid_t loc, const std::string& file, const std::string& name, torch::Tensor& into) {
+// One tensor of a checkpoint being loaded: its dataset, checked against the tensor it goes into.
+struct TensorRead {
+  std::string name;
+  h5::Dataset ds;
+  torch::Tensor into;
+  std::optional<uint64_t> offset;  // its bytes in the file, when read directly (else H5Dread)
+  uint32_t crc = 0;
+};
+
+TensorRead plan_read(hid_t loc, const std::string& file, const std::string& name, const torch::Tensor& into,
+                     uint64_t file_size) {
   if (!h5::exists(loc, name)) throw UsageError(concat(file, ": missing dataset '", name, "'"));
-  h5::Dataset ds = open_dataset(loc, file, name);
-  auto dims = h5::shape(ds.get());
+  TensorRead r{name, open_dataset(loc, file, name), into, std::nullopt, 0};
+  auto dims = h5::shape(r.ds.get());
   std::vector<int64_t> shape(dims.begin(), dims.end());
   if (shape != into.sizes().vec())
     throw UsageError(concat(file, ": dataset '", name, "' has shape ", c10::IntArrayRef(shape),
                          ", the model expects ", into.sizes()));
-  torch::Tensor buf = torch::empty(into.sizes(), torch::kFloat32);
-  try {
-    h5::read(ds.get(), H5T_NATIVE_FLOAT, buf.data_ptr<float>());
-  } catch (const UsageError&) {
-    throw UsageError(concat(file, ": cannot read dataset '", name, "' (truncated or corrupt file?)"));
-  }
-  auto crc = h5::get_attr_int(ds.get(), "crc32");
+  auto crc = h5::get_attr_int(r.ds.get(), "crc32");
   if (!crc) throw UsageError(concat(file, ": dataset '", name, "' has no crc32 attribute"));
-  if (static_cast<uint32_t>(*crc) != h5::crc32(buf.data_ptr<float>(), buf.numel() * sizeof(float)))
-    throw UsageError(concat(file, ": checksum mismatch in dataset '", name, "'"));
-  // A NaN or inf with a valid checksum was saved so (a diverged run): training on would only
-  // spread it. The first such element is named.
-  const torch::Tensor finite = torch::isfinite(buf);
-  if (!finite.all().item<bool>()) {
-    const torch::Tensor bad = torch::logical_not(finite).reshape({-1}).nonzero();
-    const int64_t at = bad[0][0].item<int64_t>();
-    throw UsageError(concat(file, ": dataset '", name, "' holds ", bad.size(0), " non-finite value(s), the first ",
-                            buf.reshape({-1})[at].item<float>(), " at flat index ", at));
+  r.crc = static_cast<uint32_t>(*crc);
+  const uint64_t bytes = static_cast<uint64_t>(into.numel()) * sizeof(float);
+  r.offset = h5::raw_offset(r.ds.get(), H5T_NATIVE_FLOAT, bytes);
+  if (r.offset && (*r.offset > file_size || file_size - *r.offset < bytes))
+    throw UsageError(concat(file, ": dataset '", name, "' lies beyond the end of the file (truncated file?)"));
+  return r;
+}
+
+// The values of `r` in `buf` (host fp32 contiguous, r.into's shape): checksum and finiteness. A
+// NaN or inf with a valid checksum was saved so (a diverged run): training on would only spread
+// it. The first such element is named.
+void verify_tensor(const TensorRead& r, const std::string& file, const torch::Tensor& buf) {
+  const auto* v = buf.data_ptr<float>();
+  if (r.crc != h5::crc32(v, buf.numel() * sizeof(float)))
+    throw UsageError(concat(file, ": checksum mismatch in dataset '", r.name, "'"));
+  if (const int64_t at = first_non_finite(v, buf.numel()); at >= 0) {
+    const int64_t count = torch::logical_not(torch::isfinite(buf)).sum().item<int64_t>();
+    throw UsageError(concat(file, ": dataset '", r.name, "' holds ", count, " non-finite value(s), the first ", v[at],
+                            " at flat index ", at));
   }
-  torch::NoGradGuard no_grad;
-  into.copy_(buf);
+}
+
+// Reads and verifies every tensor of `reads` into its destination. Bytes that lie contiguous in the
+// file are read with large pread()s straight into host fp32 destinations, and each tensor is
+// verified on a second thread while the next one is read; others go through H5Dread and a host
+// buffer. The first failure in file order is thrown; a failed load may leave the destinations
+// partly written (every caller then fails or loads another checkpoint whole).
+void read_tensors(const std::string& file, std::vector<TensorRead>& reads) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw UsageError(concat(file, ": cannot open: ", std::strerror(errno)));
+  std::future<void> verifying;  // the previous tensor's verification
+  auto finish = [&] {
+    if (verifying.valid()) verifying.get();
+  };
+  try {
+    torch::NoGradGuard no_grad;
+    for (auto& r : reads) {
+      const bool direct = r.into.device().is_cpu() && r.into.scalar_type() == torch::kFloat32 && r.into.is_contiguous();
+      torch::Tensor buf = direct ? r.into : torch::empty(r.into.sizes(), torch::kFloat32);
+      if (r.offset) {
+        read_all(fd, static_cast<uint8_t*>(buf.data_ptr()), static_cast<uint64_t>(buf.numel()) * sizeof(float),
+                 *r.offset, file, r.name);
+      } else {
+        try {
+          h5::read(r.ds.get(), H5T_NATIVE_FLOAT, buf.data_ptr<float>());
+        } catch (const UsageError&) {
+          throw UsageError(concat(file, ": cannot read dataset '", r.name, "' (truncated or corrupt file?)"));
+        }
+      }
+      finish();
+      if (direct) {
+        verifying = std::async(std::launch::async, [&r, &file, buf] { verify_tensor(r, file, buf); });
+      } else {
+        verify_tensor(r, file, buf);
+        r.into.copy_(buf);
+      }
+    }
+    finish();
+  } catch (...) {
+    ::close(fd);
+    if (verifying.valid()) verifying.get();  // an earlier tensor's failure is the one to report
+    throw;
+  }
+  ::close(fd);
 }
 
 int64_t require_int(hid_t obj, const std::string& file, const std::string& name) {
@@ -224,22 +369,27 @@ void write_checkpoint_file(const std::string& tmp, const CheckpointSnapshot& sna
   h5::set_attr(root, "seq_len", d.seq_len);
   h5::set_attr(root, "vocab_size", d.vocab_size);
 
+  // Every tensor's dataset is allocated first (metadata only); their bytes follow in file order.
+  std::vector<RawTensor> tensors;
   auto model_group = h5::create_group(root, "model");
-  for (const auto& [name, p] : snap.params) write_tensor(model_group.get(), name, p);
-
-  // Test-only fault hook: die half-way through the file of step N (tests/fault_test.sh).
-  if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == st.step) {
-    H5Fflush(root, H5F_SCOPE_GLOBAL);
-    std::raise(SIGKILL);
-  }
-
+  for (const auto& [name, p] : snap.params) tensors.push_back(allocate_tensor(model_group.get(), name, p));
+  const size_t n_model = tensors.size();
   auto optim_group = h5::create_group(root, "optim");
   h5::set_attr(optim_group.get(), "steps_taken", snap.steps_taken);
   for (const auto& m : snap.moments) {
     auto g = h5::create_group(optim_group.get(), m.name);
-    write_tensor(g.get(), "exp_avg", m.exp_avg);
-    write_tensor(g.get(), "exp_avg_sq", m.exp_avg_sq);
+    tensors.push_back(allocate_tensor(g.get(), "exp_avg", m.exp_avg));
+    tensors.push_back(allocate_tensor(g.get(), "exp_avg_sq", m.exp_avg_sq));
   }
+  if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
+  const std::vector<uint32_t> crcs = write_tensors(tmp, tensors, [&](size_t i) {
+    // Test-only fault hook: die half-way through the file of step N (tests/fault_test.sh).
+    if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == st.step && i + 1 == n_model)
+      std::raise(SIGKILL);
+  });
+  for (size_t i = 0; i < tensors.size(); ++i)
+    h5::set_attr(tensors[i].ds.get(), "crc32", static_cast<int64_t>(crcs[i]));
+  tensors.clear();
 
   auto train_group = h5::create_group(root, "train");
   h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
@@ -301,6 +451,28 @@ CheckpointSnapshot snapshot_checkpoint(GPT& model, const FullOptimState& opt, co
   snap.steps_taken = opt.steps_taken;
   snap.state = st;
   return snap;
+}
+
+void snapshot_into(CheckpointSnapshot& into, GPT& model, const FullOptimState& opt, const TrainState& st) {
+  torch::NoGradGuard no_grad;
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(into.params.size() == params.size() && into.moments.size() == opt.moments.size(),
+                 "snapshot_into: a snapshot of another model");
+  int64_t gpu = -1;
+  auto put = [&](torch::Tensor& dst, const torch::Tensor& src) {
+    MPITRAIN_CHECK(dst.sizes() == src.sizes(), "snapshot_into: a snapshot of another model");
+    if (src.is_cuda()) gpu = src.device().index();
+    dst.copy_(src.detach(), /*non_blocking=*/src.is_cuda());  // pinned destination: asynchronous DMA
+  };
+  for (size_t i = 0; i < params.size(); ++i) put(into.params[i].second, params[i].second);
+  for (size_t i = 0; i < opt.moments.size(); ++i) {
+    put(into.moments[i].exp_avg, opt.moments[i].exp_avg);
+    put(into.moments[i].exp_avg_sq, opt.moments[i].exp_avg_sq);
+  }
+  if (gpu >= 0) torch::cuda::synchronize(gpu);
+  into.dims = model->dims();
+  into.steps_taken = opt.steps_taken;
+  into.state = st;
 }
 
 std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep) {
@@ -373,6 +545,11 @@ void AsyncCheckpointWriter::wait() {
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
+void AsyncCheckpointWriter::prepare(GPT& model, const FullOptimState& opt) {
+  if (!async_ || buffers_) return;
+  buffers_ = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, TrainState{}, /*copy=*/true));
+}
+
 std::string AsyncCheckpointWriter::save(GPT& model, const FullOptimState& opt, const TrainState& st) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -389,7 +566,9 @@ std::string AsyncCheckpointWriter::save(GPT& model, const FullOptimState& opt, c
   wait();  // at most one write in flight; a failed previous write ends the job here
   const double waited = ms_since(t0);
   const auto t1 = Clock::now();
-  auto snap = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, st, /*copy=*/true));
+  if (buffers_) snapshot_into(*buffers_, model, opt, st);  // the write in flight is done: reuse
+  else buffers_ = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, st, /*copy=*/true));
+  auto snap = buffers_;
   const double snap_ms = ms_since(t1);
   const std::string path = dir_ + "/" + checkpoint_name(st.step);
   thread_ = std::thread([this, snap] {
@@ -541,15 +720,20 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
                                               "train/loss_scale_good_steps", 0);
   }
 
-  for (auto& [name, p] : model->named_params()) read_tensor(root, path, "model/" + name, p);
-
+  // Every dataset is found and checked before any bytes are read.
+  struct stat file_stat {};
+  if (::stat(path.c_str(), &file_stat) != 0) throw UsageError(concat(path, ": cannot stat: ", std::strerror(errno)));
+  const auto file_size = static_cast<uint64_t>(file_stat.st_size);
+  std::vector<TensorRead> reads;
+  for (auto& [name, p] : model->named_params()) reads.push_back(plan_read(root, path, "model/" + name, p, file_size));
   if (opt) {
-    opt->steps_taken = steps_taken;
     for (auto& m : opt->moments) {
-      read_tensor(root, path, "optim/" + m.name + "/exp_avg", m.exp_avg);
-      read_tensor(root, path, "optim/" + m.name + "/exp_avg_sq", m.exp_avg_sq);
+      reads.push_back(plan_read(root, path, "optim/" + m.name + "/exp_avg", m.exp_avg, file_size));
+      reads.push_back(plan_read(root, path, "optim/" + m.name + "/exp_avg_sq", m.exp_avg_sq, file_size));
     }
   }
+  read_tensors(path, reads);
+  if (opt) opt->steps_taken = steps_taken;
 
   st.rng_states.clear();
   if (h5::exists(train.get(), "rng_states")) {

@@ -48,14 +48,6 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
   return true;
 }
 
-// Whole-parameter host fp32 tensors for AdamW's moments, named as the parameters.
-FullOptimState host_state_like(GPT& model) {
-  FullOptimState full;
-  for (const auto& [name, p] : model->named_params())
-    full.moments.push_back({name, torch::zeros(p.sizes(), torch::kFloat32), torch::zeros(p.sizes(), torch::kFloat32)});
-  return full;
-}
-
 // Rank 0's whole-parameter moments (`full`) to every rank's slices: one padded bucket at a time
 // is broadcast over the shards' communicator; each rank keeps its part.
 void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync& shards) {
@@ -81,14 +73,23 @@ void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync&
 
 }  // namespace
 
-FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model) {
+FullOptimState host_optim_state_like(GPT& model) {
+  FullOptimState full;
+  for (const auto& [name, p] : model->named_params())
+    full.moments.push_back({name, torch::zeros(p.sizes(), torch::kFloat32), torch::zeros(p.sizes(), torch::kFloat32)});
+  return full;
+}
+
+FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model, FullOptimState* reuse) {
   if (!opt.sharded()) return full_state_of(opt);
   MPITRAIN_CHECK(shards && shards->sharded(), "gather_optim_state: a sharded AdamW needs its GradSync");
   torch::NoGradGuard no_grad;
   Communicator& comm = shards->communicator();
   const bool root = comm.rank() == 0;
   FullOptimState full;
-  if (root) full = host_state_like(model);
+  if (root && reuse && !reuse->moments.empty()) full = *reuse;  // the same tensors, filled anew
+  else if (root) full = host_optim_state_like(model);
+  if (root && reuse && reuse->moments.empty()) *reuse = full;
   full.steps_taken = opt.steps_taken();
   for (size_t b = 0; b < shards->num_buckets(); ++b)
     for (int which = 0; which < 2; ++which) {
@@ -127,7 +128,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   // Rank 0 loads AdamW's state into the optimizer itself, or (sharded) into whole-parameter host
   // tensors that are handed out below.
   FullOptimState full;
-  if (comm.rank() == 0) full = opt.sharded() ? host_state_like(model) : full_state_of(opt);
+  if (comm.rank() == 0) full = opt.sharded() ? host_optim_state_like(model) : full_state_of(opt);
   agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
     for (size_t i = 0; i < candidates.size(); ++i) {

@@ -218,9 +218,18 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const uint64_t micro_stride = static_cast<uint64_t>(layout.dp * micro);
   // Rank 0 writes; with checkpoint.async the loop stalls only for the host snapshot.
   AsyncCheckpointWriter checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.async);
+  // Async saves stall the loop only for copies into host buffers allocated here, once (ZeRO-1:
+  // also the whole moments rank 0 assembles, kept between saves); synchronous saves allocate
+  // nothing between them.
+  FullOptimState gathered;
+  if (topo.rank == 0 && checkpoints.async()) {
+    if (opt.sharded()) gathered = host_optim_state_like(model);
+    checkpoints.prepare(model, opt.sharded() ? gathered : full_state_of(opt));
+  }
   auto save = [&] {
     auto rng = gather_rng_states(mesh->world(), device);
-    FullOptimState optim_state = gather_optim_state(opt, shards, model);  // ZeRO-1: assembled on rank 0
+    // ZeRO-1: assembled on rank 0
+    FullOptimState optim_state = gather_optim_state(opt, shards, model, checkpoints.async() ? &gathered : nullptr);
     if (topo.rank == 0) {
       st.rng_states = std::move(rng);
       st.loss_scale = scaler.enabled() ? scaler.scale() : 0.0;
