@@ -59,8 +59,9 @@ void silence_errors();
 // Opens an existing file read-only. Missing, unreadable or non-HDF5 files are UsageError
 // "<path>: not an HDF5 file" etc.
 File open_read(const std::string& path);
-// Creates (truncates) a file for writing.
-File create(const std::string& path);
+// Creates (truncates) a file for writing. alignment > 0: every object of at least 64 KiB starts at
+// a multiple of `alignment` bytes in the file (blocks for direct I/O).
+File create(const std::string& path, uint64_t alignment = 0);
 
 bool exists(hid_t loc, const std::string& path);  // link exists (intermediate groups checked)
 Group create_group(hid_t loc, const std::string& name);
@@ -98,6 +99,8 @@ void read(hid_t dataset, hid_t type, void* out);
 
 // CRC32 (zlib) of a byte range; used as the per-dataset checksum attribute.
 uint32_t crc32(const void* data, size_t bytes);
+// The CRC32 of the bytes before and then these: crc32_update(crc32(a), b) == crc32(a + b).
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes);
 
 }  // namespace mpitrain::h5
 

@@ -27,9 +27,12 @@ File open_read(const std::string& path) {
   return File(id);
 }
 
-File create(const std::string& path) {
+File create(const std::string& path, uint64_t alignment) {
   silence_errors();
-  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  PropList fapl(H5Pcreate(H5P_FILE_ACCESS), "file access properties");
+  if (alignment > 0 && H5Pset_alignment(fapl.get(), 64 << 10, alignment) < 0)
+    throw Error("HDF5: cannot set the alignment of " + path);
+  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
   if (id < 0) throw UsageError(path + ": cannot create file (directory missing or not writable?)");
   return File(id);
 }
@@ -233,8 +236,10 @@ void read(hid_t dataset, hid_t type, void* out) {
     throw UsageError(describe(dataset) + ": cannot read (truncated or corrupt file?)");
 }
 
-uint32_t crc32(const void* data, size_t bytes) {
-  uLong c = ::crc32(0L, Z_NULL, 0);
+uint32_t crc32(const void* data, size_t bytes) { return crc32_update(static_cast<uint32_t>(::crc32(0L, Z_NULL, 0)), data, bytes); }
+
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
+  uLong c = crc;
   const auto* p = static_cast<const Bytef*>(data);
   while (bytes > 0) {  // zlib takes uInt lengths
     uInt chunk = bytes > (1u << 30) ? (1u << 30) : static_cast<uInt>(bytes);
