@@ -121,7 +121,8 @@ check "watchdog: no orphan ranks after the frozen rank" "[ \$(pgrep -f \"$BIN $W
 
 # ---- disk full during a save: exit 2, one line, the .tmp removed, the earlier checkpoint intact ----
 # A tmpfs with room for one checkpoint of this model (~1.4 MB each) but not two: step 2's save
-# fits, step 4's fails half-way (tmpfs has no O_DIRECT: the page-cache path of the writer).
+# fits, step 4's fails half-way (direct writes on kernels whose tmpfs has O_DIRECT, 6.6 and later;
+# the page-cache path on older ones).
 if [ "$(id -u)" -eq 0 ] && mkdir -p full && mount -t tmpfs -o size=2200k tmpfs full 2>/dev/null; then
   cat > full.yaml <<YAML
 model: {preset: custom, n_layer: 2, n_head: 2, n_embd: 64, seq_len: 32}

@@ -60,7 +60,8 @@ void silence_errors();
 // "<path>: not an HDF5 file" etc.
 File open_read(const std::string& path);
 // Creates (truncates) a file for writing. alignment > 0: every object of at least 64 KiB starts at
-// a multiple of `alignment` bytes in the file (blocks for direct I/O).
+// a multiple of `alignment` bytes in the file (blocks for direct I/O), and metadata is kept
+// together in 1 MiB blocks.
 File create(const std::string& path, uint64_t alignment = 0);
 
 bool exists(hid_t loc, const std::string& path);  // link exists (intermediate groups checked)

@@ -257,10 +257,12 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
       const uint8_t* data = bounce[p.buffer].get();
       if (direct_fd >= 0) {
         const ssize_t w = ::pwrite(direct_fd, data, p.bytes, static_cast<off_t>(p.offset));
-        if (w != static_cast<ssize_t>(p.bytes)) {
-          if (w >= 0 || errno != EINVAL) throw Error(concat("write failed: ", w < 0 ? std::strerror(errno) : "short write"));
-          ::close(direct_fd);  // direct I/O refused after all (another alignment): the page cache
+        if (w < 0 && errno != EINVAL) throw Error(concat("write failed: ", std::strerror(errno)));
+        if (w < 0) {  // direct I/O refused after all (another alignment): the page cache from now on
+          ::close(direct_fd);
           direct_fd = -1;
+        } else if (static_cast<uint64_t>(w) < p.bytes) {  // short (the disk filling up): the rest the
+          write_all(fd, data + w, p.bytes - static_cast<uint64_t>(w), p.offset + static_cast<uint64_t>(w));  // plain way, for errno
         }
       }
       if (direct_fd < 0) write_all(fd, data, p.bytes, p.offset);
