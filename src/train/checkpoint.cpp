@@ -18,11 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <condition_variable>
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <future>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -31,6 +27,7 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/importers.h"
 #include "mpitrain/log.h"
+#include "mpitrain/tensor_io.h"
 
 namespace mpitrain {
 namespace {
@@ -114,193 +111,6 @@ torch::Tensor host_fp32(const torch::Tensor& t, bool copy) {
   return c.contiguous();
 }
 
-// One tensor of a checkpoint being written: its dataset (allocated, not yet written) and where its
-// bytes go in the file.
-struct RawTensor {
-  h5::Dataset ds;
-  const uint8_t* data = nullptr;
-  uint64_t bytes = 0;
-  uint64_t offset = 0;
-};
-
-RawTensor allocate_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
-  MPITRAIN_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
-                 "a snapshot tensor is host fp32 contiguous");
-  const std::vector<hsize_t> dims(t.sizes().begin(), t.sizes().end());
-  RawTensor r;
-  r.ds = h5::create_allocated(loc, name, H5T_NATIVE_FLOAT, dims);
-  r.data = static_cast<const uint8_t*>(t.data_ptr());
-  r.bytes = static_cast<uint64_t>(t.numel()) * sizeof(float);
-  if (r.bytes > 0) {
-    auto at = h5::raw_offset(r.ds.get(), H5T_NATIVE_FLOAT, r.bytes);
-    if (!at) throw Error(concat("HDF5: dataset ", name, " got no contiguous storage"));
-    r.offset = *at;
-  }
-  return r;
-}
-
-// pwrite/pread of a whole range (short transfers and EINTR continued). A read past the end of the
-// file is a UsageError (a truncated checkpoint), a failed write an Error (write_checkpoint turns
-// it into the disk-full message).
-void write_all(int fd, const uint8_t* p, uint64_t n, uint64_t off) {
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1u << 30), static_cast<off_t>(off));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) throw Error(concat("write failed: ", w < 0 ? std::strerror(errno) : "no progress"));
-    p += w, n -= static_cast<uint64_t>(w), off += static_cast<uint64_t>(w);
-  }
-}
-
-void read_all(int fd, uint8_t* p, uint64_t n, uint64_t off, const std::string& path, const std::string& name) {
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, std::min<uint64_t>(n, 1u << 30), static_cast<off_t>(off));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0)
-      throw UsageError(concat(path, ": cannot read dataset '", name, "' (", r < 0 ? std::strerror(errno) : "end of file",
-                              "; truncated or corrupt file?)"));
-    p += r, n -= static_cast<uint64_t>(r), off += static_cast<uint64_t>(r);
-  }
-}
-
-// The tensors' bytes into the file at their offsets, in file order, their CRC32s computed on the
-// way. Where the filesystem allows it the bytes bypass the page cache (O_DIRECT): a copy thread
-// moves each tensor through aligned bounce buffers, computing its CRC32 from the copy while it is
-// in the CPU cache, and this thread writes the filled buffers to the disk meanwhile. A checkpoint
-// thus neither waits for the kernel to copy 1.5 GB into fresh page-cache pages nor evicts the
-// page cache that training uses (the data shards). Tensors too small or not aligned in the file
-// (HDF5 aligns large datasets: h5::create), each tensor's last partial block, and every write on a
-// filesystem without O_DIRECT (tmpfs) go through the page cache. `between(i)` runs after tensor i
-// is written (the test-only fault hook).
-constexpr uint64_t kDirectAlign = 4096;       // the largest logical block size in use
-constexpr uint64_t kBounceBytes = 16u << 20;  // per bounce buffer; three of them
-
-std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawTensor>& tensors,
-                                    const std::function<void(size_t)>& between) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(concat(path, ": cannot open for writing: ", std::strerror(errno)));
-  int direct_fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_DIRECT);  // -1: no direct I/O here
-
-  // What the copy thread hands over, in file order: a filled bounce buffer (buffer >= 0), bytes to
-  // write from the tensor itself (buffer < 0), or the end of tensor `tensor`.
-  struct Piece {
-    int buffer = -1;
-    const uint8_t* data = nullptr;
-    uint64_t bytes = 0, offset = 0;
-    size_t tensor = SIZE_MAX;  // set: tensor done
-  };
-  constexpr int kBuffers = 3;
-  std::vector<std::unique_ptr<uint8_t, decltype(&std::free)>> bounce;
-  if (direct_fd >= 0)
-    for (int b = 0; b < kBuffers; ++b)
-      bounce.emplace_back(static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, kBounceBytes)), &std::free);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<Piece> ready;
-  std::vector<int> free_buffers;
-  for (int b = 0; b < static_cast<int>(bounce.size()); ++b) free_buffers.push_back(b);
-  bool stop = false;  // the writer failed: the copy thread ends
-  std::vector<uint32_t> crcs(tensors.size());
-
-  auto hand_over = [&](Piece p) {
-    std::lock_guard<std::mutex> lock(mu);
-    ready.push_back(p);
-    cv.notify_all();
-  };
-  std::thread copier([&] {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const RawTensor& t = tensors[i];
-      uint32_t crc = h5::crc32(nullptr, 0);
-      const bool aligned = direct_fd >= 0 && t.offset % kDirectAlign == 0 && t.bytes >= kDirectAlign;
-      const uint64_t body = aligned ? t.bytes / kDirectAlign * kDirectAlign : 0;
-      for (uint64_t at = 0; at < body; at += kBounceBytes) {
-        int b;
-        {
-          std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [&] { return stop || !free_buffers.empty(); });
-          if (stop) return;
-          b = free_buffers.back();
-          free_buffers.pop_back();
-        }
-        const uint64_t n = std::min<uint64_t>(kBounceBytes, body - at);
-        std::memcpy(bounce[b].get(), t.data + at, n);
-        crc = h5::crc32_update(crc, bounce[b].get(), n);
-        hand_over({b, nullptr, n, t.offset + at});
-      }
-      if (body < t.bytes) {
-        crc = h5::crc32_update(crc, t.data + body, t.bytes - body);
-        hand_over({-1, t.data + body, t.bytes - body, t.offset + body});
-      }
-      crcs[i] = crc;
-      hand_over({-1, nullptr, 0, 0, i});
-    }
-  });
-
-  std::exception_ptr failed;
-  try {
-    for (size_t done = 0; done < tensors.size();) {
-      Piece p;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return !ready.empty(); });
-        p = ready.front();
-        ready.pop_front();
-      }
-      if (p.tensor != SIZE_MAX) {
-        between(p.tensor);
-        ++done;
-        continue;
-      }
-      if (p.buffer < 0) {
-        write_all(fd, p.data, p.bytes, p.offset);
-        continue;
-      }
-      const uint8_t* data = bounce[p.buffer].get();
-      if (direct_fd >= 0) {
-        const ssize_t w = ::pwrite(direct_fd, data, p.bytes, static_cast<off_t>(p.offset));
-        if (w < 0 && errno != EINVAL) throw Error(concat("write failed: ", std::strerror(errno)));
-        if (w < 0) {  // direct I/O refused after all (another alignment): the page cache from now on
-          ::close(direct_fd);
-          direct_fd = -1;
-        } else if (static_cast<uint64_t>(w) < p.bytes) {  // short (the disk filling up): the rest the
-          write_all(fd, data + w, p.bytes - static_cast<uint64_t>(w), p.offset + static_cast<uint64_t>(w));  // plain way, for errno
-        }
-      }
-      if (direct_fd < 0) write_all(fd, data, p.bytes, p.offset);
-      std::lock_guard<std::mutex> lock(mu);
-      free_buffers.push_back(p.buffer);
-      cv.notify_all();
-    }
-  } catch (...) {
-    failed = std::current_exception();
-    std::lock_guard<std::mutex> lock(mu);
-    stop = true;
-    cv.notify_all();
-  }
-  copier.join();
-  if (direct_fd >= 0) ::close(direct_fd);
-  if (::close(fd) != 0 && !failed) failed = std::make_exception_ptr(Error(concat("close failed: ", std::strerror(errno))));
-  if (failed) std::rethrow_exception(failed);
-  return crcs;
-}
-
-// Index of the first element of `v` that is NaN or infinite, or -1.
-int64_t first_non_finite(const float* v, int64_t n) {
-  constexpr int64_t kBlock = 1 << 16;
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t e = std::min(n, b + kBlock);
-    uint32_t bad = 0;  // a branch-free pass the compiler vectorizes; the element is found after
-    for (int64_t i = b; i < e; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &v[i], sizeof bits);
-      bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-    }
-    if (bad)
-      for (int64_t i = b; i < e; ++i)
-        if (!std::isfinite(v[i])) return i;
-  }
-  return -1;
-}
-
 // A dataset that exists but may be something else (a group, after tampering): usage error.
 // (found by fuzz_checkpoint: fuzz/regressions/fuzz_checkpoint/)
 h5::Dataset open_dataset(hid_t loc, const std::string& file, const std::string& name) {
@@ -314,15 +124,6 @@ h5::Group open_group(hid_t loc, const std::string& file, const std::string& name
   if (id < 0) throw UsageError(concat(file, ": '", name, "' is not a readable group"));
   return h5::Group(id);
 }
-
-// One tensor of a checkpoint being loaded: its dataset, checked against the tensor it goes into.
-struct TensorRead {
-  std::string name;
-  h5::Dataset ds;
-  torch::Tensor into;
-  std::optional<uint64_t> offset;  // its bytes in the file, when read directly (else H5Dread)
-  uint32_t crc = 0;
-};
 
 TensorRead plan_read(hid_t loc, const std::string& file, const std::string& name, const torch::Tensor& into,
                      uint64_t file_size) {
@@ -341,74 +142,6 @@ TensorRead plan_read(hid_t loc, const std::string& file, const std::string& name
   if (r.offset && (*r.offset > file_size || file_size - *r.offset < bytes))
     throw UsageError(concat(file, ": dataset '", name, "' lies beyond the end of the file (truncated file?)"));
   return r;
-}
-
-// The values of `r` in `buf` (host fp32 contiguous, r.into's shape): checksum and finiteness. A
-// NaN or inf with a valid checksum was saved so (a diverged run): training on would only spread
-// it. The first such element is named.
-void verify_tensor(const TensorRead& r, const std::string& file, const torch::Tensor& buf) {
-  const auto* v = buf.data_ptr<float>();
-  const int64_t n = buf.numel();
-  // One pass over memory: each block's CRC and finiteness while it is in the CPU cache.
-  constexpr int64_t kBlock = 64 << 10;  // floats
-  uint32_t crc = h5::crc32(nullptr, 0);
-  int64_t bad = -1;
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    crc = h5::crc32_update(crc, v + b, static_cast<size_t>(len) * sizeof(float));
-    if (bad < 0)
-      if (const int64_t at = first_non_finite(v + b, len); at >= 0) bad = b + at;
-  }
-  if (r.crc != crc) throw UsageError(concat(file, ": checksum mismatch in dataset '", r.name, "'"));
-  if (bad >= 0) {
-    const int64_t count = torch::logical_not(torch::isfinite(buf)).sum().item<int64_t>();
-    throw UsageError(concat(file, ": dataset '", r.name, "' holds ", count, " non-finite value(s), the first ", v[bad],
-                            " at flat index ", bad));
-  }
-}
-
-// Reads and verifies every tensor of `reads` into its destination. Bytes that lie contiguous in the
-// file are read with large pread()s straight into host fp32 destinations, and each tensor is
-// verified on a second thread while the next one is read; others go through H5Dread and a host
-// buffer. The first failure in file order is thrown; a failed load may leave the destinations
-// partly written (every caller then fails or loads another checkpoint whole).
-void read_tensors(const std::string& file, std::vector<TensorRead>& reads) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw UsageError(concat(file, ": cannot open: ", std::strerror(errno)));
-  std::future<void> verifying;  // the previous tensor's verification
-  auto finish = [&] {
-    if (verifying.valid()) verifying.get();
-  };
-  try {
-    torch::NoGradGuard no_grad;
-    for (auto& r : reads) {
-      const bool direct = r.into.device().is_cpu() && r.into.scalar_type() == torch::kFloat32 && r.into.is_contiguous();
-      torch::Tensor buf = direct ? r.into : torch::empty(r.into.sizes(), torch::kFloat32);
-      if (r.offset) {
-        read_all(fd, static_cast<uint8_t*>(buf.data_ptr()), static_cast<uint64_t>(buf.numel()) * sizeof(float),
-                 *r.offset, file, r.name);
-      } else {
-        try {
-          h5::read(r.ds.get(), H5T_NATIVE_FLOAT, buf.data_ptr<float>());
-        } catch (const UsageError&) {
-          throw UsageError(concat(file, ": cannot read dataset '", r.name, "' (truncated or corrupt file?)"));
-        }
-      }
-      finish();
-      if (direct) {
-        verifying = std::async(std::launch::async, [&r, &file, buf] { verify_tensor(r, file, buf); });
-      } else {
-        verify_tensor(r, file, buf);
-        r.into.copy_(buf);
-      }
-    }
-    finish();
-  } catch (...) {
-    ::close(fd);
-    if (verifying.valid()) verifying.get();  // an earlier tensor's failure is the one to report
-    throw;
-  }
-  ::close(fd);
 }
 
 int64_t require_int(hid_t obj, const std::string& file, const std::string& name) {
