@@ -21,21 +21,13 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/log.h"
 
+#include "args.h"
+
 using namespace mpitrain;
+using bench::arg;
+using bench::arg_str;
 
 namespace {
-
-double arg(int argc, char** argv, const char* name, double fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return std::atof(argv[i + 1]);
-  return fallback;
-}
-
-std::string arg_str(int argc, char** argv, const char* name, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
-  return fallback;
-}
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }

@@ -21,23 +21,11 @@
 
 #include "mpitrain/shards.h"
 
+#include "args.h"
+
 using namespace mpitrain;
-
-namespace {
-
-double arg(int argc, char** argv, const char* name, double fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return std::atof(argv[i + 1]);
-  return fallback;
-}
-
-std::string arg_str(int argc, char** argv, const char* name, const char* fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
-  return fallback;
-}
-
-}  // namespace
+using bench::arg;
+using bench::arg_str;
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);

@@ -80,7 +80,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
     MPITRAIN_FIELD(parallel, tp),
     MPITRAIN_FIELD(fault, collective_timeout_s),
-    MPITRAIN_FIELD(fault, first_collective_timeout_s),                    MPITRAIN_FIELD(sample, tokens),
+    MPITRAIN_FIELD(fault, first_collective_timeout_s),
+    MPITRAIN_FIELD(sample, tokens),
     MPITRAIN_FIELD(sample, prompt),      MPITRAIN_FIELD(sample, temperature),
     MPITRAIN_FIELD(sample, top_k),
 };

@@ -178,10 +178,16 @@ std::optional<std::vector<uint8_t>> get_attr_bytes(hid_t obj, const std::string&
 
 // ---- datasets ----------------------------------------------------------------------------------
 
+// A dataspace of shape `dims` (scalar when empty).
+static Dataspace dataspace(const std::vector<hsize_t>& dims) {
+  return Dataspace(dims.empty() ? H5Screate(H5S_SCALAR)
+                                : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+                   "dataspace");
+}
+
 Dataset write(hid_t loc, const std::string& name, hid_t type, const std::vector<hsize_t>& dims,
               const void* data) {
-  Dataspace s(dims.empty() ? H5Screate(H5S_SCALAR)
-                           : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
+  Dataspace s = dataspace(dims);
   Dataset d(H5Dcreate2(loc, name.c_str(), type, s.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
             "dataset " + name);
   if (H5Dwrite(d.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
@@ -190,8 +196,7 @@ Dataset write(hid_t loc, const std::string& name, hid_t type, const std::vector<
 }
 
 Dataset create_allocated(hid_t loc, const std::string& name, hid_t type, const std::vector<hsize_t>& dims) {
-  Dataspace s(dims.empty() ? H5Screate(H5S_SCALAR)
-                           : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
+  Dataspace s = dataspace(dims);
   PropList dcpl(H5Pcreate(H5P_DATASET_CREATE), "dataset creation properties");
   if (H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS) < 0 || H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY) < 0 ||
       H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER) < 0)

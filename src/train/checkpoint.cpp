@@ -269,22 +269,21 @@ FullOptimState full_state_of(AdamW& opt) {
 
 CheckpointSnapshot snapshot_checkpoint(GPT& model, const FullOptimState& opt, const TrainState& st, bool copy) {
   torch::NoGradGuard no_grad;
-  // From a GPU, the copies go into pinned host memory without waiting for each other (DMA at
-  // full PCIe speed), and one synchronisation at the end makes them complete.
-  int64_t gpu = -1;
-  auto take = [&](const torch::Tensor& t) {
-    if (!copy || !t.is_cuda() || t.scalar_type() != torch::kFloat32) return host_fp32(t, copy);
-    gpu = t.device().index();
-    torch::Tensor host = torch::empty(t.sizes(), torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
-    host.copy_(t.detach(), /*non_blocking=*/true);
-    return host;
+  // copy: host buffers (pinned for CUDA tensors, whose copies are then DMA), filled by
+  // snapshot_into. Else CPU fp32 contiguous tensors are referenced as they are.
+  auto hold = [&](const torch::Tensor& t) {
+    if (!copy) return host_fp32(t, /*copy=*/false);
+    return torch::empty(t.sizes(), torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(t.is_cuda()));
   };
   CheckpointSnapshot snap;
-  snap.dims = model->dims();
-  for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, take(p));
+  for (const auto& [name, p] : model->named_params()) snap.params.emplace_back(name, hold(p));
   snap.moments.reserve(opt.moments.size());
-  for (const auto& m : opt.moments) snap.moments.push_back({m.name, take(m.exp_avg), take(m.exp_avg_sq)});
-  if (gpu >= 0) torch::cuda::synchronize(gpu);
+  for (const auto& m : opt.moments) snap.moments.push_back({m.name, hold(m.exp_avg), hold(m.exp_avg_sq)});
+  if (copy) {
+    snapshot_into(snap, model, opt, st);
+    return snap;
+  }
+  snap.dims = model->dims();
   snap.steps_taken = opt.steps_taken;
   snap.state = st;
   return snap;

@@ -87,9 +87,10 @@ FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model
   Communicator& comm = shards->communicator();
   const bool root = comm.rank() == 0;
   FullOptimState full;
-  if (root && reuse && !reuse->moments.empty()) full = *reuse;  // the same tensors, filled anew
-  else if (root) full = host_optim_state_like(model);
-  if (root && reuse && reuse->moments.empty()) *reuse = full;
+  if (root) {
+    if (reuse && reuse->moments.empty()) *reuse = host_optim_state_like(model);
+    full = reuse ? *reuse : host_optim_state_like(model);  // reuse: the same tensors, filled anew
+  }
   full.steps_taken = opt.steps_taken();
   for (size_t b = 0; b < shards->num_buckets(); ++b)
     for (int which = 0; which < 2; ++which) {

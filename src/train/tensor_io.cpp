@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
@@ -45,7 +44,6 @@ void read_all(int fd, uint8_t* p, uint64_t n, uint64_t off, const std::string& p
 }
 
 constexpr uint64_t kBounceBytes = 16u << 20;  // per bounce buffer; three of them
-
 
 // Index of the first element of `v` that is NaN or infinite, or -1.
 int64_t first_non_finite(const float* v, int64_t n) {
@@ -188,17 +186,21 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
         continue;
       }
       const uint8_t* data = bounce[p.buffer].get();
+      uint64_t written = 0;
       if (direct_fd >= 0) {
         const ssize_t w = ::pwrite(direct_fd, data, p.bytes, static_cast<off_t>(p.offset));
-        if (w < 0 && errno != EINVAL) throw Error(concat("write failed: ", std::strerror(errno)));
-        if (w < 0) {  // direct I/O refused after all (another alignment): the page cache from now on
+        if (w >= 0) {
+          written = static_cast<uint64_t>(w);
+        } else if (errno == EINVAL) {  // direct I/O refused after all (another alignment)
           ::close(direct_fd);
           direct_fd = -1;
-        } else if (static_cast<uint64_t>(w) < p.bytes) {  // short (the disk filling up): the rest the
-          write_all(fd, data + w, p.bytes - static_cast<uint64_t>(w), p.offset + static_cast<uint64_t>(w));  // plain way, for errno
+        } else {
+          throw Error(concat("write failed: ", std::strerror(errno)));
         }
       }
-      if (direct_fd < 0) write_all(fd, data, p.bytes, p.offset);
+      // The rest through the page cache: all of it without direct I/O, the remainder of a short
+      // direct write (the disk filling up: the plain write then reports why).
+      write_all(fd, data + written, p.bytes - written, p.offset + written);
       std::lock_guard<std::mutex> lock(mu);
       free_buffers.push_back(p.buffer);
       cv.notify_all();
@@ -254,6 +256,5 @@ void read_tensors(const std::string& file, std::vector<TensorRead>& reads) {
   }
   ::close(fd);
 }
-
 
 }  // namespace mpitrain
