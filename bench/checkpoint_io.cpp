@@ -26,17 +26,11 @@
 using namespace mpitrain;
 using bench::arg;
 using bench::arg_str;
+using bench::Clock;
+using bench::median;
+using bench::seconds_since;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 // Empties the page cache so the next read comes from the disk; false when not allowed (not root).
 bool drop_caches() {

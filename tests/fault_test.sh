@@ -72,6 +72,20 @@ mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --stop-after 12 > save2.out 2>&1
 check "killed during the checkpoint write: resume continues from step 5" \
   "[ \$? -eq 0 ] && grep -q 'resumed from .*ckpt-00000005.h5 at step 5' save2.out"
 
+# The same with ZeRO-1, where both ranks write their shares of the file: rank 0 dies after its
+# slices of the model tensors, rank 1 may have written all of its own.
+rm -rf ckpt run
+MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 -x MPITRAIN_TEST_DIE_IN_SAVE "$BIN" "$WORK/cfg.yaml" --set optim.zero=1 \
+  > save-zero.out 2>&1
+rc=$?
+check "ZeRO-1, every rank writing its share: the shares are written by 2 ranks" \
+  "grep -q 'every rank writes its ZeRO-1 share (2 writers' save-zero.out"
+check "ZeRO-1 shares, killed during the checkpoint write: job fails, latest still names step 5" \
+  "[ $rc -ne 0 ] && [ -f ckpt/ckpt-00000010.h5.tmp ] && grep -qx ckpt-00000005.h5 ckpt/latest && [ ! -f ckpt/ckpt-00000010.h5 ]"
+mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --set optim.zero=1 --stop-after 12 > save-zero2.out 2>&1
+check "ZeRO-1 shares, killed during the checkpoint write: resume continues from step 5" \
+  "[ \$? -eq 0 ] && grep -q 'resumed from .*ckpt-00000005.h5 at step 5' save-zero2.out"
+
 # ---- a rank that stops calling collectives: the watchdog names it and aborts the job ----
 rm -rf ckpt run
 HOST=$(hostname)
@@ -140,6 +154,15 @@ YAML
   check "disk full: no .tmp left, latest still names step 2" \
     "! ls full/ck/*.tmp >/dev/null 2>&1 && grep -qx ckpt-00000002.h5 full/ck/latest"
   "$BIN" inspect full/ck/ckpt-00000002.h5 > /dev/null 2>&1 && cp full/ck/ckpt-00000002.h5 ck2.h5
+  # ZeRO-1 with both ranks writing their shares, asynchronously: whichever rank's write fails,
+  # rank 0 says so once, naming that rank, and every rank ends with exit 2.
+  rm -rf full/ck
+  mpirun -np 2 "$BIN" "$WORK/full.yaml" --set optim.zero=1 --set checkpoint.async=true > full-zero.out 2>&1
+  rc=$?
+  check "disk full, ZeRO-1 shares written asynchronously: exit 2, one line naming the file and the rank" \
+    "[ $rc -eq 2 ] && grep -q 'every rank writes its ZeRO-1 share' full-zero.out && [ \$(grep -c 'mpitrain: .*full/ck/ckpt-00000004.h5.tmp: cannot write checkpoint (disk full or not writable?): .*No space left on device; earlier checkpoints are untouched' full-zero.out) -eq 1 ] && [ \$(grep -c '^mpitrain: ' full-zero.out) -eq 1 ]"
+  check "disk full, ZeRO-1 shares: no .tmp left, latest still names step 2, which loads" \
+    "! ls full/ck/*.tmp >/dev/null 2>&1 && grep -qx ckpt-00000002.h5 full/ck/latest && '$BIN' sample full/ck/ckpt-00000002.h5 --tokens 2 >/dev/null 2>&1"
   umount full
   "$BIN" "$WORK/full.yaml" --set checkpoint.dir=$WORK/ck2dir --set checkpoint.resume=$WORK/ck2.h5 \
     --stop-after 3 > full-resume.out 2>&1

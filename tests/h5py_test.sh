@@ -3,7 +3,8 @@
 # installed, which CTest reports as skipped): a checkpoint saved by a 2-rank run, every dataset
 # read by h5py with its values' CRC32 equal to the crc32 attribute the writer computed from memory
 # (the tensors' bytes are written at their datasets' offsets by pwrite, not by H5Dwrite:
-# checkpoint.cpp), shapes as the attributes declare, and an async save equal to the sync one.
+# checkpoint.cpp), shapes as the attributes declare, an async save equal to the sync one, and a
+# ZeRO-1 checkpoint written by both ranks (each its share) equal to the one rank 0 writes alone.
 # Usage: h5py_test.sh PATH/TO/mpitrain [mpirun]
 set -u
 BIN=$(realpath "$1")
@@ -29,10 +30,16 @@ YAML
 "$MPIRUN" -np 2 "$BIN" cfg.yaml > sync.out 2>&1 || { cat sync.out; exit 1; }
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt_async --set checkpoint.async=true > async.out 2>&1 ||
   { cat async.out; exit 1; }
-$PY - ckpt/ckpt-00000004.h5 ckpt_async/ckpt-00000004.h5 <<'PY'
+# ZeRO-1: both ranks write their shares of the file (checkpoint.writers: auto), or rank 0 alone
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt_shares --set optim.zero=1 > shares.out 2>&1 ||
+  { cat shares.out; exit 1; }
+grep -q 'every rank writes its ZeRO-1 share (2 writers' shares.out || { echo "FAIL: shares not written by 2 ranks"; exit 1; }
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt_rank0 --set optim.zero=1 --set checkpoint.writers=rank0 \
+  > rank0.out 2>&1 || { cat rank0.out; exit 1; }
+$PY - ckpt/ckpt-00000004.h5 ckpt_async/ckpt-00000004.h5 ckpt_shares/ckpt-00000004.h5 ckpt_rank0/ckpt-00000004.h5 <<'PY'
 import sys, zlib
 import h5py, numpy as np
-path, async_path = sys.argv[1], sys.argv[2]
+path, async_path, shares_path, rank0_path = sys.argv[1:5]
 failed = 0
 def check(name, ok):
     global failed
@@ -60,6 +67,14 @@ with h5py.File(path, "r") as f:
     with h5py.File(async_path, "r") as g:
         same = all(np.array_equal(f[d][()], g[d][()]) for d in datasets)
     check("the async save's tensors equal the synchronous save's", same)
+with h5py.File(shares_path, "r") as f, h5py.File(rank0_path, "r") as g:
+    names = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    bad = [d for d in names if "crc32" in f[d].attrs and zlib.crc32(np.ascontiguousarray(f[d][()]).tobytes()) != int(f[d].attrs["crc32"])]
+    check(f"ZeRO-1 shares written by 2 ranks: h5py reads all {len(names)} datasets, every CRC32 (combined from the ranks' pieces) right"
+          + (f" (mismatch: {bad[:3]})" if bad else ""), not bad and len(names) == len(datasets))
+    same = all(np.array_equal(f[d][()], g[d][()]) and dict(f[d].attrs) == dict(g[d].attrs) for d in names)
+    check("... and every dataset and its attributes equal the checkpoint rank 0 writes alone (checkpoint.writers: rank0)", same)
 print(f"{failed} failed")
 sys.exit(1 if failed else 0)
 PY

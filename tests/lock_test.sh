@@ -5,7 +5,8 @@
 # on this host; a holder killed with -9 does not block the next job, which resumes its checkpoint;
 # a lock left by a holder that is gone from another host (held here by flock(1), as a shared
 # filesystem keeps a dead node's lock) is refused, then overridden by --force-unlock, which says
-# whose lock it overrode. The holder on another real host: tests/multihost/netns_test.sh.
+# whose lock it overrode. ZeRO-1 ranks that do not see rank 0's checkpoint.dir leave the writing to
+# rank 0. The holder on another real host: tests/multihost/netns_test.sh.
 # Usage: lock_test.sh PATH/TO/mpitrain [mpirun]
 set -u
 BIN=$(realpath "$1")
@@ -104,6 +105,21 @@ kill $F 2>/dev/null
 rc=$?
 check "--force-unlock on a free directory overrides nothing and says so" \
   "[ $rc -eq 0 ] && grep -q \"'ckpt' was not locked, nothing overridden\" force2.out"
+
+# ---- ranks that do not see the same checkpoint.dir write nothing there ----
+# ZeRO-1 ranks write their own shares of a checkpoint only where every rank sees rank 0's lock
+# file in checkpoint.dir. Here rank 1 runs in another working directory, so the relative
+# checkpoint.dir is another directory for it (as a node-local disk would be): rank 0 writes whole
+# checkpoints alone, and says why.
+mkdir -p split-a split-b
+sed -e "s|data/c-train|$WORK/data/c-train|" -e 's|steps: 1000000|steps: 4|' cfg.yaml > split.yaml
+"$MPIRUN" -np 1 -wdir "$WORK/split-a" "$BIN" "$WORK/split.yaml" --set optim.zero=1 : \
+  -np 1 -wdir "$WORK/split-b" "$BIN" "$WORK/split.yaml" --set optim.zero=1 > split.out 2>&1
+rc=$?
+check "a checkpoint.dir not seen by every rank: rank 0 writes whole checkpoints alone (exit $rc) and says why" \
+  "[ $rc -eq 0 ] && grep -q \"rank 0 writes whole checkpoints (ZeRO-1 state gathered to it): rank 1 (host .*) does not see checkpoint.dir 'ckpt'\" split.out"
+check "... its checkpoint is complete and loads, and nothing was written on rank 1's side" \
+  "'$BIN' sample split-a/ckpt/ckpt-00000004.h5 --tokens 2 >/dev/null 2>&1 && ! ls split-b/ckpt/ckpt-* >/dev/null 2>&1"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

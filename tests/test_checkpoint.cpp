@@ -17,6 +17,7 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/tensor_io.h"
 #include "npy_writer.h"
 
 using namespace mpitrain;
@@ -553,6 +554,44 @@ bool same_params(GPT& a, GPT& b) {
   return true;
 }
 }  // namespace
+
+// Ranks writing their shares of a checkpoint hand write_tensors runs that start and end anywhere:
+// each run lands at its offset byte for byte, whatever its alignment and size (under one block,
+// a few blocks, several 16 MiB bounce buffers), and its CRC32 is that of its bytes. The CRC32s of
+// consecutive runs combine into the CRC32 of the whole.
+TEST(TensorIo, RunsAtAnyOffsetLandExactlyWithTheirCrc) {
+  const std::string path = temp_dir() + "/runs.bin";
+  // Consecutive runs (offset, bytes): unaligned and aligned starts, under a block to 40 MB.
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  for (uint64_t n : {100, 4000, 8192, 3, 4089, 4096, 12345, 40000005, 4093, 65536})
+    runs.emplace_back(runs.empty() ? 0 : runs.back().first + runs.back().second, n);
+  const uint64_t size = runs.back().first + runs.back().second + 777;
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>((i * 2654435761u) >> 13);
+  { std::ofstream(path, std::ios::binary).write(std::string(size, '\0').data(), static_cast<std::streamsize>(size)); }
+  std::vector<RawWrite> writes;
+  for (auto [off, n] : runs) writes.push_back({bytes.data() + off, n, off});
+  std::vector<size_t> seen;
+  const auto crcs = write_tensors(path, writes, [&](size_t i) { seen.push_back(i); });
+  ASSERT_EQ(crcs.size(), runs.size());
+  EXPECT_EQ(seen.size(), runs.size());
+  std::ifstream in(path, std::ios::binary);
+  std::vector<uint8_t> back(size);
+  in.read(reinterpret_cast<char*>(back.data()), static_cast<std::streamsize>(size));
+  uint32_t whole = h5::crc32(nullptr, 0);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto [off, n] = runs[i];
+    EXPECT_EQ(crcs[i], h5::crc32(bytes.data() + off, n)) << "run " << i;
+    EXPECT_EQ(0, std::memcmp(back.data() + off, bytes.data() + off, n)) << "run " << i << " at " << off;
+    if (i + 1 < runs.size()) {
+      ASSERT_EQ(off + n, runs[i + 1].first);
+    }
+    whole = h5::crc32_combine(whole, crcs[i], n);
+  }
+  EXPECT_EQ(whole, h5::crc32(bytes.data(), runs.back().first + runs.back().second));
+  for (uint64_t i = runs.back().first + runs.back().second; i < size; ++i) ASSERT_EQ(back[i], 0) << "byte " << i;
+  std::remove(path.c_str());
+}
 
 TEST(InitFrom, NpyWeightsLoadBitwiseFromFloat32AndFloat64AndRoundedFromFloat16) {
   torch::manual_seed(1);

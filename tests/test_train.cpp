@@ -22,6 +22,8 @@
 #include <functional>
 #include <random>
 
+#include "mpitrain/checkpoint.h"
+#include "mpitrain/h5.h"
 #include "mpitrain/config.h"
 #include "mpitrain/log.h"
 #include "mpitrain/model.h"
@@ -490,6 +492,75 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
     if (world_rank() == 0)
       std::printf("[ info ] zero 1 (overlap %d) vs zero 0 on %d ranks: largest loss difference %.3g, parameter %.3g\n",
                   overlap, world_size(), worst_loss, worst_param);
+  }
+}
+
+// ZeRO-1 checkpoints written by every rank, each its own slices (checkpoint.writers: auto; sync and
+// async), are the checkpoints rank 0 writes alone with the moments gathered (writers: rank0):
+// every tensor, its CRC32 (combined from the ranks' pieces) and the training state are equal,
+// and the files load (which verifies every CRC32).
+TEST(Train, ZeroOneRanksWriteTheirSharesOfOneCheckpoint) {
+  auto cfg_for = [](const std::string& run, const std::string& writers, bool async, double bucket_mb) {
+    Config c = small_config(run, 2, 6);
+    c.model.n_embd = 64;  // pieces of several 4 KiB blocks, at unaligned offsets: direct and page-cache writes
+    c.optim.zero = 1;
+    c.comm.bucket_mb = bucket_mb;
+    c.checkpoint.writers = writers;
+    c.checkpoint.async = async;
+    c.checkpoint.every = 3;
+    return c;
+  };
+  for (double bucket_mb : {25.0, 0.05}) {
+    const std::string tag = concat("-b", bucket_mb);
+    TrainResult by0 = train(cfg_for("writers-rank0" + tag, "rank0", false, bucket_mb), MPI_COMM_WORLD);
+    TrainResult all = train(cfg_for("writers-all" + tag, "auto", false, bucket_mb), MPI_COMM_WORLD);
+    TrainResult all_async = train(cfg_for("writers-async" + tag, "auto", true, bucket_mb), MPI_COMM_WORLD);
+    EXPECT_EQ(by0.checkpoint_writers, 1);
+    EXPECT_EQ(all.checkpoint_writers, world_size());
+    EXPECT_EQ(all_async.checkpoint_writers, world_size());
+    if (world_rank() != 0) continue;
+    auto load = [&](const std::string& path) {
+      GPT model(checkpoint_dims(path));
+      FullOptimState opt;
+      for (const auto& [name, p] : model->named_params())
+        opt.moments.push_back({name, torch::zeros_like(p), torch::zeros_like(p)});
+      TrainState st;
+      load_checkpoint(path, model, &opt, st);
+      return std::make_tuple(model, opt, st);
+    };
+    auto crcs = [](const std::string& path) {
+      std::vector<int64_t> out;
+      h5::File f = h5::open_read(path);
+      for (const std::string& g : {std::string("model")}) {
+        auto group = h5::open_group(f.get(), g);
+        for (const auto& name : h5::list(group.get())) {
+          h5::Dataset ds(H5Dopen2(group.get(), name.c_str(), H5P_DEFAULT));
+          out.push_back(h5::get_attr_int(ds.get(), "crc32").value_or(-1));
+        }
+      }
+      return out;
+    };
+    ASSERT_EQ(by0.last_checkpoint.substr(by0.last_checkpoint.rfind('/')), "/ckpt-00000006.h5");
+    auto [m0, o0, s0] = load(by0.last_checkpoint);
+    for (const TrainResult* r : {&all, &all_async}) {
+      ASSERT_EQ(r->last_checkpoint.substr(r->last_checkpoint.rfind('/')), "/ckpt-00000006.h5");
+      auto [m, o, s] = load(r->last_checkpoint);
+      const auto p0 = m0->named_params(), p = m->named_params();
+      ASSERT_EQ(p.size(), p0.size());
+      for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(torch::equal(p[i].second, p0[i].second)) << p0[i].first;
+      ASSERT_EQ(o.moments.size(), o0.moments.size());
+      for (size_t i = 0; i < o.moments.size(); ++i) {
+        EXPECT_TRUE(torch::equal(o.moments[i].exp_avg, o0.moments[i].exp_avg)) << o0.moments[i].name;
+        EXPECT_TRUE(torch::equal(o.moments[i].exp_avg_sq, o0.moments[i].exp_avg_sq)) << o0.moments[i].name;
+      }
+      EXPECT_EQ(o.steps_taken, o0.steps_taken);
+      EXPECT_EQ(s.step, s0.step);
+      EXPECT_EQ(s.data_cursor, s0.data_cursor);
+      EXPECT_EQ(s.rng_states, s0.rng_states);
+      EXPECT_EQ(crcs(r->last_checkpoint), crcs(by0.last_checkpoint));
+    }
+    // The losses of the three runs are the same run's.
+    for (size_t i = 0; i < by0.losses.size(); ++i) EXPECT_EQ(all.losses[i].second, by0.losses[i].second);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,8 +81,61 @@ void snapshot_into(CheckpointSnapshot& into, GPT& model, const FullOptimState& o
 // Writes dir/ckpt-<step:08>.h5 (tmp, fsync, rename, directory fsync) and updates dir/latest the
 // same way, then deletes all but the newest `keep` complete checkpoints (never the one just
 // written). Returns the path written. A failed write (disk full) removes its .tmp and is a
-// UsageError; earlier checkpoints stay as they were. One rank calls it.
+// UsageError; earlier checkpoints stay as they were. One rank calls it. (CheckpointFile below in
+// one go; ranks that each hold part of the state write it together: state_sync.h.)
 std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep);
+
+// ---- a checkpoint file written in steps, its tensors' bytes by whoever holds them ----
+
+// A tensor of a checkpoint: its dataset ("model/wte.weight", "optim/wte.weight/exp_avg") and shape.
+struct CheckpointTensor {
+  std::string path;
+  std::vector<int64_t> shape;
+  uint64_t bytes() const;  // fp32
+};
+// The tensors of a checkpoint in file order: model/<name> for every parameter, then
+// optim/<name>/exp_avg and exp_avg_sq for each AdamW moment (named and shaped as `moments`).
+std::vector<CheckpointTensor> checkpoint_tensors(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                                 const std::vector<std::pair<std::string, torch::Tensor>>& moments);
+
+struct CheckpointFileHandles;
+
+// Rank 0's side of a checkpoint written by several ranks (and of write_checkpoint):
+//  - the constructor creates <dir>/ckpt-<step>.h5.tmp with every attribute of `st` and `dims`, the
+//    optimizer's step count, and every tensor's dataset allocated in the file but not written;
+//  - the tensors' bytes then go to offset(i) (tensor_io.h's write_tensors), from any process that
+//    opens the .tmp (each one fsyncs what it wrote);
+//  - finish() sets each tensor's CRC32, writes train/ (data cursor, loss scale, RNG states), flushes
+//    and fsyncs the file, renames it into place, updates `latest` and keeps the newest `keep`.
+// A failure to create, write or finish the file (disk full, not writable) removes the .tmp and is
+// a UsageError naming it; earlier checkpoints stay as they were. Destroyed unfinished (an error
+// elsewhere), it removes the .tmp.
+class CheckpointFile {
+ public:
+  CheckpointFile(const std::string& dir, const GPTDims& dims, int64_t steps_taken, const TrainState& st,
+                 const std::vector<CheckpointTensor>& tensors);
+  ~CheckpointFile();
+  CheckpointFile(const CheckpointFile&) = delete;
+  CheckpointFile& operator=(const CheckpointFile&) = delete;
+
+  const std::string& tmp_path() const { return tmp_; }
+  uint64_t offset(size_t tensor) const { return offsets_[tensor]; }
+  std::string finish(const std::vector<uint32_t>& crcs, int64_t keep);
+  // The bytes could not be written (`why`, from any rank): the .tmp is removed; the UsageError to throw.
+  UsageError failed(const std::string& why);
+
+ private:
+  std::string dir_, path_, tmp_;
+  TrainState state_;
+  std::unique_ptr<CheckpointFileHandles> h5_;  // the open file and its datasets
+  std::vector<uint64_t> offsets_;
+  bool done_ = false;
+};
+
+// fsync of a file written through another descriptor (a rank's share of a checkpoint); Error.
+void fsync_file(const std::string& path);
+// Test-only fault hook: SIGKILL when MPITRAIN_TEST_DIE_IN_SAVE names `step` (tests/fault_test.sh).
+void maybe_die_in_save_for_test(int64_t step);
 
 // snapshot_checkpoint(copy=false) + write_checkpoint, on the calling thread.
 std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
@@ -107,7 +161,13 @@ class AsyncCheckpointWriter {
   // Returns the path of the checkpoint (being) written.
   std::string save(GPT& model, const FullOptimState& opt, const TrainState& st);
   std::string save(GPT& model, AdamW& opt, const TrainState& st) { return save(model, full_state_of(opt), st); }
+  // The general form, for state other than one rank's whole snapshot (state_sync.h's shares):
+  // `snapshot` copies what is to be written into host memory (the loop's stall; nothing when
+  // synchronous), `write` writes it and returns the path (on the background thread when async).
+  std::string save_with(int64_t step, const std::function<void()>& snapshot, std::function<std::string()> write);
   void wait();
+  const std::string& dir() const { return dir_; }
+  int64_t keep() const { return keep_; }
   // Async: allocates the snapshot buffers for this model and optimizer state now (no-op when sync).
   void prepare(GPT& model, const FullOptimState& opt);
 

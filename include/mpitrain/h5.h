@@ -102,6 +102,8 @@ void read(hid_t dataset, hid_t type, void* out);
 uint32_t crc32(const void* data, size_t bytes);
 // The CRC32 of the bytes before and then these: crc32_update(crc32(a), b) == crc32(a + b).
 uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes);
+// The CRC32 of a + b from crc32(a), crc32(b) and b's length (pieces written by different ranks).
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b);
 
 }  // namespace mpitrain::h5
 

@@ -52,6 +52,9 @@ struct Startup {
   std::vector<std::string> resume;  // rank 0: checkpoints to resume from, best first
   bool has_resume = false;          // every rank: resume is not empty on rank 0
   std::unique_ptr<DirLock> checkpoint_lock;  // rank 0: checkpoint.dir is this job's until the end
+  // Every rank: the lowest rank that does not see rank 0's checkpoint.dir (its own disk, not a
+  // shared filesystem), or -1 when all do and so may write their shares of a checkpoint there.
+  int checkpoint_dir_blind_rank = 0;
 };
 
 // Everything above, in order; `cfg` is resolved for the world (train.grad_accum/global_batch).

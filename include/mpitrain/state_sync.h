@@ -6,6 +6,7 @@
 //  - save: gather_optim_state all-gathers one bucket's moments at a time (a transient buffer of
 //    one padded bucket per rank) and rank 0 copies them into whole-parameter host tensors, so
 //    rank 0 alone holds the full AdamW state, in host memory, while it writes;
+//    (or, when every rank sees checkpoint.dir, each rank writes its own share: below);
 //  - resume: rank 0 reads the file (ranks on other hosts need not see it) into whole-parameter
 //    host tensors, then one bucket at a time is broadcast and every rank keeps its own slices.
 // Parameters are whole on every rank in every layout and are broadcast from rank 0.
@@ -34,6 +35,70 @@ namespace mpitrain {
 FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model, FullOptimState* reuse = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
+
+// ---- ranks writing one checkpoint together ----
+//
+// Under ZeRO-1 every rank holds the whole parameters and AdamW's moments for its own slices of
+// them (GradSync::owned_slices). When every rank sees checkpoint.dir (Startup::checkpoint_dir_shared),
+// each rank writes the parameters' and the moments' elements of its slices straight into the one
+// checkpoint file, all ranks at once, instead of gathering the state on rank 0 (gather_optim_state):
+// no rank holds more than its share in host memory, and the bytes leave through every rank's
+// copy, checksum and write path (and every node's link to a parallel filesystem). The file is byte
+// for byte the one rank 0 alone would write (tests/test_train.cpp), so any layout loads it.
+
+// This rank's part of a checkpoint: the elements [begin, begin + data.numel()) of file tensor
+// `tensor` (checkpoint_tensors order), as host fp32 1-D tensors.
+struct CheckpointShare {
+  struct Piece {
+    size_t tensor = 0;
+    int64_t begin = 0;
+    torch::Tensor data;
+  };
+  GPTDims dims;
+  std::vector<CheckpointTensor> tensors;  // every tensor of the file: the same on every rank
+  std::vector<Piece> pieces;              // this rank's: 3 per owned slice (parameter, exp_avg, exp_avg_sq)
+  int64_t steps_taken = 0;
+  TrainState state;  // rank 0's goes into the file
+};
+
+// This rank's share of the state of `model` and the sharded `opt` (ZeRO-1, `shards` its GradSync).
+// copy: into host buffers (pinned for CUDA tensors), allocated on the first call and reused by
+// later ones; else the pieces reference the state where it already is host fp32 (a synchronous
+// write on the calling thread).
+void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync& shards, const TrainState& st,
+                      bool copy);
+
+// Writes one checkpoint from every rank's share; collective over `comm` (each rank passes its share
+// of the same step). Rank 0 creates the file (CheckpointFile: attributes, every dataset allocated)
+// and broadcasts where each tensor's bytes go; every rank writes its pieces there (write_tensors:
+// direct I/O, CRC32 per piece) and fsyncs them; rank 0 gathers the pieces' CRC32s, checks that
+// they cover every tensor exactly once, combines them into each tensor's CRC32 and finishes the
+// file (fsync, rename, `latest`, keep). A failure on any rank (disk full, not writable) removes the
+// .tmp and ends the save on every rank: rank 0 throws the UsageError naming the first failing rank,
+// the others ReportedUsageError (one message, exit 2). Returns the checkpoint's path.
+std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MPI_Comm comm);
+
+// One save through `writer` with every rank writing its share (every rank calls it at the same
+// step). Async: the loop stalls for share_checkpoint's copies into `buffers` (kept by the caller
+// between saves, alive until the writer is gone), and write_checkpoint_shares runs on the
+// writer's thread, so `comm` must be a communicator no other thread uses (CommDup) and MPI must
+// provide MPI_THREAD_MULTIPLE.
+std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
+                        const GradSync& shards, const TrainState& st, MPI_Comm comm);
+
+// A communicator of its own for one purpose (the checkpoint writer's collectives on a background
+// thread never meet the training loop's): MPI_Comm_dup, freed with the object. Collective.
+class CommDup {
+ public:
+  explicit CommDup(MPI_Comm comm);
+  ~CommDup();
+  CommDup(const CommDup&) = delete;
+  CommDup& operator=(const CommDup&) = delete;
+  MPI_Comm get() const { return comm_; }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+};
 
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
 std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const torch::Device& device);

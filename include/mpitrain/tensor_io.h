@@ -11,6 +11,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mpitrain/h5.h"
@@ -20,29 +21,29 @@ namespace mpitrain {
 // Files written by write_tensors align their large datasets to this (h5::create(path, kDirectAlign)).
 constexpr uint64_t kDirectAlign = 4096;  // the largest logical block size in use
 
-// One tensor of a checkpoint being written: its dataset (allocated, not yet written) and where its
-// bytes go in the file.
-struct RawTensor {
-  h5::Dataset ds;
+// Bytes of a checkpoint being written and where they go in the file: a whole tensor, or (ranks
+// writing their own shares of a checkpoint together) a run of its elements.
+struct RawWrite {
   const uint8_t* data = nullptr;
   uint64_t bytes = 0;
   uint64_t offset = 0;
 };
 
-// Creates the dataset `name` under `loc` for the host fp32 contiguous tensor `t`, allocated in the
-// file and not written: its bytes go to the returned offset (write_tensors).
-RawTensor allocate_tensor(hid_t loc, const std::string& name, const torch::Tensor& t);
+// Creates the fp32 dataset `name` of `shape` under `loc`, allocated in the file and not written,
+// and returns it with the offset of its bytes in the file (where write_tensors puts them).
+std::pair<h5::Dataset, uint64_t> allocate_dataset(hid_t loc, const std::string& name, const std::vector<int64_t>& shape);
 
-// The tensors' bytes into the file at their offsets, in file order, their CRC32s computed on the
-// way. Where the filesystem allows it the bytes bypass the page cache (O_DIRECT): a copy thread
-// moves each tensor through aligned bounce buffers, computing its CRC32 from the copy while it is
-// in the CPU cache, and this thread writes the filled buffers to the disk meanwhile. A checkpoint
-// thus neither waits for the kernel to copy 1.5 GB into fresh page-cache pages nor evicts the
-// page cache that training uses (the data shards). Tensors too small or not aligned in the file
-// (HDF5 aligns large datasets: h5::create), each tensor's last partial block, and every write on a
-// filesystem without O_DIRECT go through the page cache. `between(i)` runs after tensor i
-// is written (the test-only fault hook).
-std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawTensor>& tensors,
+// The bytes of `writes` into the file at their offsets, in the given order, each one's CRC32
+// computed on the way. Where the filesystem allows it the bytes bypass the page cache (O_DIRECT): a
+// copy thread moves them through aligned bounce buffers, computing the CRC32 from the copy while
+// it is in the CPU cache, and this thread writes the filled buffers to the disk meanwhile. A
+// checkpoint thus neither waits for the kernel to copy 1.5 GB into fresh page-cache pages nor
+// evicts the page cache that training uses (the data shards). Runs too small for a block, the
+// partial blocks at either end of a run (HDF5 aligns large datasets, h5::create, so whole tensors
+// start on a block; a rank's share of one may not), and every write on a filesystem without
+// O_DIRECT go through the page cache. `between(i)` runs after writes[i] is written (the test-only
+// fault hook).
+std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawWrite>& writes,
                                     const std::function<void(size_t)>& between);
 
 // One tensor of a checkpoint being loaded: its dataset, checked against the tensor it goes into.

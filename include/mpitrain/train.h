@@ -26,6 +26,7 @@ struct TrainResult {
   std::vector<std::pair<int64_t, double>> losses;      // (step, train loss) at every logged step
   std::vector<std::pair<int64_t, double>> val_losses;  // (step, val loss) at every evaluation
   std::string last_checkpoint;                         // path of the newest checkpoint written
+  int checkpoint_writers = 1;                          // ranks that write each checkpoint (ZeRO-1 shares: all)
   std::string sample;                                  // generated text (rank 0, sample.tokens > 0)
   std::vector<std::pair<std::string, std::vector<float>>> params;  // when hooks.keep_params
 };

@@ -76,6 +76,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
+    MPITRAIN_FIELD(checkpoint, writers),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
     MPITRAIN_FIELD(parallel, tp),
@@ -420,6 +421,7 @@ void validate(const Config& c, const std::string& where) {
   check(k.keep >= 1, "checkpoint.keep", ">= 1", show(k.keep));
   check(one_of(k.resume, {"auto", "none"}) || (ends_with(k.resume, ".h5") && k.resume.size() > 3),
         "checkpoint.resume", "'auto', 'none' or the path of a .h5 checkpoint", show(k.resume));
+  check(one_of(k.writers, {"auto", "rank0"}), "checkpoint.writers", "one of auto|rank0", show(k.writers));
 
   check(one_of(c.comm.backend, {"auto", "mpi", "nccl"}), "comm.backend", "one of auto|mpi|nccl",
         show(c.comm.backend));

@@ -260,4 +260,8 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
   return static_cast<uint32_t>(c);
 }
 
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b) {
+  return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(bytes_b)));
+}
+
 }  // namespace mpitrain::h5

@@ -182,73 +182,6 @@ h5::File open_checkpoint(const std::string& path) {
   return f;
 }
 
-// The whole checkpoint into `tmp` (HDF5), flushed.
-void write_checkpoint_file(const std::string& tmp, const CheckpointSnapshot& snap) {
-  const TrainState& st = snap.state;
-  h5::File f = h5::create(tmp, kDirectAlign);  // large datasets start on a block: direct writes
-  const hid_t root = f.get();
-  const GPTDims& d = snap.dims;
-  h5::set_attr(root, "format", std::string(kCheckpointFormat));
-  h5::set_attr(root, "version", kCheckpointVersion);
-  h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
-  h5::set_attr(root, "step", st.step);
-  h5::set_attr(root, "tokens_seen", st.tokens_seen);
-  h5::set_attr(root, "world_size", st.world_size);
-  h5::set_attr(root, "parallel_dp", st.dp);
-  h5::set_attr(root, "parallel_tp", st.tp);
-  h5::set_attr(root, "optim_zero", st.zero);
-  h5::set_attr(root, "config", st.config_yaml);
-  h5::set_attr(root, "tokenizer", st.tokenizer);
-  h5::set_attr(root, "eot_token", st.eot_token);
-  h5::set_attr(root, "n_layer", d.n_layer);
-  h5::set_attr(root, "n_head", d.n_head);
-  h5::set_attr(root, "n_embd", d.n_embd);
-  h5::set_attr(root, "seq_len", d.seq_len);
-  h5::set_attr(root, "vocab_size", d.vocab_size);
-
-  // Every tensor's dataset is allocated first (metadata only); their bytes follow in file order.
-  std::vector<RawTensor> tensors;
-  auto model_group = h5::create_group(root, "model");
-  for (const auto& [name, p] : snap.params) tensors.push_back(allocate_tensor(model_group.get(), name, p));
-  const size_t n_model = tensors.size();
-  auto optim_group = h5::create_group(root, "optim");
-  h5::set_attr(optim_group.get(), "steps_taken", snap.steps_taken);
-  for (const auto& m : snap.moments) {
-    auto g = h5::create_group(optim_group.get(), m.name);
-    tensors.push_back(allocate_tensor(g.get(), "exp_avg", m.exp_avg));
-    tensors.push_back(allocate_tensor(g.get(), "exp_avg_sq", m.exp_avg_sq));
-  }
-  if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
-  const std::vector<uint32_t> crcs = write_tensors(tmp, tensors, [&](size_t i) {
-    // Test-only fault hook: die half-way through the file of step N (tests/fault_test.sh).
-    if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == st.step && i + 1 == n_model)
-      std::raise(SIGKILL);
-  });
-  for (size_t i = 0; i < tensors.size(); ++i)
-    h5::set_attr(tensors[i].ds.get(), "crc32", static_cast<int64_t>(crcs[i]));
-  tensors.clear();
-
-  auto train_group = h5::create_group(root, "train");
-  h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
-  if (st.loss_scale > 0) {  // fp16 runs: the dynamic loss scale continues where it was
-    h5::set_attr(train_group.get(), "loss_scale", st.loss_scale);
-    h5::set_attr(train_group.get(), "loss_scale_good_steps", st.loss_scale_good_steps);
-  }
-  if (!st.rng_states.empty()) {
-    const size_t n = st.rng_states.front().size();
-    std::vector<uint8_t> flat;
-    for (const auto& s : st.rng_states) {
-      MPITRAIN_CHECK(s.size() == n, "RNG states of different sizes");
-      flat.insert(flat.end(), s.begin(), s.end());
-    }
-    auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8,
-                        {st.rng_states.size(), n}, flat.data());
-    h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
-  }
-  if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0)
-    throw Error(concat(tmp, ": HDF5 flush failed (disk full?)"));
-  }
-
 }  // namespace
 
 std::string checkpoint_name(int64_t step) {
@@ -311,36 +244,174 @@ void snapshot_into(CheckpointSnapshot& into, GPT& model, const FullOptimState& o
   into.state = st;
 }
 
-std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep) {
-  const TrainState& st = snap.state;
-  make_dirs(dir);
-  const std::string path = dir + "/" + checkpoint_name(st.step);
-  const std::string tmp = path + ".tmp";
-  try {
-    write_checkpoint_file(tmp, snap);
-  } catch (const Error& e) {
-    std::remove(tmp.c_str());  // never leave half a file; the complete ones stay as they were
-    throw UsageError(concat(tmp, ": cannot write checkpoint (disk full or not writable?): ", e.what(),
-                            "; earlier checkpoints are untouched"));
+uint64_t CheckpointTensor::bytes() const {
+  uint64_t n = sizeof(float);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+std::vector<CheckpointTensor> checkpoint_tensors(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                                 const std::vector<std::pair<std::string, torch::Tensor>>& moments) {
+  std::vector<CheckpointTensor> out;
+  for (const auto& [name, p] : params) out.push_back({"model/" + name, p.sizes().vec()});
+  for (const auto& [name, m] : moments) {
+    out.push_back({"optim/" + name + "/exp_avg", m.sizes().vec()});
+    out.push_back({"optim/" + name + "/exp_avg_sq", m.sizes().vec()});
   }
-  fsync_path(tmp, false);
-  rename_durably(tmp, path, dir);
+  return out;
+}
+
+struct CheckpointFileHandles {
+  h5::File file;
+  std::vector<h5::Dataset> datasets;
+};
+
+namespace {
+UsageError write_failure(const std::string& tmp, const std::string& why) {
+  std::remove(tmp.c_str());  // never leave half a file; the complete ones stay as they were
+  return UsageError(concat(tmp, ": cannot write checkpoint (disk full or not writable?): ", why,
+                           "; earlier checkpoints are untouched"));
+}
+}  // namespace
+
+CheckpointFile::CheckpointFile(const std::string& dir, const GPTDims& d, int64_t steps_taken, const TrainState& st,
+                               const std::vector<CheckpointTensor>& tensors)
+    : dir_(dir), path_(dir + "/" + checkpoint_name(st.step)), tmp_(path_ + ".tmp"), state_(st) {
+  make_dirs(dir);
+  try {
+    h5_ = std::make_unique<CheckpointFileHandles>();
+    h5_->file = h5::create(tmp_, kDirectAlign);  // large datasets start on a block: direct writes
+    const hid_t root = h5_->file.get();
+    h5::set_attr(root, "format", std::string(kCheckpointFormat));
+    h5::set_attr(root, "version", kCheckpointVersion);
+    h5::set_attr(root, "mpitrain_version", std::string(MPITRAIN_VERSION));
+    h5::set_attr(root, "step", st.step);
+    h5::set_attr(root, "tokens_seen", st.tokens_seen);
+    h5::set_attr(root, "world_size", st.world_size);
+    h5::set_attr(root, "parallel_dp", st.dp);
+    h5::set_attr(root, "parallel_tp", st.tp);
+    h5::set_attr(root, "optim_zero", st.zero);
+    h5::set_attr(root, "config", st.config_yaml);
+    h5::set_attr(root, "tokenizer", st.tokenizer);
+    h5::set_attr(root, "eot_token", st.eot_token);
+    h5::set_attr(root, "n_layer", d.n_layer);
+    h5::set_attr(root, "n_head", d.n_head);
+    h5::set_attr(root, "n_embd", d.n_embd);
+    h5::set_attr(root, "seq_len", d.seq_len);
+    h5::set_attr(root, "vocab_size", d.vocab_size);
+    auto model_group = h5::create_group(root, "model");
+    auto optim_group = h5::create_group(root, "optim");
+    h5::set_attr(optim_group.get(), "steps_taken", steps_taken);
+    // Every tensor's dataset is allocated first (metadata only); their bytes follow in file order.
+    for (const auto& t : tensors) {
+      const size_t slash = t.path.rfind('/');
+      const std::string group = t.path.substr(0, slash), name = t.path.substr(slash + 1);
+      if (!h5::exists(root, group)) h5::create_group(root, group);
+      auto g = h5::open_group(root, group);
+      auto [ds, at] = allocate_dataset(g.get(), name, t.shape);
+      h5_->datasets.push_back(std::move(ds));
+      offsets_.push_back(at);
+    }
+    if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error("HDF5 flush failed (disk full?)");
+  } catch (const Error& e) {
+    h5_.reset();
+    throw write_failure(tmp_, e.what());
+  }
+}
+
+CheckpointFile::~CheckpointFile() {
+  if (done_) return;
+  h5_.reset();
+  std::remove(tmp_.c_str());
+}
+
+UsageError CheckpointFile::failed(const std::string& why) {
+  h5_.reset();
+  done_ = true;
+  return write_failure(tmp_, why);
+}
+
+std::string CheckpointFile::finish(const std::vector<uint32_t>& crcs, int64_t keep) {
+  MPITRAIN_CHECK(crcs.size() == h5_->datasets.size(), "CheckpointFile::finish: one CRC per tensor");
+  const TrainState& st = state_;
+  try {
+    for (size_t i = 0; i < crcs.size(); ++i)
+      h5::set_attr(h5_->datasets[i].get(), "crc32", static_cast<int64_t>(crcs[i]));
+    h5_->datasets.clear();
+    const hid_t root = h5_->file.get();
+    auto train_group = h5::create_group(root, "train");
+    h5::set_attr(train_group.get(), "data_cursor", static_cast<int64_t>(st.data_cursor));
+    if (st.loss_scale > 0) {  // fp16 runs: the dynamic loss scale continues where it was
+      h5::set_attr(train_group.get(), "loss_scale", st.loss_scale);
+      h5::set_attr(train_group.get(), "loss_scale_good_steps", st.loss_scale_good_steps);
+    }
+    if (!st.rng_states.empty()) {
+      const size_t n = st.rng_states.front().size();
+      std::vector<uint8_t> flat;
+      for (const auto& s : st.rng_states) {
+        MPITRAIN_CHECK(s.size() == n, "RNG states of different sizes");
+        flat.insert(flat.end(), s.begin(), s.end());
+      }
+      auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8, {st.rng_states.size(), n}, flat.data());
+      h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
+    }
+    if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error("HDF5 flush failed (disk full?)");
+    h5_.reset();  // closed
+  } catch (const Error& e) {
+    throw failed(e.what());
+  }
+  done_ = true;
+  fsync_path(tmp_, false);
+  rename_durably(tmp_, path_, dir_);
 
   // `latest` names the file just completed; written the same way so it is never half a name.
-  const std::string latest_tmp = dir + "/latest.tmp";
+  const std::string latest_tmp = dir_ + "/latest.tmp";
   {
     std::ofstream out(latest_tmp, std::ios::trunc);
     out << checkpoint_name(st.step) << "\n";
     if (!out.flush()) throw UsageError(concat(latest_tmp, ": cannot write (disk full?); the checkpoint itself is complete"));
   }
   fsync_path(latest_tmp, false);
-  rename_durably(latest_tmp, dir + "/latest", dir);
+  rename_durably(latest_tmp, dir_ + "/latest", dir_);
 
   // Keep the newest `keep`; the one just written is the newest by construction.
-  auto all = list_checkpoints(dir);
+  auto all = list_checkpoints(dir_);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
-    if (all[i].second != path) std::remove(all[i].second.c_str());
-  return path;
+    if (all[i].second != path_) std::remove(all[i].second.c_str());
+  return path_;
+}
+
+void fsync_file(const std::string& path) { fsync_path(path, false); }
+
+void maybe_die_in_save_for_test(int64_t step) {
+  if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == step) std::raise(SIGKILL);
+}
+
+std::string write_checkpoint(const std::string& dir, const CheckpointSnapshot& snap, int64_t keep) {
+  std::vector<std::pair<std::string, torch::Tensor>> moments;
+  for (const auto& m : snap.moments) moments.emplace_back(m.name, m.exp_avg);
+  CheckpointFile file(dir, snap.dims, snap.steps_taken, snap.state, checkpoint_tensors(snap.params, moments));
+  std::vector<RawWrite> writes;
+  auto add = [&](const torch::Tensor& t) {
+    MPITRAIN_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+                   "a snapshot tensor is host fp32 contiguous");
+    writes.push_back({static_cast<const uint8_t*>(t.data_ptr()), static_cast<uint64_t>(t.numel()) * sizeof(float),
+                      file.offset(writes.size())});
+  };
+  for (const auto& [name, p] : snap.params) add(p);
+  for (const auto& m : snap.moments) {
+    add(m.exp_avg);
+    add(m.exp_avg_sq);
+  }
+  std::vector<uint32_t> crcs;
+  try {
+    crcs = write_tensors(file.tmp_path(), writes, [&](size_t i) {
+      if (i + 1 == snap.params.size()) maybe_die_in_save_for_test(snap.state.step);  // half-way through the file
+    });
+  } catch (const Error& e) {
+    throw file.failed(e.what());
+  }
+  return file.finish(crcs, keep);
 }
 
 std::string save_checkpoint(const std::string& dir, GPT& model, AdamW& opt, const TrainState& st,
@@ -387,43 +458,53 @@ void AsyncCheckpointWriter::prepare(GPT& model, const FullOptimState& opt) {
 }
 
 std::string AsyncCheckpointWriter::save(GPT& model, const FullOptimState& opt, const TrainState& st) {
+  if (!async_)
+    return save_with(st.step, [] {}, [&] { return write_checkpoint(dir_, snapshot_checkpoint(model, opt, st, false), keep_); });
+  return save_with(
+      st.step,
+      [&] {
+        if (buffers_) snapshot_into(*buffers_, model, opt, st);  // the write in flight is done: reuse
+        else buffers_ = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, st, /*copy=*/true));
+      },
+      [this] { return write_checkpoint(dir_, *buffers_, keep_); });
+}
+
+std::string AsyncCheckpointWriter::save_with(int64_t step, const std::function<void()>& snapshot,
+                                             std::function<std::string()> write) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   ++saves_;
   if (!async_) {
-    auto snap = snapshot_checkpoint(model, opt, st, /*copy=*/false);
-    const std::string path = write_checkpoint(dir_, snap, keep_);
+    snapshot();
+    const std::string path = write();
     const double ms = ms_since(t0);
     stalled_ms_ += ms;
-    log::info(concat("checkpoint step ", st.step, ": ", path, " written in ", static_cast<int64_t>(ms + 0.5),
+    log::info(concat("checkpoint step ", step, ": ", path, " written in ", static_cast<int64_t>(ms + 0.5),
                      " ms (synchronous: the loop waited for all of it)"));
     return path;
   }
   wait();  // at most one write in flight; a failed previous write ends the job here
   const double waited = ms_since(t0);
   const auto t1 = Clock::now();
-  if (buffers_) snapshot_into(*buffers_, model, opt, st);  // the write in flight is done: reuse
-  else buffers_ = std::make_shared<CheckpointSnapshot>(snapshot_checkpoint(model, opt, st, /*copy=*/true));
-  auto snap = buffers_;
+  snapshot();
   const double snap_ms = ms_since(t1);
-  const std::string path = dir_ + "/" + checkpoint_name(st.step);
-  thread_ = std::thread([this, snap] {
+  thread_ = std::thread([this, step, write = std::move(write)] {
     const auto t2 = std::chrono::steady_clock::now();
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // HDF5's error stack is per thread
     try {
-      const std::string written = write_checkpoint(dir_, *snap, keep_);
-      log::info(concat("checkpoint step ", snap->state.step, ": ", written, " written in ",
+      const std::string written = write();
+      log::info(concat("checkpoint step ", step, ": ", written, " written in ",
                        static_cast<int64_t>(ms_since(t2) + 0.5), " ms (background)"));
     } catch (...) {
       error_ = std::current_exception();
     }
   });
   stalled_ms_ += ms_since(t0);
-  log::info(concat("checkpoint step ", st.step, ": ",
+  log::info(concat("checkpoint step ", step, ": ",
                    waited >= 1 ? concat("waited ", static_cast<int64_t>(waited + 0.5), " ms for the previous write, ")
                                : std::string(),
                    "snapshot ", static_cast<int64_t>(snap_ms + 0.5), " ms (async write started)"));
-  return path;
+  return dir_ + "/" + checkpoint_name(step);
 }
 
 // ---- resume ------------------------------------------------------------------------------------

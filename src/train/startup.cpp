@@ -6,8 +6,13 @@
 #include <malloc.h>
 #endif
 
+#include <unistd.h>
+
 #include <climits>
 #include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <sstream>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/device.h"
@@ -49,6 +54,36 @@ void keep_freed_memory() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, INT_MAX);
 #endif
+}
+
+// The text of a file, or nullopt when it cannot be read.
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Does every rank see rank 0's checkpoint.dir (a shared filesystem, or all ranks on one host)?
+// Each rank reads the lock file there and compares it with what rank 0 wrote into it (host, pid,
+// start time: no other job's file reads the same). The lowest rank that does not, or -1 when all
+// do; rank 0 (as if nobody else saw it) when it holds no lock to compare with.
+int first_rank_not_seeing_lock(const std::string& dir, const DirLock* lock, MPI_Comm comm) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  std::string expected;
+  if (rank == 0 && lock && lock->held()) expected = read_text(lock->path()).value_or("");
+  int64_t n = static_cast<int64_t>(expected.size());
+  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, 0, comm));
+  if (n == 0) return 0;
+  expected.resize(static_cast<size_t>(n));
+  MPI_CHECK(MPI_Bcast(expected.data(), static_cast<int>(n), MPI_CHAR, 0, comm));
+  const bool sees = rank == 0 || (read_text(dir + "/" + DirLock::kFileName) == expected &&
+                                  ::access(dir.c_str(), W_OK) == 0);
+  int mine = sees ? INT_MAX : rank, first = INT_MAX;
+  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
+  return first == INT_MAX ? -1 : first;
 }
 
 }  // namespace
@@ -143,6 +178,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
   run.has_resume = has_resume != 0;
+  run.checkpoint_dir_blind_rank = first_rank_not_seeing_lock(cfg.checkpoint.dir, run.checkpoint_lock.get(), mpi_comm);
   return run;
 }
 

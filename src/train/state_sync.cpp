@@ -1,12 +1,17 @@
 // Checkpoint state across ranks: ZeRO-1 gather and scatter, RNG streams, resume (see state_sync.h).
 #include "mpitrain/state_sync.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <optional>
+#include <tuple>
 
 #include "mpitrain/error.h"
+#include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/mpi_env.h"
+#include "mpitrain/tensor_io.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -107,6 +112,203 @@ FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model
     }
   if (!root) full.moments.clear();
   return full;
+}
+
+// ---- ranks writing one checkpoint together ----
+
+CommDup::CommDup(MPI_Comm comm) { MPI_CHECK(MPI_Comm_dup(comm, &comm_)); }
+CommDup::~CommDup() {
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync& shards, const TrainState& st,
+                      bool copy) {
+  MPITRAIN_CHECK(opt.sharded() && shards.sharded() && shards.owned_slices().size() == opt.size(),
+                 "share_checkpoint: a sharded AdamW and its GradSync");
+  torch::NoGradGuard no_grad;
+  const auto params = model->named_params();
+  const size_t n_params = params.size();
+  // Piece 3i + w is slot i's parameter (w = 0), exp_avg (1) or exp_avg_sq (2).
+  auto source = [&](size_t i, int w) -> const torch::Tensor& {
+    return w == 0 ? opt.param(i) : w == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i);
+  };
+  const bool allocate = !copy || into.pieces.size() != 3 * opt.size();
+  if (allocate) {
+    into.tensors = checkpoint_tensors(params, params);  // moments are shaped as their parameters
+    into.pieces.clear();
+    for (size_t i = 0; i < opt.size(); ++i) {
+      const GradSync::Slice& s = shards.owned_slices()[i];
+      for (int w = 0; w < 3; ++w) {
+        const torch::Tensor& src = source(i, w);
+        torch::Tensor data = copy ? torch::empty({s.length}, torch::TensorOptions()
+                                                                .dtype(torch::kFloat32)
+                                                                .pinned_memory(src.is_cuda()))
+                                  : src.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+        into.pieces.push_back({w == 0 ? s.param : n_params + 2 * s.param + static_cast<size_t>(w - 1), s.begin, data});
+      }
+    }
+  }
+  if (copy) {
+    int64_t gpu = -1;
+    for (size_t i = 0; i < opt.size(); ++i)
+      for (int w = 0; w < 3; ++w) {
+        const torch::Tensor& src = source(i, w);
+        if (src.is_cuda()) gpu = src.device().index();
+        into.pieces[3 * i + w].data.copy_(src.detach(), /*non_blocking=*/src.is_cuda());
+      }
+    if (gpu >= 0) torch::cuda::synchronize(gpu);
+  }
+  into.dims = model->dims();
+  into.steps_taken = opt.steps_taken();
+  into.state = st;
+}
+
+namespace {
+
+// A piece's place in the file and checksum, as rank 0 gathers them: 4 x uint64 each.
+struct PieceRecord {
+  uint64_t tensor, begin_byte, bytes, crc;
+};
+
+// Rank 0: each tensor's CRC32 from its pieces' (every rank's records), after checking that they
+// cover the tensor exactly once; Error otherwise (a bug: the slices of a layout partition it).
+std::vector<uint32_t> combine_crcs(std::vector<PieceRecord> records, const std::vector<CheckpointTensor>& tensors) {
+  std::sort(records.begin(), records.end(), [](const PieceRecord& a, const PieceRecord& b) {
+    return std::tie(a.tensor, a.begin_byte) < std::tie(b.tensor, b.begin_byte);
+  });
+  std::vector<uint32_t> crcs(tensors.size(), h5::crc32(nullptr, 0));
+  std::vector<uint64_t> covered(tensors.size(), 0);
+  for (const PieceRecord& r : records) {
+    if (r.tensor >= tensors.size() || r.begin_byte != covered[r.tensor])
+      throw Error(concat("checkpoint pieces do not tile tensor ", r.tensor < tensors.size() ? tensors[r.tensor].path : "?",
+                         " (a piece at byte ", r.begin_byte, ", expected ", covered[r.tensor], ")"));
+    crcs[r.tensor] = h5::crc32_combine(crcs[r.tensor], static_cast<uint32_t>(r.crc), r.bytes);
+    covered[r.tensor] += r.bytes;
+  }
+  for (size_t t = 0; t < tensors.size(); ++t)
+    if (covered[t] != tensors[t].bytes())
+      throw Error(concat("checkpoint pieces cover ", covered[t], " of the ", tensors[t].bytes(), " bytes of ",
+                         tensors[t].path));
+  return crcs;
+}
+
+// Rank 0's verdict (empty: success) to every rank; a failure is thrown, printed once.
+void share_verdict(std::string verdict, MPI_Comm comm, int rank) {
+  int64_t n = static_cast<int64_t>(verdict.size());
+  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, 0, comm));
+  if (n == 0) return;
+  verdict.resize(static_cast<size_t>(n));
+  MPI_CHECK(MPI_Bcast(verdict.data(), static_cast<int>(n), MPI_CHAR, 0, comm));
+  if (rank == 0) throw UsageError(verdict);
+  throw ReportedUsageError{2};
+}
+
+}  // namespace
+
+std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MPI_Comm comm) {
+  int rank = 0, size = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  const size_t n_tensors = share.tensors.size();
+
+  // Rank 0 creates the file; every rank learns where each tensor's bytes go.
+  std::optional<CheckpointFile> file;
+  std::string failure;
+  std::vector<uint64_t> offsets(n_tensors, 0);
+  if (rank == 0) {
+    try {
+      file.emplace(dir, share.dims, share.steps_taken, share.state, share.tensors);
+      for (size_t t = 0; t < n_tensors; ++t) offsets[t] = file->offset(t);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  share_verdict(failure, comm, rank);
+  MPI_CHECK(MPI_Bcast(offsets.data(), static_cast<int>(n_tensors), MPI_UINT64_T, 0, comm));
+
+  // This rank's pieces, in file order.
+  std::vector<size_t> order(share.pieces.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::tie(share.pieces[a].tensor, share.pieces[a].begin) < std::tie(share.pieces[b].tensor, share.pieces[b].begin);
+  });
+  std::vector<RawWrite> writes;
+  std::vector<PieceRecord> mine;
+  size_t last_model_piece = SIZE_MAX;  // the test hook dies after it, half-way through the file
+  const size_t n_model = n_tensors / 3;
+  for (size_t i : order) {
+    const CheckpointShare::Piece& p = share.pieces[i];
+    MPITRAIN_CHECK(p.data.is_cpu() && p.data.scalar_type() == torch::kFloat32 && p.data.is_contiguous(),
+                   "a checkpoint piece is host fp32 contiguous");
+    const uint64_t begin = static_cast<uint64_t>(p.begin) * sizeof(float);
+    const uint64_t bytes = static_cast<uint64_t>(p.data.numel()) * sizeof(float);
+    if (p.tensor < n_model) last_model_piece = writes.size();
+    writes.push_back({static_cast<const uint8_t*>(p.data.data_ptr()), bytes, offsets[p.tensor] + begin});
+    mine.push_back({p.tensor, begin, bytes, 0});
+  }
+  const std::string tmp = dir + "/" + checkpoint_name(share.state.step) + ".tmp";
+  failure.clear();
+  try {
+    const auto crcs = write_tensors(tmp, writes, [&](size_t i) {
+      if (rank == 0 && i == last_model_piece) maybe_die_in_save_for_test(share.state.step);
+    });
+    for (size_t k = 0; k < mine.size(); ++k) mine[k].crc = crcs[k];
+    // Rank 0's fsync of the whole file comes with finish(); another node's writes must reach the
+    // (shared) filesystem first.
+    if (rank != 0 && !writes.empty()) fsync_file(tmp);
+  } catch (const std::exception& e) {
+    char host[MPI_MAX_PROCESSOR_NAME] = {};
+    int len = 0;
+    MPI_Get_processor_name(host, &len);
+    failure = concat("rank ", rank, " (host ", std::string(host, static_cast<size_t>(len)), "): ", e.what());
+  }
+
+  // Rank 0 learns every rank's outcome and its pieces' checksums.
+  constexpr int kMessage = 1024;
+  std::vector<char> message(kMessage, '\0');
+  std::copy_n(failure.begin(), std::min<size_t>(failure.size(), kMessage - 1), message.begin());
+  std::vector<char> messages(rank == 0 ? static_cast<size_t>(size) * kMessage : 0);
+  MPI_CHECK(MPI_Gather(message.data(), kMessage, MPI_CHAR, messages.data(), kMessage, MPI_CHAR, 0, comm));
+  int count = failure.empty() ? static_cast<int>(mine.size() * 4) : 0;
+  std::vector<int> counts(rank == 0 ? size : 0), displs(rank == 0 ? size : 0);
+  MPI_CHECK(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm));
+  std::vector<PieceRecord> all;
+  if (rank == 0) {
+    int total = 0;
+    for (int r = 0; r < size; ++r) displs[r] = total, total += counts[r];
+    all.resize(static_cast<size_t>(total) / 4);
+  }
+  MPI_CHECK(MPI_Gatherv(mine.data(), count, MPI_UINT64_T, all.data(), counts.data(), displs.data(), MPI_UINT64_T, 0,
+                        comm));
+
+  std::string path = dir + "/" + checkpoint_name(share.state.step), verdict;
+  if (rank == 0) {
+    for (int r = 0; r < size && verdict.empty(); ++r)
+      if (messages[static_cast<size_t>(r) * kMessage] != '\0') verdict = &messages[static_cast<size_t>(r) * kMessage];
+    try {
+      if (!verdict.empty()) throw file->failed(verdict);
+      path = file->finish(combine_crcs(std::move(all), share.tensors), keep);
+    } catch (const UsageError& e) {
+      verdict = e.what();
+    } catch (const std::exception& e) {
+      verdict = file->failed(e.what()).what();
+    }
+  }
+  share_verdict(verdict, comm, rank);
+  return path;
+}
+
+std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
+                        const GradSync& shards, const TrainState& st, MPI_Comm comm) {
+  if (!writer.async())
+    return writer.save_with(st.step, [] {}, [&] {
+      CheckpointShare share;
+      share_checkpoint(share, model, opt, shards, st, /*copy=*/false);
+      return write_checkpoint_shares(writer.dir(), share, writer.keep(), comm);
+    });
+  return writer.save_with(
+      st.step, [&] { share_checkpoint(buffers, model, opt, shards, st, /*copy=*/true); },
+      [&writer, &buffers, comm] { return write_checkpoint_shares(writer.dir(), buffers, writer.keep(), comm); });
 }
 
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).

@@ -89,27 +89,24 @@ void verify_tensor(const TensorRead& r, const std::string& file, const torch::Te
 
 }  // namespace
 
-RawTensor allocate_tensor(hid_t loc, const std::string& name, const torch::Tensor& t) {
-  MPITRAIN_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
-                 "a snapshot tensor is host fp32 contiguous");
-  const std::vector<hsize_t> dims(t.sizes().begin(), t.sizes().end());
-  RawTensor r;
-  r.ds = h5::create_allocated(loc, name, H5T_NATIVE_FLOAT, dims);
-  r.data = static_cast<const uint8_t*>(t.data_ptr());
-  r.bytes = static_cast<uint64_t>(t.numel()) * sizeof(float);
-  if (r.bytes > 0) {
-    auto at = h5::raw_offset(r.ds.get(), H5T_NATIVE_FLOAT, r.bytes);
-    if (!at) throw Error(concat("HDF5: dataset ", name, " got no contiguous storage"));
-    r.offset = *at;
-  }
-  return r;
+std::pair<h5::Dataset, uint64_t> allocate_dataset(hid_t loc, const std::string& name,
+                                                 const std::vector<int64_t>& shape) {
+  const std::vector<hsize_t> dims(shape.begin(), shape.end());
+  h5::Dataset ds = h5::create_allocated(loc, name, H5T_NATIVE_FLOAT, dims);
+  uint64_t bytes = sizeof(float);
+  for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
+  if (bytes == 0) return {std::move(ds), 0};
+  auto at = h5::raw_offset(ds.get(), H5T_NATIVE_FLOAT, bytes);
+  if (!at) throw Error(concat("HDF5: dataset ", name, " got no contiguous storage"));
+  return {std::move(ds), *at};
 }
 
-std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawTensor>& tensors,
+std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<RawWrite>& writes,
                                     const std::function<void(size_t)>& between) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
   if (fd < 0) throw Error(concat(path, ": cannot open for writing: ", std::strerror(errno)));
   int direct_fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_DIRECT);  // -1: no direct I/O here
+  const bool direct = direct_fd >= 0;  // the copy thread's view (the writer may give up direct I/O)
 
   // What the copy thread hands over, in file order: a filled bounce buffer (buffer >= 0), bytes to
   // write from the tensor itself (buffer < 0), or the end of tensor `tensor`.
@@ -121,7 +118,7 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
   };
   constexpr int kBuffers = 3;
   std::vector<std::unique_ptr<uint8_t, decltype(&std::free)>> bounce;
-  if (direct_fd >= 0)
+  if (direct)
     for (int b = 0; b < kBuffers; ++b)
       bounce.emplace_back(static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, kBounceBytes)), &std::free);
   std::mutex mu;
@@ -130,7 +127,7 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
   std::vector<int> free_buffers;
   for (int b = 0; b < static_cast<int>(bounce.size()); ++b) free_buffers.push_back(b);
   bool stop = false;  // the writer failed: the copy thread ends
-  std::vector<uint32_t> crcs(tensors.size());
+  std::vector<uint32_t> crcs(writes.size());
 
   auto hand_over = [&](Piece p) {
     std::lock_guard<std::mutex> lock(mu);
@@ -138,12 +135,19 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
     cv.notify_all();
   };
   std::thread copier([&] {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const RawTensor& t = tensors[i];
+    for (size_t i = 0; i < writes.size(); ++i) {
+      const RawWrite& t = writes[i];
       uint32_t crc = h5::crc32(nullptr, 0);
-      const bool aligned = direct_fd >= 0 && t.offset % kDirectAlign == 0 && t.bytes >= kDirectAlign;
-      const uint64_t body = aligned ? t.bytes / kDirectAlign * kDirectAlign : 0;
-      for (uint64_t at = 0; at < body; at += kBounceBytes) {
+      // [0, head) up to the first block boundary and [head + body, bytes) through the page cache,
+      // the whole blocks between them directly.
+      const uint64_t head =
+          direct ? std::min(t.bytes, (kDirectAlign - t.offset % kDirectAlign) % kDirectAlign) : t.bytes;
+      const uint64_t body = (t.bytes - head) / kDirectAlign * kDirectAlign;
+      if (head > 0) {
+        crc = h5::crc32_update(crc, t.data, head);
+        hand_over({-1, t.data, head, t.offset});
+      }
+      for (uint64_t at = head; at < head + body; at += kBounceBytes) {
         int b;
         {
           std::unique_lock<std::mutex> lock(mu);
@@ -152,14 +156,14 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
           b = free_buffers.back();
           free_buffers.pop_back();
         }
-        const uint64_t n = std::min<uint64_t>(kBounceBytes, body - at);
+        const uint64_t n = std::min<uint64_t>(kBounceBytes, head + body - at);
         std::memcpy(bounce[b].get(), t.data + at, n);
         crc = h5::crc32_update(crc, bounce[b].get(), n);
         hand_over({b, nullptr, n, t.offset + at});
       }
-      if (body < t.bytes) {
-        crc = h5::crc32_update(crc, t.data + body, t.bytes - body);
-        hand_over({-1, t.data + body, t.bytes - body, t.offset + body});
+      if (const uint64_t done = head + body; done < t.bytes) {
+        crc = h5::crc32_update(crc, t.data + done, t.bytes - done);
+        hand_over({-1, t.data + done, t.bytes - done, t.offset + done});
       }
       crcs[i] = crc;
       hand_over({-1, nullptr, 0, 0, i});
@@ -168,7 +172,7 @@ std::vector<uint32_t> write_tensors(const std::string& path, const std::vector<R
 
   std::exception_ptr failed;
   try {
-    for (size_t done = 0; done < tensors.size();) {
+    for (size_t done = 0; done < writes.size();) {
       Piece p;
       {
         std::unique_lock<std::mutex> lock(mu);

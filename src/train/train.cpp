@@ -216,26 +216,56 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
   BatchPrefetcher prefetch(*train_data, mesh->dp_rank(), micro);
   const uint64_t micro_stride = static_cast<uint64_t>(layout.dp * micro);
-  // Rank 0 writes; with checkpoint.async the loop stalls only for the host snapshot.
+  // Who writes checkpoints: every rank its ZeRO-1 share when all see checkpoint.dir
+  // (checkpoint.writers: auto), else rank 0 the whole state. Async writes of shares need MPI
+  // collectives on the writer's thread.
+  int mpi_threads = MPI_THREAD_SINGLE;
+  MPI_CHECK(MPI_Query_thread(&mpi_threads));
+  const bool async_collectives = !cfg.checkpoint.async || mpi_threads >= MPI_THREAD_MULTIPLE;
+  const bool shares = zero && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
+  if (zero && topo.rank == 0)
+    log::info(shares ? concat("checkpoint: every rank writes its ZeRO-1 share (", layout.dp, " writers; checkpoint.dir '",
+                              cfg.checkpoint.dir, "' is seen by every rank)")
+                     : concat("checkpoint: rank 0 writes whole checkpoints (ZeRO-1 state gathered to it): ",
+                              cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
+                              : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
+                              : run.checkpoint_dir_blind_rank > 0
+                                  ? concat("rank ", run.checkpoint_dir_blind_rank, " (host ",
+                                           topo.hosts[topo.host_of_rank[run.checkpoint_dir_blind_rank]],
+                                           ") does not see checkpoint.dir '", cfg.checkpoint.dir,
+                                           "' (not a shared filesystem?)")
+                                  : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
+  result.checkpoint_writers = shares ? layout.dp : 1;
+  std::optional<CommDup> checkpoint_comm;  // the writer thread's collectives (shares)
+  if (shares) checkpoint_comm.emplace(mpi_comm);
+  CheckpointShare share_buffers;  // shares + async: this rank's host copies, reused by every save
+  // With checkpoint.async the loop stalls only for the host snapshot.
   AsyncCheckpointWriter checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.async);
-  // Async saves stall the loop only for copies into host buffers allocated here, once (ZeRO-1:
-  // also the whole moments rank 0 assembles, kept between saves); synchronous saves allocate
-  // nothing between them.
+  // Async saves stall the loop only for copies into host buffers allocated here, once (ZeRO-1
+  // through rank 0: also the whole moments rank 0 assembles, kept between saves); synchronous
+  // saves allocate nothing between them.
   FullOptimState gathered;
-  if (topo.rank == 0 && checkpoints.async()) {
+  if (checkpoints.async() && shares) {
+    share_checkpoint(share_buffers, model, opt, grad_sync, st, /*copy=*/true);
+  } else if (topo.rank == 0 && checkpoints.async()) {
     if (opt.sharded()) gathered = host_optim_state_like(model);
     checkpoints.prepare(model, opt.sharded() ? gathered : full_state_of(opt));
   }
   auto save = [&] {
     auto rng = gather_rng_states(mesh->world(), device);
-    // ZeRO-1: assembled on rank 0
-    FullOptimState optim_state = gather_optim_state(opt, shards, model, checkpoints.async() ? &gathered : nullptr);
     if (topo.rank == 0) {
       st.rng_states = std::move(rng);
       st.loss_scale = scaler.enabled() ? scaler.scale() : 0.0;
       st.loss_scale_good_steps = scaler.good_steps();
-      result.last_checkpoint = checkpoints.save(model, optim_state, st);
     }
+    if (shares) {
+      const std::string path = save_shares(checkpoints, share_buffers, model, opt, grad_sync, st, checkpoint_comm->get());
+      if (topo.rank == 0) result.last_checkpoint = path;
+      return;  // collective: nobody runs ahead of a synchronous save that may yet fail
+    }
+    // ZeRO-1: assembled on rank 0
+    FullOptimState optim_state = gather_optim_state(opt, shards, model, checkpoints.async() ? &gathered : nullptr);
+    if (topo.rank == 0) result.last_checkpoint = checkpoints.save(model, optim_state, st);
     if (!checkpoints.async()) mesh->world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
   };
 
@@ -350,7 +380,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   // The last asynchronous write completes (or its failure ends the job, exit 2) before any rank
   // finishes, also when stopping on a signal.
   if (checkpoints.async()) {
-    if (topo.rank == 0) checkpoints.wait();
+    checkpoints.wait();  // ranks without a write in flight return at once
     mesh->world().barrier();
   }
   result.final_step = st.step;
