@@ -17,6 +17,8 @@
 
 namespace mpitrain {
 
+class Communicator;
+
 struct GPTDims {
   int64_t n_layer = 0;
   int64_t n_head = 0;
@@ -26,6 +28,10 @@ struct GPTDims {
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
+  // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
+  // the group's communicator (not owned; set when tp > 1). n_head, 4 n_embd and vocab_size divide by tp.
+  int64_t tp = 1, tp_rank = 0;
+  Communicator* tp_comm = nullptr;
 };
 
 // The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
@@ -40,6 +46,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
 
  private:
+  Communicator* tp_;  // tensor parallel: c_attn column-, c_proj row-parallel (null: tp = 1)
   int64_t n_head_, n_embd_;
   double dropout_;
   torch::Tensor causal_mask_;  // cached [T, T] mask for the explicit path (not a parameter)
@@ -54,6 +61,9 @@ class MLPImpl : public torch::nn::Module {
   torch::Tensor forward_fused(const torch::Tensor& x);
 
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+
+ private:
+  Communicator* tp_;  // tensor parallel: c_fc column-, c_proj row-parallel (null: tp = 1)
 };
 TORCH_MODULE(MLP);
 
@@ -81,10 +91,12 @@ class GPTImpl : public torch::nn::Module {
  public:
   explicit GPTImpl(const GPTDims& d);
 
-  // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, vocab_size].
+  // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, vocab_size] (tensor parallel:
+  // this rank's vocabulary slice of them, [B, T, vocab_size / tp]).
   torch::Tensor forward(const torch::Tensor& idx);
   // Mean cross-entropy of next-token prediction; targets [B, T]. With dims.fused_loss the
-  // logits never exist in full (linear_cross_entropy).
+  // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
+  // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
   const GPTDims& dims() const { return dims_; }
@@ -97,6 +109,7 @@ class GPTImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
 
  private:
+  void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with add_layernorm
   GPTDims dims_;

@@ -2,6 +2,7 @@
 // libtorch >= 2.0 and an explicit masked softmax on older libtorch (Debian's 1.13).
 #include "mpitrain/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -9,6 +10,7 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 
@@ -32,15 +34,34 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
 
 // ---- attention ---------------------------------------------------------------------------------
 
+namespace {
+
+// Tensor parallel: the input of a column-parallel layer (its gradient summed over the tp group)
+// and the output of a row-parallel one (its partial sums summed, then the replicated bias added
+// once). Without tp, the layer as it is.
+torch::Tensor column_input(const torch::Tensor& x, Communicator* tp) { return tp ? tp_copy(x, *tp) : x; }
+torch::Tensor row_parallel(const torch::Tensor& x, torch::nn::Linear& layer, Communicator* tp) {
+  return tp ? tp_reduce(F::linear(x, layer->weight), *tp) + layer->bias : layer(x);
+}
+
+Communicator* tp_of(const GPTDims& d) {
+  MPITRAIN_CHECK(d.tp == 1 || d.tp_comm, "tensor parallel dims without a tp communicator");
+  return d.tp > 1 ? d.tp_comm : nullptr;
+}
+
+}  // namespace
+
+// Tensor parallel: c_attn holds this rank's n_head / tp heads of q, k and v (3 E / tp rows),
+// c_proj their E / tp input columns and the whole bias.
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d)
-    : n_head_(d.n_head), n_embd_(d.n_embd), dropout_(d.dropout) {
-  c_attn = register_module("c_attn", torch::nn::Linear(d.n_embd, 3 * d.n_embd));
-  c_proj = register_module("c_proj", torch::nn::Linear(d.n_embd, d.n_embd));
+    : tp_(tp_of(d)), n_head_(d.n_head / d.tp), n_embd_(d.n_embd / d.tp), dropout_(d.dropout) {
+  c_attn = register_module("c_attn", torch::nn::Linear(d.n_embd, 3 * n_embd_));
+  c_proj = register_module("c_proj", torch::nn::Linear(n_embd_, d.n_embd));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head_;
-  auto qkv = c_attn(x).split(n_embd_, /*dim=*/2);
+  const int64_t B = x.size(0), T = x.size(1), C = n_embd_, hd = C / n_head_;
+  auto qkv = c_attn(column_input(x, tp_)).split(n_embd_, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hd}).transpose(1, 2); };
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   const double p = is_training() ? dropout_ : 0.0;
@@ -59,25 +80,26 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   y = torch::matmul(att, v);
 #endif
   y = y.transpose(1, 2).contiguous().view({B, T, C});
-  y = c_proj(y);
+  y = row_parallel(y, c_proj, tp_);
   if (p > 0) y = F::dropout(y, F::DropoutFuncOptions().p(p).training(true));
   return y;
 }
 
 // ---- MLP and block -----------------------------------------------------------------------------
 
-MLPImpl::MLPImpl(const GPTDims& d) {
-  c_fc = register_module("c_fc", torch::nn::Linear(d.n_embd, 4 * d.n_embd));
-  c_proj = register_module("c_proj", torch::nn::Linear(4 * d.n_embd, d.n_embd));
+// Tensor parallel: c_fc holds 4 E / tp of the hidden units, c_proj their input columns.
+MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
+  c_fc = register_module("c_fc", torch::nn::Linear(d.n_embd, 4 * d.n_embd / d.tp));
+  c_proj = register_module("c_proj", torch::nn::Linear(4 * d.n_embd / d.tp, d.n_embd));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return c_proj(F::gelu(c_fc(x), F::GELUFuncOptions().approximate("tanh")));
+  return row_parallel(F::gelu(c_fc(column_input(x, tp_)), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
-  return c_proj(bias_gelu(F::linear(x, c_fc->weight), c_fc->bias));
+  return row_parallel(bias_gelu(F::linear(column_input(x, tp_), c_fc->weight), c_fc->bias), c_proj, tp_);
 }
 
 BlockImpl::BlockImpl(const GPTDims& d) : dropout_(d.dropout) {
@@ -108,11 +130,24 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
 // ---- GPT ---------------------------------------------------------------------------------------
 
 GPTImpl::GPTImpl(const GPTDims& d) : dims_(d) {
-  wte = register_module("wte", torch::nn::Embedding(d.vocab_size, d.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
-  h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d));
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
+  MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && (4 * d.n_embd) % d.tp == 0 && d.vocab_size % d.tp == 0,
+                 "tensor parallel: n_head, 4 n_embd and vocab_size must divide by tp");
+  if (d.tp > 1) {
+    // The dense model's initial values from the same generator state, then this rank's shards.
+    GPTDims whole = d;
+    whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
+    GPT dense(whole);
+    build_modules(d);
+    torch::NoGradGuard no_grad;
+    auto mine = named_params();
+    for (const auto& [name, p] : dense->named_params()) {
+      auto it = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == name; });
+      MPITRAIN_CHECK(it != mine.end(), "tensor parallel: a parameter of the dense model is missing");
+      it->second.copy_(tp_shard(p, tp_split(name), d.tp_rank, d.tp));
+    }
+    return;
+  }
+  build_modules(d);
 
   // GPT-2 initialisation. The residual projections (attn.c_proj, mlp.c_proj) add into the
   // residual stream once per layer each, so their std shrinks with depth to keep it bounded.
@@ -132,11 +167,22 @@ GPTImpl::GPTImpl(const GPTDims& d) : dims_(d) {
   }
 }
 
+// Tensor parallel: wte holds this rank's vocab_size / tp rows.
+void GPTImpl::build_modules(const GPTDims& d) {
+  wte = register_module("wte", torch::nn::Embedding(d.vocab_size / d.tp, d.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
+}
+
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
   auto pos = torch::arange(T, torch::dtype(torch::kLong).device(idx.device()));
-  torch::Tensor x = wte(idx) + wpe(pos);
+  torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
+                                 : wte(idx);
+  x = x + wpe(pos);
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
@@ -155,10 +201,16 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  return F::linear(hidden(idx), wte->weight);  // output layer tied to the token embedding
+  // Output layer tied to the token embedding (tensor parallel: this rank's vocabulary columns).
+  return F::linear(column_input(hidden(idx), tp_of(dims_)), wte->weight);
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  if (Communicator* tp = tp_of(dims_)) {
+    auto logits = forward(idx);
+    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}),
+                                        dims_.tp_rank * wte->weight.size(0), *tp);
+  }
   if (dims_.fused_loss) {
     auto x = hidden(idx);
     return linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}).to(torch::kLong));

@@ -1,0 +1,61 @@
+// Megatron-style tensor parallelism for the GPT of model.h (parallel.tp: N; Shoeybi et al. 2019).
+//
+// Inside a block, attention's QKV projection is column-parallel (each tp rank computes whole
+// heads: n_head / tp of them) and its output projection row-parallel; the MLP's first projection
+// is column-parallel and its second row-parallel. A column-parallel layer's input passes through
+// tp_copy (identity forward, all-reduce of the gradient backward: Megatron's f), a row-parallel
+// layer's output through tp_reduce (all-reduce forward, identity backward: g), after which the
+// replicated bias is added once. So each attention and each MLP costs one all-reduce forward and
+// one backward over the tp group. LayerNorms, the position embedding and the row-parallel biases
+// are replicated: every tp rank computes the same gradient for them from the same inputs.
+//
+// The token embedding, tied to the output layer, is vocabulary-parallel: tp rank r holds rows
+// [r V/tp, (r+1) V/tp). A lookup takes the rows this rank holds (zeros elsewhere) and all-reduces;
+// the classifier computes this rank's slice of the logits only, and the cross-entropy combines
+// the slices with a max and two sum all-reduces (vocab_parallel_cross_entropy), so the full
+// logits never exist on one rank.
+//
+// Every parameter keeps its name; its shape is the tp rank's shard (tp_shard says which part of
+// the whole parameter that is). With tp = 1 the model is exactly model.h's.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mpitrain/comm.h"
+
+namespace mpitrain {
+
+// Megatron's f: x forward; the gradient all-reduced (summed) over `tp` backward.
+torch::Tensor tp_copy(const torch::Tensor& x, Communicator& tp);
+// Megatron's g: x all-reduced (summed) over `tp` forward; the gradient unchanged backward.
+torch::Tensor tp_reduce(const torch::Tensor& x, Communicator& tp);
+
+// Rows idx of the whole [V, C] embedding whose rows [vocab_start, vocab_start + local.size(0))
+// are `local` on this rank: each rank looks up the ids it holds, zeros for the others, and the
+// sum over `tp` is the lookup (tp_reduce).
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Tensor& local, int64_t vocab_start,
+                                       Communicator& tp);
+
+// mean over rows of cross_entropy(logits, targets) where this rank holds the columns
+// [vocab_start, vocab_start + local_logits.size(1)) of the [N, V] logits: the row maxima and the
+// sums of exponentials are all-reduced (max, sum), and so is the target's logit (held by one rank).
+// Differentiable: this rank's logits get (softmax - onehot) / N for its columns.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, Communicator& tp);
+
+// Which part of a whole GPT parameter a tp rank holds.
+enum class TpSplit {
+  replicated,  // the whole tensor (LayerNorms, wpe, row-parallel biases)
+  rows,        // dim 0 in tp equal blocks (column-parallel weights and biases, the vocabulary of wte)
+  qkv_rows,    // dim 0 as [q; k; v], each in tp equal blocks of whole heads (attention's c_attn)
+  cols,        // dim 1 in tp equal blocks (row-parallel weights)
+};
+TpSplit tp_split(const std::string& name);
+
+// Rank `rank`'s shard of the whole parameter `whole` (a view where it can be: rows, replicated).
+torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size);
+
+}  // namespace mpitrain

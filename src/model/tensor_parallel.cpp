@@ -1,0 +1,116 @@
+// Tensor-parallel building blocks (see tensor_parallel.h).
+#include "mpitrain/tensor_parallel.h"
+
+#include <cstdint>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+
+namespace F = torch::nn::functional;
+
+namespace {
+
+// The communicator rides through autograd's saved data as an integer.
+int64_t handle(Communicator& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
+Communicator& from_handle(const c10::IValue& v) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(v.toInt())); }
+
+torch::Tensor summed(const torch::Tensor& t, Communicator& comm) {
+  torch::Tensor out = t.clone(at::MemoryFormat::Contiguous);
+  comm.all_reduce(out, ReduceOp::sum);
+  return out;
+}
+
+class TpCopy : public torch::autograd::Function<TpCopy> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
+    ctx->saved_data["comm"] = comm;
+    return x;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    return {summed(g[0], from_handle(ctx->saved_data["comm"])), torch::Tensor()};
+  }
+};
+
+class TpReduce : public torch::autograd::Function<TpReduce> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, int64_t comm) {
+    return summed(x, *reinterpret_cast<Communicator*>(static_cast<intptr_t>(comm)));
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list g) {
+    return {g[0], torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor tp_copy(const torch::Tensor& x, Communicator& tp) {
+  if (tp.size() == 1) return x;
+  return TpCopy::apply(x, handle(tp));
+}
+
+torch::Tensor tp_reduce(const torch::Tensor& x, Communicator& tp) {
+  if (tp.size() == 1) return x;
+  return TpReduce::apply(x, handle(tp));
+}
+
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Tensor& local, int64_t vocab_start,
+                                       Communicator& tp) {
+  if (tp.size() == 1) return F::embedding(idx, local);
+  const torch::Tensor mine = (idx >= vocab_start) & (idx < vocab_start + local.size(0));
+  const torch::Tensor rows = (idx - vocab_start).masked_fill(mine.logical_not(), 0);
+  return tp_reduce(F::embedding(rows, local) * mine.unsqueeze(-1).to(local.scalar_type()), tp);
+}
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, Communicator& tp) {
+  const torch::Tensor logits = local_logits.to(torch::kFloat32);
+  const torch::Tensor t = targets.to(torch::kLong);
+  // The row maxima over the whole vocabulary keep the exponentials in range; a constant per row,
+  // so no gradient flows through them.
+  torch::Tensor row_max = std::get<0>(logits.detach().max(1));
+  tp.all_reduce(row_max, ReduceOp::max);
+  const torch::Tensor shifted = logits - row_max.unsqueeze(1);
+  const torch::Tensor sum_exp = tp_reduce(shifted.exp().sum(1), tp);
+  const torch::Tensor mine = (t >= vocab_start) & (t < vocab_start + logits.size(1));
+  const torch::Tensor cols = (t - vocab_start).masked_fill(mine.logical_not(), 0);
+  const torch::Tensor target_logit =
+      tp_reduce(shifted.gather(1, cols.unsqueeze(1)).squeeze(1) * mine.to(torch::kFloat32), tp);
+  return (sum_exp.log() - target_logit).mean();
+}
+
+TpSplit tp_split(const std::string& name) {
+  auto ends_with = [&](const char* suffix) {
+    const std::string s(suffix);
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (name == "wte.weight") return TpSplit::rows;
+  if (ends_with(".attn.c_attn.weight") || ends_with(".attn.c_attn.bias")) return TpSplit::qkv_rows;
+  if (ends_with(".mlp.c_fc.weight") || ends_with(".mlp.c_fc.bias")) return TpSplit::rows;
+  if (ends_with(".attn.c_proj.weight") || ends_with(".mlp.c_proj.weight")) return TpSplit::cols;
+  return TpSplit::replicated;  // wpe, LayerNorms, the row-parallel layers' biases
+}
+
+torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size) {
+  MPITRAIN_CHECK(rank >= 0 && rank < size, "tp_shard: rank outside the group");
+  switch (split) {
+    case TpSplit::replicated:
+      return whole;
+    case TpSplit::rows: {
+      const int64_t n = whole.size(0) / size;
+      return whole.narrow(0, rank * n, n);
+    }
+    case TpSplit::cols: {
+      const int64_t n = whole.size(1) / size;
+      return whole.narrow(1, rank * n, n);
+    }
+    case TpSplit::qkv_rows: {
+      const int64_t e = whole.size(0) / 3, n = e / size;
+      return torch::cat({whole.narrow(0, rank * n, n), whole.narrow(0, e + rank * n, n),
+                         whole.narrow(0, 2 * e + rank * n, n)});
+    }
+  }
+  return whole;
+}
+
+}  // namespace mpitrain
