@@ -91,7 +91,7 @@ check "resume with the same layout says nothing about the global batch" "! grep 
 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=$((stopped + 5)) \
   --set eval.every=0 --set 'data.val=[]' > usr1c.out 2>&1
 check "resume on 1 rank of a 2-rank checkpoint logs the global batch change" \
-  "grep -q 'global batch on resume: the checkpoint.s run used [0-9]* sequences per step ([0-9]* micro x 2 ranks' usr1c.out && grep -q 'data order continues at sample' usr1c.out"
+  "grep -q 'global batch on resume: the checkpoint.s run used [0-9]* sequences per step ([0-9]* micro x 2 data-parallel ranks' usr1c.out && grep -q 'data order continues at sample' usr1c.out"
 
 # ---- resume on another world size and layout: 4 ranks (ZeRO-1) -> 2 ranks (plain) -> 3 ranks
 # (ZeRO-1), global batch 12 throughout. The chain's loss at step 9 continues the curve of a
@@ -182,8 +182,25 @@ expect_usage "model.init_from: missing and extra .npy files" \
 # The layout (parallel.tp) and ZeRO (optim.zero) keys.
 expect_usage "parallel.tp that does not divide the world" "cfg.yaml: parallel.tp: 2 does not divide the world size 3" \
   "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.tp=2
-expect_usage "parallel.tp > 1 is refused until tensor parallelism exists" "does not train tensor-parallel models yet" \
+expect_usage "parallel.tp: a vocabulary the tp ranks cannot split (the data's 257 bytes + end-of-text)" \
+  "cfg.yaml: model.vocab_size: 257 (the data's) must be a multiple of parallel.tp (2): the vocabulary is split over the tp ranks; set model.vocab_size to a padded size such as 258" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2
+expect_usage "parallel.tp: heads the tp ranks cannot split" \
+  "cfg.yaml: parallel.tp: 2 must divide model.n_head (1): each tp rank computes whole attention heads" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.n_head=1 --set model.vocab_size=258
+# A tensor-parallel run (tp 2 x dp 1) writes a whole-shape checkpoint that a tp 1 run resumes.
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp \
+  --set train.out_dir=run-tp --set checkpoint.resume=none > tp.out 2>&1
+rc=$?
+check "tensor parallel: tp 2 trains (exit $rc), the mesh says dp 1 x tp 2" \
+  "[ $rc -eq 0 ] && grep -q 'mesh: 2 ranks = dp 1 x tp 2' tp.out && grep -q 'step *6/6' tp.out"
+check "tensor parallel: its checkpoint holds whole tensors (mpitrain sample loads it)" \
+  "'$BIN' sample ckpt-tp/ckpt-00000006.h5 --tokens 3 > /dev/null 2>&1"
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp --set train.out_dir=run-tp1 \
+  --set train.steps=8 > tp1.out 2>&1
+rc=$?
+check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out"
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off) or 1" "$BIN" cfg.yaml --set optim.zero=2
 # Command-line errors: printed once under mpirun -np 2, exit 2, every numeric option range-checked.
 expect_usage "unknown flag, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --bogus

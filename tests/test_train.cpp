@@ -564,6 +564,103 @@ TEST(Train, ZeroOneRanksWriteTheirSharesOfOneCheckpoint) {
   }
 }
 
+// Tensor parallelism (parallel.tp) computes the same model with the same global batch: TP 2 x DP
+// (np/2), TP np x DP 1, TP 2 with ZeRO-1 over its dp group, and TP 2 with gradient accumulation
+// train, for 20 steps, to the losses and (gathered) parameters of plain data parallelism on the
+// same ranks, allclose(1e-5): the tp model sums each matmul's products in tp partial sums and
+// all-reduces them, a regrouping of fp32 additions (a few ulps per step, test_tensor_parallel),
+// which AdamW's updates carry into the parameters; a wrong shard, a missing all-reduce or a
+// replicated gradient counted tp times moves them by 1e-3 and more within a step.
+constexpr double kTpTolerance = 1e-5;
+
+Config tp_config(const std::string& run, int64_t tp, int64_t micro, int64_t accum = 1) {
+  Config c = small_config(run, micro, 20);
+  c.model.n_head = 4;  // whole heads for tp 4
+  c.parallel.tp = tp;
+  c.train.grad_accum = accum;
+  c.optim.grad_clip = 0.5;  // the global norm over shards, replicated parameters counted once
+  return c;
+}
+
+void expect_same_run(const TrainResult& got, const TrainResult& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  double worst_loss = 0, worst_param = 0;
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    worst_loss = std::max(worst_loss, std::abs(got.losses[i].second - want.losses[i].second));
+    EXPECT_NEAR(got.losses[i].second, want.losses[i].second, kTpTolerance) << what << ", step " << want.losses[i].first;
+  }
+  ASSERT_EQ(got.params.size(), want.params.size()) << what;
+  for (size_t i = 0; i < want.params.size(); ++i) {
+    const auto &a = got.params[i].second, &b = want.params[i].second;
+    ASSERT_EQ(a.size(), b.size()) << what << ": " << want.params[i].first;
+    for (size_t k = 0; k < a.size(); ++k) {
+      const double d = std::abs(double(a[k]) - b[k]);
+      worst_param = std::max(worst_param, d);
+      if (d > kTpTolerance * (1 + std::abs(b[k]))) {
+        ADD_FAILURE() << what << ": " << want.params[i].first << "[" << k << "]: " << a[k] << " vs " << b[k];
+        break;
+      }
+    }
+  }
+  if (world_rank() == 0)
+    std::printf("[ info ] %s vs data parallel on %d ranks: largest loss difference %.3g, parameter %.3g\n",
+                what.c_str(), world_size(), worst_loss, worst_param);
+}
+
+TEST(Train, TensorParallelEqualsDataParallel) {
+  const int n = world_size();
+  TrainHooks keep;
+  keep.keep_params = true;
+  // Global batch 4 n sequences throughout: micro 4 per data-parallel rank.
+  TrainResult dp = train(tp_config("tp-ref", 1, 4), MPI_COMM_WORLD, keep);
+  expect_same_run(train(tp_config("tp2", 2, 4 * 2), MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2));
+  if (world_rank() == 0) {  // the logged global norm is the whole model's, and the clip acted on some steps
+    const auto want = logged_grad_norms(shared_data_dir() + "/tp-ref-out");
+    const auto got = logged_grad_norms(shared_data_dir() + "/tp2-out");
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kTpTolerance * (1 + want[i])) << "step " << i + 1;
+    EXPECT_TRUE(std::any_of(want.begin(), want.end(), [](double g) { return g > 0.5; }));
+  }
+  if (n > 2) {
+    expect_same_run(train(tp_config("tpn", n, 4 * n), MPI_COMM_WORLD, keep), dp, concat("tp ", n, " x dp 1"));
+    Config zero = tp_config("tp2-zero", 2, 4 * 2);
+    zero.optim.zero = 1;
+    expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-1"));
+  }
+  expect_same_run(train(tp_config("tp2-accum", 2, 4, 2), MPI_COMM_WORLD, keep), dp,
+                  concat("tp 2 x dp ", n / 2, " with grad_accum 2"));
+}
+
+// A checkpoint holds whole tensors whatever the tp degree: a run saved at tp 2 resumes at tp 1,
+// and that one's checkpoint at tp = world size, continuing the losses of an uninterrupted run.
+TEST(Train, ResumeAcrossTensorParallelDegrees) {
+  const int n = world_size();
+  auto cfg_for = [](const std::string& run, int64_t tp) {
+    Config c = tp_config(run, tp, 4 * tp);
+    c.checkpoint.dir = shared_data_dir() + "/tp-resume-ckpt";
+    return c;
+  };
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult straight = train(tp_config("tp-straight", 1, 4), MPI_COMM_WORLD, keep);
+  std::vector<std::pair<int64_t, double>> losses;
+  int64_t at = 0;
+  for (auto [tp, stop] : std::vector<std::pair<int64_t, int64_t>>{{2, 7}, {1, 14}, {n, 20}}) {
+    TrainHooks hooks = keep;
+    hooks.stop_after = stop;
+    TrainResult part = train(cfg_for(concat("tp-resume-", tp), tp), MPI_COMM_WORLD, hooks);
+    EXPECT_EQ(part.final_step, stop);
+    EXPECT_EQ(part.losses.front().first, at + 1) << "tp " << tp << " resumed where the last run stopped";
+    losses.insert(losses.end(), part.losses.begin(), part.losses.end());
+    at = stop;
+    if (stop == 20) {
+      TrainResult joined = part;
+      joined.losses = losses;
+      expect_same_run(joined, straight, concat("tp 2 -> 1 -> ", n, ", resumed twice,"));
+    }
+  }
+}
+
 TEST(Train, Cleanup) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());

@@ -82,6 +82,11 @@ torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double m
 // The same for a sharded AdamW (ZeRO-1): each rank holds a disjoint part of the averaged
 // gradients (AdamW::grad), so the squared norms are summed over `group` (the dp group) first.
 torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator& group);
+// Tensor parallel (tensor_parallel.h): the norm of the whole model's gradients when the ranks of
+// `tp` hold shards of the parameters: AdamW's slots' squared norms, summed over `dp` first when the
+// optimizer is sharded (ZeRO-1), then over `tp`, with the parameters every tp rank holds whole
+// (TpSplit::replicated) counted once, on tp rank 0.
+torch::Tensor clip_tp_grad_norm_(AdamW& opt, double max_norm, Communicator& tp, Communicator& dp);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -65,6 +65,6 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock = false);
 // A resumed run may use another global batch (another world size, micro-batch or accumulation):
 // allowed, and said, with what it changes. The checkpoint's own run is known from the resolved
 // config it stores (rank 0 reads the checkpoint; older checkpoints without one say nothing).
-void log_batch_change(const TrainState& st, const Config& cfg, int world);
+void log_batch_change(const TrainState& st, const Config& cfg, int dp);
 
 }  // namespace mpitrain

@@ -33,6 +33,12 @@ namespace mpitrain {
 // of an earlier gather to fill again instead of allocating (the training loop keeps them between
 // saves, so that no save pays for fresh memory); filled on first use.
 FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model, FullOptimState* reuse = nullptr);
+// Tensor parallel: the whole model's parameters and AdamW moments, assembled from the tp ranks'
+// shards (tp_unshard over `tp`, after gather_optim_state over the dp group when sharded) by the
+// ranks of rank 0's tp group; rank 0 copies them into `whole` (a dense model of the same
+// dimensions, host) and `whole_state` (host_optim_state_like(whole)). Every rank calls it.
+void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicator& tp, bool first_tp_group,
+                     GPT* whole, FullOptimState* whole_state);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 

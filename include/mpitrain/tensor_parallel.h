@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "mpitrain/comm.h"
 
@@ -57,5 +58,12 @@ TpSplit tp_split(const std::string& name);
 
 // Rank `rank`'s shard of the whole parameter `whole` (a view where it can be: rows, replicated).
 torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size);
+
+// The shape of the whole parameter whose shards have shape `shard`.
+std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64_t size);
+
+// The whole parameter from every tp rank's `shard` (all ranks of `tp` call it): an all-gather,
+// then the shards put back in their places.
+torch::Tensor tp_unshard(const torch::Tensor& shard, TpSplit split, Communicator& tp);
 
 }  // namespace mpitrain

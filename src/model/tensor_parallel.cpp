@@ -113,4 +113,38 @@ torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, 
   return whole;
 }
 
+std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64_t size) {
+  std::vector<int64_t> whole = shard.vec();
+  if (split == TpSplit::rows || split == TpSplit::qkv_rows) whole[0] *= size;
+  if (split == TpSplit::cols) whole[1] *= size;
+  return whole;
+}
+
+torch::Tensor tp_unshard(const torch::Tensor& shard, TpSplit split, Communicator& tp) {
+  const int64_t n = tp.size();
+  if (split == TpSplit::replicated || n == 1) return shard;
+  const torch::Tensor in = shard.contiguous();
+  torch::Tensor all = torch::empty({n * in.numel()}, in.options());
+  tp.all_gather(in, all);
+  const auto s = in.sizes();
+  switch (split) {
+    case TpSplit::rows: {  // rank r's rows follow rank r-1's
+      std::vector<int64_t> shape = s.vec();
+      shape[0] *= n;
+      return all.view(shape);
+    }
+    case TpSplit::cols:  // [n, rows, c] -> [rows, n c]
+      return all.view({n, s[0], s[1]}).permute({1, 0, 2}).reshape({s[0], n * s[1]});
+    case TpSplit::qkv_rows: {  // each rank's [q_r; k_r; v_r] -> [q_0..q_n; k_0..; v_0..]
+      const int64_t rows = s[0] / 3;
+      const int64_t inner = in.dim() == 2 ? s[1] : 1;
+      torch::Tensor t = all.view({n, 3, rows, inner}).permute({1, 0, 2, 3}).reshape({3 * n * rows, inner});
+      return in.dim() == 2 ? t : t.view({3 * n * rows});
+    }
+    case TpSplit::replicated:
+      break;
+  }
+  return shard;
+}
+
 }  // namespace mpitrain

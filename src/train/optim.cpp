@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "mpitrain/error.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 
@@ -177,6 +178,22 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
     squared += squared_norm64(grads.back());
   }
   group.all_reduce(squared, ReduceOp::sum);
+  return clip_by(grads, squared, max_norm);
+}
+
+torch::Tensor clip_tp_grad_norm_(AdamW& opt, double max_norm, Communicator& tp, Communicator& dp) {
+  torch::NoGradGuard no_grad;
+  const torch::TensorOptions on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).options();
+  torch::Tensor squared = torch::zeros({1}, on.dtype(torch::kFloat64));
+  std::vector<torch::Tensor> grads;
+  for (size_t i = 0; i < opt.size(); ++i) {
+    torch::Tensor g = opt.grad(i);
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    if (tp.rank() == 0 || tp_split(opt.name(i)) != TpSplit::replicated) squared += squared_norm64(g);
+  }
+  if (opt.sharded()) dp.all_reduce(squared, ReduceOp::sum);
+  tp.all_reduce(squared, ReduceOp::sum);
   return clip_by(grads, squared, max_norm);
 }
 

@@ -86,6 +86,21 @@ int first_rank_not_seeing_lock(const std::string& dir, const DirLock* lock, MPI_
   return first == INT_MAX ? -1 : first;
 }
 
+// Tensor parallel splits whole heads, the MLP's hidden units and the vocabulary over the tp ranks.
+void check_tensor_parallel_dims(const GPTDims& d, const Config& cfg, int tp) {
+  auto must_divide = [&](const char* key, int64_t value, const std::string& what) {
+    if (value % tp != 0)
+      throw UsageError(concat("parallel.tp: ", tp, " must divide ", key, " (", value, "): ", what));
+  };
+  must_divide("model.n_head", d.n_head, "each tp rank computes whole attention heads");
+  must_divide("4 x model.n_embd", 4 * d.n_embd, "the MLP's hidden units are split over the tp ranks");
+  if (d.vocab_size % tp != 0)
+    throw UsageError(concat("model.vocab_size: ", d.vocab_size, cfg.model.vocab_size > 0 ? "" : " (the data's)",
+                            " must be a multiple of parallel.tp (", tp, "): the vocabulary is split over the tp "
+                            "ranks; set model.vocab_size to a padded size such as ",
+                            (d.vocab_size + tp - 1) / tp * tp));
+}
+
 }  // namespace
 
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
@@ -100,9 +115,6 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   MeshLayout& layout = run.layout;
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     layout = plan_layout(topo, cfg.parallel.tp);
-    if (layout.tp > 1)
-      throw UsageError(concat("parallel.tp: ", layout.tp, ": this version builds the mesh (", layout.describe(topo),
-                              ") but does not train tensor-parallel models yet; use parallel.tp: 1"));
   }); });
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
   log::set_level(log::parse_level(cfg.log.level));
@@ -145,6 +157,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
                              train_data->vocab_size()));
     }
     dims = model_dims(cfg.model, train_data->vocab_size());
+    if (layout.tp > 1) check_tensor_parallel_dims(dims, cfg, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
     // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
@@ -156,6 +169,15 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
                                                                                        : "on (ATen reference)")
                                           : "off"));
     mesh = std::make_unique<Mesh>(mpi_comm, layout, cfg.comm.backend, device);
+    if (layout.tp > 1) {
+      dims.tp = layout.tp;
+      dims.tp_rank = mesh->tp_rank();
+      dims.tp_comm = &mesh->tp();
+      if (dims.fused_loss && topo.rank == 0)
+        log::info("tensor parallel: the classifier's loss is vocabulary-parallel (each rank its slice of the logits); "
+                  "model.fused_loss does not apply");
+      dims.fused_loss = false;
+    }
   }); });
 
   // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the
@@ -185,7 +207,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
 // A resumed run may use another global batch (another world size, micro-batch or accumulation):
 // allowed, and said, with what it changes. The checkpoint's own run is known from the resolved
 // config it stores (rank 0 reads the checkpoint; older checkpoints without one say nothing).
-void log_batch_change(const TrainState& st, const Config& cfg, int world) {
+void log_batch_change(const TrainState& st, const Config& cfg, int dp) {
   if (st.config_yaml.empty()) return;
   Config before;
   try {
@@ -195,11 +217,11 @@ void log_batch_change(const TrainState& st, const Config& cfg, int world) {
   }
   const TrainConfig &a = before.train, &b = cfg.train;
   if (a.global_batch == b.global_batch && a.micro_batch == b.micro_batch && a.grad_accum == b.grad_accum &&
-      st.world_size == world)
+      st.dp == dp)
     return;
   log::warn(concat("global batch on resume: the checkpoint's run used ", a.global_batch, " sequences per step (",
-                   a.micro_batch, " micro x ", st.world_size, " ranks x ", a.grad_accum, " accum), this run uses ",
-                   b.global_batch, " (", b.micro_batch, " micro x ", world, " ranks x ", b.grad_accum, " accum)",
+                   a.micro_batch, " micro x ", st.dp, " data-parallel ranks x ", a.grad_accum, " accum), this run uses ",
+                   b.global_batch, " (", b.micro_batch, " micro x ", dp, " data-parallel ranks x ", b.grad_accum, " accum)",
                    a.global_batch == b.global_batch
                        ? ": the same samples per step, so the data order and the schedule continue as before"
                        : concat(": the data order continues at sample ", st.data_cursor,

@@ -12,6 +12,7 @@
 #include "mpitrain/log.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/tensor_io.h"
+#include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -72,6 +73,44 @@ void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync&
         }
       comm.broadcast(bucket, 0);
       (which == 0 ? mine_m : mine_v).copy_(bucket.narrow(0, comm.rank() * len, len));
+    }
+  }
+}
+
+// Tensor parallel resume: rank 0's whole parameters (`whole`) and moments (`full`, in the
+// parameters' order) go to every rank, one tensor at a time over `comm` (the world), and each
+// rank keeps its tp shard of them: its parameters, and its AdamW state (sharded: its owned slices
+// of the shard).
+void keep_tp_shards(GPT* whole, const FullOptimState& full, GPT& model, AdamW& opt, const GradSync* shards,
+                    Communicator& comm) {
+  const GPTDims& d = model->dims();
+  const auto params = model->named_params();
+  const bool root = comm.rank() == 0;
+  const auto whole_params = root ? (*whole)->named_params() : decltype(params){};
+  // Slot i of an unsharded AdamW is parameter i; a sharded one's slots are owned slices.
+  std::vector<std::vector<size_t>> slots(params.size());
+  for (size_t i = 0; i < opt.size(); ++i) slots[shards ? shards->owned_slices()[i].param : i].push_back(i);
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& [name, p] = params[k];
+    const TpSplit split = tp_split(name);
+    auto shard_of = [&](const torch::Tensor& src) {
+      torch::Tensor t = root ? src.to(torch::kCPU, torch::kFloat32).contiguous()
+                             : torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
+      comm.broadcast(t, 0);
+      return tp_shard(t, split, d.tp_rank, d.tp).contiguous();
+    };
+    p.copy_(shard_of(root ? whole_params[k].second : torch::Tensor()));
+    const torch::Tensor m = shard_of(root ? full.moments[k].exp_avg : torch::Tensor());
+    const torch::Tensor v = shard_of(root ? full.moments[k].exp_avg_sq : torch::Tensor());
+    for (size_t i : slots[k]) {
+      if (shards) {
+        const GradSync::Slice& s = shards->owned_slices()[i];
+        opt.exp_avg(i).copy_(m.view({-1}).narrow(0, s.begin, s.length));
+        opt.exp_avg_sq(i).copy_(v.view({-1}).narrow(0, s.begin, s.length));
+      } else {
+        opt.exp_avg(i).copy_(m);
+        opt.exp_avg_sq(i).copy_(v);
+      }
     }
   }
 }
@@ -311,6 +350,27 @@ std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers,
       [&writer, &buffers, comm] { return write_checkpoint_shares(writer.dir(), buffers, writer.keep(), comm); });
 }
 
+void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicator& tp, bool first_tp_group,
+                     GPT* whole, FullOptimState* whole_state) {
+  torch::NoGradGuard no_grad;
+  FullOptimState local = gather_optim_state(opt, shards, model);  // this tp rank's shards, whole over dp
+  whole_state->steps_taken = opt.steps_taken();
+  if (!first_tp_group) return;
+  const bool root = whole != nullptr;
+  const auto params = model->named_params();
+  const auto into = root ? (*whole)->named_params() : decltype(params){};
+  for (size_t k = 0; k < params.size(); ++k) {
+    const TpSplit split = tp_split(params[k].first);
+    torch::Tensor p = tp_unshard(params[k].second.detach(), split, tp);
+    torch::Tensor m = tp_unshard(local.moments[k].exp_avg.to(p.device()), split, tp);
+    torch::Tensor v = tp_unshard(local.moments[k].exp_avg_sq.to(p.device()), split, tp);
+    if (!root) continue;
+    into[k].second.detach().copy_(p);
+    whole_state->moments[k].exp_avg.copy_(m);
+    whole_state->moments[k].exp_avg_sq.copy_(v);
+  }
+}
+
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
 std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const torch::Device& device) {
   auto mine = rng_state(device);
@@ -329,14 +389,26 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
                  TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device) {
   std::string path;
   // Rank 0 loads AdamW's state into the optimizer itself, or (sharded) into whole-parameter host
-  // tensors that are handed out below.
+  // tensors that are handed out below. Tensor parallel: the whole model and state into host
+  // memory (a dense model), every rank then keeps its shards.
+  const GPTDims& model_dims = model->dims();
+  const bool tensor_parallel = model_dims.tp > 1;
+  std::optional<GPT> whole;
   FullOptimState full;
-  if (comm.rank() == 0) full = opt.sharded() ? host_optim_state_like(model) : full_state_of(opt);
+  if (comm.rank() == 0) {
+    if (tensor_parallel) {
+      GPTDims d = model_dims;
+      d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
+      whole.emplace(d);
+    }
+    GPT& into = whole ? *whole : model;
+    full = opt.sharded() || tensor_parallel ? host_optim_state_like(into) : full_state_of(opt);
+  }
   agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
     for (size_t i = 0; i < candidates.size(); ++i) {
       try {
-        load_checkpoint(candidates[i], model, &full, st);
+        load_checkpoint(candidates[i], whole ? *whole : model, &full, st);
         path = candidates[i];
         return;
       } catch (const ArchitectureMismatch&) {
@@ -349,13 +421,17 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
     }
   });
   torch::NoGradGuard no_grad;
-  for (auto& [name, p] : model->named_params()) comm.broadcast(p, 0);
-  if (opt.sharded()) {
-    scatter_optim_state(full, opt, *shards);
+  if (tensor_parallel) {
+    keep_tp_shards(whole ? &*whole : nullptr, full, model, opt, shards, comm);
   } else {
-    for (size_t i = 0; i < opt.size(); ++i) {
-      comm.broadcast(opt.exp_avg(i), 0);
-      comm.broadcast(opt.exp_avg_sq(i), 0);
+    for (auto& [name, p] : model->named_params()) comm.broadcast(p, 0);
+    if (opt.sharded()) {
+      scatter_optim_state(full, opt, *shards);
+    } else {
+      for (size_t i = 0; i < opt.size(); ++i) {
+        comm.broadcast(opt.exp_avg(i), 0);
+        comm.broadcast(opt.exp_avg_sq(i), 0);
+      }
     }
   }
   torch::Tensor scalars = torch::tensor({st.step, st.tokens_seen, static_cast<int64_t>(st.data_cursor),
@@ -405,7 +481,9 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
     log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
                      ": RNG streams are reseeded (the data order continues exactly)"));
   }
-  if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(comm.rank() + 1) + st.step);
+  // Reseeded per data-parallel rank, as at the start (the ranks of a tp group share a stream).
+  const int dp_rank = comm.rank() / static_cast<int>(model->dims().tp);
+  if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(dp_rank + 1) + st.step);
   log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
 }
 

@@ -29,6 +29,7 @@
 #include "mpitrain/signals.h"
 #include "mpitrain/startup.h"
 #include "mpitrain/state_sync.h"
+#include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -98,23 +99,44 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const int threads = run.threads;
 
   torch::manual_seed(cfg.train.seed);
-  GPT model(dims);
+  GPT model(dims);  // tensor parallel: this rank's shards of the model drawn from the same seed
   model->to(device);
+  // Tensor parallel: rank 0 keeps a whole copy of the model in host memory, into which the shards
+  // are gathered for checkpoints (and for model.init_from, which it reads).
+  const bool tensor_parallel = layout.tp > 1;
+  std::optional<GPT> whole_model;
+  if (tensor_parallel && (topo.rank == 0 || (!cfg.model.init_from.empty() && !has_resume))) {
+    GPTDims d = dims;
+    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
+    whole_model.emplace(d);
+  }
   if (!cfg.model.init_from.empty() && has_resume) {
     log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg.model.init_from, ") is not read"));
   } else if (!cfg.model.init_from.empty()) {  // rank 0 reads; the broadcast below does the rest
     int64_t n = 0;
     agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-      if (topo.rank == 0) n = load_npy_weights(cfg.model.init_from, model);
+      if (topo.rank == 0) n = load_npy_weights(cfg.model.init_from, whole_model ? *whole_model : model);
     }); });
     log::info(concat("model: initial weights from ", cfg.model.init_from, " (", n, " tensors)"));
+    if (whole_model) {  // every rank keeps its shards of rank 0's whole weights
+      torch::NoGradGuard no_grad;
+      const auto whole = (*whole_model)->named_params(), mine = model->named_params();
+      for (size_t k = 0; k < mine.size(); ++k) {
+        torch::Tensor w = whole[k].second.detach();
+        mesh->world().broadcast(w, 0);
+        mine[k].second.copy_(tp_shard(w, tp_split(mine[k].first), dims.tp_rank, dims.tp));
+      }
+    }
   }
-  {  // identical initial parameters on every rank, whatever each rank's RNG did
+  {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
     torch::NoGradGuard no_grad;
-    for (auto& [name, p] : model->named_params()) mesh->world().broadcast(p, 0);
+    for (auto& [name, p] : model->named_params()) mesh->dp().broadcast(p, 0);
   }
-  // Dropout streams differ per rank (as in DDP); the model above was drawn before this.
-  torch::manual_seed(cfg.train.seed + 7919 * static_cast<uint64_t>(topo.rank + 1));
+  if (whole_model && topo.rank != 0) whole_model.reset();
+  // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
+  // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
+  // same on each. The model above was drawn before this.
+  torch::manual_seed(cfg.train.seed + 7919 * static_cast<uint64_t>(mesh->dp_rank() + 1));
 
   // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
   bool fused_adamw = false;
@@ -222,8 +244,12 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   int mpi_threads = MPI_THREAD_SINGLE;
   MPI_CHECK(MPI_Query_thread(&mpi_threads));
   const bool async_collectives = !cfg.checkpoint.async || mpi_threads >= MPI_THREAD_MULTIPLE;
-  const bool shares = zero && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
-  if (zero && topo.rank == 0)
+  const bool shares = zero && !tensor_parallel && cfg.checkpoint.writers == "auto" &&
+                      run.checkpoint_dir_blind_rank < 0 && async_collectives;
+  if (tensor_parallel && topo.rank == 0)
+    log::info("checkpoint: rank 0 writes whole checkpoints, the tensor-parallel shards (and ZeRO-1 slices) gathered "
+              "to it");
+  else if (zero && topo.rank == 0)
     log::info(shares ? concat("checkpoint: every rank writes its ZeRO-1 share (", layout.dp, " writers; checkpoint.dir '",
                               cfg.checkpoint.dir, "' is seen by every rank)")
                      : concat("checkpoint: rank 0 writes whole checkpoints (ZeRO-1 state gathered to it): ",
@@ -245,8 +271,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   // through rank 0: also the whole moments rank 0 assembles, kept between saves); synchronous
   // saves allocate nothing between them.
   FullOptimState gathered;
+  if (whole_model) gathered = host_optim_state_like(*whole_model);  // tensor parallel: rank 0's whole state
   if (checkpoints.async() && shares) {
     share_checkpoint(share_buffers, model, opt, grad_sync, st, /*copy=*/true);
+  } else if (whole_model && checkpoints.async()) {
+    checkpoints.prepare(*whole_model, gathered);
   } else if (topo.rank == 0 && checkpoints.async()) {
     if (opt.sharded()) gathered = host_optim_state_like(model);
     checkpoints.prepare(model, opt.sharded() ? gathered : full_state_of(opt));
@@ -262,6 +291,13 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       const std::string path = save_shares(checkpoints, share_buffers, model, opt, grad_sync, st, checkpoint_comm->get());
       if (topo.rank == 0) result.last_checkpoint = path;
       return;  // collective: nobody runs ahead of a synchronous save that may yet fail
+    }
+    if (tensor_parallel) {  // the shards assembled on rank 0
+      gather_tp_state(model, opt, shards, mesh->tp(), mesh->dp_rank() == 0, whole_model ? &*whole_model : nullptr,
+                      &gathered);
+      if (topo.rank == 0) result.last_checkpoint = checkpoints.save(*whole_model, gathered, st);
+      if (!checkpoints.async()) mesh->world().barrier();
+      return;
     }
     // ZeRO-1: assembled on rank 0
     FullOptimState optim_state = gather_optim_state(opt, shards, model, checkpoints.async() ? &gathered : nullptr);
@@ -306,11 +342,14 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
     bool finite = true;  // fp16 only; the same verdict on every rank
     torch::Tensor norm;
-    if (zero) {
+    if (zero || tensor_parallel) {
+      // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
+      // that hold the others (ZeRO-1: the dp group; tensor parallel: the world).
       std::vector<torch::Tensor> grads;
       for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
-      finite = scaler.unscale_and_check(grads, dp, device);
-      norm = clip_sharded_grad_norm_(opt, cfg.optim.grad_clip, dp);
+      finite = scaler.unscale_and_check(grads, tensor_parallel ? mesh->world() : dp, device);
+      norm = tensor_parallel ? clip_tp_grad_norm_(opt, cfg.optim.grad_clip, mesh->tp(), dp)
+                             : clip_sharded_grad_norm_(opt, cfg.optim.grad_clip, dp);
     } else {
       finite = scaler.unscale_and_check(params);
       norm = clip_grad_norm_(params, cfg.optim.grad_clip);
@@ -361,10 +400,14 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
         for (const auto& p : params) ok.push_back(torch::isfinite(p).all());
         all_finite = torch::stack(ok).all();
       }
-      bool finite_params = true;
+      int finite_params = 1;
       {
         Watchdog::Scope watch("device synchronize (parameter check)");
-        finite_params = all_finite.item<bool>();
+        finite_params = all_finite.item<bool>() ? 1 : 0;
+      }
+      if (tensor_parallel) {  // each rank checked its shards: agree
+        Watchdog::Scope watch("all_reduce(parameter check)");
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite_params, 1, MPI_INT, MPI_MIN, mpi_comm));
       }
       if (!finite_params) diverged(step + 1, "a parameter is NaN or infinite");
       progress.untimed(save);
@@ -388,7 +431,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
                      static_cast<double>(cuda_peak_allocated_bytes(device.index())) / (1 << 30), " GiB"));
 
-  if (topo.rank == 0 && cfg.sample.tokens > 0 && st.tokenizer == "byte") {
+  if (tensor_parallel && topo.rank == 0 && cfg.sample.tokens > 0)
+    log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result.last_checkpoint,
+                     "` samples its checkpoint"));
+  if (!tensor_parallel && topo.rank == 0 && cfg.sample.tokens > 0 && st.tokenizer == "byte") {
     std::vector<int64_t> prompt{st.eot_token};
     for (unsigned char c : cfg.sample.prompt) prompt.push_back(c);
     auto out = generate(model, prompt, cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_k,
@@ -397,8 +443,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     log::info("sample:\n" + result.sample);
   }
   if (hooks.keep_params)
-    for (auto& [name, p] : model->named_params()) {
-      torch::Tensor c = p.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+    for (auto& [name, p] : model->named_params()) {  // whole parameters (tensor parallel: gathered)
+      torch::Tensor c = tp_unshard(p.detach(), tp_split(name), mesh->tp()).to(torch::kCPU, torch::kFloat32).contiguous();
       result.params.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
     }
   return result;
