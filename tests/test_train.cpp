@@ -629,6 +629,14 @@ TEST(Train, TensorParallelEqualsDataParallel) {
   }
   expect_same_run(train(tp_config("tp2-accum", 2, 4, 2), MPI_COMM_WORLD, keep), dp,
                   concat("tp 2 x dp ", n / 2, " with grad_accum 2"));
+  // bf16 autocast: the tp partial sums are added in fp32 and rounded once, so tp 2 tracks the
+  // fp32 run as closely as bf16 data parallelism does (Bf16AutocastTracksFp32's bound).
+  Config bf16 = tp_config("tp2-bf16", 2, 4 * 2);
+  bf16.train.precision = "bf16";
+  TrainResult tp_bf16 = train(bf16, MPI_COMM_WORLD);
+  ASSERT_EQ(tp_bf16.losses.size(), dp.losses.size());
+  for (size_t i = 0; i < dp.losses.size(); ++i)
+    EXPECT_NEAR(tp_bf16.losses[i].second, dp.losses[i].second, 0.05) << "bf16, step " << dp.losses[i].first;
 }
 
 // A checkpoint holds whole tensors whatever the tp degree: a run saved at tp 2 resumes at tp 1,

@@ -59,6 +59,10 @@ TpSplit tp_split(const std::string& name);
 // Rank `rank`'s shard of the whole parameter `whole` (a view where it can be: rows, replicated).
 torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size);
 
+// Seconds this process has spent in tensor-parallel all-reduces (tp_copy's backward, tp_reduce's
+// forward, the cross-entropy's), since it started: what tensor parallelism costs a step.
+double tp_collective_seconds();
+
 // The shape of the whole parameter whose shards have shape `shard`.
 std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64_t size);
 

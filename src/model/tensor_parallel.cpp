@@ -1,6 +1,8 @@
 // Tensor-parallel building blocks (see tensor_parallel.h).
 #include "mpitrain/tensor_parallel.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 
 #include "mpitrain/error.h"
@@ -15,10 +17,23 @@ namespace {
 int64_t handle(Communicator& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
 Communicator& from_handle(const c10::IValue& v) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(v.toInt())); }
 
+std::atomic<int64_t> collective_ns{0};
+
+// Times one tp collective into collective_ns.
+template <class Fn>
+void timed(Fn&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  collective_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The sum over the tp ranks. 16-bit activations (autocast) are summed in fp32, then rounded once:
+// the partial sums of a row-parallel layer add up as they would inside one matmul.
 torch::Tensor summed(const torch::Tensor& t, Communicator& comm) {
-  torch::Tensor out = t.clone(at::MemoryFormat::Contiguous);
-  comm.all_reduce(out, ReduceOp::sum);
-  return out;
+  const bool half = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+  torch::Tensor out = half ? t.to(torch::kFloat32).contiguous() : t.clone(at::MemoryFormat::Contiguous);
+  timed([&] { comm.all_reduce(out, ReduceOp::sum); });
+  return half ? out.to(t.scalar_type()) : out;
 }
 
 class TpCopy : public torch::autograd::Function<TpCopy> {
@@ -69,7 +84,7 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
   // The row maxima over the whole vocabulary keep the exponentials in range; a constant per row,
   // so no gradient flows through them.
   torch::Tensor row_max = std::get<0>(logits.detach().max(1));
-  tp.all_reduce(row_max, ReduceOp::max);
+  timed([&] { tp.all_reduce(row_max, ReduceOp::max); });
   const torch::Tensor shifted = logits - row_max.unsqueeze(1);
   const torch::Tensor sum_exp = tp_reduce(shifted.exp().sum(1), tp);
   const torch::Tensor mine = (t >= vocab_start) & (t < vocab_start + logits.size(1));
@@ -78,6 +93,8 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
       tp_reduce(shifted.gather(1, cols.unsqueeze(1)).squeeze(1) * mine.to(torch::kFloat32), tp);
   return (sum_exp.log() - target_logit).mean();
 }
+
+double tp_collective_seconds() { return static_cast<double>(collective_ns.load()) * 1e-9; }
 
 TpSplit tp_split(const std::string& name) {
   auto ends_with = [&](const char* suffix) {
