@@ -101,7 +101,7 @@ void run(int argc, char** argv) {
   };
   CheckpointShare buffers;
   auto save_shares_now = [&](AsyncCheckpointWriter& w) {
-    save_shares(w, buffers, model, opt, shards, st, writer_comm.get());
+    save_shares(w, buffers, model, opt, &shards, false, st, writer_comm.get());
   };
 
   std::vector<double> rank0_s, shares_s;
@@ -124,7 +124,7 @@ void run(int argc, char** argv) {
       gathered = host_optim_state_like(model);
       async0.prepare(model, gathered);
     }
-    share_checkpoint(buffers, model, opt, shards, st, /*copy=*/true);  // as train.cpp at start-up
+    share_checkpoint(buffers, model, opt, &shards, false, st, /*copy=*/true);  // as train.cpp at start-up
     for (int r = -1; r < std::max(runs, 3); ++r) {
       st.step = step++;
       MPI_Barrier(MPI_COMM_WORLD);

@@ -145,3 +145,31 @@ TEST(TensorParallel, VocabParallelCrossEntropyEqualsTheWholeLogits) {
   got.backward();
   EXPECT_LT(rel_diff(local.grad(), logits.grad().narrow(1, r * 8, 8)), kTolerance);
 }
+
+// tp_runs: any range of a shard's flat elements maps to runs of the whole parameter that hold the
+// same values, for every split, rank and (ranges cut anywhere) start and length.
+TEST(TensorParallel, ShardRangesMapToTheWholeParametersElements) {
+  const int64_t size = 4;
+  const std::vector<std::pair<TpSplit, std::vector<int64_t>>> cases = {
+      {TpSplit::rows, {16, 6}}, {TpSplit::rows, {24}},  {TpSplit::qkv_rows, {24, 5}}, {TpSplit::qkv_rows, {12}},
+      {TpSplit::cols, {5, 8}},  {TpSplit::replicated, {7, 3}}};
+  for (const auto& [split, shape] : cases) {
+    const torch::Tensor whole = torch::arange(c10::multiply_integers(shape), torch::kFloat32).view(shape);
+    const torch::Tensor flat = whole.reshape({-1});
+    for (int64_t r = 0; r < size; ++r) {
+      const torch::Tensor shard = tp_shard(whole, split, r, size).contiguous().view({-1});
+      for (int64_t begin = 0; begin < shard.numel(); begin += 3)
+        for (int64_t length : {int64_t{1}, int64_t{4}, shard.numel() - begin}) {
+          if (begin + length > shard.numel()) continue;
+          int64_t covered = 0;
+          for (const TpRun& run : tp_runs(split, tp_shard(whole, split, r, size).sizes(), r, size, begin, length)) {
+            ASSERT_EQ(run.local, covered);
+            EXPECT_TRUE(torch::equal(flat.narrow(0, run.whole, run.length), shard.narrow(0, begin + run.local, run.length)))
+                << "split " << static_cast<int>(split) << " rank " << r << " begin " << begin << " length " << length;
+            covered += run.length;
+          }
+          EXPECT_EQ(covered, length);
+        }
+    }
+  }
+}

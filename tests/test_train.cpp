@@ -495,29 +495,42 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
   }
 }
 
-// ZeRO-1 checkpoints written by every rank, each its own slices (checkpoint.writers: auto; sync and
-// async), are the checkpoints rank 0 writes alone with the moments gathered (writers: rank0):
-// every tensor, its CRC32 (combined from the ranks' pieces) and the training state are equal,
-// and the files load (which verifies every CRC32).
-TEST(Train, ZeroOneRanksWriteTheirSharesOfOneCheckpoint) {
-  auto cfg_for = [](const std::string& run, const std::string& writers, bool async, double bucket_mb) {
-    Config c = small_config(run, 2, 6);
+// Checkpoints written by the ranks that hold the state, each its share (checkpoint.writers: auto;
+// sync and async): ZeRO-1 (every rank its slices), tensor parallel 2 (rank 0's tp group its shards,
+// as runs of the whole tensors) and both (every rank its slices of its shards), are the
+// checkpoints rank 0 writes alone with the state gathered to it (writers: rank0): every tensor,
+// its CRC32 (combined from the ranks' pieces) and the training state are equal, and the files load
+// (which verifies every CRC32).
+TEST(Train, RanksWriteTheirSharesOfOneCheckpoint) {
+  const int n = world_size();
+  auto cfg_for = [](const std::string& run, const std::string& writers, bool async, int64_t zero, int64_t tp,
+                    double bucket_mb) {
+    Config c = small_config(run, 2 * tp, 6);
     c.model.n_embd = 64;  // pieces of several 4 KiB blocks, at unaligned offsets: direct and page-cache writes
-    c.optim.zero = 1;
+    c.optim.zero = zero;
+    c.parallel.tp = tp;
     c.comm.bucket_mb = bucket_mb;
     c.checkpoint.writers = writers;
     c.checkpoint.async = async;
     c.checkpoint.every = 3;
     return c;
   };
-  for (double bucket_mb : {25.0, 0.05}) {
-    const std::string tag = concat("-b", bucket_mb);
-    TrainResult by0 = train(cfg_for("writers-rank0" + tag, "rank0", false, bucket_mb), MPI_COMM_WORLD);
-    TrainResult all = train(cfg_for("writers-all" + tag, "auto", false, bucket_mb), MPI_COMM_WORLD);
-    TrainResult all_async = train(cfg_for("writers-async" + tag, "auto", true, bucket_mb), MPI_COMM_WORLD);
+  struct Layout {
+    int64_t zero, tp;
+    double bucket_mb;
+    int writers;
+  };
+  std::vector<Layout> layouts = {{1, 1, 25.0, n}, {1, 1, 0.05, n}, {0, 2, 25.0, 2}};
+  if (n > 2) layouts.push_back({1, 2, 0.05, n});
+  for (const Layout& l : layouts) {
+    const std::string tag = concat("-z", l.zero, "-tp", l.tp, "-b", l.bucket_mb);
+    SCOPED_TRACE(tag);
+    TrainResult by0 = train(cfg_for("writers-rank0" + tag, "rank0", false, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
+    TrainResult all = train(cfg_for("writers-all" + tag, "auto", false, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
+    TrainResult all_async = train(cfg_for("writers-async" + tag, "auto", true, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
     EXPECT_EQ(by0.checkpoint_writers, 1);
-    EXPECT_EQ(all.checkpoint_writers, world_size());
-    EXPECT_EQ(all_async.checkpoint_writers, world_size());
+    EXPECT_EQ(all.checkpoint_writers, l.writers);
+    EXPECT_EQ(all_async.checkpoint_writers, l.writers);
     if (world_rank() != 0) continue;
     auto load = [&](const std::string& path) {
       GPT model(checkpoint_dims(path));

@@ -81,7 +81,7 @@ struct CheckpointConfig {
   int64_t keep = 3;                 // keep the newest K complete checkpoints, >= 1
   std::string resume = "auto";      // auto (newest in dir, if any) | none | path to a .h5
   bool async = false;               // snapshot to host memory, write on a background thread
-  std::string writers = "auto";     // auto (ZeRO-1: every rank writes its share when all see dir) | rank0
+  std::string writers = "auto";     // auto (ZeRO-1/TP: the ranks holding the state write their shares when all see dir) | rank0
 };
 
 struct CommConfig {

@@ -44,35 +44,40 @@ FullOptimState host_optim_state_like(GPT& model);
 
 // ---- ranks writing one checkpoint together ----
 //
-// Under ZeRO-1 every rank holds the whole parameters and AdamW's moments for its own slices of
-// them (GradSync::owned_slices). When every rank sees checkpoint.dir (Startup::checkpoint_dir_shared),
-// each rank writes the parameters' and the moments' elements of its slices straight into the one
-// checkpoint file, all ranks at once, instead of gathering the state on rank 0 (gather_optim_state):
-// no rank holds more than its share in host memory, and the bytes leave through every rank's
-// copy, checksum and write path (and every node's link to a parallel filesystem). The file is byte
-// for byte the one rank 0 alone would write (tests/test_train.cpp), so any layout loads it.
+// When the state is spread over the ranks, the ranks that hold it write it straight into the one
+// checkpoint file, all at once, instead of gathering it on rank 0: under ZeRO-1 every rank its
+// slices of the parameters and of AdamW's moments; under tensor parallelism the ranks of rank 0's
+// tp group their shards (with ZeRO-1: every rank its slices of its shards), each shard's elements
+// as the runs they form in the whole tensor (tp_runs), the replicated parameters by tp rank 0. This
+// needs every rank to see checkpoint.dir (Startup::checkpoint_dir_blind_rank). No rank holds more
+// than its share in host memory, and the bytes leave through every writing rank's copy, checksum
+// and write path (and every node's link to a parallel filesystem). The file is byte for byte the
+// one rank 0 alone would write (tests/test_train.cpp), so any layout loads it.
 
-// This rank's part of a checkpoint: the elements [begin, begin + data.numel()) of file tensor
-// `tensor` (checkpoint_tensors order), as host fp32 1-D tensors.
+// This rank's part of a checkpoint: pieces of the file's tensors (checkpoint_tensors order: whole
+// shapes), each the elements [begin, begin + data.numel()) of tensor `tensor`, host fp32 1-D.
 struct CheckpointShare {
   struct Piece {
     size_t tensor = 0;
     int64_t begin = 0;
     torch::Tensor data;
   };
-  GPTDims dims;
+  GPTDims dims;                           // the whole model's (tp 1)
   std::vector<CheckpointTensor> tensors;  // every tensor of the file: the same on every rank
-  std::vector<Piece> pieces;              // this rank's: 3 per owned slice (parameter, exp_avg, exp_avg_sq)
+  std::vector<Piece> pieces;              // this rank's; views of the host buffers below
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // (live state, flat; its host buffer)
+  bool built = false;                     // the host buffers exist (copying shares)
   int64_t steps_taken = 0;
   TrainState state;  // rank 0's goes into the file
 };
 
-// This rank's share of the state of `model` and the sharded `opt` (ZeRO-1, `shards` its GradSync).
-// copy: into host buffers (pinned for CUDA tensors), allocated on the first call and reused by
-// later ones; else the pieces reference the state where it already is host fp32 (a synchronous
-// write on the calling thread).
-void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync& shards, const TrainState& st,
-                      bool copy);
+// This rank's share of the state of `model` and `opt`: with `shards` (ZeRO-1: its GradSync) the
+// owned slices; without, the whole local tensors when `holds_unsharded` (the ranks of rank 0's tp
+// group), else nothing. copy: into host buffers (pinned for CUDA tensors), allocated on the first
+// call and reused by later ones; else the pieces reference the state where it already is host fp32
+// (a synchronous write on the calling thread).
+void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
+                      const TrainState& st, bool copy);
 
 // Writes one checkpoint from every rank's share; collective over `comm` (each rank passes its share
 // of the same step). Rank 0 creates the file (CheckpointFile: attributes, every dataset allocated)
@@ -88,9 +93,9 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 // step). Async: the loop stalls for share_checkpoint's copies into `buffers` (kept by the caller
 // between saves, alive until the writer is gone), and write_checkpoint_shares runs on the
 // writer's thread, so `comm` must be a communicator no other thread uses (CommDup) and MPI must
-// provide MPI_THREAD_MULTIPLE.
+// provide MPI_THREAD_MULTIPLE. `shards` and `holds_unsharded` as share_checkpoint.
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync& shards, const TrainState& st, MPI_Comm comm);
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MPI_Comm comm);
 
 // A communicator of its own for one purpose (the checkpoint writer's collectives on a background
 // thread never meet the training loop's): MPI_Comm_dup, freed with the object. Collective.

@@ -59,6 +59,16 @@ TpSplit tp_split(const std::string& name);
 // Rank `rank`'s shard of the whole parameter `whole` (a view where it can be: rows, replicated).
 torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size);
 
+// Where a tp rank's elements lie in the whole parameter: the flat elements [begin, begin + length)
+// of its shard (of shape `shard`) as runs contiguous in the whole parameter (flat index `whole`),
+// each starting at `local` elements from `begin`. One run for rows and replicated splits; one per
+// q/k/v block for qkv_rows; one per row for cols. (Ranks writing their shards of a checkpoint.)
+struct TpRun {
+  int64_t whole, local, length;
+};
+std::vector<TpRun> tp_runs(TpSplit split, c10::IntArrayRef shard, int64_t rank, int64_t size, int64_t begin,
+                           int64_t length);
+
 // Seconds this process has spent in tensor-parallel all-reduces (tp_copy's backward, tp_reduce's
 // forward, the cross-entropy's), since it started: what tensor parallelism costs a step.
 double tp_collective_seconds();

@@ -130,6 +130,39 @@ torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, 
   return whole;
 }
 
+std::vector<TpRun> tp_runs(TpSplit split, c10::IntArrayRef shard, int64_t rank, int64_t size, int64_t begin,
+                           int64_t length) {
+  int64_t numel = 1;
+  for (int64_t d : shard) numel *= d;
+  const int64_t inner = shard.size() > 1 ? numel / shard[0] : 1;  // elements per row
+  std::vector<TpRun> runs;
+  for (int64_t i = begin, end = begin + length; i < end;) {
+    int64_t whole = i, n = end - i;
+    if (size > 1) switch (split) {
+        case TpSplit::replicated:
+          break;
+        case TpSplit::rows:  // this rank's rows follow the lower ranks'
+          whole = rank * numel + i;
+          break;
+        case TpSplit::qkv_rows: {  // [q_r; k_r; v_r]: block b of this rank sits in block b of the whole
+          const int64_t block = numel / 3, b = i / block, within = i % block;
+          whole = b * block * size + rank * block + within;
+          n = std::min(n, block - within);
+          break;
+        }
+        case TpSplit::cols: {  // row `row`'s inner columns sit after the lower ranks' in that row
+          const int64_t row = i / inner, col = i % inner;
+          whole = row * inner * size + rank * inner + col;
+          n = std::min(n, inner - col);
+          break;
+        }
+      }
+    runs.push_back({whole, i - begin, n});
+    i += n;
+  }
+  return runs;
+}
+
 std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64_t size) {
   std::vector<int64_t> whole = shard.vec();
   if (split == TpSplit::rows || split == TpSplit::qkv_rows) whole[0] *= size;

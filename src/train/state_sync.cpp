@@ -160,44 +160,63 @@ CommDup::~CommDup() {
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
-void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync& shards, const TrainState& st,
-                      bool copy) {
-  MPITRAIN_CHECK(opt.sharded() && shards.sharded() && shards.owned_slices().size() == opt.size(),
+void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
+                      const TrainState& st, bool copy) {
+  MPITRAIN_CHECK(!shards || (opt.sharded() && shards->owned_slices().size() == opt.size()),
                  "share_checkpoint: a sharded AdamW and its GradSync");
   torch::NoGradGuard no_grad;
+  const GPTDims& d = model->dims();
   const auto params = model->named_params();
   const size_t n_params = params.size();
-  // Piece 3i + w is slot i's parameter (w = 0), exp_avg (1) or exp_avg_sq (2).
-  auto source = [&](size_t i, int w) -> const torch::Tensor& {
-    return w == 0 ? opt.param(i) : w == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i);
-  };
-  const bool allocate = !copy || into.pieces.size() != 3 * opt.size();
-  if (allocate) {
-    into.tensors = checkpoint_tensors(params, params);  // moments are shaped as their parameters
+  if (!copy || !into.built) {
+    into.tensors.clear();
+    for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), tp_split(name), d.tp)});
+    for (const auto& [name, p] : params)
+      for (const char* m : {"/exp_avg", "/exp_avg_sq"})
+        into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), tp_split(name), d.tp)});
     into.pieces.clear();
-    for (size_t i = 0; i < opt.size(); ++i) {
-      const GradSync::Slice& s = shards.owned_slices()[i];
-      for (int w = 0; w < 3; ++w) {
-        const torch::Tensor& src = source(i, w);
-        torch::Tensor data = copy ? torch::empty({s.length}, torch::TensorOptions()
-                                                                .dtype(torch::kFloat32)
-                                                                .pinned_memory(src.is_cuda()))
-                                  : src.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-        into.pieces.push_back({w == 0 ? s.param : n_params + 2 * s.param + static_cast<size_t>(w - 1), s.begin, data});
+    into.copies.clear();
+    // Elements [begin, begin + n) of parameter k's shard, from `live` (w: 0 the parameter, 1 and 2
+    // its moments), as runs of the whole tensor. A replicated parameter is written by tp rank 0.
+    auto add = [&](size_t k, int64_t begin, const torch::Tensor& live, int w) {
+      const TpSplit split = tp_split(params[k].first);
+      if (split == TpSplit::replicated && d.tp_rank != 0) return;
+      const torch::Tensor flat = live.detach().reshape({-1});
+      torch::Tensor host = copy ? torch::empty({flat.numel()}, torch::TensorOptions()
+                                                                 .dtype(torch::kFloat32)
+                                                                 .pinned_memory(flat.is_cuda()))
+                                : flat.to(torch::kCPU, torch::kFloat32).contiguous();
+      into.copies.emplace_back(flat, host);
+      const size_t tensor = w == 0 ? k : n_params + 2 * k + static_cast<size_t>(w - 1);
+      for (const TpRun& run : tp_runs(split, params[k].second.sizes(), d.tp_rank, d.tp, begin, flat.numel()))
+        into.pieces.push_back({tensor, run.whole, host.narrow(0, run.local, run.length)});
+    };
+    if (shards) {
+      for (size_t i = 0; i < opt.size(); ++i) {
+        const GradSync::Slice& s = shards->owned_slices()[i];
+        add(s.param, s.begin, opt.param(i), 0);
+        add(s.param, s.begin, opt.exp_avg(i), 1);
+        add(s.param, s.begin, opt.exp_avg_sq(i), 2);
+      }
+    } else if (holds_unsharded) {
+      for (size_t k = 0; k < n_params; ++k) {
+        add(k, 0, params[k].second, 0);
+        add(k, 0, opt.exp_avg(k), 1);
+        add(k, 0, opt.exp_avg_sq(k), 2);
       }
     }
+    into.built = copy;
   }
   if (copy) {
     int64_t gpu = -1;
-    for (size_t i = 0; i < opt.size(); ++i)
-      for (int w = 0; w < 3; ++w) {
-        const torch::Tensor& src = source(i, w);
-        if (src.is_cuda()) gpu = src.device().index();
-        into.pieces[3 * i + w].data.copy_(src.detach(), /*non_blocking=*/src.is_cuda());
-      }
+    for (auto& [live, host] : into.copies) {
+      if (live.is_cuda()) gpu = live.device().index();
+      host.copy_(live, /*non_blocking=*/live.is_cuda());
+    }
     if (gpu >= 0) torch::cuda::synchronize(gpu);
   }
-  into.dims = model->dims();
+  into.dims = d;
+  into.dims.tp = 1, into.dims.tp_rank = 0, into.dims.tp_comm = nullptr;  // the file's: whole tensors
   into.steps_taken = opt.steps_taken();
   into.state = st;
 }
@@ -338,15 +357,15 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 }
 
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync& shards, const TrainState& st, MPI_Comm comm) {
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MPI_Comm comm) {
   if (!writer.async())
     return writer.save_with(st.step, [] {}, [&] {
       CheckpointShare share;
-      share_checkpoint(share, model, opt, shards, st, /*copy=*/false);
+      share_checkpoint(share, model, opt, shards, holds_unsharded, st, /*copy=*/false);
       return write_checkpoint_shares(writer.dir(), share, writer.keep(), comm);
     });
   return writer.save_with(
-      st.step, [&] { share_checkpoint(buffers, model, opt, shards, st, /*copy=*/true); },
+      st.step, [&] { share_checkpoint(buffers, model, opt, shards, holds_unsharded, st, /*copy=*/true); },
       [&writer, &buffers, comm] { return write_checkpoint_shares(writer.dir(), buffers, writer.keep(), comm); });
 }
 

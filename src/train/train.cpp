@@ -101,11 +101,38 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   torch::manual_seed(cfg.train.seed);
   GPT model(dims);  // tensor parallel: this rank's shards of the model drawn from the same seed
   model->to(device);
-  // Tensor parallel: rank 0 keeps a whole copy of the model in host memory, into which the shards
-  // are gathered for checkpoints (and for model.init_from, which it reads).
+  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
+  // host memory, into which the shards are gathered (and model.init_from is read into one).
   const bool tensor_parallel = layout.tp > 1;
+  // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
+  // checkpoint.dir (checkpoint.writers: auto): under ZeRO-1 every rank, under tensor parallelism
+  // rank 0's tp group (with ZeRO-1 every rank); else rank 0 the whole state, gathered to it. Async
+  // writes of shares need MPI collectives on the writer's thread.
+  int mpi_threads = MPI_THREAD_SINGLE;
+  MPI_CHECK(MPI_Query_thread(&mpi_threads));
+  const bool async_collectives = !cfg.checkpoint.async || mpi_threads >= MPI_THREAD_MULTIPLE;
+  const bool zero_layout = cfg.optim.zero == 1 && layout.dp > 1;
+  const bool spread = zero_layout || tensor_parallel;  // state held in parts
+  const bool shares = spread && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
+  const int writers = !shares ? 1 : zero_layout ? topo.size : layout.tp;
+  const char* what = zero_layout && tensor_parallel ? "ZeRO-1 slices of its tensor-parallel shards"
+                     : zero_layout                  ? "ZeRO-1 share"
+                                                    : "tensor-parallel shards";
+  if (spread && topo.rank == 0)
+    log::info(shares ? concat("checkpoint: ", zero_layout ? "every rank" : "the ranks of rank 0's tp group", " write",
+                              zero_layout ? "s its " : " their ", what, " (", writers, " writers; checkpoint.dir '",
+                              cfg.checkpoint.dir, "' is seen by every rank)")
+                     : concat("checkpoint: rank 0 writes whole checkpoints (", what, " gathered to it): ",
+                              cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
+                              : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
+                              : run.checkpoint_dir_blind_rank > 0
+                                  ? concat("rank ", run.checkpoint_dir_blind_rank, " (host ",
+                                           topo.hosts[topo.host_of_rank[run.checkpoint_dir_blind_rank]],
+                                           ") does not see checkpoint.dir '", cfg.checkpoint.dir,
+                                           "' (not a shared filesystem?)")
+                                  : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
   std::optional<GPT> whole_model;
-  if (tensor_parallel && (topo.rank == 0 || (!cfg.model.init_from.empty() && !has_resume))) {
+  if (tensor_parallel && ((topo.rank == 0 && !shares) || (!cfg.model.init_from.empty() && !has_resume))) {
     GPTDims d = dims;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     whole_model.emplace(d);
@@ -132,7 +159,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     torch::NoGradGuard no_grad;
     for (auto& [name, p] : model->named_params()) mesh->dp().broadcast(p, 0);
   }
-  if (whole_model && topo.rank != 0) whole_model.reset();
+  if (whole_model && (topo.rank != 0 || shares)) whole_model.reset();
   // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
   // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
   // same on each. The model above was drawn before this.
@@ -238,30 +265,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
   BatchPrefetcher prefetch(*train_data, mesh->dp_rank(), micro);
   const uint64_t micro_stride = static_cast<uint64_t>(layout.dp * micro);
-  // Who writes checkpoints: every rank its ZeRO-1 share when all see checkpoint.dir
-  // (checkpoint.writers: auto), else rank 0 the whole state. Async writes of shares need MPI
-  // collectives on the writer's thread.
-  int mpi_threads = MPI_THREAD_SINGLE;
-  MPI_CHECK(MPI_Query_thread(&mpi_threads));
-  const bool async_collectives = !cfg.checkpoint.async || mpi_threads >= MPI_THREAD_MULTIPLE;
-  const bool shares = zero && !tensor_parallel && cfg.checkpoint.writers == "auto" &&
-                      run.checkpoint_dir_blind_rank < 0 && async_collectives;
-  if (tensor_parallel && topo.rank == 0)
-    log::info("checkpoint: rank 0 writes whole checkpoints, the tensor-parallel shards (and ZeRO-1 slices) gathered "
-              "to it");
-  else if (zero && topo.rank == 0)
-    log::info(shares ? concat("checkpoint: every rank writes its ZeRO-1 share (", layout.dp, " writers; checkpoint.dir '",
-                              cfg.checkpoint.dir, "' is seen by every rank)")
-                     : concat("checkpoint: rank 0 writes whole checkpoints (ZeRO-1 state gathered to it): ",
-                              cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
-                              : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
-                              : run.checkpoint_dir_blind_rank > 0
-                                  ? concat("rank ", run.checkpoint_dir_blind_rank, " (host ",
-                                           topo.hosts[topo.host_of_rank[run.checkpoint_dir_blind_rank]],
-                                           ") does not see checkpoint.dir '", cfg.checkpoint.dir,
-                                           "' (not a shared filesystem?)")
-                                  : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
-  result.checkpoint_writers = shares ? layout.dp : 1;
+  result.checkpoint_writers = writers;
   std::optional<CommDup> checkpoint_comm;  // the writer thread's collectives (shares)
   if (shares) checkpoint_comm.emplace(mpi_comm);
   CheckpointShare share_buffers;  // shares + async: this rank's host copies, reused by every save
@@ -273,7 +277,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   FullOptimState gathered;
   if (whole_model) gathered = host_optim_state_like(*whole_model);  // tensor parallel: rank 0's whole state
   if (checkpoints.async() && shares) {
-    share_checkpoint(share_buffers, model, opt, grad_sync, st, /*copy=*/true);
+    share_checkpoint(share_buffers, model, opt, shards, mesh->dp_rank() == 0, st, /*copy=*/true);
   } else if (whole_model && checkpoints.async()) {
     checkpoints.prepare(*whole_model, gathered);
   } else if (topo.rank == 0 && checkpoints.async()) {
@@ -288,7 +292,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       st.loss_scale_good_steps = scaler.good_steps();
     }
     if (shares) {
-      const std::string path = save_shares(checkpoints, share_buffers, model, opt, grad_sync, st, checkpoint_comm->get());
+      const std::string path =
+          save_shares(checkpoints, share_buffers, model, opt, shards, mesh->dp_rank() == 0, st, checkpoint_comm->get());
       if (topo.rank == 0) result.last_checkpoint = path;
       return;  // collective: nobody runs ahead of a synchronous save that may yet fail
     }
