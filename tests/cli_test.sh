@@ -192,8 +192,8 @@ expect_usage "parallel.tp: heads the tp ranks cannot split" \
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp \
   --set train.out_dir=run-tp --set checkpoint.resume=none > tp.out 2>&1
 rc=$?
-check "tensor parallel: tp 2 trains (exit $rc), the mesh says dp 1 x tp 2" \
-  "[ $rc -eq 0 ] && grep -q 'mesh: 2 ranks = dp 1 x tp 2' tp.out && grep -q 'step *6/6' tp.out"
+check "tensor parallel: tp 2 trains (exit $rc), the mesh says dp 1 x tp 2, both tp ranks write their shards" \
+  "[ $rc -eq 0 ] && grep -q 'mesh: 2 ranks = dp 1 x tp 2' tp.out && grep -q 'step *6/6' tp.out && grep -q 'write their tensor-parallel shards (2 writers' tp.out"
 check "tensor parallel: its checkpoint holds whole tensors (mpitrain sample loads it)" \
   "'$BIN' sample ckpt-tp/ckpt-00000006.h5 --tokens 3 > /dev/null 2>&1"
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp --set train.out_dir=run-tp1 \

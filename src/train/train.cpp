@@ -115,14 +115,16 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const bool spread = zero_layout || tensor_parallel;  // state held in parts
   const bool shares = spread && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
   const int writers = !shares ? 1 : zero_layout ? topo.size : layout.tp;
-  const char* what = zero_layout && tensor_parallel ? "ZeRO-1 slices of its tensor-parallel shards"
-                     : zero_layout                  ? "ZeRO-1 share"
-                                                    : "tensor-parallel shards";
+  const char* share = zero_layout && tensor_parallel ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
+                      : zero_layout                  ? "every rank writes its ZeRO-1 share"
+                                                     : "the ranks of rank 0's tp group write their tensor-parallel shards";
+  const char* state = zero_layout && tensor_parallel ? "tensor-parallel shards and ZeRO-1 state"
+                      : zero_layout                  ? "ZeRO-1 state"
+                                                     : "tensor-parallel shards";
   if (spread && topo.rank == 0)
-    log::info(shares ? concat("checkpoint: ", zero_layout ? "every rank" : "the ranks of rank 0's tp group", " write",
-                              zero_layout ? "s its " : " their ", what, " (", writers, " writers; checkpoint.dir '",
-                              cfg.checkpoint.dir, "' is seen by every rank)")
-                     : concat("checkpoint: rank 0 writes whole checkpoints (", what, " gathered to it): ",
+    log::info(shares ? concat("checkpoint: ", share, " (", writers, " writers; checkpoint.dir '", cfg.checkpoint.dir,
+                              "' is seen by every rank)")
+                     : concat("checkpoint: rank 0 writes whole checkpoints (", state, " gathered to it): ",
                               cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
                               : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
                               : run.checkpoint_dir_blind_rank > 0
