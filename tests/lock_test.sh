@@ -111,15 +111,17 @@ check "--force-unlock on a free directory overrides nothing and says so" \
 # file in checkpoint.dir. Here rank 1 runs in another working directory, so the relative
 # checkpoint.dir is another directory for it (as a node-local disk would be): rank 0 writes whole
 # checkpoints alone, and says why.
-mkdir -p split-a split-b
+# (Each rank changes into its own directory by its rank: OpenMPI 5's mpirun crashed on an MPMD
+# command line with -wdir per context.)
+mkdir -p split-0 split-1
 sed -e "s|data/c-train|$WORK/data/c-train|" -e 's|steps: 1000000|steps: 4|' cfg.yaml > split.yaml
-"$MPIRUN" -np 1 -wdir "$WORK/split-a" "$BIN" "$WORK/split.yaml" --set optim.zero=1 : \
-  -np 1 -wdir "$WORK/split-b" "$BIN" "$WORK/split.yaml" --set optim.zero=1 > split.out 2>&1
+"$MPIRUN" -np 2 bash -c 'cd "$0/split-$OMPI_COMM_WORLD_RANK" && exec "$1" "$0/split.yaml" --set optim.zero=1' \
+  "$WORK" "$BIN" > split.out 2>&1
 rc=$?
 check "a checkpoint.dir not seen by every rank: rank 0 writes whole checkpoints alone (exit $rc) and says why" \
   "[ $rc -eq 0 ] && grep -q \"rank 0 writes whole checkpoints (ZeRO-1 state gathered to it): rank 1 (host .*) does not see checkpoint.dir 'ckpt'\" split.out"
 check "... its checkpoint is complete and loads, and nothing was written on rank 1's side" \
-  "'$BIN' sample split-a/ckpt/ckpt-00000004.h5 --tokens 2 >/dev/null 2>&1 && ! ls split-b/ckpt/ckpt-* >/dev/null 2>&1"
+  "'$BIN' sample split-0/ckpt/ckpt-00000004.h5 --tokens 2 >/dev/null 2>&1 && ! ls split-1/ckpt/ckpt-* >/dev/null 2>&1"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -5,7 +5,8 @@
 //  - on the same batch its loss is the dense loss, its local logits are the dense logits' columns
 //    of its vocabulary slice, and after backward every parameter's gradient is the shard of the
 //    dense gradient (replicated parameters: the whole dense gradient on every tp rank), with the
-//    plain and the fused block ops (the fused ops' ATen reference on the CPU);
+//    plain, with the fused block ops (the fused ops' ATen reference on the CPU) and with the
+//    fused chunked loss (vocab_parallel_linear_cross_entropy, several chunks);
 //  - vocab_parallel_cross_entropy equals cross_entropy over the whole logits, targets in every
 //    rank's slice.
 // Tolerance: the tp model sums the same fp32 products in another grouping (partial matmuls over
@@ -78,10 +79,14 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
     if (world % tp != 0) continue;
     TpGroup group(tp);
     const int64_t r = group.comm->rank();
-    for (bool fused : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused);
-      const GPTDims dense_dims = small_dims(fused);
+    for (int variant = 0; variant < 3; ++variant) {
+      // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here)
+      const bool fused = variant == 1, fused_loss = variant == 2;
+      SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss);
+      GPTDims dense_dims = small_dims(fused);
+      dense_dims.fused_loss = fused_loss;
       GPTDims tp_dims = dense_dims;
+      tp_dims.fused_loss_rows = 7;
       tp_dims.tp = tp;
       tp_dims.tp_rank = r;
       tp_dims.tp_comm = group.comm.get();
@@ -109,6 +114,8 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         torch::NoGradGuard no_grad;
         const int64_t v = dense_dims.vocab_size / tp;
         EXPECT_LT(rel_diff(sharded->forward(x), dense->forward(x).narrow(2, r * v, v)), kTolerance);
+        const double eval_loss = dense->loss(x, y).item<double>();  // the loss alone (evaluation)
+        EXPECT_NEAR(sharded->loss(x, y).item<double>(), eval_loss, kTolerance * eval_loss);
       }
       dense_loss.backward();
       tp_loss.backward();
@@ -124,8 +131,9 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         EXPECT_GT(rel_diff(got * 2, want), 100 * kTolerance) << whole[i].first;
       }
       if (world_rank() == 0)
-        std::printf("[ info ] tp %d, fused %d: loss %.7f vs dense %.7f, largest relative gradient difference %.2g\n",
-                    tp, fused, tp_loss.item<double>(), dense_loss.item<double>(), worst);
+        std::printf("[ info ] tp %d, fused ops %d, fused loss %d: loss %.7f vs dense %.7f, largest relative gradient "
+                    "difference %.2g\n",
+                    tp, fused, fused_loss, tp_loss.item<double>(), dense_loss.item<double>(), worst);
     }
   }
 }

@@ -27,6 +27,7 @@ struct GPTDims {
   int64_t vocab_size = 0;
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
+  int64_t fused_loss_rows = 0;  // tensor parallel: rows per chunk of the fused loss (0: automatic; tests)
   bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
   // the group's communicator (not owned; set when tp > 1). n_head, 4 n_embd and vocab_size divide by tp.

@@ -47,6 +47,17 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Te
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets,
                                            int64_t vocab_start, Communicator& tp);
 
+// The same loss from hidden states without the logits ever existing whole, even on this rank
+// (model.fused_loss under tensor parallelism): hidden [N, C] (the same on every tp rank, passed
+// through tp_copy by the caller so that its gradient is summed over the group), this rank's
+// vocabulary rows `local_weight` [V / tp, C] from `vocab_start`, targets [N]. The rows go through
+// in chunks of `rows` (0: about 256 MiB of this rank's logits); per chunk the row maxima and the
+// sums of exponentials are all-reduced over `tp`, and the gradients of hidden and of the local
+// weight are computed in the same pass (softmax minus one-hot), as linear_cross_entropy does.
+torch::Tensor vocab_parallel_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& local_weight,
+                                                  const torch::Tensor& targets, int64_t vocab_start, Communicator& tp,
+                                                  int64_t rows = 0);
+
 // Which part of a whole GPT parameter a tp rank holds.
 enum class TpSplit {
   replicated,  // the whole tensor (LayerNorms, wpe, row-parallel biases)

@@ -207,9 +207,14 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   if (Communicator* tp = tp_of(dims_)) {
+    const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
+    if (dims_.fused_loss) {  // chunked: not even this rank's slice of the logits exists whole
+      auto x = column_input(hidden(idx), tp);
+      return vocab_parallel_linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}),
+                                                 vocab_start, *tp, dims_.fused_loss_rows);
+    }
     auto logits = forward(idx);
-    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}),
-                                        dims_.tp_rank * wte->weight.size(0), *tp);
+    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}), vocab_start, *tp);
   }
   if (dims_.fused_loss) {
     auto x = hidden(idx);

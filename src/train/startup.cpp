@@ -173,10 +173,6 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
       dims.tp = layout.tp;
       dims.tp_rank = mesh->tp_rank();
       dims.tp_comm = &mesh->tp();
-      if (dims.fused_loss && topo.rank == 0)
-        log::info("tensor parallel: the classifier's loss is vocabulary-parallel (each rank its slice of the logits); "
-                  "model.fused_loss does not apply");
-      dims.fused_loss = false;
     }
   }); });
 
