@@ -139,11 +139,11 @@ GPTImpl::GPTImpl(const GPTDims& d) : dims_(d) {
     GPT dense(whole);
     build_modules(d);
     torch::NoGradGuard no_grad;
-    auto mine = named_params();
-    for (const auto& [name, p] : dense->named_params()) {
-      auto it = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == name; });
-      MPITRAIN_CHECK(it != mine.end(), "tensor parallel: a parameter of the dense model is missing");
-      it->second.copy_(tp_shard(p, tp_split(name), d.tp_rank, d.tp));
+    const auto mine = named_params(), all = dense->named_params();  // the same modules, in the same order
+    MPITRAIN_CHECK(mine.size() == all.size(), "tensor parallel: the dense model has other parameters");
+    for (size_t k = 0; k < all.size(); ++k) {
+      MPITRAIN_CHECK(mine[k].first == all[k].first, "tensor parallel: the dense model has other parameters");
+      mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
     }
     return;
   }

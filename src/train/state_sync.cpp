@@ -91,8 +91,8 @@ void keep_tp_shards(GPT* whole, const FullOptimState& full, GPT& model, AdamW& o
   std::vector<std::vector<size_t>> slots(params.size());
   for (size_t i = 0; i < opt.size(); ++i) slots[shards ? shards->owned_slices()[i].param : i].push_back(i);
   for (size_t k = 0; k < params.size(); ++k) {
-    const auto& [name, p] = params[k];
-    const TpSplit split = tp_split(name);
+    const torch::Tensor& p = params[k].second;  // (a lambda may not capture a structured binding in C++17)
+    const TpSplit split = tp_split(params[k].first);
     auto shard_of = [&](const torch::Tensor& src) {
       torch::Tensor t = root ? src.to(torch::kCPU, torch::kFloat32).contiguous()
                              : torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
