@@ -6,7 +6,6 @@
 // compared with the ATen reference (FusedImpl::reference) and with the unfused model. What stays
 // unrun without a GPU: streams, device guards, and the nvcc-compiled kernels themselves.
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <string>
 
@@ -15,6 +14,7 @@
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/model.h"
 #include "mpitrain/tensor_parallel.h"
+#include "mpi_world.h"
 
 using namespace mpitrain;
 
@@ -137,9 +137,7 @@ TEST(FusedEmu, TheFusedModelMatchesTheUnfusedModel) {
 // loss is the vocabulary-parallel fused chunked one matches the unfused dense model in its loss and
 // in every gradient's shard, as the fused dense model does above.
 TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  ASSERT_EQ(world, 2) << "runs under mpirun -np 2";
+  ASSERT_EQ(world_size(), 2) << "runs under mpirun -np 2";
   auto tp = make_mpi_communicator(MPI_COMM_WORLD);
   GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
   torch::manual_seed(24);

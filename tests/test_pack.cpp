@@ -17,6 +17,7 @@
 #include "mpitrain/importers.h"
 #include "mpitrain/pack.h"
 #include "mpitrain/shards.h"
+#include "mpi_world.h"
 #include "npy_writer.h"
 
 using namespace mpitrain;
@@ -28,13 +29,6 @@ namespace {
 
 const std::string kData = MPITRAIN_TEST_DATA;
 
-int world_query(int (*query)(MPI_Comm, int*)) {
-  int v = 0;
-  query(MPI_COMM_WORLD, &v);
-  return v;
-}
-int world_size() { return world_query(MPI_Comm_size); }
-int world_rank() { return world_query(MPI_Comm_rank); }
 
 // The tests of one process run only in the singleton binary; under mpirun only the MPI ones do.
 #define SINGLETON_ONLY() \

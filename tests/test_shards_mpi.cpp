@@ -11,6 +11,7 @@
 #include <set>
 
 #include "mpitrain/shards.h"
+#include "mpi_world.h"
 
 using namespace mpitrain;
 namespace fs = std::filesystem;
@@ -18,18 +19,6 @@ namespace fs = std::filesystem;
 namespace {
 
 // ---- fixture: shards written by rank 0 into a temp dir every rank can see ----------------------
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 class ShardsMpi : public ::testing::Test {
  protected:

@@ -6,7 +6,7 @@
 //    of its vocabulary slice, and after backward every parameter's gradient is the shard of the
 //    dense gradient (replicated parameters: the whole dense gradient on every tp rank), with the
 //    plain, with the fused block ops (the fused ops' ATen reference on the CPU) and with the
-//    fused chunked loss (vocab_parallel_linear_cross_entropy, several chunks);
+//    fused chunked loss (linear_cross_entropy in its vocabulary-parallel form, several chunks);
 //  - vocab_parallel_cross_entropy equals cross_entropy over the whole logits, targets in every
 //    rank's slice.
 // Tolerance: the tp model sums the same fp32 products in another grouping (partial matmuls over
@@ -22,21 +22,11 @@
 #include "mpitrain/comm.h"
 #include "mpitrain/model.h"
 #include "mpitrain/tensor_parallel.h"
+#include "mpi_world.h"
 
 using namespace mpitrain;
 
 namespace {
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 // The tp group of this rank: `tp` consecutive ranks of the world.
 struct TpGroup {

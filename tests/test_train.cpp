@@ -32,22 +32,12 @@
 #include "mpitrain/error.h"
 #include "mpitrain/shards.h"
 #include "mpitrain/train.h"
+#include "mpi_world.h"
 #include "npy_writer.h"
 
 using namespace mpitrain;
 
 namespace {
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 // Rank 0 makes a temp dir with a train and a val shard of patterned tokens; all ranks get its path.
 std::string shared_data_dir() {

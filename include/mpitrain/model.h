@@ -27,7 +27,7 @@ struct GPTDims {
   int64_t vocab_size = 0;
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
-  int64_t fused_loss_rows = 0;  // tensor parallel: rows per chunk of the fused loss (0: automatic; tests)
+  int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
   bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
   // the group's communicator (not owned; set when tp > 1). n_head, 4 n_embd and vocab_size divide by tp.
@@ -128,9 +128,15 @@ TORCH_MODULE(GPT);
 // (fused_softmax_cross_entropy); FusedImpl::reference forces the ATen path over an fp32 copy.
 // hidden [N, C], weight [V, C], targets [N] (int64). `rows` overrides the chunk height
 // (0 = automatic; tests use small ones).
+// Tensor parallel (`tp` set): `weight` holds this rank's vocabulary rows from `vocab_start`, and
+// `hidden` is the same on every tp rank (passed through tp_copy, which sums its gradient over the
+// group); each chunk's loss and gradient combine the ranks' slices of its logits
+// (vocab_parallel_chunk_loss, tensor_parallel.h), through ATen ops: the CUDA kernel needs the
+// whole vocabulary.
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& targets, int64_t rows = 0,
-                                   FusedImpl impl = FusedImpl::automatic);
+                                   FusedImpl impl = FusedImpl::automatic, Communicator* tp = nullptr,
+                                   int64_t vocab_start = 0);
 
 // Autoregressive sampling from `prompt` (non-empty): `n` new tokens, temperature and top-k
 // (0 = all), seeded so that the same call gives the same tokens.

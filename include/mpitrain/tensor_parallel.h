@@ -47,16 +47,18 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Te
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets,
                                            int64_t vocab_start, Communicator& tp);
 
-// The same loss from hidden states without the logits ever existing whole, even on this rank
-// (model.fused_loss under tensor parallelism): hidden [N, C] (the same on every tp rank, passed
-// through tp_copy by the caller so that its gradient is summed over the group), this rank's
-// vocabulary rows `local_weight` [V / tp, C] from `vocab_start`, targets [N]. The rows go through
-// in chunks of `rows` (0: about 256 MiB of this rank's logits); per chunk the row maxima and the
-// sums of exponentials are all-reduced over `tp`, and the gradients of hidden and of the local
-// weight are computed in the same pass (softmax minus one-hot), as linear_cross_entropy does.
-torch::Tensor vocab_parallel_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& local_weight,
-                                                  const torch::Tensor& targets, int64_t vocab_start, Communicator& tp,
-                                                  int64_t rows = 0);
+// One row chunk of the same loss computed from hidden states (model.fused_loss: linear_cross_entropy
+// with a tp communicator, model.h), so that not even this rank's slice of the logits exists whole:
+// `logits` [rows, V / tp] are this rank's columns from `vocab_start` of the chunk's logits (fp32).
+// The row maxima and the sums of exponentials and target logits are all-reduced over `tp`. Returns
+// the sum of the rows' losses; with grad_scale != 0 `logits` becomes grad_scale * (softmax -
+// onehot) over this rank's columns, the gradient of grad_scale * that sum.
+torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tensor& targets, int64_t vocab_start,
+                                       Communicator& tp, double grad_scale);
+
+// A communicator carried through an autograd function's arguments or saved data, as an integer.
+int64_t comm_handle(Communicator& comm);
+Communicator& comm_from_handle(int64_t handle);
 
 // Which part of a whole GPT parameter a tp rank holds.
 enum class TpSplit {

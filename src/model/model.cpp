@@ -206,21 +206,16 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  if (Communicator* tp = tp_of(dims_)) {
-    const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
-    if (dims_.fused_loss) {  // chunked: not even this rank's slice of the logits exists whole
-      auto x = column_input(hidden(idx), tp);
-      return vocab_parallel_linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}),
-                                                 vocab_start, *tp, dims_.fused_loss_rows);
-    }
-    auto logits = forward(idx);
-    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}), vocab_start, *tp);
-  }
-  if (dims_.fused_loss) {
-    auto x = hidden(idx);
-    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}).to(torch::kLong));
+  Communicator* tp = tp_of(dims_);
+  const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
+  if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
+    auto x = column_input(hidden(idx), tp);
+    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}).to(torch::kLong),
+                                dims_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
   }
   auto logits = forward(idx);
+  if (tp)
+    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}), vocab_start, *tp);
   return F::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat32),
                           targets.reshape({-1}).to(torch::kLong));
 }
@@ -248,14 +243,19 @@ torch::Tensor chunk_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
 
 // One chunk: the sum of its losses and, when `grad_scale` is set, the chunk's logits replaced by
 // grad_scale * (softmax - onehot), the gradient of grad_scale * loss sum. On CUDA with the
-// kernels built this is one kernel over the logits in their own (autocast) dtype; elsewhere, ATen
-// ops over an fp32 copy.
+// kernels built this is one kernel over the logits in their own (autocast) dtype; elsewhere, and
+// for a tp rank's slice of the vocabulary, ATen ops over an fp32 copy.
 struct ChunkResult {
   torch::Tensor loss_sum, grad;
 };
 
 ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, std::optional<double> grad_scale,
-                                  FusedImpl impl) {
+                                  FusedImpl impl, Communicator* tp, int64_t vocab_start) {
+  if (tp) {  // this rank's slice of the chunk's logits (tensor parallel)
+    logits = logits.to(torch::kFloat32);
+    torch::Tensor loss_sum = vocab_parallel_chunk_loss(logits, t, vocab_start, *tp, grad_scale.value_or(0.0));
+    return {loss_sum, grad_scale ? logits : torch::Tensor()};
+  }
   if (impl == FusedImpl::automatic && softmax_cross_entropy_kernel_applies(logits)) {
     torch::Tensor targets = t.to(torch::kLong).contiguous();
     torch::Tensor loss = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat32));
@@ -275,7 +275,8 @@ ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, 
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
-                               const torch::Tensor& w, const torch::Tensor& t, int64_t chunk, int64_t impl) {
+                               const torch::Tensor& w, const torch::Tensor& t, int64_t chunk, int64_t impl,
+                               int64_t tp, int64_t vocab_start) {
     const int64_t n = h.size(0), rows = chunk_rows(h, w.size(0), chunk, static_cast<FusedImpl>(impl));
     const double inv_n = 1.0 / static_cast<double>(n);
     torch::Tensor grad_h = torch::empty(h.sizes(), h.options().dtype(torch::kFloat32));
@@ -285,8 +286,8 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
       const int64_t len = std::min(rows, n - start);
       auto hc = h.narrow(0, start, len), tc = t.narrow(0, start, len);
       // d(mean loss)/d(logits) = (softmax - onehot) / n, computed over the chunk's logits.
-      auto [loss_sum, g] =
-          softmax_cross_entropy(torch::matmul(hc, w.t()), tc, inv_n, static_cast<FusedImpl>(impl));
+      auto [loss_sum, g] = softmax_cross_entropy(torch::matmul(hc, w.t()), tc, inv_n, static_cast<FusedImpl>(impl),
+                                                 tp ? &comm_from_handle(tp) : nullptr, vocab_start);
       total += loss_sum;
       grad_h.narrow(0, start, len).copy_(torch::matmul(g, w));
       grad_w.add_(torch::matmul(g.t(), hc));
@@ -304,23 +305,27 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     auto h_dtype = static_cast<torch::ScalarType>(ctx->saved_data["h_dtype"].toInt());
     auto w_dtype = static_cast<torch::ScalarType>(ctx->saved_data["w_dtype"].toInt());
     return {(saved[0] * g).to(h_dtype), (saved[1] * g).to(w_dtype), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                   const torch::Tensor& targets, int64_t rows_override, FusedImpl impl) {
+                                   const torch::Tensor& targets, int64_t rows_override, FusedImpl impl,
+                                   Communicator* tp, int64_t vocab_start) {
+  if (tp) impl = FusedImpl::reference;  // the kernel needs the whole vocabulary; chunks sized for fp32
   if (torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
-    return apply_autograd_function<LinearCrossEntropy>(hidden, weight, targets, rows_override, static_cast<int64_t>(impl));
+    return apply_autograd_function<LinearCrossEntropy>(hidden, weight, targets, rows_override, static_cast<int64_t>(impl),
+                                                       tp ? comm_handle(*tp) : int64_t{0}, vocab_start);
   // No gradients wanted (evaluation): the loss alone, chunk by chunk.
   const int64_t n = hidden.size(0), rows = chunk_rows(hidden, weight.size(0), rows_override, impl);
   torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t len = std::min(rows, n - start);
     auto hc = hidden.narrow(0, start, len);
-    total += softmax_cross_entropy(torch::matmul(hc, weight.t()), targets.narrow(0, start, len), std::nullopt, impl)
+    total += softmax_cross_entropy(torch::matmul(hc, weight.t()), targets.narrow(0, start, len), std::nullopt, impl,
+                                   tp, vocab_start)
                  .loss_sum;
   }
   return total / static_cast<double>(n);

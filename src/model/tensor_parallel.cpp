@@ -1,10 +1,10 @@
 // Tensor-parallel building blocks (see tensor_parallel.h).
 #include "mpitrain/tensor_parallel.h"
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <utility>
 
 #include "mpitrain/error.h"
 
@@ -13,10 +13,6 @@ namespace mpitrain {
 namespace F = torch::nn::functional;
 
 namespace {
-
-// The communicator rides through autograd's saved data as an integer.
-int64_t handle(Communicator& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
-Communicator& from_handle(const c10::IValue& v) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(v.toInt())); }
 
 std::atomic<int64_t> collective_ns{0};
 
@@ -44,37 +40,47 @@ class TpCopy : public torch::autograd::Function<TpCopy> {
     return x;
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
-    return {summed(g[0], from_handle(ctx->saved_data["comm"])), torch::Tensor()};
+    return {summed(g[0], comm_from_handle(ctx->saved_data["comm"].toInt())), torch::Tensor()};
   }
 };
 
 class TpReduce : public torch::autograd::Function<TpReduce> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x, int64_t comm) {
-    return summed(x, *reinterpret_cast<Communicator*>(static_cast<intptr_t>(comm)));
+    return summed(x, comm_from_handle(comm));
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list g) {
     return {g[0], torch::Tensor()};
   }
 };
 
+// Ids from `start` in a slice of `n`: which of `ids` fall in it, and their index in it (0 where
+// they do not).
+std::pair<torch::Tensor, torch::Tensor> in_slice(const torch::Tensor& ids, int64_t start, int64_t n) {
+  torch::Tensor mine = (ids >= start) & (ids < start + n);
+  torch::Tensor local = (ids - start).masked_fill(mine.logical_not(), 0);
+  return {mine, local};
+}
+
 }  // namespace
+
+int64_t comm_handle(Communicator& comm) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&comm)); }
+Communicator& comm_from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(handle)); }
 
 torch::Tensor tp_copy(const torch::Tensor& x, Communicator& tp) {
   if (tp.size() == 1) return x;
-  return TpCopy::apply(x, handle(tp));
+  return TpCopy::apply(x, comm_handle(tp));
 }
 
 torch::Tensor tp_reduce(const torch::Tensor& x, Communicator& tp) {
   if (tp.size() == 1) return x;
-  return TpReduce::apply(x, handle(tp));
+  return TpReduce::apply(x, comm_handle(tp));
 }
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Tensor& local, int64_t vocab_start,
                                        Communicator& tp) {
   if (tp.size() == 1) return F::embedding(idx, local);
-  const torch::Tensor mine = (idx >= vocab_start) & (idx < vocab_start + local.size(0));
-  const torch::Tensor rows = (idx - vocab_start).masked_fill(mine.logical_not(), 0);
+  const auto [mine, rows] = in_slice(idx, vocab_start, local.size(0));
   return tp_reduce(F::embedding(rows, local) * mine.unsqueeze(-1).to(local.scalar_type()), tp);
 }
 
@@ -88,87 +94,30 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
   timed([&] { tp.all_reduce(row_max, ReduceOp::max); });
   const torch::Tensor shifted = logits - row_max.unsqueeze(1);
   const torch::Tensor sum_exp = tp_reduce(shifted.exp().sum(1), tp);
-  const torch::Tensor mine = (t >= vocab_start) & (t < vocab_start + logits.size(1));
-  const torch::Tensor cols = (t - vocab_start).masked_fill(mine.logical_not(), 0);
+  const auto [mine, cols] = in_slice(t, vocab_start, logits.size(1));
   const torch::Tensor target_logit =
       tp_reduce(shifted.gather(1, cols.unsqueeze(1)).squeeze(1) * mine.to(torch::kFloat32), tp);
   return (sum_exp.log() - target_logit).mean();
 }
 
-namespace {
-
-// One chunk of vocab_parallel_linear_cross_entropy: the sum of its rows' losses and, with
-// grad_scale, this rank's logits replaced by grad_scale * (softmax - onehot) over its columns.
-torch::Tensor chunk_loss(torch::Tensor& logits, const torch::Tensor& t, int64_t vocab_start, Communicator& tp,
-                         double grad_scale) {
+torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tensor& targets, int64_t vocab_start,
+                                       Communicator& tp, double grad_scale) {
   torch::Tensor row_max = std::get<0>(logits.max(1));
   timed([&] { tp.all_reduce(row_max, ReduceOp::max); });
   logits.sub_(row_max.unsqueeze(1));
-  const torch::Tensor mine = (t >= vocab_start) & (t < vocab_start + logits.size(1));
-  const torch::Tensor cols = (t - vocab_start).masked_fill(mine.logical_not(), 0).unsqueeze(1);
+  const auto [mine, cols] = in_slice(targets.to(torch::kLong), vocab_start, logits.size(1));
+  const torch::Tensor held = mine.to(logits.dtype());
   // [sum of exponentials, the target's shifted logit] per row, both summed over the tp ranks
-  torch::Tensor sums = torch::stack({logits.exp().sum(1), logits.gather(1, cols).squeeze(1) * mine.to(logits.dtype())}, 1)
-                           .contiguous();
+  torch::Tensor sums =
+      torch::stack({logits.exp().sum(1), logits.gather(1, cols.unsqueeze(1)).squeeze(1) * held}, 1).contiguous();
   timed([&] { tp.all_reduce(sums, ReduceOp::sum); });
   const torch::Tensor sum_exp = sums.select(1, 0), target = sums.select(1, 1);
   if (grad_scale != 0) {
     logits.exp_().div_(sum_exp.unsqueeze(1));
-    logits.scatter_add_(1, cols, -mine.to(logits.dtype()).unsqueeze(1));
+    logits.scatter_add_(1, cols.unsqueeze(1), -held.unsqueeze(1));
     logits.mul_(grad_scale);
   }
   return (sum_exp.log() - target).sum();
-}
-
-class VocabParallelLinearCrossEntropy : public torch::autograd::Function<VocabParallelLinearCrossEntropy> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& w,
-                               const torch::Tensor& t, int64_t vocab_start, int64_t comm, int64_t rows) {
-    Communicator& tp = *reinterpret_cast<Communicator*>(static_cast<intptr_t>(comm));
-    const int64_t n = h.size(0);
-    const double inv_n = 1.0 / static_cast<double>(n);
-    const bool grads = ctx != nullptr;
-    torch::Tensor grad_h = grads ? torch::empty(h.sizes(), h.options().dtype(torch::kFloat32)) : torch::Tensor();
-    torch::Tensor grad_w = grads ? torch::zeros(w.sizes(), w.options().dtype(torch::kFloat32)) : torch::Tensor();
-    torch::Tensor total = torch::zeros({}, h.options().dtype(torch::kFloat32));
-    for (int64_t start = 0; start < n; start += rows) {
-      const int64_t len = std::min(rows, n - start);
-      auto hc = h.narrow(0, start, len);
-      torch::Tensor logits = torch::matmul(hc, w.t()).to(torch::kFloat32);
-      total += chunk_loss(logits, t.narrow(0, start, len), vocab_start, tp, grads ? inv_n : 0.0);
-      if (!grads) continue;
-      grad_h.narrow(0, start, len).copy_(torch::matmul(logits.to(w.scalar_type()), w));
-      grad_w.add_(torch::matmul(logits.t().to(hc.scalar_type()), hc));
-    }
-    if (grads) {
-      ctx->save_for_backward({grad_h, grad_w});
-      ctx->saved_data["h_dtype"] = static_cast<int64_t>(h.scalar_type());
-      ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
-    }
-    return total * inv_n;
-  }
-
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grad_out) {
-    auto saved = ctx->get_saved_variables();
-    const torch::Tensor& g = grad_out[0];
-    auto h_dtype = static_cast<torch::ScalarType>(ctx->saved_data["h_dtype"].toInt());
-    auto w_dtype = static_cast<torch::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-    return {(saved[0] * g).to(h_dtype), (saved[1] * g).to(w_dtype), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
-  }
-};
-
-}  // namespace
-
-torch::Tensor vocab_parallel_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& local_weight,
-                                                  const torch::Tensor& targets, int64_t vocab_start, Communicator& tp,
-                                                  int64_t rows) {
-  if (rows <= 0) rows = std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, local_weight.size(0)));
-  const torch::Tensor t = targets.to(torch::kLong);
-  if (torch::GradMode::is_enabled() && (hidden.requires_grad() || local_weight.requires_grad()))
-    return VocabParallelLinearCrossEntropy::apply(hidden, local_weight, t, vocab_start, handle(tp), rows);
-  torch::NoGradGuard no_grad;  // evaluation: the loss alone, chunk by chunk
-  return VocabParallelLinearCrossEntropy::forward(nullptr, hidden, local_weight, t, vocab_start, handle(tp), rows);
 }
 
 double tp_collective_seconds() { return static_cast<double>(collective_ns.load()) * 1e-9; }
