@@ -11,6 +11,8 @@ PACKAGES=(
   libhdf5-dev hdf5-tools                 # token shards and checkpoints
   libyaml-cpp-dev libspdlog-dev libcli11-dev libgtest-dev zlib1g-dev
   libpcre2-dev nlohmann-json3-dev        # pack: the GPT-2 BPE pre-tokenizer regex, vocab.json
+  libisal-dev                            # CRC32C of TensorBoard event records
+  gnuplot-nox                            # the demo's loss curve picture
   fortunes                               # the demo's English text corpus
 )
 missing=()

@@ -6,10 +6,13 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 # What the fault and multi-host tests use beyond the build (Slurm, munge, docker.io and
 # debootstrap are installed by their own tests), and the fuzz test's clang with its libFuzzer
-# runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), and h5py
-# (tests/h5py_test.sh reads checkpoints with it).
+# runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), h5py
+# (tests/h5py_test.sh reads checkpoints with it), crc32c and protobuf (tests/observe_test.sh reads
+# the TensorBoard files with them), PyTorch (tests/export_test.sh: a GPT-2 on the exported Hugging
+# Face weights) and pdsh (tests/multihost/fleet_test.sh).
 missing=()
-for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev python3-h5py; do
+for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev python3-h5py \
+         python3-crc32c python3-protobuf python3-torch pdsh; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then

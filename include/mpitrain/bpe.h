@@ -18,8 +18,8 @@ namespace mpitrain {
 
 // The two files a GPT-2 BPE tokenizer is loaded from.
 struct BpeFiles {
-  std::string vocab;   // vocab.json / encoder.json: {"token": id, ...}
-  std::string merges;  // merges.txt / vocab.bpe: "#version" line, then one "a b" merge per line
+  std::string vocab;   // path of vocab.json / encoder.json: {"token": id, ...}
+  std::string merges;  // path of merges.txt / vocab.bpe: "#version" line, then one "a b" merge per line
 };
 
 // Finds vocab.json + merges.txt or encoder.json + vocab.bpe in `dir`; a UsageError naming the

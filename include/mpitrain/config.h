@@ -73,6 +73,9 @@ struct LogConfig {
   int64_t every = 10;          // steps between progress lines, > 0
   std::string level = "info";  // debug | info | warn | error
   std::string metrics = "";    // JSONL metrics file ("" = <train.out_dir>/metrics.jsonl)
+  std::string tensorboard = "";  // event files' directory ("" = <train.out_dir>/tensorboard, off = none)
+  double peak_tflops = 0;      // one device's peak for MFU (0 = the known GPU's; none on CPU), >= 0
+  bool rank_files = true;      // every rank's lines also in <train.out_dir>/logs/rank-<r>.log
 };
 
 struct CheckpointConfig {

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace mpitrain {
 
@@ -29,6 +30,9 @@ std::string concat(const Args&... args) {
   (os << ... << args);
   return os.str();
 }
+
+// "a, b, c and 4 more": a list that stays on one line of an error message.
+std::string first_few(const std::vector<std::string>& items);
 
 
 // Throws Error("[rank 3 @ node07] MPI error at comm_mpi.cpp:41: ... (MPI_Allreduce)").

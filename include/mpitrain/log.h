@@ -22,7 +22,15 @@ Level parse_level(const std::string& name);  // throws std::invalid_argument
 std::string identity();
 int rank();
 
-// Rank-0 console messages (every rank when set_all_ranks(true)).
+// From here on this rank's lines also go to `path` (appended; every line with time, rank and
+// host, flushed at once). std::runtime_error when it cannot be opened.
+void open_rank_file(const std::string& path);
+// A line for this rank's file only (a header when a run starts).
+void file_only(const std::string& msg);
+
+// Console messages of rank 0 (every rank's when set_all_ranks(true)); warnings of any rank, with
+// its rank and host. Every rank's file gets its own lines. A warning every rank issues alike is
+// issued by rank 0 only.
 void debug(const std::string& msg);
 void info(const std::string& msg);
 void warn(const std::string& msg);

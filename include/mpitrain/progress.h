@@ -1,28 +1,54 @@
 // What a run shows while it trains (rank 0): the progress line (loss, lr, gradient norm, tokens/s,
-// ms/step, ETA) and the JSONL metrics file (log.metrics, default <train.out_dir>/metrics.jsonl).
-// Time spent in evaluation and checkpoints is kept out of the step timings (untimed()).
+// ms/step, MFU, communication share, ETA), the JSONL metrics file (log.metrics, default
+// <train.out_dir>/metrics.jsonl) and TensorBoard event files (log.tensorboard, default
+// <train.out_dir>/tensorboard). Time spent in evaluation and checkpoints is kept out of the step
+// timings (untimed()).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <memory>
+#include <string>
 
 #include "mpitrain/config.h"
+#include "mpitrain/tensorboard.h"
 
 namespace mpitrain {
 
+// What the progress line needs to know about the run besides its config.
+struct RunFacts {
+  int64_t tokens_per_step = 0;
+  int64_t first_step = 0;       // > 0: resumed after this step
+  double flops_per_token = 0;   // model FLOPs of one trained token (mfu.h)
+  double peak_flops = 0;        // the peak FLOP/s of all ranks' devices together; 0 = unknown (no MFU)
+  bool communicates = false;    // gradients travel between ranks: report the communication share
+  bool loss_scaling = false;    // fp16: report the loss scale
+  std::string host;             // for the TensorBoard file name
+};
+
+// The values of one progress report.
+struct StepReport {
+  int64_t step = 0;         // 0-based step just done
+  double loss = 0, lr = 0, grad_norm = 0;
+  double comm_seconds = 0;  // exposed gradient communication since the last report (SpanTimer)
+  double loss_scale = 0;
+};
+
 class Progress {
  public:
-  // `writer`: this rank prints and writes the metrics (rank 0). Opening the metrics file fails
-  // with a UsageError naming log.metrics.
-  Progress(const Config& cfg, bool writer, int64_t tokens_per_step, int64_t first_step);
+  // `writer`: this rank prints and writes the metrics and TensorBoard events (rank 0). A file that
+  // cannot be opened is a UsageError naming log.metrics or log.tensorboard.
+  Progress(const Config& cfg, bool writer, const RunFacts& facts);
 
   // Marks the start of a step; the first call starts the clock of the first interval.
   void start_step();
 
   // At a log step, after the loss was read (on a GPU that waits for the queued work, so the
   // interval's time is real): tokens/s and ms/step averaged over the steps since the last report.
-  void report(int64_t step, double loss, double lr, double norm);
+  // Also: MFU = FLOPs per token x tokens/s / peak (when the peak is known), and the communication
+  // share = exposed gradient communication / the interval's time.
+  void report(const StepReport& r);
   void report_val(int64_t step, double val_loss);
 
   // Runs fn without counting its time in the current interval (evaluation, checkpoints).
@@ -39,13 +65,13 @@ class Progress {
  private:
   using Clock = std::chrono::steady_clock;
   const Config& cfg_;
-  int64_t tokens_per_step_;
-  int64_t first_step_;
+  RunFacts facts_;
   int64_t last_reported_;
   double elapsed_ = 0;
   bool timing_ = false;
   Clock::time_point interval_start_;
   std::ofstream metrics_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 // "12m05s", "2h07m"

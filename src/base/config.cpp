@@ -73,7 +73,9 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
-    MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(checkpoint, dir),
+    MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(log, tensorboard),
+    MPITRAIN_FIELD(log, peak_tflops),    MPITRAIN_FIELD(log, rank_files),
+    MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
     MPITRAIN_FIELD(checkpoint, writers),
@@ -414,6 +416,7 @@ void validate(const Config& c, const std::string& where) {
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));
   check(one_of(c.log.level, {"debug", "info", "warn", "error"}), "log.level",
         "one of debug|info|warn|error", show(c.log.level));
+  check(c.log.peak_tflops >= 0, "log.peak_tflops", ">= 0 (0 = the known GPU's peak)", show(c.log.peak_tflops));
 
   const CheckpointConfig& k = c.checkpoint;
   check(!k.dir.empty(), "checkpoint.dir", "non-empty", show(k.dir));

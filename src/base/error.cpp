@@ -20,4 +20,11 @@ std::string mpi_error_string(int rc) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
+std::string first_few(const std::vector<std::string>& items) {
+  std::string s;
+  for (size_t i = 0; i < items.size() && i < 3; ++i) s += concat(i ? ", " : "", items[i]);
+  if (items.size() > 3) s += concat(" and ", items.size() - 3, " more");
+  return s;
+}
+
 }  // namespace mpitrain

@@ -5,6 +5,7 @@
 //   mpitrain pack INPUT... -o PREFIX                     text / .bin / .npy -> HDF5 token shards
 //   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
+//   mpitrain export CHECKPOINT.h5 --format hf DIR       a Hugging Face GPT-2 model directory
 //   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
 #include <CLI/CLI.hpp>
 
@@ -15,6 +16,7 @@
 
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
+#include "mpitrain/export.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/mpi_env.h"
@@ -28,7 +30,7 @@ namespace {
 
 // Commands other than training, keyed by their first argument; anything else means `train`.
 bool is_command(const std::string& a) {
-  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "netcheck";
+  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "export" || a == "netcheck";
 }
 
 int run_cli(int argc, char** argv, MpiSession& mpi) {
@@ -94,6 +96,16 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--temperature", sample.temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
+
+  ExportArgs export_args;
+  auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 model directory");
+  export_cmd->add_option("checkpoint", export_args.checkpoint, "checkpoint .h5")->required();
+  export_cmd->add_option("dir", export_args.dir, "output directory (model.safetensors, config.json)")->required();
+  export_cmd->add_option("--format", export_args.format, "hf (Hugging Face transformers' GPT2LMHeadModel)")
+      ->capture_default_str();
+  export_cmd->add_option("--dtype", export_args.dtype, "fp32 | bf16 | fp16")->capture_default_str();
+  export_cmd->add_option("--bpe-dir", export_args.bpe_dir,
+                         "GPT-2 BPE checkpoints: the vocab.json + merges.txt the shards were packed with (copied along)");
 
   NetcheckOptions netcheck;
   auto* netcheck_cmd = app.add_subcommand("netcheck", "check the launch: host map, links, all-reduce bandwidth");
@@ -180,6 +192,13 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() != 0) return;
       std::printf("%s\n", run_sample(sample).c_str());  // the prompt and its continuation
+    });
+    return 0;
+  }
+  if (*export_cmd) {
+    agree(MPI_COMM_WORLD, [&] {
+      if (mpi.rank() != 0) return;
+      std::printf("%s", run_export(export_args).c_str());
     });
     return 0;
   }

@@ -1,7 +1,15 @@
-// GPU builds: memory statistics of libtorch's CUDA caching allocator (see device.h).
+// GPU builds: memory statistics of libtorch's CUDA caching allocator, the GPU's name, and timing
+// spans by CUDA events (see device.h).
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <utility>
+#include <vector>
 
 #include "mpitrain/device.h"
+#include "mpitrain/error.h"
+#include "mpitrain/log.h"
 
 namespace mpitrain {
 
@@ -10,6 +18,68 @@ int64_t cuda_peak_allocated_bytes(int device) {
   // Index 0 is StatType::AGGREGATE (all pools); the enum moved between namespaces across libtorch
   // versions, its first value did not.
   return stats.allocated_bytes[0].peak;
+}
+
+namespace {
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(concat("CUDA ", what, " failed on ", log::identity(), ": ", cudaGetErrorString(e)));
+}
+}  // namespace
+
+std::string cuda_device_name(int device) {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  return prop.name;
+}
+
+// A pool of event pairs, reused after every take: one pair per span between two reads.
+struct CudaSpans {
+  int device;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events;
+  size_t used = 0;
+};
+
+CudaSpans* cuda_spans_new(int device) { return new CudaSpans{device, {}, 0}; }
+
+void cuda_spans_delete(CudaSpans* spans) {
+  for (auto& [a, b] : spans->events) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  delete spans;
+}
+
+namespace {
+cudaStream_t current_stream(const CudaSpans& s) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(s.device)).stream();
+}
+}  // namespace
+
+void cuda_spans_begin(CudaSpans& s) {
+  if (s.used == s.events.size()) {
+    cudaEvent_t a = nullptr, b = nullptr;
+    check(cudaEventCreate(&a), "cudaEventCreate");
+    check(cudaEventCreate(&b), "cudaEventCreate");
+    s.events.emplace_back(a, b);
+  }
+  check(cudaEventRecord(s.events[s.used].first, current_stream(s)), "cudaEventRecord");
+}
+
+void cuda_spans_end(CudaSpans& s) {
+  check(cudaEventRecord(s.events[s.used].second, current_stream(s)), "cudaEventRecord");
+  ++s.used;
+}
+
+double cuda_spans_take_seconds(CudaSpans& s) {
+  double ms_total = 0;
+  for (size_t i = 0; i < s.used; ++i) {
+    float ms = 0;
+    check(cudaEventSynchronize(s.events[i].second), "cudaEventSynchronize");
+    check(cudaEventElapsedTime(&ms, s.events[i].first, s.events[i].second), "cudaEventElapsedTime");
+    ms_total += ms;
+  }
+  s.used = 0;
+  return ms_total / 1e3;
 }
 
 }  // namespace mpitrain

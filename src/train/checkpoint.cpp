@@ -25,6 +25,7 @@
 
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/hf_format.h"
 #include "mpitrain/importers.h"
 #include "mpitrain/log.h"
 #include "mpitrain/tensor_io.h"
@@ -677,14 +678,6 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
 
 namespace {
 
-// "a, b, c and 4 more": a list that stays one line.
-std::string first_few(const std::vector<std::string>& items) {
-  std::string s;
-  for (size_t i = 0; i < items.size() && i < 3; ++i) s += concat(i ? ", " : "", items[i]);
-  if (items.size() > 3) s += concat(" and ", items.size() - 3, " more");
-  return s;
-}
-
 // Where one parameter's values are in its file, checked against the parameter.
 struct NpyWeight {
   std::string path;
@@ -705,7 +698,7 @@ NpyWeight check_npy_weight(const std::string& path, const std::string& name, con
   const std::vector<uint64_t> want(p.sizes().begin(), p.sizes().end());
   if (h.shape != want) {
     const bool transposed = want.size() == 2 && h.shape == std::vector<uint64_t>{want[1], want[0]};
-    const bool conv1d = name.find(".attn.c_") != std::string::npos || name.find(".mlp.c_") != std::string::npos;
+    const bool conv1d = hf_transposed(name);
     throw UsageError(concat(path, ": shape ", npy_shape_text(h.shape), ", but parameter '", name, "' has shape ",
                             npy_shape_text(want),
                             !transposed ? "" : conv1d ? " (transposed? Hugging Face GPT-2's Conv1D weights need .T)"

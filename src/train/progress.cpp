@@ -9,6 +9,16 @@
 
 namespace mpitrain {
 
+namespace {
+// printf into a string (the lines here are short).
+template <class... Args>
+std::string format(const char* fmt, Args... args) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  return buf;
+}
+}  // namespace
+
 std::string human_duration(double seconds) {
   const auto s = static_cast<long long>(seconds + 0.5);
   char buf[32];
@@ -17,8 +27,8 @@ std::string human_duration(double seconds) {
   return buf;
 }
 
-Progress::Progress(const Config& cfg, bool writer, int64_t tokens_per_step, int64_t first_step)
-    : cfg_(cfg), tokens_per_step_(tokens_per_step), first_step_(first_step), last_reported_(first_step) {
+Progress::Progress(const Config& cfg, bool writer, const RunFacts& facts)
+    : cfg_(cfg), facts_(facts), last_reported_(facts.first_step) {
   if (!writer) return;
   const std::string path =
       cfg.log.metrics.empty() ? cfg.train.out_dir + "/metrics.jsonl" : cfg.log.metrics;
@@ -26,6 +36,13 @@ Progress::Progress(const Config& cfg, bool writer, int64_t tokens_per_step, int6
   if (auto slash = path.rfind('/'); slash != std::string::npos) std::filesystem::create_directories(path.substr(0, slash), ec);
   metrics_.open(path, std::ios::app);
   if (!metrics_) throw UsageError(concat("log.metrics: cannot write '", path, "'"));
+  if (cfg.log.tensorboard != "off") {
+    const std::string dir = cfg.log.tensorboard.empty() ? cfg.train.out_dir + "/tensorboard" : cfg.log.tensorboard;
+    tensorboard_ = std::make_unique<TensorBoardWriter>(dir, facts.host, "log.tensorboard");
+    // A resumed run continues after its checkpoint's step: the points an earlier process logged
+    // after that step (it died before its next checkpoint) are dropped by TensorBoard.
+    if (facts.first_step > 0) tensorboard_->restart(facts.first_step + 1);
+  }
 }
 
 void Progress::start_step() {
@@ -35,41 +52,57 @@ void Progress::start_step() {
   }
 }
 
-void Progress::report(int64_t step, double loss, double lr, double norm) {
+void Progress::report(const StepReport& r) {
   const auto now = Clock::now();
   const double interval = std::chrono::duration<double>(now - interval_start_).count();
-  const int64_t steps = std::max<int64_t>(1, step + 1 - last_reported_);
+  const int64_t steps = std::max<int64_t>(1, r.step + 1 - last_reported_);
   interval_start_ = now;
-  last_reported_ = step + 1;
+  last_reported_ = r.step + 1;
   elapsed_ += interval;
   const double dt = interval / static_cast<double>(steps);
-  const int64_t done = step + 1 - first_step_;
+  const int64_t done = r.step + 1 - facts_.first_step;
   const double avg = elapsed_ / static_cast<double>(std::max<int64_t>(1, done));
-  const double tok_s = static_cast<double>(tokens_per_step_) / dt;
-  char line[256];
-  std::snprintf(line, sizeof line,
-                "step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms/step | ETA %s",
-                static_cast<long long>(step + 1), static_cast<long long>(cfg_.train.steps), loss, lr,
-                norm, tok_s, dt * 1e3,
-                human_duration(avg * static_cast<double>(cfg_.train.steps - step - 1)).c_str());
+  const double tok_s = static_cast<double>(facts_.tokens_per_step) / dt;
+  const double mfu = facts_.peak_flops > 0 ? facts_.flops_per_token * tok_s / facts_.peak_flops : -1;
+  const double comm = interval > 0 ? std::min(1.0, r.comm_seconds / interval) : 0;
+  const long long step = r.step + 1;
+
+  std::string line = format("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms/step", step,
+                            static_cast<long long>(cfg_.train.steps), r.loss, r.lr, r.grad_norm, tok_s, dt * 1e3);
+  if (mfu >= 0) line += format(" | MFU %.1f%%", mfu * 100);
+  if (facts_.communicates) line += format(" | comm %.0f%%", comm * 100);
+  if (facts_.loss_scaling) line += format(" | scale %g", r.loss_scale);
+  line += " | ETA " + human_duration(avg * static_cast<double>(cfg_.train.steps - r.step - 1));
   log::info(line);
-  if (metrics_.is_open()) {
-    std::snprintf(line, sizeof line,
-                  "{\"step\": %lld, \"loss\": %.6f, \"lr\": %.6e, \"grad_norm\": %.6f, "
-                  "\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f}",
-                  static_cast<long long>(step + 1), loss, lr, norm, tok_s, dt * 1e3);
-    metrics_ << line << "\n" << std::flush;
+
+  std::vector<std::pair<std::string, double>> scalars{{"loss/train", r.loss},         {"optim/lr", r.lr},
+                                                       {"optim/grad_norm", r.grad_norm}, {"perf/tokens_per_s", tok_s},
+                                                       {"perf/ms_per_step", dt * 1e3}};
+  std::string json = format("{\"step\": %lld, \"loss\": %.6f, \"lr\": %.6e, \"grad_norm\": %.6f, "
+                            "\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f",
+                            step, r.loss, r.lr, r.grad_norm, tok_s, dt * 1e3);
+  if (mfu >= 0) {
+    json += format(", \"mfu\": %.5f", mfu);
+    scalars.emplace_back("perf/mfu", mfu);
   }
+  if (facts_.communicates) {
+    json += format(", \"comm_share\": %.5f", comm);
+    scalars.emplace_back("perf/comm_share", comm);
+  }
+  if (facts_.loss_scaling) {
+    json += format(", \"loss_scale\": %g", r.loss_scale);
+    scalars.emplace_back("optim/loss_scale", r.loss_scale);
+  }
+  if (metrics_.is_open()) metrics_ << json << "}\n" << std::flush;
+  if (tensorboard_) tensorboard_->scalars(step, scalars);
 }
 
 void Progress::report_val(int64_t step, double val_loss) {
   log::info(concat("step ", step, " | val loss ", val_loss));
-  if (metrics_.is_open()) {
-    char line[128];
-    std::snprintf(line, sizeof line, "{\"step\": %lld, \"val_loss\": %.6f}",
-                  static_cast<long long>(step), val_loss);
-    metrics_ << line << "\n" << std::flush;
-  }
+  if (metrics_.is_open())
+    metrics_ << format("{\"step\": %lld, \"val_loss\": %.6f}", static_cast<long long>(step), val_loss) << "\n"
+             << std::flush;
+  if (tensorboard_) tensorboard_->scalars(step, {{"loss/val", val_loss}});
 }
 
 }  // namespace mpitrain

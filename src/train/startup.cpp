@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <climits>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
@@ -119,6 +120,24 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
   log::set_level(log::parse_level(cfg.log.level));
   log::set_all_ranks(cfg.log.level == "debug");  // debug: every rank's lines, each with its rank
+  if (cfg.log.rank_files) {  // every rank's lines in <out_dir>/logs/rank-<r>.log, also on hosts without rank 0
+    agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+      const std::string dir = cfg.train.out_dir + "/logs", path = concat(dir, "/rank-", topo.rank, ".log");
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      try {
+        log::open_rank_file(path);
+      } catch (const std::exception& e) {
+        throw UsageError(concat("train.out_dir: rank ", topo.rank, " (host ", topo.host, ") cannot write its log '",
+                                path, "': ", ec ? ec.message() : std::string(e.what()),
+                                " (or set log.rank_files: false)"));
+      }
+    }); });
+    log::file_only(concat("---- mpitrain ", MPITRAIN_VERSION, " rank ", topo.rank, " of ", topo.size,
+                          " on ", topo.host, ", pid ", ::getpid()));
+  }
+  if (const char* r = std::getenv("MPITRAIN_TEST_WARN_RANK"); r && std::atoi(r) == topo.rank)  // tests/observe_test.sh
+    log::warn(concat("test: a warning of rank ", topo.rank));
   Watchdog::start(cfg.fault.collective_timeout_s, cfg.fault.first_collective_timeout_s);
   keep_freed_memory();
   run.threads = configure_threads(cfg.train.threads, topo.local_size);

@@ -496,7 +496,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
       log::warn("checkpoint's RNG states come from another kind of device (CPU/GPU): RNG streams are reseeded "
                 "(the data order continues exactly)");
     restored = all_restored != 0;
-  } else if (n_states > 0) {
+  } else if (n_states > 0 && comm.rank() == 0) {
     log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
                      ": RNG streams are reseeded (the data order continues exactly)"));
   }

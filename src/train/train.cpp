@@ -19,8 +19,10 @@
 #include "mpitrain/error.h"
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/hf_format.h"
 #include "mpitrain/log.h"
 #include "mpitrain/mesh.h"
+#include "mpitrain/mfu.h"
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
@@ -144,7 +146,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   } else if (!cfg.model.init_from.empty()) {  // rank 0 reads; the broadcast below does the rest
     int64_t n = 0;
     agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-      if (topo.rank == 0) n = load_npy_weights(cfg.model.init_from, whole_model ? *whole_model : model);
+      if (topo.rank == 0) n = load_initial_weights(cfg.model.init_from, whole_model ? *whole_model : model);
     }); });
     log::info(concat("model: initial weights from ", cfg.model.init_from, " (", n, " tensors)"));
     if (whole_model) {  // every rank keeps its shards of rank 0's whole weights
@@ -207,7 +209,13 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const int64_t T = dims.seq_len, micro = cfg.train.micro_batch, accum = cfg.train.grad_accum;
   const int64_t global_batch = cfg.train.global_batch;
   const int64_t tokens_per_step = global_batch * T;
-  log::info(concat("model: ", model->num_params(), " parameters (", dims.n_layer, " layers, ", dims.n_head,
+  int64_t whole_params = 0;  // the whole model's (tensor parallel: not this rank's shards)
+  for (const auto& [name, p] : model->named_params()) {
+    int64_t n = 1;
+    for (int64_t e : tp_whole_shape(p.sizes(), tp_split(name), dims.tp)) n *= e;
+    whole_params += n;
+  }
+  log::info(concat("model: ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
                 " heads, width ", dims.n_embd, ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
   log::info(concat("batch: ", micro, " micro x ", layout.dp, " ranks x ", accum, " accum = ", global_batch,
                 " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
@@ -259,9 +267,28 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     });
   };
   // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
+  RunFacts facts;
+  facts.tokens_per_step = tokens_per_step;
+  facts.first_step = st.step;
+  facts.flops_per_token = model_flops_per_token(whole_params, dims.seq_len * dims.n_embd, dims.n_layer, dims.n_embd, T);
+  facts.communicates = layout.dp > 1;
+  facts.loss_scaling = scaler.enabled();
+  facts.host = topo.host;
+  {  // MFU against log.peak_tflops, else the known peak of this GPU (rank 0's; one kind per job)
+    const std::string gpu = device.is_cuda() ? cuda_device_name(device.index()) : "";
+    const double peak = cfg.log.peak_tflops > 0 ? cfg.log.peak_tflops : known_peak_tflops(gpu, precision_name(precision));
+    facts.peak_flops = peak * 1e12 * topo.size;
+    if (topo.rank == 0)
+      log::info(concat("MFU: ", facts.flops_per_token / 1e6, " MFLOPs per token (6N + 12 L d T; docs/operations.md) vs ",
+                       peak > 0 ? concat(peak, " TFLOPS per ", device.is_cuda() ? "GPU" : "rank",
+                                         cfg.log.peak_tflops > 0 ? " (log.peak_tflops)"
+                                                                 : concat(" (", gpu, ", ", precision_name(precision), ")"))
+                       : device.is_cuda() ? concat("an unknown peak (", gpu, "): set log.peak_tflops for MFU")
+                                          : std::string("no peak on the CPU: set log.peak_tflops for MFU")));
+  }
   std::optional<Progress> progress_holder;
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    progress_holder.emplace(cfg, topo.rank == 0, tokens_per_step, st.step);
+    progress_holder.emplace(cfg, topo.rank == 0, facts);
   }); });
   Progress& progress = *progress_holder;
   if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
@@ -318,6 +345,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     if (topo.rank == 0) progress.report_val(at_step, v);
   };
 
+  SpanTimer comm_wait(device.is_cuda(), device.is_cuda() ? device.index() : -1);
   model->train();
   if (val_data && cfg.eval.every > 0 && st.step == 0) run_eval(0);  // the untrained baseline
   for (int64_t step = st.step; step < cfg.train.steps; ++step) {
@@ -346,7 +374,9 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       scaler.scale_loss(loss / static_cast<double>(accum)).backward();
       loss_sum += loss.detach().to(torch::kFloat64);
     }
+    comm_wait.begin();  // what backward did not hide of the gradient communication
     grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
+    comm_wait.end();
     bool finite = true;  // fp16 only; the same verdict on every rank
     torch::Tensor norm;
     if (zero || tensor_parallel) {
@@ -364,8 +394,12 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     const double lr = lr_at(cfg.optim, cfg.train.steps, step);
     if (finite) {
       opt.step(lr);
-      if (zero) grad_sync.all_gather_params();  // every rank's updated slices to every rank
-    } else {
+      if (zero) {  // every rank's updated slices to every rank
+        comm_wait.begin();
+        grad_sync.all_gather_params();
+        comm_wait.end();
+      }
+    } else if (topo.rank == 0) {  // the same verdict on every rank
       log::warn(concat("step ", step + 1, ": fp16 gradients overflowed at loss scale ", scaler.scale(),
                        "; step skipped"));
     }
@@ -386,7 +420,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
       result.losses.emplace_back(step + 1, loss);
       if (!std::isfinite(loss) || !std::isfinite(grad_norm))  // the same values on every rank
         diverged(step + 1, concat("the loss is ", loss, " and the gradient norm ", grad_norm));
-      if (topo.rank == 0) progress.report(step, loss, lr, grad_norm);
+      StepReport report{step, loss, lr, grad_norm, comm_wait.take_seconds(), scaler.enabled() ? scaler.scale() : 0.0};
+      if (topo.rank == 0) progress.report(report);
     }
 
     if (val_data && (every(step + 1, cfg.eval.every) || (last && cfg.eval.every > 0))) run_eval(step + 1);
@@ -421,8 +456,9 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     }
     if (any_signal != 0 && !last) {
       result.exit_code = exit_code_for_signal(any_signal);
-      log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1, ": checkpoint written, exit code ",
-                       result.exit_code));
+      if (topo.rank == 0)
+        log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1,
+                         ": checkpoint written, exit code ", result.exit_code));
       break;
     }
     if (stop_here) break;

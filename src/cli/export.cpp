@@ -1,0 +1,61 @@
+// `mpitrain export` (see export.h).
+#include "mpitrain/export.h"
+
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include "mpitrain/bpe.h"
+#include "mpitrain/checkpoint.h"
+#include "mpitrain/error.h"
+#include "mpitrain/hf_format.h"
+#include "mpitrain/model.h"
+
+namespace mpitrain {
+
+std::string run_export(const ExportArgs& args) {
+  namespace fs = std::filesystem;
+  if (args.format != "hf") throw UsageError(concat("command line: --format ", args.format, ": only hf is known"));
+  if (args.dtype != "fp32" && args.dtype != "bf16" && args.dtype != "fp16")
+    throw UsageError(concat("command line: --dtype ", args.dtype, ": one of fp32|bf16|fp16"));
+  GPTDims dims = checkpoint_dims(args.checkpoint);  // checkpoints hold whole tensors whatever the layout
+  GPT model(dims);
+  TrainState st;
+  load_checkpoint(args.checkpoint, model, static_cast<FullOptimState*>(nullptr), st);
+  // The tokenizer files first: a bad --bpe-dir leaves nothing written.
+  std::optional<BpeFiles> bpe;
+  if (!args.bpe_dir.empty()) {
+    if (st.tokenizer != "gpt2")
+      throw UsageError(concat("command line: --bpe-dir: ", args.checkpoint, " was trained on '", st.tokenizer,
+                              "' tokens, not GPT-2 BPE"));
+    bpe = find_bpe_files(args.bpe_dir);
+    Gpt2Bpe check(*bpe);  // the same files pack reads: a broken pair fails here, naming the file
+    if (check.vocab_size() > dims.vocab_size)
+      throw UsageError(concat("command line: --bpe-dir: ", args.bpe_dir, " has ", check.vocab_size(),
+                              " tokens, the model only ", dims.vocab_size));
+  }
+  write_hf_model(args.dir, model, st.eot_token, args.dtype);
+  std::string out = concat(args.dir, "/model.safetensors (", model->num_params(), " parameters, ", args.dtype,
+                           ", Hugging Face GPT-2 names)\n", args.dir, "/config.json (GPT2LMHeadModel: ", dims.n_layer,
+                           " layers, ", dims.n_head, " heads, width ", dims.n_embd, ", context ", dims.seq_len,
+                           ", vocab ", dims.vocab_size, ")\n");
+  if (bpe) {
+    std::error_code ec;  // BpeFiles holds the two files' paths
+    for (const auto& [from, to] : {std::pair{bpe->vocab, "vocab.json"}, std::pair{bpe->merges, "merges.txt"}})
+      if (!fs::copy_file(from, fs::path(args.dir) / to, fs::copy_options::overwrite_existing, ec))
+        throw UsageError(concat("cannot copy '", from, "' to '", args.dir, "/", to, "': ", ec.message()));
+    std::ofstream(fs::path(args.dir) / "tokenizer_config.json")
+        << "{\n  \"tokenizer_class\": \"GPT2Tokenizer\",\n  \"model_max_length\": " << dims.seq_len
+        << ",\n  \"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n"
+        << "  \"unk_token\": \"<|endoftext|>\"\n}\n";
+    out += concat(args.dir, "/vocab.json, merges.txt, tokenizer_config.json (GPT2Tokenizer, from ", args.bpe_dir, ")\n");
+  } else if (st.tokenizer == "gpt2") {
+    out += "no tokenizer files: this checkpoint's tokens are GPT-2 BPE; --bpe-dir DIR copies vocab.json + merges.txt\n";
+  } else {
+    out += concat("no tokenizer files: this checkpoint's tokens are '", st.tokenizer, "' (byte values 0-255, end of text ",
+                  st.eot_token, "), which Hugging Face has no tokenizer class for\n");
+  }
+  return out;
+}
+
+}  // namespace mpitrain
