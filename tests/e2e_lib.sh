@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Shared start of the end-to-end script tests (observe_test.sh, hf_export_test.sh; sourced):
 # mpirun as root and oversubscribed, a work directory removed on exit (KEEP=1 keeps it), the
-# PASS/FAIL counters, and a small corpus packed into byte-level shards data/c-{train,val}-*.h5.
+# PASS/FAIL counters, and (unless E2E_NO_CORPUS is set) a small corpus packed into byte-level
+# shards data/c-{train,val}-*.h5.
 # Needs BIN (the mpitrain binary) set by the caller; ends with `cd $WORK`.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
        PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
@@ -20,6 +21,7 @@ need_python() {  # "import ..." statement, Debian package names
   $PY -c "$1" 2>/dev/null || { echo "FAIL: $PY cannot '$1' (Debian: $2; scripts/test.sh installs them)"; exit 1; }
 }
 
+[ -n "${E2E_NO_CORPUS:-}" ] && return 0
 mkdir corpus
 for i in $(seq 1 80); do
   printf 'The quick brown fox %d jumps over the lazy dog.\n%%\nA stitch in time saves %d.\n%%\n' "$i" "$i" >> corpus/a.txt

@@ -3,6 +3,9 @@
 // all-reduce with and without overlap with backward; reduce-scatter and ZeRO-1's sharded GradSync.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <utility>
+
 #include "mpitrain/comm.h"
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/error.h"
@@ -29,6 +32,26 @@ TEST(MpiComm, AllReduceSumAvgMax) {
   auto m = torch::tensor({static_cast<int64_t>(r)});
   c->all_reduce(m, ReduceOp::max);
   EXPECT_EQ(m.item<int64_t>(), n - 1);
+}
+
+// bf16 and fp16: MPI has neither the types nor a sum over them; the communicator brings both.
+// Integers below 256 are exact in both, so these sums are exact.
+TEST(MpiComm, SixteenBitSumsAndAverages) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    auto t = (torch::arange(10, torch::kFloat32) + r).to(dtype);
+    const uint64_t before = c->reduced_bytes();
+    c->all_reduce(t, ReduceOp::sum);
+    EXPECT_EQ(c->reduced_bytes() - before, 20u);  // 10 elements of 2 bytes handed to the reduction
+    EXPECT_EQ(t.scalar_type(), dtype);
+    EXPECT_TRUE(torch::equal(t.to(torch::kFloat32), torch::arange(10, torch::kFloat32) * n + n * (n - 1) / 2.0)) << dtype;
+    auto a = torch::full({5}, 2.0 * r, dtype);
+    c->all_reduce_async(a, ReduceOp::avg)->wait();
+    EXPECT_EQ(a[0].item<float>(), static_cast<float>(n - 1)) << dtype;
+    auto m = torch::ones({3}, dtype);
+    EXPECT_THROW(c->all_reduce(m, ReduceOp::max), Error);  // no max over 16-bit floats: refused, not wrong
+  }
 }
 
 TEST(MpiComm, NonContiguousTensorsAreReducedInPlace) {
@@ -131,6 +154,69 @@ TEST(GradSync, ShardedSlicesTileTheAverageAndAllGatherRestoresParameters) {
     total += p.numel();
   }
   EXPECT_NEAR(static_cast<double>(mine), static_cast<double>(total) / n, static_cast<double>(sync.num_buckets() * n));
+}
+
+// comm.grad_dtype: buckets travel in bf16/fp16, half the bytes, and the averages land within the
+// rounding the 16-bit path can add. Derivation: each rank's g/n is rounded once (relative u) and
+// the n values are summed with n-1 roundings of partial sums no larger than sum|g|/n, so
+// |got - average| <= n u sum_r|g_r|/n + n 2^-25 (fp16 subnormals: absolute half-spacing), with
+// u = 2^-8 for bf16 and 2^-11 for fp16. Sharded (ZeRO-1) alike.
+TEST(GradSync, SixteenBitGradientsHalveTheBytesWithinTheirRounding) {
+  auto c = world();
+  const int n = c->size(), r = c->rank();
+  for (bool shard : {false, true}) {
+    for (const auto& wire_u : {std::pair{torch::kBFloat16, std::ldexp(1.0, -8)}, std::pair{torch::kHalf, std::ldexp(1.0, -11)}}) {
+      const torch::ScalarType wire = wire_u.first;  // (not structured bindings: the lambda below captures them)
+      const double u = wire_u.second;
+      torch::manual_seed(300 + r);
+      std::vector<torch::Tensor> params;
+      for (int64_t len : {1000, 7, 30000, 50}) params.push_back(torch::zeros({len}).requires_grad_(true));
+      std::vector<torch::Tensor> grads, expected, abs_mean;
+      for (auto& p : params) grads.push_back(torch::randn_like(p));
+      for (auto& g : grads) {
+        auto e = g.clone(), a = g.abs();
+        c->all_reduce(e, ReduceOp::avg);
+        c->all_reduce(a, ReduceOp::avg);
+        expected.push_back(e);
+        abs_mean.push_back(a);
+      }
+      uint64_t bytes[2];
+      for (int k = 0; k < 2; ++k) {  // fp32, then the 16-bit wire, from the same gradients
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i].clone();
+        GradSync sync(params, *c, /*bucket_mb=*/0.05, /*overlap=*/false, shard, k == 0 ? torch::kFloat32 : wire);
+        const uint64_t before = c->reduced_bytes();
+        sync.all_reduce_grads();
+        bytes[k] = c->reduced_bytes() - before;
+        EXPECT_EQ(bytes[k], sync.bytes_per_step());
+        if (k == 0) continue;
+        auto check = [&](size_t param, int64_t begin, int64_t length, const torch::Tensor& got) {
+          auto want = expected[param].narrow(0, begin, length);
+          auto bound = abs_mean[param].narrow(0, begin, length) * (n * u) + n * std::ldexp(1.0, -25);
+          EXPECT_TRUE(((got - want).abs() <= bound).all().item<bool>())
+              << wire << " shard " << shard << " param " << param << ": max |delta| "
+              << (got - want).abs().max().item<float>();
+        };
+        if (shard)
+          for (const auto& sl : sync.owned_slices())
+            check(sl.param, sl.begin, sl.length, sync.grad_shard(sl.bucket).narrow(0, sl.shard_offset, sl.length));
+        else
+          for (size_t i = 0; i < params.size(); ++i) check(i, 0, params[i].numel(), params[i].grad());
+      }
+      EXPECT_EQ(bytes[1] * 2, bytes[0]) << wire << " shard " << shard;  // half the bytes
+    }
+  }
+}
+
+// fp16 cannot hold 4 x 30000: the division by the group size comes before the cast, so averages
+// of large gradients do not overflow where the fp32 average is representable.
+TEST(GradSync, Fp16GradientsArePreDividedAndDoNotOverflow) {
+  auto c = world();
+  auto p = torch::zeros({64}).requires_grad_(true);
+  p.mutable_grad() = torch::full({64}, 30000.0f);
+  GradSync sync({p}, *c, /*bucket_mb=*/1, /*overlap=*/false, /*shard=*/false, torch::kHalf);
+  sync.all_reduce_grads();
+  EXPECT_TRUE(torch::isfinite(p.grad()).all().item<bool>());
+  EXPECT_NEAR(p.grad()[0].item<float>(), 30000.0f, 30000.0f * c->size() * std::ldexp(1.0, -11));
 }
 
 TEST(GradSync, BucketedAverageEqualsPerParameterAverage) {

@@ -2,6 +2,8 @@
 //
 // Contract: every rank of the group calls every method in the same order, with tensors of the
 // same shape and dtype. Operations a backend cannot do throw Error; none silently does nothing.
+// Reductions take fp32/fp64/integer tensors, and bf16/fp16 ones for sum and avg (MPI: a
+// user-defined sum that adds in fp32 and rounds once per step; NCCL: its own).
 // Backends: MPI (CPU tensors; device tensors are staged through host memory) and, in GPU
 // builds, NCCL (bootstrapped over MPI: rank 0's unique id travels by MPI_Bcast).
 #pragma once
@@ -49,6 +51,16 @@ class Communicator {
   virtual std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op);
   // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
   virtual void check_async_errors() {}
+
+  // Bytes this rank has handed to reducing collectives (all_reduce, reduce_scatter: the input's
+  // size), what gradient compression (comm.grad_dtype) halves; tests and the log read it.
+  virtual uint64_t reduced_bytes() const { return reduced_bytes_; }
+
+ protected:
+  void count_reduced(const torch::Tensor& t) { reduced_bytes_ += static_cast<uint64_t>(t.nbytes()); }
+
+ private:
+  uint64_t reduced_bytes_ = 0;
 };
 
 // all_gather and reduce_scatter's shape rule, for every backend: `whole` (named `whole_name` in

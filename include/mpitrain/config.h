@@ -91,6 +91,7 @@ struct CommConfig {
   std::string backend = "auto";  // auto | mpi | nccl
   double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
   bool overlap = true;           // launch each bucket's all-reduce during backward, when it is ready
+  std::string grad_dtype = "fp32";  // the gradients' dtype on the wire: fp32 | bf16 | fp16 (half the bytes)
 };
 
 // The layout of the ranks (mesh.h): world = dp x tp, tp groups consecutive ranks of one host.

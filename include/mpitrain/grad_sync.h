@@ -37,8 +37,12 @@ namespace mpitrain {
 
 class GradSync {
  public:
+  // `wire`: the dtype buckets travel in (comm.grad_dtype). bf16/fp16: each bucket is divided by
+  // the group size in fp32 (so fp16 cannot overflow where the fp32 average would not), cast, summed
+  // in 16 bits, and cast back into the fp32 gradients, as PyTorch DDP's fp16/bf16 compression
+  // hooks do; half the bytes of fp32.
   GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap,
-           bool shard = false);
+           bool shard = false, torch::ScalarType wire = torch::kFloat32);
   ~GradSync();
   GradSync(const GradSync&) = delete;  // the hooks hold `this`
   GradSync& operator=(const GradSync&) = delete;
@@ -72,6 +76,8 @@ class GradSync {
   Communicator& communicator() const { return comm_; }
 
   size_t num_buckets() const { return buckets_.size(); }
+  // Bytes one step hands to the reducing collectives (all buckets, in the wire dtype).
+  uint64_t bytes_per_step() const;
   bool overlapping() const { return overlap_; }
   // Buckets whose all-reduce the hooks started during the last backward (tests, logging).
   size_t launched_during_backward() const { return launched_in_backward_; }
@@ -82,6 +88,7 @@ class GradSync {
     torch::Tensor flat;          // packed gradients (sharded: padded to `padded` elements)
     int64_t padded = 0;          // flat's length (sharded: a multiple of the group size)
     torch::Tensor shard;         // sharded: this rank's reduce-scattered part of flat
+    torch::Tensor wire, wire_shard;  // compressed: flat (and shard) in the wire dtype
     size_t ready = 0;            // parameters whose gradient is in `flat` (overlap)
     std::unique_ptr<Work> work;  // the all-reduce in flight
   };

@@ -81,6 +81,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(checkpoint, writers),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
+    MPITRAIN_FIELD(comm, grad_dtype),
     MPITRAIN_FIELD(parallel, tp),
     MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),
@@ -429,6 +430,8 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(c.comm.backend, {"auto", "mpi", "nccl"}), "comm.backend", "one of auto|mpi|nccl",
         show(c.comm.backend));
   check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
+  check(one_of(c.comm.grad_dtype, {"fp32", "bf16", "fp16"}), "comm.grad_dtype", "one of fp32|bf16|fp16",
+        show(c.comm.grad_dtype));
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));

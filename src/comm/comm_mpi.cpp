@@ -11,8 +11,41 @@
 namespace mpitrain {
 namespace {
 
+// ---- 16-bit floats: MPI has no bf16/fp16 type, nor a sum over them ---------------------------
+// Each gets its own 2-byte datatype and a commutative user-defined sum that adds in fp32 and
+// rounds to nearest-even once per pairwise step of MPI's reduction (what NCCL does for them too).
+// Gradient compression (comm.grad_dtype) sends buckets in these types.
+template <class Half>
+void sum_halves(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const Half*>(in);
+  auto* b = static_cast<Half*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Half(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+struct HalfTypes {
+  MPI_Datatype bf16 = MPI_DATATYPE_NULL, fp16 = MPI_DATATYPE_NULL;
+  MPI_Op bf16_sum = MPI_OP_NULL, fp16_sum = MPI_OP_NULL;
+  HalfTypes() {
+    for (MPI_Datatype* t : {&bf16, &fp16}) {
+      MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, t));
+      MPI_CHECK(MPI_Type_commit(t));
+    }
+    MPI_CHECK(MPI_Op_create(&sum_halves<c10::BFloat16>, /*commute=*/1, &bf16_sum));
+    MPI_CHECK(MPI_Op_create(&sum_halves<c10::Half>, /*commute=*/1, &fp16_sum));
+  }
+};
+
+const HalfTypes& half_types() {
+  static const HalfTypes types;  // after MPI_Init: the first 16-bit collective creates them
+  return types;
+}
+
+bool is_half(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf; }
+
 MPI_Datatype mpi_type(const torch::Tensor& t) {
   switch (t.scalar_type()) {
+    case torch::kBFloat16: return half_types().bf16;
+    case torch::kHalf: return half_types().fp16;
     case torch::kFloat32: return MPI_FLOAT;
     case torch::kFloat64: return MPI_DOUBLE;
     case torch::kInt64: return MPI_INT64_T;
@@ -24,7 +57,12 @@ MPI_Datatype mpi_type(const torch::Tensor& t) {
   }
 }
 
-MPI_Op mpi_op(ReduceOp op) {
+MPI_Op mpi_op(ReduceOp op, const torch::Tensor& t) {
+  if (is_half(t)) {
+    if (op != ReduceOp::sum && op != ReduceOp::avg)
+      throw Error(concat("MPI communicator: only sum and avg over ", t.scalar_type(), " tensors"));
+    return t.scalar_type() == torch::kBFloat16 ? half_types().bf16_sum : half_types().fp16_sum;
+  }
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg: return MPI_SUM;
@@ -89,6 +127,7 @@ class MpiCommunicator final : public Communicator {
   std::string name() const override { return "mpi"; }
 
   void all_reduce(torch::Tensor& t, ReduceOp op) override {
+    count_reduced(t);
     Watchdog::Scope watch("all_reduce");
     with_host_copy(t, /*copy_back=*/true, [&](torch::Tensor& h) {
       const MPI_Datatype type = mpi_type(h);
@@ -96,7 +135,7 @@ class MpiCommunicator final : public Communicator {
       char* base = static_cast<char*>(h.data_ptr());
       for (int64_t off = 0; off < h.numel(); off += kMaxCount) {
         int count = static_cast<int>(std::min(kMaxCount, h.numel() - off));
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op), comm_));
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op, h), comm_));
       }
       if (op == ReduceOp::avg) {
         if (!h.is_floating_point()) throw Error("all_reduce avg needs a floating-point tensor");
@@ -142,6 +181,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op) override {
     if (op == ReduceOp::avg && !t.is_floating_point())
       throw Error("all_reduce avg needs a floating-point tensor");
+    count_reduced(t);
     const bool staged = !(t.is_cpu() && t.is_contiguous());
     torch::Tensor host = staged ? t.to(torch::kCPU).contiguous() : t;
     auto work = std::make_unique<MpiWork>("all_reduce(bucket)", host, staged ? t : torch::Tensor(), op, size_);
@@ -151,7 +191,7 @@ class MpiCommunicator final : public Communicator {
     for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
       int count = static_cast<int>(std::min(kMaxCount, host.numel() - off));
       work->requests().emplace_back();
-      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op), comm_,
+      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, base + off * elem, count, type, mpi_op(op, host), comm_,
                                &work->requests().back()));
     }
     return work;
@@ -162,13 +202,14 @@ class MpiCommunicator final : public Communicator {
     if (out.numel() > kMaxCount) throw Error("reduce_scatter: output too large for one MPI call");
     if (op == ReduceOp::avg && !out.is_floating_point())
       throw Error("reduce_scatter avg needs a floating-point tensor");
+    count_reduced(in);
     torch::Tensor hin = in.is_cpu() && in.is_contiguous() ? in : in.to(torch::kCPU).contiguous();
     const bool staged = !(out.is_cpu() && out.is_contiguous());
     torch::Tensor hout = staged ? torch::empty(out.sizes(), hin.options()) : out;
     auto work = std::make_unique<MpiWork>("reduce_scatter(bucket)", hout, staged ? out : torch::Tensor(), op, size_, hin);
     work->requests().emplace_back();
     MPI_CHECK(MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(out.numel()),
-                                        mpi_type(hin), mpi_op(op), comm_, &work->requests().back()));
+                                        mpi_type(hin), mpi_op(op, hin), comm_, &work->requests().back()));
     return work;
   }
 

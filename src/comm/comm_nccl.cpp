@@ -180,9 +180,11 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "nccl"; }
+  uint64_t reduced_bytes() const override { return Communicator::reduced_bytes() + host_->reduced_bytes(); }
 
   void all_reduce(torch::Tensor& t, ReduceOp op) override {
     if (!on_device(t)) return host_->all_reduce(t, op);
+    count_reduced(t);
     Watchdog::Scope watch("ncclAllReduce");
     nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_,
                              current()),
@@ -210,6 +212,7 @@ class NcclCommunicator final : public Communicator {
 
   void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) override {
     if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter(in, out, op);
+    count_reduced(in);
     check_gather_sizes("reduce_scatter", "in", in, out, size_);
     torch::Tensor src = in.contiguous();
     Watchdog::Scope watch("ncclReduceScatter");
@@ -233,6 +236,7 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op) override {
     if (!on_device(t)) return host_->all_reduce_async(t, op);
+    count_reduced(t);
     return on_comm_stream({t}, [&](cudaStream_t s) {
       nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t), nccl_op(op), comm_, s), comm_,
                  "ncclAllReduce");
@@ -243,6 +247,7 @@ class NcclCommunicator final : public Communicator {
     if (!in.is_cuda() || !on_device(out)) return host_->reduce_scatter_async(in, out, op);
     check_gather_sizes("reduce_scatter", "in", in, out, size_);
     on_device(in);
+    count_reduced(in);
     return on_comm_stream({in, out}, [&](cudaStream_t s) {
       nccl_check(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(out), nccl_op(op), comm_, s),
                  comm_, "ncclReduceScatter");

@@ -5,7 +5,8 @@
 
 namespace mpitrain {
 
-GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard)
+GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard,
+                   torch::ScalarType wire)
     : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard) {
   const double limit = bucket_mb * 1024.0 * 1024.0;
   bucket_of_.assign(params_.size(), 0);
@@ -37,6 +38,10 @@ GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double
     const auto options = params_[bucket.params.front()].options().requires_grad(false);
     // Padding stays zero: slots never cover it, and the all-gather writes zeros back into it.
     bucket.flat = shard_ ? torch::zeros({bucket.padded}, options) : torch::empty({n}, options);
+    if (wire != options.dtype().toScalarType()) {
+      bucket.wire = torch::zeros({bucket.flat.numel()}, options.dtype(wire));
+      if (shard_) bucket.wire_shard = torch::zeros({bucket.padded / n_ranks}, options.dtype(wire));
+    }
     if (!shard_) continue;
     bucket.shard = torch::zeros({bucket.padded / n_ranks}, options);
     const int64_t lo = comm_.rank() * (bucket.padded / n_ranks), hi = lo + bucket.padded / n_ranks;
@@ -102,7 +107,19 @@ void GradSync::launch_ready() {
 }
 
 void GradSync::launch(Bucket& b) {
-  b.work = shard_ ? comm_.reduce_scatter_async(b.flat, b.shard, ReduceOp::avg) : comm_.all_reduce_async(b.flat, ReduceOp::avg);
+  if (!b.wire.defined()) {
+    b.work = shard_ ? comm_.reduce_scatter_async(b.flat, b.shard, ReduceOp::avg) : comm_.all_reduce_async(b.flat, ReduceOp::avg);
+    return;
+  }
+  b.flat.div_(comm_.size());  // the average's division before the cast: fp16 sums cannot overflow
+  b.wire.copy_(b.flat);
+  b.work = shard_ ? comm_.reduce_scatter_async(b.wire, b.wire_shard, ReduceOp::sum) : comm_.all_reduce_async(b.wire, ReduceOp::sum);
+}
+
+uint64_t GradSync::bytes_per_step() const {
+  uint64_t bytes = 0;
+  for (const auto& b : buckets_) bytes += static_cast<uint64_t>((b.wire.defined() ? b.wire : b.flat).nbytes());
+  return bytes;
 }
 
 void GradSync::all_reduce_grads() {
@@ -126,6 +143,7 @@ void GradSync::all_reduce_grads() {
   for (auto& b : buckets_) {
     b.work->wait();
     b.work.reset();
+    if (b.wire.defined()) (shard_ ? b.shard : b.flat).copy_(shard_ ? b.wire_shard : b.wire);  // back to fp32
     if (shard_) {  // the optimizer reads grad_shard(); the whole gradients are spent
       for (size_t k : b.params) params_[k].mutable_grad() = torch::Tensor();
       continue;

@@ -191,7 +191,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   const bool overlap = cfg.comm.overlap && !(device.is_cuda() && dp.name() == "mpi");
   // ZeRO-1: gradients reduce-scattered over the dp group, AdamW state for this rank's slices.
   const bool zero = cfg.optim.zero == 1 && layout.dp > 1;
-  GradSync grad_sync(params, dp, cfg.comm.bucket_mb, overlap, zero);
+  const torch::ScalarType wire = cfg.comm.grad_dtype == "bf16"   ? torch::kBFloat16
+                                 : cfg.comm.grad_dtype == "fp16" ? torch::kHalf
+                                                                 : torch::kFloat32;
+  GradSync grad_sync(params, dp, cfg.comm.bucket_mb, overlap, zero, wire);
   AdamW opt = zero ? AdamW(model->named_params(), grad_sync, cfg.optim, fused_adamw)
                    : AdamW(model->named_params(), cfg.optim, fused_adamw);
   const GradSync* shards = zero ? &grad_sync : nullptr;
@@ -222,6 +225,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                 zero ? " reduce-scatter buckets" : " all-reduce buckets",
                 grad_sync.overlapping() ? " (overlapped with backward)" : "", "; ", threads,
                 " threads per rank; backend ", dp.name()));
+  if (layout.dp > 1)
+    log::info(concat("gradient communication: ", static_cast<double>(grad_sync.bytes_per_step()) / (1 << 20),
+                     " MiB per rank per step in ", cfg.comm.grad_dtype,
+                     cfg.comm.grad_dtype == "fp32" ? std::string()
+                                                   : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)"));
   log::info(concat("data: ", train_data->num_tokens(), " train tokens in ", train_data->paths().size(),
                 " shards (", train_data->num_windows(), " windows/epoch)",
                 val_data ? concat(", ", val_data->num_tokens(), " val tokens") : std::string()));
