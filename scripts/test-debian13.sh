@@ -10,9 +10,10 @@
 # scratch. Proc, sys, dev and a private /dev/shm are mounted in a mount namespace of this script's
 # own: they vanish with it, even if it is killed.
 #
-# Inside, every CTest test runs (the netns multi-host test too, under OpenMPI 5) except the Docker
-# swarm and Slurm kits, which need this host's daemons, and the fuzz test: those run in the
-# Debian 12 leg (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS replaces that selection.
+# Inside, every CTest test runs (the netns and fleet multi-host tests too, under OpenMPI 5) except
+# the Docker swarm and Slurm kits, which need this host's daemons, the slow-links timing test and
+# the fuzz test: those run in the Debian 12 leg (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS
+# replaces that selection.
 # When this machine has a CUDA toolkit with nccl.h in /usr/local/cuda (as the CI machine has),
 # it is mounted read-only into the root, so the GPU sources and CUDA kernels are compile-checked
 # against libtorch 2.6's headers with trixie's GCC as well.
@@ -23,7 +24,9 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 ROOT=$CACHE/debian13-root
-CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|fuzz)$}
+# multihost_slow compares predicted with measured step timings on rate-limited links: once, in the
+# Debian 12 leg, where nothing else runs beside it.
+CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|multihost_slow|fuzz)$}
 
 say() { echo "debian13: $*"; }
 [ "$(id -u)" -eq 0 ] || { say "needs root (debootstrap, chroot, mounts)"; exit 1; }

@@ -60,7 +60,8 @@ struct Startup {
 // Everything above, in order; `cfg` is resolved for the world (train.grad_accum/global_batch).
 // Rank 0 locks checkpoint.dir before it looks for a checkpoint to resume (dir_lock.h); a job
 // holding it already is exit 2 on every rank. force_unlock: --force-unlock.
-Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock = false);
+// plan_only (`mpitrain plan`): no rank log files, and checkpoint.dir is neither locked nor read.
+Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock = false, bool plan_only = false);
 
 // A resumed run may use another global batch (another world size, micro-batch or accumulation):
 // allowed, and said, with what it changes. The checkpoint's own run is known from the resolved

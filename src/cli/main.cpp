@@ -7,6 +7,7 @@
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
 //   mpitrain export CHECKPOINT.h5 --format hf DIR       a Hugging Face GPT-2 model directory
 //   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
+//   mpitrain plan CONFIG.yaml [--set ...]                does another host pay? predicted step times
 #include <CLI/CLI.hpp>
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/netcheck.h"
 #include "mpitrain/pack.h"
+#include "mpitrain/plan.h"
 #include "mpitrain/sample.h"
 #include "mpitrain/train.h"
 
@@ -30,7 +32,8 @@ namespace {
 
 // Commands other than training, keyed by their first argument; anything else means `train`.
 bool is_command(const std::string& a) {
-  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "export" || a == "netcheck";
+  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "export" || a == "netcheck" ||
+         a == "plan";
 }
 
 int run_cli(int argc, char** argv, MpiSession& mpi) {
@@ -107,6 +110,16 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   export_cmd->add_option("--bpe-dir", export_args.bpe_dir,
                          "GPT-2 BPE checkpoints: the vocab.json + merges.txt the shards were packed with (copied along)");
 
+  std::string plan_config;
+  std::vector<std::string> plan_overrides;
+  PlanOptions plan;
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "under the training's mpirun: measure compute and all-reduce, predict step time and communication "
+              "share per grad_accum and grad_dtype, recommend a setting");
+  plan_cmd->add_option("config", plan_config, "YAML config file")->required();
+  plan_cmd->add_option("--set", plan_overrides, "override a config key: section.key=value (repeatable)");
+  plan_cmd->add_option("--iters", plan.iters, "timed repetitions of each measurement")->capture_default_str();
+
   NetcheckOptions netcheck;
   auto* netcheck_cmd = app.add_subcommand("netcheck", "check the launch: host map, links, all-reduce bandwidth");
   netcheck_cmd->add_option("--max-bytes", netcheck.max_bytes, "largest all-reduce message")->capture_default_str();
@@ -148,6 +161,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
            concat(sample.temperature));
       need(sample.top_k >= 0, "--top-k", ">= 0 (0 = no top-k)", std::to_string(sample.top_k));
     }
+    if (*plan_cmd) need(plan.iters >= 1, "--iters", ">= 1", std::to_string(plan.iters));
     if (*netcheck_cmd) {
       need(netcheck.max_bytes >= 4, "--max-bytes", ">= 4", std::to_string(netcheck.max_bytes));
       need(netcheck.p2p_bytes >= 4, "--p2p-bytes", ">= 4", std::to_string(netcheck.p2p_bytes));
@@ -162,6 +176,12 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     hooks.stop_after = stop_after;
     hooks.force_unlock = force_unlock;
     return train(cfg, MPI_COMM_WORLD, hooks).exit_code;
+  }
+  if (*plan_cmd) {
+    Config cfg;
+    agree(MPI_COMM_WORLD, [&] { cfg = load_config(plan_config, plan_overrides); });
+    run_plan(cfg, MPI_COMM_WORLD, plan);
+    return 0;
   }
   if (*pack_cmd) {
     // Collective: the ranks share the input; the shards are the same on any number of ranks.

@@ -106,7 +106,7 @@ void check_tensor_parallel_dims(const GPTDims& d, const Config& cfg, int tp) {
 
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
 
-Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
+Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_only) {
   install_stop_signals();
   follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
   Startup run;
@@ -120,7 +120,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
   log::set_level(log::parse_level(cfg.log.level));
   log::set_all_ranks(cfg.log.level == "debug");  // debug: every rank's lines, each with its rank
-  if (cfg.log.rank_files) {  // every rank's lines in <out_dir>/logs/rank-<r>.log, also on hosts without rank 0
+  if (cfg.log.rank_files && !plan_only) {  // every rank's lines in <out_dir>/logs/rank-<r>.log, also on hosts without rank 0
     agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
       const std::string dir = cfg.train.out_dir + "/logs", path = concat(dir, "/rank-", topo.rank, ".log");
       std::error_code ec;
@@ -198,6 +198,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock) {
   // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the
   // checkpoint's weights, and model.init_from only seeds a fresh start.
   auto& resume = run.resume;
+  if (plan_only) return run;
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     if (topo.rank != 0) return;
     ensure_writable_dir(cfg.checkpoint.dir, "checkpoint.dir");

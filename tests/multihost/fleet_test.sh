@@ -125,7 +125,7 @@ fleet() {  # name args...
   local name=$1 t0 rc
   shift
   t0=$(date +%s%N)
-  bounded "$FLEET_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts --mount -- \
+  bounded "$FLEET_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts --mount --root --wd=/ -- \
     "$FLEET" "$@" > "$T/$name.out" 2>&1
   rc=$?
   SECS=$((($(date +%s%N) - t0) / 1000000000))
@@ -282,7 +282,7 @@ check "bad usage (11 cases): exit 2 with one line 'fleet.sh: ...'" "[ $usage_ok 
 
 # ---- train on the three hosts from the copies ------------------------------------------------------
 netns_mpi_env "$ROOT"
-bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts --mount -- \
+bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts --mount --root --wd=/ -- \
   mpirun --hostfile "$T/hosts" -np 4 --bind-to none "$SRV/bin/mpitrain" "$SRV/config.yaml" > train.out 2>&1
 rc=$?
 check "mpirun trains 2 steps on 3 hosts from the copied binary, config and shards (exit $rc)" \

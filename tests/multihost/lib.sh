@@ -53,12 +53,16 @@ bounded() {  # seconds command...
 #   NETNS_TOOLS     commands it needs besides the set-up's own (an array, may be empty)
 #   NETNS_MOUNT_NS  1: every node's sshd, and so everything started through it, gets a private
 #                   mount namespace of its own (on_node enters it too); 0: the machine's
+#   NETNS_RATE      optional, e.g. 100mbit or 1gbit (a number with bit, kbit, mbit or gbit): every
+#                   node's link is limited to this rate in each direction, as a NIC of that speed
+#                   on a switch (unset or empty: no limit, the veths run at memory speed)
 # and may define netns_node_prelude (node index: prints sh commands that run in the node's
 # namespaces before its sshd starts, e.g. a mount), then calls netns_begin (traps: cleanup on
 # exit, failure, timeout or Ctrl-C) and netns_setup. netns_setup skips (exit 77) when namespaces
 # cannot be created, and leaves CIDR, ADDRS, NODE_NS, SWITCH_NS, T (the temporary directory),
 # $T/ssh_config (key-only client, known_hosts filled in advance) and SSHD_PIDS (one sshd per
-# node); its one PASS line says every node answers ssh from node 1 with its own hostname.
+# node); its one PASS line says every node answers ssh from node 1 with its own hostname (and,
+# under NETNS_RATE, a second one that every link carries the rate limit).
 # netns_cleanup removes everything by PID and name: the sshds and anything else left running in
 # the namespaces (private mounts go with their last process), the namespaces with their veths and
 # bridge, the temporary directory; then prints the summary and exits.
@@ -70,6 +74,7 @@ MADE_RUN_SSHD=0                  # whether this run created /run/sshd (sshd's pr
 SKIPPED=0
 NETNS_TOOLS=()
 NETNS_MOUNT_NS=0
+NETNS_RATE=${NETNS_RATE:-}
 
 netns_begin() {
   exec 3>&1 4>&2                 # the test's own stdout/stderr, for netns_cleanup
@@ -135,7 +140,9 @@ on_node() {  # index command...
   local i=$1
   shift
   if [ "$NETNS_MOUNT_NS" -eq 1 ]; then
-    nsenter --target "${SSHD_PIDS[$i]}" --net --uts --mount -- "$@"
+    # --root --wd=/: the sshd's root directory, and / in it (entering a mount namespace resets both to that
+    # namespace's root, which in a chroot, e.g. scripts/test-debian13.sh's, is not the sshd's)
+    nsenter --target "${SSHD_PIDS[$i]}" --net --uts --mount --root --wd=/ -- "$@"
   else
     nsenter --target "${SSHD_PIDS[$i]}" --net --uts -- "$@"
   fi
@@ -151,7 +158,12 @@ netns_setup() {
 
   # ---- can this machine create network namespaces? ----
   [ "$(id -u)" -eq 0 ] || { SKIPPED=1; skip "network namespaces need root (uid $(id -u))"; }
-  for tool in ip unshare nsenter timeout /usr/sbin/sshd ssh ssh-keygen "${NETNS_TOOLS[@]}"; do
+  local rate_tools=()
+  if [ -n "$NETNS_RATE" ]; then
+    rate_tools=(tc)
+    netns_burst "$NETNS_RATE" >/dev/null || { bad "setup: NETNS_RATE=$NETNS_RATE: want a number with bit, kbit, mbit or gbit (e.g. 100mbit)"; exit 1; }
+  fi
+  for tool in ip unshare nsenter timeout /usr/sbin/sshd ssh ssh-keygen "${rate_tools[@]}" "${NETNS_TOOLS[@]}"; do
     command -v "$tool" >/dev/null || setup_fail "missing $tool (packages iproute2, util-linux, openssh-server, openssh-client, openmpi-bin, pdsh)"
   done
   if ! err=$(ip netns add "$SWITCH_NS" 2>&1); then
@@ -177,8 +189,18 @@ netns_setup() {
     run_quiet ip -n "$ns" addr add "${ADDRS[$i]}/24" dev eth0
     run_quiet ip -n "$ns" link set lo up
     run_quiet ip -n "$ns" link set eth0 up
+    if [ -n "$NETNS_RATE" ]; then netns_limit_link "$ns" "p$((i + 1))"; fi
   done
   run_quiet ip netns exec "$SWITCH_NS" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1
+  if [ -n "$NETNS_RATE" ]; then
+    local shaped=0
+    for i in "${!HOSTS[@]}"; do
+      tc -n "${NODE_NS[$i]}" qdisc show dev eth0 | grep -q "^qdisc tbf .* rate " && shaped=$((shaped + 1))
+      tc -n "$SWITCH_NS" qdisc show dev "p$((i + 1))" | grep -q "^qdisc tbf .* rate " && shaped=$((shaped + 1))
+    done
+    check "every node's link is limited to $NETNS_RATE each way (tbf on its eth0 and on its switch port; burst $(netns_burst "$NETNS_RATE") bytes)" \
+      "[ $shaped -eq $((2 * ${#HOSTS[@]})) ]"
+  fi
 
   # ---- ssh: a client key, a host key and an sshd per node, known_hosts filled in advance ----
   run_quiet ssh-keygen -q -t ed25519 -N '' -C "$ID-client" -f "$T/id_ed25519"
@@ -232,6 +254,32 @@ echo "$1" > /proc/sys/kernel/hostname && exec /usr/sbin/sshd -D -e -f "$2"' \
     [ "$got" = "${HOSTS[$i]}" ] || { show_tail "$T/probe$i.err"; setup_fail "ssh from node1 to ${ADDRS[$i]} (got '$got')" "$T/node$((i + 1))/sshd.log"; }
   done
   ok "ssh from node1 reaches each node's sshd (key-only, no prompt), which reports its own hostname"
+}
+
+# ---- NETNS_RATE: links of a given speed ----
+# A token bucket filter (tc-tbf) as the root qdisc of both ends of a node's veth: on the node's
+# eth0 it shapes what the node sends, on its port p<i> in the switch namespace what the bridge
+# delivers to it, so each node has a full-duplex link of NETNS_RATE and two nodes talk at that rate
+# (several flows into one node share its port, as on a switch). tbf rather than netem's rate:
+# tbf is a plain shaper (no added delay model, a bounded queue), and this machine's kernel has no
+# sch_netem. The qdiscs live on the namespaces' interfaces and go when the namespaces are deleted.
+# Bucket: 2 ms of traffic at the rate, at least 16 KiB (over ten 1500-byte frames, so that the
+# shaper, not its timer, sets the rate); queue: 50 ms of traffic (a switch port's buffer), beyond
+# which packets are dropped and TCP backs off, as on a real congested link.
+netns_burst() {  # rate -> bytes of the token bucket; fails on a rate it cannot read
+  awk -v r="$1" 'BEGIN {
+    if (!match(tolower(r), /^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$/)) exit 1
+    v = tolower(r); n = v + 0; sub(/^[0-9.]+/, "", v)
+    bps = n * (v == "bit" ? 1 : v == "kbit" ? 1e3 : v == "mbit" ? 1e6 : 1e9) / 8
+    b = int(bps * 0.002); if (b < 16384) b = 16384
+    print b }'
+}
+
+netns_limit_link() {  # node namespace, its switch port
+  local burst
+  burst=$(netns_burst "$NETNS_RATE")
+  run_quiet tc -n "$1" qdisc add dev eth0 root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
+  run_quiet tc -n "$SWITCH_NS" qdisc add dev "$2" root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
 }
 
 # An sshd's host key and configuration in directory d: key-only root logins from $T's client key.

@@ -1,0 +1,204 @@
+// `mpitrain plan` (see plan.h).
+#include "mpitrain/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "mpitrain/amp.h"
+#include "mpitrain/comm.h"
+#include "mpitrain/error.h"
+#include "mpitrain/grad_sync.h"
+#include "mpitrain/log.h"
+#include "mpitrain/mesh.h"
+#include "mpitrain/model.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/optim.h"
+#include "mpitrain/startup.h"
+
+namespace mpitrain {
+namespace {
+
+// The median over `iters` runs (after 2 warm-ups) of the slowest rank's time of fn.
+template <class Fn>
+double timed(MPI_Comm comm, int64_t iters, const torch::Device& device, Fn&& fn) {
+  std::vector<double> t;
+  for (int64_t i = 0; i < iters + 2; ++i) {
+    MPI_CHECK(MPI_Barrier(comm));
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), slowest = 0;
+    MPI_CHECK(MPI_Allreduce(&s, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm));
+    if (i >= 2) t.push_back(slowest);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct CommTimes {
+  double fp32 = 0, bf16 = 0;          // the whole all-reduce, seconds
+  double last_fp32 = 0, last_bf16 = 0;  // the part the last bucket takes (by its bytes)
+};
+
+// GradSync over `comm` on the model's gradients, fp32 and bf16, without overlap.
+CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator& comm, MPI_Comm mpi,
+                          const Config& cfg, int64_t iters, const torch::Device& device) {
+  CommTimes t;
+  if (comm.size() == 1) return t;
+  for (auto wire : {torch::kFloat32, torch::kBFloat16}) {
+    GradSync sync(params, comm, cfg.comm.bucket_mb, /*overlap=*/false, /*shard=*/false, wire);
+    const double s = timed(mpi, iters, device, [&] {
+      for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::ones_like(p);
+      sync.all_reduce_grads();
+    });
+    int64_t last = 0, total = 0;
+    for (size_t b = 0; b < sync.num_buckets(); ++b)
+      for (size_t k : sync.bucket_params(b)) {
+        total += params[k].numel();
+        if (b + 1 == sync.num_buckets()) last += params[k].numel();
+      }
+    const double last_share = static_cast<double>(last) / static_cast<double>(std::max<int64_t>(1, total));
+    (wire == torch::kFloat32 ? t.fp32 : t.bf16) = s;
+    (wire == torch::kFloat32 ? t.last_fp32 : t.last_bf16) = s * last_share;
+  }
+  return t;
+}
+
+double exposed(double comm, double last, double backward, bool overlap) {
+  return overlap ? std::max(last, comm - backward) : comm;
+}
+
+}  // namespace
+
+void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
+  Startup run = start_up(cfg, mpi_comm, /*force_unlock=*/false, /*plan_only=*/true);
+  const Topology& topo = run.topo;
+  agree(mpi_comm, [&] {
+    if (run.layout.tp > 1)
+      throw UsageError(concat("parallel.tp: ", run.layout.tp, ": mpitrain plan models data parallelism only; plan with ",
+                              "parallel.tp: 1 (comm.grad_dtype and train.grad_accum act on the data-parallel all-reduce alike)"));
+  });
+  const torch::Device device = run.device;
+  const GPTDims& dims = run.dims;
+  const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
+  torch::manual_seed(cfg.train.seed);
+  GPT model(dims);
+  model->to(device);
+  model->train();
+  std::vector<torch::Tensor> params;
+  for (auto& [name, p] : model->named_params()) params.push_back(p);
+
+  // ---- compute: one micro-batch forward and backward on every rank at once ----
+  torch::Tensor x = torch::randint(dims.vocab_size, {micro, T}, torch::kInt32).to(device);
+  torch::Tensor y = torch::randint(dims.vocab_size, {micro, T}, torch::kInt64).to(device);
+  torch::Tensor loss;
+  const double t_forward = timed(mpi_comm, options.iters, device, [&] {
+    Autocast autocast(run.precision, device);
+    loss = model->loss(x, y);
+  });
+  const double t_micro = timed(mpi_comm, options.iters, device, [&] {
+    {
+      Autocast autocast(run.precision, device);
+      loss = model->loss(x, y);
+    }
+    loss.backward();
+    for (auto& p : params) p.mutable_grad() = torch::Tensor();
+  });
+  const double t_backward = std::max(0.0, t_micro - t_forward);
+  // The optimizer step (gradient clipping and AdamW), once per step whatever the accumulation.
+  AdamW opt(model->named_params(), cfg.optim, cfg.optim.fused != "off" && fused_adamw_available(device.type()));
+  for (auto& p : params) p.mutable_grad() = torch::ones_like(p);
+  const double t_optimizer = timed(mpi_comm, options.iters, device, [&] {  // as a step: clip, then update
+    clip_grad_norm_(params, cfg.optim.grad_clip);
+    opt.step(cfg.optim.lr);
+  });
+
+  // ---- communication: over all ranks, and within one host ----
+  const CommTimes all = time_all_reduce(params, run.mesh->dp(), mpi_comm, cfg, options.iters, device);
+  MPI_Comm host_mpi = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split_type(mpi_comm, MPI_COMM_TYPE_SHARED, topo.rank, MPI_INFO_NULL, &host_mpi));
+  CommTimes local;
+  {
+    auto host_comm = make_communicator(cfg.comm.backend, host_mpi, device);
+    local = time_all_reduce(params, *host_comm, host_mpi, cfg, options.iters, device);
+  }
+  // The single-host baseline runs on every host at once; its figures are the slowest host's.
+  for (double* v : {&local.fp32, &local.bf16, &local.last_fp32, &local.last_bf16})
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_DOUBLE, MPI_MAX, mpi_comm));
+  MPI_CHECK(MPI_Comm_free(&host_mpi));
+  if (topo.rank != 0) return;
+
+  // ---- prediction ----
+  int64_t n_params = 0;
+  for (const auto& p : params) n_params += p.numel();
+  const double bytes = 4.0 * static_cast<double>(n_params);
+  const int n = topo.size, per_host = topo.local_size;
+  auto busbw = [&](double b, double s) { return s > 0 ? 2.0 * (n - 1) / n * b / s / 1e9 : 0.0; };
+  std::string out = concat(
+      "plan: ", n, n == 1 ? " rank" : " ranks", " on ", topo.hosts.size(), topo.hosts.size() == 1 ? " host (" : " hosts (", per_host, " on rank 0's host); model ", n_params,
+      " parameters; micro-batch ", micro, " x ", T, " tokens; ", precision_name(run.precision), "\n",
+      "measured: forward ", t_forward * 1e3, " ms, forward+backward ", t_micro * 1e3, " ms per micro-batch, clip + AdamW ",
+      t_optimizer * 1e3, " ms per step; ",
+      "gradient all-reduce of ", bytes / (1 << 20), " MiB over all ranks: fp32 ", all.fp32 * 1e3, " ms (busbw ",
+      busbw(bytes, all.fp32), " GB/s), bf16 ", all.bf16 * 1e3, " ms (busbw ", busbw(bytes / 2, all.bf16),
+      " GB/s); within one host: fp32 ", local.fp32 * 1e3, " ms, bf16 ", local.bf16 * 1e3, " ms\n");
+  struct Row {
+    int64_t accum;
+    const char* dtype;
+    bool overlap;
+    double step, exposed, tok_s, speedup;
+  };
+  std::vector<Row> rows;  // per accum and dtype: overlap on, then off
+  for (int64_t accum : {1, 2, 4, 8, 16})
+    for (const char* dtype : {"fp32", "bf16"})
+      for (bool overlap : {true, false}) {
+        const bool half = std::string(dtype) == "bf16";
+        const double e = exposed(half ? all.bf16 : all.fp32, half ? all.last_bf16 : all.last_fp32, t_backward, overlap);
+        const double e1 = exposed(half ? local.bf16 : local.fp32, half ? local.last_bf16 : local.last_fp32, t_backward, overlap);
+        const double step = static_cast<double>(accum) * t_micro + t_optimizer + e;
+        const double tok_s = static_cast<double>(accum * micro * T * n) / step;
+        const double tok_s_1 = static_cast<double>(accum * micro * T * per_host) / (static_cast<double>(accum) * t_micro + t_optimizer + e1);
+        rows.push_back({accum, dtype, overlap, step, e, tok_s, tok_s / tok_s_1});
+      }
+  char line[320];
+  out += "| grad_accum | grad_dtype | step ms | exposed comm ms | comm share | tokens/s | vs one host "
+         "| without overlap: step ms | comm share | vs one host |\n"
+         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (size_t i = 0; i + 1 < rows.size(); i += 2) {
+    const Row &r = rows[i], &o = rows[i + 1];
+    auto vs = [&](double x) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%.2fx", x);
+      return topo.hosts.size() > 1 ? std::string(b) : std::string("-");
+    };
+    std::snprintf(line, sizeof line, "| %lld | %s | %.1f | %.1f | %.0f%% | %.0f | %s | %.1f | %.0f%% | %s |\n",
+                  static_cast<long long>(r.accum), r.dtype, r.step * 1e3, r.exposed * 1e3, 100 * r.exposed / r.step,
+                  r.tok_s, vs(r.speedup).c_str(), o.step * 1e3, 100 * o.exposed / o.step, vs(o.speedup).c_str());
+    out += line;
+  }
+  // The recommendation: the fewest accumulation steps within 3% of the best throughput (a larger
+  // global batch changes the optimisation, not just the speed), fp32 and overlap where they tie.
+  const double best = std::max_element(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.tok_s < b.tok_s; })->tok_s;
+  const Row* pick = nullptr;
+  for (const Row& r : rows)
+    if (r.tok_s >= 0.97 * best && r.overlap && (!pick || r.accum < pick->accum)) pick = &r;
+  if (!pick) pick = &rows.front();
+  for (const Row& r : rows)  // fp32 when it ties at the same accumulation
+    if (r.accum == pick->accum && r.overlap && std::string(r.dtype) == "fp32" && r.tok_s >= 0.97 * best) pick = &r;
+  std::snprintf(line, sizeof line,
+                "recommendation: train.grad_accum: %lld, comm.grad_dtype: %s, comm.overlap: true -> predicted %.0f tokens/s, "
+                "communication %.0f%% of the step%s",
+                static_cast<long long>(pick->accum), pick->dtype, pick->tok_s, 100 * pick->exposed / pick->step,
+                topo.hosts.size() > 1 ? concat(", ", static_cast<int>(pick->speedup * 100 + 0.5) / 100.0, "x one host").c_str()
+                                      : " (one host: nothing to compare)");
+  out += line;
+  if (topo.hosts.size() > 1 && pick->speedup < 1.1)
+    out += concat("\nwarning: the other hosts add little (", pick->speedup,
+                  "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");
+  std::printf("%s\n", out.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace mpitrain
