@@ -37,9 +37,13 @@ if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
 echo "== building mpitrain against $prefix"
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-  -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=ON >"$work/configure.log" 2>&1 ||
-  { tail -n 40 "$work/configure.log"; exit 1; }
+if [ -f "$build/CMakeCache.txt" ]; then  # configured before (bench/gpu_check.sh): keep its options
+  cmake "$build" >"$work/configure.log" 2>&1 || { tail -n 40 "$work/configure.log"; exit 1; }
+else
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+    -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=ON >"$work/configure.log" 2>&1 ||
+    { tail -n 40 "$work/configure.log"; exit 1; }
+fi
 grep -q "mpitrain: GPU build" "$work/configure.log" ||
   { grep "mpitrain:" "$work/configure.log"; echo "FAIL: CMake did not configure a GPU build"; exit 1; }
 grep "mpitrain:" "$work/configure.log"

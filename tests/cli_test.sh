@@ -202,6 +202,13 @@ rc=$?
 check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out"
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off) or 1" "$BIN" cfg.yaml --set optim.zero=2
+expect_usage "model.attention unknown" "cfg.yaml: model.attention must be one of auto|flash|cudnn|efficient|math" \
+  "$BIN" cfg.yaml --set model.attention=fast
+# cuDNN attention does not exist on the CPU (libtorch >= 2.3 cannot choose it; older libtorch has none)
+expect_usage "model.attention: a kernel this device lacks, under mpirun -np 2" "cfg.yaml: model.attention: cudnn" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.attention=cudnn --set checkpoint.resume=none
+expect_usage "log.profile_steps out of range" "cfg.yaml: log.profile_steps must be > 0" \
+  "$BIN" cfg.yaml --set log.profile_steps=0
 # Command-line errors: printed once under mpirun -np 2, exit 2, every numeric option range-checked.
 expect_usage "unknown flag, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --bogus
 expect_usage "--set without a value, printed once under -np 2" "command line" "$MPIRUN" -np 2 "$BIN" cfg.yaml --set

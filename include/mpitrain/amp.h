@@ -20,6 +20,7 @@ namespace mpitrain {
 enum class Precision { fp32, bf16, fp16 };
 Precision parse_precision(const std::string& name);  // fp32 | bf16 | fp16 (validated by config)
 const char* precision_name(Precision p);
+c10::ScalarType precision_dtype(Precision p);  // what autocast computes matmuls in: float, bf16, half
 
 // The dtype autocast computes in on `type` when autocast is enabled there, else `fallback`.
 c10::ScalarType autocast_dtype_or(c10::DeviceType type, c10::ScalarType fallback);

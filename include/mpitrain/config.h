@@ -28,6 +28,8 @@ struct ModelConfig {
                                     // logits): auto (on CUDA) | on | off
   std::string fused_kernels = "auto";  // residual add + LayerNorm and bias + GELU as fused ops
                                        // (fused_ops.h): auto (on CUDA) | on | off
+  std::string attention = "auto";  // scaled_dot_product_attention's kernel: auto (libtorch's
+                                   // choice) | flash | cudnn | efficient | math
   std::string init_from;  // directory of <parameter name>.npy initial weights, fresh start only
                           // (docs/formats.md); "" = GPT-2 random initialisation
 };
@@ -76,6 +78,8 @@ struct LogConfig {
   std::string tensorboard = "";  // event files' directory ("" = <train.out_dir>/tensorboard, off = none)
   double peak_tflops = 0;      // one device's peak for MFU (0 = the known GPU's; none on CPU), >= 0
   bool rank_files = true;      // every rank's lines also in <train.out_dir>/logs/rank-<r>.log
+  int64_t profile_start = 0;   // profile steps profile_start.. (0 = off): <out_dir>/profile/rank-0.json
+  int64_t profile_steps = 3;   // how many steps the profile holds, > 0
 };
 
 struct CheckpointConfig {

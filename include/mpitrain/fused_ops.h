@@ -21,11 +21,15 @@ enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel wh
 // place this project calls apply.
 template <class F, class... Args>
 auto apply_autograd_function(Args&&... args) {
+#if defined(__GNUC__) && !defined(__clang__)  // clang has neither warning
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Warray-bounds"
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
   return F::apply(std::forward<Args>(args)...);
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 }
 
 // True when this build has the CUDA kernels (a CUDA compiler was found at configure time).

@@ -39,6 +39,14 @@ struct GPTDims {
 // taking the data's. A model vocabulary smaller than the data's is a UsageError.
 GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size);
 
+// model.attention: restricts libtorch's scaled_dot_product_attention to the chosen kernel (auto:
+// libtorch's own choice, unchanged) and returns which kernel runs for this model's attention on
+// `device` with q/k/v in `dtype`, for the start-up line "attention: ...". A kernel that cannot run
+// there (or a libtorch without SDPA, < 2.0, for anything but auto|math) is a UsageError naming the
+// key. The choice is process-wide (libtorch's global context).
+std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
+                                c10::ScalarType dtype);
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GPTDims& d);

@@ -58,8 +58,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
-    MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, init_from),
-    MPITRAIN_FIELD(data, train),
+    MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
+    MPITRAIN_FIELD(model, init_from),    MPITRAIN_FIELD(data, train),
     MPITRAIN_FIELD(data, val),           MPITRAIN_FIELD(data, seed),
     MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(train, micro_batch),
     MPITRAIN_FIELD(train, grad_accum),   MPITRAIN_FIELD(train, global_batch),
@@ -75,6 +75,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(log, tensorboard),
     MPITRAIN_FIELD(log, peak_tflops),    MPITRAIN_FIELD(log, rank_files),
+    MPITRAIN_FIELD(log, profile_start),  MPITRAIN_FIELD(log, profile_steps),
     MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
@@ -395,6 +396,8 @@ void validate(const Config& c, const std::string& where) {
         show(c.model.fused_loss));
   check(one_of(c.model.fused_kernels, {"auto", "on", "off"}), "model.fused_kernels", "one of auto|on|off",
         show(c.model.fused_kernels));
+  check(one_of(c.model.attention, {"auto", "flash", "cudnn", "efficient", "math"}), "model.attention",
+        "one of auto|flash|cudnn|efficient|math", show(c.model.attention));
   check(one_of(t.device, {"auto", "cpu", "cuda"}), "train.device", "one of auto|cpu|cuda", show(t.device));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
@@ -417,6 +420,8 @@ void validate(const Config& c, const std::string& where) {
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));
   check(one_of(c.log.level, {"debug", "info", "warn", "error"}), "log.level",
         "one of debug|info|warn|error", show(c.log.level));
+  check(c.log.profile_start >= 0, "log.profile_start", ">= 0 (0 = no profile)", show(c.log.profile_start));
+  check(c.log.profile_steps > 0, "log.profile_steps", "> 0", show(c.log.profile_steps));
   check(c.log.peak_tflops >= 0, "log.peak_tflops", ">= 0 (0 = the known GPU's peak)", show(c.log.peak_tflops));
 
   const CheckpointConfig& k = c.checkpoint;

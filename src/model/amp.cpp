@@ -25,6 +25,10 @@ const char* precision_name(Precision p) {
   return "?";
 }
 
+c10::ScalarType precision_dtype(Precision p) {
+  return p == Precision::bf16 ? torch::kBFloat16 : p == Precision::fp16 ? torch::kFloat16 : torch::kFloat;
+}
+
 // libtorch 2.4 made autocast's switches per device type; 1.13 (Debian) has one per backend.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
 #define MPITRAIN_AUTOCAST_BY_DEVICE_TYPE 1
@@ -81,7 +85,7 @@ Autocast::Autocast(Precision p, const torch::Device& device) {
   was_enabled_ = autocast_enabled(type_);
   was_dtype_ = autocast_dtype(type_);
   set_autocast_enabled(type_, true);
-  set_autocast_dtype(type_, p == Precision::bf16 ? torch::kBFloat16 : torch::kFloat16);
+  set_autocast_dtype(type_, precision_dtype(p));
   at::autocast::increment_nesting();
   active_ = true;
 }

@@ -10,6 +10,7 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
+#include "mpitrain/optim.h"
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
@@ -83,6 +84,56 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   y = row_parallel(y, c_proj, tp_);
   if (p > 0) y = F::dropout(y, F::DropoutFuncOptions().p(p).training(true));
   return y;
+}
+
+#if TORCH_VERSION_MAJOR >= 2
+namespace {
+std::string first_line_of(const std::string& text) { return text.substr(0, text.find('\n')); }
+}  // namespace
+#endif
+
+std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
+                                c10::ScalarType dtype) {
+  const int64_t heads = d.n_head / d.tp, head_dim = d.n_embd / d.n_head;
+  const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal");
+#if TORCH_VERSION_MAJOR >= 2
+  if (choice != "auto") {
+    auto& ctx = at::globalContext();
+    ctx.setSDPUseFlash(choice == "flash");
+    ctx.setSDPUseMemEfficient(choice == "efficient");
+    ctx.setSDPUseMath(choice == "math");
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 3  // cuDNN attention came with libtorch 2.3
+    ctx.setSDPUseCuDNN(choice == "cudnn");
+#else
+    if (choice == "cudnn")
+      throw UsageError(concat("model.attention: cudnn needs libtorch >= 2.3; this is ", libtorch_version()));
+#endif
+  }
+  // Which kernel libtorch picks for a training step's q, k and v (one sequence: the choice
+  // depends on the dtype, head size, causality, dropout and gradients, not on the batch).
+  auto q = torch::empty({1, heads, d.seq_len, head_dim}, torch::dtype(dtype).device(device).requires_grad(true));
+  int64_t backend = -1;
+  try {
+    backend = at::_fused_sdp_choice(q, q, q, /*attn_mask=*/{}, d.dropout, /*is_causal=*/true);
+  } catch (const c10::Error& e) {
+    if (choice == "auto") return concat("scaled_dot_product_attention (", shapes, "; ", libtorch_version(),
+                                        " does not say which kernel)");
+    throw UsageError(concat("model.attention: ", choice, " cannot run for ", shapes, " on ", device.str(), " with ",
+                            libtorch_version(), ": ", first_line_of(e.what_without_backtrace())));
+  }
+  if (backend < 0 && choice != "auto")
+    throw UsageError(concat("model.attention: ", choice, " cannot run for ", shapes, " on ", device.str(), " with ",
+                            libtorch_version()));
+  static const char* const names[] = {"math", "flash", "efficient (memory-efficient)", "cudnn", "overrideable"};
+  const std::string kernel = backend >= 0 && backend < 5 ? names[backend] : concat("backend ", backend);
+  return concat("SDPA ", kernel, " (", choice == "auto" ? "libtorch's choice" : "model.attention", "; ", shapes, ")");
+#else
+  if (choice != "auto" && choice != "math")
+    throw UsageError(concat("model.attention: ", choice, " needs libtorch >= 2.0 (scaled_dot_product_attention); ",
+                            libtorch_version(), " has only the explicit path: use auto or math"));
+  (void)device;
+  return concat("masked softmax + matmul (", libtorch_version(), " has no scaled_dot_product_attention; ", shapes, ")");
+#endif
 }
 
 // ---- MLP and block -----------------------------------------------------------------------------

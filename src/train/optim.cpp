@@ -30,10 +30,6 @@ bool fused_adamw_available(torch::DeviceType device) {
   return false;
 }
 
-std::string libtorch_version() {
-  return concat("libtorch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".", TORCH_VERSION_PATCH);
-}
-
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused)
     : cfg_(cfg), fused_(fused) {
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),

@@ -193,6 +193,8 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
       dims.tp_rank = mesh->tp_rank();
       dims.tp_comm = &mesh->tp();
     }
+    const std::string attention = configure_attention(cfg.model.attention, dims, device, precision_dtype(precision));
+    if (topo.rank == 0) log::info(concat("attention: ", attention));
   }); });
 
   // Is there a checkpoint to resume from? Decided before the model exists: a resumed run takes the

@@ -26,6 +26,7 @@
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/profiler.h"
 #include "mpitrain/progress.h"
 #include "mpitrain/shards.h"
 #include "mpitrain/signals.h"
@@ -354,11 +355,14 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   };
 
   SpanTimer comm_wait(device.is_cuda(), device.is_cuda() ? device.index() : -1);
+  StepProfiler profiler(topo.rank == 0 ? cfg.log.profile_start : 0, cfg.log.profile_steps,
+                        cfg.train.out_dir + "/profile/rank-0.json", device.is_cuda() ? device.index() : -1);
   model->train();
   if (val_data && cfg.eval.every > 0 && st.step == 0) run_eval(0);  // the untrained baseline
   for (int64_t step = st.step; step < cfg.train.steps; ++step) {
     const bool last = step + 1 == cfg.train.steps;
     progress.start_step();
+    profiler.begin_step(step + 1);
     Watchdog::set_step(step + 1);
     maybe_hang_for_test(topo.rank, step + 1);
 
@@ -416,6 +420,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     st.step = step + 1;
     st.data_cursor += static_cast<uint64_t>(global_batch);
     st.tokens_seen += tokens_per_step;
+    profiler.end_step(step + 1);
 
     if (every(step + 1, cfg.log.every) || last) {
       dp.all_reduce(loss_sum, ReduceOp::avg);

@@ -1,0 +1,368 @@
+#!/usr/bin/env bash
+# One command on a bare GPU machine (issue 12): build the GPU variant, run test_gpu, train on the
+# GPU and measure, every log under OUTDIR, a summary table printed last.
+#
+#   bash bench/gpu_check.sh OUTDIR [STAGE ...]
+#
+# Stages, in this order when none are named (each may be run alone; `build` is cheap once done):
+#   env      the machine: GPU, driver, Python torch and its CUDA/cuDNN, NCCL, nvcc, MPI, nsys
+#   build    CMake against Python torch's libtorch (torch.utils.cmake_prefix_path) and the NCCL
+#            of site-packages nvidia/nccl, all cores; checks: a GPU build, fused kernels built,
+#            no compiler warning in mpitrain's own sources; the start-up lines name the fused
+#            kernels and the attention path in use
+#   test     mpirun -np 1 test_gpu: every test must run and pass, none skipped
+#   train    a small byte-level GPT on Python's own sources: CPU fp32 reference; CUDA fp32 + NCCL
+#            (learns like the CPU run); 2 ranks sharing the GPU (comm.backend mpi, the same
+#            global batch: the same losses); GPU -> CPU -> GPU resume (losses continue); bf16;
+#            fp16 with loss scaling. TRAIN_STEPS steps (default 200); the mid-run checkpoint
+#            and the shards are kept in OUTDIR/handoff for a resume on a CPU machine.
+#   bench    bench/gpu_throughput.sh: GPT-2 124M yardstick vs PyTorch eager and torch.compile,
+#            and the 50-step loss parity
+#   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) summarised by
+#            bench/profile_summary.py, and nsys's kernel table where nsys is installed
+#
+# A device command may run 10 minutes: on such a machine run `env build test train` first and
+# `bench profile` in a second call (the build stays while the machine is held; if it was given
+# back, `build` simply runs again).
+#
+# Rehearsal without a GPU: REHEARSE=1 BUILD=build bash bench/gpu_check.sh OUTDIR env train
+# runs the same flow on the CPU (CUDA runs become CPU runs, GPU-only checks are SKIP rows), so
+# the script itself is tested where GPU time costs nothing (tests/gpu_check_rehearsal_test.sh).
+#
+# Environment: BUILD (default build-gpu), JOBS (default: all cores), CUDA_ARCH (default: the
+# GPU's, as CMake's "native"), PYTHON (default python3). Exit status 1 when any check FAILed.
+set -uo pipefail
+
+[ $# -ge 1 ] || { sed -n '2,30p' "$0"; exit 2; }
+out=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "gpu_check: cannot create '$1'"; exit 2; }
+shift
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(env build test train bench profile)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${BUILD:-$root/build-gpu}
+case $build in /*) ;; *) build=$root/$build ;; esac
+jobs=${JOBS:-$(getconf _NPROCESSORS_ONLN)}
+py=${PYTHON:-python3}
+rehearse=${REHEARSE:-0}
+bin=$build/mpitrain
+summary=$out/summary.tsv
+export OMPI_MCA_rmaps_base_oversubscribe=1
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+if [ "$rehearse" = 1 ]; then gpu=cpu; gpu_backend=mpi; else gpu=cuda; gpu_backend=nccl; fi
+
+# row STAGE CHECK RESULT DETAIL: one line of the summary (RESULT: PASS, FAIL, SKIP or INFO)
+row() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$summary"; echo "[$1] $3: $2${4:+ — $4}"; }
+# check STAGE NAME DETAIL COMMAND...: PASS when COMMAND succeeds, else FAIL
+check() {
+  local stage=$1 name=$2 detail=$3
+  shift 3
+  if "$@"; then row "$stage" "$name" PASS "$detail"; else row "$stage" "$name" FAIL "$detail"; fi
+}
+seconds_since() { echo $(($(date +%s) - $1)); }
+
+# ---- env ----------------------------------------------------------------------------------------
+stage_env() {
+  {
+    echo "date: $(date -u +%FT%TZ)  host: $(hostname)  cores: $jobs  commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null)"
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1
+    else
+      echo "nvidia-smi: none"
+    fi
+    $py - <<'EOF' 2>&1
+import torch
+print("python torch", torch.__version__, "cuda", torch.version.cuda, "cudnn",
+      torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+      "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+print("cmake prefix", torch.utils.cmake_prefix_path)
+import importlib.util as u
+try:
+    s = u.find_spec("nvidia.nccl")
+except ImportError:
+    s = None
+print("site-packages nccl", list(s.submodule_search_locations)[0] if s else None)
+EOF
+    echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none)"
+    (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n 2
+    echo "nsys: $(command -v nsys || echo none)"
+    mpirun --version 2>&1 | head -n 1
+    cmake --version | head -n 1
+  } >"$out/env.txt" 2>&1
+  cat "$out/env.txt"
+  local gpus
+  gpus=$(grep -A8 '^name' "$out/env.txt" | tail -n +2 | grep -v '^python' | head -n 8 | cut -d, -f1-3 | paste -sd';')
+  row env machine INFO "${gpus:-no GPU (no nvidia-smi)}; $jobs cores"
+  row env "python torch" INFO "$(grep -m1 '^python torch' "$out/env.txt" | cut -c14-90)"
+}
+
+# ---- build --------------------------------------------------------------------------------------
+stage_build() {
+  if [ "$rehearse" = 1 ]; then
+    [ -x "$bin" ] || { row build "mpitrain binary" FAIL "REHEARSE=1 needs BUILD with a built mpitrain"; return; }
+    row build "GPU build" SKIP "rehearsal: using the CPU build $build"
+    return
+  fi
+  local prefix arch=${CUDA_ARCH:-native} t0
+  prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)') ||
+    { row build configure FAIL "Python torch not importable"; return; }
+  if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDACXX=/usr/local/cuda/bin/nvcc
+  fi
+  t0=$(date +%s)
+  if ! cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DMPITRAIN_BUILD_TESTS=ON -DMPITRAIN_BUILD_BENCH=ON \
+      >"$out/configure.log" 2>&1; then
+    row build configure FAIL "see configure.log: $(grep -m1 -i 'error' "$out/configure.log" | cut -c1-120)"
+    return
+  fi
+  grep "mpitrain:" "$out/configure.log"
+  check build "CMake configured a GPU build" "$(grep -m1 'mpitrain: GPU build' "$out/configure.log" | cut -c1-100)" \
+    grep -q "mpitrain: GPU build" "$out/configure.log"
+  check build "fused CUDA kernels built" "$(grep -m1 'mpitrain: .*CUDA' "$out/configure.log" | cut -c1-100)" \
+    grep -q "mpitrain: fused CUDA kernels" "$out/configure.log"
+  if ! cmake --build "$build" -j"$jobs" --target mpitrain test_gpu bench_fused_ops >"$out/build.log" 2>&1; then
+    row build compile FAIL "$(grep -m1 -E 'error' "$out/build.log" | cut -c1-160)"
+    grep -E "error" "$out/build.log" | head -n 40
+    return
+  fi
+  row build compile PASS "mpitrain test_gpu bench_fused_ops with -j$jobs in $(seconds_since "$t0") s (configure included)"
+  # Warnings in mpitrain's own sources (gcc's "file:line:col: warning:" and nvcc's "file(line): warning")
+  grep -E "^$root/(src|include|tests|bench)/[^:(]*(:[0-9]+:[0-9]+: warning:|\([0-9]+\): warning)" \
+    "$out/build.log" | sort -u >"$out/warnings.txt"
+  check build "no warnings in mpitrain's sources" "$(wc -l <"$out/warnings.txt") (warnings.txt)" \
+    test ! -s "$out/warnings.txt"
+}
+
+# ---- test ---------------------------------------------------------------------------------------
+stage_test() {
+  local exe=$build/tests/test_gpu xml=$out/test_gpu.xml
+  if [ "$rehearse" = 1 ]; then row test test_gpu SKIP "rehearsal: no GPU"; return; fi
+  [ -x "$exe" ] || { row test test_gpu FAIL "$exe not built"; return; }
+  rm -f "$xml"
+  timeout 600 mpirun -np 1 "$exe" --gtest_output="xml:$xml" >"$out/test_gpu.log" 2>&1
+  local rc=$?
+  tail -n 30 "$out/test_gpu.log"
+  local counts
+  counts=$($py - "$xml" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+try:
+    cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
+except Exception as e:
+    print("0 0 0 0"); sys.exit()
+n = failed = skipped = 0
+for c in cases:
+    n += 1
+    failed += c.find("failure") is not None
+    skipped += c.get("result") == "skipped" or c.find("skipped") is not None
+print(n, n - failed - skipped, failed, skipped)
+EOF
+)
+  read -r n passed failed skipped <<<"$counts"
+  check test "test_gpu: every test runs and passes" "$n tests: $passed passed, $failed failed, $skipped skipped (exit $rc)" \
+    test "$rc" -eq 0 -a "$n" -gt 0 -a "$failed" -eq 0 -a "$skipped" -eq 0
+}
+
+# ---- train --------------------------------------------------------------------------------------
+# train_run TAG NP [--set key=value ...]: one run of the small model, its output in $work/TAG.log
+train_run() {
+  local tag=$1 np=$2
+  shift 2
+  rm -rf "$work/$tag"
+  timeout 300 mpirun -np "$np" --bind-to none "$bin" "$work/small.yaml" --set train.out_dir="$work/$tag" \
+    --set checkpoint.dir="$work/$tag/ckpt" "$@" >"$work/$tag.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || { echo "--- $tag failed (exit $rc):"; tail -n 15 "$work/$tag.log"; }
+  return $rc
+}
+
+# compare KIND A B [args]: the loss comparisons of the train stage (prints a detail, exit 1 = FAIL)
+compare() { $py "$root/bench/gpu_check_compare.py" "$@"; }
+
+stage_train() {
+  work=$out/train
+  mkdir -p "$work"
+  [ -x "$bin" ] || { row train "mpitrain binary" FAIL "$bin not built"; return; }
+  local steps=${TRAIN_STEPS:-200}
+  local half=$((steps / 2)) three_quarters=$((steps * 3 / 4))
+  # The corpus: Python's own sources as bytes (on every machine with Python), one document per file.
+  if [ ! -d "$work/shards" ]; then
+    $py - "$work/corpus" <<'EOF'
+import glob, os, sys, sysconfig
+os.makedirs(sys.argv[1], exist_ok=True)
+total = 0
+for i, f in enumerate(sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))):
+    data = open(f, "rb").read()
+    open(os.path.join(sys.argv[1], f"{i:04d}.txt"), "wb").write(data)
+    total += len(data)
+    if total > 3_000_000:
+        break
+EOF
+    "$bin" pack "$work/corpus" -o "$work/shards/py" --val-fraction 0.05 >"$work/pack.log" 2>&1 ||
+      { row train "pack the corpus" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
+  fi
+  cat >"$work/small.yaml" <<EOF
+model: {n_layer: 4, n_head: 4, n_embd: 128, seq_len: 128, dropout: 0.0}
+data: {train: ["$work/shards/py-train-*.h5"], val: ["$work/shards/py-val-*.h5"], seed: 1}
+train: {micro_batch: 16, steps: $steps, precision: fp32}
+optim: {lr: 0.003, min_lr: 0.0003, warmup_steps: 30}
+eval: {every: $half, batches: 8}
+log: {every: 1}
+checkpoint: {every: $half, keep: 5, resume: none}
+sample: {tokens: 0}
+EOF
+  local d=$gpu b=$gpu_backend
+  local t0
+  t0=$(date +%s)
+  if train_run cpu-fp32 1 --set train.device=cpu --set comm.backend=mpi; then
+    row train "CPU fp32 reference (1 rank)" INFO "$(compare summary "$work/cpu-fp32")"
+  else
+    row train "CPU fp32 reference (1 rank)" FAIL "exit status, see train/cpu-fp32.log"
+  fi
+  if train_run gpu-fp32 1 --set train.device=$d --set comm.backend=$b; then
+    grep -E "device:|attention:|fused:|optimizer:" "$work/gpu-fp32.log" | head -n 6 | sed 's/^/    /'
+    [ "$rehearse" = 1 ] || check train "the log names the device, attention path and fused kernels" \
+      "$(grep -m1 -o 'attention: .*' "$work/gpu-fp32.log" | cut -c1-90)" \
+      grep -q "attention: SDPA" "$work/gpu-fp32.log"
+    local detail
+    detail=$(compare learns-like "$work/gpu-fp32" "$work/cpu-fp32")
+    check train "$d fp32 + $b (1 rank) learns like the CPU run" "$detail" test $? -eq 0
+  else
+    row train "$d fp32 + $b (1 rank)" FAIL "exit status, see train/gpu-fp32.log"
+  fi
+  # The same global batch of 16 over 2 ranks sharing the GPU: data parallelism, the same losses.
+  if train_run gpu-2ranks 2 --set train.device=$d --set comm.backend=mpi --set train.micro_batch=8; then
+    [ "$rehearse" = 1 ] || check train "2 ranks share the GPU" "$(grep -m1 -o 'device: .*' "$work/gpu-2ranks.log" | cut -c1-80)" \
+      grep -q "GPUs shared by ranks" "$work/gpu-2ranks.log"
+    detail=$(compare same-run "$work/gpu-2ranks" "$work/gpu-fp32")
+    check train "2 ranks x micro 8 on one $d (comm mpi) = 1 rank x 16" "$detail" test $? -eq 0
+  else
+    row train "2 ranks sharing one $d (comm mpi)" FAIL "exit status, see train/gpu-2ranks.log"
+  fi
+  # GPU -> CPU -> GPU: resume the GPU run's mid-run checkpoint on the CPU for a quarter of the
+  # that checkpoint on the GPU to the end.
+  local ck100 ck150
+  ck100=$work/gpu-fp32/ckpt/$(printf 'ckpt-%08d.h5' "$half")
+  ck150=$work/resume-cpu/ckpt/$(printf 'ckpt-%08d.h5' "$three_quarters")
+  if [ -f "$ck100" ] &&
+     train_run resume-cpu 1 --set train.device=cpu --set comm.backend=mpi --set checkpoint.resume="$ck100" \
+       --stop-after "$three_quarters" &&
+     train_run resume-gpu 1 --set train.device=$d --set comm.backend=$b \
+       --set checkpoint.resume="$ck150"; then
+    detail=$(compare resumed "$work/gpu-fp32" "$work/resume-cpu" "$work/resume-gpu")
+    check train "checkpoint $d -> CPU -> $d: losses continue" "$detail" test $? -eq 0
+    mkdir -p "$out/handoff"
+    cp "$ck100" "$out/handoff/" && cp -r "$work/shards" "$work/small.yaml" "$out/handoff/" &&
+      cp "$work/gpu-fp32/metrics.jsonl" "$out/handoff/gpu-fp32-metrics.jsonl"
+  else
+    row train "checkpoint $d -> CPU -> $d" FAIL "a run failed, see train/resume-*.log"
+  fi
+  if train_run gpu-bf16 1 --set train.device=$d --set comm.backend=$b --set train.precision=bf16; then
+    detail=$(compare learns-like "$work/gpu-bf16" "$work/gpu-fp32" --tolerance 0.05)
+    check train "$d bf16 trains like fp32" "$detail" test $? -eq 0
+  else
+    row train "$d bf16" FAIL "exit status, see train/gpu-bf16.log"
+  fi
+  if [ "$rehearse" = 1 ]; then
+    row train "cuda fp16 with loss scaling" SKIP "rehearsal: fp16 needs CUDA"
+  elif train_run gpu-fp16 1 --set train.device=$d --set comm.backend=$b --set train.precision=fp16; then
+    detail=$(compare learns-like "$work/gpu-fp16" "$work/gpu-fp32" --tolerance 0.05 --loss-scale)
+    check train "$d fp16 with loss scaling trains like fp32" "$detail" test $? -eq 0
+  else
+    row train "$d fp16 with loss scaling" FAIL "exit status, see train/gpu-fp16.log"
+  fi
+  row train "train stage time" INFO "$(seconds_since "$t0") s"
+}
+
+# ---- bench --------------------------------------------------------------------------------------
+stage_bench() {
+  if [ "$rehearse" = 1 ]; then row bench "gpu_throughput.sh" SKIP "rehearsal: needs CUDA"; return; fi
+  local t0
+  t0=$(date +%s)
+  BUILD=$build WORK=$out/bench timeout 560 bash "$root/bench/gpu_throughput.sh" 60 >"$out/bench.log" 2>&1
+  local rc=$?
+  sed -n '/^GPT-2 124M/,$p' "$out/bench.log" | grep -v " losses: " | tee "$out/bench-table.md"
+  check bench "gpu_throughput.sh: table and 50-step loss parity" \
+    "$(grep -m1 -o 'max relative difference.*' "$out/bench.log" | cut -c1-100) (exit $rc, $(seconds_since "$t0") s)" \
+    test "$rc" -eq 0
+  local line
+  for line in "mpitrain |" "pytorch compile"; do
+    grep -m1 "^| $line" "$out/bench-table.md" >/dev/null &&
+      row bench "${line% |}" INFO "$(grep -m1 "^| $line" "$out/bench-table.md" | cut -d'|' -f3-5 | tr -s ' ')"
+  done
+}
+
+# ---- profile ------------------------------------------------------------------------------------
+stage_profile() {
+  local work=$out/profile
+  mkdir -p "$work"
+  [ -x "$bin" ] || { row profile "mpitrain binary" FAIL "$bin not built"; return; }
+  local shards=$out/bench/shards cfg=$work/gpt2.yaml steps=30
+  if [ "$rehearse" = 1 ]; then
+    shards=$out/train/shards
+    cat >"$cfg" <<EOF
+model: {n_layer: 4, n_head: 4, n_embd: 128, seq_len: 128, dropout: 0.0}
+data: {train: ["$shards/py-train-*.h5"]}
+train: {micro_batch: 16, steps: 12, device: cpu, out_dir: "$work/run"}
+EOF
+    steps=12
+  else
+    [ -d "$shards" ] || { row profile "GPT-2 shards from the bench stage" FAIL "run the bench stage first"; return; }
+    cat >"$cfg" <<EOF
+model: {preset: gpt2, vocab_size: 50304, dropout: 0.0}
+data: {train: ["$shards"]}
+train: {micro_batch: 16, steps: $steps, device: cuda, precision: bf16, out_dir: "$work/run"}
+comm: {backend: nccl}
+EOF
+  fi
+  cat >>"$cfg" <<EOF
+optim: {warmup_steps: 5}
+eval: {every: 0}
+log: {every: 5, profile_start: $((steps - 4)), profile_steps: 3}
+checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0}
+sample: {tokens: 0}
+EOF
+  rm -rf "$work/run"
+  if timeout 300 mpirun -np 1 "$bin" "$cfg" >"$work/mpitrain.log" 2>&1 && [ -f "$work/run/profile/rank-0.json" ]; then
+    $py "$root/bench/profile_summary.py" "$work/run/profile/rank-0.json" >"$work/summary.md" 2>&1
+    local rc=$?
+    cat "$work/summary.md"
+    check profile "mpitrain profiler trace, summarised" \
+      "profile/summary.md: $(grep -m1 -o 'step time.*' "$work/summary.md" | cut -c1-60) $(grep -m1 -o 'GPU busy.* wall time' "$work/summary.md")" \
+      test "$rc" -eq 0
+  else
+    row profile "mpitrain profiler trace" FAIL "see profile/mpitrain.log: $(grep -m1 'mpitrain:' "$work/mpitrain.log" | cut -c1-120)"
+  fi
+  if [ "$rehearse" != 1 ] && command -v nsys >/dev/null; then
+    timeout 300 mpirun -np 1 nsys profile -o "$work/nsys" --force-overwrite true --stats=true -t cuda,nvtx \
+      "$bin" "$cfg" --set log.profile_start=0 --set train.out_dir="$work/run-nsys" \
+      --set checkpoint.dir="$work/run-nsys/ckpt" >"$work/nsys.log" 2>&1
+    check profile "nsys kernel table" "profile/nsys.log" grep -q "cuda_gpu_kern_sum" "$work/nsys.log"
+  else
+    row profile "nsys" SKIP "nsys not installed (or rehearsal)"
+  fi
+}
+
+# ---- run the stages, then the summary -----------------------------------------------------------
+for s in "${stages[@]}"; do
+  case $s in
+    env | build | test | train | bench | profile) ;;
+    *) echo "gpu_check: unknown stage '$s' (env build test train bench profile)"; exit 2 ;;
+  esac
+done
+for s in "${stages[@]}"; do
+  echo "=== $s"
+  [ -f "$summary" ] && sed -i "/^$s\t/d" "$summary"  # a stage run again replaces its rows
+  t0=$(date +%s)
+  "stage_$s"
+  echo "=== $s: $(seconds_since "$t0") s"
+done
+{
+  echo
+  echo "mpitrain gpu_check, $(date -u +%F), $(grep -m1 -A1 '^name' "$out/env.txt" 2>/dev/null | tail -n 1)"
+  echo "| stage | check | result | detail |"
+  echo "|---|---|---|---|"
+  for s in env build test train bench profile; do
+    awk -F'\t' -v s="$s" '$1 == s { printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }' "$summary"
+  done
+} | tee "$out/summary.md"
+! grep -q $'\tFAIL\t' "$summary"

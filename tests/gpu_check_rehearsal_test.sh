@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh rehearsed on the CPU (REHEARSE=1): the flow a GPU lease will run, its loss
+# comparisons and its profile summary, tested where that costs no GPU time. CUDA runs become CPU
+# runs and GPU-only checks must be SKIP rows (never PASS); every CPU-side check must PASS; and
+# the comparisons must be able to fail (bf16 is not the same run as fp32).
+#   bash tests/gpu_check_rehearsal_test.sh BUILD_DIR (holding mpitrain)
+set -uo pipefail
+build=$(cd "$1" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+E2E_NAME=gpu-check E2E_NO_CORPUS=1 BIN=$build/mpitrain source "$root/tests/e2e_lib.sh"
+
+REHEARSE=1 BUILD=$build TRAIN_STEPS=60 PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train profile \
+  > check.out 2>&1
+rc=$?
+sed -n '/^mpitrain gpu_check/,$p' check.out
+tsv=out/summary.tsv
+has() { grep -q -P "^$1\t[^\t]*$2[^\t]*\t$3\t" "$tsv"; }
+check "gpu_check.sh exits 0 (exit $rc)" "[ $rc -eq 0 ]"
+check "no FAIL rows" "! grep -q -P '\tFAIL\t' $tsv"
+check "GPU build, test_gpu and fp16 are SKIP rows, not passes" \
+  "has build 'GPU build' SKIP && has test test_gpu SKIP && has train fp16 SKIP"
+check "the train stage's checks PASS: learns like the CPU run, 2 ranks = 1 rank, resume across devices, bf16" \
+  "has train 'learns like the CPU run' PASS && has train '2 ranks x micro 8' PASS && has train 'losses continue' PASS && has train 'bf16 trains like fp32' PASS"
+check "the resumed runs continue bit for bit on one device (first steps within 0)" \
+  "grep -q -P 'losses continue\tPASS\t.*within 0.0e\+00 / 0.0e\+00' $tsv"
+check "the mid-run checkpoint and the shards are handed off" \
+  "[ -f out/handoff/ckpt-00000030.h5 ] && ls out/handoff/shards/py-train-*.h5 >/dev/null"
+check "the profile stage summarises mpitrain's trace" \
+  "has profile 'profiler trace' PASS && grep -q '^| aten::' out/profile/summary.md"
+check "the trace is a Chrome trace with one ProfilerStep per profiled step" \
+  "$PY -c \"import json,sys; e=json.load(open('out/profile/run/profile/rank-0.json'))['traceEvents']; s=sorted(x['name'] for x in e if x['cat']=='user_annotation'); sys.exit(s!=['ProfilerStep#10','ProfilerStep#8','ProfilerStep#9'])\""
+# The start-up line names the attention path: libtorch >= 2 says which SDPA kernel it picked.
+if grep -q "has no scaled_dot_product_attention" out/train/gpu-fp32.log; then
+  check "attention: libtorch 1.x says the explicit path" "grep -q 'attention: masked softmax + matmul' out/train/gpu-fp32.log"
+else
+  check "attention: libtorch 2.x names the SDPA kernel" \
+    "grep -E -q 'attention: SDPA (math|flash|efficient|cudnn)' out/train/gpu-fp32.log"
+fi
+# The comparisons can fail: bf16 and fp32 are not the same run, and a run is not its own reference
+# after a changed learning rate.
+$PY "$root/bench/gpu_check_compare.py" same-run out/train/gpu-bf16 out/train/gpu-fp32 > cmp.out
+rc=$?
+check "same-run refuses bf16 vs fp32 ($(cat cmp.out))" "[ $rc -eq 1 ]"
+$PY "$root/bench/gpu_check_compare.py" resumed out/train/gpu-fp32 out/train/gpu-bf16 out/train/resume-gpu > cmp.out
+rc=$?
+check "resumed refuses a run that did not resume ($(cat cmp.out))" "[ $rc -eq 1 ]"
+summary
