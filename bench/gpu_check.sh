@@ -81,6 +81,9 @@ try:
 except ImportError:
     s = None
 print("site-packages nccl", list(s.submodule_search_locations)[0] if s else None)
+import os
+nv = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")
+print("site-packages nvidia/:", " ".join(sorted(os.listdir(nv))) if os.path.isdir(nv) else None)
 EOF
     echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none)"
     (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n 2
@@ -105,8 +108,22 @@ stage_build() {
   local prefix arch=${CUDA_ARCH:-native} t0
   prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)') ||
     { row build configure FAIL "Python torch not importable"; return; }
-  if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
-    export CUDACXX=/usr/local/cuda/bin/nvcc
+  # nvcc: PATH, /usr/local/cuda, else a pip wheel's (nvidia-cuda-nvcc) under site-packages/nvidia.
+  # Torch's own CMake config needs a CUDA toolkit too (it finds it the same way).
+  if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null; then
+    local nvcc=""
+    if [ -x /usr/local/cuda/bin/nvcc ]; then
+      nvcc=/usr/local/cuda/bin/nvcc
+    else
+      nvcc=$(find "$($py -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')/nvidia" \
+        -path '*/bin/nvcc' -type f 2>/dev/null | head -n 1)
+    fi
+    if [ -n "$nvcc" ]; then
+      export CUDACXX=$nvcc CUDAToolkit_ROOT=${CUDAToolkit_ROOT:-$(dirname "$(dirname "$nvcc")")}
+      row build "CUDA compiler" INFO "$nvcc"
+    else
+      row build "CUDA compiler" INFO "no nvcc found: no fused kernels, and torch's CMake config may not configure"
+    fi
   fi
   t0=$(date +%s)
   if ! cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \

@@ -15,7 +15,9 @@
 #
 # Environment: BUILD (default build-gpu-bench), WORK (scratch, default /tmp/mpitrain-gpu-bench),
 # SKIP_COMPILE=1 skips the torch.compile reference, SKIP_PARITY=1 the parity run, NCCL_HOME if
-# NCCL is not found by CMake. Exit status: 1 when the parity check fails.
+# NCCL is not found by CMake, VARIANTS: more mpitrain rows, "name=key=value,key=value;name=..."
+# (default "cudnn attention=model.attention=cudnn"; "" for none). Exit status: 1 when the parity
+# check fails.
 set -euo pipefail
 
 steps=${1:-60}
@@ -71,7 +73,7 @@ if not os.path.exists(sys.argv[2]):
     tokens = np.concatenate([[256], np.frombuffer(bytes(text), dtype=np.uint8)]).astype(np.uint16)
     np.save(sys.argv[2], tokens)
 EOF
-rm -rf "$work/shards" "$work/text-shards" "$work"/run-* "$work/init"
+rm -rf "$work/shards" "$work/text-shards" "$work"/run-* "$work/init" "$work"/variant-*
 "$build/mpitrain" pack "$work/tokens.npy" -o "$work/shards/bench" --format npy --vocab-size 50257 \
   --eot 50256 --val-fraction 0 >"$work/pack.log" 2>&1 || { cat "$work/pack.log"; exit 1; }
 "$build/mpitrain" pack "$work/text.npy" -o "$work/text-shards/text" --format npy --vocab-size 257 \
@@ -97,7 +99,7 @@ run_mpitrain() {
   mpirun -np 1 "$build/mpitrain" "$work/gpt2.yaml" --set train.out_dir="$work/run-$tag" \
     --set checkpoint.dir="$work/run-$tag/ckpt" "$@" 2>&1 | tee "$work/$tag.log" |
     grep -E "step|peak|NCCL|device|fused|initial|error" || true
-  python3 - "$name" "$work/run-$tag/metrics.jsonl" "$work/$tag.log" "$warmup" >"$work/$tag.json" <<'EOF'
+  python3 - "$name" "$work/run-$tag/metrics.jsonl" "$work/$tag.log" "$warmup" >"$work/$tag.json" <<'EOF' ||
 import json, re, sys
 name, metrics, log, warmup = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 rows = [json.loads(l) for l in open(metrics) if '"tokens_per_s"' in l]
@@ -109,11 +111,26 @@ print(json.dumps({"name": name, "tokens_per_s": tok, "ms_per_step": ms,
                   "peak_gib": float(peak[-1]) if peak else float("nan"),
                   "losses": [round(r["loss"], 4) for r in rows]}))
 EOF
+    { rm -f "$work/$tag.json"; echo "== $name: no result (see $work/$tag.log)"; }
 }
 
 # ---- 1. speed -----------------------------------------------------------------------------------
 run_mpitrain "mpitrain" mpitrain
 run_mpitrain "mpitrain, fused_kernels off" mpitrain-unfused --set model.fused_kernels=off
+# Candidates measured beside the default (a row per variant; one that cannot run says so):
+# VARIANTS="name=key=value,..." e.g. the default cuDNN attention instead of libtorch's choice.
+variants=()
+IFS=';' read -r -a specs <<<"${VARIANTS:-cudnn attention=model.attention=cudnn}"
+for spec in "${specs[@]}"; do
+  [ -n "$spec" ] || continue
+  vname=${spec%%=*} tag="variant-${#variants[@]}"
+  sets=()
+  IFS=',' read -r -a kvs <<<"${spec#*=}"
+  for kv in "${kvs[@]}"; do sets+=(--set "$kv"); done
+  echo "mpitrain, $vname" >"$work/$tag.name"
+  run_mpitrain "mpitrain, $vname" "$tag" "${sets[@]}"
+  variants+=("$tag")
+done
 modes=(eager)
 [ "${SKIP_COMPILE:-0}" = 1 ] || modes+=(compile)
 for mode in "${modes[@]}"; do
@@ -133,11 +150,19 @@ if [ "${SKIP_PARITY:-0}" != 1 ]; then
 fi
 
 # ---- tables -------------------------------------------------------------------------------------
-python3 - "$work" "${SKIP_PARITY:-0}" "${modes[@]}" <<'EOF'
-import json, sys
-work, skip_parity, modes = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+python3 - "$work" "${SKIP_PARITY:-0}" "${#variants[@]}" "${modes[@]}" <<'EOF'
+import json, math, sys
+work, skip_parity, n_variants, modes = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4:]
 load = lambda name: json.load(open(f"{work}/{name}.json"))
-rows = [load("mpitrain"), load("mpitrain-unfused")] + [load(f"ref-{m}") for m in modes]
+def variant(i):  # a variant that could not run (e.g. no cuDNN attention) still gets its row
+    try:
+        return load(f"variant-{i}")
+    except (OSError, ValueError):
+        name = open(f"{work}/variant-{i}.name").read().strip()
+        return {"name": f"{name} (did not run: {work}/variant-{i}.log)", "tokens_per_s": math.nan,
+                "ms_per_step": math.nan, "peak_gib": math.nan, "losses": []}
+rows = ([load("mpitrain"), load("mpitrain-unfused")] + [variant(i) for i in range(n_variants)]
+        + [load(f"ref-{m}") for m in modes])
 me = rows[0]
 print()
 print("GPT-2 124M, bf16, micro-batch 16, seq 1024, 1 GPU")

@@ -132,8 +132,6 @@ class CheckpointFile {
   bool done_ = false;
 };
 
-// fsync of a file written through another descriptor (a rank's share of a checkpoint); Error.
-void fsync_file(const std::string& path);
 // Test-only fault hook: SIGKILL when MPITRAIN_TEST_DIE_IN_SAVE names `step` (tests/fault_test.sh).
 void maybe_die_in_save_for_test(int64_t step);
 

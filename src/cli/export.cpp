@@ -2,11 +2,11 @@
 #include "mpitrain/export.h"
 
 #include <filesystem>
-#include <fstream>
 #include <optional>
 
 #include "mpitrain/bpe.h"
 #include "mpitrain/checkpoint.h"
+#include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/model.h"
@@ -44,10 +44,12 @@ std::string run_export(const ExportArgs& args) {
     for (const auto& [from, to] : {std::pair{bpe->vocab, "vocab.json"}, std::pair{bpe->merges, "merges.txt"}})
       if (!fs::copy_file(from, fs::path(args.dir) / to, fs::copy_options::overwrite_existing, ec))
         throw UsageError(concat("cannot copy '", from, "' to '", args.dir, "/", to, "': ", ec.message()));
-    std::ofstream(fs::path(args.dir) / "tokenizer_config.json")
-        << "{\n  \"tokenizer_class\": \"GPT2Tokenizer\",\n  \"model_max_length\": " << dims.seq_len
-        << ",\n  \"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n"
-        << "  \"unk_token\": \"<|endoftext|>\"\n}\n";
+      else
+        fsync_path((fs::path(args.dir) / to).string());
+    write_file_durably((fs::path(args.dir) / "tokenizer_config.json").string(),
+                       concat("{\n  \"tokenizer_class\": \"GPT2Tokenizer\",\n  \"model_max_length\": ", dims.seq_len,
+                              ",\n  \"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n",
+                              "  \"unk_token\": \"<|endoftext|>\"\n}\n"));
     out += concat(args.dir, "/vocab.json, merges.txt, tokenizer_config.json (GPT2Tokenizer, from ", args.bpe_dir, ")\n");
   } else if (st.tokenizer == "gpt2") {
     out += "no tokenizer files: this checkpoint's tokens are GPT-2 BPE; --bpe-dir DIR copies vocab.json + merges.txt\n";

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mpitrain/checkpoint.h"
+#include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 
 namespace mpitrain {
@@ -28,22 +29,6 @@ const DtypeName kDtypes[] = {
     {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16}, {"F64", torch::kFloat64}};
 
 // Replaces `path` atomically by `bytes` (written to path.tmp, then renamed).
-void write_file(const fs::path& path, const std::string& bytes) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw UsageError(concat("cannot write '", tmp.string(), "': ", std::strerror(errno)));
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw UsageError(concat("cannot rename '", tmp.string(), "' to '", path.string(), "': ", ec.message()));
-}
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -167,7 +152,7 @@ void write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const
   bytes.append(reinterpret_cast<const char*>(&n), 8);
   bytes += text;
   for (const auto& t : data) bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  write_file(fs::path(dir) / "model.safetensors", bytes);
+  write_file_durably((fs::path(dir) / "model.safetensors").string(), bytes);
 
   const json config = {
       {"architectures", {"GPT2LMHeadModel"}},
@@ -192,7 +177,7 @@ void write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const
       {"eos_token_id", eot_token},
       {"torch_dtype", dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32"},
   };
-  write_file(fs::path(dir) / "config.json", config.dump(2) + "\n");
+  write_file_durably((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
 }
 
 int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key) {

@@ -23,6 +23,7 @@
 #include <set>
 #include <sstream>
 
+#include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
@@ -34,20 +35,6 @@ namespace mpitrain {
 namespace {
 
 // ---- durable file system steps -----------------------------------------------------------------
-
-void fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) throw Error(concat(path, ": cannot open for fsync: ", std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw Error(concat(path, ": fsync failed: ", std::strerror(errno)));
-}
-
-void rename_durably(const std::string& from, const std::string& to, const std::string& dir) {
-  if (std::rename(from.c_str(), to.c_str()) != 0)
-    throw Error(concat(to, ": cannot rename from ", from, ": ", std::strerror(errno)));
-  fsync_path(dir, /*directory=*/true);
-}
 
 void make_dirs(const std::string& dir) {
   std::string partial;
@@ -381,8 +368,6 @@ std::string CheckpointFile::finish(const std::vector<uint32_t>& crcs, int64_t ke
     if (all[i].second != path_) std::remove(all[i].second.c_str());
   return path_;
 }
-
-void fsync_file(const std::string& path) { fsync_path(path, false); }
 
 void maybe_die_in_save_for_test(int64_t step) {
   if (const char* at = std::getenv("MPITRAIN_TEST_DIE_IN_SAVE"); at && std::atoll(at) == step) std::raise(SIGKILL);

@@ -50,7 +50,7 @@ CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator
   for (auto wire : {torch::kFloat32, torch::kBFloat16}) {
     GradSync sync(params, comm, cfg.comm.bucket_mb, /*overlap=*/false, /*shard=*/false, wire);
     const double s = timed(mpi, iters, device, [&] {
-      for (const auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::ones_like(p);
+      for (const auto& p : params) p.mutable_grad() = torch::ones_like(p);  // Tensor handles: const, shared
       sync.all_reduce_grads();
     });
     int64_t last = 0, total = 0;

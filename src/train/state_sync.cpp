@@ -7,6 +7,7 @@
 #include <optional>
 #include <tuple>
 
+#include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
@@ -313,7 +314,7 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
     for (size_t k = 0; k < mine.size(); ++k) mine[k].crc = crcs[k];
     // Rank 0's fsync of the whole file comes with finish(); another node's writes must reach the
     // (shared) filesystem first.
-    if (rank != 0 && !writes.empty()) fsync_file(tmp);
+    if (rank != 0 && !writes.empty()) fsync_path(tmp);
   } catch (const std::exception& e) {
     char host[MPI_MAX_PROCESSOR_NAME] = {};
     int len = 0;
