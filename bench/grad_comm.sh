@@ -30,7 +30,7 @@
 # two hosts, and `dd | ssh` of 16 MiB, which also pays ssh's encryption) against RATE.
 #
 # Environment: RATE (100mbit; a number with bit, kbit, mbit or gbit), STEPS (30), LOG_EVERY (5),
-# DTYPES ("fp32 bf16 fp16"), LIMIT (seconds per mpirun, 300). OMPI_MCA_* variables reach every
+# DTYPES ("fp32 bf16 fp16 powersgd"; powersgd = comm.compress: powersgd, rank 4, from step 1), LIMIT (seconds per mpirun, 300). OMPI_MCA_* variables reach every
 # rank (e.g. OMPI_MCA_coll_libnbc_iallreduce_algorithm=1, bench/allreduce_algos.sh); the title
 # line names the coll ones set. Needs root, iproute2 (ip, tc),
 # openssh-server/-client, util-linux, openmpi-bin, the fortunes package. About 5 minutes on a
@@ -43,7 +43,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$REPO/tests/multihost/lib.sh"
 BIN=$(realpath -e "${1:-$REPO/build/mpitrain}" 2>/dev/null) || { echo "$0: no such file: ${1:-build/mpitrain}" >&2; exit 2; }
 RATE=${RATE:-100mbit} STEPS=${STEPS:-30} LOG_EVERY=${LOG_EVERY:-5} LIMIT=${LIMIT:-300}
-DTYPES=${DTYPES:-"fp32 bf16 fp16"}
+DTYPES=${DTYPES:-"fp32 bf16 fp16 powersgd"}
 [ -d /usr/share/games/fortunes ] || { echo "$0: no /usr/share/games/fortunes (Debian package fortunes)" >&2; exit 2; }
 
 NET=10.213.13                    # private subnet that exists only inside the namespaces
@@ -87,14 +87,17 @@ ddmbit=$(awk -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f", 16 * 1048576 * 8 / (ns /
 warmup=30; [ "$STEPS" -lt 30 ] && warmup=$STEPS
 train() {  # name hostfile np dtype -> "mib ms share exposed tok_s" in $T/name.row
   # (not in a command substitution: the shell must stay free to run its INT/TERM traps)
-  local name=$1 hosts=$2 np=$3 dtype=$4 rc
+  local name=$1 hosts=$2 np=$3 dtype=$4 rc comm_sets
+  # "powersgd": comm.compress: powersgd (rank 4) from the first step, fp32 factors
+  if [ "$dtype" = powersgd ]; then comm_sets=(--set comm.compress=powersgd --set comm.powersgd_start=0)
+  else comm_sets=(--set "comm.grad_dtype=$dtype"); fi
   echo "training $name ($np ranks, $dtype)..." >&2
   mpirun_node1 "$name" "$hosts" "$np" "$BIN" "$REPO/configs/demo.yaml" \
     --set "data.train=[$T/data/f-train-*.h5]" --set "data.val=[]" --set "train.steps=$STEPS" \
     --set "optim.warmup_steps=$warmup" --set train.threads=1 --set "train.out_dir=$T/run-$name" \
     --set eval.every=0 --set "log.every=$LOG_EVERY" --set "checkpoint.dir=$T/ckpt-$name" \
     --set checkpoint.every=0 --set checkpoint.keep=1 --set checkpoint.resume=none \
-    --set sample.tokens=0 --set "comm.grad_dtype=$dtype"
+    --set sample.tokens=0 "${comm_sets[@]}"
   rc=$?
   if [ $rc -ne 0 ]; then
     echo "  $name failed (exit $rc)" >&2
@@ -105,6 +108,7 @@ train() {  # name hostfile np dtype -> "mib ms share exposed tok_s" in $T/name.r
   local m=$T/run-$name/metrics.jsonl mib
   grep -o '[0-9]* ranks\{0,1\} on [0-9]* hosts\{0,1\}: .*' "$T/$name.out" | sed 's/^/  /' >&2
   mib=$(sed -n 's/.*gradient communication: \([0-9.]*\) MiB per rank per step.*/\1/p' "$T/$name.out" | head -1)
+  [ "$dtype" = powersgd ] && mib=$(sed -n 's/.*PowerSGD rank [0-9]* from step [0-9]*: \([0-9.]*\) MiB.*/\1/p' "$T/$name.out" | head -1)
   # every interval after the first: ms, share (0 without communication)
   grep '"ms_per_step"' "$m" | tail -n +2 | sed 's/.*"tokens_per_s": \([0-9.]*\), "ms_per_step": \([0-9.]*\).*/\2 \1/' > "$T/$name.ms"
   grep '"ms_per_step"' "$m" | tail -n +2 | sed -n 's/.*"comm_share": \([0-9.]*\).*/\1/p' > "$T/$name.share"

@@ -96,6 +96,9 @@ struct CommConfig {
   double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
   bool overlap = true;           // launch each bucket's all-reduce during backward, when it is ready
   std::string grad_dtype = "fp32";  // the gradients' dtype on the wire: fp32 | bf16 | fp16 (half the bytes)
+  std::string compress = "none";    // none | powersgd (low-rank gradients with error feedback, powersgd.h)
+  int64_t powersgd_rank = 4;        // PowerSGD: the rank of each weight matrix's approximation, >= 1
+  int64_t powersgd_start = 10;      // PowerSGD: steps before this one all-reduce plainly, >= 0
 };
 
 // The layout of the ranks (mesh.h): world = dp x tp, tp groups consecutive ranks of one host.

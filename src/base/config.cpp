@@ -82,7 +82,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(checkpoint, writers),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
-    MPITRAIN_FIELD(comm, grad_dtype),
+    MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, compress),
+    MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),
     MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),
@@ -437,6 +438,23 @@ void validate(const Config& c, const std::string& where) {
   check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
   check(one_of(c.comm.grad_dtype, {"fp32", "bf16", "fp16"}), "comm.grad_dtype", "one of fp32|bf16|fp16",
         show(c.comm.grad_dtype));
+  check(one_of(c.comm.compress, {"none", "powersgd"}), "comm.compress", "one of none|powersgd", show(c.comm.compress));
+  check(c.comm.powersgd_rank >= 1, "comm.powersgd_rank", ">= 1", show(c.comm.powersgd_rank));
+  check(c.comm.powersgd_start >= 0, "comm.powersgd_start", ">= 0", show(c.comm.powersgd_start));
+  if (c.comm.compress == "powersgd") {  // the layouts PowerSGD does not cover, named with both keys
+    check(c.optim.zero == 0, "comm.compress",
+          "none with optim.zero: 1 (ZeRO-1 reduce-scatters whole gradients; PowerSGD all-reduces low-rank factors)",
+          show(c.comm.compress));
+    check(c.parallel.tp == 1, "comm.compress", "none with parallel.tp > 1 (PowerSGD covers data parallelism only)",
+          show(c.comm.compress));
+    check(c.train.precision != "fp16", "comm.compress",
+          "none with train.precision: fp16 (the error feedback would carry loss-scaled and overflowed gradients "
+          "from step to step; use bf16)",
+          show(c.comm.compress));
+    check(c.comm.grad_dtype == "fp32", "comm.compress",
+          "none with comm.grad_dtype " + c.comm.grad_dtype + " (PowerSGD's factors travel in fp32)",
+          show(c.comm.compress));
+  }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));

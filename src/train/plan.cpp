@@ -15,6 +15,7 @@
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/powersgd.h"
 #include "mpitrain/startup.h"
 
 namespace mpitrain {
@@ -40,6 +41,7 @@ double timed(MPI_Comm comm, int64_t iters, const torch::Device& device, Fn&& fn)
 struct CommTimes {
   double fp32 = 0, bf16 = 0;          // the whole all-reduce, seconds
   double last_fp32 = 0, last_bf16 = 0;  // the part the last bucket takes (by its bytes)
+  double powersgd = 0;  // comm.compress: powersgd at comm.powersgd_rank: after backward, never hidden
 };
 
 // GradSync over `comm` on the model's gradients, fp32 and bf16, without overlap.
@@ -63,6 +65,11 @@ CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator
     (wire == torch::kFloat32 ? t.fp32 : t.bf16) = s;
     (wire == torch::kFloat32 ? t.last_fp32 : t.last_bf16) = s * last_share;
   }
+  PowerSgd psgd(params, comm, cfg.comm.powersgd_rank, cfg.train.seed);
+  t.powersgd = timed(mpi, iters, device, [&] {
+    for (const auto& p : params) p.mutable_grad() = torch::ones_like(p);
+    psgd.reduce_grads();  // its factor products included: they are part of what it costs
+  });
   return t;
 }
 
@@ -125,7 +132,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     local = time_all_reduce(params, *host_comm, host_mpi, cfg, options.iters, device);
   }
   // The single-host baseline runs on every host at once; its figures are the slowest host's.
-  for (double* v : {&local.fp32, &local.bf16, &local.last_fp32, &local.last_bf16})
+  for (double* v : {&local.fp32, &local.bf16, &local.last_fp32, &local.last_bf16, &local.powersgd})
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_DOUBLE, MPI_MAX, mpi_comm));
   MPI_CHECK(MPI_Comm_free(&host_mpi));
   if (topo.rank != 0) return;
@@ -143,27 +150,32 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
       t_optimizer * 1e3, " ms per step; ",
       "gradient all-reduce of ", bytes / (1 << 20), " MiB over all ranks: fp32 ", all.fp32 * 1e3, " ms (busbw ",
       busbw(bytes, all.fp32), " GB/s), bf16 ", all.bf16 * 1e3, " ms (busbw ", busbw(bytes / 2, all.bf16),
-      " GB/s); within one host: fp32 ", local.fp32 * 1e3, " ms, bf16 ", local.bf16 * 1e3, " ms\n");
+      " GB/s), PowerSGD rank ", cfg.comm.powersgd_rank, " ", all.powersgd * 1e3, " ms; within one host: fp32 ",
+      local.fp32 * 1e3, " ms, bf16 ", local.bf16 * 1e3, " ms, PowerSGD ", local.powersgd * 1e3, " ms\n");
+  const std::string psgd_name = concat("powersgd r", cfg.comm.powersgd_rank);
   struct Row {
     int64_t accum;
-    const char* dtype;
+    std::string dtype;  // fp32 | bf16 | powersgd rN
     bool overlap;
     double step, exposed, tok_s, speedup;
   };
-  std::vector<Row> rows;  // per accum and dtype: overlap on, then off
+  std::vector<Row> rows;  // per accum and dtype: overlap on, then off (PowerSGD: the same, it never overlaps)
   for (int64_t accum : {1, 2, 4, 8, 16})
-    for (const char* dtype : {"fp32", "bf16"})
+    for (const std::string& dtype : {std::string("fp32"), std::string("bf16"), psgd_name})
       for (bool overlap : {true, false}) {
-        const bool half = std::string(dtype) == "bf16";
-        const double e = exposed(half ? all.bf16 : all.fp32, half ? all.last_bf16 : all.last_fp32, t_backward, overlap);
-        const double e1 = exposed(half ? local.bf16 : local.fp32, half ? local.last_bf16 : local.last_fp32, t_backward, overlap);
+        const bool half = dtype == "bf16", psgd = dtype == psgd_name;
+        const double e = psgd ? all.powersgd
+                              : exposed(half ? all.bf16 : all.fp32, half ? all.last_bf16 : all.last_fp32, t_backward, overlap);
+        const double e1 = psgd ? local.powersgd
+                               : exposed(half ? local.bf16 : local.fp32, half ? local.last_bf16 : local.last_fp32,
+                                         t_backward, overlap);
         const double step = static_cast<double>(accum) * t_micro + t_optimizer + e;
         const double tok_s = static_cast<double>(accum * micro * T * n) / step;
         const double tok_s_1 = static_cast<double>(accum * micro * T * per_host) / (static_cast<double>(accum) * t_micro + t_optimizer + e1);
         rows.push_back({accum, dtype, overlap, step, e, tok_s, tok_s / tok_s_1});
       }
   char line[320];
-  out += "| grad_accum | grad_dtype | step ms | exposed comm ms | comm share | tokens/s | vs one host "
+  out += "| grad_accum | gradients on the wire | step ms | exposed comm ms | comm share | tokens/s | vs one host "
          "| without overlap: step ms | comm share | vs one host |\n"
          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (size_t i = 0; i + 1 < rows.size(); i += 2) {
@@ -174,23 +186,27 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
       return topo.hosts.size() > 1 ? std::string(b) : std::string("-");
     };
     std::snprintf(line, sizeof line, "| %lld | %s | %.1f | %.1f | %.0f%% | %.0f | %s | %.1f | %.0f%% | %s |\n",
-                  static_cast<long long>(r.accum), r.dtype, r.step * 1e3, r.exposed * 1e3, 100 * r.exposed / r.step,
+                  static_cast<long long>(r.accum), r.dtype.c_str(), r.step * 1e3, r.exposed * 1e3, 100 * r.exposed / r.step,
                   r.tok_s, vs(r.speedup).c_str(), o.step * 1e3, 100 * o.exposed / o.step, vs(o.speedup).c_str());
     out += line;
   }
   // The recommendation: the fewest accumulation steps within 3% of the best throughput (a larger
-  // global batch changes the optimisation, not just the speed), fp32 and overlap where they tie.
+  // global batch changes the optimisation, not just the speed), overlap where it ties, and the
+  // least lossy gradients where they tie: fp32, then bf16, then PowerSGD (rows are in that order).
   const double best = std::max_element(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.tok_s < b.tok_s; })->tok_s;
   const Row* pick = nullptr;
   for (const Row& r : rows)
     if (r.tok_s >= 0.97 * best && r.overlap && (!pick || r.accum < pick->accum)) pick = &r;
   if (!pick) pick = &rows.front();
   for (const Row& r : rows)  // fp32 when it ties at the same accumulation
-    if (r.accum == pick->accum && r.overlap && std::string(r.dtype) == "fp32" && r.tok_s >= 0.97 * best) pick = &r;
+    if (r.accum == pick->accum && r.overlap && r.dtype == "fp32" && r.tok_s >= 0.97 * best) pick = &r;
+  const std::string setting = pick->dtype == psgd_name
+                                  ? concat("comm.compress: powersgd (comm.powersgd_rank: ", cfg.comm.powersgd_rank, ")")
+                                  : concat("comm.grad_dtype: ", pick->dtype, ", comm.overlap: true");
   std::snprintf(line, sizeof line,
-                "recommendation: train.grad_accum: %lld, comm.grad_dtype: %s, comm.overlap: true -> predicted %.0f tokens/s, "
+                "recommendation: train.grad_accum: %lld, %s -> predicted %.0f tokens/s, "
                 "communication %.0f%% of the step%s",
-                static_cast<long long>(pick->accum), pick->dtype, pick->tok_s, 100 * pick->exposed / pick->step,
+                static_cast<long long>(pick->accum), setting.c_str(), pick->tok_s, 100 * pick->exposed / pick->step,
                 topo.hosts.size() > 1 ? concat(", ", static_cast<int>(pick->speedup * 100 + 0.5) / 100.0, "x one host").c_str()
                                       : " (one host: nothing to compare)");
   out += line;

@@ -26,6 +26,7 @@
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/powersgd.h"
 #include "mpitrain/profiler.h"
 #include "mpitrain/progress.h"
 #include "mpitrain/shards.h"
@@ -196,6 +197,10 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                                  : cfg.comm.grad_dtype == "fp16" ? torch::kHalf
                                                                  : torch::kFloat32;
   GradSync grad_sync(params, dp, cfg.comm.bucket_mb, overlap, zero, wire);
+  // comm.compress: powersgd replaces the bucket all-reduce from step powersgd_start + 1 on.
+  std::optional<PowerSgd> powersgd;
+  if (cfg.comm.compress == "powersgd" && layout.dp > 1)
+    powersgd.emplace(params, dp, cfg.comm.powersgd_rank, cfg.train.seed);
   AdamW opt = zero ? AdamW(model->named_params(), grad_sync, cfg.optim, fused_adamw)
                    : AdamW(model->named_params(), cfg.optim, fused_adamw);
   const GradSync* shards = zero ? &grad_sync : nullptr;
@@ -230,7 +235,16 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     log::info(concat("gradient communication: ", static_cast<double>(grad_sync.bytes_per_step()) / (1 << 20),
                      " MiB per rank per step in ", cfg.comm.grad_dtype,
                      cfg.comm.grad_dtype == "fp32" ? std::string()
-                                                   : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)"));
+                                                   : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
+                     powersgd ? concat("; PowerSGD rank ", cfg.comm.powersgd_rank, " from step ", cfg.comm.powersgd_start + 1,
+                                       ": ", static_cast<double>(powersgd->bytes_per_step()) / (1 << 20), " MiB (",
+                                       static_cast<double>(powersgd->uncompressed_bytes()) /
+                                           static_cast<double>(powersgd->bytes_per_step()),
+                                       "x less; ", powersgd->compressed_matrices(),
+                                       " weight matrices compressed, two all-reduces after backward, error feedback)")
+                              : std::string()));
+  else if (cfg.comm.compress == "powersgd" && topo.rank == 0)
+    log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
   log::info(concat("data: ", train_data->num_tokens(), " train tokens in ", train_data->paths().size(),
                 " shards (", train_data->num_windows(), " windows/epoch)",
                 val_data ? concat(", ", val_data->num_tokens(), " val tokens") : std::string()));
@@ -363,6 +377,7 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     const bool last = step + 1 == cfg.train.steps;
     progress.start_step();
     profiler.begin_step(step + 1);
+    const bool compressed = powersgd && step >= cfg.comm.powersgd_start;
     Watchdog::set_step(step + 1);
     maybe_hang_for_test(topo.rank, step + 1);
 
@@ -382,12 +397,15 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
         Autocast autocast(precision, device);
         loss = model->loss(to_device(x, device), to_device(y, device));
       }
-      if (m + 1 == accum) grad_sync.arm();  // this backward completes the step's gradients
+      if (m + 1 == accum && !compressed) grad_sync.arm();  // this backward completes the step's gradients
       scaler.scale_loss(loss / static_cast<double>(accum)).backward();
       loss_sum += loss.detach().to(torch::kFloat64);
     }
     comm_wait.begin();  // what backward did not hide of the gradient communication
-    grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
+    if (compressed)
+      powersgd->reduce_grads();
+    else
+      grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
     comm_wait.end();
     bool finite = true;  // fp16 only; the same verdict on every rank
     torch::Tensor norm;

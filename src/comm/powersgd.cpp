@@ -1,0 +1,111 @@
+// PowerSGD gradient compression (see powersgd.h).
+#include "mpitrain/powersgd.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+
+namespace mpitrain {
+
+void orthonormalize_columns(torch::Tensor& p) {
+  const int64_t r = p.size(1);
+  for (int64_t i = 0; i < r; ++i) {
+    torch::Tensor col = p.narrow(1, i, 1);  // n x 1, a view
+    // A zero column (a zero gradient) stays zero instead of becoming NaN (PyTorch's hook: the same).
+    col.div_(col.norm() + 1e-8);
+    if (i + 1 < r) {
+      torch::Tensor rest = p.narrow(1, i + 1, r - i - 1);
+      rest.sub_(col.matmul(col.t().matmul(rest)));
+    }
+  }
+}
+
+PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_t rank, uint64_t seed)
+    : params_(std::move(params)), comm_(comm) {
+  // One generator for every Q, the same draws on every rank (the seed is the run's).
+  at::Generator gen = at::detail::createCPUGenerator(seed + 0x9E3779B97F4A7C15ULL);
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const torch::Tensor& p = params_[k];
+    const int64_t rows = p.dim() == 2 ? p.size(0) : 0, cols = p.dim() == 2 ? p.size(1) : 0;
+    const int64_t r = std::min({rank, rows, cols});
+    if (p.dim() != 2 || r * (rows + cols) >= rows * cols) {
+      plain_.push_back(k);
+      continue;
+    }
+    Matrix m{k, rows, cols, r, {}, {}};
+    m.q = at::randn({cols, r}, gen, torch::dtype(torch::kFloat32)).to(p.device());
+    orthonormalize_columns(m.q);
+    m.error = torch::zeros({rows, cols}, p.options().dtype(torch::kFloat32));
+    mats_.push_back(std::move(m));
+  }
+}
+
+uint64_t PowerSgd::bytes_per_step() const {
+  uint64_t n = 0;
+  for (size_t k : plain_) n += static_cast<uint64_t>(params_[k].numel());
+  for (const auto& m : mats_) n += static_cast<uint64_t>((m.rows + m.cols) * m.rank);
+  return 4 * n;
+}
+
+uint64_t PowerSgd::uncompressed_bytes() const {
+  uint64_t n = 0;
+  for (const auto& p : params_) n += static_cast<uint64_t>(p.numel());
+  return 4 * n;
+}
+
+void PowerSgd::reduce_grads() {
+  if (comm_.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_)
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+
+  // The plain tensors: one flat all-reduce.
+  if (!plain_.empty()) {
+    std::vector<torch::Tensor> flat;
+    for (size_t k : plain_) flat.push_back(params_[k].grad().reshape(-1));
+    torch::Tensor buf = torch::cat(flat);
+    comm_.all_reduce(buf, ReduceOp::avg);
+    int64_t at = 0;
+    for (size_t k : plain_) {
+      torch::Tensor& g = params_[k].mutable_grad();
+      g.view(-1).copy_(buf.narrow(0, at, g.numel()));
+      at += g.numel();
+    }
+  }
+  if (mats_.empty()) return;
+
+  // M = grad + error (this rank's); P = M Q for every matrix, all-reduced together.
+  std::vector<torch::Tensor> ms, ps;
+  for (auto& m : mats_) {
+    torch::Tensor mat = params_[m.param].grad().view({m.rows, m.cols}).to(torch::kFloat32) + m.error;
+    ps.push_back(mat.matmul(m.q).reshape(-1));
+    ms.push_back(std::move(mat));
+  }
+  torch::Tensor p_all = torch::cat(ps);
+  comm_.all_reduce(p_all, ReduceOp::sum);  // orthonormalised next: the scale does not matter
+  // Q = Mᵀ P with P orthonormal, all-reduced and averaged: P Qᵀ = P Pᵀ mean(M).
+  std::vector<torch::Tensor> pmats, qs;
+  int64_t at = 0;
+  for (size_t i = 0; i < mats_.size(); ++i) {
+    const auto& m = mats_[i];
+    torch::Tensor p = p_all.narrow(0, at, m.rows * m.rank).view({m.rows, m.rank});
+    at += m.rows * m.rank;
+    orthonormalize_columns(p);
+    qs.push_back(ms[i].t().matmul(p).reshape(-1));
+    pmats.push_back(p);
+  }
+  torch::Tensor q_all = torch::cat(qs);
+  comm_.all_reduce(q_all, ReduceOp::avg);
+  at = 0;
+  for (size_t i = 0; i < mats_.size(); ++i) {
+    auto& m = mats_[i];
+    m.q.copy_(q_all.narrow(0, at, m.cols * m.rank).view({m.cols, m.rank}));  // the warm start of the next step
+    at += m.cols * m.rank;
+    torch::Tensor approx = pmats[i].matmul(m.q.t());
+    m.error.copy_(ms[i] - approx);  // error feedback: what this rank's gradient lost, added next step
+    torch::Tensor& g = params_[m.param].mutable_grad();
+    g.view({m.rows, m.cols}).copy_(approx);
+  }
+}
+
+}  // namespace mpitrain
