@@ -74,37 +74,34 @@ void PowerSgd::reduce_grads() {
   }
   if (mats_.empty()) return;
 
-  // M = grad + error (this rank's); P = M Q for every matrix, all-reduced together.
-  std::vector<torch::Tensor> ms, ps;
-  for (auto& m : mats_) {
-    torch::Tensor mat = params_[m.param].grad().view({m.rows, m.cols}).to(torch::kFloat32) + m.error;
-    ps.push_back(mat.matmul(m.q).reshape(-1));
-    ms.push_back(std::move(mat));
+  // M = grad + error, formed in the error buffer (this rank's; no copy of the gradients), and
+  // P = M Q for every matrix, written straight into one flat buffer that is all-reduced.
+  int64_t p_len = 0, q_len = 0;
+  for (const auto& m : mats_) p_len += m.rows * m.rank, q_len += m.cols * m.rank;
+  const auto opts = mats_.front().error.options();
+  torch::Tensor p_all = torch::empty({p_len}, opts), q_all = torch::empty({q_len}, opts);
+  std::vector<torch::Tensor> pmats, qmats;
+  for (int64_t i = 0, at = 0, bt = 0; i < static_cast<int64_t>(mats_.size()); ++i) {
+    auto& m = mats_[static_cast<size_t>(i)];
+    m.error.add_(params_[m.param].grad().view({m.rows, m.cols}));
+    pmats.push_back(p_all.narrow(0, at, m.rows * m.rank).view({m.rows, m.rank}));
+    qmats.push_back(q_all.narrow(0, bt, m.cols * m.rank).view({m.cols, m.rank}));
+    at += m.rows * m.rank, bt += m.cols * m.rank;
+    torch::mm_out(pmats.back(), m.error, m.q);
   }
-  torch::Tensor p_all = torch::cat(ps);
   comm_.all_reduce(p_all, ReduceOp::sum);  // orthonormalised next: the scale does not matter
   // Q = Mᵀ P with P orthonormal, all-reduced and averaged: P Qᵀ = P Pᵀ mean(M).
-  std::vector<torch::Tensor> pmats, qs;
-  int64_t at = 0;
   for (size_t i = 0; i < mats_.size(); ++i) {
-    const auto& m = mats_[i];
-    torch::Tensor p = p_all.narrow(0, at, m.rows * m.rank).view({m.rows, m.rank});
-    at += m.rows * m.rank;
-    orthonormalize_columns(p);
-    qs.push_back(ms[i].t().matmul(p).reshape(-1));
-    pmats.push_back(p);
+    orthonormalize_columns(pmats[i]);
+    torch::mm_out(qmats[i], mats_[i].error.t(), pmats[i]);
   }
-  torch::Tensor q_all = torch::cat(qs);
   comm_.all_reduce(q_all, ReduceOp::avg);
-  at = 0;
   for (size_t i = 0; i < mats_.size(); ++i) {
     auto& m = mats_[i];
-    m.q.copy_(q_all.narrow(0, at, m.cols * m.rank).view({m.cols, m.rank}));  // the warm start of the next step
-    at += m.cols * m.rank;
-    torch::Tensor approx = pmats[i].matmul(m.q.t());
-    m.error.copy_(ms[i] - approx);  // error feedback: what this rank's gradient lost, added next step
-    torch::Tensor& g = params_[m.param].mutable_grad();
-    g.view({m.rows, m.cols}).copy_(approx);
+    m.q.copy_(qmats[i]);  // the warm start of the next step
+    torch::Tensor g = params_[m.param].mutable_grad().view({m.rows, m.cols});
+    torch::mm_out(g, pmats[i], m.q.t());  // the gradient: P Qᵀ
+    m.error.sub_(g);  // error feedback: what this rank's M lost, added to the next step's gradient
   }
 }
 
