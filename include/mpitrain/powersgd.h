@@ -12,7 +12,7 @@
 // rows x cols) are all-reduced as they are, in one flat buffer.
 //
 // Per step a rank sends (rows + cols) x rank numbers per compressed matrix instead of rows x
-// cols: for GPT-2 124M at rank 4 about 1/180 of the bytes. Costs: two all-reduces instead of
+// cols: for GPT-2 124M at rank 4 about 1/135 of the bytes (0.92M numbers instead of 124M). Costs: two all-reduces instead of
 // one, two thin matrix products per matrix, and e (the size of the compressed gradients). The
 // error and Q are not in checkpoints: a resumed run starts them afresh (zero error, the seed's Q).
 #pragma once
