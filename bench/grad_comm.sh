@@ -41,6 +41,8 @@ set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=../tests/multihost/lib.sh
 . "$REPO/tests/multihost/lib.sh"
+# shellcheck source=table_lib.sh
+. "$REPO/bench/table_lib.sh"
 BIN=$(realpath -e "${1:-$REPO/build/mpitrain}" 2>/dev/null) || { echo "$0: no such file: ${1:-build/mpitrain}" >&2; exit 2; }
 RATE=${RATE:-100mbit} STEPS=${STEPS:-30} LOG_EVERY=${LOG_EVERY:-5} LIMIT=${LIMIT:-300}
 DTYPES=${DTYPES:-"fp32 bf16 fp16 powersgd"}
@@ -63,8 +65,6 @@ for r in 1 2; do  # hostfiles hosts-<hosts>x<ranks per host>
   printf "%s slots=$r\n" "${ADDRS[@]}" > "$T/hosts-2x$r"
 done
 
-median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "nan" || b == "nan" || b == 0) print "-"; else printf "%.2f", a / b }'; }
 
 mpirun_node1() {  # name hostfile np args... -> $T/name.out
   local name=$1 hosts=$2 np=$3
@@ -136,11 +136,9 @@ for rph in 1 2; do
 done
 
 # ---- the table -----------------------------------------------------------------------------------
-fmt() { awk -v v="$1" -v f="$2" 'BEGIN { if (v == "nan" || v == "") print "-"; else printf f, v }'; }
-pct() { awk -v s="$1" 'BEGIN { if (s == "nan" || s == "") print "-"; else printf "%.1f%%", s * 100 }'; }
 row() {  # layout dtype key fp32-key baseline-key
-  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$2" "$(fmt "${MIB[$3]}" '%.2f')" \
-    "$(fmt "${MS[$3]}" '%.0f')" "$(pct "${SHARE[$3]}")" "$(fmt "${EXPOSED[$3]}" '%.0f')" \
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$2" "$(num "${MIB[$3]}" '%.2f')" \
+    "$(num "${MS[$3]}" '%.0f')" "$(pct "${SHARE[$3]}")" "$(num "${EXPOSED[$3]}" '%.0f')" \
     "$(ratio "${MS[$3]}" "${MS[$4]:-nan}")" "$(ratio "${EXPOSED[$3]}" "${EXPOSED[$4]:-nan}")" "$(ratio "${TOK[$3]}" "${TOK[$5]}")"
 }
 intervals=$((STEPS / LOG_EVERY - 1))

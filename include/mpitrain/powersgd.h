@@ -9,7 +9,7 @@
 // nothing is lost for good, only delayed. Q starts from the same random draw on every rank (a
 // seed) and is kept between steps (one step of power iteration per training step). Tensors with
 // one dimension (biases, LayerNorm) and matrices too small to gain (rank x (rows + cols) >=
-// rows x cols) are all-reduced as they are, in one flat buffer.
+// rows x cols) are all-reduced as they are, in one bucket of a GradSync (grad_sync.h).
 //
 // Per step a rank sends (rows + cols) x rank numbers per compressed matrix instead of rows x
 // cols: for GPT-2 124M at rank 4 about 1/135 of the bytes (0.92M numbers instead of 124M). Costs: two all-reduces instead of
@@ -20,9 +20,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "mpitrain/comm.h"
+#include "mpitrain/grad_sync.h"
 
 namespace mpitrain {
 
@@ -49,7 +51,7 @@ class PowerSgd {
     torch::Tensor error;  // rows x cols: what earlier approximations left out (this rank's)
   };
   std::vector<torch::Tensor> params_;
-  std::vector<size_t> plain_;  // indices of the parameters all-reduced as they are
+  std::unique_ptr<GradSync> plain_;  // the parameters all-reduced as they are (null: none)
   std::vector<Matrix> mats_;
   Communicator& comm_;
 };

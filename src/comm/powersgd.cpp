@@ -24,12 +24,13 @@ PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_
     : params_(std::move(params)), comm_(comm) {
   // One generator for every Q, the same draws on every rank (the seed is the run's).
   at::Generator gen = at::detail::createCPUGenerator(seed + 0x9E3779B97F4A7C15ULL);
+  std::vector<torch::Tensor> plain;
   for (size_t k = 0; k < params_.size(); ++k) {
     const torch::Tensor& p = params_[k];
     const int64_t rows = p.dim() == 2 ? p.size(0) : 0, cols = p.dim() == 2 ? p.size(1) : 0;
     const int64_t r = std::min({rank, rows, cols});
     if (p.dim() != 2 || r * (rows + cols) >= rows * cols) {
-      plain_.push_back(k);
+      plain.push_back(p);
       continue;
     }
     Matrix m{k, rows, cols, r, {}, {}};
@@ -38,13 +39,17 @@ PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_
     m.error = torch::zeros({rows, cols}, p.options().dtype(torch::kFloat32));
     mats_.push_back(std::move(m));
   }
+  if (!plain.empty()) {  // one bucket: a bound above their total size
+    double mib = 1;
+    for (const auto& p : plain) mib += static_cast<double>(p.nbytes()) / (1 << 20);
+    plain_ = std::make_unique<GradSync>(std::move(plain), comm_, mib, /*overlap=*/false);
+  }
 }
 
 uint64_t PowerSgd::bytes_per_step() const {
   uint64_t n = 0;
-  for (size_t k : plain_) n += static_cast<uint64_t>(params_[k].numel());
   for (const auto& m : mats_) n += static_cast<uint64_t>((m.rows + m.cols) * m.rank);
-  return 4 * n;
+  return 4 * n + (plain_ ? plain_->bytes_per_step() : 0);
 }
 
 uint64_t PowerSgd::uncompressed_bytes() const {
@@ -59,19 +64,7 @@ void PowerSgd::reduce_grads() {
   for (auto& p : params_)
     if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
 
-  // The plain tensors: one flat all-reduce.
-  if (!plain_.empty()) {
-    std::vector<torch::Tensor> flat;
-    for (size_t k : plain_) flat.push_back(params_[k].grad().reshape(-1));
-    torch::Tensor buf = torch::cat(flat);
-    comm_.all_reduce(buf, ReduceOp::avg);
-    int64_t at = 0;
-    for (size_t k : plain_) {
-      torch::Tensor& g = params_[k].mutable_grad();
-      g.view(-1).copy_(buf.narrow(0, at, g.numel()));
-      at += g.numel();
-    }
-  }
+  if (plain_) plain_->all_reduce_grads();  // the plain tensors: one bucket
   if (mats_.empty()) return;
 
   // M = grad + error, formed in the error buffer (this rank's; no copy of the gradients), and
