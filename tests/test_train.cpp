@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <sstream>
 #include <functional>
 #include <random>
@@ -687,26 +688,75 @@ Config llama_config(const std::string& run, int64_t tp, int64_t micro) {
   return c;
 }
 
+// A Llama layout against data parallelism, as the GPT-2 layouts are compared, but with the
+// parameters compared under linear steps: the real AdamW runs by their losses (kTpTolerance), and
+// the same layouts under sgd_like steps by each parameter's relative gap (kReorderTolerance). The
+// untied lm_head rows of tokens the batches rarely hold get gradients that AdamW's 1/sqrt(v)
+// turns from rounding noise into steps of up to lr (measured: 1.2e-5 in one element of
+// lm_head.weight at tp 2 x dp 2, above kTpTolerance), the effect sgd_like explains.
+// `run(tag, linear)` trains the layout (linear: under sgd_like) and returns its whole result.
+using LayoutRun = std::function<TrainResult(const std::string& tag, bool linear)>;
+
+void expect_llama_layout_equals_dp(const LayoutRun& run, const std::string& tag, const std::string& what) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  static std::map<int, std::pair<TrainResult, TrainResult>> reference;  // data parallel: AdamW, linear
+  if (!reference.count(world_size()))
+    reference[world_size()] = {train(llama_config("llama-dp", 1, 4), MPI_COMM_WORLD, keep),
+                               train(sgd_like(llama_config("llama-dp-sgd", 1, 4)), MPI_COMM_WORLD, keep)};
+  const auto& [dp, dp_linear] = reference[world_size()];
+  TrainResult adamw = run(tag, false);
+  ASSERT_EQ(adamw.losses.size(), dp.losses.size()) << what;
+  double worst_loss = 0;
+  for (size_t i = 0; i < dp.losses.size(); ++i) {
+    worst_loss = std::max(worst_loss, std::abs(adamw.losses[i].second - dp.losses[i].second));
+    EXPECT_NEAR(adamw.losses[i].second, dp.losses[i].second, kTpTolerance) << what << ", step " << dp.losses[i].first;
+  }
+  const Gap gap = worst_relative_gap(run(tag + "-sgd", true), dp_linear, initial_params(llama_config(tag, 1, 4)));
+  EXPECT_LT(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+  if (world_rank() == 0)
+    std::printf("[ info ] %s vs data parallel on %d ranks: largest AdamW loss difference %.3g; linear steps: "
+                "parameters' relative gap %.3g (%s)\n",
+                what.c_str(), world_size(), worst_loss, gap.rel, gap.name.c_str());
+}
+
+// One train() call of a layout.
+LayoutRun llama_layout(int64_t tp, int64_t zero) {
+  return [tp, zero](const std::string& tag, bool linear) {
+    Config c = llama_config(tag, tp, 4 * tp);
+    c.optim.zero = zero;
+    TrainHooks keep;
+    keep.keep_params = true;
+    return train(linear ? sgd_like(c) : c, MPI_COMM_WORLD, keep);
+  };
+}
+
 TEST(Train, LlamaLayoutsEqualDataParallel) {
   const int n = world_size();
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult dp = train(llama_config("llama-dp", 1, 4), MPI_COMM_WORLD, keep);  // global batch 4 n throughout
+  TrainResult dp = train(llama_config("llama-dp0", 1, 4), MPI_COMM_WORLD, keep);  // global batch 4 n throughout
   // wte, ln_f, lm_head; per layer 2 norms, q/k/v weights and biases, o_proj, gate, up, down
   ASSERT_EQ(dp.params.size(), 3u + 2u * 12u);
-  expect_same_run(train(llama_config("llama-tp2", 2, 4 * 2), MPI_COMM_WORLD, keep), dp, concat("llama tp 2 x dp ", n / 2));
+  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
+  expect_llama_layout_equals_dp(llama_layout(2, 0), "llama-tp2", concat("llama tp 2 x dp ", n / 2));
+  if (n > 2) expect_llama_layout_equals_dp(llama_layout(2, 1), "llama-tp2-zero", concat("llama tp 2 x dp ", n / 2, " with ZeRO-1"));
+  // ZeRO-1 alone: bitwise the data-parallel run, as for GPT-2 (ZeroOneEqualsPlainDataParallel).
   Config zero = llama_config("llama-zero", 1, 4);
   zero.optim.zero = 1;
-  expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("llama ZeRO-1 over dp ", n));
-  if (n > 2) {
-    Config tp_zero = llama_config("llama-tp2-zero", 2, 4 * 2);
-    tp_zero.optim.zero = 1;
-    expect_same_run(train(tp_zero, MPI_COMM_WORLD, keep), dp, concat("llama tp 2 x dp ", n / 2, " with ZeRO-1"));
-  }
-  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
+  TrainResult z = train(zero, MPI_COMM_WORLD, keep);
+  ASSERT_EQ(z.params.size(), dp.params.size());
+  for (size_t i = 0; i < dp.losses.size(); ++i) EXPECT_NEAR(z.losses[i].second, dp.losses[i].second, kZeroTolerance);
+  for (size_t i = 0; i < dp.params.size(); ++i)
+    for (size_t k = 0; k < dp.params[i].second.size(); ++k)
+      if (std::abs(double(z.params[i].second[k]) - dp.params[i].second[k]) > kZeroTolerance * (1 + std::abs(dp.params[i].second[k]))) {
+        ADD_FAILURE() << "llama ZeRO-1: " << dp.params[i].first << "[" << k << "]";
+        break;
+      }
 }
 
-// 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1.
+// 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1
+// continues the run (compared as the layouts above).
 TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
   TrainHooks keep;
   keep.keep_params = true;
@@ -733,21 +783,24 @@ TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
     for (size_t i = 0; i < straight.params.size(); ++i)
       EXPECT_EQ(second.params[i].second, straight.params[i].second) << straight.params[i].first;
   }
-  TrainResult straight = train(llama_config("llama-tp-straight", 1, 4), MPI_COMM_WORLD, keep);
-  auto cfg_for = [](const std::string& run, int64_t tp) {
-    Config c = llama_config(run, tp, 4 * tp);
-    c.checkpoint.dir = shared_data_dir() + "/llama-tp-resume-ckpt";
-    return c;
+  // tp 2 for 8 steps, then tp 1 from its checkpoint: one run, as data parallelism would have it.
+  auto chain = [](const std::string& tag, bool linear) {
+    TrainHooks keep;
+    keep.keep_params = true;
+    TrainHooks stop = keep;
+    stop.stop_after = 8;
+    auto cfg = [&](int64_t tp) {
+      Config c = llama_config(concat(tag, "-tp", tp), tp, 4 * tp);
+      c.checkpoint.dir = shared_data_dir() + "/" + tag + "-ckpt";
+      return linear ? sgd_like(c) : c;
+    };
+    TrainResult first = train(cfg(2), MPI_COMM_WORLD, stop);
+    TrainResult second = train(cfg(1), MPI_COMM_WORLD, keep);
+    EXPECT_EQ(second.losses.front().first, 9) << "tp 1 resumed where tp 2 stopped";
+    second.losses.insert(second.losses.begin(), first.losses.begin(), first.losses.end());
+    return second;
   };
-  TrainHooks stop = keep;
-  stop.stop_after = 8;
-  TrainResult first = train(cfg_for("llama-tp-resume-2", 2), MPI_COMM_WORLD, stop);
-  TrainResult second = train(cfg_for("llama-tp-resume-1", 1), MPI_COMM_WORLD, keep);
-  EXPECT_EQ(second.losses.front().first, 9) << "tp 1 resumed where tp 2 stopped";
-  TrainResult joined = second;
-  joined.losses = first.losses;
-  joined.losses.insert(joined.losses.end(), second.losses.begin(), second.losses.end());
-  expect_same_run(joined, straight, "llama tp 2 -> 1, resumed,");
+  expect_llama_layout_equals_dp(chain, "llama-tp-resume", "llama tp 2 -> 1, resumed,");
 }
 
 TEST(Train, Cleanup) {
