@@ -22,8 +22,12 @@ constexpr int64_t kShardVersion = 1;
 struct ShardMeta {
   int64_t vocab_size = 0;
   int64_t eot_token = -1;
-  std::string tokenizer = "byte";  // byte | gpt2 | ...
+  std::string tokenizer = "byte";  // byte | gpt2 | hf | unknown
   std::string source;              // free text
+  // hf: the tokenizer.json the text was encoded with, as named to pack, and the SHA-256 of its
+  // bytes (lower-case hex). Empty: not written (other tokenizers) or not present (older shards).
+  std::string tokenizer_file;
+  std::string tokenizer_sha256;
 };
 
 // Writes one shard: /tokens (uint16 if vocab_size <= 65536, else uint32; contiguous),

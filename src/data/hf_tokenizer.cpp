@@ -378,9 +378,10 @@ void HfTokenizer::Impl::load_added(const json& added) {
       bad(key + ".content", "expected a non-empty string");
     const auto n = id->get<uint32_t>();
     const std::string text = content->get<std::string>();
-    if (auto it = ids.find(text); it != ids.end() && it->second != n)
-      bad(key, concat("'", text, "' has id ", n, " but already id ", it->second));
-    if (n < known.size() && known[n] && ids.at(text) != n)
+    const auto same = ids.find(text);
+    if (same != ids.end() && same->second != n)
+      bad(key, concat("'", text, "' has id ", n, " but already id ", same->second));
+    if (n < known.size() && known[n] && same == ids.end())
       bad(key + ".id", concat(n, " is already another token"));
     if (n >= known.size()) {
       known.resize(n + 1, false);

@@ -90,6 +90,8 @@ OpenShard open_shard(const std::string& path) {
   s.info.meta.eot_token = h5::get_attr_int(f, "eot_token").value_or(-1);
   s.info.meta.tokenizer = h5::get_attr_string(f, "tokenizer").value_or(s.info.meta.tokenizer);
   s.info.meta.source = h5::get_attr_string(f, "source").value_or("");
+  s.info.meta.tokenizer_file = h5::get_attr_string(f, "tokenizer_file").value_or("");
+  s.info.meta.tokenizer_sha256 = h5::get_attr_string(f, "tokenizer_sha256").value_or("");
 
   if (H5Lexists(f, "tokens", H5P_DEFAULT) <= 0) throw bad("missing dataset 'tokens'");
   hid_t d = H5Dopen2(f, "tokens", H5P_DEFAULT);
@@ -252,6 +254,8 @@ void write_shard(const std::string& path, const std::vector<uint32_t>& tokens,
     h5::set_attr(root, "tokenizer", meta.tokenizer);
     h5::set_attr(root, "num_tokens", static_cast<int64_t>(tokens.size()));
     h5::set_attr(root, "source", meta.source);
+    if (!meta.tokenizer_file.empty()) h5::set_attr(root, "tokenizer_file", meta.tokenizer_file);
+    if (!meta.tokenizer_sha256.empty()) h5::set_attr(root, "tokenizer_sha256", meta.tokenizer_sha256);
     if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(tmp + ": cannot flush (disk full?)");
   } catch (...) {
     std::remove(tmp.c_str());
