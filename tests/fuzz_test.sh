@@ -22,7 +22,7 @@ if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
 fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
-read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors}"
+read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_tokenizer}"
 
 skip() {
   echo "SKIP: $*"
