@@ -16,13 +16,16 @@
 #            global batch: the same losses); GPU -> CPU -> GPU resume (losses continue); bf16;
 #            fp16 with loss scaling. TRAIN_STEPS steps (default 200); the mid-run checkpoint
 #            and the shards are kept in OUTDIR/handoff for a resume on a CPU machine.
+#   llama    the Llama 3.2 1B shape (preset llama3.2-1b: 16 layers, 32/8 heads, width 2048, SwiGLU
+#            8192, vocab 128256), bf16, micro-batch 4 x seq 2048, on random tokens: tokens/s, MFU
+#            and peak GPU memory (LLAMA_STEPS, default 40). Rehearsal: llama-debug on the CPU
 #   bench    bench/gpu_throughput.sh: GPT-2 124M yardstick vs PyTorch eager and torch.compile,
 #            and the 50-step loss parity
 #   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) summarised by
 #            bench/profile_summary.py, and nsys's kernel table where nsys is installed
 #
 # A device command may run 10 minutes: on such a machine run `env build test train` first and
-# `bench profile` in a second call (the build stays while the machine is held; if it was given
+# `llama bench profile` in a second call (the build stays while the machine is held; if it was given
 # back, `build` simply runs again).
 #
 # Rehearsal without a GPU: REHEARSE=1 BUILD=build bash bench/gpu_check.sh OUTDIR env train
@@ -37,7 +40,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "gpu_check: cannot create '$1'"; exit 2; }
 shift
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(env build test train bench profile)
+[ ${#stages[@]} -gt 0 ] || stages=(env build test train llama bench profile)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD:-$root/build-gpu}
 case $build in /*) ;; *) build=$root/$build ;; esac
@@ -290,6 +293,39 @@ EOF
   row train "train stage time" INFO "$(seconds_since "$t0") s"
 }
 
+# ---- llama --------------------------------------------------------------------------------------
+stage_llama() {
+  local work=$out/llama preset=llama3.2-1b steps=${LLAMA_STEPS:-40} micro=4 precision=bf16 vocab=128256 n=4000000
+  mkdir -p "$work"
+  [ -x "$bin" ] || { row llama "mpitrain binary" FAIL "$bin not built"; return; }
+  if [ "$rehearse" = 1 ]; then preset=llama-debug steps=8 micro=2 precision=fp32 vocab=2048 n=200000; fi
+  $py -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(3).integers(1, $vocab, $n).astype(np.uint32))" \
+    "$work/tokens.npy"
+  rm -rf "$work/shards" "$work/run"
+  "$bin" pack "$work/tokens.npy" -o "$work/shards/tok" --format npy --vocab-size $vocab --eot 0 --val-fraction 0 \
+    >"$work/pack.log" 2>&1 || { row llama "pack random tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
+  cat >"$work/llama.yaml" <<YAML
+model: {preset: $preset}
+data: {train: ["$work/shards/tok-train-*.h5"]}
+train: {micro_batch: $micro, steps: $steps, device: $gpu, precision: $precision, out_dir: "$work/run"}
+optim: {warmup_steps: 5, lr: 3.0e-4}
+eval: {every: 0}
+log: {every: 5}
+checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0}
+comm: {backend: $gpu_backend}
+sample: {tokens: 0}
+YAML
+  timeout 420 mpirun -np 1 --bind-to none "$bin" "$work/llama.yaml" >"$work/mpitrain.log" 2>&1
+  local rc=$?
+  # Random tokens: nothing to learn, the loss stays near ln(vocab); this stage measures speed.
+  local facts frc
+  facts=$($py "$root/bench/gpu_check_compare.py" speed "$work/run/metrics.jsonl" "$work/mpitrain.log" "$vocab")
+  frc=$?
+  check llama "$preset, $precision, micro $micro, $steps steps (llama/mpitrain.log)" "${facts:-no metrics} (exit $rc)" \
+    test "$rc" -eq 0 -a "$frc" -eq 0
+  grep -m1 "model: llama" "$work/mpitrain.log" | cut -c1-200
+}
+
 # ---- bench --------------------------------------------------------------------------------------
 stage_bench() {
   if [ "$rehearse" = 1 ]; then row bench "gpu_throughput.sh" SKIP "rehearsal: needs CUDA"; return; fi
@@ -362,8 +398,8 @@ EOF
 # ---- run the stages, then the summary -----------------------------------------------------------
 for s in "${stages[@]}"; do
   case $s in
-    env | build | test | train | bench | profile) ;;
-    *) echo "gpu_check: unknown stage '$s' (env build test train bench profile)"; exit 2 ;;
+    env | build | test | train | llama | bench | profile) ;;
+    *) echo "gpu_check: unknown stage '$s' (env build test train llama bench profile)"; exit 2 ;;
   esac
 done
 for s in "${stages[@]}"; do

@@ -9,6 +9,8 @@
   same-run A B                 A and B are the same training up to rounding: the first 20 steps'
                                losses within 1e-4 relative, every step within 1e-2, the final val
                                loss within 1%
+  speed METRICS LOG VOCAB      tokens/s, MFU and peak GPU memory of a run on random tokens, whose
+                               losses must stay finite and below ln(VOCAB) + 1
   resumed FULL FIRST SECOND    FIRST resumed FULL's checkpoint, SECOND resumed FIRST's (FIRST
                                starts after step 1, SECOND where FIRST stopped, both end as FULL): their
                                first 5 steps' losses within 1e-3 of FULL's (weights and AdamW
@@ -98,6 +100,18 @@ def main(argv):
               f"within {f5:.1e} / {g5:.1e} of the uninterrupted run, at most {wall:.1e} overall (step {sall}); "
               f"final val {final_val(second_val):.4f} vs {final_val(full_val):.4f}"
               + ("" if chained else "; not a resume chain (FIRST must start after FULL's first step, SECOND where FIRST stopped)"))
+    elif kind == "speed":  # speed METRICS.jsonl LOG VOCAB: a run on random tokens (the llama stage)
+        import re
+        rows = [json.loads(l) for l in open(args[0]) if '"tokens_per_s"' in l]
+        timed = rows[1:] or rows  # the first interval includes start-up
+        tok = sum(r["tokens_per_s"] for r in timed) / len(timed)
+        mfu = [r["mfu"] for r in timed if "mfu" in r]
+        peak = re.findall(r"peak GPU memory[^:]*: ([0-9.e+-]+) GiB", open(args[1]).read())
+        # nothing to learn in random tokens: the loss must stay finite and near ln(vocab)
+        ok = bool(rows) and all(math.isfinite(r["loss"]) and r["loss"] < math.log(int(args[2])) + 1 for r in rows)
+        print(f"{tok:,.0f} tokens/s, " + (f"MFU {100 * sum(mfu) / len(mfu):.1f}%, " if mfu else "")
+              + f"peak GPU memory {peak[-1] + ' GiB' if peak else 'n/a'}, loss {rows[0]['loss']:.3f} -> "
+              f"{rows[-1]['loss']:.3f}" + ("" if ok else " (not finite, or above ln(vocab) + 1)"))
     else:
         print(f"unknown comparison '{kind}'")
         return 2

@@ -9,7 +9,7 @@ build=$(cd "$1" && pwd)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 E2E_NAME=gpu-check E2E_NO_CORPUS=1 BIN=$build/mpitrain source "$root/tests/e2e_lib.sh"
 
-REHEARSE=1 BUILD=$build TRAIN_STEPS=60 PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train profile \
+REHEARSE=1 BUILD=$build TRAIN_STEPS=60 PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train llama profile \
   > check.out 2>&1
 rc=$?
 sed -n '/^mpitrain gpu_check/,$p' check.out

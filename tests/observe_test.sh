@@ -41,7 +41,7 @@ check "progress lines with MFU and comm share, printed once per report" \
 grep -E 'step +4/8' run1.out | sed 's/^/  /'
 check "rank 1's warning on the terminal once, with its rank" "[ \$(grep -c '\[rank 1 @ .*\] test: a warning of rank 1' run1.out) -eq 1 ]"
 # MFU recomputed from the logged model size: (6 (N - T d) + 12 L d T) x tokens/s / (2 ranks x 0.01e12)
-N=$(sed -n 's/.*model: \([0-9]*\) parameters.*/\1/p' run1.out | head -1)
+N=$(sed -n 's/.*model: [a-z0-9]*, \([0-9]*\) parameters.*/\1/p' run1.out | head -1)
 mfu_ok=$($PY - "$N" run/metrics.jsonl <<'PYEOF'
 import json, sys
 n = int(sys.argv[1]); L, d, T = 2, 32, 32

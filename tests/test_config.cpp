@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -56,6 +57,19 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.fused_loss, b.model.fused_loss);
   EXPECT_EQ(a.model.fused_kernels, b.model.fused_kernels);
   EXPECT_EQ(a.model.init_from, b.model.init_from);
+  EXPECT_EQ(a.model.arch, b.model.arch);
+  EXPECT_EQ(a.model.n_kv_head, b.model.n_kv_head);
+  EXPECT_EQ(a.model.intermediate_size, b.model.intermediate_size);
+  EXPECT_EQ(a.model.rope_theta, b.model.rope_theta);
+  EXPECT_EQ(a.model.rope_scaling, b.model.rope_scaling);
+  EXPECT_EQ(a.model.rope_factor, b.model.rope_factor);
+  EXPECT_EQ(a.model.rope_low_freq_factor, b.model.rope_low_freq_factor);
+  EXPECT_EQ(a.model.rope_high_freq_factor, b.model.rope_high_freq_factor);
+  EXPECT_EQ(a.model.rope_original_max_position, b.model.rope_original_max_position);
+  EXPECT_EQ(a.model.max_position, b.model.max_position);
+  EXPECT_EQ(a.model.qkv_bias, b.model.qkv_bias);
+  EXPECT_EQ(a.model.tie_embeddings, b.model.tie_embeddings);
+  EXPECT_EQ(a.model.norm_eps, b.model.norm_eps);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val, b.data.val);
   EXPECT_EQ(a.data.seed, b.data.seed);
@@ -100,6 +114,7 @@ TEST(Config, MinimalFileKeepsEveryDefault) {
   d.data.train = {"train.h5"};
   d.data.val = {"val.h5"};
   d.model.n_layer = 6, d.model.n_head = 6, d.model.n_embd = 192, d.model.seq_len = 256;
+  d.model.arch = "gpt2", d.model.norm_eps = 1e-5;  // the tiny preset resolves these too
   expect_same(c, d);
   EXPECT_EQ(c.source, "run.yaml");
 }
@@ -265,6 +280,80 @@ TEST(Config, CustomPresetNeedsEveryDimension) {
   EXPECT_EQ(c.model.vocab_size, 0);
 }
 
+TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
+  Config c = parse_config(kMinimal, "run.yaml", {"model.preset=llama3.2-1b"});
+  const ModelConfig& m = c.model;
+  EXPECT_EQ(m.arch, "llama");
+  EXPECT_EQ(m.n_layer, 16);
+  EXPECT_EQ(m.n_head, 32);
+  EXPECT_EQ(m.n_kv_head, 8);
+  EXPECT_EQ(m.n_embd, 2048);
+  EXPECT_EQ(m.intermediate_size, 8192);
+  EXPECT_EQ(m.vocab_size, 128256);
+  EXPECT_EQ(m.max_position, 131072);
+  EXPECT_EQ(m.rope_theta, 500000.0);
+  EXPECT_EQ(m.rope_scaling, "llama3");
+  EXPECT_EQ(m.rope_factor, 32.0);
+  EXPECT_EQ(m.rope_original_max_position, 8192);
+  EXPECT_EQ(m.tie_embeddings, "true");
+  EXPECT_EQ(m.qkv_bias, "false");
+  Config big = parse_config(kMinimal, "run.yaml", {"model.preset=llama3.1-8b"});
+  EXPECT_EQ(big.model.intermediate_size, 14336);
+  EXPECT_EQ(big.model.rope_factor, 8.0);
+  EXPECT_EQ(big.model.tie_embeddings, "false");
+  Config qwen = parse_config(kMinimal, "run.yaml", {"model.preset=qwen2.5-0.5b"});
+  EXPECT_EQ(qwen.model.n_head, 14);
+  EXPECT_EQ(qwen.model.n_kv_head, 2);
+  EXPECT_EQ(qwen.model.qkv_bias, "true");
+  EXPECT_EQ(qwen.model.norm_eps, 1e-6);
+  EXPECT_EQ(qwen.model.rope_scaling, "none");
+  Config debug = parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug"});
+  EXPECT_EQ(debug.model.n_embd, 256);
+  EXPECT_EQ(debug.model.n_kv_head, 4);
+  EXPECT_EQ(debug.model.vocab_size, 2048);
+  // gpt2 keeps its fixed parts and no Llama key
+  Config gpt = parse_config(kMinimal, "run.yaml");
+  EXPECT_EQ(gpt.model.arch, "gpt2");
+  EXPECT_EQ(gpt.model.n_kv_head, 0);
+  EXPECT_EQ(gpt.model.norm_eps, 1e-5);
+  expect_same(c, parse_config(to_yaml(c), "resolved.yaml"));
+  expect_same(qwen, parse_config(to_yaml(qwen), "resolved.yaml"));
+}
+
+TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
+  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  std::ofstream(dir + "/config.json")
+      << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 160,
+             "vocab_size": 300, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+             "tie_word_embeddings": false, "hidden_act": "silu"})";
+  const std::string yaml = concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
+  std::ofstream(dir + "/run.yaml") << yaml;
+  Config c = load_config(dir + "/run.yaml");
+  EXPECT_EQ(c.model.arch, "llama");
+  EXPECT_EQ(c.model.preset, "custom");
+  EXPECT_EQ(c.model.n_layer, 3);
+  EXPECT_EQ(c.model.n_kv_head, 2);
+  EXPECT_EQ(c.model.intermediate_size, 160);
+  EXPECT_EQ(c.model.vocab_size, 300);
+  EXPECT_EQ(c.model.seq_len, 2048);  // min(max_position_embeddings, 2048)
+  EXPECT_EQ(c.model.max_position, 4096);
+  EXPECT_EQ(c.model.rope_scaling, "llama3");
+  EXPECT_EQ(c.model.rope_factor, 8.0);
+  EXPECT_EQ(c.model.tie_embeddings, "false");
+  // The resolved config parses again without the directory (a checkpoint's stored config).
+  expect_same(c, parse_config(to_yaml(c), "resolved.yaml"));
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.n_kv_head=4"}); }),
+                  {"run.yaml: model.n_kv_head: 4 disagrees with ", "/config.json's 2"});
+  std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "hidden_size": 64})";
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"run.yaml: model.init_from: ", "/config.json: model_type: 'mixtral'"});
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Config, UnknownPresetListsTheNames) {
   expect_contains(parse_error(kMinimal, {"model.preset=gpt3"}),
                   {"run.yaml: model.preset must be one of", "tiny", "gpt2-medium", "gpt2-xl",
@@ -292,6 +381,22 @@ INSTANTIATE_TEST_SUITE_P(
     Config, Validation,
     ::testing::Values(
         Invalid{"n_layer", {"model.n_layer=-1"}, {"model.n_layer must be > 0, got -1"}},
+        Invalid{"n_kv_head", {"model.preset=llama-debug", "model.n_kv_head=3"},
+                {"model.n_kv_head must be > 0 and dividing model.n_head (16), got 3"}},
+        Invalid{"rope_scaling_on_gpt2", {"model.rope_scaling=llama3"},
+                {"model.rope_scaling applies to model.arch: llama only"}},
+        Invalid{"n_kv_head_on_gpt2", {"model.n_kv_head=2"}, {"model.n_kv_head applies to model.arch: llama only"}},
+        Invalid{"llama_custom_intermediate", {"model.preset=custom", "model.arch=llama", "model.n_layer=2",
+                                              "model.n_head=2", "model.n_embd=16", "model.seq_len=8"},
+                {"model.intermediate_size must be set (> 0) for a custom llama model"}},
+        Invalid{"arch_vs_preset", {"model.preset=gpt2", "model.arch=llama"},
+                {"model.arch must be gpt2 with model.preset gpt2"}},
+        Invalid{"rope_factor_without_llama3", {"model.preset=llama-debug", "model.rope_factor=2"},
+                {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3, got 2"}},
+        Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},
+                {"model.rope_high_freq_factor must be > model.rope_low_freq_factor (1), got 0.5"}},
+        Invalid{"llama_fused_kernels", {"model.preset=llama-debug", "model.fused_kernels=on"},
+                {"model.fused_kernels must be auto or off for model.arch: llama"}},
         Invalid{"n_head", {"model.n_head=-2"}, {"model.n_head must be > 0, got -2"}},
         Invalid{"n_embd", {"model.n_embd=-3"}, {"model.n_embd must be > 0, got -3"}},
         Invalid{"seq_len", {"model.seq_len=-4"}, {"model.seq_len must be > 0, got -4"}},

@@ -3,10 +3,14 @@
 // against libtorch's own layer_norm / gelu autograd, and the model with them against without.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+
 #include "mpitrain/amp.h"
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
+#include "mpitrain/hf_format.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
 
@@ -30,6 +34,51 @@ TEST(Model, Gpt2PresetHas124MParametersWithTiedEmbeddings) {
   EXPECT_EQ(model->num_params(), 124439808);
   // Tied: no separate output matrix among the parameters.
   for (const auto& [name, p] : model->named_params()) EXPECT_EQ(name.find("lm_head"), std::string::npos);
+}
+
+TEST(Model, LlamaDebugPresetCountsEveryPart) {
+  Config cfg = parse_config("model: {preset: llama-debug}\ndata: {train: [x.h5], val: [y.h5]}\n", "t.yaml");
+  GPT model(model_dims(cfg.model, 257));
+  // embedding 2048 x 256 (tied); per layer q 256x256, k and v 64x256 (4 kv heads of 16), o 256x256,
+  // gate/up/down 768x256, two RMSNorms of 256; final RMSNorm
+  const int64_t layer = 2 * 65536 + 2 * 16384 + 3 * 196608 + 2 * 256;
+  EXPECT_EQ(model->num_params(), 2048 * 256 + 6 * layer + 256);
+  for (const auto& [name, p] : model->named_params()) {
+    EXPECT_EQ(name.find("wpe"), std::string::npos);
+    EXPECT_EQ(name.find(".bias"), std::string::npos) << name;  // no biases without qkv_bias
+  }
+}
+
+// A Llama written to Hugging Face's files and read back: every tensor bitwise, in one file and in
+// shards with an index; a tied model writes no lm_head, an untied one does.
+TEST(Model, LlamaHuggingFaceFilesRoundTripBitwise) {
+  for (bool tied : {true, false}) {
+    GPTDims d;
+    d.arch = "llama";
+    d.n_layer = 2, d.n_head = 4, d.n_kv_head = 2, d.n_embd = 32, d.intermediate_size = 48, d.seq_len = 16;
+    d.vocab_size = 70, d.max_position = 16, d.qkv_bias = true, d.tie_embeddings = tied;
+    torch::manual_seed(3);
+    GPT a(d);
+    char tmpl[] = "/tmp/mpitrain-hf-XXXXXX";
+    const std::string dir = mkdtemp(tmpl);
+    for (uint64_t shard_bytes : {uint64_t{5'000'000'000}, uint64_t{8000}}) {
+      HfWriteOptions opts;
+      opts.max_shard_bytes = shard_bytes;
+      const std::string files = write_hf_model(dir, a, 7, opts);
+      const bool sharded = shard_bytes < 1'000'000;
+      EXPECT_EQ(std::filesystem::exists(dir + "/model.safetensors.index.json"), sharded) << files;
+      EXPECT_EQ(std::filesystem::exists(dir + "/model.safetensors"), !sharded) << files;
+      torch::manual_seed(4);
+      GPT b(d);
+      EXPECT_EQ(load_initial_weights("hf:" + dir, b), b->num_params() > 0 ? static_cast<int64_t>(b->named_params().size()) : 0);
+      const auto pa = a->named_params(), pb = b->named_params();
+      for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i].second, pb[i].second)) << pa[i].first;
+      EXPECT_EQ(hf_name("h.1.attn.c_proj.weight", d), "model.layers.1.self_attn.o_proj.weight");
+      EXPECT_EQ(hf_name("h.0.mlp.c_proj.weight", d), "model.layers.0.mlp.down_proj.weight");
+      EXPECT_EQ(hf_name("h.0.ln_2.weight", d), "model.layers.0.post_attention_layernorm.weight");
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 TEST(Model, VocabularyMayBePaddedButNotSmallerThanData) {

@@ -69,12 +69,23 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
     if (world % tp != 0) continue;
     TpGroup group(tp);
     const int64_t r = group.comm->rank();
-    for (int variant = 0; variant < 3; ++variant) {
-      // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here)
-      const bool fused = variant == 1, fused_loss = variant == 2;
-      SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss);
+    for (int variant = 0; variant < 5; ++variant) {
+      // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here); 3: a Llama
+      // (GQA with tp kv heads, SwiGLU, rotary with llama3 scaling, q/k/v biases, untied head); 4: that
+      // Llama with the fused loss
+      const bool fused = variant == 1, fused_loss = variant == 2 || variant == 4, llama = variant >= 3;
+      SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss
+                                      << ", llama " << llama);
       GPTDims dense_dims = small_dims(fused);
       dense_dims.fused_loss = fused_loss;
+      if (llama) {
+        dense_dims.arch = "llama";
+        dense_dims.n_kv_head = tp;  // one kv head per rank, serving 4 / tp query heads
+        dense_dims.intermediate_size = 24;
+        dense_dims.rope_theta = 100, dense_dims.rope_scaling = "llama3", dense_dims.rope_factor = 4;
+        dense_dims.rope_low_freq_factor = 1, dense_dims.rope_high_freq_factor = 4, dense_dims.rope_original_max_position = 32;
+        dense_dims.qkv_bias = true, dense_dims.tie_embeddings = false;
+      }
       GPTDims tp_dims = dense_dims;
       tp_dims.fused_loss_rows = 7;
       tp_dims.tp = tp;
@@ -121,9 +132,9 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         EXPECT_GT(rel_diff(got * 2, want), 100 * kTolerance) << whole[i].first;
       }
       if (world_rank() == 0)
-        std::printf("[ info ] tp %d, fused ops %d, fused loss %d: loss %.7f vs dense %.7f, largest relative gradient "
-                    "difference %.2g\n",
-                    tp, fused, fused_loss, tp_loss.item<double>(), dense_loss.item<double>(), worst);
+        std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d: loss %.7f vs dense %.7f, largest relative "
+                    "gradient difference %.2g\n",
+                    tp, fused, fused_loss, llama, tp_loss.item<double>(), dense_loss.item<double>(), worst);
     }
   }
 }

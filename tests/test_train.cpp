@@ -62,10 +62,11 @@ std::string shared_data_dir() {
   return dir;
 }
 
-Config small_config(const std::string& run, int64_t micro, int64_t steps) {
+Config small_config(const std::string& run, int64_t micro, int64_t steps,
+                    const std::string& model = "{preset: custom, n_layer: 2, n_head: 2, n_embd: 32, seq_len: 16}") {
   const std::string d = shared_data_dir();
   std::string yaml = concat(
-      "model: {preset: custom, n_layer: 2, n_head: 2, n_embd: 32, seq_len: 16}\n",
+      "model: ", model, "\n",
       "data: {train: ['", d, "/d-train-*.h5'], val: ['", d, "/d-val-*.h5']}\n",
       "train: {micro_batch: ", micro, ", steps: ", steps, ", threads: 1, out_dir: '", d, "/", run, "-out'}\n",
       "optim: {lr: 0.003, min_lr: 0.0003, warmup_steps: 3}\n",
@@ -670,6 +671,83 @@ TEST(Train, ResumeAcrossTensorParallelDegrees) {
       expect_same_run(joined, straight, concat("tp 2 -> 1 -> ", n, ", resumed twice,"));
     }
   }
+}
+
+// ---- Llama: the same layouts, the same equivalences ----
+// Every part Llama adds: grouped-query attention (4 heads, 2 kv heads: one per rank at tp 2),
+// SwiGLU, rotary with Llama 3.1's frequency scaling, q/k/v biases and an untied output layer.
+Config llama_config(const std::string& run, int64_t tp, int64_t micro) {
+  Config c = small_config(run, micro, 20,
+                          "{preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, "
+                          "intermediate_size: 48, seq_len: 16, rope_theta: 100, rope_scaling: llama3, rope_factor: 4, "
+                          "rope_low_freq_factor: 1, rope_high_freq_factor: 4, rope_original_max_position: 64, "
+                          "qkv_bias: true, tie_embeddings: false}");
+  c.parallel.tp = tp;
+  c.optim.grad_clip = 0.5;
+  return c;
+}
+
+TEST(Train, LlamaLayoutsEqualDataParallel) {
+  const int n = world_size();
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainResult dp = train(llama_config("llama-dp", 1, 4), MPI_COMM_WORLD, keep);  // global batch 4 n throughout
+  // wte, ln_f, lm_head; per layer 2 norms, q/k/v weights and biases, o_proj, gate, up, down
+  ASSERT_EQ(dp.params.size(), 3u + 2u * 12u);
+  expect_same_run(train(llama_config("llama-tp2", 2, 4 * 2), MPI_COMM_WORLD, keep), dp, concat("llama tp 2 x dp ", n / 2));
+  Config zero = llama_config("llama-zero", 1, 4);
+  zero.optim.zero = 1;
+  expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("llama ZeRO-1 over dp ", n));
+  if (n > 2) {
+    Config tp_zero = llama_config("llama-tp2-zero", 2, 4 * 2);
+    tp_zero.optim.zero = 1;
+    expect_same_run(train(tp_zero, MPI_COMM_WORLD, keep), dp, concat("llama tp 2 x dp ", n / 2, " with ZeRO-1"));
+  }
+  EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
+}
+
+// 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1.
+TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  for (int64_t zero : {0, 1}) {
+    auto cfg_for = [zero](const std::string& run) {
+      Config c = llama_config(concat(run, "-zero", zero), 1, 2);
+      c.train.grad_accum = 2;
+      c.optim.zero = zero;
+      c.comm.bucket_mb = 0.01;
+      return c;
+    };
+    TrainResult straight = train(cfg_for("llama-straight"), MPI_COMM_WORLD, keep);
+    TrainHooks stop = keep;
+    stop.stop_after = 10;
+    TrainResult first = train(cfg_for("llama-resumed"), MPI_COMM_WORLD, stop);
+    TrainResult second = train(cfg_for("llama-resumed"), MPI_COMM_WORLD, keep);
+    ASSERT_EQ(second.final_step, 20);
+    auto losses = first.losses;
+    losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+    ASSERT_EQ(losses.size(), straight.losses.size());
+    for (size_t i = 0; i < losses.size(); ++i)
+      EXPECT_EQ(losses[i].second, straight.losses[i].second) << "zero " << zero << " step " << losses[i].first;
+    ASSERT_EQ(second.params.size(), straight.params.size());
+    for (size_t i = 0; i < straight.params.size(); ++i)
+      EXPECT_EQ(second.params[i].second, straight.params[i].second) << straight.params[i].first;
+  }
+  TrainResult straight = train(llama_config("llama-tp-straight", 1, 4), MPI_COMM_WORLD, keep);
+  auto cfg_for = [](const std::string& run, int64_t tp) {
+    Config c = llama_config(run, tp, 4 * tp);
+    c.checkpoint.dir = shared_data_dir() + "/llama-tp-resume-ckpt";
+    return c;
+  };
+  TrainHooks stop = keep;
+  stop.stop_after = 8;
+  TrainResult first = train(cfg_for("llama-tp-resume-2", 2), MPI_COMM_WORLD, stop);
+  TrainResult second = train(cfg_for("llama-tp-resume-1", 1), MPI_COMM_WORLD, keep);
+  EXPECT_EQ(second.losses.front().first, 9) << "tp 1 resumed where tp 2 stopped";
+  TrainResult joined = second;
+  joined.losses = first.losses;
+  joined.losses.insert(joined.losses.end(), second.losses.begin(), second.losses.end());
+  expect_same_run(joined, straight, "llama tp 2 -> 1, resumed,");
 }
 
 TEST(Train, Cleanup) {

@@ -12,17 +12,36 @@
 
 namespace mpitrain {
 
-// Presets (n_layer/n_head/n_embd/seq_len/vocab_size): tiny 6/6/192/256/data,
-// gpt2 12/12/768/1024/50257, gpt2-medium 24/16/1024/1024/50257, gpt2-large 36/20/1280/1024/50257,
-// gpt2-xl 48/25/1600/1024/50257; custom requires n_layer, n_head, n_embd and seq_len.
-// parse_config fills the zero fields from the preset, so after it only vocab_size may be 0.
+// Presets (docs/models.md has the table): GPT-2's tiny (6/6/192, seq 256, vocab from the data),
+// gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama's llama-debug (6 layers, 16 heads, 4 kv heads,
+// width 256, vocab 2048), llama3.2-1b, llama3.2-3b, llama3.1-8b and qwen2.5-0.5b with their
+// published config.json values. custom requires n_layer, n_head, n_embd and seq_len (and for
+// llama intermediate_size). parse_config fills the unset fields from the preset (then from the
+// architecture's defaults), so after it only vocab_size may be 0. With model.init_from: hf:DIR,
+// load_config first takes the unset fields from DIR/config.json (hf_config.h).
 struct ModelConfig {
-  std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | custom
+  std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-debug |
+                                // llama3.2-1b | llama3.2-3b | llama3.1-8b | qwen2.5-0.5b | custom
   int64_t n_layer = 0;          // transformer blocks (0 = from preset)
   int64_t n_head = 0;           // attention heads (0 = from preset)
   int64_t n_embd = 0;           // model width (0 = from preset)
   int64_t seq_len = 0;          // context length in tokens (0 = from preset)
   int64_t vocab_size = 0;       // 0 = the shards' vocab_size; otherwise >= it (padding allowed)
+  std::string arch = "";        // gpt2 | llama ("" = the preset's; custom: gpt2)
+  // Llama only (refused on gpt2, whose values are fixed: n_kv_head = n_head, 4 n_embd GELU
+  // units, learned positions, biases everywhere, tied output):
+  int64_t n_kv_head = 0;          // key/value heads, grouped-query attention; divides n_head (0 = n_head)
+  int64_t intermediate_size = 0;  // SwiGLU hidden units (0 = from preset; custom llama: required)
+  double rope_theta = 0;          // rotary base (0 = from preset, else 10000)
+  std::string rope_scaling = "";  // none | llama3 (Llama 3.1's frequency scaling; "" = from preset, else none)
+  double rope_factor = 0;             // llama3: factor (> 1)
+  double rope_low_freq_factor = 0;    // llama3: low_freq_factor (> 0)
+  double rope_high_freq_factor = 0;   // llama3: high_freq_factor (> low_freq_factor)
+  int64_t rope_original_max_position = 0;  // llama3: original_max_position_embeddings (> 0)
+  int64_t max_position = 0;       // max_position_embeddings written to config.json (0 = from preset, else seq_len)
+  std::string qkv_bias = "auto";        // true | false: biases on q/k/v (Qwen2) (auto = the preset's, else false)
+  std::string tie_embeddings = "auto";  // true | false: output layer = token embedding (auto = the preset's, else true)
+  double norm_eps = 0;            // LayerNorm / RMSNorm epsilon, > 0 (0 = from preset, else 1e-5); both archs
   double dropout = 0.0;         // dropout probability, [0, 1)
   std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]
                                     // logits): auto (on CUDA) | on | off
@@ -30,8 +49,10 @@ struct ModelConfig {
                                        // (fused_ops.h): auto (on CUDA) | on | off
   std::string attention = "auto";  // scaled_dot_product_attention's kernel: auto (libtorch's
                                    // choice) | flash | cudnn | efficient | math
-  std::string init_from;  // directory of <parameter name>.npy initial weights, fresh start only
-                          // (docs/formats.md); "" = GPT-2 random initialisation
+  std::string init_from;  // initial weights, fresh start only: hf:DIR (a Hugging Face model directory,
+                          // its config.json giving the shape), a .safetensors file or a directory holding
+                          // model.safetensors, or a directory of <parameter name>.npy (docs/formats.md);
+                          // "" = random initialisation
 };
 
 struct DataConfig {
@@ -137,10 +158,13 @@ struct Config {
 // Parses YAML text (`source` names it in errors), then applies `overrides` ("section.key=value",
 // the value parsed as YAML), then validates everything that does not depend on the world size.
 // Throws UsageError naming `source` and the key.
+// read_hf_config: with model.init_from hf:DIR, take the model's shape from DIR/config.json
+// (load_config does; a checkpoint's stored, already resolved config needs no file).
 Config parse_config(const std::string& yaml_text, const std::string& source,
-                    const std::vector<std::string>& overrides = {});
+                    const std::vector<std::string>& overrides = {}, bool read_hf_config = false);
 
-// Reads the file, then parse_config. A missing or unreadable file is a UsageError.
+// Reads the file, then parse_config, taking the model's shape from the Hugging Face config.json
+// when model.init_from is hf:DIR (hf_config.h). A missing or unreadable file is a UsageError.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 // Checks that depend on the world size and resolves train.grad_accum / train.global_batch:

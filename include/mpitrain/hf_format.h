@@ -1,18 +1,24 @@
-// GPT-2 in Hugging Face's format: model.safetensors + config.json, what transformers'
-// GPT2LMHeadModel.from_pretrained reads (`mpitrain export CKPT --format hf DIR`), and the same
-// file as initial weights (`model.init_from: .../model.safetensors`).
+// GPT-2 and Llama in Hugging Face's format: safetensors + config.json, what transformers'
+// GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM .from_pretrained read (`mpitrain export
+// CKPT --format hf DIR`), and the same files as initial weights (model.init_from).
 //
-// Names: mpitrain's parameter names with the "transformer." prefix of GPT2LMHeadModel
-// ("transformer.h.0.attn.c_attn.weight"); lm_head.weight is tied to transformer.wte.weight and,
-// as save_pretrained does, not stored. Layout: HF's GPT-2 uses Conv1D layers whose weight is
-// [in, out], the transpose of torch.nn.Linear's [out, in]: attn.c_attn, attn.c_proj, mlp.c_fc
-// and mlp.c_proj are transposed on the way out and back. Everything else (the q|k|v order in
-// c_attn, heads contiguous within each, LayerNorm eps 1e-5, GELU with the tanh approximation =
-// "gelu_new") is already GPT-2's.
+// Names, one table per family (hf_name):
+//   gpt2   mpitrain's names with GPT2LMHeadModel's "transformer." prefix
+//          ("transformer.h.0.attn.c_attn.weight"); lm_head.weight is tied to transformer.wte.weight
+//          and, as save_pretrained does, not stored. HF's GPT-2 uses Conv1D layers whose weight is
+//          [in, out], the transpose of torch.nn.Linear's [out, in]: attn.c_attn, attn.c_proj,
+//          mlp.c_fc and mlp.c_proj are transposed on the way out and back.
+//   llama  wte -> model.embed_tokens, h.N -> model.layers.N, ln_1 -> input_layernorm,
+//          attn.{q,k,v}_proj -> self_attn.{q,k,v}_proj, attn.c_proj -> self_attn.o_proj,
+//          ln_2 -> post_attention_layernorm, mlp.{gate,up}_proj as they are, mlp.c_proj ->
+//          mlp.down_proj, ln_f -> model.norm, lm_head as it is (untied only). A rename and
+//          nothing else: mpitrain's rotary uses HF's half-split layout, so q/k are not permuted.
 //
 // safetensors: an 8-byte little-endian header length N, N bytes of JSON
 // {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ..., "__metadata__": {...}}
-// (padded with spaces to a multiple of 8), then the tensors' bytes, little-endian, C order.
+// (padded with spaces to a multiple of 8), then the tensors' bytes, little-endian, C order. A
+// sharded model is model-0000i-of-0000n.safetensors files plus model.safetensors.index.json
+// {"metadata": {"total_size": bytes}, "weight_map": {"name": "file", ...}}.
 #pragma once
 
 #include <cstdint>
@@ -22,23 +28,35 @@
 
 namespace mpitrain {
 
-// Hugging Face's name of an mpitrain parameter, and whether it is stored transposed (Conv1D).
-std::string hf_name(const std::string& name);
-bool hf_transposed(const std::string& name);
+// Hugging Face's name of an mpitrain parameter, and whether it is stored transposed (GPT-2's Conv1D).
+std::string hf_name(const std::string& name, const GPTDims& d);
+bool hf_transposed(const std::string& name, const GPTDims& d);
 
-// Writes model.safetensors (float32, or "bf16"/"fp16") and config.json for a dense (tp = 1) model
-// into `dir` (created; existing files replaced atomically). `eot_token` becomes bos/eos.
-void write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const std::string& dtype = "fp32");
+struct HfWriteOptions {
+  std::string dtype = "fp32";          // fp32 | bf16 | fp16
+  uint64_t max_shard_bytes = 5'000'000'000;  // safetensors files of at most this many bytes of tensors (HF's 5GB)
+};
 
-// Loads a GPT-2 model.safetensors (HF names with or without "transformer."; F32, F16, BF16 or F64)
-// into `model`: every tensor's name, dtype, shape and byte range is checked before any weight
-// changes; an untied lm_head.weight, a missing or unknown tensor, a truncated file or NaN/inf
-// values are a UsageError "<key>: <file>: ...". Attention-mask buffers (attn.bias,
-// attn.masked_bias) of older files are ignored. Returns the number of tensors loaded.
+// Writes the safetensors file(s) (one model.safetensors when the model fits in one shard, else
+// model-0000i-of-0000n.safetensors and model.safetensors.index.json, built from the tensors
+// written), config.json and, for llama, generation_config.json for a dense (tp = 1) model into
+// `dir` (created; each file replaced atomically; files of the other layout, single or sharded,
+// removed). `eot_token` becomes bos/eos. Returns the safetensors files' names, one per line.
+std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts = {});
+
+// Loads Hugging Face weights into `model`: a .safetensors file, or a directory (hf:DIR or DIR)
+// holding model.safetensors or a sharded model.safetensors.index.json. F32, F16, BF16 or F64.
+// Every file's header, every tensor's name, dtype, shape and byte range, and the index are
+// checked before any weight changes; the tensors are then read and converted one at a time (a
+// model needs no second copy of itself in memory). A missing, unknown or twice-named tensor, an
+// index naming a missing file, a truncated file, NaN/inf values, or (tied models) an lm_head
+// that differs from the embedding are a UsageError "<key>: <file>: ...". Buffers older files
+// carry (GPT-2's attn.bias masks, Llama's rotary_emb.inv_freq) are ignored. Returns the number
+// of tensors loaded.
 int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key = "model.init_from");
 
-// model.init_from: a .safetensors file, or a directory holding model.safetensors (a Hugging Face
-// GPT-2 checkpoint directory), else a directory of .npy files (load_npy_weights).
+// model.init_from: hf:DIR, a .safetensors file or a directory holding model.safetensors or its
+// index (load_hf_safetensors), else a directory of .npy files (load_npy_weights).
 int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key = "model.init_from");
 
 }  // namespace mpitrain

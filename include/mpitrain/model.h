@@ -1,13 +1,24 @@
-// The GPT-2 family in libtorch: token + position embeddings, pre-LayerNorm blocks of causal
-// self-attention and a GELU MLP, a final LayerNorm, and an output layer tied to the token
-// embedding. GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
-// With dims.fused_kernels the residual adds, LayerNorms and the MLP's bias + GELU run as the
-// fused ops of fused_ops.h; the parameters (and so checkpoints) are the same either way.
+// The decoder language models in libtorch, GPT-2 and Llama as two configurations of one block made
+// of parts (GPTDims says which):
+//   norm       LayerNorm with bias (gpt2)          | RMSNorm in fp32, weight only (llama)
+//   positions  learned wpe added to the embedding  | rotary on q and k, Hugging Face's half-split layout
+//   attention  one c_attn [q; k; v] with biases    | q_proj, k_proj, v_proj (n_kv_head heads: grouped-
+//              (n_head heads each)                 |   query attention), biases on them only with qkv_bias
+//   MLP        c_fc -> GELU (tanh) -> c_proj,      | SwiGLU: c_proj(silu(gate_proj x) * up_proj x),
+//              4 n_embd units, biases              |   intermediate_size units, no biases
+//   output     tied to the token embedding         | tied, or its own lm_head (tie_embeddings false)
+// Every other path (tensor parallel splits by parameter name, ZeRO-1, checkpoints, export) reads
+// the parameters by name; the names are GPT-2's where the role is the same (attn.c_proj is Llama's
+// o_proj, mlp.c_proj its down_proj). Initialisation as GPT-2's: N(0, 0.02), residual projections
+// (c_proj) scaled by 1/sqrt(2 n_layer), norms one, biases zero.
+// With dims.fused_kernels (GPT-2 only) the residual adds, LayerNorms and the MLP's bias + GELU run
+// as the fused ops of fused_ops.h; the parameters (and so checkpoints) are the same either way.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,14 +36,29 @@ struct GPTDims {
   int64_t n_embd = 0;
   int64_t seq_len = 0;
   int64_t vocab_size = 0;
+  std::string arch = "gpt2";  // gpt2 | llama: which parts the block is made of (above)
+  int64_t n_kv_head = 0;          // llama: key/value heads (gpt2: n_head)
+  int64_t intermediate_size = 0;  // the MLP's hidden units (gpt2: 4 n_embd)
+  int64_t max_position = 0;       // llama: config.json's max_position_embeddings (gpt2: seq_len)
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  std::string rope_scaling = "none";  // none | llama3
+  double rope_factor = 0, rope_low_freq_factor = 0, rope_high_freq_factor = 0;
+  int64_t rope_original_max_position = 0;
+  bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
+  bool tie_embeddings = true;   // llama: false = an lm_head of its own
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
   bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
-  // the group's communicator (not owned; set when tp > 1). n_head, 4 n_embd and vocab_size divide by tp.
+  // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
+  // and vocab_size divide by tp.
   int64_t tp = 1, tp_rank = 0;
   Communicator* tp_comm = nullptr;
+
+  bool llama() const { return arch == "llama"; }
+  int64_t head_dim() const { return n_embd / n_head; }
 };
 
 // The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
@@ -47,17 +73,48 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size);
 std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
                                 c10::ScalarType dtype);
 
-class CausalSelfAttentionImpl : public torch::nn::Module {
+// LayerNorm over the last dimension (weight and bias; GPT-2), or RMSNorm (weight only; Llama):
+// x / sqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, times the weight, as
+// Hugging Face's LlamaRMSNorm.
+class NormImpl : public torch::nn::Module {
  public:
-  explicit CausalSelfAttentionImpl(const GPTDims& d);
+  NormImpl(int64_t dim, bool rms, double eps);
   torch::Tensor forward(const torch::Tensor& x);
 
-  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  torch::Tensor weight, bias;  // bias: LayerNorm only
+  const bool rms;
+  const double eps;
+};
+TORCH_MODULE(Norm);
+
+// Rotary position embedding tables (Llama): cos and sin [seq_len, head_dim] in fp32, each
+// frequency twice (the half-split layout: dimension i pairs with i + head_dim / 2), with Llama
+// 3.1's frequency scaling when dims.rope_scaling is llama3. Computed once per device.
+class Rotary {
+ public:
+  explicit Rotary(const GPTDims& d);
+  // q or k [B, heads, T, head_dim] rotated by position: x cos + rotate_half(x) sin.
+  torch::Tensor apply(const torch::Tensor& x);
+  const torch::Tensor& inv_freq() const { return inv_freq_; }
 
  private:
-  Communicator* tp_;  // tensor parallel: c_attn column-, c_proj row-parallel (null: tp = 1)
-  int64_t n_head_, n_embd_;
+  torch::Tensor inv_freq_, cos_, sin_;  // cos_/sin_ on the device last used
+  int64_t seq_len_;
+};
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  // gpt2: c_attn ([q; k; v]); llama: q_proj, k_proj, v_proj. Both: c_proj, the output projection.
+  torch::nn::Linear c_attn{nullptr}, q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, c_proj{nullptr};
+
+ private:
+  Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)
+  int64_t n_head_, n_kv_head_, head_dim_;  // this rank's heads (tensor parallel: its share)
   double dropout_;
+  std::shared_ptr<Rotary> rotary_;  // llama; null for gpt2
   torch::Tensor causal_mask_;  // cached [T, T] mask for the explicit path (not a parameter)
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -66,19 +123,20 @@ class MLPImpl : public torch::nn::Module {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
-  // The same with c_fc's bias add and the GELU as one bias_gelu (dims.fused_kernels).
+  // The same with c_fc's bias add and the GELU as one bias_gelu (dims.fused_kernels; gpt2).
   torch::Tensor forward_fused(const torch::Tensor& x);
 
-  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  // gpt2: c_fc; llama: gate_proj and up_proj. Both: c_proj, the projection back to the width.
+  torch::nn::Linear c_fc{nullptr}, gate_proj{nullptr}, up_proj{nullptr}, c_proj{nullptr};
 
  private:
-  Communicator* tp_;  // tensor parallel: c_fc column-, c_proj row-parallel (null: tp = 1)
+  Communicator* tp_;  // tensor parallel: c_fc / gate / up column-, c_proj row-parallel (null: tp = 1)
 };
 TORCH_MODULE(MLP);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GPTDims& d);
+  BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
   torch::Tensor forward(torch::Tensor x);
   // dims.fused_kernels: each LayerNorm absorbs the residual add before it. Takes the residual
   // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
@@ -87,7 +145,7 @@ class BlockImpl : public torch::nn::Module {
   std::pair<torch::Tensor, torch::Tensor> forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
                                                         c10::ScalarType normed_dtype);
 
-  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  Norm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
 
@@ -113,9 +171,13 @@ class GPTImpl : public torch::nn::Module {
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;
 
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  // The output layer's weight: wte's (tied) or lm_head's (this rank's vocabulary rows under tp).
+  const torch::Tensor& output_weight() const { return lm_head ? lm_head->weight : wte->weight; }
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};  // wpe: gpt2 only
   torch::nn::ModuleList h{nullptr};
-  torch::nn::LayerNorm ln_f{nullptr};
+  Norm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // llama with tie_embeddings false
 
  private:
   void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)

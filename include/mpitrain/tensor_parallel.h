@@ -63,7 +63,8 @@ Communicator& comm_from_handle(int64_t handle);
 // Which part of a whole GPT parameter a tp rank holds.
 enum class TpSplit {
   replicated,  // the whole tensor (LayerNorms, wpe, row-parallel biases)
-  rows,        // dim 0 in tp equal blocks (column-parallel weights and biases, the vocabulary of wte)
+  rows,        // dim 0 in tp equal blocks (column-parallel weights and biases: llama's q/k/v_proj by whole
+               // heads, gate/up_proj; the vocabulary of wte and of an untied lm_head)
   qkv_rows,    // dim 0 as [q; k; v], each in tp equal blocks of whole heads (attention's c_attn)
   cols,        // dim 1 in tp equal blocks (row-parallel weights)
 };

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "mpitrain/error.h"
+#include "mpitrain/hf_config.h"
 
 namespace mpitrain {
 namespace {
@@ -57,6 +58,13 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, preset),       MPITRAIN_FIELD(model, n_layer),
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
+    MPITRAIN_FIELD(model, arch),         MPITRAIN_FIELD(model, n_kv_head),
+    MPITRAIN_FIELD(model, intermediate_size), MPITRAIN_FIELD(model, rope_theta),
+    MPITRAIN_FIELD(model, rope_scaling), MPITRAIN_FIELD(model, rope_factor),
+    MPITRAIN_FIELD(model, rope_low_freq_factor), MPITRAIN_FIELD(model, rope_high_freq_factor),
+    MPITRAIN_FIELD(model, rope_original_max_position), MPITRAIN_FIELD(model, max_position),
+    MPITRAIN_FIELD(model, qkv_bias),     MPITRAIN_FIELD(model, tie_embeddings),
+    MPITRAIN_FIELD(model, norm_eps),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
     MPITRAIN_FIELD(model, init_from),    MPITRAIN_FIELD(data, train),
@@ -310,40 +318,112 @@ void apply_override(const std::string& spec, Config& cfg) {
 
 struct Preset {
   const char* name;
+  const char* arch;
   int64_t n_layer, n_head, n_embd, seq_len, vocab_size;
+  // Llama only (0 / nullptr for GPT-2):
+  int64_t n_kv_head, intermediate_size, max_position;
+  double rope_theta, norm_eps;
+  const char* rope_scaling;
+  double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+  int64_t rope_original_max_position;
+  bool qkv_bias, tie_embeddings;
 };
 
+// The Llama shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
+// 8B, Qwen2.5 0.5B); seq_len is a training context, max_position what config.json declares.
 const Preset kPresets[] = {
-    {"tiny", 6, 6, 192, 256, 0},  // vocab 0: taken from the shards
-    {"gpt2", 12, 12, 768, 1024, 50257},
-    {"gpt2-medium", 24, 16, 1024, 1024, 50257},
-    {"gpt2-large", 36, 20, 1280, 1024, 50257},
-    {"gpt2-xl", 48, 25, 1600, 1024, 50257},
+    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},  // vocab 0: the shards'
+    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
+    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
+    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
+    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
+    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true},
+    {"llama3.2-1b", "llama", 16, 32, 2048, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
+     false, true},
+    {"llama3.2-3b", "llama", 28, 24, 3072, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
+     false, true},
+    {"llama3.1-8b", "llama", 32, 32, 4096, 2048, 128256, 8, 14336, 131072, 500000, 1e-5, "llama3", 8, 1, 4, 8192,
+     false, false},
+    {"qwen2.5-0.5b", "llama", 24, 14, 896, 2048, 151936, 2, 4864, 32768, 1000000, 1e-6, "none", 0, 0, 0, 0, true,
+     true},
 };
 
-// Fills the zero dimensions from the preset; an explicit non-zero value wins.
+// Fills the unset fields (0, "" or auto) from the preset, then from the architecture's defaults;
+// an explicit value wins. GPT-2 has none of Llama's keys: setting one is an error naming it.
 void apply_preset(ModelConfig& m, const std::string& where) {
-  if (m.preset == "custom") {
-    for (const auto& [key, value] :
-         {std::pair{"n_layer", m.n_layer}, std::pair{"n_head", m.n_head},
-          std::pair{"n_embd", m.n_embd}, std::pair{"seq_len", m.seq_len}})
+  const Preset* p = nullptr;
+  for (const Preset& q : kPresets)
+    if (m.preset == q.name) p = &q;
+  if (!p && m.preset != "custom") {
+    std::string names;
+    for (const Preset& q : kPresets) names += concat(q.name, "|");
+    throw UsageError(concat(where, ": model.preset must be one of ", names, "custom, got ", show(m.preset)));
+  }
+  if (m.arch.empty()) m.arch = p ? p->arch : "gpt2";
+  if (m.arch != "gpt2" && m.arch != "llama")
+    throw UsageError(concat(where, ": model.arch must be one of gpt2|llama, got ", show(m.arch)));
+  if (p && m.arch != p->arch)
+    throw UsageError(concat(where, ": model.arch must be ", p->arch, " with model.preset ", p->name,
+                            " (or use model.preset: custom), got ", show(m.arch)));
+  if (!p) {
+    for (const auto& [key, value] : {std::pair{"n_layer", m.n_layer}, std::pair{"n_head", m.n_head},
+                                     std::pair{"n_embd", m.n_embd}, std::pair{"seq_len", m.seq_len}})
       if (value == 0)
-        throw UsageError(
-            concat(where, ": model.", key, " must be set (> 0) when model.preset is 'custom', got 0"));
+        throw UsageError(concat(where, ": model.", key, " must be set (> 0) when model.preset is 'custom', got 0"));
+    if (m.arch == "llama" && m.intermediate_size == 0)
+      throw UsageError(concat(where, ": model.intermediate_size must be set (> 0) for a custom llama model, got 0"));
+  }
+  auto fill = [](auto& field, auto value) {
+    if (field == decltype(value){}) field = value;
+  };
+  if (p)
+    for (auto [field, value] : {std::pair{&m.n_layer, p->n_layer}, std::pair{&m.n_head, p->n_head},
+                                std::pair{&m.n_embd, p->n_embd}, std::pair{&m.seq_len, p->seq_len},
+                                std::pair{&m.vocab_size, p->vocab_size}})
+      fill(*field, value);
+  if (m.arch == "gpt2") {
+    const std::pair<const char*, bool> llama_only[] = {
+        {"n_kv_head", m.n_kv_head != 0 && m.n_kv_head != m.n_head},
+        {"intermediate_size", m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd},
+        {"rope_theta", m.rope_theta != 0},
+        {"rope_scaling", !m.rope_scaling.empty() && m.rope_scaling != "none"},
+        {"rope_factor", m.rope_factor != 0},
+        {"rope_low_freq_factor", m.rope_low_freq_factor != 0},
+        {"rope_high_freq_factor", m.rope_high_freq_factor != 0},
+        {"rope_original_max_position", m.rope_original_max_position != 0},
+        {"max_position", m.max_position != 0 && m.max_position != m.seq_len},
+        {"qkv_bias", m.qkv_bias == "false"},
+        {"tie_embeddings", m.tie_embeddings == "false"}};
+    for (const auto& [key, set] : llama_only)
+      if (set)
+        throw UsageError(concat(where, ": model.", key, " applies to model.arch: llama only (this model is gpt2, ",
+                                "whose value is fixed)"));
+    fill(m.norm_eps, 1e-5);
     return;
   }
-  for (const Preset& p : kPresets) {
-    if (m.preset != p.name) continue;
-    for (auto [field, value] : {std::pair{&m.n_layer, p.n_layer}, std::pair{&m.n_head, p.n_head},
-                                std::pair{&m.n_embd, p.n_embd}, std::pair{&m.seq_len, p.seq_len},
-                                std::pair{&m.vocab_size, p.vocab_size}})
-      if (*field == 0) *field = value;
-    return;
+  if (p) {
+    fill(m.n_kv_head, p->n_kv_head);
+    fill(m.intermediate_size, p->intermediate_size);
+    fill(m.max_position, p->max_position);
+    fill(m.rope_theta, p->rope_theta);
+    fill(m.norm_eps, p->norm_eps);
+    fill(m.rope_scaling, std::string(p->rope_scaling));
+    if (m.rope_scaling == p->rope_scaling) {
+      fill(m.rope_factor, p->rope_factor);
+      fill(m.rope_low_freq_factor, p->rope_low_freq_factor);
+      fill(m.rope_high_freq_factor, p->rope_high_freq_factor);
+      fill(m.rope_original_max_position, p->rope_original_max_position);
+    }
+    if (m.qkv_bias == "auto") m.qkv_bias = p->qkv_bias ? "true" : "false";
+    if (m.tie_embeddings == "auto") m.tie_embeddings = p->tie_embeddings ? "true" : "false";
   }
-  std::string names;
-  for (const Preset& p : kPresets) names += concat(p.name, "|");
-  throw UsageError(
-      concat(where, ": model.preset must be one of ", names, "custom, got ", show(m.preset)));
+  fill(m.n_kv_head, m.n_head);
+  fill(m.max_position, m.seq_len);
+  fill(m.rope_theta, 10000.0);
+  fill(m.norm_eps, 1e-5);
+  fill(m.rope_scaling, std::string("none"));
+  if (m.qkv_bias == "auto") m.qkv_bias = "false";
+  if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -373,6 +453,35 @@ void validate(const Config& c, const std::string& where) {
   check(m.n_embd % m.n_head == 0, "model.n_embd", concat("divisible by model.n_head (", m.n_head, ")"),
         show(m.n_embd));
   check(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", show(m.dropout));
+  check(m.norm_eps > 0, "model.norm_eps", "> 0", show(m.norm_eps));
+  if (m.arch == "llama") {
+    check(m.n_kv_head > 0 && m.n_head % m.n_kv_head == 0, "model.n_kv_head",
+          concat("> 0 and dividing model.n_head (", m.n_head, ")"), show(m.n_kv_head));
+    check(m.intermediate_size > 0, "model.intermediate_size", "> 0", show(m.intermediate_size));
+    check((m.n_embd / m.n_head) % 2 == 0, "model.n_embd",
+          concat("n_head x an even head size (rotary pairs; n_head ", m.n_head, ")"), show(m.n_embd));
+    check(m.rope_theta > 0, "model.rope_theta", "> 0", show(m.rope_theta));
+    check(one_of(m.rope_scaling, {"none", "llama3"}), "model.rope_scaling", "one of none|llama3", show(m.rope_scaling));
+    check(m.max_position > 0, "model.max_position", "> 0", show(m.max_position));
+    check(one_of(m.qkv_bias, {"true", "false"}), "model.qkv_bias", "true or false", show(m.qkv_bias));
+    check(one_of(m.tie_embeddings, {"true", "false"}), "model.tie_embeddings", "true or false",
+          show(m.tie_embeddings));
+    const bool llama3 = m.rope_scaling == "llama3";
+    auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
+      check(llama3 ? ok : got == "0", key, llama3 ? range : "unset (0) unless model.rope_scaling is llama3", got);
+    };
+    scaling_key("model.rope_factor", m.rope_factor >= 1, ">= 1", show(m.rope_factor));
+    scaling_key("model.rope_low_freq_factor", m.rope_low_freq_factor > 0, "> 0", show(m.rope_low_freq_factor));
+    scaling_key("model.rope_high_freq_factor", m.rope_high_freq_factor > m.rope_low_freq_factor,
+                concat("> model.rope_low_freq_factor (", show(m.rope_low_freq_factor), ")"),
+                show(m.rope_high_freq_factor));
+    scaling_key("model.rope_original_max_position", m.rope_original_max_position > 0, "> 0",
+                show(m.rope_original_max_position));
+    check(m.fused_kernels != "on", "model.fused_kernels",
+          "auto or off for model.arch: llama (the fused block ops are GPT-2's LayerNorm and GELU; llama's "
+          "RMSNorm, SwiGLU and rotary run as libtorch ops)",
+          show(m.fused_kernels));
+  }
 
   const DataConfig& d = c.data;
   check(!d.train.empty() && !has_empty(d.train), "data.train",
@@ -472,11 +581,13 @@ void validate(const Config& c, const std::string& where) {
 // ---- public API ---------------------------------------------------------------------------------
 
 Config parse_config(const std::string& yaml_text, const std::string& source,
-                    const std::vector<std::string>& overrides) {
+                    const std::vector<std::string>& overrides, bool read_hf_config) {
   Config cfg;
   cfg.source = source;
   apply_document(load_yaml(yaml_text, source), cfg, source);
   for (const std::string& spec : overrides) apply_override(spec, cfg);
+  if (const std::string dir = hf_model_dir(cfg.model.init_from); read_hf_config && !dir.empty())
+    apply_hf_config(cfg.model, dir, source);
   apply_preset(cfg.model, source);
   validate(cfg, source);
   return cfg;
@@ -504,7 +615,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   const int err = errno;
   std::fclose(file);
   if (failed) throw UsageError(concat(path, ": cannot read config file (", std::strerror(err), ")"));
-  return parse_config(text, path, overrides);
+  return parse_config(text, path, overrides, /*read_hf_config=*/true);
 }
 
 void resolve_for_world(Config& cfg, int world_size) {

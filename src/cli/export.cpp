@@ -1,6 +1,7 @@
 // `mpitrain export` (see export.h).
 #include "mpitrain/export.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <optional>
 
@@ -34,11 +35,20 @@ std::string run_export(const ExportArgs& args) {
       throw UsageError(concat("command line: --bpe-dir: ", args.bpe_dir, " has ", check.vocab_size(),
                               " tokens, the model only ", dims.vocab_size));
   }
-  write_hf_model(args.dir, model, st.eot_token, args.dtype);
-  std::string out = concat(args.dir, "/model.safetensors (", model->num_params(), " parameters, ", args.dtype,
-                           ", Hugging Face GPT-2 names)\n", args.dir, "/config.json (GPT2LMHeadModel: ", dims.n_layer,
-                           " layers, ", dims.n_head, " heads, width ", dims.n_embd, ", context ", dims.seq_len,
-                           ", vocab ", dims.vocab_size, ")\n");
+  HfWriteOptions opts;
+  opts.dtype = args.dtype;
+  if (args.max_shard_mb > 0) opts.max_shard_bytes = static_cast<uint64_t>(args.max_shard_mb * 1e6);
+  const std::string files = write_hf_model(args.dir, model, st.eot_token, opts);
+  const size_t shards = static_cast<size_t>(std::count(files.begin(), files.end(), '\n'));
+  std::string out = concat(args.dir, "/", shards == 1 ? files.substr(0, files.size() - 1)
+                                                       : concat("model-*-of-*.safetensors (", shards, " shards) + model.safetensors.index.json"),
+                           " (", model->num_params(), " parameters, ", args.dtype, ", Hugging Face ",
+                           dims.llama() ? "Llama" : "GPT-2", " names)\n", args.dir, "/config.json (",
+                           !dims.llama() ? "GPT2LMHeadModel" : dims.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM", ": ",
+                           dims.n_layer, " layers, ", dims.n_head, " heads",
+                           dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ", dims.n_embd,
+                           ", context ", dims.llama() ? dims.max_position : dims.seq_len, ", vocab ", dims.vocab_size, ")\n");
+  if (dims.llama()) out += concat(args.dir, "/generation_config.json\n");
   if (bpe) {
     std::error_code ec;  // BpeFiles holds the two files' paths
     for (const auto& [from, to] : {std::pair{bpe->vocab, "vocab.json"}, std::pair{bpe->merges, "merges.txt"}})

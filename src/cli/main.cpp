@@ -5,7 +5,7 @@
 //   mpitrain pack INPUT... -o PREFIX                     text / .jsonl / .bin / .npy -> HDF5 token shards
 //   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
-//   mpitrain export CHECKPOINT.h5 --format hf DIR       a Hugging Face GPT-2 model directory
+//   mpitrain export CHECKPOINT.h5 --format hf DIR       a Hugging Face GPT-2 / Llama model directory
 //   mpitrain netcheck                                    what the launch sees: hosts, links, bandwidth
 //   mpitrain plan CONFIG.yaml [--set ...]                does another host pay? predicted step times
 #include <CLI/CLI.hpp>
@@ -106,12 +106,15 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
 
   ExportArgs export_args;
-  auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 model directory");
+  auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 or Llama model directory");
   export_cmd->add_option("checkpoint", export_args.checkpoint, "checkpoint .h5")->required();
-  export_cmd->add_option("dir", export_args.dir, "output directory (model.safetensors, config.json)")->required();
-  export_cmd->add_option("--format", export_args.format, "hf (Hugging Face transformers' GPT2LMHeadModel)")
+  export_cmd->add_option("dir", export_args.dir, "output directory (safetensors, config.json)")->required();
+  export_cmd->add_option("--format", export_args.format, "hf (Hugging Face transformers' GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)")
       ->capture_default_str();
   export_cmd->add_option("--dtype", export_args.dtype, "fp32 | bf16 | fp16")->capture_default_str();
+  export_cmd->add_option("--max-shard-size", export_args.max_shard_mb,
+                         "MB per safetensors file; larger models are sharded with model.safetensors.index.json "
+                         "(default 5000, as Hugging Face's 5GB)");
   export_cmd->add_option("--bpe-dir", export_args.bpe_dir,
                          "GPT-2 BPE checkpoints: the vocab.json + merges.txt the shards were packed with (copied along)");
 
@@ -167,6 +170,9 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
       need(sample.top_k >= 0, "--top-k", ">= 0 (0 = no top-k)", std::to_string(sample.top_k));
     }
     if (*plan_cmd) need(plan.iters >= 1, "--iters", ">= 1", std::to_string(plan.iters));
+    if (*export_cmd)
+      need(std::isfinite(export_args.max_shard_mb) && export_args.max_shard_mb >= 0, "--max-shard-size",
+           "a number of MB > 0", concat(export_args.max_shard_mb));
     if (*netcheck_cmd) {
       need(netcheck.max_bytes >= 4, "--max-bytes", ">= 4", std::to_string(netcheck.max_bytes));
       need(netcheck.p2p_bytes >= 4, "--p2p-bytes", ">= 4", std::to_string(netcheck.p2p_bytes));

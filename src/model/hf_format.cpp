@@ -1,4 +1,4 @@
-// GPT-2 in Hugging Face's format: safetensors + config.json (see hf_format.h).
+// GPT-2 and Llama in Hugging Face's format: safetensors + config.json (see hf_format.h).
 #include "mpitrain/hf_format.h"
 
 #include <algorithm>
@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "mpitrain/checkpoint.h"
@@ -27,8 +29,6 @@ struct DtypeName {
 };
 const DtypeName kDtypes[] = {
     {"F32", torch::kFloat32}, {"F16", torch::kFloat16}, {"BF16", torch::kBFloat16}, {"F64", torch::kFloat64}};
-
-// Replaces `path` atomically by `bytes` (written to path.tmp, then renamed).
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -112,37 +112,186 @@ torch::Tensor read_tensor(const std::string& path, std::ifstream& in, uint64_t d
   return t;
 }
 
-}  // namespace
 
-std::string hf_name(const std::string& name) { return kPrefix + name; }
-
-bool hf_transposed(const std::string& name) {
-  const bool linear = name.find(".attn.c_") != std::string::npos || name.find(".mlp.c_") != std::string::npos;
-  return linear && name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-void write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const std::string& dtype) {
-  const GPTDims& d = model->dims();
-  MPITRAIN_CHECK(d.tp == 1, "write_hf_model needs a whole (tp = 1) model");
-  const torch::ScalarType type = dtype == "bf16" ? torch::kBFloat16 : dtype == "fp16" ? torch::kFloat16 : torch::kFloat32;
-  const char* type_name = dtype == "bf16" ? "BF16" : dtype == "fp16" ? "F16" : "F32";
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw UsageError(concat("cannot create '", dir, "': ", ec.message()));
+// Llama: mpitrain's name -> HF's, piece by piece ("h.3.attn.c_proj.weight" ->
+// "model.layers.3.self_attn.o_proj.weight").
+std::string llama_hf_name(const std::string& name) {
+  static const std::pair<const char*, const char*> whole[] = {
+      {"wte.weight", "model.embed_tokens.weight"}, {"ln_f.weight", "model.norm.weight"}, {"lm_head.weight", "lm_head.weight"}};
+  for (const auto& [ours, theirs] : whole)
+    if (name == ours) return theirs;
+  static const std::pair<const char*, const char*> parts[] = {
+      {".ln_1.", ".input_layernorm."},       {".ln_2.", ".post_attention_layernorm."},
+      {".attn.c_proj.", ".self_attn.o_proj."}, {".attn.", ".self_attn."},
+      {".mlp.c_proj.", ".mlp.down_proj."}};
+  MPITRAIN_CHECK(name.rfind("h.", 0) == 0, concat("no Hugging Face name for '", name, "'"));
+  std::string out = "model.layers." + name.substr(2);
+  for (const auto& [ours, theirs] : parts) {
+    const size_t at = out.find(ours);
+    if (at != std::string::npos) return out.replace(at, std::strlen(ours), theirs);
+  }
+  return out;  // mlp.gate_proj, mlp.up_proj
+}
 
+// Buffers of older files that are no parameters.
+bool ignored_buffer(const std::string& hf, const GPTDims& d) {
+  if (d.llama()) return ends_with(hf, ".rotary_emb.inv_freq");
+  return ends_with(hf, ".attn.bias") || hf.find(".attn.masked_bias") != std::string::npos;
+}
+
+// One safetensors file, its header checked.
+struct SafetensorsFile {
+  std::string path;
+  std::ifstream in;
+  uint64_t data_start = 0;
+  std::vector<Entry> entries;
+};
+
+// The files of `path`: itself, or a directory's model.safetensors or its index's shards.
+std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string& path,
+                                                               std::map<std::string, SafetensorsFile*>& index) {
+  std::vector<std::string> paths;
+  std::error_code ec;
+  const fs::path dir(path);
+  const fs::path single = dir / "model.safetensors", index_path = dir / "model.safetensors.index.json";
+  if (!fs::is_directory(path, ec)) {
+    paths.push_back(path);
+  } else if (fs::exists(single, ec)) {
+    paths.push_back(single.string());
+  } else if (fs::exists(index_path, ec)) {
+    std::ifstream f(index_path);
+    std::stringstream text;
+    text << f.rdbuf();
+    json j;
+    try {
+      j = json::parse(text.str());
+    } catch (const json::exception& e) {
+      throw UsageError(concat(index_path.string(), ": not JSON: ", e.what()));
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw UsageError(concat(index_path.string(), ": needs an object 'weight_map' {tensor: file}"));
+    std::map<std::string, size_t> file_numbers;
+    for (const auto& [tensor, file] : j["weight_map"].items()) {
+      if (!file.is_string() || file.get<std::string>().empty() || file.get<std::string>().find('/') != std::string::npos ||
+          file.get<std::string>().rfind("..", 0) == 0)
+        throw UsageError(concat(index_path.string(), ": weight_map['", tensor, "']: ", file.dump(),
+                                " is not a file name in the same directory"));
+      if (file_numbers.emplace(file.get<std::string>(), file_numbers.size()).second)
+        paths.push_back((dir / file.get<std::string>()).string());
+    }
+    if (paths.empty()) throw UsageError(concat(index_path.string(), ": 'weight_map' names no tensor"));
+    std::vector<std::unique_ptr<SafetensorsFile>> files;
+    for (const std::string& p : paths) {
+      if (!fs::exists(p, ec)) throw UsageError(concat(index_path.string(), ": names '", fs::path(p).filename().string(), "', which does not exist"));
+      auto f = std::make_unique<SafetensorsFile>();
+      f->path = p;
+      f->in.open(p, std::ios::binary);
+      if (!f->in) throw UsageError(concat(p, ": cannot open: ", std::strerror(errno)));
+      f->entries = read_header(p, f->in, f->data_start);
+      files.push_back(std::move(f));
+    }
+    for (const auto& [tensor, file] : j["weight_map"].items()) {
+      SafetensorsFile& f = *files[file_numbers.at(file.get<std::string>())];
+      if (std::none_of(f.entries.begin(), f.entries.end(), [&](const Entry& e) { return e.name == tensor; }))
+        throw UsageError(concat(index_path.string(), ": weight_map['", tensor, "'] names ", file.dump(), ", which holds no such tensor"));
+      index[tensor] = &f;
+    }
+    return files;
+  } else {
+    throw UsageError(concat(path, ": a directory without model.safetensors or model.safetensors.index.json"));
+  }
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  auto f = std::make_unique<SafetensorsFile>();
+  f->path = paths[0];
+  f->in.open(paths[0], std::ios::binary);
+  if (!f->in) throw UsageError(concat(paths[0], ": cannot open: ", std::strerror(errno)));
+  f->entries = read_header(paths[0], f->in, f->data_start);
+  files.push_back(std::move(f));
+  return files;
+}
+
+json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) {
+  const char* torch_dtype = dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32";
+  if (!d.llama())
+    return {
+        {"architectures", {"GPT2LMHeadModel"}},
+        {"model_type", "gpt2"},
+        {"vocab_size", d.vocab_size},
+        {"n_positions", d.seq_len},
+        {"n_ctx", d.seq_len},
+        {"n_embd", d.n_embd},
+        {"n_layer", d.n_layer},
+        {"n_head", d.n_head},
+        {"n_inner", nullptr},
+        {"activation_function", "gelu_new"},
+        {"layer_norm_epsilon", d.norm_eps},
+        {"initializer_range", 0.02},
+        {"resid_pdrop", d.dropout},
+        {"embd_pdrop", d.dropout},
+        {"attn_pdrop", d.dropout},
+        {"scale_attn_weights", true},
+        {"tie_word_embeddings", true},
+        {"use_cache", true},
+        {"bos_token_id", eot_token},
+        {"eos_token_id", eot_token},
+        {"torch_dtype", torch_dtype},
+    };
+  // Qwen2's attention has q/k/v biases; Llama's has none (attention_bias would add o_proj's too).
+  const bool qwen2 = d.qkv_bias;
+  json c = {
+      {"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", qwen2 ? "qwen2" : "llama"},
+      {"vocab_size", d.vocab_size},
+      {"hidden_size", d.n_embd},
+      {"intermediate_size", d.intermediate_size},
+      {"num_hidden_layers", d.n_layer},
+      {"num_attention_heads", d.n_head},
+      {"num_key_value_heads", d.n_kv_head},
+      {"head_dim", d.head_dim()},
+      {"hidden_act", "silu"},
+      {"max_position_embeddings", d.max_position},
+      {"rms_norm_eps", d.norm_eps},
+      {"rope_theta", d.rope_theta},
+      {"rope_scaling", nullptr},
+      {"tie_word_embeddings", d.tie_embeddings},
+      {"attention_dropout", d.dropout},
+      {"initializer_range", 0.02},
+      {"use_cache", true},
+      {"bos_token_id", eot_token},
+      {"eos_token_id", eot_token},
+      {"torch_dtype", torch_dtype},
+  };
+  if (qwen2) {
+    c["use_sliding_window"] = false;
+    c["sliding_window"] = nullptr;
+    c["max_window_layers"] = d.n_layer;
+  } else {
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+    c["pretraining_tp"] = 1;
+  }
+  if (d.rope_scaling == "llama3")
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", d.rope_factor},
+                         {"low_freq_factor", d.rope_low_freq_factor},
+                         {"high_freq_factor", d.rope_high_freq_factor},
+                         {"original_max_position_embeddings", d.rope_original_max_position}};
+  return c;
+}
+
+// One safetensors file of `tensors` (HF name, bytes in the file's dtype), written durably.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                       const char* type_name) {
   json header = json::object();
   header["__metadata__"] = {{"format", "pt"}, {"producer", concat("mpitrain ", MPITRAIN_VERSION)}};
-  std::vector<torch::Tensor> data;
   uint64_t at = 0;
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, p] : model->named_params()) {
-    torch::Tensor t = p.detach().to(torch::kCPU, type);
-    if (hf_transposed(name)) t = t.t();
-    t = t.contiguous();
-    const uint64_t bytes = t.nbytes();
-    header[hf_name(name)] = {{"dtype", type_name}, {"shape", t.sizes().vec()}, {"data_offsets", {at, at + bytes}}};
-    at += bytes;
-    data.push_back(t);
+  for (const auto& [name, t] : tensors) {
+    header[name] = {{"dtype", type_name}, {"shape", t.sizes().vec()}, {"data_offsets", {at, at + t.nbytes()}}};
+    at += t.nbytes();
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
@@ -151,89 +300,146 @@ void write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const
   const uint64_t n = text.size();
   bytes.append(reinterpret_cast<const char*>(&n), 8);
   bytes += text;
-  for (const auto& t : data) bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  write_file_durably((fs::path(dir) / "model.safetensors").string(), bytes);
+  for (const auto& [name, t] : tensors) bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  write_file_durably(path, bytes);
+}
 
-  const json config = {
-      {"architectures", {"GPT2LMHeadModel"}},
-      {"model_type", "gpt2"},
-      {"vocab_size", d.vocab_size},
-      {"n_positions", d.seq_len},
-      {"n_ctx", d.seq_len},
-      {"n_embd", d.n_embd},
-      {"n_layer", d.n_layer},
-      {"n_head", d.n_head},
-      {"n_inner", nullptr},
-      {"activation_function", "gelu_new"},
-      {"layer_norm_epsilon", 1e-5},
-      {"initializer_range", 0.02},
-      {"resid_pdrop", d.dropout},
-      {"embd_pdrop", d.dropout},
-      {"attn_pdrop", d.dropout},
-      {"scale_attn_weights", true},
-      {"tie_word_embeddings", true},
-      {"use_cache", true},
-      {"bos_token_id", eot_token},
-      {"eos_token_id", eot_token},
-      {"torch_dtype", dtype == "bf16" ? "bfloat16" : dtype == "fp16" ? "float16" : "float32"},
+}  // namespace
+
+std::string hf_name(const std::string& name, const GPTDims& d) {
+  return d.llama() ? llama_hf_name(name) : kPrefix + name;
+}
+
+bool hf_transposed(const std::string& name, const GPTDims& d) {
+  if (d.llama()) return false;
+  const bool linear = name.find(".attn.c_") != std::string::npos || name.find(".mlp.c_") != std::string::npos;
+  return linear && ends_with(name, ".weight");
+}
+
+std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts) {
+  const GPTDims& d = model->dims();
+  MPITRAIN_CHECK(d.tp == 1, "write_hf_model needs a whole (tp = 1) model");
+  const torch::ScalarType type = opts.dtype == "bf16" ? torch::kBFloat16 : opts.dtype == "fp16" ? torch::kFloat16 : torch::kFloat32;
+  const char* type_name = opts.dtype == "bf16" ? "BF16" : opts.dtype == "fp16" ? "F16" : "F32";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UsageError(concat("cannot create '", dir, "': ", ec.message()));
+
+  // Shards in parameter order, each at most max_shard_bytes (a larger tensor alone).
+  const auto params = model->named_params();
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const uint64_t bytes = static_cast<uint64_t>(params[i].second.numel()) * c10::elementSize(type);
+    if (!shards.back().empty() && in_shard + bytes > opts.max_shard_bytes) shards.emplace_back(), in_shard = 0;
+    shards.back().push_back(i);
+    in_shard += bytes, total += bytes;
+  }
+  const size_t n = shards.size();
+  auto shard_name = [&](size_t k) {
+    if (n == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+    return std::string(buf);
   };
-  write_file_durably((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
+  json weight_map = json::object();
+  std::string written;
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < n; ++k) {  // one shard's tensors in memory at a time
+    std::vector<std::pair<std::string, torch::Tensor>> tensors;
+    for (size_t i : shards[k]) {
+      const auto& [name, p] = params[i];
+      torch::Tensor t = p.detach().to(torch::kCPU, type);
+      if (hf_transposed(name, d)) t = t.t();
+      tensors.emplace_back(hf_name(name, d), t.contiguous());
+      weight_map[hf_name(name, d)] = shard_name(k);
+    }
+    write_safetensors((fs::path(dir) / shard_name(k)).string(), tensors, type_name);
+    written += shard_name(k) + "\n";
+  }
+  // The other layout's files go: from_pretrained takes model.safetensors before an index.
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string f = entry.path().filename().string();
+    const bool other = n == 1 ? f == "model.safetensors.index.json" || (f.rfind("model-", 0) == 0 && ends_with(f, ".safetensors"))
+                              : f == "model.safetensors" || (f.rfind("model-", 0) == 0 && ends_with(f, ".safetensors") &&
+                                                             !weight_map.contains(f) && written.find(f + "\n") == std::string::npos);
+    if (other) fs::remove(entry.path(), ec);
+  }
+  if (n > 1)
+    write_file_durably((fs::path(dir) / "model.safetensors.index.json").string(),
+                       json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n");
+  write_file_durably((fs::path(dir) / "config.json").string(), config_json(d, eot_token, opts.dtype).dump(2) + "\n");
+  if (d.llama())
+    write_file_durably((fs::path(dir) / "generation_config.json").string(),
+                       json{{"bos_token_id", eot_token}, {"eos_token_id", eot_token}}.dump(2) + "\n");
+  return written;
 }
 
 int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key) {
   try {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw UsageError(concat(path, ": cannot open: ", std::strerror(errno)));
-    uint64_t data_start = 0;
-    const std::vector<Entry> entries = read_header(path, in, data_start);
-    // mpitrain's name of each file entry: "transformer." is optional (GPT2Model's files lack it)
-    std::map<std::string, const Entry*> by_name;
-    const Entry* lm_head = nullptr;
-    std::vector<std::string> unknown;
+    const GPTDims& d = model->dims();
+    std::map<std::string, SafetensorsFile*> index;
+    const auto files = open_safetensors(path, index);
+    // HF name -> (file, entry); GPT-2's "transformer." is optional (GPT2Model's files lack it).
     const auto params = model->named_params();
-    std::map<std::string, torch::Tensor> wanted;
-    for (const auto& [name, p] : params) wanted[name] = p;
-    for (const auto& e : entries) {
-      std::string name = e.name.rfind(kPrefix, 0) == 0 ? e.name.substr(std::strlen(kPrefix)) : e.name;
-      if (name == "lm_head.weight") lm_head = &e;
-      else if (wanted.count(name)) by_name[name] = &e;
-      else if (name.size() > 10 && (name.compare(name.size() - 10, 10, ".attn.bias") == 0 ||
-                                    name.find(".attn.masked_bias") != std::string::npos))
-        continue;  // the causal-mask buffers older files carry
-      else unknown.push_back(e.name);
-    }
+    std::map<std::string, std::string> ours;  // HF name -> mpitrain name
+    for (const auto& [name, p] : params) ours[hf_name(name, d)] = name;
+    std::map<std::string, std::pair<SafetensorsFile*, const Entry*>> found;
+    const Entry* lm_head = nullptr;
+    SafetensorsFile* lm_head_file = nullptr;
+    std::vector<std::string> unknown;
+    for (const auto& f : files)
+      for (const auto& e : f->entries) {
+        if (!index.empty() && index.at(e.name) != f.get()) continue;  // the index says which file holds it
+        std::string name = e.name;
+        if (!d.llama() && name.rfind(kPrefix, 0) != 0 && name != "lm_head.weight") name = kPrefix + name;
+        if (name == "lm_head.weight" && !ours.count(name)) {
+          lm_head = &e, lm_head_file = f.get();
+        } else if (ours.count(name)) {
+          if (found.count(name)) throw UsageError(concat(f->path, ": tensor '", e.name, "' is also in ", found[name].first->path));
+          found[name] = {f.get(), &e};
+        } else if (!ignored_buffer(name, d)) {
+          unknown.push_back(e.name);
+        }
+      }
     std::vector<std::string> missing;
     for (const auto& [name, p] : params)
-      if (!by_name.count(name)) missing.push_back(hf_name(name));
+      if (!found.count(hf_name(name, d))) missing.push_back(hf_name(name, d));
+    const char* family = d.llama() ? "Llama" : "GPT-2";
     if (!missing.empty() || !unknown.empty())
       throw UsageError(concat(path, ": ", missing.empty() ? "" : concat("missing ", first_few(missing)),
                               !missing.empty() && !unknown.empty() ? "; " : "",
-                              unknown.empty() ? "" : concat(first_few(unknown), " match no GPT-2 parameter"),
-                              " (Hugging Face GPT-2 names, e.g. transformer.h.0.attn.c_attn.weight)"));
+                              unknown.empty() ? "" : concat(first_few(unknown), " match no ", family, " parameter"),
+                              d.llama() ? " (Hugging Face Llama names, e.g. model.layers.0.self_attn.q_proj.weight)"
+                                        : " (Hugging Face GPT-2 names, e.g. transformer.h.0.attn.c_attn.weight)"));
     for (const auto& [name, p] : params) {
-      const Entry& e = *by_name[name];
+      const auto& [file, e] = found[hf_name(name, d)];
       std::vector<int64_t> want = p.sizes().vec();
-      if (hf_transposed(name)) std::reverse(want.begin(), want.end());
-      if (e.shape != want)
-        throw UsageError(concat(path, ": tensor '", e.name, "' has shape ", shape_text(e.shape), ", the model needs ",
+      if (hf_transposed(name, d)) std::reverse(want.begin(), want.end());
+      if (e->shape != want)
+        throw UsageError(concat(file->path, ": tensor '", e->name, "' has shape ", shape_text(e->shape), ", the model needs ",
                                 shape_text(want),
-                                name == "wte.weight" || name == "wpe.weight"
+                                name == "wte.weight" || name == "wpe.weight" || name == "lm_head.weight"
                                     ? " (model.vocab_size and model.seq_len must equal the file's vocab_size and n_positions)"
-                                    : " (model.n_layer, n_head and n_embd must equal the file's)"));
+                                    : " (model.n_layer, n_head, n_kv_head, n_embd and intermediate_size must equal the file's)"));
     }
-    if (lm_head && lm_head->shape != by_name["wte.weight"]->shape)
-      throw UsageError(concat(path, ": lm_head.weight has shape ", shape_text(lm_head->shape), ", not wte's"));
-    // Every check passed: read, convert and check the values, then change the weights.
-    std::vector<torch::Tensor> values;
-    for (const auto& [name, p] : params) {
-      torch::Tensor t = read_tensor(path, in, data_start, *by_name[name]);
-      values.push_back(hf_transposed(name) ? t.t().contiguous() : t);
-    }
-    const auto wte = std::find_if(params.begin(), params.end(), [](const auto& p) { return p.first == "wte.weight"; });
-    if (lm_head && !torch::equal(read_tensor(path, in, data_start, *lm_head), values[wte - params.begin()]))
-      throw UsageError(concat(path, ": lm_head.weight differs from the token embedding: mpitrain ties the output layer to it"));
+    const Entry* wte = found[hf_name("wte.weight", d)].second;
+    if (lm_head && lm_head->shape != wte->shape)
+      throw UsageError(concat(lm_head_file->path, ": lm_head.weight has shape ", shape_text(lm_head->shape), ", not the embedding's"));
+    // Every check passed: read, convert and check the values one tensor at a time.
     torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(values[i]);
+    for (const auto& [name, p] : params) {
+      const auto& [file, e] = found[hf_name(name, d)];
+      torch::Tensor t = read_tensor(file->path, file->in, file->data_start, *e);
+      p.copy_(hf_transposed(name, d) ? t.t() : t);
+    }
+    if (lm_head) {
+      torch::Tensor head = read_tensor(lm_head_file->path, lm_head_file->in, lm_head_file->data_start, *lm_head);
+      if (!torch::equal(head, model->wte->weight.detach().cpu()))
+        throw UsageError(concat(lm_head_file->path,
+                                ": lm_head.weight differs from the token embedding: mpitrain ties the output layer to it",
+                                d.llama() ? " (this model has tie_embeddings true)" : ""));
+    }
     return static_cast<int64_t>(params.size());
   } catch (const UsageError& e) {
     throw UsageError(concat(key, ": ", e.what()));
@@ -242,10 +448,11 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
 
 int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key) {
   std::error_code ec;
-  if (path.size() > 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0)
+  if (path.rfind("hf:", 0) == 0) return load_hf_safetensors(path.substr(3), model, key);
+  if (ends_with(path, ".safetensors")) return load_hf_safetensors(path, model, key);
+  if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "model.safetensors", ec) ||
+                                     fs::exists(fs::path(path) / "model.safetensors.index.json", ec)))
     return load_hf_safetensors(path, model, key);
-  if (fs::is_directory(path, ec) && fs::exists(fs::path(path) / "model.safetensors", ec))
-    return load_hf_safetensors((fs::path(path) / "model.safetensors").string(), model, key);
   return load_npy_weights(path, model, key);
 }
 

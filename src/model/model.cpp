@@ -1,5 +1,5 @@
-// GPT-2 in libtorch (see model.h). Attention uses the fused scaled_dot_product_attention when
-// libtorch >= 2.0 and an explicit masked softmax on older libtorch (Debian's 1.13).
+// GPT-2 and Llama in libtorch (see model.h). Attention uses the fused scaled_dot_product_attention
+// when libtorch >= 2.0 and an explicit masked softmax on older libtorch (Debian's 1.13).
 #include "mpitrain/model.h"
 
 #include <algorithm>
@@ -27,6 +27,25 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
   d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
   d.fused_kernels = cfg.fused_kernels == "on";  // likewise
   d.vocab_size = cfg.vocab_size > 0 ? cfg.vocab_size : data_vocab_size;
+  d.arch = cfg.arch.empty() ? "gpt2" : cfg.arch;  // a ModelConfig that parse_config did not resolve: GPT-2's
+  d.norm_eps = cfg.norm_eps > 0 ? cfg.norm_eps : 1e-5;
+  if (d.llama()) {
+    d.n_kv_head = cfg.n_kv_head;
+    d.intermediate_size = cfg.intermediate_size;
+    d.max_position = cfg.max_position;
+    d.rope_theta = cfg.rope_theta;
+    d.rope_scaling = cfg.rope_scaling;
+    d.rope_factor = cfg.rope_factor;
+    d.rope_low_freq_factor = cfg.rope_low_freq_factor;
+    d.rope_high_freq_factor = cfg.rope_high_freq_factor;
+    d.rope_original_max_position = cfg.rope_original_max_position;
+    d.qkv_bias = cfg.qkv_bias == "true";
+    d.tie_embeddings = cfg.tie_embeddings == "true";
+  } else {
+    d.n_kv_head = d.n_head;
+    d.intermediate_size = 4 * d.n_embd;
+    d.max_position = d.seq_len;
+  }
   if (d.vocab_size < data_vocab_size)
     throw UsageError(concat("model.vocab_size must be >= the data's vocab_size ", data_vocab_size,
                          ", got ", d.vocab_size));
@@ -42,7 +61,13 @@ namespace {
 // once). Without tp, the layer as it is.
 torch::Tensor column_input(const torch::Tensor& x, Communicator* tp) { return tp ? tp_copy(x, *tp) : x; }
 torch::Tensor row_parallel(const torch::Tensor& x, torch::nn::Linear& layer, Communicator* tp) {
-  return tp ? tp_reduce(F::linear(x, layer->weight), *tp) + layer->bias : layer(x);
+  if (!tp) return layer(x);
+  torch::Tensor y = tp_reduce(F::linear(x, layer->weight), *tp);
+  return layer->bias.defined() ? y + layer->bias : y;
+}
+
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
 Communicator* tp_of(const GPTDims& d) {
@@ -52,19 +77,95 @@ Communicator* tp_of(const GPTDims& d) {
 
 }  // namespace
 
-// Tensor parallel: c_attn holds this rank's n_head / tp heads of q, k and v (3 E / tp rows),
-// c_proj their E / tp input columns and the whole bias.
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d)
-    : tp_(tp_of(d)), n_head_(d.n_head / d.tp), n_embd_(d.n_embd / d.tp), dropout_(d.dropout) {
-  c_attn = register_module("c_attn", torch::nn::Linear(d.n_embd, 3 * n_embd_));
-  c_proj = register_module("c_proj", torch::nn::Linear(n_embd_, d.n_embd));
+// ---- norm and rotary positions --------------------------------------------------------------
+
+NormImpl::NormImpl(int64_t dim, bool rms_, double eps_) : rms(rms_), eps(eps_) {
+  weight = register_parameter("weight", torch::ones({dim}));
+  if (!rms) bias = register_parameter("bias", torch::zeros({dim}));
+}
+
+torch::Tensor NormImpl::forward(const torch::Tensor& x) {
+  if (!rms) return F::layer_norm(x, F::LayerNormFuncOptions({weight.size(0)}).weight(weight).bias(bias).eps(eps));
+  torch::Tensor h = x.to(torch::kFloat32);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+// Hugging Face's rotary frequencies, in fp32 as there: inv_freq_i = theta^(-2i / head_dim), and
+// for rope_scaling llama3 (Llama 3.1) wavelengths longer than original_max_position /
+// low_freq_factor divided by factor, shorter than original_max_position / high_freq_factor kept,
+// and those between interpolated smoothly.
+Rotary::Rotary(const GPTDims& d) : seq_len_(d.seq_len) {
+  const int64_t dim = d.head_dim();
+  inv_freq_ = 1.0 / torch::pow(torch::tensor(d.rope_theta, torch::kFloat32),
+                               torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim));
+  if (d.rope_scaling == "llama3") {
+    const double factor = d.rope_factor, low = d.rope_low_freq_factor, high = d.rope_high_freq_factor;
+    const double old_len = static_cast<double>(d.rope_original_max_position);
+    const double low_freq_wavelen = old_len / low, high_freq_wavelen = old_len / high;
+    torch::Tensor wavelen = 2 * M_PI / inv_freq_;
+    torch::Tensor scaled = torch::where(wavelen > low_freq_wavelen, inv_freq_ / factor, inv_freq_);
+    torch::Tensor smooth = (old_len / wavelen - low) / (high - low);
+    torch::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    torch::Tensor medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq_ = torch::where(medium, smoothed, scaled);
+  }
+}
+
+torch::Tensor Rotary::apply(const torch::Tensor& x) {
+  const int64_t T = x.size(2), half = x.size(3) / 2;
+  if (!cos_.defined() || cos_.device() != x.device()) {
+    torch::Tensor pos = torch::arange(seq_len_, torch::kInt64).to(torch::kFloat32);
+    torch::Tensor freqs = pos.unsqueeze(1).matmul(inv_freq_.unsqueeze(0));  // [seq_len, head_dim / 2]
+    torch::Tensor emb = torch::cat({freqs, freqs}, -1);
+    cos_ = emb.cos().to(x.device());
+    sin_ = emb.sin().to(x.device());
+  }
+  torch::Tensor cos = cos_.narrow(0, 0, T).to(x.scalar_type()), sin = sin_.narrow(0, 0, T).to(x.scalar_type());
+  torch::Tensor rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+// Tensor parallel: this rank holds n_head / tp query heads and n_kv_head / tp key/value heads
+// (c_attn: 3 E / tp rows; q/k/v_proj: their heads' rows), c_proj their input columns and the
+// whole bias (gpt2).
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary)
+    : tp_(tp_of(d)),
+      n_head_(d.n_head / d.tp),
+      n_kv_head_(d.n_kv_head / d.tp),
+      head_dim_(d.head_dim()),
+      dropout_(d.dropout),
+      rotary_(std::move(rotary)) {
+  const int64_t q_width = n_head_ * head_dim_, kv_width = n_kv_head_ * head_dim_;
+  if (d.llama()) {
+    q_proj = register_module("q_proj", linear(d.n_embd, q_width, d.qkv_bias));
+    k_proj = register_module("k_proj", linear(d.n_embd, kv_width, d.qkv_bias));
+    v_proj = register_module("v_proj", linear(d.n_embd, kv_width, d.qkv_bias));
+  } else {
+    c_attn = register_module("c_attn", linear(d.n_embd, 3 * q_width, true));
+  }
+  c_proj = register_module("c_proj", linear(q_width, d.n_embd, !d.llama()));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), C = n_embd_, hd = C / n_head_;
-  auto qkv = c_attn(column_input(x, tp_)).split(n_embd_, /*dim=*/2);
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hd}).transpose(1, 2); };
-  torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  const int64_t B = x.size(0), T = x.size(1), hd = head_dim_;
+  auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
+  const torch::Tensor in = column_input(x, tp_);
+  torch::Tensor q, k, v;
+  if (c_attn) {
+    auto qkv = c_attn(in).split(n_head_ * hd, /*dim=*/2);
+    q = heads(qkv[0], n_head_), k = heads(qkv[1], n_head_), v = heads(qkv[2], n_head_);
+  } else {
+    q = heads(q_proj(in), n_head_), k = heads(k_proj(in), n_kv_head_), v = heads(v_proj(in), n_kv_head_);
+  }
+  if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
+  if (n_kv_head_ != n_head_) {  // grouped-query attention: kv head j serves query heads j rep .. (j + 1) rep - 1
+    const int64_t rep = n_head_ / n_kv_head_;
+    k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
+    v = v.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
+  }
   const double p = is_training() ? dropout_ : 0.0;
   torch::Tensor y;
 #if TORCH_VERSION_MAJOR >= 2
@@ -80,7 +181,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
   y = torch::matmul(att, v);
 #endif
-  y = y.transpose(1, 2).contiguous().view({B, T, C});
+  y = y.transpose(1, 2).contiguous().view({B, T, n_head_ * hd});
   y = row_parallel(y, c_proj, tp_);
   if (p > 0) y = F::dropout(y, F::DropoutFuncOptions().p(p).training(true));
   return y;
@@ -94,7 +195,7 @@ std::string first_line_of(const std::string& text) { return text.substr(0, text.
 
 std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
                                 c10::ScalarType dtype) {
-  const int64_t heads = d.n_head / d.tp, head_dim = d.n_embd / d.n_head;
+  const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
   const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal");
 #if TORCH_VERSION_MAJOR >= 2
   if (choice != "auto") {
@@ -138,14 +239,23 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
 
 // ---- MLP and block -----------------------------------------------------------------------------
 
-// Tensor parallel: c_fc holds 4 E / tp of the hidden units, c_proj their input columns.
+// Tensor parallel: c_fc (gate_proj, up_proj) holds intermediate_size / tp of the hidden units,
+// c_proj their input columns.
 MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
-  c_fc = register_module("c_fc", torch::nn::Linear(d.n_embd, 4 * d.n_embd / d.tp));
-  c_proj = register_module("c_proj", torch::nn::Linear(4 * d.n_embd / d.tp, d.n_embd));
+  const int64_t hidden = d.intermediate_size / d.tp;
+  if (d.llama()) {
+    gate_proj = register_module("gate_proj", linear(d.n_embd, hidden, false));
+    up_proj = register_module("up_proj", linear(d.n_embd, hidden, false));
+  } else {
+    c_fc = register_module("c_fc", linear(d.n_embd, hidden, true));
+  }
+  c_proj = register_module("c_proj", linear(hidden, d.n_embd, !d.llama()));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return row_parallel(F::gelu(c_fc(column_input(x, tp_)), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
+  const torch::Tensor in = column_input(x, tp_);
+  if (gate_proj) return row_parallel(F::silu(gate_proj(in)) * up_proj(in), c_proj, tp_);
+  return row_parallel(F::gelu(c_fc(in), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
@@ -153,10 +263,10 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   return row_parallel(bias_gelu(F::linear(column_input(x, tp_), c_fc->weight), c_fc->bias), c_proj, tp_);
 }
 
-BlockImpl::BlockImpl(const GPTDims& d) : dropout_(d.dropout) {
-  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
-  attn = register_module("attn", CausalSelfAttention(d));
-  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
+BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary) : dropout_(d.dropout) {
+  ln_1 = register_module("ln_1", Norm(d.n_embd, d.llama(), d.norm_eps));
+  attn = register_module("attn", CausalSelfAttention(d, std::move(rotary)));
+  ln_2 = register_module("ln_2", Norm(d.n_embd, d.llama(), d.norm_eps));
   mlp = register_module("mlp", MLP(d));
 }
 
@@ -170,8 +280,8 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
 
 std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
                                                                  c10::ScalarType normed_dtype) {
-  auto [r1, n1] = add_layernorm(x, delta, ln_1->weight, ln_1->bias, ln_1->options.eps(), normed_dtype);
-  auto [r2, n2] = add_layernorm(r1, attn(n1), ln_2->weight, ln_2->bias, ln_2->options.eps(), normed_dtype);
+  auto [r1, n1] = add_layernorm(x, delta, ln_1->weight, ln_1->bias, ln_1->eps, normed_dtype);
+  auto [r2, n2] = add_layernorm(r1, attn(n1), ln_2->weight, ln_2->bias, ln_2->eps, normed_dtype);
   auto m = mlp->forward_fused(n2);
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
@@ -180,9 +290,23 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
 
 // ---- GPT ---------------------------------------------------------------------------------------
 
-GPTImpl::GPTImpl(const GPTDims& d) : dims_(d) {
-  MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && (4 * d.n_embd) % d.tp == 0 && d.vocab_size % d.tp == 0,
-                 "tensor parallel: n_head, 4 n_embd and vocab_size must divide by tp");
+namespace {
+// Dims filled in by hand (tests, tools) may leave GPT-2's derived sizes at 0.
+GPTDims complete(GPTDims d) {
+  if (d.n_kv_head == 0) d.n_kv_head = d.n_head;
+  if (d.intermediate_size == 0) d.intermediate_size = 4 * d.n_embd;
+  if (d.max_position == 0) d.max_position = d.seq_len;
+  return d;
+}
+}  // namespace
+
+GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
+  const GPTDims& d = dims_;
+  MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
+  MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
+                     d.vocab_size % d.tp == 0,
+                 "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");
+  MPITRAIN_CHECK(!(d.llama() && d.fused_kernels), "the fused block ops are GPT-2's (LayerNorm, GELU)");
   if (d.tp > 1) {
     // The dense model's initial values from the same generator state, then this rank's shards.
     GPTDims whole = d;
@@ -219,21 +343,23 @@ GPTImpl::GPTImpl(const GPTDims& d) : dims_(d) {
 }
 
 // Tensor parallel: wte holds this rank's vocab_size / tp rows.
+// Llama's untied lm_head likewise.
 void GPTImpl::build_modules(const GPTDims& d) {
   wte = register_module("wte", torch::nn::Embedding(d.vocab_size / d.tp, d.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
+  if (!d.llama()) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
+  auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d));
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.n_embd})));
+  for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d, rotary));
+  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
+  if (d.llama() && !d.tie_embeddings) lm_head = register_module("lm_head", linear(d.n_embd, d.vocab_size / d.tp, false));
 }
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
-  auto pos = torch::arange(T, torch::dtype(torch::kLong).device(idx.device()));
   torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
                                  : wte(idx);
-  x = x + wpe(pos);
+  if (wpe) x = x + wpe(torch::arange(T, torch::dtype(torch::kLong).device(idx.device())));
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
@@ -248,12 +374,12 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
   torch::Tensor delta;
   for (const auto& block : *h) std::tie(x, delta) = block->as<Block>()->forward_fused(x, delta, normed_dtype);
-  return add_layernorm(x, delta, ln_f->weight, ln_f->bias, ln_f->options.eps(), normed_dtype).second;
+  return add_layernorm(x, delta, ln_f->weight, ln_f->bias, ln_f->eps, normed_dtype).second;
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  // Output layer tied to the token embedding (tensor parallel: this rank's vocabulary columns).
-  return F::linear(column_input(hidden(idx), tp_of(dims_)), wte->weight);
+  // The output layer (tensor parallel: this rank's vocabulary columns).
+  return F::linear(column_input(hidden(idx), tp_of(dims_)), output_weight());
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
@@ -261,7 +387,7 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
   if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
     auto x = column_input(hidden(idx), tp);
-    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), wte->weight, targets.reshape({-1}).to(torch::kLong),
+    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), output_weight(), targets.reshape({-1}).to(torch::kLong),
                                 dims_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
   }
   auto logits = forward(idx);

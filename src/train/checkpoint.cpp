@@ -255,6 +255,25 @@ struct CheckpointFileHandles {
 };
 
 namespace {
+
+// The architecture beyond GPT-2's five dimensions (absent in files before Llama: gpt2, eps 1e-5).
+void write_arch_attrs(hid_t root, const GPTDims& d) {
+  h5::set_attr(root, "arch", d.arch);
+  h5::set_attr(root, "norm_eps", d.norm_eps);
+  if (!d.llama()) return;
+  h5::set_attr(root, "n_kv_head", d.n_kv_head);
+  h5::set_attr(root, "intermediate_size", d.intermediate_size);
+  h5::set_attr(root, "max_position", d.max_position);
+  h5::set_attr(root, "rope_theta", d.rope_theta);
+  h5::set_attr(root, "rope_scaling", d.rope_scaling);
+  h5::set_attr(root, "rope_factor", d.rope_factor);
+  h5::set_attr(root, "rope_low_freq_factor", d.rope_low_freq_factor);
+  h5::set_attr(root, "rope_high_freq_factor", d.rope_high_freq_factor);
+  h5::set_attr(root, "rope_original_max_position", d.rope_original_max_position);
+  h5::set_attr(root, "qkv_bias", int64_t{d.qkv_bias});
+  h5::set_attr(root, "tie_embeddings", int64_t{d.tie_embeddings});
+}
+
 UsageError write_failure(const std::string& tmp, const std::string& why) {
   std::remove(tmp.c_str());  // never leave half a file; the complete ones stay as they were
   return UsageError(concat(tmp, ": cannot write checkpoint (disk full or not writable?): ", why,
@@ -287,6 +306,7 @@ CheckpointFile::CheckpointFile(const std::string& dir, const GPTDims& d, int64_t
     h5::set_attr(root, "n_embd", d.n_embd);
     h5::set_attr(root, "seq_len", d.seq_len);
     h5::set_attr(root, "vocab_size", d.vocab_size);
+    write_arch_attrs(root, d);
     auto model_group = h5::create_group(root, "model");
     auto optim_group = h5::create_group(root, "optim");
     h5::set_attr(optim_group.get(), "steps_taken", steps_taken);
@@ -536,6 +556,40 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   if (d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));
+  d.arch = optional_string(root, path, "arch").value_or("gpt2");
+  if (d.arch != "gpt2" && d.arch != "llama")
+    throw UsageError(concat(path, ": attribute 'arch' must be gpt2 or llama, got '", d.arch, "'"));
+  auto positive_double = [&](const char* name, bool required, double fallback) {
+    if (!h5::has_attr(root, name)) {
+      if (required) throw UsageError(concat(path, ": missing attribute '", name, "'"));
+      return fallback;
+    }
+    const auto v = h5::get_attr_double(root, name);
+    if (!v || !std::isfinite(*v) || *v < 0) throw UsageError(concat(path, ": attribute '", name, "' must be a number >= 0"));
+    return *v;
+  };
+  d.norm_eps = positive_double("norm_eps", false, 1e-5);
+  if (d.llama()) {
+    d.n_kv_head = require_int_in(root, path, "n_kv_head", "n_kv_head", 1, d.n_head);
+    if (d.n_head % d.n_kv_head != 0)
+      throw UsageError(concat(path, ": attribute 'n_kv_head' must divide 'n_head' (", d.n_head, "), got ", d.n_kv_head));
+    d.intermediate_size = require_int_in(root, path, "intermediate_size", "intermediate_size", 1);
+    d.max_position = require_int_in(root, path, "max_position", "max_position", 1);
+    d.rope_theta = positive_double("rope_theta", true, 0);
+    d.rope_scaling = optional_string(root, path, "rope_scaling").value_or("none");
+    if (d.rope_scaling != "none" && d.rope_scaling != "llama3")
+      throw UsageError(concat(path, ": attribute 'rope_scaling' must be none or llama3, got '", d.rope_scaling, "'"));
+    d.rope_factor = positive_double("rope_factor", true, 0);
+    d.rope_low_freq_factor = positive_double("rope_low_freq_factor", true, 0);
+    d.rope_high_freq_factor = positive_double("rope_high_freq_factor", true, 0);
+    d.rope_original_max_position = require_int_in(root, path, "rope_original_max_position", "rope_original_max_position", 0);
+    d.qkv_bias = require_int_in(root, path, "qkv_bias", "qkv_bias", 0, 1) == 1;
+    d.tie_embeddings = require_int_in(root, path, "tie_embeddings", "tie_embeddings", 0, 1) == 1;
+  } else {
+    d.n_kv_head = d.n_head;
+    d.intermediate_size = 4 * d.n_embd;
+    d.max_position = d.seq_len;
+  }
   // The declared dimensions must be those of the stored tensors: `sample` builds the model from
   // them before reading any tensor, so a damaged attribute must not make it allocate gigabytes.
   auto expect_stored = [&](const std::string& name, std::vector<int64_t> want, const char* declared_by) {
@@ -550,10 +604,18 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
       throw UsageError(concat(path, ": dataset '", name, "' is not fully stored (truncated or corrupt file?)"));
   };
   expect_stored("model/wte.weight", {d.vocab_size, d.n_embd}, "'vocab_size' and 'n_embd'");
-  expect_stored("model/wpe.weight", {d.seq_len, d.n_embd}, "'seq_len' and 'n_embd'");
-  expect_stored(concat("model/h.", d.n_layer - 1, ".attn.c_attn.weight"), {3 * d.n_embd, d.n_embd},
-                "'n_layer' and 'n_embd'");
-  if (h5::exists(root, concat("model/h.", d.n_layer, ".attn.c_attn.weight")))
+  const std::string last = concat("model/h.", d.n_layer - 1, "."), after = concat("model/h.", d.n_layer, ".");
+  const char* attention = d.llama() ? "attn.q_proj.weight" : "attn.c_attn.weight";
+  if (d.llama()) {
+    expect_stored(last + "attn.q_proj.weight", {d.n_embd, d.n_embd}, "'n_layer' and 'n_embd'");
+    expect_stored(last + "attn.k_proj.weight", {d.n_kv_head * d.head_dim(), d.n_embd}, "'n_kv_head', 'n_head' and 'n_embd'");
+    expect_stored(last + "mlp.gate_proj.weight", {d.intermediate_size, d.n_embd}, "'intermediate_size' and 'n_embd'");
+    if (!d.tie_embeddings) expect_stored("model/lm_head.weight", {d.vocab_size, d.n_embd}, "'vocab_size' and 'n_embd'");
+  } else {
+    expect_stored("model/wpe.weight", {d.seq_len, d.n_embd}, "'seq_len' and 'n_embd'");
+    expect_stored(last + attention, {3 * d.n_embd, d.n_embd}, "'n_layer' and 'n_embd'");
+  }
+  if (h5::exists(root, after + attention))
     throw UsageError(concat(path, ": attribute 'n_layer' declares ", d.n_layer, " layers, but the file holds more"));
   return d;
 }
@@ -579,10 +641,23 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
   {
     const GPTDims have = declared_dims(root, path), want = model->dims();
-    const std::pair<const char*, std::pair<int64_t, int64_t>> keys[] = {
-        {"n_layer", {have.n_layer, want.n_layer}}, {"n_head", {have.n_head, want.n_head}},
-        {"n_embd", {have.n_embd, want.n_embd}},    {"seq_len", {have.seq_len, want.seq_len}},
-        {"vocab_size", {have.vocab_size, want.vocab_size}}};
+    const std::pair<const char*, std::pair<std::string, std::string>> keys[] = {
+        {"arch", {have.arch, want.arch}},
+        {"n_layer", {concat(have.n_layer), concat(want.n_layer)}},
+        {"n_head", {concat(have.n_head), concat(want.n_head)}},
+        {"n_kv_head", {concat(have.n_kv_head), concat(want.n_kv_head)}},
+        {"n_embd", {concat(have.n_embd), concat(want.n_embd)}},
+        {"intermediate_size", {concat(have.intermediate_size), concat(want.intermediate_size)}},
+        {"seq_len", {concat(have.seq_len), concat(want.seq_len)}},
+        {"vocab_size", {concat(have.vocab_size), concat(want.vocab_size)}},
+        {"norm_eps", {concat(have.norm_eps), concat(want.norm_eps)}},
+        {"rope_theta", {concat(have.rope_theta), concat(want.rope_theta)}},
+        {"rope_scaling", {concat(have.rope_scaling, " ", have.rope_factor, " ", have.rope_low_freq_factor, " ",
+                                 have.rope_high_freq_factor, " ", have.rope_original_max_position),
+                          concat(want.rope_scaling, " ", want.rope_factor, " ", want.rope_low_freq_factor, " ",
+                                 want.rope_high_freq_factor, " ", want.rope_original_max_position)}},
+        {"qkv_bias", {concat(have.qkv_bias), concat(want.qkv_bias)}},
+        {"tie_embeddings", {concat(have.tie_embeddings), concat(want.tie_embeddings)}}};
     for (const auto& [key, values] : keys)
       if (values.first != values.second)
         throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",
@@ -670,7 +745,8 @@ struct NpyWeight {
   uint64_t offset;
 };
 
-NpyWeight check_npy_weight(const std::string& path, const std::string& name, const torch::Tensor& p) {
+NpyWeight check_npy_weight(const std::string& path, const std::string& name, const torch::Tensor& p,
+                           const GPTDims& d) {
   const NpyHeader h = read_npy_header(path, "float32 '<f4' or float64 '<f8'");
   static const std::pair<const char*, torch::ScalarType> known[] = {
       {"<f4", torch::kFloat32}, {"<f8", torch::kFloat64}, {"<f2", torch::kFloat16}};
@@ -683,7 +759,7 @@ NpyWeight check_npy_weight(const std::string& path, const std::string& name, con
   const std::vector<uint64_t> want(p.sizes().begin(), p.sizes().end());
   if (h.shape != want) {
     const bool transposed = want.size() == 2 && h.shape == std::vector<uint64_t>{want[1], want[0]};
-    const bool conv1d = hf_transposed(name);
+    const bool conv1d = hf_transposed(name, d);
     throw UsageError(concat(path, ": shape ", npy_shape_text(h.shape), ", but parameter '", name, "' has shape ",
                             npy_shape_text(want),
                             !transposed ? "" : conv1d ? " (transposed? Hugging Face GPT-2's Conv1D weights need .T)"
@@ -747,7 +823,7 @@ int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& 
     }
     std::vector<NpyWeight> files;  // every header and size checked before any weight changes
     for (const auto& [name, p] : params)
-      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, p));
+      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, p, model->dims()));
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       torch::Tensor p = params[i].second;

@@ -94,7 +94,12 @@ void check_tensor_parallel_dims(const GPTDims& d, const Config& cfg, int tp) {
       throw UsageError(concat("parallel.tp: ", tp, " must divide ", key, " (", value, "): ", what));
   };
   must_divide("model.n_head", d.n_head, "each tp rank computes whole attention heads");
-  must_divide("4 x model.n_embd", 4 * d.n_embd, "the MLP's hidden units are split over the tp ranks");
+  if (d.llama()) {
+    must_divide("model.n_kv_head", d.n_kv_head, "each tp rank holds whole key/value heads");
+    must_divide("model.intermediate_size", d.intermediate_size, "the MLP's hidden units are split over the tp ranks");
+  } else {
+    must_divide("4 x model.n_embd", 4 * d.n_embd, "the MLP's hidden units are split over the tp ranks");
+  }
   if (d.vocab_size % tp != 0)
     throw UsageError(concat("model.vocab_size: ", d.vocab_size, cfg.model.vocab_size > 0 ? "" : " (the data's)",
                             " must be a multiple of parallel.tp (", tp, "): the vocabulary is split over the tp "

@@ -224,8 +224,15 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
     for (int64_t e : tp_whole_shape(p.sizes(), tp_split(name), dims.tp)) n *= e;
     whole_params += n;
   }
-  log::info(concat("model: ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
-                " heads, width ", dims.n_embd, ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
+  log::info(concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
+                   " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
+                   dims.n_embd,
+                   dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
+                                         dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
+                                         dims.tie_embeddings ? ", tied output" : ", untied output",
+                                         dims.qkv_bias ? ", qkv bias" : "")
+                                : std::string(),
+                   ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
   log::info(concat("batch: ", micro, " micro x ", layout.dp, " ranks x ", accum, " accum = ", global_batch,
                 " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
                 zero ? " reduce-scatter buckets" : " all-reduce buckets",
@@ -293,7 +300,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   RunFacts facts;
   facts.tokens_per_step = tokens_per_step;
   facts.first_step = st.step;
-  facts.flops_per_token = model_flops_per_token(whole_params, dims.seq_len * dims.n_embd, dims.n_layer, dims.n_embd, T);
+  // Parameters that cost no matrix FLOPs: GPT-2's position table, and an untied Llama's input
+  // embedding (a lookup; tied, it is also the output layer and counts). SwiGLU's three matrices
+  // and GQA's smaller k/v projections count through the parameter total.
+  const int64_t lookup_only = dims.llama() ? (dims.tie_embeddings ? 0 : dims.vocab_size * dims.n_embd) : dims.seq_len * dims.n_embd;
+  facts.flops_per_token = model_flops_per_token(whole_params, lookup_only, dims.n_layer, dims.n_embd, T);
   facts.communicates = layout.dp > 1;
   facts.loss_scaling = scaler.enabled();
   facts.host = topo.host;

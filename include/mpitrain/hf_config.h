@@ -1,0 +1,31 @@
+// A Hugging Face model directory's config.json as mpitrain's model keys (model.init_from: hf:DIR).
+//
+// LlamaForCausalLM (model_type llama: Llama 2/3.x) and Qwen2ForCausalLM (qwen2: Qwen2/2.5, whose
+// q/k/v carry biases) map onto model.arch: llama. The keys read: hidden_size, num_hidden_layers,
+// num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
+// max_position_embeddings, rms_norm_eps, tie_word_embeddings, rope_theta and rope_scaling (the
+// older keys) or rope_parameters (newer transformers), hidden_act (silu only), head_dim (only
+// n_embd / n_head), attention_bias and mlp_bias (false only for llama). Sliding-window attention
+// and mixtures of experts are refused, naming the key.
+// Torch-free: parse_config uses it before any model exists.
+#pragma once
+
+#include <string>
+
+#include "mpitrain/config.h"
+
+namespace mpitrain {
+
+// "DIR" for model.init_from "hf:DIR", else "".
+std::string hf_model_dir(const std::string& init_from);
+
+// Fills m's unset fields (0, "" or auto) from DIR/config.json and makes the model a custom llama;
+// model.seq_len, when unset, becomes min(max_position_embeddings, 2048). An explicit model key
+// that disagrees with the file is a UsageError naming both; so is a file that is not one of the
+// architectures above. Errors start with `where` (the config file's name).
+void apply_hf_config(ModelConfig& m, const std::string& dir, const std::string& where);
+
+// The same with config.json's text given (`path` names it in errors; the fuzz target's entry).
+void apply_hf_config_text(ModelConfig& m, const std::string& text, const std::string& path, const std::string& where);
+
+}  // namespace mpitrain

@@ -1,0 +1,166 @@
+// Hugging Face config.json -> ModelConfig (see hf_config.h).
+#include "mpitrain/hf_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+namespace {
+
+using nlohmann::json;
+
+json parse_json(const std::string& text, const std::string& path, const std::string& where) {
+  if (text.size() > (1u << 20)) throw UsageError(concat(where, ": model.init_from: ", path, ": more than 1 MiB, not a config.json"));
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw UsageError(concat(where, ": model.init_from: ", path, ": not JSON: ", e.what()));
+  }
+  if (!j.is_object()) throw UsageError(concat(where, ": model.init_from: ", path, ": not a JSON object"));
+  return j;
+}
+
+void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const std::string& at, const std::string& where);
+
+}  // namespace
+
+std::string hf_model_dir(const std::string& init_from) {
+  return init_from.rfind("hf:", 0) == 0 ? init_from.substr(3) : std::string();
+}
+
+void apply_hf_config(ModelConfig& m, const std::string& dir, const std::string& where) {
+  const std::string path = dir + "/config.json";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError(concat(where, ": model.init_from: cannot read ", path, " (a Hugging Face model directory holds config.json)"));
+  std::stringstream text;
+  text << in.rdbuf();
+  apply_hf_config_text(m, text.str(), path, where);
+}
+
+void apply_hf_config_text(ModelConfig& m, const std::string& text, const std::string& path, const std::string& where) {
+  const json c = parse_json(text, path, where);
+  const std::string at = concat(where, ": model.init_from: ", path);
+  try {
+    apply_parsed(m, c, path, at, where);
+  } catch (const json::exception& e) {  // a key of the wrong JSON type
+    throw UsageError(concat(at, ": ", e.what()));
+  }
+}
+
+namespace {
+
+void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const std::string& at, const std::string& where) {
+  auto bad = [&](const std::string& key, const std::string& what) { return UsageError(concat(at, ": ", key, ": ", what)); };
+  auto integer = [&](const char* key, bool required, int64_t fallback) -> int64_t {
+    if (!c.contains(key) || c[key].is_null()) {
+      if (required) throw bad(key, "missing");
+      return fallback;
+    }
+    if (!c[key].is_number_integer() || c[key].get<int64_t>() <= 0) throw bad(key, concat("must be a positive integer, got ", c[key].dump()));
+    return c[key].get<int64_t>();
+  };
+  auto number = [&](const json& obj, const char* key, double fallback) -> double {
+    if (!obj.contains(key) || obj[key].is_null()) return fallback;
+    if (!obj[key].is_number() || !(obj[key].get<double>() > 0) || !std::isfinite(obj[key].get<double>()))
+      throw bad(key, concat("must be a positive number, got ", obj[key].dump()));
+    return obj[key].get<double>();
+  };
+  auto flag = [&](const char* key, bool fallback) -> bool {
+    if (!c.contains(key) || c[key].is_null()) return fallback;
+    if (!c[key].is_boolean()) throw bad(key, concat("must be true or false, got ", c[key].dump()));
+    return c[key].get<bool>();
+  };
+
+  const std::string type = c.value("model_type", std::string());
+  if (type != "llama" && type != "qwen2")
+    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM) and qwen2 (Qwen2ForCausalLM)"));
+  if (c.contains("hidden_act") && c["hidden_act"] != "silu")
+    throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
+  if (type == "llama" && (flag("attention_bias", false) || flag("mlp_bias", false)))
+    throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias", "true: mpitrain's llama has no such biases");
+  if (type == "qwen2" && (flag("use_sliding_window", false)))
+    throw bad("use_sliding_window", "true: sliding-window attention is not supported");
+  for (const char* moe : {"num_experts", "num_local_experts"})
+    if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
+
+  const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
+  if (n_embd % n_head != 0) throw bad("hidden_size", concat(n_embd, " is not a multiple of num_attention_heads ", n_head));
+  if (c.contains("head_dim") && !c["head_dim"].is_null() && c["head_dim"] != n_embd / n_head)
+    throw bad("head_dim", concat(c["head_dim"].dump(), ": mpitrain's head size is hidden_size / num_attention_heads = ", n_embd / n_head));
+
+  // rope: rope_theta + rope_scaling (transformers < 4.56) or rope_parameters (newer)
+  const json* rope = nullptr;
+  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) rope = &c["rope_parameters"];
+  else if (c.contains("rope_scaling") && c["rope_scaling"].is_object()) rope = &c["rope_scaling"];
+  const double theta = number(rope && rope->contains("rope_theta") ? *rope : c, "rope_theta", 10000.0);
+  std::string scaling = "none";
+  double factor = 0, low = 0, high = 0;
+  int64_t original = 0;
+  if (rope) {
+    const json& r = *rope;
+    const std::string kind = r.contains("rope_type") ? r.value("rope_type", std::string()) : r.value("type", std::string());
+    if (kind == "llama3") {
+      scaling = "llama3";
+      factor = number(r, "factor", 0), low = number(r, "low_freq_factor", 0), high = number(r, "high_freq_factor", 0);
+      if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer())
+        throw bad("rope_scaling.original_max_position_embeddings", "missing");
+      original = r["original_max_position_embeddings"].get<int64_t>();
+      if (factor == 0 || low == 0 || high == 0) throw bad("rope_scaling", "llama3 needs factor, low_freq_factor and high_freq_factor");
+    } else if (kind != "default" && !kind.empty()) {
+      throw bad("rope_scaling", concat("type '", kind, "': mpitrain knows llama3 (and none)"));
+    }
+  }
+
+  struct Int { const char* key; int64_t* field; int64_t value; };
+  const int64_t max_position = integer("max_position_embeddings", true, 0);
+  const Int ints[] = {
+      {"n_layer", &m.n_layer, integer("num_hidden_layers", true, 0)},
+      {"n_head", &m.n_head, n_head},
+      {"n_embd", &m.n_embd, n_embd},
+      {"n_kv_head", &m.n_kv_head, integer("num_key_value_heads", false, n_head)},
+      {"intermediate_size", &m.intermediate_size, integer("intermediate_size", true, 0)},
+      {"vocab_size", &m.vocab_size, integer("vocab_size", true, 0)},
+      {"max_position", &m.max_position, max_position},
+      {"rope_original_max_position", &m.rope_original_max_position, original},
+  };
+  auto disagree = [&](const char* key, const std::string& have, const std::string& file) {
+    return UsageError(concat(where, ": model.", key, ": ", have, " disagrees with ", path, "'s ", file,
+                             " (leave model.", key, " unset to take the file's)"));
+  };
+  for (const Int& f : ints) {
+    if (*f.field != 0 && *f.field != f.value) throw disagree(f.key, concat(*f.field), concat(f.value));
+    *f.field = f.value;
+  }
+  struct Num { const char* key; double* field; double value; };
+  const Num nums[] = {{"rope_theta", &m.rope_theta, theta},
+                      {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},
+                      {"rope_factor", &m.rope_factor, factor},
+                      {"rope_low_freq_factor", &m.rope_low_freq_factor, low},
+                      {"rope_high_freq_factor", &m.rope_high_freq_factor, high}};
+  for (const Num& f : nums) {
+    if (*f.field != 0 && *f.field != f.value) throw disagree(f.key, concat(*f.field), concat(f.value));
+    *f.field = f.value;
+  }
+  struct Str { const char* key; std::string* field; std::string value; const char* unset; };
+  const Str strs[] = {{"arch", &m.arch, "llama", ""},
+                      {"rope_scaling", &m.rope_scaling, scaling, ""},
+                      {"qkv_bias", &m.qkv_bias, type == "qwen2" ? "true" : "false", "auto"},
+                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false", "auto"}};
+  for (const Str& f : strs) {
+    if (*f.field != f.unset && *f.field != f.value) throw disagree(f.key, *f.field, f.value);
+    *f.field = f.value;
+  }
+  if (m.seq_len == 0) m.seq_len = std::min<int64_t>(max_position, 2048);
+  // The shape is the file's: no preset adds to it (an explicit preset other than the default
+  // would have filled nothing anyway, every field being set now).
+  m.preset = "custom";
+}
+
+}  // namespace
+}  // namespace mpitrain

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Llama-family models and Hugging Face, end to end, against an independent PyTorch Llama
+# (tests/llama_reference.py, written from transformers' modeling semantics, not from mpitrain's):
+#  - a Llama (grouped-query attention 4/2 heads, untied lm_head, rope_scaling llama3 with all three
+#    frequency bands in use) and a Qwen2-shaped one (q/k/v biases, tied output) train under
+#    `mpirun -np 2`, are exported with `mpitrain export --format hf`, and the reference's logits
+#    on the exported weights equal mpitrain's (tests/hf_logits.cpp);
+#  - model.init_from: hf:DIR takes the shape from config.json and the weights from the
+#    safetensors: step-0 val loss = the exporting run's last; a sharded export
+#    (--max-shard-size, model.safetensors.index.json) loads the same;
+#  - 20 AdamW steps from the exported weights on 2 ranks (mpitrain) and in the reference
+#    (PyTorch's AdamW, one process, the same windows, schedule and clip) give the same losses;
+#  - bad input: config.json keys that disagree with explicit model keys, an index naming a
+#    missing file, a tensor missing: exit 2, one line naming the file and key.
+# Usage (KEEP=1 keeps the work directory): llama_hf_test.sh PATH/TO/mpitrain PATH/TO/hf_logits [mpirun]
+set -u
+BIN=$(realpath "$1")
+LOGITS=$(realpath "$2")
+MPIRUN=${3:-mpirun}
+HERE=$(cd "$(dirname "$0")" && pwd)
+E2E_NAME=llama
+# shellcheck source=e2e_lib.sh
+. "$HERE/e2e_lib.sh"
+need_python 'import torch, numpy' 'python3-torch python3-numpy'
+REF=("$PY" "$HERE/llama_reference.py")
+
+common='data: {train: [data/c-train-*.h5], val: [data/c-val-*.h5]}
+train: {micro_batch: 2, steps: 6, threads: 1}
+optim: {warmup_steps: 2}
+eval: {every: 3, batches: 2}
+log: {every: 3}
+checkpoint: {every: 0, keep: 1, resume: none}
+sample: {tokens: 0}'
+# head size 8, rope_theta 100: wavelengths 6.3, 20, 63, 199 tokens; with original_max_position 64,
+# high_freq_factor 4 and low_freq_factor 1 the first is kept, the next two smoothed, the last divided.
+printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 80,
+        seq_len: 32, rope_theta: 100, rope_scaling: llama3, rope_factor: 4, rope_low_freq_factor: 1,
+        rope_high_freq_factor: 4, rope_original_max_position: 64, tie_embeddings: false}' "$common" > llama.yaml
+printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 64,
+        seq_len: 32, rope_theta: 10000, qkv_bias: true, norm_eps: 1e-6}' "$common" > qwen.yaml
+
+for m in llama qwen; do
+  "$MPIRUN" -np 2 "$BIN" $m.yaml --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
+  rc=$?
+  check "$m: training (mpirun -np 2, 6 steps) exits 0 and names the architecture" \
+    "[ $rc -eq 0 ] && [ -f ckpt_$m/ckpt-00000006.h5 ] && grep -q 'model: llama, ' train_$m.out"
+  [ $rc -eq 0 ] || tail -20 train_$m.out
+  "$BIN" export ckpt_$m/ckpt-00000006.h5 --format hf hf_$m > export_$m.out 2>&1
+  rc=$?
+  check "$m: export --format hf writes model.safetensors, config.json, generation_config.json (exit $rc)" \
+    "[ $rc -eq 0 ] && [ -s hf_$m/model.safetensors ] && [ -s hf_$m/config.json ] && [ -s hf_$m/generation_config.json ]"
+  [ $rc -eq 0 ] || cat export_$m.out
+  mkdir -p logits_$m
+  "$LOGITS" ckpt_$m/ckpt-00000006.h5 logits_$m > logits_$m.out 2>&1 || { cat logits_$m.out; bad "hf_logits $m"; }
+  "${REF[@]}" logits hf_$m logits_$m/tokens.npy logits_$m/logits.npy > ref_$m.out 2>&1
+  rc=$?
+  sed 's/^/  /' ref_$m.out
+  check "$m: the reference Llama on the exported weights gives mpitrain's logits (exit $rc)" "[ $rc -eq 0 ]"
+done
+check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head; Qwen2ForCausalLM tied" \
+  "grep -q LlamaForCausalLM hf_llama/config.json && grep -q '\"rope_type\": \"llama3\"' hf_llama/config.json &&
+   grep -q '\"tie_word_embeddings\": false' hf_llama/config.json && grep -q Qwen2ForCausalLM hf_qwen/config.json &&
+   grep -q '\"tie_word_embeddings\": true' hf_qwen/config.json"
+
+# ---- Hugging Face in: hf:DIR, one file and sharded ----
+last_val=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_llama.out | tail -1)
+cat > init.yaml <<YAML
+model: {init_from: "hf:hf_llama", seq_len: 32}
+$common
+YAML
+"$MPIRUN" -np 2 "$BIN" init.yaml --set train.out_dir=run_init --set checkpoint.dir=ckpt_init --set train.steps=1 \
+  --set optim.warmup_steps=0 > init.out 2>&1
+rc=$?
+first_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init.out | head -1)
+check "init_from hf:hf_llama (shape from config.json): step-0 val loss $first_val = the exported run's last $last_val" \
+  "[ $rc -eq 0 ] && [ -n '$first_val' ] && [ '$first_val' = '$last_val' ] && grep -q 'model: llama, .*4 heads / 2 kv heads' init.out"
+[ $rc -eq 0 ] || tail -5 init.out
+"$BIN" export ckpt_llama/ckpt-00000006.h5 hf_sharded --max-shard-size 0.02 > export_sharded.out 2>&1
+nshards=$(ls hf_sharded/model-*-of-*.safetensors 2>/dev/null | wc -l)
+check "--max-shard-size 0.02 (20 kB): $nshards shards + model.safetensors.index.json, no model.safetensors" \
+  "[ $nshards -gt 1 ] && [ -s hf_sharded/model.safetensors.index.json ] && [ ! -e hf_sharded/model.safetensors ]"
+"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_sharded --set train.out_dir=run_sh \
+  --set checkpoint.dir=ckpt_sh --set train.steps=1 --set optim.warmup_steps=0 > init_sh.out 2>&1
+sh_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_sh.out | head -1)
+check "init_from the sharded export loads the same weights ($sh_val)" "[ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ]"
+"${REF[@]}" logits hf_sharded logits_llama/tokens.npy logits_llama/logits.npy > ref_sharded.out 2>&1
+check "the reference reads the sharded export through its index: the same logits" "[ \$? -eq 0 ]"
+
+# ---- 20 AdamW steps: mpitrain (2 ranks x 2) = PyTorch's AdamW (one process, batch 4) ----
+# Text that can be learned: the GPL's bytes as tokens 1-256 (0 is the end-of-text token, unused).
+"$PY" -c 'import numpy as np; np.save("tokens.npy", np.frombuffer(open("/usr/share/common-licenses/GPL-3", "rb").read(), np.uint8).astype(np.uint16) + 1)'
+"$BIN" pack tokens.npy -o data/t --vocab-size 257 --eot 0 --val-fraction 0 > pack_t.out 2>&1 || cat pack_t.out
+"$MPIRUN" -np 2 "$BIN" init.yaml --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
+  --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par --set checkpoint.dir=ckpt_par \
+  > par.out 2>&1
+rc=$?
+"${REF[@]}" train hf_llama tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 > ref_train.out 2>&1
+rrc=$?
+"$PY" - run_par/metrics.jsonl ref_train.out > parity.out 2>&1 <<'PYEOF'
+import json, sys
+ours = [json.loads(l)["loss"] for l in open(sys.argv[1]) if '"loss"' in l]
+ref = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])["losses"]
+d = max(abs(a - b) for a, b in zip(ours, ref))
+print(f"  20 steps: mpitrain {ours[0]:.6f} .. {ours[-1]:.6f}, reference {ref[0]:.6f} .. {ref[-1]:.6f}; max |delta| {d:.2e}")
+sys.exit(0 if len(ours) == len(ref) == 20 and d <= 1e-4 and ours[-1] < ours[0] - 0.1 else 1)
+PYEOF
+prc=$?
+cat parity.out
+check "20 AdamW steps from the exported weights: losses within 1e-4 of the reference's, and learning" \
+  "[ $rc -eq 0 ] && [ $rrc -eq 0 ] && [ $prc -eq 0 ]"
+[ $rc -eq 0 ] || tail -5 par.out
+[ $rrc -eq 0 ] || tail -5 ref_train.out
+
+# ---- bad input ----
+"$BIN" init.yaml --set model.n_layer=3 --set train.out_dir=run_b1 --set checkpoint.dir=ckpt_b1 > bad_layers.out 2>&1
+rc=$?
+check "model.n_layer: 3 against config.json's 2: exit 2, one line naming both ($(head -c 200 bad_layers.out))" \
+  "[ $rc -eq 2 ] && [ \$(wc -l < bad_layers.out) -eq 1 ] && grep -q 'model.n_layer: 3 disagrees with hf_llama/config.json' bad_layers.out"
+cp -r hf_sharded hf_missing && rm hf_missing/model-00002-of-*.safetensors
+"$BIN" init.yaml --set model.init_from=hf:hf_missing --set train.out_dir=run_b2 --set checkpoint.dir=ckpt_b2 > bad_index.out 2>&1
+rc=$?
+check "an index naming a missing file: exit 2, one line naming the index and the file ($(grep mpitrain: bad_index.out | head -c 200))" \
+  "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: ' bad_index.out) -eq 1 ] && grep -q 'model.safetensors.index.json: names .model-00002-of' bad_index.out && [ ! -e ckpt_b2/latest ]"
+"$PY" - hf_llama/model.safetensors hf_drop/model.safetensors <<'PYEOF'
+import json, os, struct, sys
+raw = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+h = json.loads(raw[8:8 + n])
+del h["model.layers.1.mlp.up_proj.weight"]
+t = json.dumps(h).encode(); t += b" " * ((8 - len(t) % 8) % 8)
+os.makedirs(os.path.dirname(sys.argv[2]), exist_ok=True)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(t)) + t + raw[8 + n:])
+PYEOF
+cp hf_llama/config.json hf_drop/
+"$BIN" init.yaml --set model.init_from=hf:hf_drop --set train.out_dir=run_b3 --set checkpoint.dir=ckpt_b3 > bad_missing.out 2>&1
+rc=$?
+check "a tensor missing from the safetensors: exit 2, one line naming it ($(grep mpitrain: bad_missing.out | head -c 200))" \
+  "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: ' bad_missing.out) -eq 1 ] && grep -q 'missing model.layers.1.mlp.up_proj.weight' bad_missing.out"
+
+summary

@@ -1,0 +1,247 @@
+#!/usr/bin/python3
+"""An exported Hugging Face Llama / Qwen2 directory checked without mpitrain's code.
+
+A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM and
+Qwen2ForCausalLM: RMSNorm in fp32 then cast, rotary in the half-split layout with rotate_half,
+Llama 3.1's rope_scaling "llama3", grouped-query attention by repeat_kv, SwiGLU, q/k/v biases
+for Qwen2, tied or untied lm_head), reading only config.json and the safetensors files:
+
+  llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
+      mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
+      max |delta| <= 1e-5 x max |logit| + 1e-6 (two fp32 implementations; a layout or mapping
+      mistake, e.g. interleaved instead of half-split rotary, is orders of magnitude larger).
+  llama_reference.py train HF_DIR TOKENS.npy --steps N --batch B --lr LR --warmup W ...
+      N AdamW steps from HF_DIR's weights on the windows of TOKENS.npy in mpitrain's unshuffled
+      order (window j = tokens[j T : j T + T + 1], step k = windows k B .. k B + B - 1), with
+      mpitrain's schedule, weight-decay groups (matrices decay) and global-norm clip; prints one
+      JSON line {"losses": [...]}.
+
+The safetensors files are read with the `safetensors` library where it is installed (Debian 13's
+python3-safetensors) and by this file's own parser otherwise; where both exist they must agree.
+Exit 1 on the first mismatch, with what differs.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def fail(msg):
+    print("FAIL:", msg)
+    sys.exit(1)
+
+
+def parse_safetensors(path):
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack_from("<Q", raw, 0)
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = v["data_offsets"]
+        if v["dtype"] == "BF16":  # numpy has no bfloat16: the upper half of an fp32
+            u16 = np.frombuffer(data[b:e], dtype="<u2").astype(np.uint32) << 16
+            arr = u16.view(np.float32)
+        else:
+            arr = np.frombuffer(data[b:e], dtype=np.dtype(DTYPES[v["dtype"]]).newbyteorder("<"))
+        out[name] = torch.from_numpy(arr.astype(np.float32).reshape(v["shape"]).copy())
+    return out
+
+
+def load_weights(hf_dir):
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        weight_map = json.load(open(index))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    tensors = {}
+    for f in files:
+        part = parse_safetensors(os.path.join(hf_dir, f))
+        for k in part:
+            if k in tensors:
+                fail(f"{k} is in two files")
+        tensors.update(part)
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        print("  safetensors library: not installed here; this file's own parser only")
+        return tensors
+    lib = {}
+    for f in files:
+        lib.update({k: v.float() for k, v in load_file(os.path.join(hf_dir, f)).items()})
+    if sorted(lib) != sorted(tensors) or any(not torch.equal(lib[k], tensors[k]) for k in lib):
+        fail("the safetensors library and this file's parser read different tensors")
+    print(f"  safetensors library: read the same {len(lib)} tensors as this file's parser")
+    return tensors
+
+
+class Llama(torch.nn.Module):
+    """transformers' LlamaForCausalLM / Qwen2ForCausalLM forward, with HF's parameter names."""
+
+    def __init__(self, cfg, tensors):
+        super().__init__()
+        self.cfg = cfg
+        self.params = torch.nn.ParameterDict({k.replace(".", "/"): torch.nn.Parameter(v.clone()) for k, v in tensors.items()})
+        self.hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.inv_freq = self.rope_inv_freq()
+
+    def w(self, name):
+        return self.params[name.replace(".", "/")]
+
+    def has(self, name):
+        return name.replace(".", "/") in self.params
+
+    def rope_inv_freq(self):
+        cfg, dim = self.cfg, self.hd
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        base = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+            old = rope["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old / low, old / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            inv_freq = torch.where(medium, smoothed, scaled)
+        return inv_freq
+
+    def rms(self, x, name):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"])
+        return self.w(name) * h.to(x.dtype)
+
+    def linear(self, x, name):
+        b = self.w(name + ".bias") if self.has(name + ".bias") else None
+        return F.linear(x, self.w(name + ".weight"), b)
+
+    def forward(self, idx):
+        cfg, hd = self.cfg, self.hd
+        B, T = idx.shape
+        H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        pos = torch.arange(T).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+            return torch.cat((-x2, x1), dim=-1)
+
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        x = F.embedding(idx, self.w("model.embed_tokens.weight"))
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            h = self.rms(x, p + "input_layernorm.weight")
+            q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd).transpose(1, 2)
+            k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd).transpose(1, 2)
+            v = self.linear(h, p + "self_attn.v_proj").view(B, T, KV, hd).transpose(1, 2)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            k = k[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)  # repeat_kv
+            v = v[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)
+            att = (q @ k.transpose(2, 3)) / math.sqrt(hd) + mask
+            y = (att.float().softmax(-1).to(q.dtype) @ v).transpose(1, 2).reshape(B, T, H * hd)
+            x = x + self.linear(y, p + "self_attn.o_proj")
+            h = self.rms(x, p + "post_attention_layernorm.weight")
+            x = x + self.linear(F.silu(self.linear(h, p + "mlp.gate_proj")) * self.linear(h, p + "mlp.up_proj"),
+                                p + "mlp.down_proj")
+        x = self.rms(x, "model.norm.weight")
+        head = self.w("lm_head.weight") if self.has("lm_head.weight") else self.w("model.embed_tokens.weight")
+        return F.linear(x, head)
+
+
+def lr_at(step, total, lr, min_lr, warmup):
+    """mpitrain's schedule (src/train/optim.cpp): linear warm-up, then cosine decay to min_lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    decay_steps = total - warmup
+    if decay_steps <= 1:
+        return lr
+    progress = min(1.0, (step - warmup) / (decay_steps - 1))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["logits", "train"])
+    ap.add_argument("hf_dir")
+    ap.add_argument("tokens")
+    ap.add_argument("logits", nargs="?")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--min-lr", type=float, default=6e-5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as mpitrain does for fp32 on the CPU
+
+    cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
+    arch = cfg["architectures"][0]
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        fail(f"config.json architectures {arch}")
+    tensors = load_weights(args.hf_dir)
+    tied = cfg.get("tie_word_embeddings", False)
+    if tied == ("lm_head.weight" in tensors):
+        fail(f"tie_word_embeddings {tied} but lm_head.weight {'present' if 'lm_head.weight' in tensors else 'absent'}")
+    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
+    if qkv_bias != (arch == "Qwen2ForCausalLM"):
+        fail(f"{arch} with q_proj.bias {'present' if qkv_bias else 'absent'}")
+    model = Llama(cfg, tensors)
+    print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
+          f"{cfg.get('num_key_value_heads')} kv heads, rope_scaling {cfg.get('rope_scaling')}, tied {tied}")
+
+    if args.mode == "logits":
+        tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))
+        ours = torch.from_numpy(np.load(args.logits))
+        with torch.no_grad():
+            ref = model(tokens)
+        if ref.shape != ours.shape:
+            fail(f"logits shape {tuple(ref.shape)} vs mpitrain's {tuple(ours.shape)}")
+        diff = (ref - ours).abs().max().item()
+        scale = ref.abs().max().item()
+        bound = 1e-5 * scale + 1e-6
+        print(f"  logits: max |delta| {diff:.3g} (max |logit| {scale:.3g}, bound {bound:.3g})")
+        if not diff <= bound:
+            fail(f"logits differ by {diff} > {bound}")
+        return
+
+    data = torch.from_numpy(np.load(args.tokens).astype(np.int64))
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    B, T = args.batch, args.seq_len
+    losses = []
+    for step in range(args.steps):
+        batch = torch.stack([data[(step * B + i) * T:(step * B + i) * T + T + 1] for i in range(B)])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.min_lr, args.warmup)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    print(json.dumps({"losses": losses}))
+
+
+if __name__ == "__main__":
+    main()
