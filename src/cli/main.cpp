@@ -104,6 +104,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--temperature", sample.temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
+  sample_cmd->add_option("--tokenizer-file", sample.tokenizer_file,
+                         "hf checkpoints: the tokenizer.json (default: the one the shards were packed with)");
 
   ExportArgs export_args;
   auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 or Llama model directory");
@@ -112,6 +114,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   export_cmd->add_option("--format", export_args.format, "hf (Hugging Face transformers' GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)")
       ->capture_default_str();
   export_cmd->add_option("--dtype", export_args.dtype, "fp32 | bf16 | fp16")->capture_default_str();
+  export_cmd->add_option("--tokenizer-file", export_args.tokenizer_file,
+                         "hf checkpoints: the tokenizer.json to copy along (default: the one the shards were packed with)");
   export_cmd->add_option("--max-shard-size", export_args.max_shard_mb,
                          "MB per safetensors file; larger models are sharded with model.safetensors.index.json "
                          "(default 5000, as Hugging Face's 5GB)");

@@ -415,9 +415,16 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_le
       vocab_size_ = s.info.meta.vocab_size;
       eot_token_ = s.info.meta.eot_token;
       tokenizer_ = s.info.meta.tokenizer;
+      tokenizer_file_ = s.info.meta.tokenizer_file;
+      tokenizer_sha256_ = s.info.meta.tokenizer_sha256;
     } else if (s.info.meta.vocab_size != vocab_size_) {
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size, " differs from ",
                            vocab_size_, " in ", paths.front()));
+    } else if (s.info.meta.tokenizer_sha256 != tokenizer_sha256_) {
+      throw UsageError(concat(path, ": packed with another tokenizer.json (SHA-256 ",
+                              s.info.meta.tokenizer_sha256.empty() ? "none" : s.info.meta.tokenizer_sha256.substr(0, 12),
+                              ") than ", paths.front(), " (",
+                              tokenizer_sha256_.empty() ? "none" : tokenizer_sha256_.substr(0, 12), ")"));
     }
     if (s.info.meta.vocab_size > (int64_t{1} << 31))
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size,
