@@ -4,6 +4,7 @@
 # message was printed, and the message. Usage: scripts/bad-input-table.sh [build/mpitrain]
 set -u
 B=$(realpath "${1:-build/mpitrain}")
+R=$(cd "$(dirname "$0")/.." && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 W=$(mktemp -d /tmp/mpitrain-badin-XXXXXX)
 trap 'umount "$W/full" 2>/dev/null; chmod -R u+w "$W"; rm -rf "$W"' EXIT
@@ -89,6 +90,10 @@ row "init_from: wrong (transposed) shape" "$B" ok.yaml --set model.init_from=iw 
 npy iw/wte.weight.npy "{'descr': '<f4', 'fortran_order': False, 'shape': (257, 16), }" 1000
 row "init_from: truncated data" "$B" ok.yaml --set model.init_from=iw --set checkpoint.resume=none
 row "CLI: inspect a missing file" "$B" inspect nothing.h5
+sed 's/"h e"/"h zz"/' "$R/tests/data/hf/strings.json" > badmerge.json
+printf '{"text": "ok"}\n{"text": "caf\xc3"}\n' > bad.jsonl
+row "pack: tokenizer.json merge naming no token (mpirun -np 2)" mpirun -np 2 "$B" pack c -o d/h --tokenizer hf --tokenizer-file badmerge.json
+row "pack: invalid UTF-8 in a JSON Lines line (mpirun -np 2)" mpirun -np 2 "$B" pack bad.jsonl -o d/j
 row "CLI: sample from a non-HDF5 file" "$B" sample c/a.txt
 mkdir ro && chmod 555 ro
 row "CLI: checkpoint dir cannot be created" "$B" ok.yaml --set checkpoint.dir=/proc/mpitrain --set checkpoint.resume=none

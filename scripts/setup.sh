@@ -12,6 +12,7 @@ PACKAGES=(
   libyaml-cpp-dev libspdlog-dev libcli11-dev libgtest-dev zlib1g-dev
   libpcre2-dev nlohmann-json3-dev        # pack: the GPT-2 BPE pre-tokenizer regex, vocab.json
   libisal-dev                            # CRC32C of TensorBoard event records
+  libutf8proc-dev libssl-dev             # pack --tokenizer hf: tokenizer.json's NFC, its SHA-256
   gnuplot-nox                            # the demo's loss curve picture
   fortunes                               # the demo's English text corpus
 )

@@ -6,7 +6,7 @@
 # Configures <repo>/build-fuzz (or $FUZZ_BUILD_DIR; CTest's `fuzz` test uses <build>/fuzz) with
 # clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer; -O1 and line tables only, which builds
 # faster than RelWithDebInfo and still gives file:line in sanitizer reports), builds fuzz_config,
-# fuzz_shard, fuzz_checkpoint, fuzz_safetensors and fuzz_hf_config (-j2), then for each target:
+# fuzz_shard, fuzz_checkpoint, fuzz_safetensors, fuzz_hf_tokenizer and fuzz_hf_config (-j2), then for each target:
 #   1. replays every input committed under fuzz/regressions/<target>/ (crashes found earlier);
 #   2. fuzzes for the given time, starting from a temporary copy of fuzz/corpus/<target>/ (the
 #      committed corpus never grows), printing libFuzzer's execution count.
@@ -22,7 +22,7 @@ if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
 fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
-read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_config}"
+read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_tokenizer fuzz_hf_config}"
 
 skip() {
   echo "SKIP: $*"

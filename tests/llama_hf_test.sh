@@ -10,6 +10,8 @@
 #    (--max-shard-size, model.safetensors.index.json) loads the same;
 #  - 20 AdamW steps from the exported weights on 2 ranks (mpitrain) and in the reference
 #    (PyTorch's AdamW, one process, the same windows, schedule and clip) give the same losses;
+#  - a --tokenizer hf pack: the checkpoint records the tokenizer.json, export copies it, sample
+#    decodes through it, and a resume on shards of another tokenizer.json is refused;
 #  - bad input: config.json keys that disagree with explicit model keys, an index naming a
 #    missing file, a tensor missing: exit 2, one line naming the file and key.
 # Usage (KEEP=1 keeps the work directory): llama_hf_test.sh PATH/TO/mpitrain PATH/TO/hf_logits [mpirun]
@@ -110,6 +112,35 @@ check "20 AdamW steps from the exported weights: losses within 1e-4 of the refer
   "[ $rc -eq 0 ] && [ $rrc -eq 0 ] && [ $prc -eq 0 ]"
 [ $rc -eq 0 ] || tail -5 par.out
 [ $rrc -eq 0 ] || tail -5 ref_train.out
+
+# ---- a Hugging Face tokenizer.json: recorded in the shards, carried by the checkpoint ----
+for t in pairs strings; do  # the same vocabulary, two files (two SHA-256s)
+  "$BIN" pack corpus -o data/$t --tokenizer hf --tokenizer-file "$HERE/data/hf/$t.json" --doc-separator % \
+    --val-fraction 0.2 > pack_$t.out 2>&1 || cat pack_$t.out
+done
+"$MPIRUN" -np 2 "$BIN" llama.yaml --set "data.train=[data/pairs-train-*.h5]" --set "data.val=[data/pairs-val-*.h5]" \
+  --set train.out_dir=run_tok --set checkpoint.dir=ckpt_tok > train_tok.out 2>&1
+rc=$?
+check "a llama trains on --tokenizer hf shards (exit $rc)" "[ $rc -eq 0 ]"
+[ $rc -eq 0 ] || tail -5 train_tok.out
+"$BIN" export ckpt_tok/ckpt-00000006.h5 --format hf hf_tok > export_tok.out 2>&1
+rc=$?
+check "export copies the shards' tokenizer.json (found by its recorded path and SHA-256) and a tokenizer_config.json" \
+  "[ $rc -eq 0 ] && cmp -s hf_tok/tokenizer.json '$HERE/data/hf/pairs.json' && grep -q PreTrainedTokenizerFast hf_tok/tokenizer_config.json"
+[ $rc -eq 0 ] || cat export_tok.out
+"$BIN" sample ckpt_tok/ckpt-00000006.h5 --prompt "The quick" --tokens 24 > sample_tok.out 2>&1
+rc=$?
+check "sample encodes the prompt and decodes through the tokenizer.json (exit $rc: $(head -c 80 sample_tok.out | tr '\n' ' '))" \
+  "[ $rc -eq 0 ] && [ -s sample_tok.out ]"
+"$BIN" sample ckpt_tok/ckpt-00000006.h5 --tokenizer-file "$HERE/data/hf/strings.json" > sample_bad.out 2>&1
+rc=$?
+check "sample with another tokenizer.json: exit 2 naming both SHA-256s ($(head -c 160 sample_bad.out))" \
+  "[ $rc -eq 2 ] && grep -q 'was trained on the ids of a tokenizer.json with' sample_bad.out"
+"$MPIRUN" -np 2 "$BIN" llama.yaml --set "data.train=[data/strings-train-*.h5]" --set "data.val=[data/strings-val-*.h5]" \
+  --set train.out_dir=run_tok2 --set checkpoint.dir=ckpt_tok --set checkpoint.resume=auto --set train.steps=8 > resume_tok.out 2>&1
+rc=$?
+check "resuming on shards of another tokenizer.json: exit 2, one line ($(grep -m1 mpitrain: resume_tok.out | head -c 200))" \
+  "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: ' resume_tok.out) -eq 1 ] && grep -q 'a resumed run must read the same tokenizer' resume_tok.out && [ ! -e ckpt_tok/ckpt-00000008.h5 ]"
 
 # ---- bad input ----
 "$BIN" init.yaml --set model.n_layer=3 --set train.out_dir=run_b1 --set checkpoint.dir=ckpt_b1 > bad_layers.out 2>&1

@@ -323,9 +323,9 @@ TEST(PackInputs, BadOptions) {
     expect_usage([&] { pack_text(x); }, starts, contains);
   };
   bad([](PackOptions& x) { x.format = "csv"; }, "pack: --format 'csv'",
-      "auto, text, nanogpt, llmc, npy");
+      "auto, text, jsonl, nanogpt, llmc, npy");
   bad([](PackOptions& x) { x.tokenizer = "llama"; }, "pack: --tokenizer 'llama'",
-      "not byte or gpt2");
+      "not byte, gpt2 or hf");
   bad([](PackOptions& x) { x.vocab_size = 300; }, "pack: --vocab-size 300",
       "contradicts the byte tokenizer's 257");
   bad([](PackOptions& x) { x.tokenizer = "gpt2"; }, "pack: the gpt2 tokenizer needs --bpe-dir DIR",

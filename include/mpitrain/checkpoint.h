@@ -34,6 +34,7 @@ struct TrainState {
   int64_t zero = 0;            // that run's optim.zero (informative: any layout loads any checkpoint)
   std::string config_yaml;     // the resolved config of that run
   std::string tokenizer = "byte";
+  std::string tokenizer_file, tokenizer_sha256;  // hf: the shards' tokenizer.json and its SHA-256
   int64_t eot_token = -1;
   std::vector<std::vector<uint8_t>> rng_states;  // per rank: torch's CPU generator state
 };

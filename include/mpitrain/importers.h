@@ -21,6 +21,9 @@ std::vector<std::string> collect_input_files(const std::vector<std::string>& inp
 
 std::string read_whole_file(const std::string& path);
 
+// Only ASCII whitespace (or nothing): a blank document, which pack drops.
+bool is_blank(std::string_view s);
+
 // Documents of a text: the whole text, or the pieces between lines that are exactly `sep` (a
 // trailing '\r' is tolerated). Blank documents are dropped. Each is (byte offset, length).
 std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
@@ -28,7 +31,7 @@ std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
 
 // ---- token-array formats -----------------------------------------------------------------------
 
-enum class InputFormat { text, nanogpt, llmc, npy };
+enum class InputFormat { text, nanogpt, llmc, npy, jsonl };
 enum class Dtype { u8, i8, u16, i16, u32, i32, u64, i64 };
 
 const char* format_name(InputFormat f);
@@ -40,8 +43,8 @@ constexpr int32_t kLlmcMagicV1 = 20240520;   // version 1: uint16 tokens (GPT-2)
 constexpr int32_t kLlmcMagicV7 = 20240801;   // version 7: uint32 tokens (Llama 3)
 constexpr uint64_t kLlmcHeaderBytes = 1024;  // 256 int32; [0] magic, [1] version, [2] count
 
-// Format by name: *.npy is npy, *.bin is llm.c when it starts with an llm.c magic and nanoGPT
-// otherwise, *.h5 / *.hdf5 are refused (UsageError), anything else is text.
+// Format by name: *.npy is npy, *.jsonl is jsonl, *.bin is llm.c when it starts with an llm.c
+// magic and nanoGPT otherwise, *.h5 / *.hdf5 are refused (UsageError), anything else is text.
 InputFormat detect_format(const std::string& path);
 
 // Where a token array's tokens are in its file.

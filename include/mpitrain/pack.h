@@ -1,4 +1,4 @@
-// `mpitrain pack`: text (byte or GPT-2 BPE tokenizer) and token arrays (nanoGPT .bin, llm.c .bin,
+// `mpitrain pack`: text and JSON Lines (byte, GPT-2 BPE or Hugging Face tokenizer.json) and token arrays (nanoGPT .bin, llm.c .bin,
 // .npy) into HDF5 token shards with a per-document train/val split. Collective over an MPI
 // communicator: ranks share the input, and the shards are the same whatever the number of ranks
 // (docs/pack.md).
@@ -16,11 +16,14 @@ struct PackOptions {
   std::vector<std::string> inputs;    // files or directories (regular files, recursively)
   std::string output_prefix;          // shards are <prefix>-<split>-<index:05>.h5
   std::string format = "auto";        // auto | text | nanogpt | llmc | npy (auto: by extension)
-  std::string tokenizer;              // byte | gpt2; "" = byte for text (token arrays: see below)
+  std::string tokenizer;              // byte | gpt2 | hf; "" = byte for text (token arrays: below)
   std::string bpe_dir;                // gpt2: vocab.json + merges.txt or encoder.json + vocab.bpe
   std::string bpe_vocab, bpe_merges;  // gpt2: the two files named directly (instead of bpe_dir)
+  std::string tokenizer_file;         // hf: a Hugging Face tokenizer.json (byte-level BPE)
+  std::string text_key = "text";      // jsonl: the key of each line's text
   // Token-array inputs: every token must be < vocab_size; documents start at each eot. 0 / -1
-  // mean the tokenizer's values, and without a tokenizer GPT-2's (50257 / 50256).
+  // mean the tokenizer's values, and without a tokenizer GPT-2's (50257 / 50256). hf: eot_token
+  // overrides the file's document separator.
   int64_t vocab_size = 0;
   int64_t eot_token = -1;
   std::string doc_separator;            // text: a line holding exactly this splits documents

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mpitrain/bpe.h"
+#include "mpitrain/hf_tokenizer.h"
 #include "mpitrain/importers.h"
 #include "mpitrain/pack.h"
 #include "mpitrain/shards.h"
@@ -29,13 +30,28 @@ struct PackPlan {
   ShardMeta meta;  // vocab_size, eot_token, tokenizer and source of every shard
 };
 
+// The text tokenizer of a pack: byte values (nothing loaded), GPT-2's files or a tokenizer.json.
+struct TextTokenizer {
+  std::optional<Gpt2Bpe> gpt2;
+  std::optional<HfTokenizer> hf;
+  // Appends the ids of `text` (bytes: their values); the BPE tokenizers throw InvalidUtf8.
+  void encode(std::string_view text, std::vector<uint32_t>& out);
+};
+
 // The GPT-2 tokenizer of the options (--bpe-dir, or --vocab and --merges).
 std::optional<Gpt2Bpe> load_bpe(const PackOptions& o);
 
+// Loads the tokenizer the plan's meta names, on a rank that did not make the plan; a
+// tokenizer.json whose SHA-256 differs from the plan's is a UsageError (changed while packing).
+void load_text_tokenizer(const PackOptions& o, const ShardMeta& meta, TextTokenizer& tok);
+
+// Text-like inputs (text, jsonl) go to ranks whole and are tokenized; the others are token arrays.
+inline bool is_text_like(InputFormat f) { return f == InputFormat::text || f == InputFormat::jsonl; }
+
 // Rank 0: checks the options, lists and identifies the input files (reading token files'
-// headers), resolves the vocabulary and creates the output directory. Loads the GPT-2 tokenizer
-// into `bpe` when text is packed with it. Bad input is a UsageError naming the file or option.
-PackPlan make_pack_plan(const PackOptions& o, std::optional<Gpt2Bpe>& bpe);
+// headers), resolves the vocabulary and creates the output directory. Loads the text tokenizer
+// into `tok` when text is packed with it. Bad input is a UsageError naming the file or option.
+PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok);
 
 // Rank 0's plan to every rank of `comm` (collective).
 void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm);

@@ -17,7 +17,15 @@ struct SampleArgs {
   double temperature = 0.8;
   int64_t top_k = 40;
   uint64_t seed = 1;
+  std::string tokenizer_file;  // hf checkpoints: the tokenizer.json ("" = the one the shards were packed with)
 };
 std::string run_sample(const SampleArgs& args);
+
+// The tokenizer.json of a checkpoint trained on `--tokenizer hf` shards: `override_path`, else the
+// file the shards were packed with; its SHA-256 must be the one recorded. UsageError naming the
+// file otherwise.
+class HfTokenizer;
+struct TrainState;
+HfTokenizer checkpoint_tokenizer(const TrainState& st, const std::string& override_path, const std::string& checkpoint);
 
 }  // namespace mpitrain

@@ -22,8 +22,12 @@ constexpr int64_t kShardVersion = 1;
 struct ShardMeta {
   int64_t vocab_size = 0;
   int64_t eot_token = -1;
-  std::string tokenizer = "byte";  // byte | gpt2 | ...
+  std::string tokenizer = "byte";  // byte | gpt2 | hf | unknown
   std::string source;              // free text
+  // hf: the tokenizer.json the text was encoded with, as named to pack, and the SHA-256 of its
+  // bytes (lower-case hex). Empty: not written (other tokenizers) or not present (older shards).
+  std::string tokenizer_file;
+  std::string tokenizer_sha256;
 };
 
 // Writes one shard: /tokens (uint16 if vocab_size <= 65536, else uint32; contiguous),
@@ -81,6 +85,10 @@ class TokenDataset {
   int64_t vocab_size() const { return vocab_size_; }
   int64_t eot_token() const { return eot_token_; }
   const std::string& tokenizer() const { return tokenizer_; }
+  // hf: the tokenizer.json the shards were packed with (as named to pack) and its SHA-256; empty
+  // for other tokenizers and older shards. Shards of different tokenizer.json files are refused.
+  const std::string& tokenizer_file() const { return tokenizer_file_; }
+  const std::string& tokenizer_sha256() const { return tokenizer_sha256_; }
   uint64_t num_windows() const { return total_windows_; }  // per epoch
   uint64_t num_tokens() const { return total_tokens_; }
   const std::vector<std::string>& paths() const { return paths_; }
@@ -111,6 +119,7 @@ class TokenDataset {
   int64_t vocab_size_ = 0;
   int64_t eot_token_ = -1;
   std::string tokenizer_;
+  std::string tokenizer_file_, tokenizer_sha256_;
   uint64_t total_windows_ = 0;
   uint64_t total_tokens_ = 0;
 };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "mpitrain/bpe.h"
@@ -10,7 +11,9 @@
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/hf_format.h"
+#include "mpitrain/hf_tokenizer.h"
 #include "mpitrain/model.h"
+#include "mpitrain/sample.h"
 
 namespace mpitrain {
 
@@ -35,6 +38,9 @@ std::string run_export(const ExportArgs& args) {
       throw UsageError(concat("command line: --bpe-dir: ", args.bpe_dir, " has ", check.vocab_size(),
                               " tokens, the model only ", dims.vocab_size));
   }
+  // hf: the shards' tokenizer.json, checked against its recorded SHA-256 before anything is written.
+  std::optional<HfTokenizer> hf_tokenizer;
+  if (st.tokenizer == "hf") hf_tokenizer.emplace(checkpoint_tokenizer(st, args.tokenizer_file, args.checkpoint));
   HfWriteOptions opts;
   opts.dtype = args.dtype;
   if (args.max_shard_mb > 0) opts.max_shard_bytes = static_cast<uint64_t>(args.max_shard_mb * 1e6);
@@ -61,6 +67,21 @@ std::string run_export(const ExportArgs& args) {
                               ",\n  \"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n",
                               "  \"unk_token\": \"<|endoftext|>\"\n}\n"));
     out += concat(args.dir, "/vocab.json, merges.txt, tokenizer_config.json (GPT2Tokenizer, from ", args.bpe_dir, ")\n");
+  } else if (hf_tokenizer) {
+    const HfTokenizer& tok = *hf_tokenizer;
+    std::error_code ec;
+    if (!fs::copy_file(tok.path(), fs::path(args.dir) / "tokenizer.json", fs::copy_options::overwrite_existing, ec))
+      throw UsageError(concat("cannot copy '", tok.path(), "' to '", args.dir, "/tokenizer.json': ", ec.message()));
+    fsync_path((fs::path(args.dir) / "tokenizer.json").string());
+    const nlohmann::json special = tok.decode({static_cast<uint32_t>(st.eot_token)});
+    write_file_durably((fs::path(args.dir) / "tokenizer_config.json").string(),
+                       nlohmann::json{{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                      {"model_max_length", dims.llama() ? dims.max_position : dims.seq_len},
+                                      {"bos_token", special},
+                                      {"eos_token", special}}
+                               .dump(2) + "\n");
+    out += concat(args.dir, "/tokenizer.json (", tok.path(), ", SHA-256 ", tok.sha256().substr(0, 12),
+                  "), tokenizer_config.json (PreTrainedTokenizerFast)\n");
   } else if (st.tokenizer == "gpt2") {
     out += "no tokenizer files: this checkpoint's tokens are GPT-2 BPE; --bpe-dir DIR copies vocab.json + merges.txt\n";
   } else {

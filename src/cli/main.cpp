@@ -2,7 +2,7 @@
 // by MPI (or alone, as a singleton); everything a rank needs comes from MPI.
 //
 //   mpitrain [train] CONFIG.yaml [--set key=value ...]   train (the default command)
-//   mpitrain pack INPUT... -o PREFIX                     text / .bin / .npy -> HDF5 token shards
+//   mpitrain pack INPUT... -o PREFIX                     text / .jsonl / .bin / .npy -> HDF5 token shards
 //   mpitrain inspect FILE.h5...                          a shard's or checkpoint's metadata
 //   mpitrain sample CHECKPOINT.h5 [--prompt TEXT]        generate text from a checkpoint
 //   mpitrain export CHECKPOINT.h5 --format hf DIR       a Hugging Face GPT-2 / Llama model directory
@@ -67,10 +67,14 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   pack_cmd->add_option("-o,--output", pack.output_prefix, "output prefix: <prefix>-<split>-NNNNN.h5")
       ->required();
   pack_cmd->add_option("--format", pack.format,
-                       "auto (by extension: .bin llm.c or nanoGPT, .npy, else text) | text | "
-                       "nanogpt | llmc | npy")
+                       "auto (by extension: .bin llm.c or nanoGPT, .npy, .jsonl, else text) | text | "
+                       "jsonl | nanogpt | llmc | npy")
       ->capture_default_str();
-  pack_cmd->add_option("--tokenizer", pack.tokenizer, "text: byte (default) | gpt2");
+  pack_cmd->add_option("--tokenizer", pack.tokenizer, "text: byte (default) | gpt2 | hf");
+  pack_cmd->add_option("--tokenizer-file", pack.tokenizer_file,
+                       "hf: a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen2/3)");
+  pack_cmd->add_option("--text-key", pack.text_key, "jsonl: the key holding each line's text")
+      ->capture_default_str();
   pack_cmd->add_option("--bpe-dir", pack.bpe_dir,
                        "gpt2: directory with vocab.json + merges.txt or encoder.json + vocab.bpe");
   pack_cmd->add_option("--vocab", pack.bpe_vocab, "gpt2: vocab.json / encoder.json");
@@ -78,7 +82,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   pack_cmd->add_option("--vocab-size", pack.vocab_size,
                        "token arrays: tokens must be below this (default 50257)");
   pack_cmd->add_option("--eot", pack.eot_token,
-                       "token arrays: end-of-text id; documents start at it (default 50256)");
+                       "end-of-text id: documents start at it (token arrays, default 50256; hf: "
+                       "overrides the file's separator)");
   pack_cmd->add_option("--doc-separator", pack.doc_separator,
                        "text: a line holding exactly this separates documents (default: one per file)");
   pack_cmd->add_option("--val-fraction", pack.val_fraction, "share of documents for val")
@@ -99,6 +104,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--temperature", sample.temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
+  sample_cmd->add_option("--tokenizer-file", sample.tokenizer_file,
+                         "hf checkpoints: the tokenizer.json (default: the one the shards were packed with)");
 
   ExportArgs export_args;
   auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 or Llama model directory");
@@ -107,6 +114,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   export_cmd->add_option("--format", export_args.format, "hf (Hugging Face transformers' GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)")
       ->capture_default_str();
   export_cmd->add_option("--dtype", export_args.dtype, "fp32 | bf16 | fp16")->capture_default_str();
+  export_cmd->add_option("--tokenizer-file", export_args.tokenizer_file,
+                         "hf checkpoints: the tokenizer.json to copy along (default: the one the shards were packed with)");
   export_cmd->add_option("--max-shard-size", export_args.max_shard_mb,
                          "MB per safetensors file; larger models are sharded with model.safetensors.index.json "
                          "(default 5000, as Hugging Face's 5GB)");

@@ -33,11 +33,15 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-bool blank(std::string_view s) {
+}  // namespace
+
+bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](unsigned char c) {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
   });
 }
+
+namespace {
 
 uint64_t file_size(const std::string& path) {
   std::error_code ec;
@@ -226,7 +230,7 @@ std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
                                                        const std::string& sep) {
   std::vector<std::pair<size_t, size_t>> docs;
   auto add = [&](size_t from, size_t to) {
-    if (!blank(text.substr(from, to - from))) docs.emplace_back(from, to - from);
+    if (!is_blank(text.substr(from, to - from))) docs.emplace_back(from, to - from);
   };
   if (sep.empty()) {
     add(0, text.size());
@@ -292,15 +296,16 @@ const char* format_name(InputFormat f) {
     case InputFormat::nanogpt: return "nanogpt";
     case InputFormat::llmc: return "llmc";
     case InputFormat::npy: return "npy";
+    case InputFormat::jsonl: return "jsonl";
   }
   return "?";
 }
 
 InputFormat parse_format(const std::string& name) {
   for (InputFormat f :
-       {InputFormat::text, InputFormat::nanogpt, InputFormat::llmc, InputFormat::npy})
+       {InputFormat::text, InputFormat::nanogpt, InputFormat::llmc, InputFormat::npy, InputFormat::jsonl})
     if (name == format_name(f)) return f;
-  throw UsageError("pack: --format '" + name + "' is not one of auto, text, nanogpt, llmc, npy");
+  throw UsageError("pack: --format '" + name + "' is not one of auto, text, jsonl, nanogpt, llmc, npy");
 }
 
 size_t dtype_bytes(Dtype d) {
@@ -312,6 +317,7 @@ InputFormat detect_format(const std::string& path) {
   if (ends_with(path, ".h5") || ends_with(path, ".hdf5"))
     throw UsageError(path + ": an HDF5 file; pack reads text, .bin (nanoGPT, llm.c) and .npy");
   if (ends_with(path, ".npy")) return InputFormat::npy;
+  if (ends_with(path, ".jsonl")) return InputFormat::jsonl;
   if (!ends_with(path, ".bin")) return InputFormat::text;
   const std::string pre = read_prefix(path, 4);
   int32_t magic = 0;

@@ -22,6 +22,7 @@
 #include "mpitrain/bpe.h"
 #include "mpitrain/error.h"
 #include "mpitrain/importers.h"
+#include "mpitrain/jsonl.h"
 #include "mpitrain/pack_plan.h"
 #include "mpitrain/shards.h"
 
@@ -85,29 +86,36 @@ struct Unit {
   uint64_t end = 0;              // where the last owned document ends
 };
 
+// A text file (documents per --doc-separator) or a JSON Lines file (one document per line), each
+// document as EOT followed by its tokens.
 void load_text(Unit& u, const PackInput& f, const PackOptions& o, const ShardMeta& meta,
-               Gpt2Bpe* bpe) {
-  const std::string text = read_whole_file(f.path);
+               TextTokenizer& tok) {
   const bool narrow = meta.vocab_size <= 65536;
   std::vector<uint32_t> ids;
-  for (auto [offset, length] : split_documents(text, o.doc_separator)) {
-    const std::string_view doc(text.data() + offset, length);
+  auto add = [&](std::string_view doc) {
     ids.assign(1, static_cast<uint32_t>(meta.eot_token));
-    if (bpe) {
-      try {
-        bpe->encode(doc, ids);
-      } catch (const InvalidUtf8& e) {
-        throw UsageError(concat(f.path, ": invalid UTF-8 at byte ", offset + e.offset,
-                                " (the gpt2 tokenizer reads UTF-8 text)"));
-      }
-    } else {
-      for (unsigned char c : doc) ids.push_back(c);
-    }
+    tok.encode(doc, ids);
     u.starts.push_back(narrow ? u.u16.size() : u.u32.size());
     if (narrow)
       u.u16.insert(u.u16.end(), ids.begin(), ids.end());
     else
       u.u32.insert(u.u32.end(), ids.begin(), ids.end());
+  };
+  if (f.format == InputFormat::jsonl) {
+    // The JSON parser has checked the text is UTF-8 (escapes included): encode cannot refuse it.
+    read_jsonl(f.path, o.text_key, [&](std::string_view text, uint64_t) {
+      if (!is_blank(text)) add(text);
+    });
+  } else {
+    const std::string text = read_whole_file(f.path);
+    for (auto [offset, length] : split_documents(text, o.doc_separator)) {
+      try {
+        add(std::string_view(text.data() + offset, length));
+      } catch (const InvalidUtf8& e) {
+        throw UsageError(concat(f.path, ": invalid UTF-8 at byte ", offset + e.offset, " (the ",
+                                meta.tokenizer, " tokenizer reads UTF-8 text)"));
+      }
+    }
   }
   u.view = narrow ? TokenView{reinterpret_cast<const unsigned char*>(u.u16.data()), Dtype::u16,
                               u.u16.size()}
@@ -277,9 +285,9 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   MPI_CHECK(MPI_Comm_size(comm, &world));
 
   PackPlan plan;
-  std::optional<Gpt2Bpe> bpe;
+  TextTokenizer tok;
   all_or_none(comm, [&] {
-    if (rank == 0) plan = make_pack_plan(opts, bpe);
+    if (rank == 0) plan = make_pack_plan(opts, tok);
   });
   broadcast_pack_plan(plan, comm);
   const ShardMeta& meta = plan.meta;
@@ -291,12 +299,12 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
       const PackInput& f = plan.files[r.file];
       units.emplace_back();
       units.back().file = r.file;
-      if (f.format != InputFormat::text) {
+      if (!is_text_like(f.format)) {
         load_tokens(units.back(), f, r, meta);
         continue;
       }
-      if (meta.tokenizer == "gpt2" && !bpe) bpe = load_bpe(opts);
-      load_text(units.back(), f, opts, meta, meta.tokenizer == "gpt2" ? &*bpe : nullptr);
+      load_text_tokenizer(opts, meta, tok);
+      load_text(units.back(), f, opts, meta, tok);
     }
   });
 

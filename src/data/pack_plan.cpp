@@ -19,20 +19,47 @@ namespace {
 // The vocabulary: the text tokenizer's when there is text; for token arrays alone the options',
 // defaulting to the named tokenizer's, else GPT-2's. An explicit option that contradicts the
 // tokenizer is an error rather than a silent override.
-void resolve_vocab(const PackOptions& o, bool has_text, std::optional<Gpt2Bpe>& bpe, ShardMeta& m) {
+// A tokenizer.json: the vocabulary and its SHA-256 from the file; the document separator from the
+// file unless --eot names one.
+void resolve_hf(const PackOptions& o, TextTokenizer& t, ShardMeta& m) {
+  t.hf.emplace(o.tokenizer_file);
+  m.vocab_size = t.hf->vocab_size();
+  m.tokenizer_file = o.tokenizer_file;
+  m.tokenizer_sha256 = t.hf->sha256();
+  if (o.eot_token != -1) {
+    if (o.eot_token >= m.vocab_size)
+      throw UsageError(concat("pack: --eot ", o.eot_token, " not in [0, vocab size ", m.vocab_size, ")"));
+    m.eot_token = o.eot_token;
+  } else if (auto sep = t.hf->separator()) {
+    m.eot_token = *sep;
+  } else {
+    throw UsageError(o.tokenizer_file +
+                     ": no document separator token (no special token first in post_processor's "
+                     "TemplateProcessing, no <|begin_of_text|>, <|endoftext|> or <|end_of_text|>): "
+                     "name one with --eot ID");
+  }
+}
+
+void resolve_vocab(const PackOptions& o, bool has_text, TextTokenizer& t, ShardMeta& m) {
   const std::string& tok = o.tokenizer;
-  if (!tok.empty() && tok != "byte" && tok != "gpt2")
-    throw UsageError("pack: --tokenizer '" + tok + "' is not byte or gpt2");
+  if (!tok.empty() && tok != "byte" && tok != "gpt2" && tok != "hf")
+    throw UsageError("pack: --tokenizer '" + tok + "' is not byte, gpt2 or hf");
+  if (tok == "hf" && o.tokenizer_file.empty())
+    throw UsageError("pack: the hf tokenizer needs --tokenizer-file tokenizer.json");
+  if (tok != "hf" && !o.tokenizer_file.empty())
+    throw UsageError("pack: --tokenizer-file is read by --tokenizer hf only");
   const bool fixed = has_text || !tok.empty();
   if (fixed) {
     m.tokenizer = tok.empty() ? "byte" : tok;
     if (m.tokenizer == "byte") {
       m.vocab_size = kByteVocab;
       m.eot_token = kByteEot;
+    } else if (m.tokenizer == "hf") {
+      resolve_hf(o, t, m);
     } else if (has_text) {
-      bpe = load_bpe(o);
-      m.vocab_size = bpe->vocab_size();
-      m.eot_token = bpe->eot_token();
+      t.gpt2 = load_bpe(o);
+      m.vocab_size = t.gpt2->vocab_size();
+      m.eot_token = t.gpt2->eot_token();
     } else {
       m.vocab_size = kGpt2Vocab;  // token arrays alone: the ids need no BPE files
       m.eot_token = kGpt2Eot;
@@ -40,7 +67,7 @@ void resolve_vocab(const PackOptions& o, bool has_text, std::optional<Gpt2Bpe>& 
     if (o.vocab_size != 0 && o.vocab_size != m.vocab_size)
       throw UsageError(concat("pack: --vocab-size ", o.vocab_size, " contradicts the ", m.tokenizer,
                               " tokenizer's ", m.vocab_size));
-    if (o.eot_token != -1 && o.eot_token != m.eot_token)
+    if (o.eot_token != -1 && o.eot_token != m.eot_token && m.tokenizer != "hf")
       throw UsageError(concat("pack: --eot ", o.eot_token, " contradicts the ", m.tokenizer,
                               " tokenizer's ", m.eot_token));
     return;
@@ -70,7 +97,26 @@ std::optional<Gpt2Bpe> load_bpe(const PackOptions& o) {
   return Gpt2Bpe(BpeFiles{o.bpe_vocab, o.bpe_merges});
 }
 
-PackPlan make_pack_plan(const PackOptions& o, std::optional<Gpt2Bpe>& bpe) {
+void TextTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
+  if (gpt2)
+    gpt2->encode(text, out);
+  else if (hf)
+    hf->encode(text, out);
+  else
+    for (unsigned char c : text) out.push_back(c);
+}
+
+void load_text_tokenizer(const PackOptions& o, const ShardMeta& meta, TextTokenizer& tok) {
+  if (meta.tokenizer == "gpt2" && !tok.gpt2) tok.gpt2 = load_bpe(o);
+  if (meta.tokenizer == "hf" && !tok.hf) {
+    tok.hf.emplace(meta.tokenizer_file);
+    if (tok.hf->sha256() != meta.tokenizer_sha256)
+      throw UsageError(concat(meta.tokenizer_file, ": changed while packing (SHA-256 ", tok.hf->sha256(),
+                              ", rank 0 read ", meta.tokenizer_sha256, ")"));
+  }
+}
+
+PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok) {
   if (o.inputs.empty()) throw UsageError("pack: no inputs given");
   if (o.output_prefix.empty()) throw UsageError("pack: output prefix is empty");
   if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0))
@@ -82,11 +128,11 @@ PackPlan make_pack_plan(const PackOptions& o, std::optional<Gpt2Bpe>& bpe) {
   const InputFormat forced = automatic ? InputFormat::text : parse_format(o.format);
 
   PackPlan plan;
-  std::array<int, 4> per_format{};
+  std::array<int, 5> per_format{};
   for (std::string& path : collect_input_files(o.inputs)) {
     PackInput f;
     f.format = automatic ? detect_format(path) : forced;
-    if (f.format == InputFormat::text) {
+    if (is_text_like(f.format)) {
       std::error_code ec;
       f.bytes = fs::file_size(path, ec);
       if (ec) throw UsageError(concat(path, ": cannot stat: ", ec.message()));
@@ -98,12 +144,12 @@ PackPlan make_pack_plan(const PackOptions& o, std::optional<Gpt2Bpe>& bpe) {
     ++per_format[static_cast<int>(f.format)];
     plan.files.push_back(std::move(f));
   }
-  resolve_vocab(o, per_format[0] > 0, bpe, plan.meta);
+  resolve_vocab(o, per_format[0] + per_format[4] > 0, tok, plan.meta);
 
   std::string names, counts;
   for (const std::string& in : o.inputs) names += (names.empty() ? "" : ", ") + in;
   if (names.size() > 400) names = names.substr(0, 400) + "...";
-  for (int k = 0; k < 4; ++k)
+  for (int k = 0; k < 5; ++k)
     if (per_format[k] > 0)
       counts += concat(counts.empty() ? "" : ", ", per_format[k], " ",
                        format_name(static_cast<InputFormat>(k)));
@@ -144,6 +190,8 @@ void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm) {
     put(static_cast<uint64_t>(plan.meta.eot_token));
     put_str(plan.meta.tokenizer);
     put_str(plan.meta.source);
+    put_str(plan.meta.tokenizer_file);
+    put_str(plan.meta.tokenizer_sha256);
   }
   uint64_t len = buf.size();
   MPI_CHECK(MPI_Bcast(&len, 1, MPI_UINT64_T, 0, comm));
@@ -177,6 +225,8 @@ void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm) {
   plan.meta.eot_token = static_cast<int64_t>(get());
   plan.meta.tokenizer = get_str();
   plan.meta.source = get_str();
+  plan.meta.tokenizer_file = get_str();
+  plan.meta.tokenizer_sha256 = get_str();
 }
 
 // ---- this rank's share -------------------------------------------------------------------------
@@ -196,7 +246,7 @@ std::vector<PackRange> pack_ranges(const PackPlan& plan, int rank, int world) {
   uint64_t g = 0;
   for (size_t i = 0; i < plan.files.size(); ++i) {
     const PackInput& f = plan.files[i];
-    if (f.format == InputFormat::text) {
+    if (is_text_like(f.format)) {
       if (rank_of(g + f.bytes / 2) == rank) out.push_back({i, 0, 0});
     } else {
       const uint64_t item = dtype_bytes(f.layout.dtype);

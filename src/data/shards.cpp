@@ -90,6 +90,8 @@ OpenShard open_shard(const std::string& path) {
   s.info.meta.eot_token = h5::get_attr_int(f, "eot_token").value_or(-1);
   s.info.meta.tokenizer = h5::get_attr_string(f, "tokenizer").value_or(s.info.meta.tokenizer);
   s.info.meta.source = h5::get_attr_string(f, "source").value_or("");
+  s.info.meta.tokenizer_file = h5::get_attr_string(f, "tokenizer_file").value_or("");
+  s.info.meta.tokenizer_sha256 = h5::get_attr_string(f, "tokenizer_sha256").value_or("");
 
   if (H5Lexists(f, "tokens", H5P_DEFAULT) <= 0) throw bad("missing dataset 'tokens'");
   hid_t d = H5Dopen2(f, "tokens", H5P_DEFAULT);
@@ -252,6 +254,8 @@ void write_shard(const std::string& path, const std::vector<uint32_t>& tokens,
     h5::set_attr(root, "tokenizer", meta.tokenizer);
     h5::set_attr(root, "num_tokens", static_cast<int64_t>(tokens.size()));
     h5::set_attr(root, "source", meta.source);
+    if (!meta.tokenizer_file.empty()) h5::set_attr(root, "tokenizer_file", meta.tokenizer_file);
+    if (!meta.tokenizer_sha256.empty()) h5::set_attr(root, "tokenizer_sha256", meta.tokenizer_sha256);
     if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(tmp + ": cannot flush (disk full?)");
   } catch (...) {
     std::remove(tmp.c_str());
@@ -411,9 +415,16 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_le
       vocab_size_ = s.info.meta.vocab_size;
       eot_token_ = s.info.meta.eot_token;
       tokenizer_ = s.info.meta.tokenizer;
+      tokenizer_file_ = s.info.meta.tokenizer_file;
+      tokenizer_sha256_ = s.info.meta.tokenizer_sha256;
     } else if (s.info.meta.vocab_size != vocab_size_) {
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size, " differs from ",
                            vocab_size_, " in ", paths.front()));
+    } else if (s.info.meta.tokenizer_sha256 != tokenizer_sha256_) {
+      throw UsageError(concat(path, ": packed with another tokenizer.json (SHA-256 ",
+                              s.info.meta.tokenizer_sha256.empty() ? "none" : s.info.meta.tokenizer_sha256.substr(0, 12),
+                              ") than ", paths.front(), " (",
+                              tokenizer_sha256_.empty() ? "none" : tokenizer_sha256_.substr(0, 12), ")"));
     }
     if (s.info.meta.vocab_size > (int64_t{1} << 31))
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size,

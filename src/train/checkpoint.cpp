@@ -300,6 +300,8 @@ CheckpointFile::CheckpointFile(const std::string& dir, const GPTDims& d, int64_t
     h5::set_attr(root, "optim_zero", st.zero);
     h5::set_attr(root, "config", st.config_yaml);
     h5::set_attr(root, "tokenizer", st.tokenizer);
+    if (!st.tokenizer_file.empty()) h5::set_attr(root, "tokenizer_file", st.tokenizer_file);
+    if (!st.tokenizer_sha256.empty()) h5::set_attr(root, "tokenizer_sha256", st.tokenizer_sha256);
     h5::set_attr(root, "eot_token", st.eot_token);
     h5::set_attr(root, "n_layer", d.n_layer);
     h5::set_attr(root, "n_head", d.n_head);
@@ -676,6 +678,8 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   st.zero = h5::has_attr(root, "optim_zero") ? require_int_in(root, path, "optim_zero", "optim_zero", 0, 1) : 0;
   st.config_yaml = optional_string(root, path, "config").value_or("");
   st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
+  st.tokenizer_file = optional_string(root, path, "tokenizer_file").value_or("");
+  st.tokenizer_sha256 = optional_string(root, path, "tokenizer_sha256").value_or("");
   st.eot_token = -1;
   if (h5::has_attr(root, "eot_token"))  // a token of the model's vocabulary, or -1 (none)
     st.eot_token = require_int_in(root, path, "eot_token", "eot_token", -1, model->dims().vocab_size - 1);

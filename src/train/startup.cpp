@@ -179,6 +179,10 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
       if (val_data->vocab_size() != train_data->vocab_size())
         throw UsageError(concat("data.val: vocab_size ", val_data->vocab_size(), " differs from data.train's ",
                              train_data->vocab_size()));
+      if (val_data->tokenizer_sha256() != train_data->tokenizer_sha256())
+        throw UsageError(concat("data.val: packed with another tokenizer.json than data.train (SHA-256 ",
+                                val_data->tokenizer_sha256().substr(0, 12), " vs ",
+                                train_data->tokenizer_sha256().substr(0, 12), ")"));
     }
     dims = model_dims(cfg.model, train_data->vocab_size());
     if (layout.tp > 1) check_tensor_parallel_dims(dims, cfg, layout.tp);

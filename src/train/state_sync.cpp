@@ -424,13 +424,14 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
     GPT& into = whole ? *whole : model;
     full = opt.sharded() || tensor_parallel ? host_optim_state_like(into) : full_state_of(opt);
   }
+  // The data's tokenizer (st holds it until the checkpoint's state replaces it).
+  const std::string data_tokenizer = st.tokenizer, data_sha256 = st.tokenizer_sha256;
   agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
-    for (size_t i = 0; i < candidates.size(); ++i) {
+    for (size_t i = 0; i < candidates.size() && path.empty(); ++i) {
       try {
         load_checkpoint(candidates[i], whole ? *whole : model, &full, st);
         path = candidates[i];
-        return;
       } catch (const ArchitectureMismatch&) {
         throw;  // the configuration differs: an older checkpoint of the same run would too
       } catch (const UsageError& e) {
@@ -439,6 +440,17 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
                          candidates[i + 1]));
       }
     }
+    // A model continues only on its own tokenizer's ids: the same ids mean other text under
+    // another tokenizer.json (the vocabulary sizes may well agree).
+    const bool hf_either = st.tokenizer == "hf" || data_tokenizer == "hf";
+    if ((hf_either && st.tokenizer != data_tokenizer) ||
+        (!st.tokenizer_sha256.empty() && !data_sha256.empty() && st.tokenizer_sha256 != data_sha256))
+      throw UsageError(concat("data.train: the shards were packed with the ", data_tokenizer, " tokenizer",
+                              data_sha256.empty() ? std::string() : concat(" (tokenizer.json SHA-256 ", data_sha256.substr(0, 12), ")"),
+                              ", but ", path, " was trained on ", st.tokenizer,
+                              st.tokenizer_sha256.empty() ? std::string()
+                                                          : concat(" (", st.tokenizer_file, ", SHA-256 ", st.tokenizer_sha256.substr(0, 12), ")"),
+                              " ids: a resumed run must read the same tokenizer's shards"));
   });
   torch::NoGradGuard no_grad;
   if (tensor_parallel) {

@@ -259,6 +259,8 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
   TrainState st;
   st.world_size = topo.size;
   st.tokenizer = train_data->tokenizer();
+  st.tokenizer_file = train_data->tokenizer_file();
+  st.tokenizer_sha256 = train_data->tokenizer_sha256();
   st.eot_token = train_data->eot_token();
   if (has_resume) {
     resume_from(resume, model, opt, shards, st, mesh->world(), mpi_comm, cfg.train.seed, device);

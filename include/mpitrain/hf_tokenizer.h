@@ -1,0 +1,59 @@
+// A Hugging Face byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen2/2.5/3 and their kin), encoding
+// as the `tokenizers` library does with add_special_tokens=False:
+//   normalizer (none or NFC) -> pre_tokenizer (Split steps with Oniguruma-style regexes, then
+//   ByteLevel) -> BPE model (vocab, merges in either format, ignore_merges).
+// Added tokens written in the text are plain text (docs/pack.md, "Tokenizers"): only the document
+// separator that pack puts between documents is ever a special id.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mpitrain/bpe.h"  // InvalidUtf8
+
+namespace mpitrain {
+
+class HfTokenizer {
+ public:
+  // Loads and checks `path`. A file this cannot reproduce exactly, or a malformed one, is one
+  // UsageError naming the file and the key: "tokenizer.json: model.merges[12]: 'Ġa' names no
+  // token", "tokenizer.json: model.byte_fallback is true: a SentencePiece-style tokenizer ...".
+  explicit HfTokenizer(const std::string& path);
+  ~HfTokenizer();
+  HfTokenizer(HfTokenizer&&) noexcept;
+  HfTokenizer& operator=(HfTokenizer&&) noexcept;
+
+  int64_t vocab_size() const;               // the largest id (vocab or added token) + 1
+  const std::string& sha256() const;        // of the file's bytes, lower-case hex
+  const std::string& path() const;
+
+  // The token that starts every document, from the file: the special token the post_processor's
+  // TemplateProcessing puts first (Llama 3's BOS), else the added token "<|begin_of_text|>",
+  // "<|endoftext|>" or "<|end_of_text|>", in that order. Empty when the file has none.
+  std::optional<uint32_t> separator() const;
+  // The id of a vocabulary entry or added token, written as in the file.
+  std::optional<uint32_t> token_id(const std::string& token) const;
+
+  // The text as the tokenizer sees it: NFC when the file's normalizer asks for it, else as is.
+  // Throws InvalidUtf8 for text that is not UTF-8.
+  std::string normalize(std::string_view text) const;
+
+  // Appends the ids of `text`. Throws InvalidUtf8 when `text` is not UTF-8.
+  void encode(std::string_view text, std::vector<uint32_t>& out);
+  std::vector<uint32_t> encode(std::string_view text);
+
+  // The bytes of `ids` (the ByteLevel decoder without the final lossy UTF-8 conversion): each
+  // token's characters mapped back to bytes; an added token's content as it is. An id that names
+  // no token is a UsageError.
+  std::string decode(const std::vector<uint32_t>& ids) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mpitrain

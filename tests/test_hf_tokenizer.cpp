@@ -1,0 +1,433 @@
+// The Hugging Face tokenizer.json tokenizer (hf_tokenizer.h) on small hand-made files
+// (tests/data/hf/, made by make_fixtures.py): both merges formats, NFC, ignore_merges, the split
+// behaviours, the document separator, every bad-file message; JSON Lines input; and packing JSON
+// Lines with it, whose shards (uint32, vocabulary 70001) must be the same under mpirun -np 2 as
+// alone. Exactness on real tokenizer files against Hugging Face's code: tests/hf_tokenizer_test.sh.
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "mpi_world.h"
+#include "mpitrain/error.h"
+#include "mpitrain/h5.h"
+#include "mpitrain/hf_tokenizer.h"
+#include "mpitrain/importers.h"
+#include "mpitrain/jsonl.h"
+#include "mpitrain/pack.h"
+#include "mpitrain/shards.h"
+
+using namespace mpitrain;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const std::string kHf = std::string(MPITRAIN_TEST_DATA) + "/hf";
+
+#define SINGLETON_ONLY() \
+  if (world_size() > 1) GTEST_SKIP() << "single-process test"
+
+// A temporary directory; `shared` makes rank 0's directory everyone's.
+struct TempDir {
+  std::string path;
+  bool owner;
+  explicit TempDir(bool shared = false) {
+    char tmpl[] = "/tmp/mpitrain-hf-XXXXXX";
+    if (!shared || world_rank() == 0) path = ::mkdtemp(tmpl);
+    if (shared) {
+      path.resize(sizeof tmpl - 1);
+      MPI_Bcast(path.data(), static_cast<int>(path.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
+    }
+    owner = !shared || world_rank() == 0;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (owner) fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+};
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+json fixture(const std::string& name) { return json::parse(std::ifstream(kHf + "/" + name)); }
+
+// The fixture's ids: bytes are their own ids; the merged tokens follow (make_fixtures.py).
+enum : uint32_t { kHello = 259, kWorld = 264, kSpaces = 265, kEAcute = 266, kADash = 267, kDashB = 268,
+                  kDashDash = 269, kXyz = 270, kEot = 271 };
+
+void expect_usage(const std::function<void()>& f, const std::string& message) {
+  try {
+    f();
+    ADD_FAILURE() << "no UsageError; expected '" << message << "'";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+// `fixture` changed by `edit`, written to a file in `dir` and loaded.
+HfTokenizer load_edited(const TempDir& dir, const std::function<void(json&)>& edit,
+                        const std::string& base = "pairs.json") {
+  json j = fixture(base);
+  edit(j);
+  write_file(dir / "tokenizer.json", j.dump());
+  return HfTokenizer(dir / "tokenizer.json");
+}
+
+void expect_bad(const std::function<void(json&)>& edit, const std::string& message,
+                const std::string& base = "pairs.json") {
+  TempDir dir;
+  expect_usage([&] { load_edited(dir, edit, base); }, dir / ("tokenizer.json: " + message));
+}
+
+}  // namespace
+
+// ---- encoding ----------------------------------------------------------------------------------
+
+TEST(HfTokenizer, BothMergesFormatsGiveTheSameIds) {
+  SINGLETON_ONLY();
+  HfTokenizer pairs(kHf + "/pairs.json"), strings(kHf + "/strings.json");
+  for (HfTokenizer* t : {&pairs, &strings}) {
+    EXPECT_EQ(t->encode("hello world"), (std::vector<uint32_t>{kHello, kWorld}));
+    EXPECT_EQ(t->vocab_size(), 272);
+    EXPECT_EQ(t->separator(), kEot);
+  }
+  const std::string text = "hello  world, héllo\n\n  x 12345 <|endoftext|>\xF0\x9F\x98\x80";
+  EXPECT_EQ(pairs.encode(text), strings.encode(text));
+  EXPECT_EQ(pairs.decode(pairs.encode(text)), text);
+}
+
+TEST(HfTokenizer, NormalizesToNfc) {
+  SINGLETON_ONLY();
+  HfTokenizer t(kHf + "/pairs.json");
+  // "e" + COMBINING ACUTE is "é" (C3 A9) after NFC, which a merge makes one token.
+  EXPECT_EQ(t.encode("cafe\xCC\x81"), (std::vector<uint32_t>{'c', 'a', 'f', kEAcute}));
+  EXPECT_EQ(t.normalize("cafe\xCC\x81"), "caf\xC3\xA9");
+  TempDir dir;
+  HfTokenizer raw = load_edited(dir, [](json& j) { j["normalizer"] = nullptr; });
+  EXPECT_EQ(raw.encode("cafe\xCC\x81"), (std::vector<uint32_t>{'c', 'a', 'f', 'e', 0xCC, 0x81}));
+}
+
+TEST(HfTokenizer, SpecialTokenStringsArePlainText) {
+  SINGLETON_ONLY();
+  HfTokenizer t(kHf + "/pairs.json");
+  const std::vector<uint32_t> ids = t.encode("<|endoftext|>");
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), kEot), 0);
+  EXPECT_EQ(t.decode(ids), "<|endoftext|>");
+  EXPECT_EQ(t.decode({kEot}), "<|endoftext|>");
+}
+
+TEST(HfTokenizer, IgnoreMergesTakesWholeTokens) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer off(kHf + "/pairs.json");
+  HfTokenizer on = load_edited(dir, [](json& j) { j["model"]["ignore_merges"] = true; });
+  // " xyz" is one pre-token and a vocabulary entry ("Ġxyz") that no merge makes.
+  EXPECT_EQ(off.encode("a xyz"), (std::vector<uint32_t>{'a', ' ', 'x', 'y', 'z'}));
+  EXPECT_EQ(on.encode("a xyz"), (std::vector<uint32_t>{'a', kXyz}));
+  EXPECT_EQ(on.encode("hello"), (std::vector<uint32_t>{kHello}));
+}
+
+TEST(HfTokenizer, InvalidUtf8) {
+  SINGLETON_ONLY();
+  HfTokenizer t(kHf + "/pairs.json");
+  try {
+    t.encode("good \xC3\x28 bad");
+    ADD_FAILURE() << "no InvalidUtf8";
+  } catch (const InvalidUtf8& e) {
+    EXPECT_EQ(e.offset, 5u);
+  }
+  EXPECT_THROW(t.encode("surrogate \xED\xA0\x80"), InvalidUtf8);
+  EXPECT_THROW(t.encode("overlong \xC0\xAF"), InvalidUtf8);
+}
+
+// The five behaviours of a Split on "-" (tokenizers' NormalizedString::split), seen through the
+// merges "a -", "- b" and "- -", which join pieces only where a split left them together.
+TEST(HfTokenizer, SplitBehaviours) {
+  SINGLETON_ONLY();
+  auto with = [](const std::string& behavior, bool invert) {
+    TempDir dir;
+    HfTokenizer t = load_edited(dir, [&](json& j) {
+      j["pre_tokenizer"]["pretokenizers"][0] =
+          json{{"type", "Split"}, {"pattern", {{"String", "-"}}}, {"behavior", behavior}, {"invert", invert}};
+    });
+    return t.encode("a-b--c");
+  };
+  using V = std::vector<uint32_t>;
+  EXPECT_EQ(with("Isolated", false), (V{'a', '-', 'b', '-', '-', 'c'}));
+  EXPECT_EQ(with("Removed", false), (V{'a', 'b', 'c'}));
+  EXPECT_EQ(with("MergedWithPrevious", false), (V{kADash, 'b', '-', '-', 'c'}));
+  EXPECT_EQ(with("MergedWithNext", false), (V{'a', kDashB, '-', '-', 'c'}));
+  EXPECT_EQ(with("Contiguous", false), (V{'a', '-', 'b', kDashDash, 'c'}));
+  EXPECT_EQ(with("Removed", true), (V{'-', '-', '-'}));  // inverted: the letters are the delimiters
+}
+
+TEST(HfTokenizer, ByteLevelPrefixSpaceAndRegex) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  // GPT-2's own tokenizer.json: ByteLevel alone, with its regex; add_prefix_space puts a space
+  // before the text.
+  HfTokenizer t = load_edited(dir, [](json& j) {
+    j["pre_tokenizer"] = json{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  });
+  EXPECT_EQ(t.encode("world"), (std::vector<uint32_t>{kWorld}));
+  EXPECT_EQ(t.encode("  world"), (std::vector<uint32_t>{' ', kWorld}));
+}
+
+TEST(HfTokenizer, DocumentSeparator) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  // Llama 3: the special token TemplateProcessing puts first wins over <|endoftext|>.
+  HfTokenizer bos = load_edited(dir, [](json& j) {
+    j["added_tokens"].push_back({{"id", 300}, {"content", "<|begin_of_text|>"}, {"special", true}});
+    j["added_tokens"].push_back({{"id", 301}, {"content", "<s>"}, {"special", true}});
+    j["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                                       {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+  });
+  EXPECT_EQ(bos.separator(), 301u);
+  EXPECT_EQ(bos.vocab_size(), 302);
+  HfTokenizer begin = load_edited(dir, [](json& j) {
+    j["added_tokens"].push_back({{"id", 300}, {"content", "<|begin_of_text|>"}, {"special", true}});
+  });
+  EXPECT_EQ(begin.separator(), 300u);
+  HfTokenizer none = load_edited(dir, [](json& j) { j["added_tokens"] = json::array(); });
+  EXPECT_FALSE(none.separator().has_value());
+  EXPECT_EQ(none.vocab_size(), 271);
+}
+
+// ---- bad files ---------------------------------------------------------------------------------
+
+TEST(HfTokenizer, BadFiles) {
+  SINGLETON_ONLY();
+  expect_usage([] { HfTokenizer("/nonexistent/tokenizer.json"); },
+               "/nonexistent/tokenizer.json: cannot open for reading");
+  {
+    TempDir dir;
+    write_file(dir / "tokenizer.json", "{\"model\": ");
+    expect_usage([&] { HfTokenizer t(dir / "tokenizer.json"); }, dir / "tokenizer.json: malformed JSON");
+  }
+  expect_bad([](json& j) { j["model"]["merges"][2] = json{"he", "zz"}; }, "model.merges[2]: 'zz' names no token");
+  expect_bad([](json& j) { j["model"]["merges"][12] = "\u0120a b"; }, "model.merges[12]: 'Ġa' names no token",
+             "strings.json");
+  expect_bad([](json& j) { j["model"]["vocab"].erase("he"); }, "model.merges[0]: the merged 'he' names no token");
+  expect_bad([](json& j) { j["model"]["merges"][1] = "ll"; },
+             "model.merges[1]: expected two tokens separated by one space, got \"ll\"", "strings.json");
+  expect_bad([](json& j) { j["model"]["merges"][0] = 5; }, "model.merges[0]: expected \"a b\" or [\"a\", \"b\"], got 5");
+  expect_bad([](json& j) { j["model"]["merges"] = json::object(); }, "model.merges: expected an array");
+  expect_bad([](json& j) { j["model"]["vocab"]["h"] = -1; }, "model.vocab: id of 'h' is -1, expected an integer");
+  expect_bad([](json& j) { j["model"]["vocab"]["h"] = 5; }, "model.vocab: id 5 given to both");
+  expect_bad([](json& j) { j["model"]["vocab"].erase("a"); }, "model.vocab: no token for byte 97 ('a')");
+  expect_bad([](json& j) { j["model"]["vocab"] = json::array(); }, "model.vocab: expected an object");
+  expect_bad([](json& j) { j.erase("model"); }, "model: missing");
+  expect_bad([](json& j) { j["model"]["type"] = "Unigram"; }, "model.type: \"Unigram\" is not supported");
+  expect_bad([](json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback: a SentencePiece-style tokenizer");
+  expect_bad([](json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout: 0.1: BPE dropout is not supported");
+  expect_bad([](json& j) { j["model"]["ignore_merges"] = "yes"; }, "model.ignore_merges: expected true or false");
+  expect_bad([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; },
+             "pre_tokenizer.type: a SentencePiece-style tokenizer");
+  expect_bad([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }, "decoder.type: 'WordPiece' is not supported");
+  expect_bad([](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type: 'NFKC' is not supported");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); }, "pre_tokenizer: no ByteLevel step");
+  expect_bad([](json& j) { j.erase("pre_tokenizer"); }, "pre_tokenizer: missing");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Weird"; },
+             "pre_tokenizer.pretokenizers[0].behavior: 'Weird' is not one of Removed, Isolated");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(ab"}}; },
+             "pre_tokenizer.pretokenizers[0].pattern: missing closing parenthesis at offset 3");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "[[a]b]"}}; },
+             "pre_tokenizer.pretokenizers[0].pattern.Regex: nested character classes");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = 3; },
+             "pre_tokenizer.pretokenizers[0].pattern: expected {\"Regex\": \"...\"} or {\"String\": \"...\"}");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"].push_back(j["pre_tokenizer"]["pretokenizers"][0]); },
+             "pre_tokenizer.pretokenizers[2]: a Split step after ByteLevel is not supported");
+  expect_bad([](json& j) { j["added_tokens"][0]["id"] = 5; }, "added_tokens[0].id: 5 is already another token");
+  expect_bad([](json& j) { j["added_tokens"][0]["content"] = ""; }, "added_tokens[0].content: expected a non-empty string");
+}
+
+// ---- JSON Lines --------------------------------------------------------------------------------
+
+TEST(Jsonl, LinesAndErrors) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  write_file(dir / "ok.jsonl", "{\"text\": \"one\"}\n\n  \r\n{\"id\": 2, \"body\": \"caf\\u00e9\", \"text\": \"two\"}\r\n");
+  std::vector<std::pair<std::string, uint64_t>> got;
+  read_jsonl(dir / "ok.jsonl", "text", [&](std::string_view t, uint64_t line) { got.emplace_back(t, line); });
+  EXPECT_EQ(got, (std::vector<std::pair<std::string, uint64_t>>{{"one", 1}, {"two", 4}}));
+  got.clear();
+  write_file(dir / "body.jsonl", "{\"body\": \"caf\\u00e9 \\ud83d\\ude00\"}\n");
+  read_jsonl(dir / "body.jsonl", "body", [&](std::string_view t, uint64_t line) { got.emplace_back(t, line); });
+  EXPECT_EQ(got.at(0).first, "caf\xC3\xA9 \xF0\x9F\x98\x80");
+
+  auto bad = [&](const std::string& lines, const std::string& message) {
+    write_file(dir / "bad.jsonl", lines);
+    expect_usage([&] { read_jsonl(dir / "bad.jsonl", "text", [](std::string_view, uint64_t) {}); },
+                 dir / "bad.jsonl: " + message);
+  };
+  const std::string ok = "{\"text\": \"fine\"}\n";
+  bad(ok + "{\"text\": \"half\n", "line 2: not JSON: ");
+  bad(ok + ok + "{\"title\": \"x\"}\n", "line 3: no key 'text'");
+  bad(ok + "{\"text\": 5}\n", "line 2: 'text' is a number, expected a string");
+  bad(ok + "{\"text\": [\"a\"]}\n", "line 2: 'text' is an array, expected a string");
+  bad("[1, 2]\n", "line 1: expected a JSON object, got an array");
+  bad(ok + ok + ok + "{\"text\": \"ab\xFF\"}\n", "line 4: invalid UTF-8 at byte 12 of the line");
+  bad("{\"text\": \"\\ud800\"}\n", "line 1: not JSON: ");  // a lone surrogate escape
+}
+
+// ---- packing -----------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<uint64_t> doc_offsets(const std::string& path) {
+  h5::File f = h5::open_read(path);
+  std::vector<uint64_t> out;
+  if (!h5::exists(f.get(), "doc_offsets")) return out;
+  h5::Dataset d(H5Dopen2(f.get(), "doc_offsets", H5P_DEFAULT));
+  out.resize(h5::shape(d.get())[0]);
+  h5::read(d.get(), H5T_NATIVE_UINT64, out.data());
+  return out;
+}
+
+// Lines of mixed text, some blank, some decomposed (NFC changes them), in three files.
+std::vector<std::string> write_corpus(const TempDir& dir) {
+  // JSON string bodies: escapes as the JSON of a line spells them.
+  const char* words[] = {"hello", "world", "caf\\u00e9", "cafe\\u0301", "xyz", "a-b--c", "12345",
+                         "\\u4e2d\\u6587", "\\ud83d\\ude00", "<|endoftext|>", "  ", "\\n\\n", "\\t", "it's"};
+  std::vector<std::string> files;
+  uint64_t state = 7;
+  auto next = [&](uint64_t n) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (state >> 33) % n;
+  };
+  for (int f = 0; f < 3; ++f) {
+    std::string body;
+    for (int line = 0; line < 150; ++line) {
+      std::string text;
+      for (uint64_t w = 0, n = 1 + next(30); w < n; ++w) text += std::string(w ? " " : "") + words[next(14)];
+      body += (line % 11 == 5 ? std::string("{\"text\": \"   \"}") : "{\"text\": \"" + text + "\"}") + "\n";
+    }
+    files.push_back(dir / concat("part-", f, ".jsonl"));
+    write_file(files.back(), body);
+  }
+  return files;
+}
+
+}  // namespace
+
+// JSON Lines + a tokenizer.json with ids past 65535: uint32 shards that record the tokenizer, equal
+// under mpirun -np 2 to a pack alone (shard for shard), and decoding back to the NFC text.
+TEST(PackHf, JsonlSameShardsAsOneRank) {
+  TempDir dir(/*shared=*/true);
+  std::vector<std::string> files;
+  if (world_rank() == 0) files = write_corpus(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  PackOptions o;
+  for (int f = 0; f < 3; ++f) o.inputs.push_back(dir / concat("part-", f, ".jsonl"));
+  o.tokenizer = "hf";
+  o.tokenizer_file = kHf + "/wide.json";
+  o.shard_tokens = 997;
+  o.val_fraction = 0.1;
+  o.output_prefix = dir / "world/c";
+  PackResult w = pack(o, MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    o.output_prefix = dir / "self/c";
+    PackResult s = pack(o, MPI_COMM_SELF);
+    EXPECT_EQ(w.vocab_size, 70001);
+    EXPECT_EQ(w.eot_token, 70000);
+    EXPECT_EQ(w.documents, s.documents);
+    EXPECT_GT(w.documents, 350u);
+    ASSERT_EQ(w.train_shards.size(), s.train_shards.size());
+    ASSERT_EQ(w.val_shards.size(), s.val_shards.size());
+    EXPECT_GT(w.train_shards.size(), 2u);
+    std::vector<std::string> ws = w.train_shards, ss = s.train_shards;
+    ws.insert(ws.end(), w.val_shards.begin(), w.val_shards.end());
+    ss.insert(ss.end(), s.val_shards.begin(), s.val_shards.end());
+    HfTokenizer tok(kHf + "/wide.json");
+    std::string decoded;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const std::vector<uint32_t> t = read_shard_tokens(ws[i]);
+      EXPECT_EQ(t, read_shard_tokens(ss[i])) << ws[i];
+      EXPECT_EQ(doc_offsets(ws[i]), doc_offsets(ss[i])) << ws[i];
+      const ShardInfo info = read_shard_info(ws[i]);
+      EXPECT_EQ(info.dtype_bytes, 4);
+      EXPECT_EQ(info.meta.tokenizer, "hf");
+      EXPECT_EQ(info.meta.tokenizer_file, kHf + "/wide.json");
+      // sha256sum tests/data/hf/wide.json
+      EXPECT_EQ(info.meta.tokenizer_sha256, "2c8eb07bea97c3e3e782a5b6501dcee97414e769b09c42b4ae5afd709a712501");
+      EXPECT_EQ(read_shard_info(ss[i]).meta.source, info.meta.source);
+    }
+    // The train split decodes to its documents' NFC text, each after the separator.
+    std::string expected;
+    uint64_t k = 0;
+    for (const std::string& f : files)
+      read_jsonl(f, "text", [&](std::string_view text, uint64_t) {
+        if (is_blank(text)) return;
+        ++k;
+        expected += "<|endoftext|>" + tok.normalize(text);
+      });
+    EXPECT_EQ(k, w.documents);
+    std::vector<uint32_t> all;
+    for (const std::string& p : w.train_shards) {
+      auto t = read_shard_tokens(p);
+      all.insert(all.end(), t.begin(), t.end());
+    }
+    const std::string train = tok.decode(all);
+    EXPECT_NE(expected.find(train.substr(0, 200)), std::string::npos);
+    EXPECT_GT(train.size(), expected.size() / 2);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // rank 0 removes the directory only after everyone is done
+}
+
+TEST(PackHf, BadOptionsAndInputs) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  write_file(dir / "a.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"caf\xC3\"}\n");
+  write_file(dir / "b.txt", "hello \xC3\x28 world");
+  auto opts = [&](const std::string& input) {
+    PackOptions o;
+    o.inputs = {dir / input};
+    o.output_prefix = dir / "out/x";
+    o.tokenizer = "hf";
+    o.tokenizer_file = kHf + "/pairs.json";
+    return o;
+  };
+  expect_usage([&] { pack_text(opts("a.jsonl")); }, dir / "a.jsonl: line 2: invalid UTF-8 at byte 13 of the line");
+  expect_usage([&] { pack_text(opts("b.txt")); }, dir / "b.txt: invalid UTF-8 at byte 6 (the hf tokenizer reads UTF-8 text)");
+  PackOptions o = opts("a.jsonl");
+  o.tokenizer_file.clear();
+  expect_usage([&] { pack_text(o); }, "pack: the hf tokenizer needs --tokenizer-file tokenizer.json");
+  o = opts("a.jsonl");
+  o.tokenizer = "gpt2";
+  expect_usage([&] { pack_text(o); }, "pack: --tokenizer-file is read by --tokenizer hf only");
+  o = opts("a.jsonl");
+  o.eot_token = 272;
+  expect_usage([&] { pack_text(o); }, "pack: --eot 272 not in [0, vocab size 272)");
+  o = opts("a.jsonl");
+  o.text_key = "body";
+  expect_usage([&] { pack_text(o); }, dir / "a.jsonl: line 1: no key 'body'");
+}
+
+TEST(PackHf, EotOverridesTheFilesSeparator) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  write_file(dir / "a.jsonl", "{\"text\": \"hello world\"}\n{\"text\": \"xyz\"}\n");
+  PackOptions o;
+  o.inputs = {dir / "a.jsonl"};
+  o.output_prefix = dir / "out/x";
+  o.tokenizer = "hf";
+  o.tokenizer_file = kHf + "/pairs.json";
+  o.val_fraction = 0;
+  PackResult r = pack_text(o);
+  EXPECT_EQ(r.eot_token, kEot);
+  EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)),
+            (std::vector<uint32_t>{kEot, kHello, kWorld, kEot, 'x', 'y', 'z'}));
+  EXPECT_EQ(read_shard_info(r.train_shards.at(0)).dtype_bytes, 2);
+  o.eot_token = 0;
+  r = pack_text(o);
+  EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)), (std::vector<uint32_t>{0, kHello, kWorld, 0, 'x', 'y', 'z'}));
+}
