@@ -12,7 +12,12 @@
 # median over runs. ratio = PyTorch ms/step ÷ mpitrain ms/step: above 1.0 mpitrain is faster.
 # The first losses of both are printed as a check that they compute the same thing.
 #
-# Environment: STEPS (40), WARMUP (8), REPEATS (5), THREADS ("1 2"), PRECISIONS ("fp32 bf16"),
+# ARCH=llama: the llama-debug shape instead (6 layers, width 256, 16 heads / 4 kv heads, SwiGLU 768,
+# rotary; seq 256, micro-batch 8, byte vocabulary), the peer tests/llama_reference.py (a Llama
+# written from transformers' modeling code, PyTorch's AdamW) on the weights of mpitrain's first
+# step, exported to Hugging Face's format; both start from those weights.
+#
+# Environment: STEPS (40), WARMUP (8), REPEATS (5), THREADS ("1 2"), PRECISIONS ("fp32 bf16"), ARCH (gpt2),
 # PYTHON (python3, else /usr/bin/python3: the first that imports torch), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (4/256/4/256/8).
 # Needs python3-torch and python3-numpy (apt-get install python3-torch).
 set -euo pipefail
@@ -25,7 +30,12 @@ if [[ -z $PY ]]; then  # Debian's interpreter when another python3 (pyenv, a ven
 fi
 STEPS=${STEPS:-40} WARMUP=${WARMUP:-8} REPEATS=${REPEATS:-5}
 THREADS=${THREADS:-"1 2"} PRECISIONS=${PRECISIONS:-"fp32 bf16"}
-L=${N_LAYER:-4} D=${N_EMBD:-256} H=${N_HEAD:-4} T=${SEQ:-256} B=${MICRO_BATCH:-8}
+ARCH=${ARCH:-gpt2}
+if [[ $ARCH == llama ]]; then
+  L=${N_LAYER:-6} D=${N_EMBD:-256} H=${N_HEAD:-16} T=${SEQ:-256} B=${MICRO_BATCH:-8}
+else
+  L=${N_LAYER:-4} D=${N_EMBD:-256} H=${N_HEAD:-4} T=${SEQ:-256} B=${MICRO_BATCH:-8}
+fi
 V=256
 
 if ! "$PY" -c 'import torch, numpy' 2> /dev/null; then
@@ -43,14 +53,28 @@ n = int(sys.argv[1])
 np.save("tokens.npy", np.random.default_rng(7).integers(1, 256, n, dtype=np.uint16))
 EOF
 "$BIN" pack tokens.npy -o data/t --vocab-size $V --eot 0 --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
-ref=("$PY" "$REPO/bench/gpt2_reference.py" --vocab $V --seq-len $T --n-layer $L --n-head $H --n-embd $D)
-"${ref[@]}" --dump-init init > /dev/null
+if [[ $ARCH == llama ]]; then
+  MODEL="preset: custom, arch: llama, n_layer: $L, n_head: $H, n_kv_head: 4, n_embd: $D, intermediate_size: 768, seq_len: $T, rope_theta: 500000, init_from: 'hf:$WORK/init'"
+  # The initial weights: mpitrain's after one step, as a Hugging Face directory both start from.
+  cat > init.yaml <<YAML
+model: {preset: custom, arch: llama, n_layer: $L, n_head: $H, n_kv_head: 4, n_embd: $D, intermediate_size: 768, seq_len: $T, rope_theta: 500000}
+data: {train: [$WORK/data/t-train-*.h5], shuffle: false}
+train: {micro_batch: $B, steps: 1, threads: 1, out_dir: $WORK/init-run}
+eval: {every: 0}
+checkpoint: {dir: $WORK/init-ckpt, resume: none}
+YAML
+  "$BIN" init.yaml > init.log 2>&1 && "$BIN" export init-ckpt/ckpt-00000001.h5 init > /dev/null || { cat init.log; exit 1; }
+else
+  MODEL="preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T, init_from: $WORK/init"
+  ref=("$PY" "$REPO/bench/gpt2_reference.py" --vocab $V --seq-len $T --n-layer $L --n-head $H --n-embd $D)
+  "${ref[@]}" --dump-init init > /dev/null
+fi
 
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 
 run_mpitrain() {  # precision threads -> "ms_per_step first_loss"
   cat > cfg.yaml <<YAML
-model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T, init_from: $WORK/init}
+model: {$MODEL}
 data: {train: [$WORK/data/t-train-*.h5], shuffle: false}
 train: {micro_batch: $B, steps: $STEPS, threads: $2, precision: $1, out_dir: $WORK/run}
 optim: {lr: 6e-4, min_lr: 6e-5, warmup_steps: 10}
@@ -67,14 +91,19 @@ YAML
 }
 run_pytorch() {  # precision threads -> "ms_per_step first_loss"
   local out
-  out=$("${ref[@]}" --device cpu --precision "$1" --threads "$2" --tokens tokens.npy --sequential \
-        --init-from init --micro-batch $B --steps $STEPS --warmup $WARMUP --lr 6e-4 --min-lr 6e-5 \
-        --warmup-steps 10)
+  if [[ $ARCH == llama ]]; then
+    out=$("$PY" "$REPO/tests/llama_reference.py" train init tokens.npy --precision "$1" --threads "$2" --steps $STEPS \
+          --batch $B --seq-len $T --lr 6e-4 --min-lr 6e-5 --warmup 10 --timing-warmup $WARMUP | tail -n 1)
+  else
+    out=$("${ref[@]}" --device cpu --precision "$1" --threads "$2" --tokens tokens.npy --sequential \
+          --init-from init --micro-batch $B --steps $STEPS --warmup $WARMUP --lr 6e-4 --min-lr 6e-5 \
+          --warmup-steps 10)
+  fi
   "$PY" -c 'import json, sys; r = json.loads(sys.argv[1]); print(r["median_ms_per_step"], r["losses"][0])' "$out"
 }
 
 echo "mpitrain $("$BIN" --version 2>&1 | head -1) vs PyTorch $("$PY" -c 'import torch; print(torch.__version__)')"
-echo "model: $L layers, width $D, $H heads, seq $T, micro-batch $B, vocab $V; $STEPS steps, median after $WARMUP, $REPEATS interleaved runs each"
+echo "model: $ARCH, $L layers, width $D, $H heads, seq $T, micro-batch $B, vocab $V; $STEPS steps, median after $WARMUP, $REPEATS interleaved runs each"
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
 echo
 printf '| %-9s | %7s | %16s | %15s | %17s | %-22s |\n' precision threads "mpitrain ms/step" "PyTorch ms/step" "ratio (PT/mpit.)" "first loss (mpit./PT)"

@@ -118,6 +118,17 @@ row "resume: another n_layer (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set mod
 row "training diverges (lr 1e30, mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set optim.lr=1e30 --set optim.min_lr=0 \
   --set optim.grad_clip=0 --set checkpoint.dir=ckd --set log.every=1
 row "optim.fused: on without the kernel" "$B" ok.yaml --set optim.fused=on --set checkpoint.dir=ckf
+# Llama and Hugging Face directories (issue 30)
+row "config: n_kv_head not dividing n_head" "$B" ok.yaml --set model.preset=llama-debug --set model.n_kv_head=3
+row "config: a Llama key on a gpt2 model" "$B" ok.yaml --set model.rope_scaling=llama3
+printf 'model: {preset: custom, arch: llama, n_layer: 1, n_head: 2, n_kv_head: 1, n_embd: 16, intermediate_size: 32, seq_len: 16, tie_embeddings: false}\n' > llama.yaml
+sed -n '/^data:/,$p' ok.yaml | sed 's/dir: ck}/dir: ckl}/' >> llama.yaml
+"$B" llama.yaml > /dev/null 2>&1 && "$B" export ckl/ckpt-00000002.h5 hfl > /dev/null 2>&1 && "$B" export ckl/ckpt-00000002.h5 hfs --max-shard-size 0.001 > /dev/null 2>&1
+row "hf:DIR: config.json disagrees with a model key" "$B" ok.yaml --set model.init_from=hf:hfl --set model.n_layer=2 --set checkpoint.dir=ckx
+cp -r hfs hfm && rm hfm/model-00002-of-*.safetensors
+row "hf:DIR: the index names a missing file" "$B" ok.yaml --set model.init_from=hf:hfm --set checkpoint.dir=ckx
+cp -r hfl hft && head -c 3000 hfl/model.safetensors > hft/model.safetensors
+row "hf:DIR: truncated safetensors" "$B" ok.yaml --set model.init_from=hf:hft --set checkpoint.dir=ckx
 mkdir full
 if mount -t tmpfs -o size=200k tmpfs full 2>/dev/null; then
   cp -r ck full/ck 2>/dev/null

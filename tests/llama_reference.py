@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import torch
@@ -187,8 +188,12 @@ def main():
     ap.add_argument("--min-lr", type=float, default=6e-5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast")
+    ap.add_argument("--timing-warmup", type=int, default=0,
+                    help="train: also print the median ms/step of the steps after this many (bench/cpu_vs_pytorch.sh)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as mpitrain does for fp32 on the CPU
 
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
@@ -228,19 +233,26 @@ def main():
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     B, T = args.batch, args.seq_len
-    losses = []
+    losses, step_ms = [], []
     for step in range(args.steps):
+        t0 = time.perf_counter()
         batch = torch.stack([data[(step * B + i) * T:(step * B + i) * T + T + 1] for i in range(B)])
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.min_lr, args.warmup)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    print(json.dumps({"losses": losses}))
+        step_ms.append(1e3 * (time.perf_counter() - t0))
+    out = {"losses": losses}
+    if args.timing_warmup:
+        timed = sorted(step_ms[args.timing_warmup:])
+        out["median_ms_per_step"] = timed[len(timed) // 2]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -194,7 +194,9 @@ std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string
       f->entries = read_header(p, f->in, f->data_start);
       files.push_back(std::move(f));
     }
-    for (const auto& [tensor, file] : j["weight_map"].items()) {
+    for (const auto& item : j["weight_map"].items()) {
+      const std::string tensor = item.key();  // (a lambda may not capture a structured binding in C++17)
+      const json& file = item.value();
       SafetensorsFile& f = *files[file_numbers.at(file.get<std::string>())];
       if (std::none_of(f.entries.begin(), f.entries.end(), [&](const Entry& e) { return e.name == tensor; }))
         throw UsageError(concat(index_path.string(), ": weight_map['", tensor, "'] names ", file.dump(), ", which holds no such tensor"));
@@ -390,7 +392,12 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
     std::vector<std::string> unknown;
     for (const auto& f : files)
       for (const auto& e : f->entries) {
-        if (!index.empty() && index.at(e.name) != f.get()) continue;  // the index says which file holds it
+        if (!index.empty()) {  // the index says which file holds each tensor
+          const auto listed = index.find(e.name);
+          if (listed == index.end())
+            throw UsageError(concat(f->path, ": tensor '", e.name, "' is not in model.safetensors.index.json's weight_map"));
+          if (listed->second != f.get()) continue;  // a copy the index does not name: another file holds it
+        }
         std::string name = e.name;
         if (!d.llama() && name.rfind(kPrefix, 0) != 0 && name != "lm_head.weight") name = kPrefix + name;
         if (name == "lm_head.weight" && !ours.count(name)) {
