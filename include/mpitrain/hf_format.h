@@ -47,8 +47,9 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
 // Loads Hugging Face weights into `model`: a .safetensors file, or a directory (hf:DIR or DIR)
 // holding model.safetensors or a sharded model.safetensors.index.json. F32, F16, BF16 or F64.
 // Every file's header, every tensor's name, dtype, shape and byte range, and the index are
-// checked before any weight changes; the tensors are then read and converted one at a time (a
-// model needs no second copy of itself in memory). A missing, unknown or twice-named tensor, an
+// checked before any weight changes; the values are then read one tensor at a time, twice: to
+// check them (finite, a tied lm_head), then to copy them, so a refused file changes no weight and
+// no second copy of the model is held. A missing, unknown or twice-named tensor, an
 // index naming a missing file, a truncated file, NaN/inf values, or (tied models) an lm_head
 // that differs from the embedding are a UsageError "<key>: <file>: ...". Buffers older files
 // carry (GPT-2's attn.bias masks, Llama's rotary_emb.inv_freq) are ignored. Returns the number

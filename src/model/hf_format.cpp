@@ -433,19 +433,27 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
     const Entry* wte = found[hf_name("wte.weight", d)].second;
     if (lm_head && lm_head->shape != wte->shape)
       throw UsageError(concat(lm_head_file->path, ": lm_head.weight has shape ", shape_text(lm_head->shape), ", not the embedding's"));
-    // Every check passed: read, convert and check the values one tensor at a time.
+    // Every header check passed. The values are read twice, one tensor at a time: once to check
+    // them (finite; a tied lm_head equal to the embedding), then to copy them, so that a refused
+    // file changes no weight and no second copy of the model is ever held (an 8B model is 16 GB
+    // in bf16; the second read mostly comes from the page cache).
+    if (lm_head) {
+      torch::Tensor head = read_tensor(lm_head_file->path, lm_head_file->in, lm_head_file->data_start, *lm_head);
+      const auto& [file, e] = found[hf_name("wte.weight", d)];
+      if (!torch::equal(head, read_tensor(file->path, file->in, file->data_start, *e)))
+        throw UsageError(concat(lm_head_file->path,
+                                ": lm_head.weight differs from the token embedding: mpitrain ties the output layer to it",
+                                d.llama() ? " (this model has tie_embeddings true)" : ""));
+    }
+    for (const auto& [name, p] : params) {
+      const auto& [file, e] = found[hf_name(name, d)];
+      read_tensor(file->path, file->in, file->data_start, *e);
+    }
     torch::NoGradGuard no_grad;
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
       torch::Tensor t = read_tensor(file->path, file->in, file->data_start, *e);
       p.copy_(hf_transposed(name, d) ? t.t() : t);
-    }
-    if (lm_head) {
-      torch::Tensor head = read_tensor(lm_head_file->path, lm_head_file->in, lm_head_file->data_start, *lm_head);
-      if (!torch::equal(head, model->wte->weight.detach().cpu()))
-        throw UsageError(concat(lm_head_file->path,
-                                ": lm_head.weight differs from the token embedding: mpitrain ties the output layer to it",
-                                d.llama() ? " (this model has tie_embeddings true)" : ""));
     }
     return static_cast<int64_t>(params.size());
   } catch (const UsageError& e) {
