@@ -60,6 +60,7 @@ if [[ $ARCH == llama ]]; then
 model: {preset: custom, arch: llama, n_layer: $L, n_head: $H, n_kv_head: 4, n_embd: $D, intermediate_size: 768, seq_len: $T, rope_theta: 500000}
 data: {train: [$WORK/data/t-train-*.h5], shuffle: false}
 train: {micro_batch: $B, steps: 1, threads: 1, out_dir: $WORK/init-run}
+optim: {warmup_steps: 0}
 eval: {every: 0}
 checkpoint: {dir: $WORK/init-ckpt, resume: none}
 YAML
