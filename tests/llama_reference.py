@@ -32,6 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from gpt2_reference import lr_at  # noqa: E402  mpitrain's schedule, as the GPT-2 reference has it
+
 DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -162,17 +165,6 @@ class Llama(torch.nn.Module):
         x = self.rms(x, "model.norm.weight")
         head = self.w("lm_head.weight") if self.has("lm_head.weight") else self.w("model.embed_tokens.weight")
         return F.linear(x, head)
-
-
-def lr_at(step, total, lr, min_lr, warmup):
-    """mpitrain's schedule (src/train/optim.cpp): linear warm-up, then cosine decay to min_lr."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    decay_steps = total - warmup
-    if decay_steps <= 1:
-        return lr
-    progress = min(1.0, (step - warmup) / (decay_steps - 1))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
 def main():
