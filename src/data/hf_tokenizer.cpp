@@ -391,41 +391,46 @@ void HfTokenizer::Impl::split(std::string_view text, const Step& s) {
   if (s.invert)
     for (Cut& c : cuts) c.match = !c.match;
 
-  std::vector<Cut> kept;
+  // The kept cuts are rewritten in place, [lo, hi) of `cuts` (no second vector: GCC 14 reported
+  // a -Wfree-nonheap-object false positive on the copy and its std::reverse).
+  size_t lo = 0, hi = 0;
   bool previous_match = false;
   switch (s.behavior) {
     case Behavior::removed:
-      for (const Cut& c : cuts)
-        if (!c.match) kept.push_back(c);
+      for (size_t i = 0; i < cuts.size(); ++i)
+        if (!cuts[i].match) cuts[hi++] = cuts[i];
       break;
     case Behavior::isolated:
-      kept = cuts;
+      hi = cuts.size();
       break;
     case Behavior::contiguous:
-      for (const Cut& c : cuts) {
-        if (!kept.empty() && c.match == previous_match) kept.back().end = c.end;
-        else kept.push_back(c);
+      for (size_t i = 0; i < cuts.size(); ++i) {
+        const Cut c = cuts[i];
+        if (hi > 0 && c.match == previous_match) cuts[hi - 1].end = c.end;
+        else cuts[hi++] = c;
         previous_match = c.match;
       }
       break;
     case Behavior::merged_with_previous:
-      for (const Cut& c : cuts) {
-        if (!kept.empty() && c.match && !previous_match) kept.back().end = c.end;
-        else kept.push_back(c);
+      for (size_t i = 0; i < cuts.size(); ++i) {
+        const Cut c = cuts[i];
+        if (hi > 0 && c.match && !previous_match) cuts[hi - 1].end = c.end;
+        else cuts[hi++] = c;
         previous_match = c.match;
       }
       break;
-    case Behavior::merged_with_next:
-      for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
-        if (!kept.empty() && it->match && !previous_match) kept.back().begin = it->begin;
-        else kept.push_back(*it);
-        previous_match = it->match;
+    case Behavior::merged_with_next:  // from the back: a match joins the gap after it
+      lo = hi = cuts.size();
+      for (size_t i = cuts.size(); i-- > 0;) {
+        const Cut c = cuts[i];
+        if (lo < hi && c.match && !previous_match) cuts[lo].begin = c.begin;
+        else cuts[--lo] = c;
+        previous_match = c.match;
       }
-      std::reverse(kept.begin(), kept.end());
       break;
   }
-  for (const Cut& c : kept)
-    if (c.end > c.begin) next.push_back(text.substr(c.begin, c.end - c.begin));
+  for (size_t i = lo; i < hi; ++i)
+    if (cuts[i].end > cuts[i].begin) next.push_back(text.substr(cuts[i].begin, cuts[i].end - cuts[i].begin));
 }
 
 void HfTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {

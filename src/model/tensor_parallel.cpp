@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "mpitrain/error.h"
+#include "mpitrain/fused_ops.h"  // apply_autograd_function
 
 namespace mpitrain {
 
@@ -69,12 +70,12 @@ Communicator& comm_from_handle(int64_t handle) { return *reinterpret_cast<Commun
 
 torch::Tensor tp_copy(const torch::Tensor& x, Communicator& tp) {
   if (tp.size() == 1) return x;
-  return TpCopy::apply(x, comm_handle(tp));
+  return apply_autograd_function<TpCopy>(x, comm_handle(tp));
 }
 
 torch::Tensor tp_reduce(const torch::Tensor& x, Communicator& tp) {
   if (tp.size() == 1) return x;
-  return TpReduce::apply(x, comm_handle(tp));
+  return apply_autograd_function<TpReduce>(x, comm_handle(tp));
 }
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& idx, const torch::Tensor& local, int64_t vocab_start,
