@@ -15,6 +15,9 @@ for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev 
          python3-crc32c python3-protobuf python3-torch pdsh; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# node and npm (tests/hf_tokenizer_test.sh: Hugging Face's tokenizers in JavaScript as the reference),
+# from Debian unless the machine already has them (any install that puts both on PATH).
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
