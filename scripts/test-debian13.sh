@@ -58,6 +58,20 @@ EOF
   touch "$ROOT/.mpitrain-root-complete"
 fi
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# tests/hf_tokenizer_test.sh's npm packages: the cache the Debian 12 leg filled (pure JavaScript,
+# keyed by the lock file), and this host's CA bundle for npm where the registry is reached through
+# a TLS-inspecting proxy that only the host trusts.
+HOST_NPM_CACHE=${MPITRAIN_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpitrain-npm}
+if [ -d "$HOST_NPM_CACHE" ]; then
+  mkdir -p "$ROOT/root/.cache"
+  cp -a "$HOST_NPM_CACHE/." "$ROOT/root/.cache/mpitrain-npm/" 2>/dev/null || true
+fi
+NODE_CA=""
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  mkdir -p "$ROOT/etc/ssl/certs"
+  cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/mpitrain-host-ca.crt"
+  NODE_CA=/etc/ssl/certs/mpitrain-host-ca.crt
+fi
 say "root $ROOT: $(cat "$ROOT/etc/debian_version") ($(du -sh "$ROOT" 2>/dev/null | cut -f1))"
 
 # The checkout, fresh: tracked files and untracked ones git does not ignore (as CI's clone has).
@@ -98,7 +112,7 @@ else
   rm -f "$ROOT/usr/local/cuda"
   say "no CUDA toolkit with nccl.h in /usr/local/cuda: no GPU compile check in this leg"
 fi
-unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" \
+unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" NODE_CA="$NODE_CA" \
   MPITRAIN_DEBIAN13_SHELL="${MPITRAIN_DEBIAN13_SHELL:-0}" INNER="$inner" bash -c '
   set -euo pipefail
   mount --bind "$ROOT" "$ROOT"   # the root a mount point of its own (ip netns needs that)
@@ -112,6 +126,6 @@ unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARG
     mount --bind -o ro "$CUDA_DIR" "$ROOT$CUDA_DIR"
     ln -sfn "$CUDA_DIR" "$ROOT/usr/local/cuda"
   fi
-  exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" \
+  exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" NODE_EXTRA_CA_CERTS="$NODE_CA" \
     MPITRAIN_DEBIAN13_SHELL="$MPITRAIN_DEBIAN13_SHELL" bash -c "$INNER"
 '
