@@ -151,6 +151,16 @@ struct SafetensorsFile {
   std::vector<Entry> entries;
 };
 
+// One file, opened and its header checked.
+std::unique_ptr<SafetensorsFile> open_one(const std::string& path) {
+  auto f = std::make_unique<SafetensorsFile>();
+  f->path = path;
+  f->in.open(path, std::ios::binary);
+  if (!f->in) throw UsageError(concat(path, ": cannot open: ", std::strerror(errno)));
+  f->entries = read_header(path, f->in, f->data_start);
+  return f;
+}
+
 // The files of `path`: itself, or a directory's model.safetensors or its index's shards.
 std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string& path,
                                                                std::map<std::string, SafetensorsFile*>& index) {
@@ -187,12 +197,7 @@ std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string
     std::vector<std::unique_ptr<SafetensorsFile>> files;
     for (const std::string& p : paths) {
       if (!fs::exists(p, ec)) throw UsageError(concat(index_path.string(), ": names '", fs::path(p).filename().string(), "', which does not exist"));
-      auto f = std::make_unique<SafetensorsFile>();
-      f->path = p;
-      f->in.open(p, std::ios::binary);
-      if (!f->in) throw UsageError(concat(p, ": cannot open: ", std::strerror(errno)));
-      f->entries = read_header(p, f->in, f->data_start);
-      files.push_back(std::move(f));
+      files.push_back(open_one(p));
     }
     for (const auto& item : j["weight_map"].items()) {
       const std::string tensor = item.key();  // (a lambda may not capture a structured binding in C++17)
@@ -207,12 +212,7 @@ std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string
     throw UsageError(concat(path, ": a directory without model.safetensors or model.safetensors.index.json"));
   }
   std::vector<std::unique_ptr<SafetensorsFile>> files;
-  auto f = std::make_unique<SafetensorsFile>();
-  f->path = paths[0];
-  f->in.open(paths[0], std::ios::binary);
-  if (!f->in) throw UsageError(concat(paths[0], ": cannot open: ", std::strerror(errno)));
-  f->entries = read_header(paths[0], f->in, f->data_start);
-  files.push_back(std::move(f));
+  files.push_back(open_one(paths[0]));
   return files;
 }
 
