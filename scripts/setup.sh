@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs mpitrain's Debian packages (when missing) and builds it into build/.
 # Used by scripts/demo.sh and scripts/test.sh; safe to run again (does only what is missing).
+#   scripts/setup.sh [--packages-only]   (--packages-only: install, do not build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +29,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+[ "${1:-}" = --packages-only ] && exit 0
+build_start=$(date +%s)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > build.log 2>&1 || { cat build.log; exit 1; }
 cmake --build build -j"${JOBS:-2}" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
-echo "setup: built build/mpitrain"
+echo "setup: built build/mpitrain in $(( $(date +%s) - build_start )) s"

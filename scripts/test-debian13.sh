@@ -19,8 +19,12 @@
 # against libtorch 2.6's headers with trixie's GCC as well.
 #
 #   scripts/test-debian13.sh            (root; about 15 min the first time, then ~10)
+#   scripts/test-debian13.sh --prepare  only makes the root and installs the packages the build and
+#                                       the tests need (.ci/run does this beside the Debian 12 leg)
 #   MPITRAIN_DEBIAN13_SHELL=1 scripts/test-debian13.sh   a shell in the root after the tests
 set -euo pipefail
+PREPARE=0
+if [ "${1:-}" = --prepare ]; then PREPARE=1; fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 ROOT=$CACHE/debian13-root
@@ -92,6 +96,13 @@ export DEBIAN_FRONTEND=noninteractive
 cd /src/mpitrain
 apt-get update -qq
 apt-get -y -qq upgrade > /dev/null
+if [ "$PREPARE" = 1 ]; then
+  # npm is left to the real run: by then the Debian 12 leg has filled the npm cache copied in.
+  start=$(date +%s)
+  MPITRAIN_NO_NPM=1 scripts/test.sh --packages-only > /dev/null
+  echo "debian13: packages installed in $(( $(date +%s) - start )) s"
+  exit 0
+fi
 echo "debian13: $(. /etc/os-release; echo "$PRETTY_NAME"); libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo '(not yet installed)')"
 start=$(date +%s)
 rc=0
@@ -112,7 +123,7 @@ else
   rm -f "$ROOT/usr/local/cuda"
   say "no CUDA toolkit with nccl.h in /usr/local/cuda: no GPU compile check in this leg"
 fi
-unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" NODE_CA="$NODE_CA" \
+unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" NODE_CA="$NODE_CA" PREPARE="$PREPARE" \
   MPITRAIN_DEBIAN13_SHELL="${MPITRAIN_DEBIAN13_SHELL:-0}" INNER="$inner" bash -c '
   set -euo pipefail
   mount --bind "$ROOT" "$ROOT"   # the root a mount point of its own (ip netns needs that)
@@ -126,6 +137,6 @@ unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARG
     mount --bind -o ro "$CUDA_DIR" "$ROOT$CUDA_DIR"
     ln -sfn "$CUDA_DIR" "$ROOT/usr/local/cuda"
   fi
-  exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" NODE_EXTRA_CA_CERTS="$NODE_CA" \
+  exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" NODE_EXTRA_CA_CERTS="$NODE_CA" PREPARE="$PREPARE" \
     MPITRAIN_DEBIAN13_SHELL="$MPITRAIN_DEBIAN13_SHELL" bash -c "$INNER"
 '

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Builds mpitrain and runs the whole test suite (unit tests, real mpirun -np 2/-np 4 runs, and
 # the CLI end-to-end tests) with CTest.
+#
+#   scripts/test.sh [CTEST ARGS]   e.g. -R llama to run some tests only
+#   scripts/test.sh --packages-only   installs what the build and the tests need, builds nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+packages_only=0
+if [ "${1:-}" = --packages-only ]; then packages_only=1; shift; fi
+if [ $packages_only = 1 ]; then scripts/setup.sh --packages-only; else scripts/setup.sh; fi
 # What the fault and multi-host tests use beyond the build (Slurm, munge, docker.io and
 # debootstrap are installed by their own tests), and the fuzz test's clang with its libFuzzer
 # runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), h5py
@@ -15,13 +20,19 @@ for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev 
          python3-crc32c python3-protobuf python3-torch pdsh; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-# node and npm (tests/hf_tokenizer_test.sh: Hugging Face's tokenizers in JavaScript as the reference),
-# from Debian unless the machine already has them (any install that puts both on PATH).
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
+# node (tests/hf_tokenizer_test.sh: Hugging Face's tokenizers in JavaScript as the reference) from
+# Debian unless the machine already has it; npm (Debian's pulls in some 340 packages) only when the
+# test's npm packages are not installed in its cache yet (MPITRAIN_NO_NPM=1: they will be copied in
+# before the test runs, as scripts/test-debian13.sh does).
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
+if ! command -v npm >/dev/null 2>&1 && [ "${MPITRAIN_NO_NPM:-0}" != 1 ] && ! bash tests/hf_tokenizer_test.sh --installed; then
+  missing+=(npm)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+[ $packages_only = 1 ] && exit 0
 cd build
 ctest --output-on-failure "$@"

