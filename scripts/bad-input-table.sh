@@ -116,7 +116,7 @@ row "config: checkpoint.dir is a file (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml 
 row "resume: another n_head, equal shapes (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set model.n_head=4
 row "resume: another n_layer (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set model.n_layer=2
 row "config: parallel.tp that does not split the heads (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set parallel.tp=2 --set model.n_head=1 --set checkpoint.dir=ckt
-row "config: parallel.tp that does not split the vocabulary (mpirun -np 2, byte-level data)" mpirun -np 2 "$B" ok.yaml --set parallel.tp=2 --set checkpoint.dir=ckt
+row "config: parallel.tp that does not split an explicit vocabulary (mpirun -np 2, byte-level data)" mpirun -np 2 "$B" ok.yaml --set parallel.tp=2 --set model.vocab_size=257 --set checkpoint.dir=ckt
 row "training diverges (lr 1e30, mpirun -np 2)" mpirun -np 2 "$B" ok.yaml --set optim.lr=1e30 --set optim.min_lr=0 \
   --set optim.grad_clip=0 --set checkpoint.dir=ckd --set log.every=1
 row "optim.fused: on without the kernel" "$B" ok.yaml --set optim.fused=on --set checkpoint.dir=ckf

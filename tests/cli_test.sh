@@ -182,25 +182,32 @@ expect_usage "model.init_from: missing and extra .npy files" \
 # The layout (parallel.tp) and ZeRO (optim.zero) keys.
 expect_usage "parallel.tp that does not divide the world" "cfg.yaml: parallel.tp: 2 does not divide the world size 3" \
   "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.tp=2
-expect_usage "parallel.tp: a vocabulary the tp ranks cannot split (the data's 257 bytes + end-of-text)" \
-  "cfg.yaml: model.vocab_size: 257 (the data's) must be a multiple of parallel.tp (2): the vocabulary is split over the tp ranks; set model.vocab_size to a padded size such as 258" \
-  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2
+expect_usage "parallel.tp: an explicit vocabulary the tp ranks cannot split (the data's 257 bytes + end-of-text)" \
+  "cfg.yaml: model.vocab_size: 257 must be a multiple of parallel.tp (2): the vocabulary is split over the tp ranks; set a padded size such as 258, or leave model.vocab_size unset (automatic padding)" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.vocab_size=257
 expect_usage "parallel.tp: heads the tp ranks cannot split" \
   "cfg.yaml: parallel.tp: 2 must divide model.n_head (1): each tp rank computes whole attention heads" \
-  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.n_head=1 --set model.vocab_size=258
-# A tensor-parallel run (tp 2 x dp 1) writes a whole-shape checkpoint that a tp 1 run resumes.
-"$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.n_head=1
+# A tensor-parallel run (tp 2 x dp 1) on the 257-token byte vocabulary, no model.vocab_size: padded
+# to 258 rows automatically; it writes a whole-shape checkpoint that a tp 1 run resumes.
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set checkpoint.dir=ckpt-tp \
   --set train.out_dir=run-tp --set checkpoint.resume=none > tp.out 2>&1
 rc=$?
 check "tensor parallel: tp 2 trains (exit $rc), the mesh says dp 1 x tp 2, both tp ranks write their shards" \
   "[ $rc -eq 0 ] && grep -q 'mesh: 2 ranks = dp 1 x tp 2' tp.out && grep -q 'step *6/6' tp.out && grep -q 'write their tensor-parallel shards (2 writers' tp.out"
+check "tensor parallel: the byte vocabulary padded for tp 2, said at start-up" \
+  "grep -q 'vocab 258 = 257 tokens + 1 padding rows outside the loss' tp.out"
+# The padding row is outside the loss: no gradient, so AdamW leaves it at its initial zero.
+h5dump -y -w 0 -d /model/wte.weight -s 257,0 -c 1,16 ckpt-tp/ckpt-00000006.h5 > pad_row.txt 2>&1
+pad_values=$(sed -n '/DATA {/,/}/{p;/}/q}' pad_row.txt | grep -v '[{}]' | tr ', ' '\n\n' | grep -v '^$' | sort -u | tr '\n' ' ')
+check "tensor parallel: the padding row is still zero after 6 steps (its values: ${pad_values:-none})" \
+  "[ '$pad_values' = '0 ' ]"
 check "tensor parallel: its checkpoint holds whole tensors (mpitrain sample loads it)" \
   "'$BIN' sample ckpt-tp/ckpt-00000006.h5 --tokens 3 > /dev/null 2>&1"
-"$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.vocab_size=258 --set checkpoint.dir=ckpt-tp --set train.out_dir=run-tp1 \
-  --set train.steps=8 > tp1.out 2>&1
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-tp --set train.out_dir=run-tp1 --set train.steps=8 > tp1.out 2>&1
 rc=$?
-check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint (exit $rc)" \
-  "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out"
+check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 rows (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out && grep -q 'vocabulary rows 258 as the checkpoint has them' tp1.out"
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off) or 1" "$BIN" cfg.yaml --set optim.zero=2
 expect_usage "model.attention unknown" "cfg.yaml: model.attention must be one of auto|flash|cudnn|efficient|math" \
   "$BIN" cfg.yaml --set model.attention=fast

@@ -216,6 +216,7 @@ TEST(Config, WrongTypesNameTheKeyAndTheValue) {
       {"data:\n  train: [a.h5, [b.h5]]\n",
        "data.train must be a list of strings, got [a.h5, [b.h5]]"},
       {"train: 5\n", "run.yaml: train must be a map of keys, got '5'"},
+      {"model:\n  vocab_multiple: -64\n", "run.yaml: model.vocab_multiple must be in [0, 65536] (0 = automatic), got -64"},
       {"- train\n", "run.yaml: the top level must be a map of sections"},
   };
   for (const Case& c : cases) {

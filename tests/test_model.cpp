@@ -92,6 +92,31 @@ TEST(Model, VocabularyMayBePaddedButNotSmallerThanData) {
   EXPECT_THROW(model_dims(m, 50), UsageError);
 }
 
+TEST(Model, AutomaticPaddingRoundsTheDataVocabularyUpAndKeepsThePaddingOutOfTheLoss) {
+  ModelConfig m;
+  m.n_layer = 1; m.n_head = 1; m.n_embd = 8; m.seq_len = 8;
+  // model.vocab_multiple 0: 64 on CUDA, 1 on the CPU; times tp.
+  EXPECT_EQ(vocab_pad_multiple(m, true, 1), 64);
+  EXPECT_EQ(vocab_pad_multiple(m, true, 2), 128);
+  EXPECT_EQ(vocab_pad_multiple(m, false, 1), 1);
+  EXPECT_EQ(vocab_pad_multiple(m, false, 2), 2);
+  m.vocab_multiple = 8;
+  EXPECT_EQ(vocab_pad_multiple(m, false, 4), 32);
+  const GPTDims bytes_tp2 = model_dims(m, 257, 2);  // the byte vocabulary under tp 2 on the CPU
+  EXPECT_EQ(bytes_tp2.vocab_size, 258);
+  EXPECT_EQ(bytes_tp2.vocab_live, 257);
+  EXPECT_EQ(bytes_tp2.classes(), 257);
+  const GPTDims gpt2_gpu = model_dims(m, 50257, 64);
+  EXPECT_EQ(gpt2_gpu.vocab_size, 50304);  // nanoGPT's
+  EXPECT_EQ(gpt2_gpu.classes(), 50257);
+  const GPTDims exact = model_dims(m, 256, 64);  // nothing to pad: every row a class
+  EXPECT_EQ(exact.vocab_size, 256);
+  EXPECT_EQ(exact.vocab_live, 0);
+  m.vocab_size = 50304;  // explicit: every row a class, as nanoGPT and Hugging Face have it
+  EXPECT_EQ(model_dims(m, 50257, 64).vocab_live, 0);
+  EXPECT_EQ(model_dims(m, 50257, 64).classes(), 50304);
+}
+
 TEST(Model, Gpt2Initialisation) {
   torch::manual_seed(0);
   GPTDims d = small_dims();

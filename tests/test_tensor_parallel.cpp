@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -135,6 +136,94 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d: loss %.7f vs dense %.7f, largest relative "
                     "gradient difference %.2g\n",
                     tp, fused, fused_loss, llama, tp_loss.item<double>(), dense_loss.item<double>(), worst);
+    }
+  }
+}
+
+// Automatic vocabulary padding (GPTDims::vocab_live): 37 tokens in 64 rows. The padded model
+// draws the tokens' rows as the unpadded one does and zeroes the rest, so every parameter is the
+// unpadded model's (plus zero rows); its loss is the unpadded loss and its gradients are the
+// unpadded gradients (plus zero rows): the padding is outside the loss. Sharded over tp 2 (rank 1
+// holds 5 tokens and 27 padding rows) and tp 4 (rank 2 holds 5 tokens, rank 3 only padding), it
+// equals the padded dense model as any sharded model does. Plain and fused loss, GPT-2 and a
+// Llama with an untied output layer.
+TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
+  const int world = world_size();
+  constexpr int64_t kTokens = 37, kRows = 64;
+  for (int tp : {2, 4}) {
+    if (world % tp != 0) continue;
+    TpGroup group(tp);
+    const int64_t r = group.comm->rank();
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool fused_loss = variant % 2 == 1, llama = variant >= 2;
+      SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused loss " << fused_loss << ", llama " << llama);
+      GPTDims unpadded = small_dims(false);
+      unpadded.vocab_size = kTokens;
+      unpadded.fused_loss = fused_loss;
+      if (llama) {
+        unpadded.arch = "llama";
+        unpadded.n_kv_head = tp;
+        unpadded.intermediate_size = 24;
+        unpadded.tie_embeddings = false;
+      }
+      GPTDims padded = unpadded;
+      padded.vocab_size = kRows;
+      padded.vocab_live = kTokens;
+      GPTDims sharded_dims = padded;
+      sharded_dims.fused_loss_rows = 7;
+      sharded_dims.tp = tp, sharded_dims.tp_rank = r, sharded_dims.tp_comm = group.comm.get();
+      torch::manual_seed(5);
+      GPT plain(unpadded);
+      torch::manual_seed(5);
+      GPT dense(padded);
+      torch::manual_seed(5);
+      GPT sharded(sharded_dims);
+
+      const auto want = plain->named_params(), whole = dense->named_params(), local = sharded->named_params();
+      ASSERT_EQ(whole.size(), want.size());
+      auto is_vocab = [](const std::string& name) { return name == "wte.weight" || name == "lm_head.weight"; };
+      for (size_t i = 0; i < whole.size(); ++i) {
+        const torch::Tensor& w = whole[i].second;
+        if (is_vocab(whole[i].first)) {
+          EXPECT_TRUE(torch::equal(w.narrow(0, 0, kTokens), want[i].second)) << whole[i].first;
+          EXPECT_EQ(w.narrow(0, kTokens, kRows - kTokens).abs().max().item<float>(), 0.0f) << whole[i].first;
+        } else {
+          EXPECT_TRUE(torch::equal(w, want[i].second)) << whole[i].first;
+        }
+        EXPECT_TRUE(torch::equal(local[i].second, tp_shard(w, tp_split(whole[i].first), r, tp))) << whole[i].first;
+      }
+      EXPECT_EQ(sharded->live_rows(), std::clamp<int64_t>(kTokens - r * (kRows / tp), 0, kRows / tp));
+
+      torch::manual_seed(13);
+      torch::Tensor x = torch::randint(kTokens, {3, unpadded.seq_len}, torch::kLong);
+      torch::Tensor y = torch::randint(kTokens, {3, unpadded.seq_len}, torch::kLong);
+      torch::Tensor plain_loss = plain->loss(x, y), dense_loss = dense->loss(x, y), tp_loss = sharded->loss(x, y);
+      EXPECT_NEAR(dense_loss.item<double>(), plain_loss.item<double>(), kTolerance * plain_loss.item<double>());
+      EXPECT_NEAR(tp_loss.item<double>(), plain_loss.item<double>(), kTolerance * plain_loss.item<double>());
+      {
+        torch::NoGradGuard no_grad;
+        EXPECT_EQ(dense->forward(x).size(2), kTokens);  // no logits for the padding
+        EXPECT_LT(rel_diff(dense->forward(x), plain->forward(x)), kTolerance);
+      }
+      plain_loss.backward();
+      dense_loss.backward();
+      tp_loss.backward();
+      for (size_t i = 0; i < whole.size(); ++i) {
+        const torch::Tensor g = whole[i].second.grad();
+        ASSERT_TRUE(g.defined()) << whole[i].first;
+        if (is_vocab(whole[i].first)) {
+          EXPECT_LT(rel_diff(g.narrow(0, 0, kTokens), want[i].second.grad()), kTolerance) << whole[i].first;
+          EXPECT_EQ(g.narrow(0, kTokens, kRows - kTokens).abs().max().item<float>(), 0.0f) << whole[i].first;
+        } else {
+          EXPECT_LT(rel_diff(g, want[i].second.grad()), kTolerance) << whole[i].first;
+        }
+        const torch::Tensor got = local[i].second.grad();
+        ASSERT_TRUE(got.defined()) << whole[i].first;
+        // Relative to the whole gradient's scale: a shard of padding rows has an all-zero gradient.
+        const double scale = std::max(g.abs().max().item<double>(), 1e-30);
+        EXPECT_LT((got - tp_shard(g, tp_split(whole[i].first), r, tp)).abs().max().item<double>() / scale, kTolerance)
+            << whole[i].first;
+      }
     }
   }
 }

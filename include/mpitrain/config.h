@@ -26,7 +26,9 @@ struct ModelConfig {
   int64_t n_head = 0;           // attention heads (0 = from preset)
   int64_t n_embd = 0;           // model width (0 = from preset)
   int64_t seq_len = 0;          // context length in tokens (0 = from preset)
-  int64_t vocab_size = 0;       // 0 = the shards' vocab_size; otherwise >= it (padding allowed)
+  int64_t vocab_size = 0;       // 0 = automatic: the shards' vocab_size padded up to a multiple of
+                                // vocab_multiple x parallel.tp; otherwise >= the shards' (every row a class)
+  int64_t vocab_multiple = 0;   // automatic padding's multiple (times parallel.tp): 0 = 64 on CUDA, 1 on the CPU
   std::string arch = "";        // gpt2 | llama ("" = the preset's; custom: gpt2)
   // Llama only (refused on gpt2, whose values are fixed: n_kv_head = n_head, 4 n_embd GELU
   // units, learned positions, biases everywhere, tied output):

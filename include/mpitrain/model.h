@@ -35,7 +35,7 @@ struct GPTDims {
   int64_t n_head = 0;
   int64_t n_embd = 0;
   int64_t seq_len = 0;
-  int64_t vocab_size = 0;
+  int64_t vocab_size = 0;         // rows of the token embedding and of the output layer
   std::string arch = "gpt2";  // gpt2 | llama: which parts the block is made of (above)
   int64_t n_kv_head = 0;          // llama: key/value heads (gpt2: n_head)
   int64_t intermediate_size = 0;  // the MLP's hidden units (gpt2: 4 n_embd)
@@ -47,6 +47,11 @@ struct GPTDims {
   int64_t rope_original_max_position = 0;
   bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
   bool tie_embeddings = true;   // llama: false = an lm_head of its own
+  // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
+  // the rows after them are padding, initialised to zero, outside the loss and the logits, so
+  // they get no gradient and are never sampled. 0: every row is a class (an explicit
+  // model.vocab_size, as nanoGPT's 50304 and Hugging Face's padded checkpoints have it).
+  int64_t vocab_live = 0;
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
@@ -59,11 +64,17 @@ struct GPTDims {
 
   bool llama() const { return arch == "llama"; }
   int64_t head_dim() const { return n_embd / n_head; }
+  int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
 };
 
-// The model's dimensions: the config's (presets already resolved by parse_config), vocab_size 0
-// taking the data's. A model vocabulary smaller than the data's is a UsageError.
-GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size);
+// The model's dimensions: the config's (presets already resolved by parse_config). vocab_size 0
+// pads the data's vocabulary up to a multiple of `pad_multiple` (model.vocab_multiple, resolved
+// by the caller, times tp), the padded rows outside the loss (vocab_live). A model vocabulary
+// smaller than the data's is a UsageError.
+GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_multiple = 1);
+// model.vocab_multiple 0 (automatic): 64 on CUDA (tensor-core tiles, as nanoGPT's 50304), 1 on
+// the CPU (padding buys nothing there); either times the tp degree, which splits the rows.
+int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp);
 
 // model.attention: restricts libtorch's scaled_dot_product_attention to the chosen kernel (auto:
 // libtorch's own choice, unchanged) and returns which kernel runs for this model's attention on
@@ -158,8 +169,8 @@ class GPTImpl : public torch::nn::Module {
  public:
   explicit GPTImpl(const GPTDims& d);
 
-  // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, vocab_size] (tensor parallel:
-  // this rank's vocabulary slice of them, [B, T, vocab_size / tp]).
+  // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, classes()] (tensor parallel:
+  // this rank's vocabulary slice of them, [B, T, live_rows()]): padding rows have none.
   torch::Tensor forward(const torch::Tensor& idx);
   // Mean cross-entropy of next-token prediction; targets [B, T]. With dims.fused_loss the
   // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
@@ -173,6 +184,9 @@ class GPTImpl : public torch::nn::Module {
 
   // The output layer's weight: wte's (tied) or lm_head's (this rank's vocabulary rows under tp).
   const torch::Tensor& output_weight() const { return lm_head ? lm_head->weight : wte->weight; }
+  // How many of this rank's output rows are classes (not padding): all but the padding at the end
+  // of the vocabulary, which under tp may take some ranks' whole slice (then 0).
+  int64_t live_rows() const;
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};  // wpe: gpt2 only
   torch::nn::ModuleList h{nullptr};

@@ -58,6 +58,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, preset),       MPITRAIN_FIELD(model, n_layer),
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
+    MPITRAIN_FIELD(model, vocab_multiple),
     MPITRAIN_FIELD(model, arch),         MPITRAIN_FIELD(model, n_kv_head),
     MPITRAIN_FIELD(model, intermediate_size), MPITRAIN_FIELD(model, rope_theta),
     MPITRAIN_FIELD(model, rope_scaling), MPITRAIN_FIELD(model, rope_factor),
@@ -450,6 +451,8 @@ void validate(const Config& c, const std::string& where) {
   check(m.n_embd > 0, "model.n_embd", "> 0", show(m.n_embd));
   check(m.seq_len > 0, "model.seq_len", "> 0", show(m.seq_len));
   check(m.vocab_size >= 0, "model.vocab_size", ">= 0 (0 = from the shards)", show(m.vocab_size));
+  check(m.vocab_multiple >= 0 && m.vocab_multiple <= 65536, "model.vocab_multiple", "in [0, 65536] (0 = automatic)",
+        show(m.vocab_multiple));
   check(m.n_embd % m.n_head == 0, "model.n_embd", concat("divisible by model.n_head (", m.n_head, ")"),
         show(m.n_embd));
   check(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", show(m.dropout));

@@ -17,7 +17,11 @@ namespace mpitrain {
 
 namespace F = torch::nn::functional;
 
-GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
+int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp) {
+  return (cfg.vocab_multiple > 0 ? cfg.vocab_multiple : cuda ? 64 : 1) * tp;
+}
+
+GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_multiple) {
   GPTDims d;
   d.n_layer = cfg.n_layer;
   d.n_head = cfg.n_head;
@@ -26,7 +30,13 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size) {
   d.dropout = cfg.dropout;
   d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
   d.fused_kernels = cfg.fused_kernels == "on";  // likewise
-  d.vocab_size = cfg.vocab_size > 0 ? cfg.vocab_size : data_vocab_size;
+  if (cfg.vocab_size > 0) {
+    d.vocab_size = cfg.vocab_size;
+  } else {
+    MPITRAIN_CHECK(pad_multiple >= 1, "model_dims: the padding multiple must be >= 1");
+    d.vocab_size = (data_vocab_size + pad_multiple - 1) / pad_multiple * pad_multiple;
+    if (d.vocab_size > data_vocab_size) d.vocab_live = data_vocab_size;
+  }
   d.arch = cfg.arch.empty() ? "gpt2" : cfg.arch;  // a ModelConfig that parse_config did not resolve: GPT-2's
   d.norm_eps = cfg.norm_eps > 0 ? cfg.norm_eps : 1e-5;
   if (d.llama()) {
@@ -333,6 +343,11 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
     const bool is_norm = name.find("ln_") != std::string::npos;
     if (is_norm) {
       is_weight ? p.fill_(1.0) : p.zero_();
+    } else if (name == "wte.weight" || name == "lm_head.weight") {
+      // The tokens' rows are drawn as an unpadded model's (the same generator draws: padding
+      // changes no other initial value); padding rows are zero.
+      p.zero_();
+      p.narrow(0, 0, d.classes()).normal_(0.0, 0.02);
     } else if (is_weight) {
       const bool residual = name.find("c_proj.weight") != std::string::npos;
       p.normal_(0.0, residual ? proj_std : 0.02);
@@ -344,14 +359,24 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
 
 // Tensor parallel: wte holds this rank's vocab_size / tp rows.
 // Llama's untied lm_head likewise.
+// Vocabulary padding (the whole model, tp 1): the vocabulary's layers are made with the tokens'
+// rows only and the zero padding rows appended after, so that making the modules draws what an
+// unpadded model's draws (libtorch's modules initialise themselves when made) and the
+// initialisation below then draws the same values too.
 void GPTImpl::build_modules(const GPTDims& d) {
-  wte = register_module("wte", torch::nn::Embedding(d.vocab_size / d.tp, d.n_embd));
+  const int64_t rows = d.vocab_size / d.tp, made = d.tp > 1 ? rows : d.classes();
+  wte = register_module("wte", torch::nn::Embedding(made, d.n_embd));
   if (!d.llama()) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d, rotary));
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
-  if (d.llama() && !d.tie_embeddings) lm_head = register_module("lm_head", linear(d.n_embd, d.vocab_size / d.tp, false));
+  if (d.llama() && !d.tie_embeddings) lm_head = register_module("lm_head", linear(d.n_embd, made, false));
+  if (made < rows) {
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor* w : {&wte->weight, lm_head ? &lm_head->weight : nullptr})
+      if (w) w->set_data(torch::cat({*w, torch::zeros({rows - made, d.n_embd}, w->options())}));
+  }
 }
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
@@ -377,9 +402,14 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   return add_layernorm(x, delta, ln_f->weight, ln_f->bias, ln_f->eps, normed_dtype).second;
 }
 
+int64_t GPTImpl::live_rows() const {
+  const int64_t rows = output_weight().size(0), start = dims_.tp_rank * rows;
+  return std::clamp<int64_t>(dims_.classes() - start, 0, rows);
+}
+
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  // The output layer (tensor parallel: this rank's vocabulary columns).
-  return F::linear(column_input(hidden(idx), tp_of(dims_)), output_weight());
+  // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows.
+  return F::linear(column_input(hidden(idx), tp_of(dims_)), output_weight().narrow(0, 0, live_rows()));
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
@@ -387,12 +417,14 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
   if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
     auto x = column_input(hidden(idx), tp);
-    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), output_weight(), targets.reshape({-1}).to(torch::kLong),
+    const torch::Tensor weight = output_weight().narrow(0, 0, live_rows());
+    return linear_cross_entropy(x.reshape({-1, x.size(-1)}), weight, targets.reshape({-1}).to(torch::kLong),
                                 dims_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
   }
   auto logits = forward(idx);
   if (tp)
-    return vocab_parallel_cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}), vocab_start, *tp);
+    return vocab_parallel_cross_entropy(logits.view({targets.numel(), logits.size(-1)}), targets.reshape({-1}),
+                                        vocab_start, *tp);  // (numel, not -1: a slice of padding has 0 columns)
   return F::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat32),
                           targets.reshape({-1}).to(torch::kLong));
 }

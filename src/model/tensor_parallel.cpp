@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "mpitrain/error.h"
@@ -63,6 +64,20 @@ std::pair<torch::Tensor, torch::Tensor> in_slice(const torch::Tensor& ids, int64
   return {mine, local};
 }
 
+// Each row's largest logit over this rank's slice; -inf where the slice holds no class (its rows
+// are all vocabulary padding, GPTDims::vocab_live), which the max over the tp group ignores.
+torch::Tensor row_max_of(const torch::Tensor& logits) {
+  if (logits.size(1) == 0)
+    return torch::full({logits.size(0)}, -std::numeric_limits<float>::infinity(), logits.options());
+  return std::get<0>(logits.max(1));
+}
+
+// Each row's target logit where this rank's slice holds the target, else 0.
+torch::Tensor held_target_logit(const torch::Tensor& logits, const torch::Tensor& mine, const torch::Tensor& cols) {
+  if (logits.size(1) == 0) return torch::zeros({logits.size(0)}, logits.options());
+  return logits.gather(1, cols.unsqueeze(1)).squeeze(1) * mine.to(logits.scalar_type());
+}
+
 }  // namespace
 
 int64_t comm_handle(Communicator& comm) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&comm)); }
@@ -91,29 +106,27 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
   const torch::Tensor t = targets.to(torch::kLong);
   // The row maxima over the whole vocabulary keep the exponentials in range; a constant per row,
   // so no gradient flows through them.
-  torch::Tensor row_max = std::get<0>(logits.detach().max(1));
+  torch::Tensor row_max = row_max_of(logits.detach());
   timed([&] { tp.all_reduce(row_max, ReduceOp::max); });
   const torch::Tensor shifted = logits - row_max.unsqueeze(1);
   const torch::Tensor sum_exp = tp_reduce(shifted.exp().sum(1), tp);
   const auto [mine, cols] = in_slice(t, vocab_start, logits.size(1));
-  const torch::Tensor target_logit =
-      tp_reduce(shifted.gather(1, cols.unsqueeze(1)).squeeze(1) * mine.to(torch::kFloat32), tp);
+  const torch::Tensor target_logit = tp_reduce(held_target_logit(shifted, mine, cols), tp);
   return (sum_exp.log() - target_logit).mean();
 }
 
 torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tensor& targets, int64_t vocab_start,
                                        Communicator& tp, double grad_scale) {
-  torch::Tensor row_max = std::get<0>(logits.max(1));
+  torch::Tensor row_max = row_max_of(logits);
   timed([&] { tp.all_reduce(row_max, ReduceOp::max); });
   logits.sub_(row_max.unsqueeze(1));
   const auto [mine, cols] = in_slice(targets.to(torch::kLong), vocab_start, logits.size(1));
   const torch::Tensor held = mine.to(logits.dtype());
   // [sum of exponentials, the target's shifted logit] per row, both summed over the tp ranks
-  torch::Tensor sums =
-      torch::stack({logits.exp().sum(1), logits.gather(1, cols.unsqueeze(1)).squeeze(1) * held}, 1).contiguous();
+  torch::Tensor sums = torch::stack({logits.exp().sum(1), held_target_logit(logits, mine, cols)}, 1).contiguous();
   timed([&] { tp.all_reduce(sums, ReduceOp::sum); });
   const torch::Tensor sum_exp = sums.select(1, 0), target = sums.select(1, 1);
-  if (grad_scale != 0) {
+  if (grad_scale != 0 && logits.size(1) > 0) {
     logits.exp_().div_(sum_exp.unsqueeze(1));
     logits.scatter_add_(1, cols.unsqueeze(1), -held.unsqueeze(1));
     logits.mul_(grad_scale);

@@ -308,6 +308,7 @@ CheckpointFile::CheckpointFile(const std::string& dir, const GPTDims& d, int64_t
     h5::set_attr(root, "n_embd", d.n_embd);
     h5::set_attr(root, "seq_len", d.seq_len);
     h5::set_attr(root, "vocab_size", d.vocab_size);
+    if (d.vocab_live > 0) h5::set_attr(root, "vocab_live", d.vocab_live);  // automatic padding after them
     write_arch_attrs(root, d);
     auto model_group = h5::create_group(root, "model");
     auto optim_group = h5::create_group(root, "optim");
@@ -555,6 +556,8 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   d.n_embd = require_int_in(root, path, "n_embd", "n_embd", 1);
   d.seq_len = require_int_in(root, path, "seq_len", "seq_len", 1);
   d.vocab_size = require_int_in(root, path, "vocab_size", "vocab_size", 1);
+  if (h5::has_attr(root, "vocab_live"))  // absent: every row a class
+    d.vocab_live = require_int_in(root, path, "vocab_live", "vocab_live", 1, d.vocab_size);
   if (d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));

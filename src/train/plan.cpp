@@ -98,8 +98,8 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   for (auto& [name, p] : model->named_params()) params.push_back(p);
 
   // ---- compute: one micro-batch forward and backward on every rank at once ----
-  torch::Tensor x = torch::randint(dims.vocab_size, {micro, T}, torch::kInt32).to(device);
-  torch::Tensor y = torch::randint(dims.vocab_size, {micro, T}, torch::kInt64).to(device);
+  torch::Tensor x = torch::randint(dims.classes(), {micro, T}, torch::kInt32).to(device);
+  torch::Tensor y = torch::randint(dims.classes(), {micro, T}, torch::kInt64).to(device);
   torch::Tensor loss;
   const double t_forward = timed(mpi_comm, options.iters, device, [&] {
     Autocast autocast(run.precision, device);

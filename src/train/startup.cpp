@@ -88,7 +88,7 @@ int first_rank_not_seeing_lock(const std::string& dir, const DirLock* lock, MPI_
 }
 
 // Tensor parallel splits whole heads, the MLP's hidden units and the vocabulary over the tp ranks.
-void check_tensor_parallel_dims(const GPTDims& d, const Config& cfg, int tp) {
+void check_tensor_parallel_dims(const GPTDims& d, int tp) {
   auto must_divide = [&](const char* key, int64_t value, const std::string& what) {
     if (value % tp != 0)
       throw UsageError(concat("parallel.tp: ", tp, " must divide ", key, " (", value, "): ", what));
@@ -101,10 +101,39 @@ void check_tensor_parallel_dims(const GPTDims& d, const Config& cfg, int tp) {
     must_divide("4 x model.n_embd", 4 * d.n_embd, "the MLP's hidden units are split over the tp ranks");
   }
   if (d.vocab_size % tp != 0)
-    throw UsageError(concat("model.vocab_size: ", d.vocab_size, cfg.model.vocab_size > 0 ? "" : " (the data's)",
-                            " must be a multiple of parallel.tp (", tp, "): the vocabulary is split over the tp "
-                            "ranks; set model.vocab_size to a padded size such as ",
-                            (d.vocab_size + tp - 1) / tp * tp));
+    throw UsageError(concat("model.vocab_size: ", d.vocab_size, " must be a multiple of parallel.tp (", tp,
+                            "): the vocabulary is split over the tp ranks; set a padded size such as ",
+                            (d.vocab_size + tp - 1) / tp * tp, ", or leave model.vocab_size unset (automatic padding)"));
+}
+
+// Automatic vocabulary padding depends on the device and the tp degree; a resumed run keeps the
+// rows its checkpoint has (rank 0 reads the newest candidate's dimensions). A checkpoint that
+// cannot be read here is left to the loader, which tries the older ones and says why.
+void keep_checkpoint_vocab(Startup& run, const Config& cfg, MPI_Comm comm) {
+  int64_t stored = 0;
+  if (run.topo.rank == 0) {
+    try {
+      stored = checkpoint_dims(run.resume.front()).vocab_size;
+    } catch (const std::exception&) {
+      stored = 0;
+    }
+  }
+  MPI_CHECK(MPI_Bcast(&stored, 1, MPI_INT64_T, 0, comm));
+  GPTDims& d = run.dims;
+  if (stored == 0 || stored == d.vocab_size) return;
+  const int64_t tokens = run.train_data->vocab_size(), tp = run.layout.tp;
+  agree(comm, [&] { naming_config_file(cfg, [&] {
+    if (stored < tokens || stored % tp != 0)
+      throw UsageError(concat("model.vocab_size: the checkpoint to resume has ", stored, " vocabulary rows, which ",
+                              stored < tokens ? concat("are fewer than the data's ", tokens, " tokens")
+                                              : concat("parallel.tp ", tp, " does not divide"),
+                              "; resume with another parallel.tp, or start a new run"));
+  }); });
+  if (run.topo.rank == 0)
+    log::info(concat("model: vocabulary rows ", stored, " as the checkpoint has them (automatic padding would give ",
+                     d.vocab_size, " here)"));
+  d.vocab_size = stored;
+  d.vocab_live = stored > tokens ? tokens : 0;
 }
 
 }  // namespace
@@ -184,8 +213,8 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
                                 val_data->tokenizer_sha256().substr(0, 12), " vs ",
                                 train_data->tokenizer_sha256().substr(0, 12), ")"));
     }
-    dims = model_dims(cfg.model, train_data->vocab_size());
-    if (layout.tp > 1) check_tensor_parallel_dims(dims, cfg, layout.tp);
+    dims = model_dims(cfg.model, train_data->vocab_size(), vocab_pad_multiple(cfg.model, device.is_cuda(), layout.tp));
+    if (layout.tp > 1) check_tensor_parallel_dims(dims, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
     // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
@@ -227,6 +256,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
   int has_resume = resume.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
   run.has_resume = has_resume != 0;
+  if (run.has_resume && cfg.model.vocab_size == 0) keep_checkpoint_vocab(run, cfg, mpi_comm);
   run.checkpoint_dir_blind_rank = first_rank_not_seeing_lock(cfg.checkpoint.dir, run.checkpoint_lock.get(), mpi_comm);
   return run;
 }

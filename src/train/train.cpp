@@ -232,7 +232,11 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                                          dims.tie_embeddings ? ", tied output" : ", untied output",
                                          dims.qkv_bias ? ", qkv bias" : "")
                                 : std::string(),
-                   ", seq_len ", T, ", vocab ", dims.vocab_size, ")"));
+                   ", seq_len ", T, ", vocab ", dims.vocab_size,
+                   dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
+                                                " padding rows outside the loss")
+                                       : std::string(),
+                   ")"));
   log::info(concat("batch: ", micro, " micro x ", layout.dp, " ranks x ", accum, " accum = ", global_batch,
                 " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
                 zero ? " reduce-scatter buckets" : " all-reduce buckets",
