@@ -76,6 +76,11 @@ inline __half __float2half_rn(float f) {
 }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// Rounded fp32 multiply and add that nvcc never contracts into a fused multiply-add; the
+// emulation builds are compiled with -ffp-contract=off (tests/CMakeLists.txt), so that GCC does
+// not contract them either where the target has FMA.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 // ---- runtime API ------------------------------------------------------------------------------
 

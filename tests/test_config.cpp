@@ -166,6 +166,10 @@ TEST(Config, FusedSwitchesTakeAutoOnOff) {
     Config c = parse_config(kMinimal, "run.yaml", {std::string("model.fused_kernels=") + v});
     EXPECT_EQ(c.model.fused_kernels, v);
   }
+  // Both architectures have the fused block ops (llama: RMSNorm, SwiGLU, rotary).
+  EXPECT_EQ(parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug", "model.fused_kernels=on"})
+                .model.fused_kernels,
+            "on");
 }
 
 // model.init_from: a directory of .npy weights (read at start-up, not here); "" = random init.
@@ -396,8 +400,6 @@ INSTANTIATE_TEST_SUITE_P(
                 {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3, got 2"}},
         Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},
                 {"model.rope_high_freq_factor must be > model.rope_low_freq_factor (1), got 0.5"}},
-        Invalid{"llama_fused_kernels", {"model.preset=llama-debug", "model.fused_kernels=on"},
-                {"model.fused_kernels must be auto or off for model.arch: llama"}},
         Invalid{"n_head", {"model.n_head=-2"}, {"model.n_head must be > 0, got -2"}},
         Invalid{"n_embd", {"model.n_embd=-3"}, {"model.n_embd must be > 0, got -3"}},
         Invalid{"seq_len", {"model.seq_len=-4"}, {"model.seq_len must be > 0, got -4"}},

@@ -1,6 +1,6 @@
 // GPU tests: the NCCL backend, bf16 autocast and fp16 loss scaling on CUDA, fused AdamW against
-// the CPU path, checkpoints moving between GPU and CPU, the fused block kernels against their
-// ATen reference (model.fused_kernels). Compiled in every build; each test is
+// the CPU path, checkpoints moving between GPU and CPU, the fused block kernels (GPT-2's and
+// Llama's) against their ATen reference (model.fused_kernels). Compiled in every build; each test is
 // skipped, with a message, where no CUDA device is visible (CTest then shows "Skipped").
 // On a GPU machine: mpirun -np 1 build/tests/test_gpu
 #include <gtest/gtest.h>
@@ -334,6 +334,96 @@ TEST(Gpu, FusedKernelsModelMatchesTheUnfusedModel) {
   for (size_t i = 0; i < pf.size(); ++i)
     expect_close(pf[i].second.grad(), pp[i].second.grad(), Tol{1e-3, 1e-5}, pf[i].first);
   // bf16: the same model within bf16's precision.
+  Autocast ac(Precision::bf16, kGpu);
+  EXPECT_NEAR(fused->loss(x, y).item<double>(), plain->loss(x, y).item<double>(), 2e-2);
+}
+
+// The Llama block's fused ops (add_rmsnorm, swiglu, rotary) on the GPU against their ATen
+// reference, as tests/test_fused_emu.cpp checks them through the CPU emulation of the kernels.
+TEST(Gpu, FusedLlamaOpsKernelsMatchReference) {
+  REQUIRE_FUSED_KERNELS();
+  torch::manual_seed(15);
+  auto f32 = torch::dtype(torch::kFloat32).device(kGpu);
+  for (auto t : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+    for (int64_t cols : {768, 100, 33}) {
+      const std::string where = std::string(c10::toString(t)) + " cols " + std::to_string(cols);
+      // add_rmsnorm: fp32 stream, a delta and the output in t.
+      auto x0 = torch::randn({67, cols}, f32) * 3 + 1, d0 = torch::randn({67, cols}, f32).to(t);
+      auto w0 = torch::randn({cols}, f32), g_res = torch::randn({67, cols}, f32), g_n = torch::randn({67, cols}, f32);
+      std::vector<torch::Tensor> norm[2];
+      for (int k = 0; k < 2; ++k) {
+        auto x = x0.clone().requires_grad_(true), d = d0.clone().requires_grad_(true);
+        auto w = w0.clone().requires_grad_(true);
+        auto [r, n] = add_rmsnorm(x, d, w, 1e-5, t, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+        ((r * g_res).sum() + (n.to(torch::kFloat32) * g_n).sum()).backward();
+        norm[k] = {r.detach(), n.detach(), x.grad(), d.grad(), w.grad()};
+      }
+      const char* names[] = {"residual", "normed", "d_x", "d_delta", "d_weight"};
+      for (size_t i = 0; i < 5; ++i) {
+        Tol tol = tol_for(i == 1 || i == 3 ? t : torch::kFloat32);
+        if (i == 4) tol = Tol{1e-3, 1e-3 * std::sqrt(67.0)};
+        expect_close(norm[0][i], norm[1][i], tol, where + " add_rmsnorm: " + names[i]);
+      }
+      // swiglu
+      auto gate0 = (torch::randn({67, cols}, f32) * 3).to(t), up0 = torch::randn({67, cols}, f32).to(t);
+      auto g = torch::randn({67, cols}, f32);
+      std::vector<torch::Tensor> glu[2];
+      for (int k = 0; k < 2; ++k) {
+        auto gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(true);
+        auto y = swiglu(gate, up, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+        (y.to(torch::kFloat32) * g).sum().backward();
+        glu[k] = {y.detach(), gate.grad(), up.grad()};
+      }
+      for (size_t i = 0; i < 3; ++i)
+        expect_close(glu[0][i], glu[1][i], tol_for(t), where + " swiglu " + std::to_string(i));
+    }
+    // rotary: the same roundings as the ATen ops (fused_kernels.h), so equal bit for bit.
+    for (int64_t head_dim : {64, 128, 12}) {
+      const int64_t T = 33;
+      auto freqs = torch::arange(40, f32).unsqueeze(1) * (torch::rand({head_dim / 2}, f32) * 0.9 + 0.05).unsqueeze(0);
+      auto emb = torch::cat({freqs, freqs}, -1);
+      auto cos = emb.cos(), sin = emb.sin();
+      auto x0 = (torch::randn({3, T, 5, head_dim}, f32) * 2).to(t);
+      auto g = torch::randn({3, T, 5, head_dim}, f32);
+      std::vector<torch::Tensor> rot[2];
+      for (int k = 0; k < 2; ++k) {
+        auto x = x0.clone().requires_grad_(true);
+        auto y = rotary(x, cos, sin, k == 0 ? FusedImpl::automatic : FusedImpl::reference);
+        (y.to(torch::kFloat32) * g).sum().backward();
+        rot[k] = {y.detach(), x.grad()};
+      }
+      const std::string where = std::string(c10::toString(t)) + " head_dim " + std::to_string(head_dim);
+      EXPECT_TRUE(torch::equal(rot[0][0], rot[1][0])) << where << " rotary out";
+      EXPECT_TRUE(torch::equal(rot[0][1], rot[1][1])) << where << " rotary d_x";
+    }
+  }
+}
+
+TEST(Gpu, FusedKernelsLlamaMatchesTheUnfusedLlama) {
+  REQUIRE_FUSED_KERNELS();
+  GPTDims d = tiny_dims();
+  d.arch = "llama";
+  d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 96, d.max_position = d.seq_len;
+  d.rope_scaling = "llama3", d.rope_factor = 8, d.rope_low_freq_factor = 1, d.rope_high_freq_factor = 4;
+  d.rope_original_max_position = 64;
+  d.qkv_bias = true, d.tie_embeddings = false;
+  d.fused_kernels = true;
+  torch::manual_seed(16);
+  GPT fused(d);
+  d.fused_kernels = false;
+  torch::manual_seed(16);
+  GPT plain(d);
+  fused->to(kGpu);
+  plain->to(kGpu);
+  auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
+  auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
+  auto lf = fused->loss(x, y), lp = plain->loss(x, y);
+  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-4);
+  lf.backward();
+  lp.backward();
+  auto pf = fused->named_params(), pp = plain->named_params();
+  for (size_t i = 0; i < pf.size(); ++i)
+    expect_close(pf[i].second.grad(), pp[i].second.grad(), Tol{1e-3, 1e-5}, pf[i].first);
   Autocast ac(Precision::bf16, kGpu);
   EXPECT_NEAR(fused->loss(x, y).item<double>(), plain->loss(x, y).item<double>(), 2e-2);
 }

@@ -371,38 +371,47 @@ TEST(Fused, KernelsAreBuiltOnlyWithACudaCompiler) {
 
 // The model with fused_kernels against without, from the same initial parameters: the same loss
 // and gradients (with the plain and the fused loss, with dropout drawing the same masks), the
-// same parameter names, and the same logits in evaluation. fp32 only here: under autocast the
-// fused path's LayerNorm outputs are bf16 where libtorch's layer_norm keeps fp32.
+// same parameter names, and the same logits in evaluation; GPT-2 and a Llama (GQA, qkv biases,
+// untied head: RMSNorm, SwiGLU and rotary as fused ops, here their ATen reference). fp32 only
+// here: under autocast the fused path's norm outputs are bf16 where libtorch's layer_norm keeps
+// fp32.
 TEST(Model, FusedKernelsMatchTheUnfusedModel) {
-  for (bool fused_loss : {false, true}) {
-    for (double dropout : {0.0, 0.1}) {
-      SCOPED_TRACE(concat("fused_loss ", fused_loss, " dropout ", dropout));
-      GPTDims d = small_dims();
-      d.fused_loss = fused_loss;
-      d.dropout = dropout;
-      torch::manual_seed(41);
-      GPT plain(d);
-      d.fused_kernels = true;
-      torch::manual_seed(41);
-      GPT fused(d);
-      auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
-      torch::manual_seed(42);
-      auto lp = plain->loss(x, y);
-      torch::manual_seed(42);
-      auto lf = fused->loss(x, y);
-      EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-5);
-      lp.backward();
-      lf.backward();
-      auto pp = plain->named_params(), pf = fused->named_params();
-      ASSERT_EQ(pp.size(), pf.size());
-      for (size_t i = 0; i < pp.size(); ++i) {
-        EXPECT_EQ(pf[i].first, pp[i].first);
-        EXPECT_TRUE(tensors_close(pf[i].second.grad(), pp[i].second.grad(), 1e-4, 1e-6)) << pp[i].first;
+  for (bool llama : {false, true}) {
+    for (bool fused_loss : {false, true}) {
+      for (double dropout : {0.0, 0.1}) {
+        SCOPED_TRACE(concat("llama ", llama, " fused_loss ", fused_loss, " dropout ", dropout));
+        GPTDims d = small_dims();
+        if (llama) {
+          d.arch = "llama";
+          d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 48, d.max_position = 16;
+          d.qkv_bias = true, d.tie_embeddings = false;
+        }
+        d.fused_loss = fused_loss;
+        d.dropout = dropout;
+        torch::manual_seed(41);
+        GPT plain(d);
+        d.fused_kernels = true;
+        torch::manual_seed(41);
+        GPT fused(d);
+        auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
+        torch::manual_seed(42);
+        auto lp = plain->loss(x, y);
+        torch::manual_seed(42);
+        auto lf = fused->loss(x, y);
+        EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-5);
+        lp.backward();
+        lf.backward();
+        auto pp = plain->named_params(), pf = fused->named_params();
+        ASSERT_EQ(pp.size(), pf.size());
+        for (size_t i = 0; i < pp.size(); ++i) {
+          EXPECT_EQ(pf[i].first, pp[i].first);
+          EXPECT_TRUE(tensors_close(pf[i].second.grad(), pp[i].second.grad(), 1e-4, 1e-6)) << pp[i].first;
+        }
+        plain->eval();
+        fused->eval();
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(tensors_close(fused->forward(x), plain->forward(x), 1e-4, 1e-5)) << "eval logits";
       }
-      plain->eval();
-      fused->eval();
-      torch::NoGradGuard no_grad;
-      EXPECT_TRUE(tensors_close(fused->forward(x), plain->forward(x), 1e-4, 1e-5)) << "eval logits";
     }
   }
 }

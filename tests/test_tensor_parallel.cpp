@@ -70,11 +70,11 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
     if (world % tp != 0) continue;
     TpGroup group(tp);
     const int64_t r = group.comm->rank();
-    for (int variant = 0; variant < 5; ++variant) {
+    for (int variant = 0; variant < 6; ++variant) {
       // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here); 3: a Llama
       // (GQA with tp kv heads, SwiGLU, rotary with llama3 scaling, q/k/v biases, untied head); 4: that
-      // Llama with the fused loss
-      const bool fused = variant == 1, fused_loss = variant == 2 || variant == 4, llama = variant >= 3;
+      // Llama with the fused loss; 5: that Llama with the fused block ops (RMSNorm, SwiGLU, rotary)
+      const bool fused = variant == 1 || variant == 5, fused_loss = variant == 2 || variant == 4, llama = variant >= 3;
       SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss
                                       << ", llama " << llama);
       GPTDims dense_dims = small_dims(fused);

@@ -1,10 +1,11 @@
-// Fused elementwise ops of the GPT block (model.fused_kernels, docs/config.md) as autograd
-// functions with hand-written backward passes, and the classifier's fused softmax
+// Fused elementwise ops of the GPT-2 and Llama blocks (model.fused_kernels, docs/config.md) as
+// autograd functions with hand-written backward passes, and the classifier's fused softmax
 // cross-entropy (model.fused_loss). On CUDA they run the kernels of
 // fused_kernels.h when those were built and the tensors suit them (contiguous fp32 residual
 // stream and parameters, activations fp32/bf16/fp16); elsewhere an ATen reference
 // implementation of the same formulas runs, which the CPU tests check against libtorch's own
-// layer_norm/gelu autograd and the GPU tests check the kernels against.
+// autograd of the plain formulas (layer_norm, gelu, RMSNorm, silu, rotate_half) and the GPU
+// tests check the kernels against.
 #pragma once
 
 #include <torch/torch.h>
@@ -47,8 +48,26 @@ std::pair<torch::Tensor, torch::Tensor> add_layernorm(const torch::Tensor& x, co
                                                       double eps, c10::ScalarType out_dtype,
                                                       FusedImpl impl = FusedImpl::automatic);
 
+// The same with RMSNorm (Llama; Hugging Face's LlamaRMSNorm): normed = residual *
+// rsqrt(mean(residual^2) + eps) * weight, in fp32, cast to out_dtype. No bias.
+std::pair<torch::Tensor, torch::Tensor> add_rmsnorm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                    const torch::Tensor& weight, double eps, c10::ScalarType out_dtype,
+                                                    FusedImpl impl = FusedImpl::automatic);
+
 // gelu_tanh(pre + bias) over the last dimension (bias fp32 [pre.size(-1)]), in pre's dtype.
 torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, FusedImpl impl = FusedImpl::automatic);
+
+// SwiGLU's gate (Llama's MLP): silu(gate) * up, computed in fp32 and rounded once to gate's dtype
+// (gate and up: the same shape and dtype; the outputs of gate_proj and up_proj).
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, FusedImpl impl = FusedImpl::automatic);
+
+// Rotary position embedding, Hugging Face's half-split layout: x * cos + rotate_half(x) * sin for
+// x [B, T, heads, head_dim] (position t = index 1), cos and sin fp32 tables [>= T, head_dim]
+// (Rotary's, model.h) rounded to x's dtype, the products and the sum each rounded to x's dtype
+// as the unfused ATen ops round them (bit for bit the same result). The backward pass rotates the
+// gradient by the negative angle. The tables get no gradient.
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     FusedImpl impl = FusedImpl::automatic);
 
 // The classifier's softmax cross-entropy over one chunk of logits, by the CUDA kernel (only in
 // builds with the kernels; elsewhere an Error): loss[r] = logsumexp(logits[r]) -

@@ -11,8 +11,9 @@
 // the parameters by name; the names are GPT-2's where the role is the same (attn.c_proj is Llama's
 // o_proj, mlp.c_proj its down_proj). Initialisation as GPT-2's: N(0, 0.02), residual projections
 // (c_proj) scaled by 1/sqrt(2 n_layer), norms one, biases zero.
-// With dims.fused_kernels (GPT-2 only) the residual adds, LayerNorms and the MLP's bias + GELU run
-// as the fused ops of fused_ops.h; the parameters (and so checkpoints) are the same either way.
+// With dims.fused_kernels the residual adds and norms (LayerNorm | RMSNorm), the MLP's bias + GELU |
+// SwiGLU and the rotary embedding (llama) run as the fused ops of fused_ops.h; the parameters
+// (and so checkpoints) are the same either way.
 #pragma once
 
 #include <torch/torch.h>
@@ -55,7 +56,7 @@ struct GPTDims {
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
-  bool fused_kernels = false;  // residual add + LayerNorm, bias + GELU as fused ops (fused_ops.h)
+  bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
   // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
   // and vocab_size divide by tp.
@@ -91,6 +92,10 @@ class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t dim, bool rms, double eps);
   torch::Tensor forward(const torch::Tensor& x);
+  // dims.fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
+  // add_rmsnorm, fused_ops.h): {x + delta (fp32), norm(x + delta) in out_dtype}; delta may be undefined.
+  std::pair<torch::Tensor, torch::Tensor> add_forward(const torch::Tensor& x, const torch::Tensor& delta,
+                                                      c10::ScalarType out_dtype);
 
   torch::Tensor weight, bias;  // bias: LayerNorm only
   const bool rms;
@@ -104,13 +109,16 @@ TORCH_MODULE(Norm);
 class Rotary {
  public:
   explicit Rotary(const GPTDims& d);
-  // q or k [B, heads, T, head_dim] rotated by position: x cos + rotate_half(x) sin.
+  // q or k [B, T, heads, head_dim] rotated by position: x cos + rotate_half(x) sin, with the
+  // tables in x's dtype (Hugging Face's roundings); with dims.fused_kernels as the fused op
+  // `rotary` (fused_ops.h), which rounds alike.
   torch::Tensor apply(const torch::Tensor& x);
   const torch::Tensor& inv_freq() const { return inv_freq_; }
 
  private:
   torch::Tensor inv_freq_, cos_, sin_;  // cos_/sin_ on the device last used
   int64_t seq_len_;
+  bool fused_;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
@@ -134,7 +142,8 @@ class MLPImpl : public torch::nn::Module {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
-  // The same with c_fc's bias add and the GELU as one bias_gelu (dims.fused_kernels; gpt2).
+  // dims.fused_kernels: the same with c_fc's bias add and the GELU as one bias_gelu (gpt2), or
+  // silu(gate) * up as one swiglu (llama).
   torch::Tensor forward_fused(const torch::Tensor& x);
 
   // gpt2: c_fc; llama: gate_proj and up_proj. Both: c_proj, the projection back to the width.
@@ -149,10 +158,10 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
   torch::Tensor forward(torch::Tensor x);
-  // dims.fused_kernels: each LayerNorm absorbs the residual add before it. Takes the residual
+  // dims.fused_kernels: each norm absorbs the residual add before it. Takes the residual
   // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
   // returns the stream after the attention add and this block's MLP output, still to be added.
-  // `normed_dtype` is the dtype of the LayerNorm outputs (autocast's, else fp32).
+  // `normed_dtype` is the dtype of the norm outputs (autocast's, else fp32).
   std::pair<torch::Tensor, torch::Tensor> forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
                                                         c10::ScalarType normed_dtype);
 
@@ -196,7 +205,7 @@ class GPTImpl : public torch::nn::Module {
  private:
   void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
   torch::Tensor hidden(const torch::Tensor& idx);
-  torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with add_layernorm
+  torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
   GPTDims dims_;
 };
 TORCH_MODULE(GPT);

@@ -480,10 +480,6 @@ void validate(const Config& c, const std::string& where) {
                 show(m.rope_high_freq_factor));
     scaling_key("model.rope_original_max_position", m.rope_original_max_position > 0, "> 0",
                 show(m.rope_original_max_position));
-    check(m.fused_kernels != "on", "model.fused_kernels",
-          "auto or off for model.arch: llama (the fused block ops are GPT-2's LayerNorm and GELU; llama's "
-          "RMSNorm, SwiGLU and rotary run as libtorch ops)",
-          show(m.fused_kernels));
   }
 
   const DataConfig& d = c.data;

@@ -1,4 +1,5 @@
-// Fused residual add + LayerNorm and bias + GELU as autograd functions (see fused_ops.h).
+// Fused residual add + LayerNorm or RMSNorm, bias + GELU, SwiGLU and rotary embeddings as
+// autograd functions (see fused_ops.h).
 //
 // Each op has two implementations of the same formulas: the CUDA kernels of fused_kernels.h
 // (only in builds that have them, MPITRAIN_FUSED_KERNELS) and an ATen reference written out op
@@ -111,12 +112,13 @@ void kernel_check(const char* error, const char* kernel, int line) {
   if (error) fail("CUDA", concat(error, " (", kernel, ")"), __FILE__, line);
 }
 
-bool layernorm_kernel_applies(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
-                              c10::ScalarType out_dtype) {
+// bias undefined: RMSNorm, which has none.
+bool norm_kernel_applies(const Tensor& x, const Tensor& delta, const Tensor& weight, const Tensor& bias,
+                         c10::ScalarType out_dtype) {
   const auto& dev = x.device();
   const int64_t cols = x.size(-1);
   return fused_kernel_device(x) && x.numel() > 0 && x.scalar_type() == torch::kFloat32 && fp32_vector(weight, cols, dev) &&
-         fp32_vector(bias, cols, dev) && kernel_dtype(out_dtype) &&
+         (!bias.defined() || fp32_vector(bias, cols, dev)) && kernel_dtype(out_dtype) &&
          (!delta.defined() ||
           (on(delta, dev) && delta.sizes() == x.sizes() && kernel_dtype(delta.scalar_type())));
 }
@@ -126,23 +128,41 @@ bool gelu_kernel_applies(const Tensor& pre, const Tensor& bias) {
          fp32_vector(bias, pre.size(-1), pre.device());
 }
 
+bool swiglu_kernel_applies(const Tensor& gate, const Tensor& up) {
+  return fused_kernel_device(gate) && gate.numel() > 0 && kernel_dtype(gate.scalar_type()) &&
+         on(up, gate.device()) && up.scalar_type() == gate.scalar_type();
+}
+
+// x [B, T, heads, head_dim]; the tables fp32 [>= T, head_dim], contiguous, on x's device.
+bool rotary_kernel_applies(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  auto table = [&](const Tensor& t) {
+    return on(t, x.device()) && t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.size(0) >= x.size(1) &&
+           t.size(1) == x.size(3) && t.is_contiguous();
+  };
+  return fused_kernel_device(x) && x.numel() > 0 && kernel_dtype(x.scalar_type()) && table(cos) && table(sin);
+}
+
 #endif  // MPITRAIN_FUSED_KERNELS
 
-// ---- residual add + LayerNorm ------------------------------------------------------------------
+// ---- residual add + LayerNorm or RMSNorm -------------------------------------------------------
 
-// Saved: residual, mean, rstd, weight. mean and rstd hold one value per row, as [..., 1]
-// (reference) or [rows] (kernel); the backward passes view them as [rows, 1] / [rows].
-class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
+// One function for both norms: bias defined = LayerNorm, undefined = RMSNorm (mean taken as 0,
+// no bias). Saved: residual, mean (LayerNorm; undefined for RMSNorm), rstd, weight. mean and
+// rstd hold one value per row, as [..., 1] (reference) or [rows] (kernel); the backward passes
+// view them as [rows, 1] / [rows].
+class AddNorm : public torch::autograd::Function<AddNorm> {
  public:
   static tensor_list forward(AutogradContext* ctx, const Tensor& x, const c10::optional<Tensor>& delta_opt,
-                             const Tensor& weight, const Tensor& bias, double eps, c10::ScalarType out_dtype,
-                             FusedImpl impl) {
+                             const Tensor& weight, const c10::optional<Tensor>& bias_opt, double eps,
+                             c10::ScalarType out_dtype, FusedImpl impl) {
     NoAutocast no_autocast;
     const Tensor delta = delta_opt.has_value() ? *delta_opt : Tensor();
+    const Tensor bias = bias_opt.has_value() ? *bias_opt : Tensor();
+    const bool rms = !bias.defined();
     Tensor residual, normed, mean, rstd;
     bool kernel = false;
 #ifdef MPITRAIN_FUSED_KERNELS
-    kernel = impl == FusedImpl::automatic && layernorm_kernel_applies(x, delta, weight, bias, out_dtype);
+    kernel = impl == FusedImpl::automatic && norm_kernel_applies(x, delta, weight, bias, out_dtype);
     if (kernel) {
       MPITRAIN_KERNEL_DEVICE_GUARD(x.device());
       const int64_t cols = x.size(-1), rows = rows_of(x);
@@ -150,28 +170,36 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
       const Tensor dc = delta.defined() ? delta.contiguous() : Tensor();
       residual = torch::empty(x.sizes(), x.options().dtype(torch::kFloat32));
       normed = torch::empty(x.sizes(), x.options().dtype(out_dtype));
-      mean = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+      if (!rms) mean = torch::empty({rows}, x.options().dtype(torch::kFloat32));
       rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-      kernel_check(kernels::add_layernorm_forward(
-                       xc.data_ptr<float>(), dc.defined() ? dc.data_ptr() : nullptr,
+      kernel_check(kernels::add_norm_forward(
+                       rms ? kernels::NormKind::rms : kernels::NormKind::layer, xc.data_ptr<float>(),
+                       dc.defined() ? dc.data_ptr() : nullptr,
                        dc.defined() ? *kernel_dtype(dc.scalar_type()) : kernels::DType::f32,
-                       weight.data_ptr<float>(), bias.data_ptr<float>(), static_cast<float>(eps),
+                       weight.data_ptr<float>(), rms ? nullptr : bias.data_ptr<float>(), static_cast<float>(eps),
                        residual.data_ptr<float>(), normed.data_ptr(), *kernel_dtype(out_dtype),
-                       mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, cols, current_stream(x.device())),
-                   "add_layernorm_forward", __LINE__);
+                       rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, cols,
+                       current_stream(x.device())),
+                   "add_norm_forward", __LINE__);
     }
 #else
     (void)impl;
 #endif
     if (!kernel) {
       residual = delta.defined() ? x.to(torch::kFloat32) + delta.to(torch::kFloat32) : x.to(torch::kFloat32);
-      mean = residual.mean(-1, /*keepdim=*/true);
-      Tensor centred = residual - mean;
-      rstd = (centred * centred).mean(-1, /*keepdim=*/true).add_(eps).rsqrt_();  // biased variance
-      normed = centred.mul_(rstd).mul_(weight).add_(bias).to(out_dtype);         // xhat * w + b
+      if (rms) {  // as NormImpl::forward (HF's LlamaRMSNorm): residual * rsqrt(mean(residual^2) + eps) * weight
+        rstd = (residual * residual).mean(-1, /*keepdim=*/true).add_(eps).rsqrt_();
+        normed = (residual * rstd).mul_(weight).to(out_dtype);
+      } else {
+        mean = residual.mean(-1, /*keepdim=*/true);
+        Tensor centred = residual - mean;
+        rstd = (centred * centred).mean(-1, /*keepdim=*/true).add_(eps).rsqrt_();  // biased variance
+        normed = centred.mul_(rstd).mul_(weight).add_(bias).to(out_dtype);         // xhat * w + b
+      }
     }
     ctx->save_for_backward({residual, mean, rstd, weight});
     ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["rms"] = rms;
     ctx->saved_data["delta_dtype"] =
         static_cast<int64_t>(delta.defined() ? delta.scalar_type() : c10::ScalarType::Undefined);
     ctx->saved_data["normed_dtype"] = static_cast<int64_t>(out_dtype);
@@ -184,6 +212,7 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
     const auto saved = ctx->get_saved_variables();
     const Tensor &residual = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3];
     const Tensor &d_r = grads[0], &d_n = grads[1];
+    const bool rms = ctx->saved_data["rms"].toBool();
     const auto delta_dtype = static_cast<c10::ScalarType>(ctx->saved_data["delta_dtype"].toInt());
     const bool has_delta = delta_dtype != c10::ScalarType::Undefined;
     const int64_t cols = residual.size(-1), rows = rows_of(residual);
@@ -192,7 +221,7 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
     if (!d_n.defined()) {  // only the residual output was used: its gradient passes through
       d_x = d_r.defined() ? d_r.to(torch::kFloat32) : torch::zeros_like(residual);
       d_gamma = torch::zeros_like(weight);
-      d_beta = torch::zeros_like(weight);
+      if (!rms) d_beta = torch::zeros_like(weight);
 #ifdef MPITRAIN_FUSED_KERNELS
     } else if (ctx->saved_data["kernel"].toBool()) {
       MPITRAIN_KERNEL_DEVICE_GUARD(residual.device());
@@ -201,37 +230,38 @@ class AddLayerNorm : public torch::autograd::Function<AddLayerNorm> {
       const Tensor dr = d_r.defined() ? d_r.to(torch::kFloat32).contiguous() : Tensor();
       d_x = torch::empty(residual.sizes(), residual.options());
       if (has_delta) d_delta = torch::empty(residual.sizes(), residual.options().dtype(delta_dtype));
-      const int64_t blocks = kernels::layernorm_param_grad_blocks(rows);
-      Tensor partials = torch::empty({2, blocks, cols}, residual.options());
-      kernel_check(kernels::add_layernorm_backward(
-                       residual.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                       weight.data_ptr<float>(), dn.data_ptr(), *kernel_dtype(normed_dtype),
-                       dr.defined() ? dr.data_ptr<float>() : nullptr, d_x.data_ptr<float>(),
-                       has_delta ? d_delta.data_ptr() : nullptr,
+      const int64_t blocks = kernels::norm_param_grad_blocks(rows);
+      Tensor partials = torch::empty({rms ? 1 : 2, blocks, cols}, residual.options());
+      kernel_check(kernels::add_norm_backward(
+                       rms ? kernels::NormKind::rms : kernels::NormKind::layer, residual.data_ptr<float>(),
+                       rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), weight.data_ptr<float>(),
+                       dn.data_ptr(), *kernel_dtype(normed_dtype), dr.defined() ? dr.data_ptr<float>() : nullptr,
+                       d_x.data_ptr<float>(), has_delta ? d_delta.data_ptr() : nullptr,
                        has_delta ? *kernel_dtype(delta_dtype) : kernels::DType::f32, partials.data_ptr<float>(),
                        rows, cols, current_stream(residual.device())),
-                   "add_layernorm_backward", __LINE__);
-      const Tensor sums = partials.sum(1);  // [2, cols]
+                   "add_norm_backward", __LINE__);
+      const Tensor sums = partials.sum(1);  // [1 or 2, cols]
       d_gamma = sums[0];
-      d_beta = sums[1];
+      if (!rms) d_beta = sums[1];
 #endif
     } else {
       // Rows of the [rows, cols] view; mean/rstd as columns whichever shape the forward left.
+      // d_residual = rstd * (dxhat - m1 - xhat * m2), m1 = mean(dxhat) (LayerNorm only: RMSNorm's
+      // output does not shift with the mean), m2 = mean(dxhat * xhat).
       const Tensor r2 = residual.reshape({rows, cols});
       const Tensor rstd2 = rstd.reshape({rows, 1});
-      Tensor xhat = r2 - mean.reshape({rows, 1});
-      xhat.mul_(rstd2);
+      Tensor xhat = rms ? r2 * rstd2 : (r2 - mean.reshape({rows, 1})).mul_(rstd2);
       const Tensor dn = d_n.to(torch::kFloat32).reshape({rows, cols});
       Tensor dxhat = dn * weight;
-      const Tensor m1 = dxhat.mean(-1, /*keepdim=*/true);
       Tensor tmp = dxhat * xhat;
       const Tensor m2 = tmp.mean(-1, /*keepdim=*/true);
+      if (!rms) dxhat.sub_(dxhat.mean(-1, /*keepdim=*/true));
       torch::mul_out(tmp, xhat, m2);
-      Tensor d_res = dxhat.sub_(m1).sub_(tmp).mul_(rstd2);  // rstd * (dxhat - m1 - xhat * m2)
+      Tensor d_res = dxhat.sub_(tmp).mul_(rstd2);
       if (d_r.defined()) d_res.add_(d_r.to(torch::kFloat32).reshape({rows, cols}));
       d_x = d_res.reshape(residual.sizes());
       d_gamma = torch::mul_out(tmp, dn, xhat).sum(0);
-      d_beta = dn.sum(0);
+      if (!rms) d_beta = dn.sum(0);
     }
     if (has_delta && !d_delta.defined()) d_delta = d_x.to(delta_dtype);
     // One gradient per forward argument: x, delta, weight, bias, eps, out_dtype, impl.
@@ -311,24 +341,172 @@ class BiasGelu : public torch::autograd::Function<BiasGelu> {
   }
 };
 
+// ---- SwiGLU: silu(gate) * up -----------------------------------------------------------------
+
+// Saved: gate, up (the sigmoid is recomputed in the backward pass).
+class SwiGlu : public torch::autograd::Function<SwiGlu> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, FusedImpl impl) {
+    NoAutocast no_autocast;
+    Tensor out;
+    bool kernel = false;
+#ifdef MPITRAIN_FUSED_KERNELS
+    kernel = impl == FusedImpl::automatic && swiglu_kernel_applies(gate, up);
+    if (kernel) {
+      MPITRAIN_KERNEL_DEVICE_GUARD(gate.device());
+      const Tensor gc = gate.contiguous(), uc = up.contiguous();
+      out = torch::empty(gate.sizes(), gate.options());
+      kernel_check(kernels::swiglu_forward(gc.data_ptr(), uc.data_ptr(), out.data_ptr(),
+                                           *kernel_dtype(gate.scalar_type()), gate.numel(),
+                                           current_stream(gate.device())),
+                   "swiglu_forward", __LINE__);
+    }
+#else
+    (void)impl;
+#endif
+    if (!kernel) {
+      const Tensor g = gate.to(torch::kFloat32);
+      out = torch::sigmoid(g).mul_(g).mul_(up.to(torch::kFloat32)).to(gate.scalar_type());  // silu(g) * up
+    }
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["kernel"] = kernel;
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &gate = saved[0], &up = saved[1];
+    Tensor d_gate, d_up;
+#ifdef MPITRAIN_FUSED_KERNELS
+    if (ctx->saved_data["kernel"].toBool()) {
+      MPITRAIN_KERNEL_DEVICE_GUARD(gate.device());
+      const Tensor gc = gate.contiguous(), uc = up.contiguous();
+      const Tensor dc = grads[0].to(gate.scalar_type()).contiguous();
+      d_gate = torch::empty(gate.sizes(), gate.options());
+      d_up = torch::empty(gate.sizes(), gate.options());
+      kernel_check(kernels::swiglu_backward(gc.data_ptr(), uc.data_ptr(), dc.data_ptr(), d_gate.data_ptr(),
+                                            d_up.data_ptr(), *kernel_dtype(gate.scalar_type()), gate.numel(),
+                                            current_stream(gate.device())),
+                   "swiglu_backward", __LINE__);
+    }
+#endif
+    if (!d_gate.defined()) {
+      // d_up = d * silu(g); d_gate = d * up * s * (1 + g * (1 - s)), s = sigmoid(g).
+      const Tensor g = gate.to(torch::kFloat32), d = grads[0].to(torch::kFloat32);
+      const Tensor s = torch::sigmoid(g);
+      d_up = (d * g).mul_(s).to(up.scalar_type());
+      Tensor t = 1 - s;
+      t.mul_(g).add_(1.0);
+      d_gate = (d * up.to(torch::kFloat32)).mul_(s).mul_(t).to(gate.scalar_type());
+    }
+    return {d_gate, d_up, Tensor()};
+  }
+};
+
+// ---- rotary embedding (half-split layout) -----------------------------------------------------
+
+// The reference is the unfused ops of Rotary::apply (model.cpp) on the [B, T, heads, head_dim]
+// layout, and its backward pass the one autograd derives for them, so both round alike.
+// Saved: cos, sin (x is not needed: the rotation is linear).
+class RotaryEmbedding : public torch::autograd::Function<RotaryEmbedding> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin, FusedImpl impl) {
+    NoAutocast no_autocast;
+    bool kernel = false;
+#ifdef MPITRAIN_FUSED_KERNELS
+    kernel = impl == FusedImpl::automatic && rotary_kernel_applies(x, cos, sin);
+#else
+    (void)impl;
+#endif
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["kernel"] = kernel;
+    return rotate(x, cos, sin, kernel, /*inverse=*/false);
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const bool kernel = ctx->saved_data["kernel"].toBool();
+    return {rotate(grads[0], saved[0], saved[1], kernel, /*inverse=*/true), Tensor(), Tensor(), Tensor()};
+  }
+
+ private:
+  // x cos + rotate_half(x) sin, or with inverse its transpose, rotate_half^T(x sin) + x cos.
+  static Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool kernel, bool inverse) {
+    const int64_t T = x.size(1), D = x.size(3), half = D / 2;
+#ifdef MPITRAIN_FUSED_KERNELS
+    if (kernel) {
+      MPITRAIN_KERNEL_DEVICE_GUARD(x.device());
+      const Tensor xc = x.contiguous();
+      Tensor out = torch::empty(x.sizes(), x.options());
+      kernel_check(kernels::rotary(xc.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr(),
+                                   *kernel_dtype(x.scalar_type()), inverse, rows_of(x), T, x.size(2), D,
+                                   current_stream(x.device())),
+                   "rotary", __LINE__);
+      return out;
+    }
+#else
+    (void)kernel;
+#endif
+    const Tensor c = cos.narrow(0, 0, T).to(x.scalar_type()).view({T, 1, D});
+    const Tensor s = sin.narrow(0, 0, T).to(x.scalar_type()).view({T, 1, D});
+    if (!inverse) return x * c + torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1) * s;
+    const Tensor xs = x * s;  // the gradient of rotate_half(x) * sin, then rotate_half's transpose
+    return x * c + torch::cat({xs.narrow(-1, half, half), -xs.narrow(-1, 0, half)}, -1);
+  }
+};
+
+}  // namespace
+
+namespace {
+
+std::pair<torch::Tensor, torch::Tensor> add_norm(const char* what, const torch::Tensor& x, const torch::Tensor& delta,
+                                                 const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                                                 c10::ScalarType out_dtype, FusedImpl impl) {
+  const int64_t cols = x.size(-1);
+  MPITRAIN_CHECK(weight.dim() == 1 && weight.size(0) == cols && (!bias.defined() || bias.sizes() == weight.sizes()),
+                 concat(what, ": weight", bias.defined() ? " and bias" : "", " must be [", cols, "]"));
+  MPITRAIN_CHECK(!delta.defined() || delta.sizes() == x.sizes(), concat(what, ": delta must have x's shape"));
+  auto opt = [](const torch::Tensor& t) { return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt; };
+  auto out = apply_autograd_function<AddNorm>(x, opt(delta), weight, opt(bias), eps, out_dtype, impl);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 std::pair<torch::Tensor, torch::Tensor> add_layernorm(const torch::Tensor& x, const torch::Tensor& delta,
                                                       const torch::Tensor& weight, const torch::Tensor& bias,
                                                       double eps, c10::ScalarType out_dtype, FusedImpl impl) {
-  const int64_t cols = x.size(-1);
-  MPITRAIN_CHECK(weight.dim() == 1 && weight.size(0) == cols && bias.dim() == 1 && bias.size(0) == cols,
-                 concat("add_layernorm: weight and bias must be [", cols, "]"));
-  MPITRAIN_CHECK(!delta.defined() || delta.sizes() == x.sizes(), "add_layernorm: delta must have x's shape");
-  auto out = apply_autograd_function<AddLayerNorm>(x, delta.defined() ? c10::optional<Tensor>(delta) : c10::nullopt, weight, bias,
-                                 eps, out_dtype, impl);
-  return {out[0], out[1]};
+  MPITRAIN_CHECK(bias.defined(), "add_layernorm: bias must be defined (add_rmsnorm has none)");
+  return add_norm("add_layernorm", x, delta, weight, bias, eps, out_dtype, impl);
+}
+
+std::pair<torch::Tensor, torch::Tensor> add_rmsnorm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                    const torch::Tensor& weight, double eps, c10::ScalarType out_dtype,
+                                                    FusedImpl impl) {
+  return add_norm("add_rmsnorm", x, delta, weight, torch::Tensor(), eps, out_dtype, impl);
 }
 
 torch::Tensor bias_gelu(const torch::Tensor& pre, const torch::Tensor& bias, FusedImpl impl) {
   MPITRAIN_CHECK(bias.dim() == 1 && bias.size(0) == pre.size(-1),
                  concat("bias_gelu: bias must be [", pre.size(-1), "]"));
   return apply_autograd_function<BiasGelu>(pre, bias, impl);
+}
+
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, FusedImpl impl) {
+  MPITRAIN_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
+                 "swiglu: gate and up must have the same shape and dtype");
+  return apply_autograd_function<SwiGlu>(gate, up, impl);
+}
+
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, FusedImpl impl) {
+  MPITRAIN_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "rotary: x must be [B, T, heads, head_dim], head_dim even");
+  for (const auto* t : {&cos, &sin})
+    MPITRAIN_CHECK(t->dim() == 2 && t->size(0) >= x.size(1) && t->size(1) == x.size(3) &&
+                       t->scalar_type() == torch::kFloat32,
+                   concat("rotary: cos and sin must be fp32 [>= ", x.size(1), ", ", x.size(3), "]"));
+  return apply_autograd_function<RotaryEmbedding>(x, cos, sin, impl);
 }
 
 bool softmax_cross_entropy_kernel_applies(const torch::Tensor& logits) {

@@ -101,11 +101,17 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   return weight * h.to(x.scalar_type());
 }
 
+std::pair<torch::Tensor, torch::Tensor> NormImpl::add_forward(const torch::Tensor& x, const torch::Tensor& delta,
+                                                              c10::ScalarType out_dtype) {
+  if (rms) return add_rmsnorm(x, delta, weight, eps, out_dtype);
+  return add_layernorm(x, delta, weight, bias, eps, out_dtype);
+}
+
 // Hugging Face's rotary frequencies, in fp32 as there: inv_freq_i = theta^(-2i / head_dim), and
 // for rope_scaling llama3 (Llama 3.1) wavelengths longer than original_max_position /
 // low_freq_factor divided by factor, shorter than original_max_position / high_freq_factor kept,
 // and those between interpolated smoothly.
-Rotary::Rotary(const GPTDims& d) : seq_len_(d.seq_len) {
+Rotary::Rotary(const GPTDims& d) : seq_len_(d.seq_len), fused_(d.fused_kernels) {
   const int64_t dim = d.head_dim();
   inv_freq_ = 1.0 / torch::pow(torch::tensor(d.rope_theta, torch::kFloat32),
                                torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim));
@@ -123,7 +129,7 @@ Rotary::Rotary(const GPTDims& d) : seq_len_(d.seq_len) {
 }
 
 torch::Tensor Rotary::apply(const torch::Tensor& x) {
-  const int64_t T = x.size(2), half = x.size(3) / 2;
+  const int64_t T = x.size(1), D = x.size(3), half = D / 2;
   if (!cos_.defined() || cos_.device() != x.device()) {
     torch::Tensor pos = torch::arange(seq_len_, torch::kInt64).to(torch::kFloat32);
     torch::Tensor freqs = pos.unsqueeze(1).matmul(inv_freq_.unsqueeze(0));  // [seq_len, head_dim / 2]
@@ -131,7 +137,10 @@ torch::Tensor Rotary::apply(const torch::Tensor& x) {
     cos_ = emb.cos().to(x.device());
     sin_ = emb.sin().to(x.device());
   }
-  torch::Tensor cos = cos_.narrow(0, 0, T).to(x.scalar_type()), sin = sin_.narrow(0, 0, T).to(x.scalar_type());
+  if (fused_) return rotary(x, cos_, sin_);  // fused_ops.h: the same roundings, a hand-written backward
+  // Hugging Face's: the tables in x's dtype, every op rounded to it.
+  torch::Tensor cos = cos_.narrow(0, 0, T).to(x.scalar_type()).view({T, 1, D});
+  torch::Tensor sin = sin_.narrow(0, 0, T).to(x.scalar_type()).view({T, 1, D});
   torch::Tensor rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
 }
@@ -161,7 +170,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), hd = head_dim_;
-  auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
+  auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}); };  // [B, T, n, hd]
   const torch::Tensor in = column_input(x, tp_);
   torch::Tensor q, k, v;
   if (c_attn) {
@@ -171,6 +180,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
     q = heads(q_proj(in), n_head_), k = heads(k_proj(in), n_kv_head_), v = heads(v_proj(in), n_kv_head_);
   }
   if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
+  q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);  // [B, n, T, hd]
   if (n_kv_head_ != n_head_) {  // grouped-query attention: kv head j serves query heads j rep .. (j + 1) rep - 1
     const int64_t rep = n_head_ / n_kv_head_;
     k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
@@ -269,8 +279,10 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
+  const torch::Tensor in = column_input(x, tp_);
+  if (gate_proj) return row_parallel(swiglu(gate_proj(in), up_proj(in)), c_proj, tp_);
   // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
-  return row_parallel(bias_gelu(F::linear(column_input(x, tp_), c_fc->weight), c_fc->bias), c_proj, tp_);
+  return row_parallel(bias_gelu(F::linear(in, c_fc->weight), c_fc->bias), c_proj, tp_);
 }
 
 BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary) : dropout_(d.dropout) {
@@ -290,8 +302,8 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
 
 std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Tensor& x, const torch::Tensor& delta,
                                                                  c10::ScalarType normed_dtype) {
-  auto [r1, n1] = add_layernorm(x, delta, ln_1->weight, ln_1->bias, ln_1->eps, normed_dtype);
-  auto [r2, n2] = add_layernorm(r1, attn(n1), ln_2->weight, ln_2->bias, ln_2->eps, normed_dtype);
+  auto [r1, n1] = ln_1->add_forward(x, delta, normed_dtype);
+  auto [r2, n2] = ln_2->add_forward(r1, attn(n1), normed_dtype);
   auto m = mlp->forward_fused(n2);
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
@@ -316,7 +328,6 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
   MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
                      d.vocab_size % d.tp == 0,
                  "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");
-  MPITRAIN_CHECK(!(d.llama() && d.fused_kernels), "the fused block ops are GPT-2's (LayerNorm, GELU)");
   if (d.tp > 1) {
     // The dense model's initial values from the same generator state, then this rank's shards.
     GPTDims whole = d;
@@ -392,14 +403,14 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   return ln_f(x);
 }
 
-// The residual stream x stays fp32 (the embeddings are; add_layernorm adds the bf16/fp16 block
-// outputs of an autocast region in fp32, as the unfused path's type promotion does); each block's
-// MLP output is added by the next LayerNorm, the last one's by ln_f.
+// The residual stream x stays fp32 (the embeddings are; add_layernorm / add_rmsnorm add the
+// bf16/fp16 block outputs of an autocast region in fp32, as the unfused path's type promotion
+// does); each block's MLP output is added by the next norm, the last one's by ln_f.
 torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
   torch::Tensor delta;
   for (const auto& block : *h) std::tie(x, delta) = block->as<Block>()->forward_fused(x, delta, normed_dtype);
-  return add_layernorm(x, delta, ln_f->weight, ln_f->bias, ln_f->eps, normed_dtype).second;
+  return ln_f->add_forward(x, delta, normed_dtype).second;
 }
 
 int64_t GPTImpl::live_rows() const {

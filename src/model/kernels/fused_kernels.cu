@@ -1,13 +1,20 @@
-// CUDA kernels for the elementwise work of a GPT block (see include/mpitrain/fused_kernels.h).
+// CUDA kernels for the elementwise work of a GPT-2 or Llama block (see
+// include/mpitrain/fused_kernels.h).
 //
-// LayerNorm (with the residual add that precedes it in a pre-LN block): one warp per row; the
-// row is read once for the sum, the mean-centred variance is taken from the residual just
-// written (L1/L2-resident), and the normalised row is written in the activation dtype the next
-// matrix multiply reads, so the residual stream never goes through a separate add kernel, an
-// fp32 LayerNorm output and a cast. The parameter gradients are column sums over all rows: a
-// second kernel gives each block a slice of rows and every thread one column, and writes one
-// partial sum per block; the caller adds the partials, so the result does not depend on
-// scheduling (no atomics).
+// LayerNorm or RMSNorm (with the residual add that precedes it in a pre-norm block), one kernel
+// template for both (kLayer: centred, with a bias): one warp per row; the row is read once for
+// the sum (LayerNorm) or the sum of squares (RMSNorm), LayerNorm's mean-centred variance is
+// taken from the residual just written (L1/L2-resident), and the normalised row is written in
+// the activation dtype the next matrix multiply reads, so the residual stream never goes through
+// a separate add kernel, an fp32 norm output and a cast. The parameter gradients are column sums
+// over all rows: a second kernel gives each block a slice of rows and every thread one column,
+// and writes one partial sum per block; the caller adds the partials, so the result does not
+// depend on scheduling (no atomics).
+//
+// SwiGLU (Llama's MLP, silu(gate) * up) and rotary embeddings (q and k, Hugging Face's
+// half-split layout): elementwise, 16 bytes per load and store where the sizes and pointers allow.
+// The rotary kernel rounds as the ATen ops it replaces do (see fused_kernels.h), so the fused and
+// unfused attention see the same q and k.
 //
 // Bias + GELU (tanh approximation): the MLP's first matrix multiply runs without its bias and
 // this kernel adds it on the way into the GELU; the backward kernel computes the GELU
@@ -86,51 +93,57 @@ int64_t column_blocks(int64_t rows) {
 
 // ---- residual add + LayerNorm ------------------------------------------------------------------
 
-template <typename TD, typename TN>
-__global__ void add_layernorm_forward_kernel(const float* __restrict__ x, const TD* __restrict__ delta,
-                                             const float* __restrict__ gamma, const float* __restrict__ beta,
-                                             float eps, float* residual, TN* __restrict__ normed,
-                                             float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                             int64_t rows, int cols) {
+// kLayer: LayerNorm (mean, bias); else RMSNorm (mean taken as 0: xhat = residual * rstd).
+template <bool kLayer, typename TD, typename TN>
+__global__ void add_norm_forward_kernel(const float* __restrict__ x, const TD* __restrict__ delta,
+                                        const float* __restrict__ gamma, const float* __restrict__ beta, float eps,
+                                        float* residual, TN* __restrict__ normed, float* __restrict__ mean_out,
+                                        float* __restrict__ rstd_out, int64_t rows, int cols) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerLnBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;
   const int64_t base = row * cols;
-  float sum = 0.f;
+  float sum = 0.f, sq = 0.f;
   for (int c = lane; c < cols; c += kWarp) {
     float v = x[base + c];
     if (delta != nullptr) v += to_f32(delta[base + c]);
     residual[base + c] = v;
-    sum += v;
+    if constexpr (kLayer) sum += v;
+    else sq += v * v;
   }
-  const float mean = warp_sum(sum) / static_cast<float>(cols);
-  float sq = 0.f;
-  for (int c = lane; c < cols; c += kWarp) {  // each lane re-reads only what it wrote
-    const float d = residual[base + c] - mean;
-    sq += d * d;
+  float mean = 0.f;
+  if constexpr (kLayer) {
+    mean = warp_sum(sum) / static_cast<float>(cols);
+    for (int c = lane; c < cols; c += kWarp) {  // each lane re-reads only what it wrote
+      const float d = residual[base + c] - mean;
+      sq += d * d;
+    }
   }
   const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(cols) + eps);
   for (int c = lane; c < cols; c += kWarp) {
     const float xhat = (residual[base + c] - mean) * rstd;
-    normed[base + c] = from_f32<TN>(xhat * gamma[c] + beta[c]);
+    float y = xhat * gamma[c];
+    if constexpr (kLayer) y += beta[c];
+    normed[base + c] = from_f32<TN>(y);
   }
   if (lane == 0) {
-    mean_out[row] = mean;
+    if constexpr (kLayer) mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
 }
 
-template <typename TN, typename TD>
-__global__ void add_layernorm_backward_kernel(const float* __restrict__ residual, const float* __restrict__ mean_in,
-                                              const float* __restrict__ rstd_in, const float* __restrict__ gamma,
-                                              const TN* __restrict__ d_normed, const float* __restrict__ d_out,
-                                              float* __restrict__ d_x, TD* __restrict__ d_delta, int64_t rows,
-                                              int cols) {
+// d_residual = d_out + rstd * (g - m1 - xhat * m2), g = d_normed * gamma, m1 = mean(g) (0 for
+// RMSNorm, whose output does not shift with the mean), m2 = mean(g * xhat).
+template <bool kLayer, typename TN, typename TD>
+__global__ void add_norm_backward_kernel(const float* __restrict__ residual, const float* __restrict__ mean_in,
+                                         const float* __restrict__ rstd_in, const float* __restrict__ gamma,
+                                         const TN* __restrict__ d_normed, const float* __restrict__ d_out,
+                                         float* __restrict__ d_x, TD* __restrict__ d_delta, int64_t rows, int cols) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerLnBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;
   const int64_t base = row * cols;
-  const float mean = mean_in[row], rstd = rstd_in[row];
+  const float mean = kLayer ? mean_in[row] : 0.f, rstd = rstd_in[row];
   float m1 = 0.f, m2 = 0.f;  // mean(dxhat), mean(dxhat * xhat)
   if (d_normed != nullptr) {
     for (int c = lane; c < cols; c += kWarp) {
@@ -139,7 +152,7 @@ __global__ void add_layernorm_backward_kernel(const float* __restrict__ residual
       m1 += g;
       m2 += g * xhat;
     }
-    m1 = warp_sum(m1) / static_cast<float>(cols);
+    m1 = kLayer ? warp_sum(m1) / static_cast<float>(cols) : 0.f;
     m2 = warp_sum(m2) / static_cast<float>(cols);
   }
   for (int c = lane; c < cols; c += kWarp) {
@@ -154,13 +167,13 @@ __global__ void add_layernorm_backward_kernel(const float* __restrict__ residual
   }
 }
 
-// partials[0][blockIdx.y][c] = sum of d_normed * xhat, partials[1][blockIdx.y][c] = sum of
-// d_normed, over this block's rows (blockIdx.y * kColumnLanes + threadIdx.y, stride
+// partials[0][blockIdx.y][c] = sum of d_normed * xhat and (LayerNorm) partials[1][blockIdx.y][c]
+// = sum of d_normed, over this block's rows (blockIdx.y * kColumnLanes + threadIdx.y, stride
 // gridDim.y * kColumnLanes).
-template <typename TN>
-__global__ void layernorm_param_grad_kernel(const float* __restrict__ residual, const float* __restrict__ mean_in,
-                                            const float* __restrict__ rstd_in, const TN* __restrict__ d_normed,
-                                            float* __restrict__ partials, int64_t rows, int cols) {
+template <bool kLayer, typename TN>
+__global__ void norm_param_grad_kernel(const float* __restrict__ residual, const float* __restrict__ mean_in,
+                                       const float* __restrict__ rstd_in, const TN* __restrict__ d_normed,
+                                       float* __restrict__ partials, int64_t rows, int cols) {
   __shared__ float s_gamma[kColumnLanes][kWarp];
   __shared__ float s_beta[kColumnLanes][kWarp];
   const int c = blockIdx.x * kWarp + threadIdx.x;
@@ -169,7 +182,8 @@ __global__ void layernorm_param_grad_kernel(const float* __restrict__ residual, 
     const int64_t stride = static_cast<int64_t>(gridDim.y) * kColumnLanes;
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * kColumnLanes + threadIdx.y; r < rows; r += stride) {
       const float dn = to_f32(d_normed[r * cols + c]);
-      dg += dn * (residual[r * cols + c] - mean_in[r]) * rstd_in[r];
+      const float mean = kLayer ? mean_in[r] : 0.f;
+      dg += dn * (residual[r * cols + c] - mean) * rstd_in[r];
       db += dn;
     }
   }
@@ -183,7 +197,7 @@ __global__ void layernorm_param_grad_kernel(const float* __restrict__ residual, 
     }
     const int64_t blocks = gridDim.y;
     partials[static_cast<int64_t>(blockIdx.y) * cols + c] = dg;
-    partials[(blocks + blockIdx.y) * cols + c] = db;
+    if constexpr (kLayer) partials[(blocks + blockIdx.y) * cols + c] = db;
   }
 }
 
@@ -259,6 +273,92 @@ __global__ void bias_gelu_backward_kernel(const T* __restrict__ pre, const float
       for (int k = 0; k < N; ++k) acc[k] += s_sum[lane][threadIdx.x * N + k];
 #pragma unroll
     for (int k = 0; k < N; ++k) partials[static_cast<int64_t>(blockIdx.y) * cols + cp * N + k] = acc[k];
+  }
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+// Each thread moves Packs of N elements of gate, up and out (n % N == 0).
+template <typename T, int N>
+__global__ void swiglu_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out,
+                                      int64_t packs) {
+  using P = Pack<T, N>;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += step) {
+    const P g = reinterpret_cast<const P*>(gate)[p], u = reinterpret_cast<const P*>(up)[p];
+    P o;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float gf = to_f32(g.v[k]);
+      o.v[k] = from_f32<T>(gf * sigmoid(gf) * to_f32(u.v[k]));
+    }
+    reinterpret_cast<P*>(out)[p] = o;
+  }
+}
+
+template <typename T, int N>
+__global__ void swiglu_backward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                                       const T* __restrict__ d_out, T* __restrict__ d_gate, T* __restrict__ d_up,
+                                       int64_t packs) {
+  using P = Pack<T, N>;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += step) {
+    const P g = reinterpret_cast<const P*>(gate)[p], u = reinterpret_cast<const P*>(up)[p],
+            d = reinterpret_cast<const P*>(d_out)[p];
+    P dg, du;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float gf = to_f32(g.v[k]), df = to_f32(d.v[k]), s = sigmoid(gf);
+      du.v[k] = from_f32<T>(df * gf * s);
+      dg.v[k] = from_f32<T>(df * to_f32(u.v[k]) * s * (1.f + gf * (1.f - s)));
+    }
+    reinterpret_cast<P*>(d_gate)[p] = dg;
+    reinterpret_cast<P*>(d_up)[p] = du;
+  }
+}
+
+// ---- rotary embedding --------------------------------------------------------------------------
+
+// v rounded to T and back (fp32: unchanged).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+// One thread per pack of N pairs (i, i + half) of one row; half % N == 0. The products and the
+// sum go through __fmul_rn / __fadd_rn, which nvcc never contracts into a fused multiply-add, so
+// each is rounded as ATen's separate mul and add kernels round it.
+template <bool kInverse, typename T, int N>
+__global__ void rotary_kernel(const T* __restrict__ x, const float* __restrict__ cos_t,
+                              const float* __restrict__ sin_t, T* __restrict__ out, int64_t rows, int64_t seq,
+                              int64_t heads, int half) {
+  using P = Pack<T, N>;
+  const int packs_per_row = half / N;
+  const int64_t packs = rows * packs_per_row;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += step) {
+    const int64_t row = p / packs_per_row;
+    const int i0 = static_cast<int>(p % packs_per_row) * N;
+    const int64_t t = (row / heads) % seq;
+    const int64_t base = row * 2 * half + i0;
+    const float* c = cos_t + t * 2 * half + i0;
+    const float* s = sin_t + t * 2 * half + i0;
+    const P a = *reinterpret_cast<const P*>(x + base), b = *reinterpret_cast<const P*>(x + base + half);
+    P oa, ob;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float xa = to_f32(a.v[k]), xb = to_f32(b.v[k]);
+      const float ca = round_to<T>(c[k]), cb = round_to<T>(c[half + k]);
+      const float sa = round_to<T>(s[k]), sb = round_to<T>(s[half + k]);
+      // forward: (xa, xb) -> (xa ca - xb sa, xb cb + xa sb); inverse: (xa ca + xb sb, xb cb - xa sa)
+      const float pa = round_to<T>(__fmul_rn(xa, ca)), pb = round_to<T>(__fmul_rn(xb, cb));
+      const float qa = round_to<T>(kInverse ? __fmul_rn(xb, sb) : -__fmul_rn(xb, sa));
+      const float qb = round_to<T>(kInverse ? -__fmul_rn(xa, sa) : __fmul_rn(xa, sb));
+      oa.v[k] = from_f32<T>(__fadd_rn(pa, qa));
+      ob.v[k] = from_f32<T>(__fadd_rn(pb, qb));
+    }
+    *reinterpret_cast<P*>(out + base) = oa;
+    *reinterpret_cast<P*>(out + base + half) = ob;
   }
 }
 
@@ -344,7 +444,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-int64_t layernorm_param_grad_blocks(int64_t rows) { return column_blocks(rows); }
+int64_t norm_param_grad_blocks(int64_t rows) { return column_blocks(rows); }
 
 const char* softmax_cross_entropy(void* logits, DType t, const int64_t* targets, float* loss, float scale,
                                   bool with_grad, int64_t rows, int64_t cols, void* stream) {
@@ -370,50 +470,65 @@ const char* softmax_cross_entropy(void* logits, DType t, const int64_t* targets,
 }
 int64_t bias_gelu_grad_blocks(int64_t rows) { return column_blocks(rows); }
 
-const char* add_layernorm_forward(const float* x, const void* delta, DType delta_t, const float* gamma,
-                                  const float* beta, float eps, float* residual, void* normed, DType normed_t,
-                                  float* mean, float* rstd, int64_t rows, int64_t cols, void* stream) {
+// The kernel templates for kind: f(std::true_type) for LayerNorm, f(std::false_type) for RMSNorm.
+template <typename F>
+void with_norm(NormKind kind, F&& f) {
+  if (kind == NormKind::layer) f(std::true_type{});
+  else f(std::false_type{});
+}
+
+const char* add_norm_forward(NormKind kind, const float* x, const void* delta, DType delta_t, const float* gamma,
+                             const float* beta, float eps, float* residual, void* normed, DType normed_t,
+                             float* mean, float* rstd, int64_t rows, int64_t cols, void* stream) {
   if (rows == 0 || cols == 0) return nullptr;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerLnBlock - 1) / kRowsPerLnBlock));
   const dim3 block(kWarp * kRowsPerLnBlock);
-  with_dtype(delta_t, [&](auto d) {
-    using TD = decltype(d);
-    with_dtype(normed_t, [&](auto n) {
-      using TN = decltype(n);
-      const auto kernel = add_layernorm_forward_kernel<TD, TN>;
-      MPITRAIN_LAUNCH(kernel, grid, block, s, x, static_cast<const TD*>(delta), gamma, beta, eps, residual,
-                      static_cast<TN*>(normed), mean, rstd, rows, static_cast<int>(cols));
+  with_norm(kind, [&](auto layer) {
+    with_dtype(delta_t, [&](auto d) {
+      using TD = decltype(d);
+      with_dtype(normed_t, [&](auto n) {
+        using TN = decltype(n);
+        const auto kernel = add_norm_forward_kernel<decltype(layer)::value, TD, TN>;
+        MPITRAIN_LAUNCH(kernel, grid, block, s, x, static_cast<const TD*>(delta), gamma, beta, eps, residual,
+                        static_cast<TN*>(normed), mean, rstd, rows, static_cast<int>(cols));
+      });
     });
   });
   return launch_status();
 }
 
-const char* add_layernorm_backward(const float* residual, const float* mean, const float* rstd, const float* gamma,
-                                   const void* d_normed, DType normed_t, const float* d_out, float* d_x,
-                                   void* d_delta, DType delta_t, float* partials, int64_t rows, int64_t cols,
-                                   void* stream) {
+const char* add_norm_backward(NormKind kind, const float* residual, const float* mean, const float* rstd,
+                              const float* gamma, const void* d_normed, DType normed_t, const float* d_out,
+                              float* d_x, void* d_delta, DType delta_t, float* partials, int64_t rows, int64_t cols,
+                              void* stream) {
   if (rows == 0 || cols == 0) return nullptr;
   auto s = static_cast<cudaStream_t>(stream);
   const int c = static_cast<int>(cols);
+  const int64_t n_partials = kind == NormKind::layer ? 2 : 1;
   cudaError_t memset_status = cudaSuccess;
-  with_dtype(normed_t, [&](auto n) {
-    using TN = decltype(n);
-    with_dtype(delta_t, [&](auto d) {
-      using TD = decltype(d);
-      const auto kernel = add_layernorm_backward_kernel<TN, TD>;
-      MPITRAIN_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kRowsPerLnBlock - 1) / kRowsPerLnBlock)),
-                      dim3(kWarp * kRowsPerLnBlock), s, residual, mean, rstd, gamma,
-                      static_cast<const TN*>(d_normed), d_out, d_x, static_cast<TD*>(d_delta), rows, c);
+  with_norm(kind, [&](auto layer) {
+    constexpr bool kLayer = decltype(layer)::value;
+    with_dtype(normed_t, [&](auto n) {
+      using TN = decltype(n);
+      with_dtype(delta_t, [&](auto d) {
+        using TD = decltype(d);
+        const auto kernel = add_norm_backward_kernel<kLayer, TN, TD>;
+        MPITRAIN_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kRowsPerLnBlock - 1) / kRowsPerLnBlock)),
+                        dim3(kWarp * kRowsPerLnBlock), s, residual, mean, rstd, gamma,
+                        static_cast<const TN*>(d_normed), d_out, d_x, static_cast<TD*>(d_delta), rows, c);
+      });
+      if (d_normed == nullptr) {
+        memset_status =
+            cudaMemsetAsync(partials, 0, sizeof(float) * n_partials * column_blocks(rows) * cols, s);
+      } else {
+        const dim3 grid(static_cast<unsigned>((cols + kWarp - 1) / kWarp),
+                        static_cast<unsigned>(column_blocks(rows)));
+        const auto kernel = norm_param_grad_kernel<kLayer, TN>;
+        MPITRAIN_LAUNCH(kernel, grid, dim3(kWarp, kColumnLanes), s, residual, mean, rstd,
+                        static_cast<const TN*>(d_normed), partials, rows, c);
+      }
     });
-    if (d_normed == nullptr) {
-      memset_status = cudaMemsetAsync(partials, 0, sizeof(float) * 2 * column_blocks(rows) * cols, s);
-    } else {
-      const dim3 grid(static_cast<unsigned>((cols + kWarp - 1) / kWarp), static_cast<unsigned>(column_blocks(rows)));
-      const auto kernel = layernorm_param_grad_kernel<TN>;
-      MPITRAIN_LAUNCH(kernel, grid, dim3(kWarp, kColumnLanes), s, residual, mean, rstd,
-                      static_cast<const TN*>(d_normed), partials, rows, c);
-    }
   });
   if (memset_status != cudaSuccess) return cudaGetErrorString(memset_status);
   return launch_status();
@@ -464,6 +579,88 @@ const char* bias_gelu_backward(const void* pre, const float* bias, const void* d
       launch(std::integral_constant<int, kVec>{});
     else
       launch(std::integral_constant<int, 1>{});
+  });
+  return launch_status();
+}
+
+namespace {
+
+// A grid-stride launch over `packs` elements (or packs of them): at most 2^16 blocks of 256.
+unsigned stride_grid(int64_t packs, unsigned block) {
+  return static_cast<unsigned>(std::clamp<int64_t>((packs + block - 1) / block, 1, int64_t{1} << 16));
+}
+
+}  // namespace
+
+const char* swiglu_forward(const void* gate, const void* up, void* out, DType t, int64_t n, void* stream) {
+  if (n == 0) return nullptr;
+  auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    auto launch = [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      const auto kernel = swiglu_forward_kernel<T, N>;
+      MPITRAIN_LAUNCH(kernel, stride_grid(n / N, 256), dim3(256), s, static_cast<const T*>(gate),
+                      static_cast<const T*>(up), static_cast<T*>(out), n / N);
+    };
+    if (n % kVec == 0 && aligned16(gate) && aligned16(up) && aligned16(out))
+      launch(std::integral_constant<int, kVec>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+  });
+  return launch_status();
+}
+
+const char* swiglu_backward(const void* gate, const void* up, const void* d_out, void* d_gate, void* d_up, DType t,
+                            int64_t n, void* stream) {
+  if (n == 0) return nullptr;
+  auto s = static_cast<cudaStream_t>(stream);
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    auto launch = [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      const auto kernel = swiglu_backward_kernel<T, N>;
+      MPITRAIN_LAUNCH(kernel, stride_grid(n / N, 256), dim3(256), s, static_cast<const T*>(gate),
+                      static_cast<const T*>(up), static_cast<const T*>(d_out), static_cast<T*>(d_gate),
+                      static_cast<T*>(d_up), n / N);
+    };
+    if (n % kVec == 0 && aligned16(gate) && aligned16(up) && aligned16(d_out) && aligned16(d_gate) &&
+        aligned16(d_up))
+      launch(std::integral_constant<int, kVec>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+  });
+  return launch_status();
+}
+
+const char* rotary(const void* x, const float* cos, const float* sin, void* out, DType t, bool inverse, int64_t rows,
+                   int64_t seq, int64_t heads, int64_t head_dim, void* stream) {
+  if (rows == 0 || head_dim == 0) return nullptr;
+  if (head_dim % 2 != 0 || head_dim > INT32_MAX || seq <= 0 || heads <= 0) return "rotary: bad shape";
+  auto s = static_cast<cudaStream_t>(stream);
+  const int half = static_cast<int>(head_dim / 2);
+  with_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = 16 / sizeof(T);
+    auto launch = [&](auto width, auto inv) {
+      constexpr int N = decltype(width)::value;
+      const auto kernel = rotary_kernel<decltype(inv)::value, T, N>;
+      MPITRAIN_LAUNCH(kernel, stride_grid(rows * (half / N), 256), dim3(256), s, static_cast<const T*>(x), cos, sin,
+                      static_cast<T*>(out), rows, seq, heads, half);
+    };
+    // Every row and both halves start 16-byte aligned when the base is and half is whole packs.
+    auto with_width = [&](auto inv) {
+      if (half % kVec == 0 && aligned16(x) && aligned16(out))
+        launch(std::integral_constant<int, kVec>{}, inv);
+      else
+        launch(std::integral_constant<int, 1>{}, inv);
+    };
+    if (inverse)
+      with_width(std::true_type{});
+    else
+      with_width(std::false_type{});
   });
   return launch_status();
 }
