@@ -107,7 +107,7 @@ void run(int argc, char** argv) {
       grads.arm();
       model->loss(x, y).backward();
       grads.all_reduce_grads();
-      clip_tp_grad_norm_(opt, 1.0, *tp_comm, *dp_comm);
+      clip_tp_grad_norm_(opt, model, 1.0, *tp_comm, *dp_comm);
       opt.step(1e-4);
       opt.zero_grad();
       const double t = seconds_since(t0);

@@ -14,6 +14,7 @@ PACKAGES=(
   libpcre2-dev nlohmann-json3-dev        # pack: the GPT-2 BPE pre-tokenizer regex, vocab.json
   libisal-dev                            # CRC32C of TensorBoard event records
   libutf8proc-dev libssl-dev             # pack --tokenizer hf: tokenizer.json's NFC, its SHA-256
+  ccache                                 # rebuilds (another checkout, CI's fresh clone) reuse objects
   gnuplot-nox                            # the demo's loss curve picture
   fortunes                               # the demo's English text corpus
 )
@@ -31,6 +32,7 @@ fi
 
 [ "${1:-}" = --packages-only ] && exit 0
 build_start=$(date +%s)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > build.log 2>&1 || { cat build.log; exit 1; }
+if command -v ccache > /dev/null; then ccache -z > /dev/null 2>&1 || true; fi
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_CCACHE=ON > build.log 2>&1 || { cat build.log; exit 1; }
 cmake --build build -j"${JOBS:-2}" >> build.log 2>&1 || { tail -50 build.log; exit 1; }
-echo "setup: built build/mpitrain in $(( $(date +%s) - build_start )) s"
+echo "setup: built build/mpitrain in $(( $(date +%s) - build_start )) s$(command -v ccache > /dev/null && ccache --print-stats 2>/dev/null | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" { h += $2 } $1 == "cache_miss" { m = $2 } END { if (h + m > 0) printf " (ccache: %d objects reused, %d compiled)", h, m }')"

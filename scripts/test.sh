@@ -35,4 +35,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ $packages_only = 1 ] && exit 0
 cd build
-ctest --output-on-failure "$@"
+# Two at a time: a single-process test (one torch thread) beside another; a test that declares
+# PROCESSORS 2 (the mpirun ones) or RUN_SERIAL runs alone. MPITRAIN_TEST_JOBS=1: one at a time.
+ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" "$@"

@@ -72,6 +72,21 @@ rc=$?
 check "netcheck exits 0 and reports the host and links" \
   "[ $rc -eq 0 ] && grep -q 'netcheck: OK (1 host, 2 ranks)' netcheck.out && grep -q 'busbw' netcheck.out"
 
+# ---- plan for a Llama: the same model as train builds ----
+# 1 layer, 2 heads / 1 kv head of 8, SwiGLU 32, tied, 257 byte tokens: wte 257 x 16 = 4112; q and
+# o 16 x 16 each, k and v 8 x 16 each, gate/up/down 32 x 16 each, two RMSNorms of 16 = 2336; the
+# final RMSNorm 16: 6464 parameters.
+llama_model=(--set model.arch=llama --set model.n_kv_head=1 --set model.intermediate_size=32)
+"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --iters 2 > plan-llama.out 2>&1
+rc=$?
+check "plan measures a Llama under mpirun -np 2 (exit $rc) and recommends a setting" \
+  "[ $rc -eq 0 ] && grep -q ' model 6464 parameters' plan-llama.out && grep -q '^recommendation: ' plan-llama.out"
+"$MPIRUN" -np 2 "$BIN" cfg.yaml "${llama_model[@]}" --set train.steps=2 --set checkpoint.dir=ckpt-llama \
+  --set train.out_dir=run-llama > train-llama.out 2>&1
+rc=$?
+check "the Llama plan measured is the model train builds (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'model: llama, 6464 parameters' train-llama.out"
+
 # ---- SIGUSR1 (Slurm's pre-preemption warning): checkpoint, exit 75, resume ----
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=100000 \
   --set eval.every=0 --set 'data.val=[]' > usr1.out 2>&1 &

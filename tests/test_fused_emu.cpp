@@ -390,7 +390,7 @@ void expect_grads_close(GPT& a, GPT& b, double rel, const std::string& what, Com
   for (size_t i = 0; i < pa.size(); ++i) {
     ASSERT_TRUE(pa[i].second.grad().defined() && pb[i].second.grad().defined()) << pa[i].first;
     auto want = pb[i].second.grad();
-    if (tp) want = tp_shard(want, tp_split(pb[i].first), tp->rank(), tp->size()).contiguous();
+    if (tp) want = tp_shard(want, b->tp_split(pb[i].first), tp->rank(), tp->size()).contiguous();
     const double scale = want.abs().max().item<double>();
     expect_within(pa[i].second.grad(), want, torch::full({}, rel * scale + 1e-30, torch::kFloat64),
                   what + ": " + pa[i].first);
@@ -466,7 +466,7 @@ TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
   auto pf = fused->named_params(), pp = plain->named_params();
   ASSERT_EQ(pf.size(), pp.size());
   for (size_t i = 0; i < pf.size(); ++i)
-    expect_close(pf[i].second.grad(), tp_shard(pp[i].second.grad(), tp_split(pp[i].first), tp->rank(), 2).contiguous(),
+    expect_close(pf[i].second.grad(), tp_shard(pp[i].second.grad(), plain->tp_split(pp[i].first), tp->rank(), 2).contiguous(),
                  1e-3, 1e-5, pf[i].first);
 }
 
@@ -492,7 +492,7 @@ TEST(FusedEmuTensorParallel, TheFusedTpLlamaMatchesTheUnfusedDenseLlama) {
     auto pf = fused->named_params(), pp = plain->named_params();
     ASSERT_EQ(pf.size(), pp.size());
     for (size_t i = 0; i < pf.size(); ++i)
-      pf[i].second.copy_(tp_shard(pp[i].second, tp_split(pp[i].first), tp->rank(), 2));
+      pf[i].second.copy_(tp_shard(pp[i].second, plain->tp_split(pp[i].first), tp->rank(), 2));
   }
   torch::manual_seed(25);  // the same batch on both ranks
   auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);

@@ -81,6 +81,47 @@ TEST(Model, LlamaHuggingFaceFilesRoundTripBitwise) {
   }
 }
 
+// Each module declares how tensor parallelism splits the parameters it makes; the model answers by
+// full name. The roles as Megatron splits them: the vocabulary's rows, column-parallel layers by
+// output rows (c_attn as [q; k; v] by whole heads), row-parallel weights by input columns, and the
+// rest (norms, positions, row-parallel biases) whole. The same declarations at tp 1 and tp 2.
+TEST(Model, TensorParallelSplitsAreDeclaredWhereTheParametersAreMade) {
+  auto expected = [](const std::string& name) {
+    auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+    if (name == "wte.weight" || name == "lm_head.weight") return TpSplit::rows;
+    if (has(".attn.c_attn.")) return TpSplit::qkv_rows;
+    if (has(".q_proj.") || has(".k_proj.") || has(".v_proj.") || has(".c_fc.") || has(".gate_proj.") || has(".up_proj."))
+      return TpSplit::rows;
+    if (has(".c_proj.weight")) return TpSplit::cols;
+    return TpSplit::replicated;
+  };
+  GPTDims llama;
+  llama.arch = "llama";
+  llama.n_layer = 2, llama.n_head = 4, llama.n_kv_head = 2, llama.n_embd = 32, llama.intermediate_size = 48;
+  llama.seq_len = 16, llama.vocab_size = 70, llama.max_position = 16, llama.qkv_bias = true, llama.tie_embeddings = false;
+  for (const GPTDims& d : {small_dims(), llama}) {
+    GPT model(d);
+    int rows = 0, qkv = 0, cols = 0, whole = 0;
+    for (const auto& [name, p] : model->named_params()) {
+      const TpSplit split = model->tp_split(name);
+      EXPECT_EQ(split, expected(name)) << d.arch << " " << name;
+      rows += split == TpSplit::rows, qkv += split == TpSplit::qkv_rows, cols += split == TpSplit::cols;
+      whole += split == TpSplit::replicated;
+    }
+    const int layers = static_cast<int>(d.n_layer);
+    if (d.llama()) {  // q, k, v weights and biases, gate, up per layer; wte and lm_head
+      EXPECT_EQ(rows, layers * 8 + 2);
+      EXPECT_EQ(qkv, 0);
+    } else {  // c_fc weight and bias per layer; wte
+      EXPECT_EQ(rows, layers * 2 + 1);
+      EXPECT_EQ(qkv, layers * 2);
+    }
+    EXPECT_EQ(cols, layers * 2);  // attn.c_proj and mlp.c_proj weights
+    EXPECT_GT(whole, 0);
+    EXPECT_THROW(model->tp_split("h.0.no_such.weight"), std::exception);
+  }
+}
+
 TEST(Model, VocabularyMayBePaddedButNotSmallerThanData) {
   ModelConfig m;
   m.n_layer = 1; m.n_head = 1; m.n_embd = 8; m.seq_len = 8;

@@ -101,7 +101,7 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
       ASSERT_EQ(local.size(), whole.size());
       for (size_t i = 0; i < whole.size(); ++i) {
         ASSERT_EQ(local[i].first, whole[i].first);
-        EXPECT_TRUE(torch::equal(local[i].second, tp_shard(whole[i].second, tp_split(whole[i].first), r, tp)))
+        EXPECT_TRUE(torch::equal(local[i].second, tp_shard(whole[i].second, dense->tp_split(whole[i].first), r, tp)))
             << whole[i].first;
       }
 
@@ -123,7 +123,7 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
       tp_loss.backward();
       double worst = 0;
       for (size_t i = 0; i < whole.size(); ++i) {
-        const torch::Tensor want = tp_shard(whole[i].second.grad(), tp_split(whole[i].first), r, tp);
+        const torch::Tensor want = tp_shard(whole[i].second.grad(), dense->tp_split(whole[i].first), r, tp);
         const torch::Tensor got = local[i].second.grad();
         ASSERT_TRUE(got.defined()) << whole[i].first;
         const double d = rel_diff(got, want);
@@ -190,7 +190,7 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
         } else {
           EXPECT_TRUE(torch::equal(w, want[i].second)) << whole[i].first;
         }
-        EXPECT_TRUE(torch::equal(local[i].second, tp_shard(w, tp_split(whole[i].first), r, tp))) << whole[i].first;
+        EXPECT_TRUE(torch::equal(local[i].second, tp_shard(w, dense->tp_split(whole[i].first), r, tp))) << whole[i].first;
       }
       EXPECT_EQ(sharded->live_rows(), std::clamp<int64_t>(kTokens - r * (kRows / tp), 0, kRows / tp));
 
@@ -221,7 +221,7 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
         ASSERT_TRUE(got.defined()) << whole[i].first;
         // Relative to the whole gradient's scale: a shard of padding rows has an all-zero gradient.
         const double scale = std::max(g.abs().max().item<double>(), 1e-30);
-        EXPECT_LT((got - tp_shard(g, tp_split(whole[i].first), r, tp)).abs().max().item<double>() / scale, kTolerance)
+        EXPECT_LT((got - tp_shard(g, dense->tp_split(whole[i].first), r, tp)).abs().max().item<double>() / scale, kTolerance)
             << whole[i].first;
       }
     }

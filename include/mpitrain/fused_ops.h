@@ -17,10 +17,16 @@ namespace mpitrain {
 enum class FusedImpl { automatic, reference };  // automatic: the CUDA kernel where it applies
 
 // F::apply(args...) for a torch::autograd::Function F. GCC 14 with libtorch 2.x reports
-// -Warray-bounds / -Wstringop-overflow inside std::vector<bool>::reserve when it inlines Function::apply
-// (custom_function.h): a false positive of GCC's in library code, silenced here, at the one
-// place this project calls apply.
+// -Warray-bounds / -Wstringop-overflow inside std::vector<bool>::reserve when it inlines into
+// Function::apply (custom_function.h): a false positive of GCC's in library code, silenced here,
+// at the one place this project calls apply. GCC honours such a pragma only where the warned
+// code is inlined into the lines it covers, so `flatten` inlines Function::apply (and what it
+// calls, where the bodies are visible) into this wrapper: without it the warning is reported from
+// an out-of-line Function<TpCopy>::apply, out of the pragma's reach (measured with GCC 14.2).
 template <class F, class... Args>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((flatten))
+#endif
 auto apply_autograd_function(Args&&... args) {
 #if defined(__GNUC__) && !defined(__clang__)  // clang has neither warning
 #pragma GCC diagnostic push

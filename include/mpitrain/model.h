@@ -7,9 +7,10 @@
 //   MLP        c_fc -> GELU (tanh) -> c_proj,      | SwiGLU: c_proj(silu(gate_proj x) * up_proj x),
 //              4 n_embd units, biases              |   intermediate_size units, no biases
 //   output     tied to the token embedding         | tied, or its own lm_head (tie_embeddings false)
-// Every other path (tensor parallel splits by parameter name, ZeRO-1, checkpoints, export) reads
-// the parameters by name; the names are GPT-2's where the role is the same (attn.c_proj is Llama's
-// o_proj, mlp.c_proj its down_proj). Initialisation as GPT-2's: N(0, 0.02), residual projections
+// Each module declares, where it makes a parameter, which part of it a tensor-parallel rank holds
+// (TpDeclared below; GPTImpl::tp_split answers by full name). Every other path (ZeRO-1,
+// checkpoints, export) reads the parameters by name; the names are GPT-2's where the role is the
+// same (attn.c_proj is Llama's o_proj, mlp.c_proj its down_proj). Initialisation as GPT-2's: N(0, 0.02), residual projections
 // (c_proj) scaled by 1/sqrt(2 n_layer), norms one, biases zero.
 // With dims.fused_kernels the residual adds and norms (LayerNorm | RMSNorm), the MLP's bias + GELU |
 // SwiGLU and the rotary embedding (llama) run as the fused ops of fused_ops.h; the parameters
@@ -21,11 +22,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "mpitrain/config.h"
 #include "mpitrain/fused_ops.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 
@@ -85,6 +88,22 @@ int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp);
 std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
                                 c10::ScalarType dtype);
 
+// A module that declares, where it makes its parameters, how tensor parallelism splits them
+// (TpSplit); what it does not declare every tp rank holds whole. GPTImpl gathers the declarations
+// of all its modules by full parameter name (GPTImpl::tp_split).
+class TpDeclared {
+ public:
+  // (local name, split): a parameter of this module ("c_proj.weight"), or a submodule's name for
+  // all of that submodule's parameters ("q_proj": weight and bias).
+  const std::vector<std::pair<std::string, TpSplit>>& tp_declared() const { return declared_; }
+
+ protected:
+  void tp_declare(std::string local, TpSplit split) { declared_.emplace_back(std::move(local), split); }
+
+ private:
+  std::vector<std::pair<std::string, TpSplit>> declared_;
+};
+
 // LayerNorm over the last dimension (weight and bias; GPT-2), or RMSNorm (weight only; Llama):
 // x / sqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, times the weight, as
 // Hugging Face's LlamaRMSNorm.
@@ -121,7 +140,7 @@ class Rotary {
   bool fused_;
 };
 
-class CausalSelfAttentionImpl : public torch::nn::Module {
+class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
  public:
   CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
   torch::Tensor forward(const torch::Tensor& x);
@@ -138,7 +157,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CausalSelfAttention);
 
-class MLPImpl : public torch::nn::Module {
+class MLPImpl : public torch::nn::Module, public TpDeclared {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
@@ -174,7 +193,7 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class GPTImpl : public torch::nn::Module {
+class GPTImpl : public torch::nn::Module, public TpDeclared {
  public:
   explicit GPTImpl(const GPTDims& d);
 
@@ -190,6 +209,10 @@ class GPTImpl : public torch::nn::Module {
   // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...).
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;
+  // Which part of the whole parameter `name` (a named_params() name) a tensor-parallel rank
+  // holds, as the module that made it declared (replicated where it declared nothing). The same
+  // for every tp degree, tp 1 included.
+  TpSplit tp_split(const std::string& name) const;
 
   // The output layer's weight: wte's (tied) or lm_head's (this rank's vocabulary rows under tp).
   const torch::Tensor& output_weight() const { return lm_head ? lm_head->weight : wte->weight; }
@@ -206,7 +229,9 @@ class GPTImpl : public torch::nn::Module {
   void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
+  void collect_tp_splits();  // every module's declarations, by full parameter name
   GPTDims dims_;
+  std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
 };
 TORCH_MODULE(GPT);
 

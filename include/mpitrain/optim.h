@@ -13,6 +13,7 @@
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
 #include "mpitrain/grad_sync.h"
+#include "mpitrain/model.h"
 
 namespace mpitrain {
 
@@ -88,8 +89,8 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
 // Tensor parallel (tensor_parallel.h): the norm of the whole model's gradients when the ranks of
 // `tp` hold shards of the parameters: AdamW's slots' squared norms, summed over `dp` first when the
 // optimizer is sharded (ZeRO-1), then over `tp`, with the parameters every tp rank holds whole
-// (TpSplit::replicated) counted once, on tp rank 0.
-torch::Tensor clip_tp_grad_norm_(AdamW& opt, double max_norm, Communicator& tp, Communicator& dp);
+// (TpSplit::replicated, as `model` declares them) counted once, on tp rank 0.
+torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -60,7 +60,8 @@ torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tens
 int64_t comm_handle(Communicator& comm);
 Communicator& comm_from_handle(int64_t handle);
 
-// Which part of a whole GPT parameter a tp rank holds.
+// Which part of a whole GPT parameter a tp rank holds; each module declares it for the parameters
+// it makes (TpDeclared, GPTImpl::tp_split in model.h).
 enum class TpSplit {
   replicated,  // the whole tensor (LayerNorms, wpe, row-parallel biases)
   rows,        // dim 0 in tp equal blocks (column-parallel weights and biases: llama's q/k/v_proj by whole
@@ -68,7 +69,6 @@ enum class TpSplit {
   qkv_rows,    // dim 0 as [q; k; v], each in tp equal blocks of whole heads (attention's c_attn)
   cols,        // dim 1 in tp equal blocks (row-parallel weights)
 };
-TpSplit tp_split(const std::string& name);
 
 // Rank `rank`'s shard of the whole parameter `whole` (a view where it can be: rows, replicated).
 torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size);

@@ -166,6 +166,13 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
     c_attn = register_module("c_attn", linear(d.n_embd, 3 * q_width, true));
   }
   c_proj = register_module("c_proj", linear(q_width, d.n_embd, !d.llama()));
+  // Column-parallel by whole heads: [q; k; v] each in tp blocks (gpt2), or q and k/v (llama); the
+  // output projection row-parallel (its input columns; its bias whole).
+  if (d.llama())
+    for (const char* m : {"q_proj", "k_proj", "v_proj"}) tp_declare(m, TpSplit::rows);
+  else
+    tp_declare("c_attn", TpSplit::qkv_rows);
+  tp_declare("c_proj.weight", TpSplit::cols);
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
@@ -270,6 +277,9 @@ MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
     c_fc = register_module("c_fc", linear(d.n_embd, hidden, true));
   }
   c_proj = register_module("c_proj", linear(hidden, d.n_embd, !d.llama()));
+  // The hidden units column-parallel, the projection back row-parallel (its bias whole).
+  for (const char* m : {"c_fc", "gate_proj", "up_proj"}) tp_declare(m, TpSplit::rows);
+  tp_declare("c_proj.weight", TpSplit::cols);
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
@@ -334,6 +344,7 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
     whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
     GPT dense(whole);
     build_modules(d);
+    collect_tp_splits();
     torch::NoGradGuard no_grad;
     const auto mine = named_params(), all = dense->named_params();  // the same modules, in the same order
     MPITRAIN_CHECK(mine.size() == all.size(), "tensor parallel: the dense model has other parameters");
@@ -344,6 +355,7 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
     return;
   }
   build_modules(d);
+  collect_tp_splits();
 
   // GPT-2 initialisation. The residual projections (attn.c_proj, mlp.c_proj) add into the
   // residual stream once per layer each, so their std shrinks with depth to keep it bounded.
@@ -383,6 +395,7 @@ void GPTImpl::build_modules(const GPTDims& d) {
   for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d, rotary));
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
   if (d.llama() && !d.tie_embeddings) lm_head = register_module("lm_head", linear(d.n_embd, made, false));
+  for (const char* m : {"wte", "lm_head"}) tp_declare(m, TpSplit::rows);  // the vocabulary's rows
   if (made < rows) {
     torch::NoGradGuard no_grad;
     for (torch::Tensor* w : {&wte->weight, lm_head ? &lm_head->weight : nullptr})
@@ -555,6 +568,31 @@ std::vector<std::pair<std::string, torch::Tensor>> GPTImpl::named_params() const
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& item : named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
   return out;
+}
+
+void GPTImpl::collect_tp_splits() {
+  // Full names of parameters or modules. (Its own: named_modules cannot include a module still
+  // under construction, not yet held by a shared_ptr.)
+  std::vector<std::pair<std::string, TpSplit>> declared = tp_declared();
+  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* module = dynamic_cast<const TpDeclared*>(item.value().get());
+    if (!module) continue;
+    for (const auto& [local, split] : module->tp_declared()) declared.emplace_back(item.key() + "." + local, split);
+  }
+  tp_splits_.clear();
+  for (const auto& [name, p] : named_params()) {
+    TpSplit split = TpSplit::replicated;
+    for (const auto& [what, s] : declared)
+      if (name == what || (name.size() > what.size() && name.compare(0, what.size(), what) == 0 && name[what.size()] == '.'))
+        split = s;
+    tp_splits_[name] = split;
+  }
+}
+
+TpSplit GPTImpl::tp_split(const std::string& name) const {
+  const auto it = tp_splits_.find(name);
+  MPITRAIN_CHECK(it != tp_splits_.end(), concat("tp_split: the model has no parameter '", name, "'"));
+  return it->second;
 }
 
 int64_t GPTImpl::num_params() const {

@@ -136,22 +136,6 @@ torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tens
 
 double tp_collective_seconds() { return static_cast<double>(collective_ns.load()) * 1e-9; }
 
-TpSplit tp_split(const std::string& name) {
-  auto ends_with = [&](const char* suffix) {
-    const std::string s(suffix);
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  // The vocabulary of the token embedding and of an untied output layer.
-  if (name == "wte.weight" || name == "lm_head.weight") return TpSplit::rows;
-  if (ends_with(".attn.c_attn.weight") || ends_with(".attn.c_attn.bias")) return TpSplit::qkv_rows;
-  // Column-parallel: whole heads of q and of k/v (llama), the MLP's hidden units (both archs).
-  for (const char* layer : {".attn.q_proj.", ".attn.k_proj.", ".attn.v_proj.", ".mlp.c_fc.", ".mlp.gate_proj.",
-                            ".mlp.up_proj."})
-    if (ends_with(concat(layer, "weight").c_str()) || ends_with(concat(layer, "bias").c_str())) return TpSplit::rows;
-  if (ends_with(".attn.c_proj.weight") || ends_with(".mlp.c_proj.weight")) return TpSplit::cols;
-  return TpSplit::replicated;  // wpe, the norms, the row-parallel layers' biases
-}
-
 torch::Tensor tp_shard(const torch::Tensor& whole, TpSplit split, int64_t rank, int64_t size) {
   MPITRAIN_CHECK(rank >= 0 && rank < size, "tp_shard: rank outside the group");
   switch (split) {

@@ -177,7 +177,7 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
   return clip_by(grads, squared, max_norm);
 }
 
-torch::Tensor clip_tp_grad_norm_(AdamW& opt, double max_norm, Communicator& tp, Communicator& dp) {
+torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp) {
   torch::NoGradGuard no_grad;
   const torch::TensorOptions on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).options();
   torch::Tensor squared = torch::zeros({1}, on.dtype(torch::kFloat64));
@@ -186,7 +186,7 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, double max_norm, Communicator& tp, 
     torch::Tensor g = opt.grad(i);
     if (!g.defined()) continue;
     grads.push_back(g);
-    if (tp.rank() == 0 || tp_split(opt.name(i)) != TpSplit::replicated) squared += squared_norm64(g);
+    if (tp.rank() == 0 || model->tp_split(opt.name(i)) != TpSplit::replicated) squared += squared_norm64(g);
   }
   if (opt.sharded()) dp.all_reduce(squared, ReduceOp::sum);
   tp.all_reduce(squared, ReduceOp::sum);

@@ -93,7 +93,7 @@ void keep_tp_shards(GPT* whole, const FullOptimState& full, GPT& model, AdamW& o
   for (size_t i = 0; i < opt.size(); ++i) slots[shards ? shards->owned_slices()[i].param : i].push_back(i);
   for (size_t k = 0; k < params.size(); ++k) {
     const torch::Tensor& p = params[k].second;  // (a lambda may not capture a structured binding in C++17)
-    const TpSplit split = tp_split(params[k].first);
+    const TpSplit split = model->tp_split(params[k].first);
     auto shard_of = [&](const torch::Tensor& src) {
       torch::Tensor t = root ? src.to(torch::kCPU, torch::kFloat32).contiguous()
                              : torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
@@ -171,16 +171,16 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
   const size_t n_params = params.size();
   if (!copy || !into.built) {
     into.tensors.clear();
-    for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), tp_split(name), d.tp)});
+    for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
     for (const auto& [name, p] : params)
       for (const char* m : {"/exp_avg", "/exp_avg_sq"})
-        into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), tp_split(name), d.tp)});
+        into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
     into.pieces.clear();
     into.copies.clear();
     // Elements [begin, begin + n) of parameter k's shard, from `live` (w: 0 the parameter, 1 and 2
     // its moments), as runs of the whole tensor. A replicated parameter is written by tp rank 0.
     auto add = [&](size_t k, int64_t begin, const torch::Tensor& live, int w) {
-      const TpSplit split = tp_split(params[k].first);
+      const TpSplit split = model->tp_split(params[k].first);
       if (split == TpSplit::replicated && d.tp_rank != 0) return;
       const torch::Tensor flat = live.detach().reshape({-1});
       torch::Tensor host = copy ? torch::empty({flat.numel()}, torch::TensorOptions()
@@ -380,7 +380,7 @@ void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicato
   const auto params = model->named_params();
   const auto into = root ? (*whole)->named_params() : decltype(params){};
   for (size_t k = 0; k < params.size(); ++k) {
-    const TpSplit split = tp_split(params[k].first);
+    const TpSplit split = model->tp_split(params[k].first);
     torch::Tensor p = tp_unshard(params[k].second.detach(), split, tp);
     torch::Tensor m = tp_unshard(local.moments[k].exp_avg.to(p.device()), split, tp);
     torch::Tensor v = tp_unshard(local.moments[k].exp_avg_sq.to(p.device()), split, tp);

@@ -1,10 +1,12 @@
-// The training loop, top to bottom: start-up (startup.cpp), the model and its initial weights,
-// the optimizer and gradient sync (plain data parallel or ZeRO-1), resume (state_sync.cpp), then
-// the steps: micro-batches, gradient sync, clip, update, logging (progress.cpp), evaluation,
-// stop signals and checkpoints.
+// The training loop. train() at the bottom reads top to bottom as the run's steps; each step is a
+// member of Run, in the order it runs:
+//   start-up (startup.cpp: MPI, layout, device, data)  -> build_model -> build_optimizer
+//   -> describe -> resume_or_start (state_sync.cpp) -> open_outputs
+//   -> per step: micro_batches -> sync_gradients -> clip_and_update -> log_step -> evaluate_if_due
+//                -> checkpoint_if_due (signals, --stop-after)
+//   -> finish (last async write, sample, parameters for tests)
 #include "mpitrain/train.h"
 
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -38,8 +40,6 @@
 
 namespace mpitrain {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
 
@@ -84,49 +84,31 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   return sum.item<double>() / static_cast<double>(cfg.eval.batches);
 }
 
-}  // namespace
-
-// ---- the run -----------------------------------------------------------------------------------
-
-TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
-  Startup run = start_up(cfg, mpi_comm, hooks.force_unlock);  // MPI, layout, device, data, mesh; exit 2 on bad input
-  const Topology& topo = run.topo;
-  const MeshLayout& layout = run.layout;
-  const torch::Device device = run.device;
-  const Precision precision = run.precision;
-  const GPTDims& dims = run.dims;
-  std::unique_ptr<TokenDataset>& train_data = run.train_data;
-  std::unique_ptr<TokenDataset>& val_data = run.val_data;
-  std::unique_ptr<Mesh>& mesh = run.mesh;
-  const std::vector<std::string>& resume = run.resume;
-  const bool has_resume = run.has_resume;
-  const int threads = run.threads;
-
-  torch::manual_seed(cfg.train.seed);
-  GPT model(dims);  // tensor parallel: this rank's shards of the model drawn from the same seed
-  model->to(device);
-  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
-  // host memory, into which the shards are gathered (and model.init_from is read into one).
-  const bool tensor_parallel = layout.tp > 1;
-  // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
-  // checkpoint.dir (checkpoint.writers: auto): under ZeRO-1 every rank, under tensor parallelism
-  // rank 0's tp group (with ZeRO-1 every rank); else rank 0 the whole state, gathered to it. Async
-  // writes of shares need MPI collectives on the writer's thread.
+// Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
+// checkpoint.dir (checkpoint.writers: auto): under ZeRO-1 every rank, under tensor parallelism
+// rank 0's tp group (with ZeRO-1 every rank); else rank 0 the whole state, gathered to it. Async
+// writes of shares need MPI collectives on the writer's thread.
+struct Writers {
+  bool shares = false;  // each holder writes its share
+  int count = 1;        // ranks that write each checkpoint
+};
+Writers choose_checkpoint_writers(const Config& cfg, const Startup& run, bool zero, bool tensor_parallel) {
   int mpi_threads = MPI_THREAD_SINGLE;
   MPI_CHECK(MPI_Query_thread(&mpi_threads));
   const bool async_collectives = !cfg.checkpoint.async || mpi_threads >= MPI_THREAD_MULTIPLE;
-  const bool zero_layout = cfg.optim.zero == 1 && layout.dp > 1;
-  const bool spread = zero_layout || tensor_parallel;  // state held in parts
-  const bool shares = spread && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
-  const int writers = !shares ? 1 : zero_layout ? topo.size : layout.tp;
-  const char* share = zero_layout && tensor_parallel ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
-                      : zero_layout                  ? "every rank writes its ZeRO-1 share"
-                                                     : "the ranks of rank 0's tp group write their tensor-parallel shards";
-  const char* state = zero_layout && tensor_parallel ? "tensor-parallel shards and ZeRO-1 state"
-                      : zero_layout                  ? "ZeRO-1 state"
-                                                     : "tensor-parallel shards";
-  if (spread && topo.rank == 0)
-    log::info(shares ? concat("checkpoint: ", share, " (", writers, " writers; checkpoint.dir '", cfg.checkpoint.dir,
+  const bool spread = zero || tensor_parallel;  // state held in parts
+  Writers w;
+  w.shares = spread && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
+  w.count = !w.shares ? 1 : zero ? run.topo.size : static_cast<int>(run.layout.tp);
+  if (!spread || run.topo.rank != 0) return w;
+  const char* share = zero && tensor_parallel ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
+                      : zero                  ? "every rank writes its ZeRO-1 share"
+                                              : "the ranks of rank 0's tp group write their tensor-parallel shards";
+  const char* state = zero && tensor_parallel ? "tensor-parallel shards and ZeRO-1 state"
+                      : zero                  ? "ZeRO-1 state"
+                                              : "tensor-parallel shards";
+  const Topology& topo = run.topo;
+  log::info(w.shares ? concat("checkpoint: ", share, " (", w.count, " writers; checkpoint.dir '", cfg.checkpoint.dir,
                               "' is seen by every rank)")
                      : concat("checkpoint: rank 0 writes whole checkpoints (", state, " gathered to it): ",
                               cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
@@ -137,408 +119,571 @@ TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
                                            ") does not see checkpoint.dir '", cfg.checkpoint.dir,
                                            "' (not a shared filesystem?)")
                                   : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
-  std::optional<GPT> whole_model;
-  if (tensor_parallel && ((topo.rank == 0 && !shares) || (!cfg.model.init_from.empty() && !has_resume))) {
-    GPTDims d = dims;
-    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
-    whole_model.emplace(d);
-  }
-  if (!cfg.model.init_from.empty() && has_resume) {
-    log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg.model.init_from, ") is not read"));
-  } else if (!cfg.model.init_from.empty()) {  // rank 0 reads; the broadcast below does the rest
-    int64_t n = 0;
-    agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-      if (topo.rank == 0) n = load_initial_weights(cfg.model.init_from, whole_model ? *whole_model : model);
-    }); });
-    log::info(concat("model: initial weights from ", cfg.model.init_from, " (", n, " tensors)"));
-    if (whole_model) {  // every rank keeps its shards of rank 0's whole weights
-      torch::NoGradGuard no_grad;
-      const auto whole = (*whole_model)->named_params(), mine = model->named_params();
-      for (size_t k = 0; k < mine.size(); ++k) {
-        torch::Tensor w = whole[k].second.detach();
-        mesh->world().broadcast(w, 0);
-        mine[k].second.copy_(tp_shard(w, tp_split(mine[k].first), dims.tp_rank, dims.tp));
-      }
-    }
-  }
-  {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
-    torch::NoGradGuard no_grad;
-    for (auto& [name, p] : model->named_params()) mesh->dp().broadcast(p, 0);
-  }
-  if (whole_model && (topo.rank != 0 || shares)) whole_model.reset();
-  // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
-  // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
-  // same on each. The model above was drawn before this.
-  torch::manual_seed(cfg.train.seed + 7919 * static_cast<uint64_t>(mesh->dp_rank() + 1));
+  return w;
+}
 
-  // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
-  bool fused_adamw = false;
+// optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
+bool choose_fused_adamw(const Config& cfg, MPI_Comm mpi_comm, const torch::Device& device, int rank) {
+  bool fused = false;
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     const bool available = fused_adamw_available(device.type());
     if (cfg.optim.fused == "on" && !available)
       throw UsageError(concat("optim.fused: on, but ", libtorch_version(), " has no fused AdamW kernel for ",
                               device.is_cuda() ? "CUDA" : "the CPU",
                               " (it has one for the CPU from libtorch 2.4, for CUDA from 2.0); use auto or off"));
-    fused_adamw = cfg.optim.fused != "off" && available;
+    fused = cfg.optim.fused != "off" && available;
   }); });
-  if (topo.rank == 0)
-    log::info(concat("optimizer: AdamW with ", fused_adamw ? "the fused kernel" : "multi-tensor (foreach) kernels", " (",
+  if (rank == 0)
+    log::info(concat("optimizer: AdamW with ", fused ? "the fused kernel" : "multi-tensor (foreach) kernels", " (",
                      libtorch_version(), cfg.optim.fused == "off" ? ", optim.fused: off" : "",
-                     !fused_adamw && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
-  std::vector<torch::Tensor> params;
-  for (auto& [name, p] : model->named_params()) params.push_back(p);
+                     !fused && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
+  return fused;
+}
+
+std::string describe_model(const GPTDims& dims, int64_t whole_params) {
+  return concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
+                " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
+                dims.n_embd,
+                dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
+                                      dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
+                                      dims.tie_embeddings ? ", tied output" : ", untied output",
+                                      dims.qkv_bias ? ", qkv bias" : "")
+                             : std::string(),
+                ", seq_len ", dims.seq_len, ", vocab ", dims.vocab_size,
+                dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
+                                             " padding rows outside the loss")
+                                    : std::string(),
+                ")");
+}
+
+// One training run: the state that lives from start-up to the end, and the steps as members.
+class Run {
+ public:
+  Run(Config& cfg, Startup& startup, MPI_Comm mpi_comm, const TrainHooks& hooks)
+      : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
+        device_(startup.device), precision_(startup.precision), tensor_parallel_(startup.layout.tp > 1),
+        zero_(cfg.optim.zero == 1 && startup.layout.dp > 1), T_(startup.dims.seq_len),
+        micro_(cfg.train.micro_batch), accum_(cfg.train.grad_accum),
+        tokens_per_step_(cfg.train.global_batch * startup.dims.seq_len) {}
+
+  // ---- start-up, in order ----------------------------------------------------------------------
+  void build_model();
+  void build_optimizer();
+  void describe();
+  void resume_or_start();
+  void open_outputs();
+
+  // ---- one optimizer step, in order ------------------------------------------------------------
+  bool done() const { return st_.step >= cfg_.train.steps; }
+  void begin_step();
+  void micro_batches();
+  void sync_gradients();
+  void clip_and_update();
+  void log_step();
+  void evaluate_if_due();
+  bool checkpoint_if_due();  // false: stop here (a signal, --stop-after)
+
+  TrainResult finish();
+
+ private:
+  int64_t step_number() const { return st_.step + 1; }  // the step under way, 1-based
+  bool last_step() const { return step_number() == cfg_.train.steps; }
+  void run_eval(int64_t at_step);
+  void save();
+  void diverged(int64_t at_step, const std::string& what);  // exit 2 on every rank (agree)
+
+  Config& cfg_;
+  Startup& s_;
+  MPI_Comm mpi_comm_;
+  const TrainHooks& hooks_;
+  const Topology& topo_;
+  const GPTDims& dims_;
+  const torch::Device device_;
+  const Precision precision_;
+  const bool tensor_parallel_, zero_;
+  const int64_t T_, micro_, accum_, tokens_per_step_;
+
+  GPT model_{nullptr};
+  std::optional<GPT> whole_model_;  // tensor parallel: rank 0's whole copy (writes, init_from)
+  Writers writers_;
+  std::vector<torch::Tensor> params_;
+  std::optional<GradSync> grad_sync_;
+  std::optional<PowerSgd> powersgd_;  // comm.compress: powersgd, from step powersgd_start + 1 on
+  std::optional<AdamW> opt_;
+  const GradSync* shards_ = nullptr;  // ZeRO-1: who owns which slices
+  LossScaler scaler_{false};
+  int64_t whole_params_ = 0;  // the whole model's (tensor parallel: not this rank's shards)
+
+  TrainState st_;
+  TrainResult result_;
+  std::optional<Progress> progress_;
+  std::optional<BatchPrefetcher> prefetch_;
+  std::optional<CommDup> checkpoint_comm_;  // the writer thread's collectives (shares)
+  CheckpointShare share_buffers_;           // shares + async: this rank's host copies, reused by every save
+  std::optional<AsyncCheckpointWriter> checkpoints_;
+  FullOptimState gathered_;
+  std::optional<SpanTimer> comm_wait_;  // what backward did not hide of the gradient communication
+  std::optional<StepProfiler> profiler_;
+
+  // The step under way.
+  bool compressed_ = false;
+  torch::Tensor loss_sum_, norm_;
+  double lr_ = 0;
+};
+
+// The model on the device, its initial weights (model.init_from, else drawn from train.seed) the
+// same on every rank of a dp group, then the dropout streams.
+void Run::build_model() {
+  torch::manual_seed(cfg_.train.seed);
+  model_ = GPT(dims_);  // tensor parallel: this rank's shards of the model drawn from the same seed
+  model_->to(device_);
+  writers_ = choose_checkpoint_writers(cfg_, s_, zero_, tensor_parallel_);
+  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
+  // host memory, into which the shards are gathered (and model.init_from is read into one).
+  const bool reads_init = !cfg_.model.init_from.empty() && !s_.has_resume;
+  if (tensor_parallel_ && ((topo_.rank == 0 && !writers_.shares) || reads_init)) {
+    GPTDims d = dims_;
+    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
+    whole_model_.emplace(d);
+  }
+  if (!cfg_.model.init_from.empty() && s_.has_resume) {
+    log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg_.model.init_from, ") is not read"));
+  } else if (reads_init) {  // rank 0 reads; the broadcasts below do the rest
+    int64_t n = 0;
+    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+      if (topo_.rank == 0) n = load_initial_weights(cfg_.model.init_from, whole_model_ ? *whole_model_ : model_);
+    }); });
+    log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", n, " tensors)"));
+    if (whole_model_) {  // every rank keeps its shards of rank 0's whole weights
+      torch::NoGradGuard no_grad;
+      const auto whole = (*whole_model_)->named_params(), mine = model_->named_params();
+      for (size_t k = 0; k < mine.size(); ++k) {
+        torch::Tensor w = whole[k].second.detach();
+        s_.mesh->world().broadcast(w, 0);
+        mine[k].second.copy_(tp_shard(w, model_->tp_split(mine[k].first), dims_.tp_rank, dims_.tp));
+      }
+    }
+  }
+  {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : model_->named_params()) s_.mesh->dp().broadcast(p, 0);
+  }
+  if (whole_model_ && (topo_.rank != 0 || writers_.shares)) whole_model_.reset();
+  // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
+  // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
+  // same on each. The model above was drawn before this.
+  torch::manual_seed(cfg_.train.seed + 7919 * static_cast<uint64_t>(s_.mesh->dp_rank() + 1));
+  for (auto& [name, p] : model_->named_params()) params_.push_back(p);
+  for (const auto& [name, p] : model_->named_params()) {
+    int64_t n = 1;
+    for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), dims_.tp)) n *= e;
+    whole_params_ += n;
+  }
+}
+
+// Gradient sync (buckets; ZeRO-1: reduce-scatter), PowerSGD, AdamW and the fp16 loss scaler.
+void Run::build_optimizer() {
+  const bool fused_adamw = choose_fused_adamw(cfg_, mpi_comm_, device_, topo_.rank);
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
-  Communicator& dp = mesh->dp();
-  const bool overlap = cfg.comm.overlap && !(device.is_cuda() && dp.name() == "mpi");
-  // ZeRO-1: gradients reduce-scattered over the dp group, AdamW state for this rank's slices.
-  const bool zero = cfg.optim.zero == 1 && layout.dp > 1;
-  const torch::ScalarType wire = cfg.comm.grad_dtype == "bf16"   ? torch::kBFloat16
-                                 : cfg.comm.grad_dtype == "fp16" ? torch::kHalf
-                                                                 : torch::kFloat32;
-  GradSync grad_sync(params, dp, cfg.comm.bucket_mb, overlap, zero, wire);
-  // comm.compress: powersgd replaces the bucket all-reduce from step powersgd_start + 1 on.
-  std::optional<PowerSgd> powersgd;
-  if (cfg.comm.compress == "powersgd" && layout.dp > 1)
-    powersgd.emplace(params, dp, cfg.comm.powersgd_rank, cfg.train.seed);
-  AdamW opt = zero ? AdamW(model->named_params(), grad_sync, cfg.optim, fused_adamw)
-                   : AdamW(model->named_params(), cfg.optim, fused_adamw);
-  const GradSync* shards = zero ? &grad_sync : nullptr;
-  if (topo.rank == 0) {
-    const double mib = static_cast<double>(opt.state_bytes()) / (1 << 20);
-    log::info(zero ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-1: sharded over ", layout.dp,
-                            " data-parallel ranks; gradients reduce-scattered, parameters all-gathered)")
-                   : concat("optimizer state: ", mib, " MiB per rank (replicated",
-                            cfg.optim.zero == 1 ? "; optim.zero: 1 has nothing to shard with one data-parallel rank"
-                                                : "",
-                            ")"));
+  Communicator& dp = s_.mesh->dp();
+  const bool overlap = cfg_.comm.overlap && !(device_.is_cuda() && dp.name() == "mpi");
+  const torch::ScalarType wire = cfg_.comm.grad_dtype == "bf16"   ? torch::kBFloat16
+                                 : cfg_.comm.grad_dtype == "fp16" ? torch::kHalf
+                                                                  : torch::kFloat32;
+  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire);
+  if (cfg_.comm.compress == "powersgd" && s_.layout.dp > 1)
+    powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
+  if (zero_) {
+    opt_.emplace(model_->named_params(), *grad_sync_, cfg_.optim, fused_adamw);
+    shards_ = &*grad_sync_;
+  } else {
+    opt_.emplace(model_->named_params(), cfg_.optim, fused_adamw);
   }
-  LossScaler scaler(precision == Precision::fp16);
+  if (topo_.rank == 0) {
+    const double mib = static_cast<double>(opt_->state_bytes()) / (1 << 20);
+    log::info(zero_ ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-1: sharded over ", s_.layout.dp,
+                             " data-parallel ranks; gradients reduce-scattered, parameters all-gathered)")
+                    : concat("optimizer state: ", mib, " MiB per rank (replicated",
+                             cfg_.optim.zero == 1 ? "; optim.zero: 1 has nothing to shard with one data-parallel rank"
+                                                  : "",
+                             ")"));
+  }
+  scaler_ = LossScaler(precision_ == Precision::fp16);
+}
 
-  const int64_t T = dims.seq_len, micro = cfg.train.micro_batch, accum = cfg.train.grad_accum;
-  const int64_t global_batch = cfg.train.global_batch;
-  const int64_t tokens_per_step = global_batch * T;
-  int64_t whole_params = 0;  // the whole model's (tensor parallel: not this rank's shards)
-  for (const auto& [name, p] : model->named_params()) {
-    int64_t n = 1;
-    for (int64_t e : tp_whole_shape(p.sizes(), tp_split(name), dims.tp)) n *= e;
-    whole_params += n;
-  }
-  log::info(concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
-                   " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
-                   dims.n_embd,
-                   dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
-                                         dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
-                                         dims.tie_embeddings ? ", tied output" : ", untied output",
-                                         dims.qkv_bias ? ", qkv bias" : "")
-                                : std::string(),
-                   ", seq_len ", T, ", vocab ", dims.vocab_size,
-                   dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
-                                                " padding rows outside the loss")
-                                       : std::string(),
-                   ")"));
-  log::info(concat("batch: ", micro, " micro x ", layout.dp, " ranks x ", accum, " accum = ", global_batch,
-                " sequences = ", tokens_per_step, " tokens per step; ", grad_sync.num_buckets(),
-                zero ? " reduce-scatter buckets" : " all-reduce buckets",
-                grad_sync.overlapping() ? " (overlapped with backward)" : "", "; ", threads,
-                " threads per rank; backend ", dp.name()));
+// The start-up lines: model, batch, gradient communication, data.
+void Run::describe() {
+  const MeshLayout& layout = s_.layout;
+  log::info(describe_model(dims_, whole_params_));
+  log::info(concat("batch: ", micro_, " micro x ", layout.dp, " ranks x ", accum_, " accum = ", cfg_.train.global_batch,
+                   " sequences = ", tokens_per_step_, " tokens per step; ", grad_sync_->num_buckets(),
+                   zero_ ? " reduce-scatter buckets" : " all-reduce buckets",
+                   grad_sync_->overlapping() ? " (overlapped with backward)" : "", "; ", s_.threads,
+                   " threads per rank; backend ", s_.mesh->dp().name()));
   if (layout.dp > 1)
-    log::info(concat("gradient communication: ", static_cast<double>(grad_sync.bytes_per_step()) / (1 << 20),
-                     " MiB per rank per step in ", cfg.comm.grad_dtype,
-                     cfg.comm.grad_dtype == "fp32" ? std::string()
-                                                   : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
-                     powersgd ? concat("; PowerSGD rank ", cfg.comm.powersgd_rank, " from step ", cfg.comm.powersgd_start + 1,
-                                       ": ", static_cast<double>(powersgd->bytes_per_step()) / (1 << 20), " MiB (",
-                                       static_cast<double>(powersgd->uncompressed_bytes()) /
-                                           static_cast<double>(powersgd->bytes_per_step()),
-                                       "x less; ", powersgd->compressed_matrices(),
-                                       " weight matrices compressed, two all-reduces after backward, error feedback)")
-                              : std::string()));
-  else if (cfg.comm.compress == "powersgd" && topo.rank == 0)
+    log::info(concat("gradient communication: ", static_cast<double>(grad_sync_->bytes_per_step()) / (1 << 20),
+                     " MiB per rank per step in ", cfg_.comm.grad_dtype,
+                     cfg_.comm.grad_dtype == "fp32"
+                         ? std::string()
+                         : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
+                     powersgd_ ? concat("; PowerSGD rank ", cfg_.comm.powersgd_rank, " from step ",
+                                        cfg_.comm.powersgd_start + 1, ": ",
+                                        static_cast<double>(powersgd_->bytes_per_step()) / (1 << 20), " MiB (",
+                                        static_cast<double>(powersgd_->uncompressed_bytes()) /
+                                            static_cast<double>(powersgd_->bytes_per_step()),
+                                        "x less; ", powersgd_->compressed_matrices(),
+                                        " weight matrices compressed, two all-reduces after backward, error feedback)")
+                               : std::string()));
+  else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
     log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
-  log::info(concat("data: ", train_data->num_tokens(), " train tokens in ", train_data->paths().size(),
-                " shards (", train_data->num_windows(), " windows/epoch)",
-                val_data ? concat(", ", val_data->num_tokens(), " val tokens") : std::string()));
+  const TokenDataset& train = *s_.train_data;
+  log::info(concat("data: ", train.num_tokens(), " train tokens in ", train.paths().size(), " shards (",
+                   train.num_windows(), " windows/epoch)",
+                   s_.val_data ? concat(", ", s_.val_data->num_tokens(), " val tokens") : std::string()));
+}
 
-  TrainState st;
-  st.world_size = topo.size;
-  st.tokenizer = train_data->tokenizer();
-  st.tokenizer_file = train_data->tokenizer_file();
-  st.tokenizer_sha256 = train_data->tokenizer_sha256();
-  st.eot_token = train_data->eot_token();
-  if (has_resume) {
-    resume_from(resume, model, opt, shards, st, mesh->world(), mpi_comm, cfg.train.seed, device);
-    scaler.restore(st.loss_scale, st.loss_scale_good_steps);  // fp16: the scale continues
-    if (topo.rank == 0) log_batch_change(st, cfg, layout.dp);
+// The run's state: fresh, or the newest readable checkpoint's (any layout); then every rank
+// checks that all run the same binary on the same config and data.
+void Run::resume_or_start() {
+  const TokenDataset& train = *s_.train_data;
+  st_.world_size = topo_.size;
+  st_.tokenizer = train.tokenizer();
+  st_.tokenizer_file = train.tokenizer_file();
+  st_.tokenizer_sha256 = train.tokenizer_sha256();
+  st_.eot_token = train.eot_token();
+  if (s_.has_resume) {
+    resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_);
+    scaler_.restore(st_.loss_scale, st_.loss_scale_good_steps);  // fp16: the scale continues
+    if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.dp);
   }
-  st.world_size = topo.size;
-  st.dp = layout.dp;
-  st.tp = layout.tp;
-  st.zero = zero ? 1 : 0;
-  st.config_yaml = to_yaml(cfg);
+  st_.world_size = topo_.size;
+  st_.dp = s_.layout.dp;
+  st_.tp = s_.layout.tp;
+  st_.zero = zero_ ? 1 : 0;
+  st_.config_yaml = to_yaml(cfg_);
   // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
-  if (hooks.stop_after >= 0 && st.step >= hooks.stop_after)
-    agree(mpi_comm, [&] {
-      throw UsageError(concat("command line: --stop-after ", hooks.stop_after, ": the run resumes at step ", st.step,
-                              ", already there (it counts absolute steps; use a larger N)"));
+  if (hooks_.stop_after >= 0 && st_.step >= hooks_.stop_after)
+    agree(mpi_comm_, [&] {
+      throw UsageError(concat("command line: --stop-after ", hooks_.stop_after, ": the run resumes at step ",
+                              st_.step, ", already there (it counts absolute steps; use a larger N)"));
     });
-
   // Same binary, config and data everywhere? ("code not synced on node 2")
-  agree(mpi_comm, [&] {
-    check_consistency(mpi_comm, topo,
-                      {binary_fingerprint(), h5::crc32(st.config_yaml.data(), st.config_yaml.size()),
-                       shard_list_fingerprint(train_data->paths())});
+  agree(mpi_comm_, [&] {
+    check_consistency(mpi_comm_, topo_,
+                      {binary_fingerprint(), h5::crc32(st_.config_yaml.data(), st_.config_yaml.size()),
+                       shard_list_fingerprint(train.paths())});
   });
+  result_.num_params = model_->num_params();
+}
 
-  TrainResult result;
-  result.num_params = model->num_params();
-  // A run whose loss or parameters became NaN/inf stops here, printed once (every rank sees the
-  // same all-reduced values), without saving that state; exit 2.
-  auto diverged = [&](int64_t at_step, const std::string& what) {
-    agree(mpi_comm, [&] {
-      throw UsageError(concat("step ", at_step, ": ", what, " (", precision_name(precision),
-                              "): training diverged; this state is not saved, the newest checkpoint stays ",
-                              result.last_checkpoint.empty() ? std::string("as it was") : result.last_checkpoint,
-                              ". Try a lower optim.lr, a longer optim.warmup_steps or optim.grad_clip > 0"));
-    });
-  };
-  // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
+// Metrics (MFU, TensorBoard), the run's config.yaml, the batch prefetcher, the checkpoint writer
+// and its host buffers, the timers; then the untrained baseline evaluation of a fresh run.
+void Run::open_outputs() {
   RunFacts facts;
-  facts.tokens_per_step = tokens_per_step;
-  facts.first_step = st.step;
+  facts.tokens_per_step = tokens_per_step_;
+  facts.first_step = st_.step;
   // Parameters that cost no matrix FLOPs: GPT-2's position table, and an untied Llama's input
   // embedding (a lookup; tied, it is also the output layer and counts). SwiGLU's three matrices
   // and GQA's smaller k/v projections count through the parameter total.
-  const int64_t lookup_only = dims.llama() ? (dims.tie_embeddings ? 0 : dims.vocab_size * dims.n_embd) : dims.seq_len * dims.n_embd;
-  facts.flops_per_token = model_flops_per_token(whole_params, lookup_only, dims.n_layer, dims.n_embd, T);
-  facts.communicates = layout.dp > 1;
-  facts.loss_scaling = scaler.enabled();
-  facts.host = topo.host;
+  const int64_t lookup_only =
+      dims_.llama() ? (dims_.tie_embeddings ? 0 : dims_.vocab_size * dims_.n_embd) : dims_.seq_len * dims_.n_embd;
+  facts.flops_per_token = model_flops_per_token(whole_params_, lookup_only, dims_.n_layer, dims_.n_embd, T_);
+  facts.communicates = s_.layout.dp > 1;
+  facts.loss_scaling = scaler_.enabled();
+  facts.host = topo_.host;
   {  // MFU against log.peak_tflops, else the known peak of this GPU (rank 0's; one kind per job)
-    const std::string gpu = device.is_cuda() ? cuda_device_name(device.index()) : "";
-    const double peak = cfg.log.peak_tflops > 0 ? cfg.log.peak_tflops : known_peak_tflops(gpu, precision_name(precision));
-    facts.peak_flops = peak * 1e12 * topo.size;
-    if (topo.rank == 0)
+    const std::string gpu = device_.is_cuda() ? cuda_device_name(device_.index()) : "";
+    const double peak =
+        cfg_.log.peak_tflops > 0 ? cfg_.log.peak_tflops : known_peak_tflops(gpu, precision_name(precision_));
+    facts.peak_flops = peak * 1e12 * topo_.size;
+    if (topo_.rank == 0)
       log::info(concat("MFU: ", facts.flops_per_token / 1e6, " MFLOPs per token (6N + 12 L d T; docs/operations.md) vs ",
-                       peak > 0 ? concat(peak, " TFLOPS per ", device.is_cuda() ? "GPU" : "rank",
-                                         cfg.log.peak_tflops > 0 ? " (log.peak_tflops)"
-                                                                 : concat(" (", gpu, ", ", precision_name(precision), ")"))
-                       : device.is_cuda() ? concat("an unknown peak (", gpu, "): set log.peak_tflops for MFU")
-                                          : std::string("no peak on the CPU: set log.peak_tflops for MFU")));
+                       peak > 0 ? concat(peak, " TFLOPS per ", device_.is_cuda() ? "GPU" : "rank",
+                                         cfg_.log.peak_tflops > 0
+                                             ? " (log.peak_tflops)"
+                                             : concat(" (", gpu, ", ", precision_name(precision_), ")"))
+                       : device_.is_cuda() ? concat("an unknown peak (", gpu, "): set log.peak_tflops for MFU")
+                                           : std::string("no peak on the CPU: set log.peak_tflops for MFU")));
   }
-  std::optional<Progress> progress_holder;
-  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    progress_holder.emplace(cfg, topo.rank == 0, facts);
-  }); });
-  Progress& progress = *progress_holder;
-  if (topo.rank == 0) std::ofstream(cfg.train.out_dir + "/config.yaml") << st.config_yaml;
-  BatchPrefetcher prefetch(*train_data, mesh->dp_rank(), micro);
-  const uint64_t micro_stride = static_cast<uint64_t>(layout.dp * micro);
-  result.checkpoint_writers = writers;
-  std::optional<CommDup> checkpoint_comm;  // the writer thread's collectives (shares)
-  if (shares) checkpoint_comm.emplace(mpi_comm);
-  CheckpointShare share_buffers;  // shares + async: this rank's host copies, reused by every save
-  // With checkpoint.async the loop stalls only for the host snapshot.
-  AsyncCheckpointWriter checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.async);
-  // Async saves stall the loop only for copies into host buffers allocated here, once (ZeRO-1
-  // through rank 0: also the whole moments rank 0 assembles, kept between saves); synchronous
-  // saves allocate nothing between them.
-  FullOptimState gathered;
-  if (whole_model) gathered = host_optim_state_like(*whole_model);  // tensor parallel: rank 0's whole state
-  if (checkpoints.async() && shares) {
-    share_checkpoint(share_buffers, model, opt, shards, mesh->dp_rank() == 0, st, /*copy=*/true);
-  } else if (whole_model && checkpoints.async()) {
-    checkpoints.prepare(*whole_model, gathered);
-  } else if (topo.rank == 0 && checkpoints.async()) {
-    if (opt.sharded()) gathered = host_optim_state_like(model);
-    checkpoints.prepare(model, opt.sharded() ? gathered : full_state_of(opt));
+  // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
+  agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { progress_.emplace(cfg_, topo_.rank == 0, facts); }); });
+  if (topo_.rank == 0) std::ofstream(cfg_.train.out_dir + "/config.yaml") << st_.config_yaml;
+  prefetch_.emplace(*s_.train_data, s_.mesh->dp_rank(), micro_);
+  result_.checkpoint_writers = writers_.count;
+  if (writers_.shares) checkpoint_comm_.emplace(mpi_comm_);
+  // With checkpoint.async the loop stalls only for copies into host buffers allocated here, once
+  // (ZeRO-1 through rank 0: also the whole moments rank 0 assembles, kept between saves);
+  // synchronous saves allocate nothing between them.
+  checkpoints_.emplace(cfg_.checkpoint.dir, cfg_.checkpoint.keep, cfg_.checkpoint.async);
+  if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
+  if (checkpoints_->async() && writers_.shares) {
+    share_checkpoint(share_buffers_, model_, *opt_, shards_, s_.mesh->dp_rank() == 0, st_, /*copy=*/true);
+  } else if (whole_model_ && checkpoints_->async()) {
+    checkpoints_->prepare(*whole_model_, gathered_);
+  } else if (topo_.rank == 0 && checkpoints_->async()) {
+    if (opt_->sharded()) gathered_ = host_optim_state_like(model_);
+    checkpoints_->prepare(model_, opt_->sharded() ? gathered_ : full_state_of(*opt_));
   }
-  auto save = [&] {
-    auto rng = gather_rng_states(mesh->world(), device);
-    if (topo.rank == 0) {
-      st.rng_states = std::move(rng);
-      st.loss_scale = scaler.enabled() ? scaler.scale() : 0.0;
-      st.loss_scale_good_steps = scaler.good_steps();
-    }
-    if (shares) {
-      const std::string path =
-          save_shares(checkpoints, share_buffers, model, opt, shards, mesh->dp_rank() == 0, st, checkpoint_comm->get());
-      if (topo.rank == 0) result.last_checkpoint = path;
-      return;  // collective: nobody runs ahead of a synchronous save that may yet fail
-    }
-    if (tensor_parallel) {  // the shards assembled on rank 0
-      gather_tp_state(model, opt, shards, mesh->tp(), mesh->dp_rank() == 0, whole_model ? &*whole_model : nullptr,
-                      &gathered);
-      if (topo.rank == 0) result.last_checkpoint = checkpoints.save(*whole_model, gathered, st);
-      if (!checkpoints.async()) mesh->world().barrier();
-      return;
-    }
-    // ZeRO-1: assembled on rank 0
-    FullOptimState optim_state = gather_optim_state(opt, shards, model, checkpoints.async() ? &gathered : nullptr);
-    if (topo.rank == 0) result.last_checkpoint = checkpoints.save(model, optim_state, st);
-    if (!checkpoints.async()) mesh->world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
-  };
+  comm_wait_.emplace(device_.is_cuda(), device_.is_cuda() ? device_.index() : -1);
+  profiler_.emplace(topo_.rank == 0 ? cfg_.log.profile_start : 0, cfg_.log.profile_steps,
+                    cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
+  model_->train();
+  if (s_.val_data && cfg_.eval.every > 0 && st_.step == 0) run_eval(0);  // the untrained baseline
+}
 
-  auto run_eval = [&](int64_t at_step) {
-    const double v = progress.untimed([&] { return evaluate(model, *val_data, dp, cfg, device, precision); });
-    result.val_losses.emplace_back(at_step, v);
-    if (topo.rank == 0) progress.report_val(at_step, v);
-  };
+void Run::begin_step() {
+  progress_->start_step();
+  profiler_->begin_step(step_number());
+  compressed_ = powersgd_ && st_.step >= cfg_.comm.powersgd_start;
+  Watchdog::set_step(step_number());
+  maybe_hang_for_test(topo_.rank, step_number());
+}
 
-  SpanTimer comm_wait(device.is_cuda(), device.is_cuda() ? device.index() : -1);
-  StepProfiler profiler(topo.rank == 0 ? cfg.log.profile_start : 0, cfg.log.profile_steps,
-                        cfg.train.out_dir + "/profile/rank-0.json", device.is_cuda() ? device.index() : -1);
-  model->train();
-  if (val_data && cfg.eval.every > 0 && st.step == 0) run_eval(0);  // the untrained baseline
-  for (int64_t step = st.step; step < cfg.train.steps; ++step) {
-    const bool last = step + 1 == cfg.train.steps;
-    progress.start_step();
-    profiler.begin_step(step + 1);
-    const bool compressed = powersgd && step >= cfg.comm.powersgd_start;
-    Watchdog::set_step(step + 1);
-    maybe_hang_for_test(topo.rank, step + 1);
-
-    // ---- one optimizer step: accumulate micro-batches; grads averaged across ranks once ----
-    // The loss stays on the device until a log step reads it: no host synchronisation per step.
-    torch::Tensor loss_sum = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device));
-    for (int64_t m = 0; m < accum; ++m) {
-      const uint64_t start = st.data_cursor + static_cast<uint64_t>(m) * micro_stride;
-      // The next micro-batch follows in the global order, also across the step boundary.
-      auto [x, y] = to_tensors(prefetch.take(start, start + micro_stride), micro, T);
-      if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
-        const uint64_t first = start + static_cast<uint64_t>(mesh->dp_rank() * micro);
-        log::debug(concat("data: step ", step + 1, " micro ", m, " windows ", first, "-", first + micro - 1));
-      }
-      torch::Tensor loss;
-      {
-        Autocast autocast(precision, device);
-        loss = model->loss(to_device(x, device), to_device(y, device));
-      }
-      if (m + 1 == accum && !compressed) grad_sync.arm();  // this backward completes the step's gradients
-      scaler.scale_loss(loss / static_cast<double>(accum)).backward();
-      loss_sum += loss.detach().to(torch::kFloat64);
+// Forward and backward of train.grad_accum micro-batches; the last backward starts the gradient
+// communication (overlapped with it where comm.overlap allows). The loss stays on the device
+// until a log step reads it: no host synchronisation per step.
+void Run::micro_batches() {
+  loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  const uint64_t micro_stride = static_cast<uint64_t>(s_.layout.dp * micro_);
+  for (int64_t m = 0; m < accum_; ++m) {
+    const uint64_t start = st_.data_cursor + static_cast<uint64_t>(m) * micro_stride;
+    // The next micro-batch follows in the global order, also across the step boundary.
+    auto [x, y] = to_tensors(prefetch_->take(start, start + micro_stride), micro_, T_);
+    if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
+      const uint64_t first = start + static_cast<uint64_t>(s_.mesh->dp_rank() * micro_);
+      log::debug(concat("data: step ", step_number(), " micro ", m, " windows ", first, "-", first + micro_ - 1));
     }
-    comm_wait.begin();  // what backward did not hide of the gradient communication
-    if (compressed)
-      powersgd->reduce_grads();
-    else
-      grad_sync.all_reduce_grads();  // ZeRO-1: reduce-scattered, each rank holds its slices
-    comm_wait.end();
-    bool finite = true;  // fp16 only; the same verdict on every rank
-    torch::Tensor norm;
-    if (zero || tensor_parallel) {
-      // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
-      // that hold the others (ZeRO-1: the dp group; tensor parallel: the world).
-      std::vector<torch::Tensor> grads;
-      for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
-      finite = scaler.unscale_and_check(grads, tensor_parallel ? mesh->world() : dp, device);
-      norm = tensor_parallel ? clip_tp_grad_norm_(opt, cfg.optim.grad_clip, mesh->tp(), dp)
-                             : clip_sharded_grad_norm_(opt, cfg.optim.grad_clip, dp);
-    } else {
-      finite = scaler.unscale_and_check(params);
-      norm = clip_grad_norm_(params, cfg.optim.grad_clip);
-    }
-    const double lr = lr_at(cfg.optim, cfg.train.steps, step);
-    if (finite) {
-      opt.step(lr);
-      if (zero) {  // every rank's updated slices to every rank
-        comm_wait.begin();
-        grad_sync.all_gather_params();
-        comm_wait.end();
-      }
-    } else if (topo.rank == 0) {  // the same verdict on every rank
-      log::warn(concat("step ", step + 1, ": fp16 gradients overflowed at loss scale ", scaler.scale(),
-                       "; step skipped"));
-    }
-    scaler.update(finite);
-    opt.zero_grad();
-    st.step = step + 1;
-    st.data_cursor += static_cast<uint64_t>(global_batch);
-    st.tokens_seen += tokens_per_step;
-    profiler.end_step(step + 1);
-
-    if (every(step + 1, cfg.log.every) || last) {
-      dp.all_reduce(loss_sum, ReduceOp::avg);
-      double loss = 0, grad_norm = 0;
-      {
-        Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
-        loss = loss_sum.item<double>() / static_cast<double>(accum);
-        grad_norm = norm.item<double>();
-      }
-      result.losses.emplace_back(step + 1, loss);
-      if (!std::isfinite(loss) || !std::isfinite(grad_norm))  // the same values on every rank
-        diverged(step + 1, concat("the loss is ", loss, " and the gradient norm ", grad_norm));
-      StepReport report{step, loss, lr, grad_norm, comm_wait.take_seconds(), scaler.enabled() ? scaler.scale() : 0.0};
-      if (topo.rank == 0) progress.report(report);
-    }
-
-    if (val_data && (every(step + 1, cfg.eval.every) || (last && cfg.eval.every > 0))) run_eval(step + 1);
-    // A stop signal on any rank stops every rank after this step, with a checkpoint.
-    int signal = pending_stop_signal(), any_signal = 0;
+    torch::Tensor loss;
     {
-      Watchdog::Scope watch("all_reduce(stop signal)");
-      MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm));
+      Autocast autocast(precision_, device_);
+      loss = model_->loss(to_device(x, device_), to_device(y, device_));
     }
-    const bool stop_here = (hooks.stop_after >= 0 && step + 1 == hooks.stop_after) || any_signal != 0;
-    if (every(step + 1, cfg.checkpoint.every) || last || stop_here) {
-      // Never save a diverged state as the newest checkpoint: one check of every parameter (the
-      // same on every rank after the all-reduce) per save.
-      torch::Tensor all_finite;
-      {
-        torch::NoGradGuard no_grad;
-        std::vector<torch::Tensor> ok;
-        for (const auto& p : params) ok.push_back(torch::isfinite(p).all());
-        all_finite = torch::stack(ok).all();
-      }
-      int finite_params = 1;
-      {
-        Watchdog::Scope watch("device synchronize (parameter check)");
-        finite_params = all_finite.item<bool>() ? 1 : 0;
-      }
-      if (tensor_parallel) {  // each rank checked its shards: agree
-        Watchdog::Scope watch("all_reduce(parameter check)");
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite_params, 1, MPI_INT, MPI_MIN, mpi_comm));
-      }
-      if (!finite_params) diverged(step + 1, "a parameter is NaN or infinite");
-      progress.untimed(save);
-    }
-    if (any_signal != 0 && !last) {
-      result.exit_code = exit_code_for_signal(any_signal);
-      if (topo.rank == 0)
-        log::warn(concat("stopped by signal ", any_signal, " after step ", step + 1,
-                         ": checkpoint written, exit code ", result.exit_code));
-      break;
-    }
-    if (stop_here) break;
+    if (m + 1 == accum_ && !compressed_) grad_sync_->arm();  // this backward completes the step's gradients
+    scaler_.scale_loss(loss / static_cast<double>(accum_)).backward();
+    loss_sum_ += loss.detach().to(torch::kFloat64);
   }
-  // The last asynchronous write completes (or its failure ends the job, exit 2) before any rank
-  // finishes, also when stopping on a signal.
-  if (checkpoints.async()) {
-    checkpoints.wait();  // ranks without a write in flight return at once
-    mesh->world().barrier();
-  }
-  result.final_step = st.step;
-  if (device.is_cuda() && topo.rank == 0)
-    log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
-                     static_cast<double>(cuda_peak_allocated_bytes(device.index())) / (1 << 30), " GiB"));
+}
 
-  if (tensor_parallel && topo.rank == 0 && cfg.sample.tokens > 0)
-    log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result.last_checkpoint,
-                     "` samples its checkpoint"));
-  if (!tensor_parallel && topo.rank == 0 && cfg.sample.tokens > 0 && st.tokenizer == "byte") {
-    std::vector<int64_t> prompt{st.eot_token};
-    for (unsigned char c : cfg.sample.prompt) prompt.push_back(c);
-    auto out = generate(model, prompt, cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_k,
-                        cfg.train.seed);
-    result.sample = decode_bytes(std::vector<int64_t>(out.begin() + 1, out.end()), st.eot_token);
-    log::info("sample:\n" + result.sample);
+// The gradients averaged over the data-parallel ranks (ZeRO-1: reduce-scattered, each rank holds
+// its slices; PowerSGD: its low-rank factors).
+void Run::sync_gradients() {
+  comm_wait_->begin();
+  if (compressed_)
+    powersgd_->reduce_grads();
+  else
+    grad_sync_->all_reduce_grads();
+  comm_wait_->end();
+}
+
+// fp16's overflow check, gradient clipping and the AdamW update (ZeRO-1: then the all-gather of
+// the updated slices); the step's counters advance either way.
+void Run::clip_and_update() {
+  AdamW& opt = *opt_;
+  Communicator& dp = s_.mesh->dp();
+  bool finite = true;  // fp16 only; the same verdict on every rank
+  if (zero_ || tensor_parallel_) {
+    // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
+    // that hold the others (ZeRO-1: the dp group; tensor parallel: the world).
+    std::vector<torch::Tensor> grads;
+    for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
+    finite = scaler_.unscale_and_check(grads, tensor_parallel_ ? s_.mesh->world() : dp, device_);
+    norm_ = tensor_parallel_ ? clip_tp_grad_norm_(opt, model_, cfg_.optim.grad_clip, s_.mesh->tp(), dp)
+                             : clip_sharded_grad_norm_(opt, cfg_.optim.grad_clip, dp);
+  } else {
+    finite = scaler_.unscale_and_check(params_);
+    norm_ = clip_grad_norm_(params_, cfg_.optim.grad_clip);
   }
-  if (hooks.keep_params)
-    for (auto& [name, p] : model->named_params()) {  // whole parameters (tensor parallel: gathered)
-      torch::Tensor c = tp_unshard(p.detach(), tp_split(name), mesh->tp()).to(torch::kCPU, torch::kFloat32).contiguous();
-      result.params.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
+  lr_ = lr_at(cfg_.optim, cfg_.train.steps, st_.step);
+  if (finite) {
+    opt.step(lr_);
+    if (zero_) {  // every rank's updated slices to every rank
+      comm_wait_->begin();
+      grad_sync_->all_gather_params();
+      comm_wait_->end();
     }
-  return result;
+  } else if (topo_.rank == 0) {  // the same verdict on every rank
+    log::warn(concat("step ", step_number(), ": fp16 gradients overflowed at loss scale ", scaler_.scale(),
+                     "; step skipped"));
+  }
+  scaler_.update(finite);
+  opt.zero_grad();
+  profiler_->end_step(step_number());
+  st_.step += 1;
+  st_.data_cursor += static_cast<uint64_t>(cfg_.train.global_batch);
+  st_.tokens_seen += tokens_per_step_;
+}
+
+// Every log.every steps and at the last: the loss averaged over the ranks, the report (console,
+// metrics.jsonl, TensorBoard), and the divergence check.
+void Run::log_step() {
+  const int64_t step = st_.step;  // just completed
+  if (!every(step, cfg_.log.every) && step != cfg_.train.steps) return;
+  s_.mesh->dp().all_reduce(loss_sum_, ReduceOp::avg);
+  double loss = 0, grad_norm = 0;
+  {
+    Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
+    loss = loss_sum_.item<double>() / static_cast<double>(accum_);
+    grad_norm = norm_.item<double>();
+  }
+  result_.losses.emplace_back(step, loss);
+  if (!std::isfinite(loss) || !std::isfinite(grad_norm))  // the same values on every rank
+    diverged(step, concat("the loss is ", loss, " and the gradient norm ", grad_norm));
+  StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
+                    scaler_.enabled() ? scaler_.scale() : 0.0};
+  if (topo_.rank == 0) progress_->report(report);
+}
+
+void Run::evaluate_if_due() {
+  const int64_t step = st_.step;
+  if (s_.val_data && (every(step, cfg_.eval.every) || (step == cfg_.train.steps && cfg_.eval.every > 0)))
+    run_eval(step);
+}
+
+void Run::run_eval(int64_t at_step) {
+  const double v = progress_->untimed(
+      [&] { return evaluate(model_, *s_.val_data, s_.mesh->dp(), cfg_, device_, precision_); });
+  result_.val_losses.emplace_back(at_step, v);
+  if (topo_.rank == 0) progress_->report_val(at_step, v);
+}
+
+// A stop signal on any rank stops every rank after this step, with a checkpoint; so does
+// --stop-after. Checkpoints every checkpoint.every steps and at the last, never of a diverged
+// state. Returns whether training goes on.
+bool Run::checkpoint_if_due() {
+  const int64_t step = st_.step;
+  const bool last = step == cfg_.train.steps;
+  int signal = pending_stop_signal(), any_signal = 0;
+  {
+    Watchdog::Scope watch("all_reduce(stop signal)");
+    MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm_));
+  }
+  const bool stop_here = (hooks_.stop_after >= 0 && step == hooks_.stop_after) || any_signal != 0;
+  if (every(step, cfg_.checkpoint.every) || last || stop_here) {
+    // Never save a diverged state as the newest checkpoint: one check of every parameter (the
+    // same on every rank after the all-reduce) per save.
+    torch::Tensor all_finite;
+    {
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> ok;
+      for (const auto& p : params_) ok.push_back(torch::isfinite(p).all());
+      all_finite = torch::stack(ok).all();
+    }
+    int finite_params = 1;
+    {
+      Watchdog::Scope watch("device synchronize (parameter check)");
+      finite_params = all_finite.item<bool>() ? 1 : 0;
+    }
+    if (tensor_parallel_) {  // each rank checked its shards: agree
+      Watchdog::Scope watch("all_reduce(parameter check)");
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite_params, 1, MPI_INT, MPI_MIN, mpi_comm_));
+    }
+    if (!finite_params) diverged(step, "a parameter is NaN or infinite");
+    progress_->untimed([&] { save(); });
+  }
+  if (any_signal != 0 && !last) {
+    result_.exit_code = exit_code_for_signal(any_signal);
+    if (topo_.rank == 0)
+      log::warn(concat("stopped by signal ", any_signal, " after step ", step,
+                       ": checkpoint written, exit code ", result_.exit_code));
+    return false;
+  }
+  return !stop_here;
+}
+
+void Run::save() {
+  Mesh& mesh = *s_.mesh;
+  auto rng = gather_rng_states(mesh.world(), device_);
+  if (topo_.rank == 0) {
+    st_.rng_states = std::move(rng);
+    st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;
+    st_.loss_scale_good_steps = scaler_.good_steps();
+  }
+  if (writers_.shares) {
+    const std::string path = save_shares(*checkpoints_, share_buffers_, model_, *opt_, shards_, mesh.dp_rank() == 0,
+                                         st_, checkpoint_comm_->get());
+    if (topo_.rank == 0) result_.last_checkpoint = path;
+    return;  // collective: nobody runs ahead of a synchronous save that may yet fail
+  }
+  if (tensor_parallel_) {  // the shards assembled on rank 0
+    gather_tp_state(model_, *opt_, shards_, mesh.tp(), mesh.dp_rank() == 0, whole_model_ ? &*whole_model_ : nullptr,
+                    &gathered_);
+    if (topo_.rank == 0) result_.last_checkpoint = checkpoints_->save(*whole_model_, gathered_, st_);
+  } else {  // ZeRO-1: assembled on rank 0
+    FullOptimState optim_state =
+        gather_optim_state(*opt_, shards_, model_, checkpoints_->async() ? &gathered_ : nullptr);
+    if (topo_.rank == 0) result_.last_checkpoint = checkpoints_->save(model_, optim_state, st_);
+  }
+  if (!checkpoints_->async()) mesh.world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
+}
+
+// A run whose loss or parameters became NaN/inf stops here, printed once (every rank sees the
+// same all-reduced values), without saving that state; exit 2.
+void Run::diverged(int64_t at_step, const std::string& what) {
+  agree(mpi_comm_, [&] {
+    throw UsageError(concat("step ", at_step, ": ", what, " (", precision_name(precision_),
+                            "): training diverged; this state is not saved, the newest checkpoint stays ",
+                            result_.last_checkpoint.empty() ? std::string("as it was") : result_.last_checkpoint,
+                            ". Try a lower optim.lr, a longer optim.warmup_steps or optim.grad_clip > 0"));
+  });
+}
+
+// The last asynchronous write completes (or its failure ends the job, exit 2) before any rank
+// finishes, also when stopping on a signal; then the peak memory, the sample and (tests) the
+// whole final parameters.
+TrainResult Run::finish() {
+  if (checkpoints_->async()) {
+    checkpoints_->wait();  // ranks without a write in flight return at once
+    s_.mesh->world().barrier();
+  }
+  result_.final_step = st_.step;
+  if (device_.is_cuda() && topo_.rank == 0)
+    log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
+                     static_cast<double>(cuda_peak_allocated_bytes(device_.index())) / (1 << 30), " GiB"));
+  const bool wants_sample = topo_.rank == 0 && cfg_.sample.tokens > 0;
+  if (tensor_parallel_ && wants_sample)
+    log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result_.last_checkpoint,
+                     "` samples its checkpoint"));
+  if (!tensor_parallel_ && wants_sample && st_.tokenizer == "byte") {
+    std::vector<int64_t> prompt{st_.eot_token};
+    for (unsigned char c : cfg_.sample.prompt) prompt.push_back(c);
+    auto out = generate(model_, prompt, cfg_.sample.tokens, cfg_.sample.temperature, cfg_.sample.top_k,
+                        cfg_.train.seed);
+    result_.sample = decode_bytes(std::vector<int64_t>(out.begin() + 1, out.end()), st_.eot_token);
+    log::info("sample:\n" + result_.sample);
+  }
+  if (hooks_.keep_params)
+    for (auto& [name, p] : model_->named_params()) {  // whole parameters (tensor parallel: gathered)
+      torch::Tensor c = tp_unshard(p.detach(), model_->tp_split(name), s_.mesh->tp())
+                            .to(torch::kCPU, torch::kFloat32)
+                            .contiguous();
+      result_.params.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
+    }
+  return std::move(result_);
+}
+
+}  // namespace
+
+// ---- the run -----------------------------------------------------------------------------------
+
+TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
+  Startup startup = start_up(cfg, mpi_comm, hooks.force_unlock);  // MPI, layout, device, data, mesh; exit 2 on bad input
+  Run run(cfg, startup, mpi_comm, hooks);
+  run.build_model();
+  run.build_optimizer();
+  run.describe();
+  run.resume_or_start();
+  run.open_outputs();
+  while (!run.done()) {
+    run.begin_step();
+    run.micro_batches();
+    run.sync_gradients();
+    run.clip_and_update();
+    run.log_step();
+    run.evaluate_if_due();
+    if (!run.checkpoint_if_due()) break;
+  }
+  return run.finish();
 }
 
 }  // namespace mpitrain
