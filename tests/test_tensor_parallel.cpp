@@ -18,12 +18,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 
+#include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
+#include "mpitrain/hf_format.h"
 #include "mpitrain/model.h"
 #include "mpitrain/tensor_parallel.h"
 #include "mpi_world.h"
+#include "npy_writer.h"
 
 using namespace mpitrain;
 
@@ -270,4 +275,63 @@ TEST(TensorParallel, ShardRangesMapToTheWholeParametersElements) {
         }
     }
   }
+}
+
+// model.init_from under tensor parallelism: each rank of a tp group reads its shards of the whole
+// tensors in the files itself (no whole copy on rank 0, no broadcast of whole tensors): a block
+// of rows read alone (Llama's q/k/v/gate/up, the vocabulary), or a whole tensor read and cut
+// (row-parallel c_proj by columns, GPT-2's transposed Conv1D c_attn as [q; k; v]). For Hugging
+// Face safetensors (one file and sharded with an index) and .npy directories, GPT-2 and an
+// untied Llama with q/k/v biases: every shard bitwise the dense model's.
+TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
+  namespace fs = std::filesystem;
+  const int world = world_size();
+  char buf[256] = {};
+  if (world_rank() == 0) {
+    char tmpl[] = "/tmp/mpitrain-tp-init-XXXXXX";
+    std::snprintf(buf, sizeof buf, "%s", mkdtemp(tmpl));
+  }
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  const std::string root = buf;
+  for (bool llama : {false, true}) {
+    GPTDims dense_dims = small_dims(false);
+    if (llama) {
+      dense_dims.arch = "llama";
+      dense_dims.n_kv_head = 4, dense_dims.intermediate_size = 24, dense_dims.max_position = 16;
+      dense_dims.qkv_bias = true, dense_dims.tie_embeddings = false;
+    }
+    torch::manual_seed(7);
+    GPT dense(dense_dims);
+    const std::string hf = concat(root, "/hf-", llama), sharded_hf = concat(root, "/hf-sharded-", llama),
+                      npy = concat(root, "/npy-", llama);
+    if (world_rank() == 0) {
+      write_hf_model(hf, dense, 0);
+      HfWriteOptions small_shards;
+      small_shards.max_shard_bytes = 20000;
+      write_hf_model(sharded_hf, dense, 0, small_shards);
+      fs::create_directories(npy);
+      for (const auto& [name, p] : dense->named_params()) npy_test::write_npy_tensor(npy + "/" + name + ".npy", p);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    ASSERT_TRUE(fs::exists(sharded_hf + "/model.safetensors.index.json"));
+    for (int tp : {2, 4}) {
+      if (world % tp != 0) continue;
+      TpGroup group(tp);
+      const int64_t r = group.comm->rank();
+      GPTDims tp_dims = dense_dims;
+      tp_dims.tp = tp, tp_dims.tp_rank = r, tp_dims.tp_comm = group.comm.get();
+      for (const std::string& from : {"hf:" + hf, "hf:" + sharded_hf, npy}) {
+        SCOPED_TRACE(testing::Message() << (llama ? "llama" : "gpt2") << ", tp " << tp << ", " << from);
+        torch::manual_seed(99);  // other values than the files'
+        GPT sharded(tp_dims);
+        EXPECT_EQ(load_initial_weights(from, sharded), static_cast<int64_t>(sharded->named_params().size()));
+        const auto whole = dense->named_params(), local = sharded->named_params();
+        for (size_t i = 0; i < whole.size(); ++i)
+          EXPECT_TRUE(torch::equal(local[i].second, tp_shard(whole[i].second, dense->tp_split(whole[i].first), r, tp)))
+              << whole[i].first;
+      }
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) fs::remove_all(root);
 }

@@ -337,8 +337,26 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
   for (size_t i = 0; i < drawn.params.size(); ++i)
     EXPECT_EQ(loaded.params[i].second, drawn.params[i].second) << drawn.params[i].first;
 
+  // Tensor parallel 2: the ranks of the first tp group each read their shards of the same whole
+  // weights (no whole copy on rank 0): bitwise the tp 2 run that drew them.
+  Config drawn_tp = small_config("init-drawn-tp2", 2, 4);
+  drawn_tp.parallel.tp = 2;
+  TrainResult drawn2 = train(drawn_tp, MPI_COMM_WORLD, keep);
+  Config loaded_tp = small_config("init-npy-tp2", 2, 4);
+  loaded_tp.parallel.tp = 2;
+  loaded_tp.model.init_from = dir;
+  loaded_tp.train.seed = 7;
+  TrainResult loaded2 = train(loaded_tp, MPI_COMM_WORLD, keep);
+  ASSERT_EQ(loaded2.losses.size(), drawn2.losses.size());
+  for (size_t i = 0; i < drawn2.losses.size(); ++i) EXPECT_EQ(loaded2.losses[i], drawn2.losses[i]) << "tp 2";
+  ASSERT_EQ(loaded2.params.size(), drawn2.params.size());
+  for (size_t i = 0; i < drawn2.params.size(); ++i)
+    EXPECT_EQ(loaded2.params[i].second, drawn2.params[i].second) << "tp 2: " << drawn2.params[i].first;
+
   Config bad = small_config("init-bad", 2, 4);
   bad.model.init_from = dir + "/nowhere";
+  EXPECT_THROW(train(bad, MPI_COMM_WORLD), ReportedUsageError);
+  bad.parallel.tp = 2;  // every rank of the reading tp group finds it missing; all end, once
   EXPECT_THROW(train(bad, MPI_COMM_WORLD), ReportedUsageError);
   c.model.init_from = dir + "/nowhere";  // not read: "init-npy" resumes from its step-4 checkpoint
   c.train.steps = 5;

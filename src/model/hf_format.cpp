@@ -112,6 +112,21 @@ torch::Tensor read_tensor(const std::string& path, std::ifstream& in, uint64_t d
   return t;
 }
 
+// Rows [row0, row0 + rows) of the tensor along its first dimension, read alone (they are
+// contiguous in the file), as fp32.
+torch::Tensor read_rows(const std::string& path, std::ifstream& in, uint64_t data_start, const Entry& e, int64_t row0,
+                        int64_t rows) {
+  std::vector<int64_t> shape = e.shape;
+  const uint64_t row_bytes = (e.end - e.begin) / static_cast<uint64_t>(shape[0]);
+  shape[0] = rows;
+  torch::Tensor t = torch::empty(shape, e.dtype);
+  in.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<uint64_t>(row0) * row_bytes));
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(static_cast<uint64_t>(rows) * row_bytes));
+  if (!in) throw UsageError(concat(path, ": tensor '", e.name, "': read error"));
+  t = t.to(torch::kFloat32);
+  if (!torch::isfinite(t).all().item<bool>()) throw UsageError(concat(path, ": tensor '", e.name, "' holds NaN or infinite values"));
+  return t;
+}
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -150,6 +165,23 @@ struct SafetensorsFile {
   uint64_t data_start = 0;
   std::vector<Entry> entries;
 };
+
+// The part of the file's tensor `e` that this rank's parameter `name` holds, as fp32 in the
+// parameter's orientation: the whole tensor (tp 1, or a parameter every tp rank holds whole), or
+// its tensor-parallel shard: a block of the file's rows read alone where the split is by rows,
+// else the whole tensor read (one at a time) and cut.
+torch::Tensor read_part(SafetensorsFile& f, const Entry& e, const std::string& name, GPT& model) {
+  const GPTDims& d = model->dims();
+  const TpSplit split = model->tp_split(name);
+  const bool transposed = hf_transposed(name, d);
+  if (d.tp > 1 && split == TpSplit::rows && !transposed) {
+    const int64_t n = e.shape[0] / d.tp;
+    return read_rows(f.path, f.in, f.data_start, e, d.tp_rank * n, n);
+  }
+  torch::Tensor t = read_tensor(f.path, f.in, f.data_start, e);
+  if (transposed) t = t.t();
+  return d.tp > 1 ? tp_shard(t, split, d.tp_rank, d.tp) : t;
+}
 
 // One file, opened and its header checked.
 std::unique_ptr<SafetensorsFile> open_one(const std::string& path) {
@@ -421,7 +453,7 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
                                         : " (Hugging Face GPT-2 names, e.g. transformer.h.0.attn.c_attn.weight)"));
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
-      std::vector<int64_t> want = p.sizes().vec();
+      std::vector<int64_t> want = tp_whole_shape(p.sizes(), model->tp_split(name), d.tp);  // the files hold whole tensors
       if (hf_transposed(name, d)) std::reverse(want.begin(), want.end());
       if (e->shape != want)
         throw UsageError(concat(file->path, ": tensor '", e->name, "' has shape ", shape_text(e->shape), ", the model needs ",
@@ -436,24 +468,24 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
     // Every header check passed. The values are read twice, one tensor at a time: once to check
     // them (finite; a tied lm_head equal to the embedding), then to copy them, so that a refused
     // file changes no weight and no second copy of the model is ever held (an 8B model is 16 GB
-    // in bf16; the second read mostly comes from the page cache).
+    // in bf16; the second read mostly comes from the page cache). A tensor-parallel rank reads
+    // its shards (read_part), so the ranks of a tp group check the file between them.
     if (lm_head) {
-      torch::Tensor head = read_tensor(lm_head_file->path, lm_head_file->in, lm_head_file->data_start, *lm_head);
+      torch::Tensor head = read_part(*lm_head_file, *lm_head, "wte.weight", model);
       const auto& [file, e] = found[hf_name("wte.weight", d)];
-      if (!torch::equal(head, read_tensor(file->path, file->in, file->data_start, *e)))
+      if (!torch::equal(head, read_part(*file, *e, "wte.weight", model)))
         throw UsageError(concat(lm_head_file->path,
                                 ": lm_head.weight differs from the token embedding: mpitrain ties the output layer to it",
                                 d.llama() ? " (this model has tie_embeddings true)" : ""));
     }
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
-      read_tensor(file->path, file->in, file->data_start, *e);
+      read_part(*file, *e, name, model);
     }
     torch::NoGradGuard no_grad;
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
-      torch::Tensor t = read_tensor(file->path, file->in, file->data_start, *e);
-      p.copy_(hf_transposed(name, d) ? t.t() : t);
+      p.copy_(read_part(*file, *e, name, model));
     }
     return static_cast<int64_t>(params.size());
   } catch (const UsageError& e) {

@@ -752,7 +752,7 @@ struct NpyWeight {
   uint64_t offset;
 };
 
-NpyWeight check_npy_weight(const std::string& path, const std::string& name, const torch::Tensor& p,
+NpyWeight check_npy_weight(const std::string& path, const std::string& name, const std::vector<int64_t>& shape,
                            const GPTDims& d) {
   const NpyHeader h = read_npy_header(path, "float32 '<f4' or float64 '<f8'");
   static const std::pair<const char*, torch::ScalarType> known[] = {
@@ -763,7 +763,9 @@ NpyWeight check_npy_weight(const std::string& path, const std::string& name, con
     throw UsageError(concat(path, ": dtype '", h.descr, "', expected little-endian float32 '<f4' or float64 '<f8'"));
   if (h.fortran_order)
     throw UsageError(concat(path, ": fortran_order is True, expected False (C order: np.ascontiguousarray)"));
-  const std::vector<uint64_t> want(p.sizes().begin(), p.sizes().end());
+  const std::vector<uint64_t> want(shape.begin(), shape.end());
+  uint64_t numel = 1;
+  for (uint64_t e : want) numel *= e;
   if (h.shape != want) {
     const bool transposed = want.size() == 2 && h.shape == std::vector<uint64_t>{want[1], want[0]};
     const bool conv1d = hf_transposed(name, d);
@@ -772,16 +774,16 @@ NpyWeight check_npy_weight(const std::string& path, const std::string& name, con
                             !transposed ? "" : conv1d ? " (transposed? Hugging Face GPT-2's Conv1D weights need .T)"
                                                       : " (transposed?)"));
   }
-  const uint64_t need = h.data_offset + static_cast<uint64_t>(p.numel()) * c10::elementSize(type->second);
+  const uint64_t need = h.data_offset + numel * c10::elementSize(type->second);
   if (h.file_size != need)
     throw UsageError(concat(path, ": size ", h.file_size, " bytes, but shape ", npy_shape_text(h.shape), " of '",
                             h.descr, "' needs ", need, " (", h.file_size < need ? "truncated" : "trailing data", ")"));
   return {path, type->second, h.data_offset};
 }
 
-// The file's values as fp32, shaped like `like`.
-torch::Tensor read_npy_weight(const NpyWeight& w, const torch::Tensor& like) {
-  torch::Tensor buf = torch::empty(like.sizes(), w.dtype);
+// The file's values as fp32, of the checked `shape`.
+torch::Tensor read_npy_weight(const NpyWeight& w, const std::vector<int64_t>& shape) {
+  torch::Tensor buf = torch::empty(shape, w.dtype);
   std::ifstream in(w.path, std::ios::binary);
   in.seekg(static_cast<std::streamoff>(w.offset));
   in.read(static_cast<char*>(buf.data_ptr()), static_cast<std::streamsize>(buf.nbytes()));
@@ -828,13 +830,19 @@ int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& 
                       lm_head ? "; lm_head.weight is tied to wte.weight: leave it out)" : ")");
       throw UsageError(msg);
     }
-    std::vector<NpyWeight> files;  // every header and size checked before any weight changes
-    for (const auto& [name, p] : params)
-      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, p, model->dims()));
+    // Every header and size checked before any weight changes; the files hold whole parameters,
+    // of which a tensor-parallel rank keeps its shard.
+    const GPTDims& d = model->dims();
+    std::vector<NpyWeight> files;
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& [name, p] : params) {
+      shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), d.tp));
+      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, shapes.back(), d));
+    }
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       torch::Tensor p = params[i].second;
-      p.copy_(read_npy_weight(files[i], p));
+      p.copy_(tp_shard(read_npy_weight(files[i], shapes[i]), model->tp_split(params[i].first), d.tp_rank, d.tp));
     }
     return static_cast<int64_t>(params.size());
   } catch (const UsageError& e) {

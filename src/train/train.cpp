@@ -204,7 +204,7 @@ class Run {
   const int64_t T_, micro_, accum_, tokens_per_step_;
 
   GPT model_{nullptr};
-  std::optional<GPT> whole_model_;  // tensor parallel: rank 0's whole copy (writes, init_from)
+  std::optional<GPT> whole_model_;  // tensor parallel: rank 0's whole copy, into which checkpoints gather
   Writers writers_;
   std::vector<torch::Tensor> params_;
   std::optional<GradSync> grad_sync_;
@@ -239,36 +239,30 @@ void Run::build_model() {
   model_->to(device_);
   writers_ = choose_checkpoint_writers(cfg_, s_, zero_, tensor_parallel_);
   // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
-  // host memory, into which the shards are gathered (and model.init_from is read into one).
-  const bool reads_init = !cfg_.model.init_from.empty() && !s_.has_resume;
-  if (tensor_parallel_ && ((topo_.rank == 0 && !writers_.shares) || reads_init)) {
+  // host memory, into which the shards are gathered.
+  if (tensor_parallel_ && topo_.rank == 0 && !writers_.shares) {
     GPTDims d = dims_;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     whole_model_.emplace(d);
   }
   if (!cfg_.model.init_from.empty() && s_.has_resume) {
     log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg_.model.init_from, ") is not read"));
-  } else if (reads_init) {  // rank 0 reads; the broadcasts below do the rest
+  } else if (!cfg_.model.init_from.empty()) {
+    // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
+    // their shards of the files, each only what it holds; the dp broadcast below does the rest.
     int64_t n = 0;
     agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-      if (topo_.rank == 0) n = load_initial_weights(cfg_.model.init_from, whole_model_ ? *whole_model_ : model_);
+      if (s_.mesh->dp_rank() == 0) n = load_initial_weights(cfg_.model.init_from, model_);
     }); });
-    log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", n, " tensors)"));
-    if (whole_model_) {  // every rank keeps its shards of rank 0's whole weights
-      torch::NoGradGuard no_grad;
-      const auto whole = (*whole_model_)->named_params(), mine = model_->named_params();
-      for (size_t k = 0; k < mine.size(); ++k) {
-        torch::Tensor w = whole[k].second.detach();
-        s_.mesh->world().broadcast(w, 0);
-        mine[k].second.copy_(tp_shard(w, model_->tp_split(mine[k].first), dims_.tp_rank, dims_.tp));
-      }
-    }
+    log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", n, " tensors",
+                     tensor_parallel_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards")
+                                      : std::string(),
+                     ")"));
   }
   {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
     torch::NoGradGuard no_grad;
     for (auto& [name, p] : model_->named_params()) s_.mesh->dp().broadcast(p, 0);
   }
-  if (whole_model_ && (topo_.rank != 0 || writers_.shares)) whole_model_.reset();
   // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
   // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
   // same on each. The model above was drawn before this.
