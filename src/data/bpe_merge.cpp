@@ -210,6 +210,28 @@ void Merger::merge(std::string_view piece, std::vector<uint32_t>& out) {
   work_.resize(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i)
     work_[i] = Sym{static_cast<unsigned char>(piece[i]), i - 1, i + 1 < n ? i + 1 : -1};
+  merge_work(out);
+}
+
+void Merger::encode_symbols(const std::vector<uint32_t>& symbols, std::vector<uint32_t>& out) {
+  const auto n = static_cast<int32_t>(symbols.size());
+  if (n == 0) return;
+  work_.resize(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) work_[i] = Sym{symbols[i], i - 1, i + 1 < n ? i + 1 : -1};
+  const Order order = order_;
+  order_ = Order::immediate;
+  merge_work(out);
+  order_ = order;
+}
+
+std::optional<uint32_t> Merger::find_symbol(const std::string& text) const {
+  auto it = sym_.find(text);
+  if (it == sym_.end()) return std::nullopt;
+  return it->second;
+}
+
+void Merger::merge_work(std::vector<uint32_t>& out) {
+  const auto n = static_cast<int32_t>(work_.size());
   using Entry = std::pair<uint32_t, int32_t>;  // (rank, left position)
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   auto push = [&](int32_t i) {

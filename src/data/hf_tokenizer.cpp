@@ -1,6 +1,7 @@
-// A Hugging Face byte-level BPE tokenizer.json: loading and checking every key the encoding depends
-// on, the Oniguruma-style Split patterns rewritten for PCRE2, the pre-tokenizer pipeline with the
-// `tokenizers` library's split behaviours, NFC through utf8proc, and the shared merge engine
+// A Hugging Face BPE tokenizer.json, byte-level or SentencePiece-style: loading and checking every
+// key the encoding depends on, the normalizers (NFC through utf8proc, Prepend, Replace), the
+// Oniguruma-style Split patterns rewritten for PCRE2, the pre-tokenizer pipeline with the
+// `tokenizers` library's split behaviours, byte fallback, and the shared merge engine
 // (bpe_merge.h) in Hugging Face's merge order.
 #include "mpitrain/hf_tokenizer.h"
 
@@ -10,7 +11,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstdio>
 #include <deque>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -53,10 +56,29 @@ struct Step {
 
 // ---- state -------------------------------------------------------------------------------------
 
+namespace {
+// One normalizer: NFC, Prepend (`text` before a non-empty string), Replace (every `text` by `with`).
+struct NormalizerStep {
+  enum Kind { nfc, prepend, replace } kind;
+  std::string text, with;
+};
+}  // namespace
+
 struct HfTokenizer::Impl {
   std::string path, sha256;
-  bool nfc = false;
+  std::vector<NormalizerStep> norms;
   std::vector<Step> steps;
+  // SentencePiece-style BPE (model.byte_fallback): no pre-tokenizer, the normalized text's
+  // characters are the first symbols; a character that is no token becomes the <0xXX> tokens of
+  // its bytes, else the unknown token (fuse_unk: one for a run of them).
+  bool byte_fallback = false, ignore_merges = false, fuse_unk = false;
+  std::optional<uint32_t> unk_symbol, unk_id;
+  std::vector<int64_t> byte_symbol;   // byte -> the symbol of its "<0xXX>" token, -1: none
+  std::vector<int64_t> ascii_symbol;  // ASCII character -> its symbol when it is a token, -1: not
+  std::vector<std::pair<std::string, std::string>> decode_replace;  // the decoder's Replace steps
+  size_t decode_strip_start = 0;      // the decoder's Strip: leading characters it removes
+  std::string decode_strip;
+  std::vector<uint32_t> symbols;      // scratch of encode()
   bpe::Merger merger{bpe::Merger::Order::immediate};
   std::unordered_map<std::string, uint32_t> ids;  // vocab and added tokens, as written
   std::vector<std::string> token_bytes;           // id -> bytes (decode)
@@ -73,8 +95,10 @@ struct HfTokenizer::Impl {
   void load_pre_tokenizer(const json& j);
   void load_model(const json& j);
   void load_added(const json& j);
+  void load_decoder(const json& j);
   void find_separator(const json& root);
   void split(std::string_view text, const Step& s);
+  void encode_sentencepiece(const std::string& text, std::vector<uint32_t>& out);
 };
 
 namespace {
@@ -89,27 +113,89 @@ std::string type_of(const json& j) {
   return t && t->is_string() ? t->get<std::string>() : "";
 }
 
-constexpr const char* kSentencePiece =
-    "a SentencePiece-style tokenizer (byte_fallback / Metaspace); only byte-level BPE "
-    "tokenizer.json files (GPT-2, Llama 3, Qwen2/3) are supported";
+constexpr const char* kMetaspace =
+    "the Metaspace pre-tokenizer (older SentencePiece conversions) is not supported; SentencePiece-style "
+    "files whose normalizer writes the spaces as U+2581 (Llama 2, Mistral, Gemma: Prepend and Replace) are";
+
+// The byte a byte-fallback token stands for ("<0x0A>": 10; upper-case hex, as the `tokenizers`
+// library writes them), or -1.
+int byte_token(const std::string& t) {
+  auto hex = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1; };
+  if (t.size() != 6 || t.compare(0, 3, "<0x") != 0 || t[5] != '>' || hex(t[3]) < 0 || hex(t[4]) < 0) return -1;
+  return hex(t[3]) * 16 + hex(t[4]);
+}
+
+// A list of `key`'s steps: the `array` member of a Sequence, else the object alone.
+std::vector<std::pair<std::string, const json*>> steps_of(const json& j, const std::string& key, const char* array,
+                                                          const std::function<void(const std::string&)>& bad) {
+  std::vector<std::pair<std::string, const json*>> list{{key, &j}};
+  if (type_of(j) != "Sequence") return list;
+  const json* n = member(j, array);
+  if (!n || !n->is_array()) bad(concat(key, ".", array));
+  list.clear();
+  for (size_t i = 0; i < n->size(); ++i) list.emplace_back(concat(key, ".", array, "[", i, "]"), &(*n)[i]);
+  return list;
+}
+
+// A Replace step's {"pattern": {"String": s}, "content": c}: (s, c); a Regex pattern is refused.
+std::pair<std::string, std::string> replace_of(const json& j, const std::string& key,
+                                               const std::function<void(const std::string&, const std::string&)>& bad) {
+  const json* pat = member(j, "pattern");
+  const json* lit = pat && pat->is_object() ? member(*pat, "String") : nullptr;
+  const json* content = member(j, "content");
+  if (!lit || !lit->is_string() || lit->get<std::string>().empty())
+    bad(key + ".pattern", "expected {\"String\": \"...\"} (a Regex pattern is not supported)");
+  if (!content || !content->is_string()) bad(key + ".content", "expected a string");
+  return {lit->get<std::string>(), content->get<std::string>()};
+}
 
 }  // namespace
 
 // ---- loading -----------------------------------------------------------------------------------
 
 void HfTokenizer::Impl::load_normalizer(const json& j) {
-  std::vector<std::pair<std::string, const json*>> list{{"normalizer", &j}};
-  if (type_of(j) == "Sequence") {
-    const json* n = member(j, "normalizers");
-    if (!n || !n->is_array()) bad("normalizer.normalizers", "expected an array");
-    list.clear();
-    for (size_t i = 0; i < n->size(); ++i)
-      list.emplace_back(concat("normalizer.normalizers[", i, "]"), &(*n)[i]);
+  auto no_array = [&](const std::string& key) { bad(key, "expected an array"); };
+  auto bad_key = [&](const std::string& key, const std::string& what) { bad(key, what); };
+  for (auto& [key, n] : steps_of(j, "normalizer", "normalizers", no_array)) {
+    const std::string type = type_of(*n);
+    if (type == "NFC") {
+      norms.push_back({NormalizerStep::nfc, "", ""});
+    } else if (type == "Prepend") {
+      const json* p = member(*n, "prepend");
+      if (!p || !p->is_string()) bad(key + ".prepend", "expected a string");
+      norms.push_back({NormalizerStep::prepend, p->get<std::string>(), ""});
+    } else if (type == "Replace") {
+      auto [text, with] = replace_of(*n, key, bad_key);
+      norms.push_back({NormalizerStep::replace, text, with});
+    } else {
+      bad(key + ".type", concat("'", type, "' is not supported (supported: NFC, Prepend, Replace with a String "
+                                           "pattern, a Sequence of them, or none)"));
+    }
   }
-  for (auto& [key, n] : list) {
-    if (type_of(*n) != "NFC")
-      bad(key + ".type", concat("'", type_of(*n), "' is not supported (supported: NFC, or none)"));
-    nfc = true;
+}
+
+void HfTokenizer::Impl::load_decoder(const json& j) {
+  if (!byte_fallback) {
+    if (type_of(j) != "ByteLevel")
+      bad("decoder.type", concat("'", type_of(j), "' is not supported for a byte-level BPE (supported: ByteLevel)"));
+    return;
+  }
+  auto no_array = [&](const std::string& key) { bad(key, "expected an array"); };
+  auto bad_key = [&](const std::string& key, const std::string& what) { bad(key, what); };
+  for (auto& [key, d] : steps_of(j, "decoder", "decoders", no_array)) {
+    const std::string type = type_of(*d);
+    if (type == "Replace") {
+      decode_replace.push_back(replace_of(*d, key, bad_key));
+    } else if (type == "Strip") {
+      const json* content = member(*d, "content");
+      const json* start = member(*d, "start");
+      if (!content || !content->is_string() || !start || !start->is_number_unsigned())
+        bad(key, "expected a Strip with a content string and a start count");
+      decode_strip = content->get<std::string>(), decode_strip_start = start->get<size_t>();
+    } else if (type != "ByteFallback" && type != "Fuse") {
+      bad(key + ".type", concat("'", type, "' is not supported for a SentencePiece-style BPE (supported: Replace, "
+                                           "ByteFallback, Fuse, Strip)"));
+    }
   }
 }
 
@@ -166,7 +252,7 @@ void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
                                       "MergedWithPrevious, MergedWithNext, Contiguous"));
       s.invert = flag(*p, "invert", false, key);
     } else if (type == "Metaspace") {
-      bad(key + ".type", kSentencePiece);
+      bad(key + ".type", kMetaspace);
     } else {
       bad(key + ".type", concat("'", type, "' is not supported (supported: Split, ByteLevel)"));
     }
@@ -180,12 +266,15 @@ void HfTokenizer::Impl::load_model(const json& m) {
   if (!m.is_object()) bad("model", "expected an object");
   if (const json* t = member(m, "type"); t && *t != "BPE")
     bad("model.type", concat(t->dump(), " is not supported (supported: BPE)"));
-  if (const json* f = member(m, "byte_fallback"); f && *f == true) bad("model.byte_fallback", kSentencePiece);
+  if (const json* f = member(m, "byte_fallback"); f && !f->is_boolean()) bad("model.byte_fallback", "expected true or false");
+  if (const json* f = member(m, "byte_fallback")) byte_fallback = f->get<bool>();
+  if (const json* f = member(m, "fuse_unk"); f && !f->is_boolean()) bad("model.fuse_unk", "expected true or false");
+  if (const json* f = member(m, "fuse_unk")) fuse_unk = f->get<bool>();
   if (const json* d = member(m, "dropout"); d && !(d->is_number() && d->get<double>() == 0))
     bad("model.dropout", concat(d->dump(), ": BPE dropout is not supported"));
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (const json* s = member(m, key); s && !(s->is_string() && s->get<std::string>().empty()))
-      bad(concat("model.", key), concat(s->dump(), " is not supported (byte-level BPE has none)"));
+      bad(concat("model.", key), concat(s->dump(), " is not supported (byte-level and SentencePiece-style BPE have none)"));
 
   const json* vocab = member(m, "vocab");
   if (!vocab || !vocab->is_object() || vocab->empty())
@@ -203,8 +292,35 @@ void HfTokenizer::Impl::load_model(const json& m) {
   }
   token_bytes.resize(by_id.size());
   known.assign(by_id.size(), false);
+  if (const json* f = member(m, "ignore_merges")) {
+    if (!f->is_boolean()) bad("model.ignore_merges", "expected true or false");
+    ignore_merges = f->get<bool>();
+  }
+  if (byte_fallback) {  // SentencePiece-style: tokens are text; "<0xXX>" are single bytes
+    byte_symbol.assign(256, -1);
+    ascii_symbol.assign(128, -1);
+    for (size_t id = 0; id < by_id.size(); ++id) {
+      if (!by_id[id]) continue;
+      const std::string& t = *by_id[id];
+      const uint32_t sym = merger.symbol(t);
+      merger.set_token(sym, static_cast<uint32_t>(id));
+      known[id] = true;
+      token_bytes[id] = t;
+      if (const int b = byte_token(t); b >= 0) {
+        byte_symbol[static_cast<size_t>(b)] = sym;
+        token_bytes[id] = std::string(1, static_cast<char>(b));
+      }
+      if (t.size() == 1 && static_cast<unsigned char>(t[0]) < 0x80) ascii_symbol[static_cast<unsigned char>(t[0])] = sym;
+    }
+    if (const json* u = member(m, "unk_token")) {
+      if (!u->is_string() || !ids.count(u->get<std::string>()))
+        bad("model.unk_token", concat(u->dump(), " names no token"));
+      unk_symbol = merger.symbol(u->get<std::string>());
+      unk_id = ids.at(u->get<std::string>());
+    }
+  }
   std::unordered_map<std::string, uint32_t> whole;  // ignore_merges: bytes of a token -> its id
-  for (size_t id = 0; id < by_id.size(); ++id) {
+  for (size_t id = 0; id < by_id.size() && !byte_fallback; ++id) {
     if (!by_id[id]) continue;
     bool all_mapped = false;
     token_bytes[id] = bpe::symbol_bytes(*by_id[id], &all_mapped);
@@ -212,17 +328,14 @@ void HfTokenizer::Impl::load_model(const json& m) {
     known[id] = true;
     if (all_mapped) whole.emplace(token_bytes[id], static_cast<uint32_t>(id));
   }
-  for (int b = 0; b < 256; ++b) {
+  for (int b = 0; b < 256 && !byte_fallback; ++b) {
     auto it = ids.find(bpe::byte_symbol(static_cast<unsigned char>(b)));
     if (it == ids.end())
       bad("model.vocab", concat("no token for byte ", b, " ('", bpe::byte_symbol(static_cast<unsigned char>(b)),
                                 "'), which ByteLevel needs"));
     merger.set_token(static_cast<uint32_t>(b), it->second);
   }
-  if (const json* f = member(m, "ignore_merges")) {
-    if (!f->is_boolean()) bad("model.ignore_merges", "expected true or false");
-    if (f->get<bool>()) merger.set_whole_tokens(std::move(whole));
-  }
+  if (ignore_merges && !byte_fallback) merger.set_whole_tokens(std::move(whole));
 
   const json* merges = member(m, "merges");
   if (!merges || !merges->is_array()) bad("model.merges", "expected an array");
@@ -245,6 +358,8 @@ void HfTokenizer::Impl::load_model(const json& m) {
       if (!ids.count(*t)) bad(key, concat("'", *t, "' names no token"));
     auto joined = ids.find(a + b);
     if (joined == ids.end()) bad(key, concat("the merged '", a + b, "' names no token"));
+    if (byte_fallback && byte_token(a + b) >= 0)
+      bad(key, concat("the merged '", a + b, "' is a byte-fallback token, which no merge makes"));
     const uint32_t left = merger.symbol(a), right = merger.symbol(b), result = merger.symbol(a + b);
     merger.set_token(left, ids.at(a));
     merger.set_token(right, ids.at(b));
@@ -325,11 +440,16 @@ HfTokenizer::HfTokenizer(const std::string& path) : impl_(std::make_unique<Impl>
   m.load_model(*model);
   if (const json* n = member(root, "normalizer")) m.load_normalizer(*n);
   const json* pre = member(root, "pre_tokenizer");
-  if (!pre) m.bad("pre_tokenizer", "missing (a byte-level BPE tokenizer has a ByteLevel step)");
-  m.load_pre_tokenizer(*pre);
-  if (const json* d = member(root, "decoder"); d && type_of(*d) != "ByteLevel")
-    m.bad("decoder.type", type_of(*d) == "Metaspace" ? kSentencePiece
-                                                     : concat("'", type_of(*d), "' is not supported (supported: ByteLevel)"));
+  if (m.byte_fallback) {
+    if (pre)
+      m.bad("pre_tokenizer", type_of(*pre) == "Metaspace"
+                                 ? std::string(kMetaspace)
+                                 : concat("'", type_of(*pre), "': a SentencePiece-style BPE (model.byte_fallback) has none"));
+  } else {
+    if (!pre) m.bad("pre_tokenizer", "missing (a byte-level BPE tokenizer has a ByteLevel step)");
+    m.load_pre_tokenizer(*pre);
+  }
+  if (const json* d = member(root, "decoder")) m.load_decoder(*d);
   if (const json* a = member(root, "added_tokens")) m.load_added(*a);
   m.find_separator(root);
 }
@@ -342,6 +462,7 @@ int64_t HfTokenizer::vocab_size() const { return static_cast<int64_t>(impl_->kno
 const std::string& HfTokenizer::sha256() const { return impl_->sha256; }
 const std::string& HfTokenizer::path() const { return impl_->path; }
 std::optional<uint32_t> HfTokenizer::separator() const { return impl_->separator; }
+std::optional<uint32_t> HfTokenizer::unknown_token() const { return impl_->unk_id; }
 
 std::optional<uint32_t> HfTokenizer::token_id(const std::string& token) const {
   auto it = impl_->ids.find(token);
@@ -351,12 +472,12 @@ std::optional<uint32_t> HfTokenizer::token_id(const std::string& token) const {
 
 // ---- encoding ----------------------------------------------------------------------------------
 
-std::string HfTokenizer::normalize(std::string_view text) const {
-  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
-    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+namespace {
+
+std::string nfc(const std::string& text) {
   bool ascii = true;
   for (char c : text) ascii = ascii && static_cast<unsigned char>(c) < 0x80;
-  if (!impl_->nfc || ascii) return std::string(text);  // ASCII is its own NFC
+  if (ascii) return text;  // ASCII is its own NFC
   utf8proc_uint8_t* dst = nullptr;
   const utf8proc_ssize_t n =
       utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()), static_cast<utf8proc_ssize_t>(text.size()),
@@ -364,6 +485,29 @@ std::string HfTokenizer::normalize(std::string_view text) const {
   if (n < 0) throw Error(concat("utf8proc NFC: ", utf8proc_errmsg(n)));
   std::string out(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
   std::free(dst);
+  return out;
+}
+
+// Every occurrence of `what` (non-empty) in `text` by `with`, left to right.
+std::string replace_all(const std::string& text, const std::string& what, const std::string& with) {
+  std::string out;
+  size_t from = 0;
+  for (size_t at; (at = text.find(what, from)) != std::string::npos; from = at + what.size())
+    out.append(text, from, at - from).append(with);
+  return out.append(text, from, std::string::npos);
+}
+
+}  // namespace
+
+std::string HfTokenizer::normalize(std::string_view text) const {
+  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
+    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+  std::string out(text);
+  for (const NormalizerStep& n : impl_->norms) {
+    if (n.kind == NormalizerStep::nfc) out = nfc(out);
+    else if (n.kind == NormalizerStep::prepend && !out.empty()) out = n.text + out;
+    else if (n.kind == NormalizerStep::replace) out = replace_all(out, n.text, n.with);
+  }
   return out;
 }
 
@@ -433,9 +577,56 @@ void HfTokenizer::Impl::split(std::string_view text, const Step& s) {
     if (cuts[i].end > cuts[i].begin) next.push_back(text.substr(cuts[i].begin, cuts[i].end - cuts[i].begin));
 }
 
+// The `tokenizers` library's BPE::merge_word for a SentencePiece-style model: each character a
+// symbol when it is a token, else its bytes' <0xXX> tokens when all exist, else the unknown token
+// (a run of them one, with fuse_unk); then the merges by (rank, position).
+void HfTokenizer::Impl::encode_sentencepiece(const std::string& text, std::vector<uint32_t>& out) {
+  if (text.empty()) return;
+  if (ignore_merges && byte_token(text) < 0)
+    if (auto it = ids.find(text); it != ids.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  symbols.clear();
+  bool last_unknown = false;
+  std::string ch;
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    const size_t len = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;  // valid UTF-8 (normalize checked)
+    std::optional<uint32_t> sym;
+    if (c < 0x80) {
+      if (ascii_symbol[c] >= 0) sym = static_cast<uint32_t>(ascii_symbol[c]);
+    } else {
+      ch.assign(text, i, len);
+      sym = merger.find_symbol(ch);
+      if (sym && !merger.is_token(*sym)) sym.reset();
+    }
+    if (sym) {
+      symbols.push_back(*sym);
+      last_unknown = false;
+    } else if (std::all_of(text.begin() + static_cast<std::ptrdiff_t>(i), text.begin() + static_cast<std::ptrdiff_t>(i + len),
+                           [&](char b) { return byte_symbol[static_cast<unsigned char>(b)] >= 0; })) {
+      for (size_t k = i; k < i + len; ++k) symbols.push_back(static_cast<uint32_t>(byte_symbol[static_cast<unsigned char>(text[k])]));
+      last_unknown = false;
+    } else if (unk_symbol) {
+      if (!(fuse_unk && last_unknown)) symbols.push_back(*unk_symbol);
+      last_unknown = true;
+    } else {
+      throw UsageError(concat(path, ": the character '", text.substr(i, len),
+                              "' is no token, has no byte-fallback tokens and the model has no unk_token"));
+    }
+    i += len;
+  }
+  merger.encode_symbols(symbols, out);
+}
+
 void HfTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
   Impl& m = *impl_;
   const std::string normal = normalize(text);
+  if (m.byte_fallback) {  // no pre-tokenizer: the whole text is one piece
+    m.encode_sentencepiece(normal, out);
+    return;
+  }
   m.pieces.assign(1, normal);
   m.owned.clear();
   for (const Step& s : m.steps) {
@@ -460,6 +651,16 @@ std::vector<uint32_t> HfTokenizer::encode(std::string_view text) {
   std::vector<uint32_t> out;
   encode(text, out);
   return out;
+}
+
+std::string HfTokenizer::detokenize(const std::vector<uint32_t>& ids) const {
+  std::string text = decode(ids);
+  for (const auto& [what, with] : impl_->decode_replace) text = replace_all(text, what, with);
+  for (size_t k = 0; k < impl_->decode_strip_start && !impl_->decode_strip.empty() &&
+                     text.compare(0, impl_->decode_strip.size(), impl_->decode_strip) == 0;
+       ++k)
+    text.erase(0, impl_->decode_strip.size());
+  return text;
 }
 
 std::string HfTokenizer::decode(const std::vector<uint32_t>& ids) const {

