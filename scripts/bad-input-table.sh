@@ -131,6 +131,18 @@ cp -r hfs hfm && rm hfm/model-00002-of-*.safetensors
 row "hf:DIR: the index names a missing file" "$B" ok.yaml --set model.init_from=hf:hfm --set checkpoint.dir=ckx
 cp -r hfl hft && head -c 3000 hfl/model.safetensors > hft/model.safetensors
 row "hf:DIR: truncated safetensors" "$B" ok.yaml --set model.init_from=hf:hft --set checkpoint.dir=ckx
+# Launch and run errors (issue 31, section 5)
+row "CLI: a mistyped command (mpirun -np 2)" mpirun -np 2 "$B" trian ok.yaml
+cp d/c-train-00000.h5 oov-train-00000.h5
+/usr/bin/python3 -c "
+import h5py
+with h5py.File('oov-train-00000.h5', 'r+') as f:
+    t = f['tokens']
+    for i in range(3, t.shape[0], 10): t[i] = 300
+" 2>/dev/null && row "data: tokens outside the vocabulary on both ranks (mpirun -np 2)" mpirun -np 2 "$B" ok.yaml \
+  --set 'data.train=[oov-train-*.h5]' --set checkpoint.dir=cko --set checkpoint.resume=none
+printf '{"model": {"type": "BPE", "byte_fallback": true, "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Metaspace"}}' > meta.json
+row "pack: a Metaspace pre-tokenizer (SentencePiece-style)" "$B" pack c -o d/m --tokenizer hf --tokenizer-file meta.json
 mkdir full
 if mount -t tmpfs -o size=200k tmpfs full 2>/dev/null; then
   cp -r ck full/ck 2>/dev/null

@@ -14,10 +14,11 @@ if [ $packages_only = 1 ]; then scripts/setup.sh --packages-only; else scripts/s
 # runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), h5py
 # (tests/h5py_test.sh reads checkpoints with it), crc32c and protobuf (tests/observe_test.sh reads
 # the TensorBoard files with them), PyTorch (tests/export_test.sh: a GPT-2 on the exported Hugging
-# Face weights) and pdsh (tests/multihost/fleet_test.sh).
+# Face weights), pdsh (tests/multihost/fleet_test.sh) and MPICH's hydra mpiexec (tests/cli_test.sh:
+# an Open MPI binary under another family's launcher is refused; Open MPI stays the default MPI).
 missing=()
 for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev python3-h5py \
-         python3-crc32c python3-protobuf python3-torch pdsh; do
+         python3-crc32c python3-protobuf python3-torch pdsh mpich; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 # node (tests/hf_tokenizer_test.sh: Hugging Face's tokenizers in JavaScript as the reference) from

@@ -87,6 +87,19 @@ rc=$?
 check "the Llama plan measured is the model train builds (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'model: llama, 6464 parameters' train-llama.out"
 
+# ---- the singleton guard: another MPI family's launcher (MPICH's hydra mpiexec) ----
+# An Open MPI binary started by hydra initialises as 2 singletons (PMI_SIZE=2 in each task's
+# environment, world size 1): each task exits 2 naming the variable and the launch to use, instead
+# of 2 separate trainings. (Each is its own world, so each prints; nothing is written.)
+if command -v mpiexec.hydra > /dev/null; then
+  timeout 120 mpiexec.hydra -n 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-hydra --set train.out_dir=run-hydra > hydra.out 2>&1
+  rc=$?
+  check "hydra's mpiexec -n 2 of an Open MPI binary: exit 2, each task names PMI_SIZE=2 and the launch to use (rc $rc)" \
+    "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: launch: PMI_SIZE=2 says .* started 2 tasks, but MPI made a world of 1 rank' hydra.out) -eq 2 ] && [ ! -e ckpt-hydra ]"
+else
+  bad "mpiexec.hydra not installed (Debian: mpich; scripts/test.sh installs it)"
+fi
+
 # ---- SIGUSR1 (Slurm's pre-preemption warning): checkpoint, exit 75, resume ----
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=100000 \
   --set eval.every=0 --set 'data.val=[]' > usr1.out 2>&1 &
@@ -179,6 +192,9 @@ expect_usage "out-of-range value" "cfg.yaml: train.micro_batch must be > 0, got 
 expect_usage "inconsistent global batch" "train.global_batch" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set train.global_batch=7
 expect_usage "missing config file" "nope.yaml: cannot read config file" "$MPIRUN" -np 2 "$BIN" nope.yaml
+expect_usage "a mistyped command names the nearest one" "command line: unknown command 'trian' (did you mean 'train'?)" \
+  "$MPIRUN" -np 2 "$BIN" trian cfg.yaml
+expect_usage "a word that is no command and no file" "command line: unknown command 'frobnicate';" "$BIN" frobnicate
 expect_usage "no shard matches" "data.train: no shard matches" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set 'data.train=[data/none-*.h5]'
 printf 'not hdf5' > data/c-train-99999.h5
@@ -271,6 +287,21 @@ mkdir -p runK mdir && printf 'kept\n' > runK/config.yaml
 expect_usage "log.metrics naming a directory" "cfg.yaml: log.metrics: cannot write 'mdir'" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set log.metrics=mdir --set train.out_dir=runK --set checkpoint.dir=ckptK
 check "a config error left out_dir/config.yaml as it was" "[ \"\$(cat runK/config.yaml)\" = kept ]"
+# Bad data found by both ranks at once (tokens outside the vocabulary in every window): one
+# message, the lowest rank's, exit 2 on every rank; and the run, failing before its first
+# checkpoint, leaves out_dir/config.yaml (the record of the run that owns out_dir) as it was.
+mkdir -p bad runOOV && printf 'kept\n' > runOOV/config.yaml
+cp data/c-train-00000.h5 bad/b-train-00000.h5
+/usr/bin/python3 -c "
+import h5py
+with h5py.File('bad/b-train-00000.h5', 'r+') as f:
+    t = f['tokens']
+    for i in range(5, t.shape[0], 20): t[i] = 300
+"
+expect_usage "bad data on both ranks: printed once" \
+  "bad/b-train-00000.h5: token 300 at position [0-9]* of dataset 'tokens' is outside the vocabulary" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set "data.train=[bad/b-train-*.h5]" --set train.out_dir=runOOV --set checkpoint.dir=ckptOOV
+check "the failed run left out_dir/config.yaml as it was" "[ \"\$(cat runOOV/config.yaml)\" = kept ]"
 mkfifo cfg.fifo
 t0=$(date +%s)
 expect_usage "config path that is a FIFO: fails at once" "cfg.fifo: cannot read config file (not a regular file)" \

@@ -169,6 +169,9 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
 // when model.init_from is hf:DIR (hf_config.h). A missing or unreadable file is a UsageError.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
+// The Levenshtein distance of two words: "did you mean" suggestions (config keys, commands).
+size_t edit_distance(const std::string& a, const std::string& b);
+
 // Checks that depend on the world size and resolves train.grad_accum / train.global_batch:
 // global_batch must equal micro_batch * world * grad_accum when both are given.
 void resolve_for_world(Config& cfg, int world_size);

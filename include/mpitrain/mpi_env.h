@@ -52,6 +52,14 @@ struct ReportedUsageError {
 };
 void agree(MPI_Comm comm, const std::function<void()>& phase);
 
+// The singleton guard: a launcher that started several tasks while MPI made a world of one
+// (each task alone: a binary of one MPI family under another family's launcher, or srun without
+// the PMI plugin this MPI speaks) is a UsageError naming the variable that says so and the
+// launch to use instead. Read: OMPI_COMM_WORLD_SIZE (Open MPI's mpirun), PMI_SIZE (hydra's
+// mpiexec, Intel MPI, srun --mpi=pmi2), SLURM_STEP_NUM_TASKS (a task of srun; sbatch's batch
+// script itself has none).
+void check_not_a_singleton(int world_size);
+
 // Compact rank ranges: {0,1,2,5} -> "0-2,5".
 std::string rank_ranges(const std::vector<int>& ranks);
 

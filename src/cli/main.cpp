@@ -10,8 +10,11 @@
 //   mpitrain plan CONFIG.yaml [--set ...]                does another host pay? predicted step times
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -30,14 +33,35 @@
 namespace mpitrain {
 namespace {
 
+const char* const kCommands[] = {"train", "pack", "inspect", "sample", "export", "netcheck", "plan"};
+
 // Commands other than training, keyed by their first argument; anything else means `train`.
 bool is_command(const std::string& a) {
-  return a == "train" || a == "pack" || a == "inspect" || a == "sample" || a == "export" || a == "netcheck" ||
-         a == "plan";
+  return std::any_of(std::begin(kCommands), std::end(kCommands), [&](const char* c) { return a == c; });
+}
+
+// The first argument of `mpitrain X ...` when X is neither a command nor a config file: a word
+// with no '.' or '/' that names no file is a mistyped command ("trian"), said as such (with the
+// nearest command within two edits) rather than read as a config path.
+void check_command_word(const std::vector<std::string>& args) {
+  if (args.empty() || is_command(args[0]) || args[0][0] == '-') return;
+  const std::string& w = args[0];
+  std::error_code ec;
+  if (w.find_first_of("./") != std::string::npos || std::filesystem::exists(w, ec)) return;
+  const char* nearest = nullptr;
+  size_t best = 3;
+  for (const char* c : kCommands)
+    if (const size_t d = edit_distance(w, c); d < best) best = d, nearest = c;
+  throw UsageError(concat("command line: unknown command '", w, "'",
+                          nearest ? concat(" (did you mean '", nearest, "'?)") : std::string(),
+                          "; the commands are train, pack, inspect, sample, export, netcheck, plan, and "
+                          "'mpitrain CONFIG.yaml' trains"));
 }
 
 int run_cli(int argc, char** argv, MpiSession& mpi) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  agree(MPI_COMM_WORLD, [&] { check_not_a_singleton(mpi.size()); });
+  agree(MPI_COMM_WORLD, [&] { check_command_word(args); });
   if (!args.empty() && !is_command(args[0]) && args[0][0] != '-') args.insert(args.begin(), "train");
   if (args.size() == 1 && (args[0] == "--version" || args[0] == "-V")) {
     if (mpi.rank() == 0) std::printf("mpitrain %s\n", MPITRAIN_VERSION);

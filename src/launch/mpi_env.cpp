@@ -55,6 +55,36 @@ void MpiSession::abort(int code) {
   std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
 
+// ---- the singleton guard -----------------------------------------------------------------------
+
+void check_not_a_singleton(int world_size) {
+  if (world_size != 1) return;
+#if defined(OPEN_MPI) && OPEN_MPI
+  const char* ours = "Open MPI";
+  const char* use = "launch it with Open MPI's mpirun, or under Slurm with srun --mpi=pmix";
+#elif defined(MPICH_VERSION)
+  const char* ours = "an MPICH-family MPI (" MPICH_VERSION ")";
+  const char* use = "launch it with that MPI's mpiexec (hydra), or under Slurm with srun --mpi=pmi2";
+#else
+  const char* ours = "this binary's MPI";
+  const char* use = "launch it with that MPI's own launcher";
+#endif
+  static const std::pair<const char*, const char*> kLaunchers[] = {
+      {"OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"},
+      {"PMI_SIZE", "a PMI launcher (MPICH's hydra mpiexec, Intel MPI, srun --mpi=pmi2)"},
+      {"SLURM_STEP_NUM_TASKS", "srun"},
+  };
+  for (const auto& [var, who] : kLaunchers) {
+    const char* v = std::getenv(var);
+    char* end = nullptr;
+    const long n = v ? std::strtol(v, &end, 10) : 0;
+    if (!v || end == v || *end != '\0' || n <= 1) continue;
+    throw UsageError(concat("launch: ", var, "=", n, " says ", who, " started ", n,
+                            " tasks, but MPI made a world of 1 rank: every task runs alone. This binary is built with ",
+                            ours, "; ", use, " (docs/operations.md, launchers)"));
+  }
+}
+
 // ---- Topology ----------------------------------------------------------------------------------
 
 Topology Topology::discover(MPI_Comm comm) {

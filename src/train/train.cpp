@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -18,6 +17,7 @@
 #include "mpitrain/comm.h"
 #include "mpitrain/consistency.h"
 #include "mpitrain/device.h"
+#include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/h5.h"
@@ -216,6 +216,7 @@ class Run {
 
   TrainState st_;
   TrainResult result_;
+  bool config_recorded_ = false;  // out_dir/config.yaml written (rank 0, at the first save)
   std::optional<Progress> progress_;
   std::optional<BatchPrefetcher> prefetch_;
   std::optional<CommDup> checkpoint_comm_;  // the writer thread's collectives (shares)
@@ -226,6 +227,7 @@ class Run {
   std::optional<StepProfiler> profiler_;
 
   // The step under way.
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
   bool compressed_ = false;
   torch::Tensor loss_sum_, norm_;
   double lr_ = 0;
@@ -402,7 +404,6 @@ void Run::open_outputs() {
   }
   // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { progress_.emplace(cfg_, topo_.rank == 0, facts); }); });
-  if (topo_.rank == 0) std::ofstream(cfg_.train.out_dir + "/config.yaml") << st_.config_yaml;
   prefetch_.emplace(*s_.train_data, s_.mesh->dp_rank(), micro_);
   result_.checkpoint_writers = writers_.count;
   if (writers_.shares) checkpoint_comm_.emplace(mpi_comm_);
@@ -438,16 +439,34 @@ void Run::begin_step() {
 // communication (overlapped with it where comm.overlap allows). The loss stays on the device
 // until a log step reads it: no host synchronisation per step.
 void Run::micro_batches() {
-  loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  // The step's micro-batches are read first. A bad window (a token outside the vocabulary) that
+  // several ranks find at once is then one message, the lowest rank's, and every rank ends
+  // (exit 2) before any collective of the step: one small all-reduce per step.
   const uint64_t micro_stride = static_cast<uint64_t>(s_.layout.dp * micro_);
-  for (int64_t m = 0; m < accum_; ++m) {
-    const uint64_t start = st_.data_cursor + static_cast<uint64_t>(m) * micro_stride;
-    // The next micro-batch follows in the global order, also across the step boundary.
-    auto [x, y] = to_tensors(prefetch_->take(start, start + micro_stride), micro_, T_);
-    if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
-      const uint64_t first = start + static_cast<uint64_t>(s_.mesh->dp_rank() * micro_);
-      log::debug(concat("data: step ", step_number(), " micro ", m, " windows ", first, "-", first + micro_ - 1));
+  batches_.clear();
+  std::string bad_data;
+  try {
+    for (int64_t m = 0; m < accum_; ++m) {
+      const uint64_t start = st_.data_cursor + static_cast<uint64_t>(m) * micro_stride;
+      // The next micro-batch follows in the global order, also across the step boundary.
+      batches_.push_back(to_tensors(prefetch_->take(start, start + micro_stride), micro_, T_));
+      if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
+        const uint64_t first = start + static_cast<uint64_t>(s_.mesh->dp_rank() * micro_);
+        log::debug(concat("data: step ", step_number(), " micro ", m, " windows ", first, "-", first + micro_ - 1));
+      }
     }
+  } catch (const UsageError& e) {
+    bad_data = e.what();
+  }
+  {
+    Watchdog::Scope watch("all_reduce(data check)");
+    agree(mpi_comm_, [&] {
+      if (!bad_data.empty()) throw UsageError(bad_data);
+    });
+  }
+  loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  for (int64_t m = 0; m < accum_; ++m) {
+    const auto& [x, y] = batches_[static_cast<size_t>(m)];
     torch::Tensor loss;
     {
       Autocast autocast(precision_, device_);
@@ -587,6 +606,13 @@ bool Run::checkpoint_if_due() {
 
 void Run::save() {
   Mesh& mesh = *s_.mesh;
+  // out_dir/config.yaml is the record of the run whose checkpoints these are: written with this
+  // run's first checkpoint, so a run that fails before it (bad data, a diverged start) leaves
+  // the record of the run it would have continued.
+  if (topo_.rank == 0 && !config_recorded_) {
+    write_file_durably(cfg_.train.out_dir + "/config.yaml", st_.config_yaml);
+    config_recorded_ = true;
+  }
   auto rng = gather_rng_states(mesh.world(), device_);
   if (topo_.rank == 0) {
     st_.rng_states = std::move(rng);

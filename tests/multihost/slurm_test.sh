@@ -412,6 +412,24 @@ else
 fi
 run_case mpirun
 
+# ---- srun without a PMI plugin: never N singleton runs -------------------------------------------------
+# srun --mpi=none -n 2 gives MPI no way to wire the 2 tasks together. Open MPI 4.1 refuses that
+# itself in MPI_Init ("direct launched using srun, but OMPI was not built with SLURM's PMI
+# support"); an MPI that starts singletons instead (Open MPI 5) meets mpitrain's guard, which
+# names SLURM_STEP_NUM_TASKS=2. Either way both tasks fail and nothing runs.
+echo "--- srun --mpi=none: no singleton runs"
+out=$tmp/srun-none.out
+(cd "$tmp" && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 srun --mpi=none -n 2 \
+    "${overcommit[@]}" "$bin" netcheck > "$out" 2>&1)
+rc=$?
+guard=$(grep -c '^mpitrain: launch: SLURM_STEP_NUM_TASKS=2 says srun started 2 tasks, but MPI made a world of 1 rank' "$out")
+ompi=$(grep -c 'direct launched using "srun",' "$out")
+if [[ $rc -ne 0 ]] && ! grep -q '^netcheck: ' "$out" && { [[ $guard -eq 2 ]] || [[ $ompi -ge 1 ]]; }; then
+    pass "srun --mpi=none -n 2: both tasks refused (srun exit $rc; $([[ $guard -eq 2 ]] && echo "mpitrain's singleton guard" || echo "by Open MPI itself in MPI_Init"))"
+else
+    show_file "$out" 40; fail "srun --mpi=none -n 2: exit $rc, neither refusal"
+fi
+
 # ---- bad input: exit 2 fails the job, no requeue -------------------------------------------------------
 echo "--- bad input"
 dir=$tmp/job-bad
