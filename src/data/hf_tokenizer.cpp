@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <cstdio>
 #include <deque>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -91,6 +90,12 @@ struct HfTokenizer::Impl {
   [[noreturn]] void bad(const std::string& key, const std::string& what) const {
     throw UsageError(concat(path, ": ", key, ": ", what));
   }
+  // Reading the file: the steps of `key` (the `array` member of a Sequence, else the object
+  // alone), a true/false member (`fallback` when absent), a Replace step's {"pattern": {"String":
+  // s}, "content": c} as (s, c) (a Regex pattern is refused); each names the key when wrong.
+  std::vector<std::pair<std::string, const json*>> steps_of(const json& j, const std::string& key, const char* array) const;
+  bool flag(const json& o, const char* name, bool fallback, const std::string& key) const;
+  std::pair<std::string, std::string> replace_of(const json& j, const std::string& key) const;
   void load_normalizer(const json& j);
   void load_pre_tokenizer(const json& j);
   void load_model(const json& j);
@@ -125,21 +130,28 @@ int byte_token(const std::string& t) {
   return hex(t[3]) * 16 + hex(t[4]);
 }
 
-// A list of `key`'s steps: the `array` member of a Sequence, else the object alone.
-std::vector<std::pair<std::string, const json*>> steps_of(const json& j, const std::string& key, const char* array,
-                                                          const std::function<void(const std::string&)>& bad) {
+}  // namespace
+
+// ---- loading -----------------------------------------------------------------------------------
+
+std::vector<std::pair<std::string, const json*>> HfTokenizer::Impl::steps_of(const json& j, const std::string& key,
+                                                                            const char* array) const {
   std::vector<std::pair<std::string, const json*>> list{{key, &j}};
   if (type_of(j) != "Sequence") return list;
   const json* n = member(j, array);
-  if (!n || !n->is_array()) bad(concat(key, ".", array));
+  if (!n || !n->is_array()) bad(concat(key, ".", array), "expected an array");
   list.clear();
   for (size_t i = 0; i < n->size(); ++i) list.emplace_back(concat(key, ".", array, "[", i, "]"), &(*n)[i]);
   return list;
 }
 
-// A Replace step's {"pattern": {"String": s}, "content": c}: (s, c); a Regex pattern is refused.
-std::pair<std::string, std::string> replace_of(const json& j, const std::string& key,
-                                               const std::function<void(const std::string&, const std::string&)>& bad) {
+bool HfTokenizer::Impl::flag(const json& o, const char* name, bool fallback, const std::string& key) const {
+  const json* f = member(o, name);
+  if (f && !f->is_boolean()) bad(key + "." + name, "expected true or false");
+  return f ? f->get<bool>() : fallback;
+}
+
+std::pair<std::string, std::string> HfTokenizer::Impl::replace_of(const json& j, const std::string& key) const {
   const json* pat = member(j, "pattern");
   const json* lit = pat && pat->is_object() ? member(*pat, "String") : nullptr;
   const json* content = member(j, "content");
@@ -149,14 +161,8 @@ std::pair<std::string, std::string> replace_of(const json& j, const std::string&
   return {lit->get<std::string>(), content->get<std::string>()};
 }
 
-}  // namespace
-
-// ---- loading -----------------------------------------------------------------------------------
-
 void HfTokenizer::Impl::load_normalizer(const json& j) {
-  auto no_array = [&](const std::string& key) { bad(key, "expected an array"); };
-  auto bad_key = [&](const std::string& key, const std::string& what) { bad(key, what); };
-  for (auto& [key, n] : steps_of(j, "normalizer", "normalizers", no_array)) {
+  for (auto& [key, n] : steps_of(j, "normalizer", "normalizers")) {
     const std::string type = type_of(*n);
     if (type == "NFC") {
       norms.push_back({NormalizerStep::nfc, "", ""});
@@ -165,7 +171,7 @@ void HfTokenizer::Impl::load_normalizer(const json& j) {
       if (!p || !p->is_string()) bad(key + ".prepend", "expected a string");
       norms.push_back({NormalizerStep::prepend, p->get<std::string>(), ""});
     } else if (type == "Replace") {
-      auto [text, with] = replace_of(*n, key, bad_key);
+      auto [text, with] = replace_of(*n, key);
       norms.push_back({NormalizerStep::replace, text, with});
     } else {
       bad(key + ".type", concat("'", type, "' is not supported (supported: NFC, Prepend, Replace with a String "
@@ -180,12 +186,10 @@ void HfTokenizer::Impl::load_decoder(const json& j) {
       bad("decoder.type", concat("'", type_of(j), "' is not supported for a byte-level BPE (supported: ByteLevel)"));
     return;
   }
-  auto no_array = [&](const std::string& key) { bad(key, "expected an array"); };
-  auto bad_key = [&](const std::string& key, const std::string& what) { bad(key, what); };
-  for (auto& [key, d] : steps_of(j, "decoder", "decoders", no_array)) {
+  for (auto& [key, d] : steps_of(j, "decoder", "decoders")) {
     const std::string type = type_of(*d);
     if (type == "Replace") {
-      decode_replace.push_back(replace_of(*d, key, bad_key));
+      decode_replace.push_back(replace_of(*d, key));
     } else if (type == "Strip") {
       const json* content = member(*d, "content");
       const json* start = member(*d, "start");
@@ -200,20 +204,7 @@ void HfTokenizer::Impl::load_decoder(const json& j) {
 }
 
 void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
-  std::vector<std::pair<std::string, const json*>> list{{"pre_tokenizer", &j}};
-  if (type_of(j) == "Sequence") {
-    const json* p = member(j, "pretokenizers");
-    if (!p || !p->is_array()) bad("pre_tokenizer.pretokenizers", "expected an array");
-    list.clear();
-    for (size_t i = 0; i < p->size(); ++i)
-      list.emplace_back(concat("pre_tokenizer.pretokenizers[", i, "]"), &(*p)[i]);
-  }
-  auto flag = [&](const json& o, const char* name, bool fallback, const std::string& key) {
-    const json* f = member(o, name);
-    if (f && !f->is_boolean()) bad(key + "." + name, "expected true or false");
-    return f ? f->get<bool>() : fallback;
-  };
-  for (auto& [key, p] : list) {
+  for (auto& [key, p] : steps_of(j, "pre_tokenizer", "pretokenizers")) {
     const std::string type = type_of(*p);
     if (!steps.empty() && steps.back().byte_level)
       bad(key, concat("a ", type, " step after ByteLevel is not supported"));
@@ -266,10 +257,8 @@ void HfTokenizer::Impl::load_model(const json& m) {
   if (!m.is_object()) bad("model", "expected an object");
   if (const json* t = member(m, "type"); t && *t != "BPE")
     bad("model.type", concat(t->dump(), " is not supported (supported: BPE)"));
-  if (const json* f = member(m, "byte_fallback"); f && !f->is_boolean()) bad("model.byte_fallback", "expected true or false");
-  if (const json* f = member(m, "byte_fallback")) byte_fallback = f->get<bool>();
-  if (const json* f = member(m, "fuse_unk"); f && !f->is_boolean()) bad("model.fuse_unk", "expected true or false");
-  if (const json* f = member(m, "fuse_unk")) fuse_unk = f->get<bool>();
+  byte_fallback = flag(m, "byte_fallback", false, "model");
+  fuse_unk = flag(m, "fuse_unk", false, "model");
   if (const json* d = member(m, "dropout"); d && !(d->is_number() && d->get<double>() == 0))
     bad("model.dropout", concat(d->dump(), ": BPE dropout is not supported"));
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -292,10 +281,7 @@ void HfTokenizer::Impl::load_model(const json& m) {
   }
   token_bytes.resize(by_id.size());
   known.assign(by_id.size(), false);
-  if (const json* f = member(m, "ignore_merges")) {
-    if (!f->is_boolean()) bad("model.ignore_merges", "expected true or false");
-    ignore_merges = f->get<bool>();
-  }
+  ignore_merges = flag(m, "ignore_merges", false, "model");
   if (byte_fallback) {  // SentencePiece-style: tokens are text; "<0xXX>" are single bytes
     byte_symbol.assign(256, -1);
     ascii_symbol.assign(128, -1);
