@@ -102,30 +102,31 @@ std::vector<Entry> read_header(const std::string& path, std::ifstream& in, uint6
   return entries;
 }
 
-torch::Tensor read_tensor(const std::string& path, std::ifstream& in, uint64_t data_start, const Entry& e) {
-  torch::Tensor t = torch::empty(e.shape, e.dtype);
-  in.seekg(static_cast<std::streamoff>(data_start + e.begin));
-  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
+// `shape` elements of the tensor's dtype from byte `offset` of the data section, as fp32; they
+// must be finite.
+torch::Tensor read_block(const std::string& path, std::ifstream& in, uint64_t data_start, const Entry& e,
+                         uint64_t offset, const std::vector<int64_t>& shape) {
+  torch::Tensor t = torch::empty(shape, e.dtype);
+  in.seekg(static_cast<std::streamoff>(data_start + offset));
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
   if (!in) throw UsageError(concat(path, ": tensor '", e.name, "': read error"));
   t = t.to(torch::kFloat32);
   if (!torch::isfinite(t).all().item<bool>()) throw UsageError(concat(path, ": tensor '", e.name, "' holds NaN or infinite values"));
   return t;
 }
 
-// Rows [row0, row0 + rows) of the tensor along its first dimension, read alone (they are
-// contiguous in the file), as fp32.
+torch::Tensor read_tensor(const std::string& path, std::ifstream& in, uint64_t data_start, const Entry& e) {
+  return read_block(path, in, data_start, e, e.begin, e.shape);
+}
+
+// Rows [row0, row0 + rows) of a tensor of at least one row along its first dimension, read alone
+// (they are contiguous in the file).
 torch::Tensor read_rows(const std::string& path, std::ifstream& in, uint64_t data_start, const Entry& e, int64_t row0,
                         int64_t rows) {
   std::vector<int64_t> shape = e.shape;
   const uint64_t row_bytes = (e.end - e.begin) / static_cast<uint64_t>(shape[0]);
   shape[0] = rows;
-  torch::Tensor t = torch::empty(shape, e.dtype);
-  in.seekg(static_cast<std::streamoff>(data_start + e.begin + static_cast<uint64_t>(row0) * row_bytes));
-  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(static_cast<uint64_t>(rows) * row_bytes));
-  if (!in) throw UsageError(concat(path, ": tensor '", e.name, "': read error"));
-  t = t.to(torch::kFloat32);
-  if (!torch::isfinite(t).all().item<bool>()) throw UsageError(concat(path, ": tensor '", e.name, "' holds NaN or infinite values"));
-  return t;
+  return read_block(path, in, data_start, e, e.begin + static_cast<uint64_t>(row0) * row_bytes, shape);
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
