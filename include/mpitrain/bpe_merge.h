@@ -89,7 +89,7 @@ class Merger {
   // merging must be a token (the loaders check the byte symbols and every merge's result).
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out);
   // The same for a piece given as its first symbols, each a token (SentencePiece-style BPE: the
-  // text's characters, byte-fallback tokens, the unknown token); always Order::immediate's merging.
+  // text's characters, byte-fallback tokens, the unknown token), merged in this Merger's order.
   void encode_symbols(const std::vector<uint32_t>& symbols, std::vector<uint32_t>& out);
   // The id of the symbol written `text`, if there is one.
   std::optional<uint32_t> find_symbol(const std::string& text) const;

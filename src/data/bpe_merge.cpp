@@ -218,10 +218,7 @@ void Merger::encode_symbols(const std::vector<uint32_t>& symbols, std::vector<ui
   if (n == 0) return;
   work_.resize(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) work_[i] = Sym{symbols[i], i - 1, i + 1 < n ? i + 1 : -1};
-  const Order order = order_;
-  order_ = Order::immediate;
   merge_work(out);
-  order_ = order;
 }
 
 std::optional<uint32_t> Merger::find_symbol(const std::string& text) const {
