@@ -4,6 +4,11 @@
 #
 #   scripts/test.sh [CTEST ARGS]   e.g. -R llama to run some tests only
 #   scripts/test.sh --packages-only   installs what the build and the tests need, builds nothing
+#
+# Then, when no CTEST ARGS narrowed the run (or MPITRAIN_TEST_MPICH=1; =0 never), the MPICH-ABI
+# build in build-mpich/ (-DMPITRAIN_MPI=mpich: Debian's libmpich-dev, hydra's mpiexec) runs the
+# tests labelled "mpi" once more: every mpirun test, the CLI's launches, signals and guards, the
+# multi-host namespaces under hydra and the Slurm kit with srun --mpi=pmi2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages_only=0
@@ -14,11 +19,12 @@ if [ $packages_only = 1 ]; then scripts/setup.sh --packages-only; else scripts/s
 # runtime (libclang_rt.fuzzer: libclang-rt-dev -> libclang-rt-14-dev on Debian 12), h5py
 # (tests/h5py_test.sh reads checkpoints with it), crc32c and protobuf (tests/observe_test.sh reads
 # the TensorBoard files with them), PyTorch (tests/export_test.sh: a GPT-2 on the exported Hugging
-# Face weights), pdsh (tests/multihost/fleet_test.sh) and MPICH's hydra mpiexec (tests/cli_test.sh:
-# an Open MPI binary under another family's launcher is refused; Open MPI stays the default MPI).
+# Face weights), pdsh (tests/multihost/fleet_test.sh) and MPICH (the MPICH-ABI build below, and
+# tests/cli_test.sh: a binary under another family's launcher is refused; Open MPI stays Debian's
+# default MPI alternative).
 missing=()
 for p in openssh-server openssh-client iproute2 bc procps clang libclang-rt-dev python3-h5py \
-         python3-crc32c python3-protobuf python3-torch pdsh mpich; do
+         python3-crc32c python3-protobuf python3-torch pdsh mpich libmpich-dev; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 # node (tests/hf_tokenizer_test.sh: Hugging Face's tokenizers in JavaScript as the reference) from
@@ -35,7 +41,24 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 [ $packages_only = 1 ] && exit 0
+mpich=${MPITRAIN_TEST_MPICH:-auto}
+[ "$mpich" = auto ] && { [ $# -eq 0 ] && mpich=1 || mpich=0; }
 cd build
 # Two at a time: a single-process test (one torch thread) beside another; a test that declares
 # PROCESSORS 2 (the mpirun ones) or RUN_SERIAL runs alone. MPITRAIN_TEST_JOBS=1: one at a time.
 ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" "$@"
+cd ..
+[ "$mpich" = 1 ] || exit 0
+# ---- the MPICH-ABI build: the tests labelled "mpi" once more (docs/operations.md, MPI families) ----
+start=$(date +%s)
+echo "test.sh: MPICH-ABI build in build-mpich/ (build-mpich.log)"
+ccache=OFF
+command -v ccache > /dev/null && ccache=ON
+cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPITRAIN_CCACHE=$ccache \
+  -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 || { cat build-mpich.log; exit 1; }
+cmake --build build-mpich -j"${JOBS:-2}" --target mpitrain test_shards_mpi test_pack_mpi test_hf_tokenizer_mpi \
+  test_comm test_powersgd test_train test_tensor_parallel test_fused_emu >> build-mpich.log 2>&1 || { tail -50 build-mpich.log; exit 1; }
+echo "test.sh: MPICH-ABI build took $(( $(date +%s) - start )) s; $(readelf -d build-mpich/mpitrain | grep -o 'libmpi[^]]*' | tr '\n' ' ')"
+cd build-mpich
+ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" -L '^mpi$'
+echo "test.sh: MPICH-ABI build and tests took $(( $(date +%s) - start )) s"

@@ -5,6 +5,11 @@
 set -u
 BIN=$(realpath "$1")
 MPIRUN=${2:-mpirun}
+# The MPI family the binary is built against (CMake's MPITRAIN_MPI): the launcher-specific checks
+# differ (another family's launcher, how signals reach the ranks).
+FAMILY=openmpi
+ldd "$BIN" | grep -q libmpich && FAMILY=mpich
+echo "binary: $FAMILY build, launcher $MPIRUN"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 WORK=$(mktemp -d /tmp/mpitrain-cli-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -87,18 +92,49 @@ rc=$?
 check "the Llama plan measured is the model train builds (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'model: llama, 6464 parameters' train-llama.out"
 
-# ---- the singleton guard: another MPI family's launcher (MPICH's hydra mpiexec) ----
-# An Open MPI binary started by hydra initialises as 2 singletons (PMI_SIZE=2 in each task's
-# environment, world size 1): each task exits 2 naming the variable and the launch to use, instead
-# of 2 separate trainings. (Each is its own world, so each prints; nothing is written.)
-if command -v mpiexec.hydra > /dev/null; then
-  timeout 120 mpiexec.hydra -n 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-hydra --set train.out_dir=run-hydra > hydra.out 2>&1
+# ---- the singleton guard: another MPI family's launcher ----
+# An Open MPI binary started by MPICH's hydra (PMI_SIZE=2 in each task's environment), or an MPICH
+# binary started by Open MPI's mpirun (OMPI_COMM_WORLD_SIZE=2), initialises as 2 singletons (world
+# size 1): each task exits 2 naming the variable and the launch to use, instead of 2 separate
+# trainings. (Each is its own world, so each prints, unless the launcher ends the other first;
+# nothing is written.)
+if [ $FAMILY = openmpi ]; then other=mpiexec.hydra var=PMI_SIZE; else other=mpirun.openmpi var=OMPI_COMM_WORLD_SIZE; fi
+if command -v $other > /dev/null; then
+  timeout 120 $other -n 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-other --set train.out_dir=run-other > other.out 2>&1
   rc=$?
-  check "hydra's mpiexec -n 2 of an Open MPI binary: exit 2, each task names PMI_SIZE=2 and the launch to use (rc $rc)" \
-    "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: launch: PMI_SIZE=2 says .* started 2 tasks, but MPI made a world of 1 rank' hydra.out) -eq 2 ] && [ ! -e ckpt-hydra ]"
+  n=$(grep -c "^mpitrain: launch: $var=2 says .* started 2 tasks, but MPI made a world of 1 rank" other.out)
+  check "$other -n 2 of an $FAMILY binary: exit 2, the tasks name $var=2 and the launch to use (rc $rc, $n lines)" \
+    "[ $rc -eq 2 ] && [ $n -ge 1 ] && [ ! -e ckpt-other ]"
 else
-  bad "mpiexec.hydra not installed (Debian: mpich; scripts/test.sh installs it)"
+  bad "$other not installed (Debian: mpich and openmpi-bin; scripts/test.sh installs them)"
 fi
+
+# ---- pre-flight: every rank's record compared before any communicator is built ----
+# One rank's record changed as another installation would (the test hook): exit 2, one line
+# naming the field, the rank and host, nothing written; `netcheck` shows it in its table.
+MPITRAIN_TEST_PREFLIGHT="1:nccl=2.99.0" "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-pf \
+  --set train.out_dir=run-pf > pf.out 2>&1
+rc=$?
+check "pre-flight: another NCCL on rank 1 is exit 2, printed once, naming rank and host, nothing written (rc $rc)" \
+  "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: preflight: NCCL 2.99.0 on host [^ ]* (rank 1) differs from rank 0.s (none)' pf.out) -eq 1 ] && [ ! -e ckpt-pf ]"
+check "pre-flight: an agreeing run logs one line naming the build and the MPI library" \
+  "grep -q 'preflight: 2 ranks on 1 host agree: mpitrain [0-9.]* (build [0-9a-f]*), libtorch [0-9.]*, MPI library' mpi.out"
+MPITRAIN_TEST_PREFLIGHT="1:nccl=2.99.0" "$MPIRUN" -np 2 "$BIN" netcheck --max-bytes 1024 --iters 1 > pfnet.out 2>&1
+rc=$?
+check "netcheck: the pre-flight table shows both NCCL values with their ranks; exit 1 (rc $rc)" \
+  "[ $rc -eq 1 ] && grep -Eq '^  NCCL +2.99.0 +host [^ ]* \\(rank 1\\)' pfnet.out && grep -Eq '^  NCCL +- +host [^ ]* \\(rank 0\\)' pfnet.out && grep -q '^INCONSISTENT: preflight: NCCL' pfnet.out"
+# The launcher's local rank against MPI's host split: hydra's MPI_LOCALRANKID with
+# MPIR_CVAR_NOLOCAL=1 (MPICH then puts every rank on a node of its own); for Open MPI, a rank's
+# record says what such a launcher would.
+if [ $FAMILY = mpich ]; then
+  MPIR_CVAR_NOLOCAL=1 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-nl --set train.out_dir=run-nl > nl.out 2>&1
+else
+  MPITRAIN_TEST_PREFLIGHT="1:local_rank=MPI_LOCALRANKID=0" "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt-nl \
+    --set train.out_dir=run-nl > nl.out 2>&1
+fi
+rc=$?
+check "a launcher's local rank that disagrees with MPI's host split is one warning naming the rank (rc $rc)" \
+  "[ $rc -eq 0 ] && [ \$(grep -c \"launch: the launcher's local rank differs from MPI's host split on host [^ ]* (rank 1): rank 1 has MPI_LOCALRANKID=\" nl.out) -eq 1 ]"
 
 # ---- SIGUSR1 (Slurm's pre-preemption warning): checkpoint, exit 75, resume ----
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt3 --set train.out_dir=run3 --set train.steps=100000 \
@@ -154,24 +190,35 @@ check "data order across layouts: windows 0..107 each read once, in step order" 
 
 # ---- scripts/mpitrain-run: the ways users stop a job keep the documented exit codes ----
 # SIGTERM/SIGHUP (kill, a scheduler) -> 75 and Ctrl-C (SIGINT) -> 130, each after a checkpoint.
-# (Plain mpirun answers SIGTERM by killing the ranks about a second later and exits 1: OpenMPI's
-# behaviour, docs/operations.md.) `env --default-signal`: a background job of this script starts
-# with SIGINT ignored, which a terminal's Ctrl-C target does not.
+# (Open MPI's plain mpirun answers SIGTERM by killing the ranks about a second later and exits 1,
+# docs/operations.md; hydra forwards every signal to the ranks as it is, so under hydra the plain
+# launcher is tested too, and a second SIGTERM, as sbatch and the launcher both forwarding it
+# deliver, changes nothing.) `env --default-signal`: a background job of this script starts with
+# SIGINT ignored, which a terminal's Ctrl-C target does not.
 RUNNER=$(dirname "$0")/../scripts/mpitrain-run
-for sig_rc in TERM:75 HUP:75 INT:130; do
-  sig=${sig_rc%:*} want=${sig_rc#*:}
-  MPITRAIN_MPIRUN="$MPIRUN" env --default-signal=INT bash "$RUNNER" -np 2 "$BIN" cfg.yaml \
-    --set checkpoint.dir=ckpt-$sig --set train.out_dir=run-$sig --set train.steps=100000 \
-    --set eval.every=0 --set 'data.val=[]' > run-$sig.out 2>&1 &
+stop_case() {  # stop_case NAME SIGNAL EXIT-CODE TIMES launcher words...
+  local name=$1 sig=$2 want=$3 times=$4 pid rc at
+  shift 4
+  env --default-signal=INT "$@" -np 2 "$BIN" cfg.yaml \
+    --set checkpoint.dir=ckpt-$name --set train.out_dir=run-$name --set train.steps=100000 \
+    --set eval.every=0 --set 'data.val=[]' > run-$name.out 2>&1 &
   pid=$!
-  for _ in $(seq 1 600); do grep -q 'step    10/' run-$sig.out 2>/dev/null && break; sleep 0.1; done
-  kill -$sig $pid
+  for _ in $(seq 1 600); do grep -q 'step    10/' run-$name.out 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 1 "$times"); do kill -$sig $pid; done
   wait $pid
   rc=$?
-  at=$(grep -Eo 'stopped by signal [0-9]+ after step [0-9]+' run-$sig.out | grep -Eo '[0-9]+$')
-  check "mpitrain-run, SIG$sig: exit $want (was $rc) after the checkpoint of step ${at:-?}" \
-    "[ $rc -eq $want ] && [ -n \"$at\" ] && [ \"\$(cat ckpt-$sig/latest)\" = ckpt-\$(printf %08d $at).h5 ]"
+  at=$(grep -Eo 'stopped by signal [0-9]+ after step [0-9]+' run-$name.out | grep -Eo '[0-9]+$')
+  check "$name: SIG$sig x$times, exit $want (was $rc) after the checkpoint of step ${at:-?}" \
+    "[ $rc -eq $want ] && [ -n \"$at\" ] && [ \"\$(cat ckpt-$name/latest)\" = ckpt-\$(printf %08d $at).h5 ]"
+}
+for sig_rc in TERM:75 HUP:75 INT:130; do
+  stop_case "mpitrain-run-${sig_rc%:*}" "${sig_rc%:*}" "${sig_rc#*:}" 1 env MPITRAIN_MPIRUN="$MPIRUN" bash "$RUNNER"
 done
+if [ $FAMILY = mpich ]; then
+  stop_case hydra-TERM TERM 75 1 "$MPIRUN"
+  stop_case hydra-TERM-twice TERM 75 2 "$MPIRUN"
+  stop_case hydra-INT INT 130 1 "$MPIRUN"
+fi
 
 # ---- bad input: exit 2, one line naming file and key, printed once, nothing overwritten ----
 expect_usage() {  # name, expected substring, command...

@@ -18,8 +18,9 @@ struct DeviceChoice {
 
 // `requested` is train.device (auto | cpu | cuda), `backend` comm.backend, `gpus` the GPUs this
 // process sees on `host`, where it is local rank `local_rank` of `local_size`.
-// UsageError (key train.device) for cuda without GPUs, and for more ranks on a host than GPUs
-// unless comm.backend is mpi (then ranks share GPUs round-robin).
+// Local rank r takes visible GPU r % gpus. UsageError (key train.device) for cuda without GPUs.
+// Two ranks on one physical GPU under NCCL is refused later, by the pre-flight's bus ids
+// (preflight.h): a rank only sees its own GPUs, so only all ranks together can tell.
 DeviceChoice choose_device(const std::string& requested, const std::string& backend, int gpus,
                            int local_rank, int local_size, const std::string& host);
 

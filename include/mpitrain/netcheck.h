@@ -2,14 +2,17 @@
 // host map, ranks and GPUs per host, the network interfaces of each host and the ones MPI was
 // told to use, point-to-point latency and bandwidth between hosts, all-reduce bus bandwidth over
 // message sizes (nccl-tests' definition: busbw = algbw x 2(n-1)/n), per-rank memory bandwidth,
-// and flags links and ranks far below the median. Exit code 1 on inconsistency (different
-// binaries across ranks), else 0. It replaces the hand-run network scripts users write today.
+// the pre-flight record of every rank (preflight.h), and flags links and ranks far below the
+// median. Exit code 1 on inconsistency (different binaries, a pre-flight error), else 0. It replaces the hand-run network scripts users write today.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+
+#include "mpitrain/preflight.h"
 
 namespace mpitrain {
 
@@ -21,12 +24,16 @@ struct NetcheckOptions {
 };
 
 // NCCL's socket interface follows the one MPI was told to use: when NCCL_SOCKET_IFNAME is unset
-// and OMPI_MCA_btl_tcp_if_include names interfaces or CIDR ranges, sets NCCL_SOCKET_IFNAME to the
-// matching local interface names (exact match). Returns the value now in force ("" = NCCL's own
+// and OMPI_MCA_btl_tcp_if_include names interfaces or CIDR ranges (or, for MPICH, UCX_NET_DEVICES
+// or FI_TCP_IFACE names network interfaces), sets NCCL_SOCKET_IFNAME to the matching local
+// interface names (exact match). Returns the value now in force ("" = NCCL's own
 // choice).
 std::string follow_mpi_interface_for_nccl();
 
-// Collective over `comm`; rank 0 prints. `local_gpus` is the number of GPUs this rank sees.
-int run_netcheck(const NetcheckOptions& opts, MPI_Comm comm, int local_gpus);
+// Collective over `comm`; rank 0 prints. `local_gpus` is the number of GPUs this rank sees;
+// `torch_version` and `gpu_facts` (of a device index, -1 = none) fill the pre-flight record,
+// printed as a table of every distinct value with its ranks.
+int run_netcheck(const NetcheckOptions& opts, MPI_Comm comm, int local_gpus, const std::string& torch_version,
+                 const std::function<GpuFacts(int)>& gpu_facts);
 
 }  // namespace mpitrain

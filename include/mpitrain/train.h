@@ -37,5 +37,7 @@ TrainResult train(Config cfg, MPI_Comm comm, const TrainHooks& hooks = {});
 
 // GPUs this process can use (0 in CPU builds or without devices).
 int local_gpu_count();
+// The libtorch this binary was built against ("2.6.0"), for the pre-flight record.
+std::string libtorch_release();
 
 }  // namespace mpitrain

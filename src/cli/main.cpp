@@ -27,6 +27,7 @@
 #include "mpitrain/netcheck.h"
 #include "mpitrain/pack.h"
 #include "mpitrain/plan.h"
+#include "mpitrain/preflight.h"
 #include "mpitrain/sample.h"
 #include "mpitrain/train.h"
 
@@ -246,7 +247,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     });
     return 0;
   }
-  if (*netcheck_cmd) return run_netcheck(netcheck, MPI_COMM_WORLD, local_gpu_count());
+  if (*netcheck_cmd) return run_netcheck(netcheck, MPI_COMM_WORLD, local_gpu_count(), libtorch_release(), gpu_facts);
   if (*sample_cmd) {
     agree(MPI_COMM_WORLD, [&] {
       if (mpi.rank() != 0) return;

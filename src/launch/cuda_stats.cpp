@@ -3,6 +3,11 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#if defined(MPITRAIN_WITH_RCCL)
+#include <rccl/rccl.h>
+#else
+#include <nccl.h>
+#endif
 
 #include <utility>
 #include <vector>
@@ -10,6 +15,7 @@
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/preflight.h"
 
 namespace mpitrain {
 
@@ -30,6 +36,23 @@ std::string cuda_device_name(int device) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   return prop.name;
+}
+
+GpuFacts gpu_facts(int device) {
+  GpuFacts f;
+  auto version = [](int v) { return concat(v / 1000, ".", (v % 1000) / 10); };  // 13000 -> "13.0"
+  int v = 0;
+  if (cudaRuntimeGetVersion(&v) == cudaSuccess) f.cuda_runtime = version(v);
+  if (cudaDriverGetVersion(&v) == cudaSuccess && v > 0) f.cuda_driver = version(v);
+  if (ncclGetVersion(&v) == ncclSuccess)  // 22803 -> "2.28.3" (NCCL_VERSION_CODE since 2.9)
+    f.nccl = concat(v / 10000, ".", (v % 10000) / 100, ".", v % 100);
+  if (device >= 0) {
+    f.gpu = cuda_device_name(device);
+    char bus[32] = {};
+    check(cudaDeviceGetPCIBusId(bus, sizeof bus, device), "cudaDeviceGetPCIBusId");
+    f.bus_id = bus;
+  }
+  return f;
 }
 
 // A pool of event pairs, reused after every take: one pair per span between two reads.

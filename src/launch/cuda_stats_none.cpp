@@ -1,11 +1,13 @@
 // CPU builds: no CUDA caching allocator to ask, no GPU to name or time (GPU builds: cuda_stats.cpp).
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
+#include "mpitrain/preflight.h"
 
 namespace mpitrain {
 
 int64_t cuda_peak_allocated_bytes(int) { return -1; }
 std::string cuda_device_name(int) { return ""; }
+GpuFacts gpu_facts(int) { return {}; }
 
 // A CPU build never trains on a GPU (start-up refuses train.device: cuda), so no span is CUDA's.
 struct CudaSpans {};

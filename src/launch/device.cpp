@@ -35,15 +35,10 @@ DeviceChoice choose_device(const std::string& requested, const std::string& back
                             visible_devices_note(-1),
                             " (or this build of mpitrain has no CUDA); use train.device: cpu or auto"));
   c.cuda = true;
-  if (local_size > gpus) {
-    if (backend != "mpi")
-      throw UsageError(concat("train.device: host ", host, " runs ", local_size, " ranks but has ", gpus,
-                              " GPU", gpus == 1 ? "" : "s", visible_devices_note(-1),
-                              "; NCCL needs one GPU per rank: start at most ", gpus,
-                              " ranks there (mpirun --map-by ppr:", gpus,
-                              ":node), or set comm.backend: mpi to share GPUs"));
-    c.shared = true;
-  }
+  // More ranks than GPUs this process sees is sharing under the MPI backend. Under NCCL it may
+  // still be one GPU per rank (srun --gpus-per-task=1 shows each task only its own GPU): the
+  // pre-flight compares the GPUs' bus ids across ranks and refuses two ranks on one GPU.
+  c.shared = local_size > gpus && backend == "mpi";
   c.index = local_rank % gpus;
   c.describe = concat("cuda:", c.index, visible_devices_note(c.index), c.shared ? " (shared by ranks)" : "");
   return c;

@@ -156,7 +156,21 @@ std::vector<std::string> interfaces_in(const std::string& cidr) {
 
 std::string follow_mpi_interface_for_nccl() {
   if (const char* set = std::getenv("NCCL_SOCKET_IFNAME")) return set;
-  const std::string mpi = mca_setting("btl_tcp_if_include");
+  std::string mpi = mca_setting("btl_tcp_if_include");
+  // MPICH's netmods: ch4:ucx's UCX_NET_DEVICES (InfiniBand ports such as mlx5_0:1 are not
+  // sockets: only names of network interfaces count), ch4:ofi's FI_TCP_IFACE.
+  for (const char* var : {"UCX_NET_DEVICES", "FI_TCP_IFACE"}) {
+    const char* v = std::getenv(var);
+    if (!mpi.empty() || !v) continue;
+    std::string list = v;
+    size_t pos = 0;
+    while (pos <= list.size()) {
+      const size_t comma = std::min(list.find(',', pos), list.size());
+      const std::string name = list.substr(pos, comma - pos);
+      if (!name.empty() && if_nametoindex(name.c_str()) != 0) mpi += (mpi.empty() ? "" : ",") + name;
+      pos = comma + 1;
+    }
+  }
   if (mpi.empty()) return "";
   std::vector<std::string> names;
   size_t pos = 0;
@@ -177,7 +191,8 @@ std::string follow_mpi_interface_for_nccl() {
   return value;
 }
 
-int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus) {
+int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus, const std::string& torch_version,
+                 const std::function<GpuFacts(int)>& gpu_facts) {
   const Topology topo = Topology::discover(comm);
   const bool root = topo.rank == 0;
   auto say = [&](const std::string& line) {
@@ -188,7 +203,7 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus) {
   // ---- hosts: ranks, GPUs, interfaces, binary ----
   Fingerprints fp;
   fp.binary = binary_fingerprint();
-  const auto problems = compare_fingerprints(comm, topo, fp);
+  auto problems = compare_fingerprints(comm, topo, fp);
   const auto ifaces = gather_text(comm, topo.local_rank == 0 ? local_interfaces() : "", topo.size);
   std::vector<int> gpus(topo.size);
   MPI_CHECK(MPI_Allgather(&local_gpus, 1, MPI_INT, gpus.data(), 1, MPI_INT, comm));
@@ -216,6 +231,19 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus) {
              " oob_tcp_if_include=", oob.empty() ? "(OpenMPI default: all)" : oob));
   const std::string nccl_if = follow_mpi_interface_for_nccl();
   say(concat("NCCL socket interface: ", nccl_if.empty() ? "(NCCL's own choice)" : nccl_if));
+
+  // ---- the pre-flight record: what every rank runs, each distinct value with its ranks ----
+  const PreflightVerdict preflight =
+      gather_preflight(comm, topo, torch_version, gpu_facts(local_gpus > 0 ? topo.local_rank % local_gpus : -1),
+                       local_gpus > 0);
+  for (const auto& e : preflight.errors) problems.push_back(e);
+  say("\npreflight (every rank's record; a value's ranks):");
+  for (const auto& row : preflight.table) {
+    const auto t1 = row.find('\t'), t2 = row.find('\t', t1 + 1);
+    std::snprintf(line, sizeof line, "  %-20s %-40s %s", row.substr(0, t1).c_str(),
+                  row.substr(t1 + 1, t2 - t1 - 1).c_str(), row.substr(t2 + 1).c_str());
+    say(line);
+  }
 
   // ---- point to point between hosts (between two local ranks on a single host) ----
   std::vector<std::pair<int, int>> pairs;
@@ -281,6 +309,7 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus) {
 
   // ---- verdict ----
   for (const auto& s : slow) say("WARNING: " + s);
+  for (const auto& w : preflight.warnings) say("WARNING: " + w);
   for (const auto& p : problems) say("INCONSISTENT: " + p);
   say(problems.empty() ? concat("netcheck: OK (", H, H == 1 ? " host, " : " hosts, ", topo.size, " ranks)")
                        : "netcheck: FAILED");

@@ -20,6 +20,7 @@
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/log.h"
 #include "mpitrain/netcheck.h"
+#include "mpitrain/preflight.h"
 #include "mpitrain/signals.h"
 #include "mpitrain/watchdog.h"
 
@@ -138,6 +139,8 @@ void keep_checkpoint_vocab(Startup& run, const Config& cfg, MPI_Comm comm) {
 
 }  // namespace
 
+std::string libtorch_release() { return TORCH_VERSION; }
+
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
 
 Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_only) {
@@ -225,6 +228,15 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
                        dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
                                                                                        : "on (ATen reference)")
                                           : "off"));
+  }); });
+
+  // Pre-flight: every rank's versions, GPU and network compared before NCCL starts (preflight.h).
+  agree(mpi_comm, [&] {
+    const bool nccl = device.is_cuda() && cfg.comm.backend != "mpi";
+    run_preflight(mpi_comm, topo, TORCH_VERSION, gpu_facts(device.is_cuda() ? device.index() : -1), nccl);
+  });
+
+  agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     mesh = std::make_unique<Mesh>(mpi_comm, layout, cfg.comm.backend, device);
     if (layout.tp > 1) {
       dims.tp = layout.tp;

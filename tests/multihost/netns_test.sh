@@ -4,7 +4,9 @@
 # From node 1 a plain `mpirun --hostfile` starts 2 + 1 + 1 = 4 ranks over ssh, exactly as on a
 # cluster (the filesystem is shared, so the binary's path is the same on every "host"), and the
 # test checks the placement and local ranks, mpitrain's logged host map, a short training run
-# with a checkpoint, and `mpitrain netcheck`.
+# with a checkpoint, and `mpitrain netcheck`. An MPICH-ABI build (cmake -DMPITRAIN_MPI=mpich) is
+# launched the MPICH way instead: hydra's `mpiexec -f hosts` over ssh with the kit
+# hostfiles/mpitrain-mpich.env (HYDRA_IFACE, UCX_NET_DEVICES pinned to the nodes' eth0).
 #
 # Usage: bash tests/multihost/netns_test.sh PATH/TO/mpitrain
 # Needs root (exit 77 = skipped when network namespaces cannot be created), iproute2,
@@ -33,7 +35,9 @@ HOSTS=(mpt-node1 mpt-node2 mpt-node3)
 SLOTS=(2 1 1)
 ID=mpt$$                         # namespace names are unique per run
 NETNS_TMP=/tmp/mpt-netns-XXXXXX
-NETNS_TOOLS=(mpirun)
+FAMILY=openmpi
+ldd "$BIN" | grep -q libmpich && FAMILY=mpich
+if [ $FAMILY = mpich ]; then NETNS_TOOLS=(mpiexec.mpich); else NETNS_TOOLS=(mpirun); fi
 MPIRUN_LIMIT=${NETNS_TEST_MPIRUN_LIMIT:-120}   # seconds per mpirun
 
 # ---- three hosts: namespaces, bridge, sshds (lib.sh); removed on exit whatever happens ---------
@@ -53,11 +57,24 @@ fi
 run_quiet "$BIN" pack "$corpus" -o "$T/data/f" --doc-separator %
 
 # ---- MPI settings: the launch kit's, with this test's network and ssh set-up --------------------
-netns_mpi_env "$ROOT"
-for i in 0 1 2; do echo "${ADDRS[$i]} slots=${SLOTS[$i]}"; done > "$T/hosts"
+if [ $FAMILY = mpich ]; then
+  # The MPICH kit, then this test's network: the nodes' eth0, ssh with the test's own config.
+  KIT_ENV=$ROOT/hostfiles/mpitrain-mpich.env
+  # shellcheck source=../../hostfiles/mpitrain-mpich.env
+  . "$KIT_ENV"
+  export HYDRA_IFACE=eth0 UCX_NET_DEVICES=eth0
+  printf '#!/bin/sh\nexec ssh -F %s "$@"\n' "$T/ssh_config" > "$T/ssh-wrapper"
+  chmod +x "$T/ssh-wrapper"
+  export HYDRA_LAUNCHER_EXEC=$T/ssh-wrapper
+  echo "MPICH $(mpichversion 2>/dev/null | sed -n 's/^MPICH Version:[[:space:]]*//p') ($(mpichversion 2>/dev/null | sed -n 's/^MPICH Device:[[:space:]]*//p')), hydra over ssh"
+  for i in 0 1 2; do echo "${ADDRS[$i]}:${SLOTS[$i]}"; done > "$T/hosts"
+else
+  netns_mpi_env "$ROOT"
+  for i in 0 1 2; do echo "${ADDRS[$i]} slots=${SLOTS[$i]}"; done > "$T/hosts"
+fi
 
 # Every kit parameter must be one this OpenMPI knows (it ignores unknown names silently).
-if command -v ompi_info >/dev/null && [ -f "$KIT_ENV" ]; then
+if [ $FAMILY = openmpi ] && command -v ompi_info >/dev/null && [ -f "$KIT_ENV" ]; then
   {
     ompi_info --all --parsable | sed -n 's/^mca:[^:]*:[^:]*:param:\([^:]*\):value:.*/\1/p'
     if command -v prte_info >/dev/null; then prte_info --all 2>/dev/null | sed -n 's/.*MCA [a-z]*: "\([a-z0-9_]*\)" (current value.*/\1/p'; fi
@@ -90,17 +107,28 @@ why() {
 mpirun_on_node1() {  # name, command...
   local name=$1
   shift
-  bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
-    mpirun --hostfile "$T/hosts" -np 4 --bind-to none "$@" > "$T/$name.out" 2>&1
+  if [ $FAMILY = mpich ]; then
+    bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
+      mpiexec.mpich -f "$T/hosts" -n 4 "$@" > "$T/$name.out" 2>&1
+  else
+    bounded "$MPIRUN_LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
+      mpirun --hostfile "$T/hosts" -np 4 --bind-to none "$@" > "$T/$name.out" 2>&1
+  fi
 }
 
 # ---- placement: hostnames, ranks, local ranks, MCA settings reaching the remote ranks ----------
-mpirun_on_node1 diag bash -c 'echo "DIAG $OMPI_COMM_WORLD_RANK $(uname -n) $OMPI_COMM_WORLD_LOCAL_RANK $OMPI_COMM_WORLD_LOCAL_SIZE ${OMPI_MCA_btl_tcp_if_include:-unset}"'
+if [ $FAMILY = mpich ]; then
+  pinned=eth0
+  mpirun_on_node1 diag bash -c 'echo "DIAG $PMI_RANK $(uname -n) $MPI_LOCALRANKID $MPI_LOCALNRANKS ${UCX_NET_DEVICES:-unset}"'
+else
+  pinned=$CIDR
+  mpirun_on_node1 diag bash -c 'echo "DIAG $OMPI_COMM_WORLD_RANK $(uname -n) $OMPI_COMM_WORLD_LOCAL_RANK $OMPI_COMM_WORLD_LOCAL_SIZE ${OMPI_MCA_btl_tcp_if_include:-unset}"'
+fi
 rc=$?
-check "mpirun over ssh (hostfile slots 2,1,1) starts 4 processes and exits 0$(why $rc)" "[ $rc -eq 0 ] && [ \$(grep -c '^DIAG ' diag.out) -eq 4 ]"
-printf 'DIAG %s\n' "0 mpt-node1 0 2 $CIDR" "1 mpt-node1 1 2 $CIDR" "2 mpt-node2 0 1 $CIDR" "3 mpt-node3 0 1 $CIDR" > diag.want
+check "$FAMILY launcher over ssh (hostfile slots 2,1,1) starts 4 processes and exits 0$(why $rc)" "[ $rc -eq 0 ] && [ \$(grep -c '^DIAG ' diag.out) -eq 4 ]"
+printf 'DIAG %s\n' "0 mpt-node1 0 2 $pinned" "1 mpt-node1 1 2 $pinned" "2 mpt-node2 0 1 $pinned" "3 mpt-node3 0 1 $pinned" > diag.want
 grep '^DIAG ' diag.out | sort -n -k2 > diag.got
-check "ranks 0,1 on mpt-node1 (local 0,1), rank 2 on mpt-node2 and rank 3 on mpt-node3 (local 0), MCA settings forwarded" \
+check "ranks 0,1 on mpt-node1 (local 0,1), rank 2 on mpt-node2 and rank 3 on mpt-node3 (local 0), the kit's interface setting forwarded" \
   "cmp -s diag.want diag.got"
 cmp -s diag.want diag.got || { show_tail diag.out; diff diag.want diag.got | sed 's/^/  | /'; }
 
