@@ -1,20 +1,17 @@
 // GPU builds: memory statistics of libtorch's CUDA caching allocator, the GPU's name, and timing
 // spans by CUDA events (see device.h).
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-
 #include <utility>
 #include <vector>
 
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/torch_gpu.h"  // CUDA, or ROCm under CUDA's names
 
 namespace mpitrain {
 
 int64_t cuda_peak_allocated_bytes(int device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  const auto stats = gpu::allocator_stats(static_cast<c10::DeviceIndex>(device));
   // Index 0 is StatType::AGGREGATE (all pools); the enum moved between namespaces across libtorch
   // versions, its first value did not.
   return stats.allocated_bytes[0].peak;
@@ -42,16 +39,16 @@ struct CudaSpans {
 CudaSpans* cuda_spans_new(int device) { return new CudaSpans{device, {}, 0}; }
 
 void cuda_spans_delete(CudaSpans* spans) {
-  for (auto& [a, b] : spans->events) {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+  for (auto& [a, b] : spans->events) {  // (void): HIP's calls are [[nodiscard]]
+    (void)cudaEventDestroy(a);
+    (void)cudaEventDestroy(b);
   }
   delete spans;
 }
 
 namespace {
 cudaStream_t current_stream(const CudaSpans& s) {
-  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(s.device)).stream();
+  return gpu::current_stream(static_cast<c10::DeviceIndex>(s.device)).stream();
 }
 }  // namespace
 
