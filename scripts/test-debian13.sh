@@ -16,7 +16,9 @@
 # replaces that selection.
 # When this machine has a CUDA toolkit with nccl.h in /usr/local/cuda (as the CI machine has),
 # it is mounted read-only into the root, so the GPU sources and CUDA kernels are compile-checked
-# against libtorch 2.6's headers with trixie's GCC as well.
+# against libtorch 2.6's headers with trixie's GCC as well. ROCm's are compile-checked always here
+# (cmake/rocm-compile-check): trixie has hipcc (ROCm 5.7) and RCCL, installed in this leg only
+# (182 MB download, 631 MB installed); the leg fails if the build did not run that check.
 #
 #   scripts/test-debian13.sh            (root; about 15 min the first time, then ~10)
 #   scripts/test-debian13.sh --prepare  only makes the root and installs the packages the build and
@@ -96,6 +98,8 @@ export DEBIAN_FRONTEND=noninteractive
 cd /src/mpitrain
 apt-get update -qq
 apt-get -y -qq upgrade > /dev/null
+# The ROCm compile check's hipcc, HIP headers and rccl.h (Debian 12 has no RCCL: this leg only).
+apt-get install -y -qq --no-install-recommends hipcc libamdhip64-dev librccl-dev > /dev/null
 if [ "$PREPARE" = 1 ]; then
   # npm is left to the real run: by then the Debian 12 leg has filled the npm cache copied in.
   start=$(date +%s)
@@ -107,7 +111,11 @@ echo "debian13: $(. /etc/os-release; echo "$PRETTY_NAME"); libtorch-dev $(dpkg-q
 start=$(date +%s)
 rc=0
 scripts/test.sh $CTEST_ARGS || rc=$?
-echo "debian13: packages: libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev), openmpi-bin $(dpkg-query -W -f='${Version}' openmpi-bin), libhdf5-dev $(dpkg-query -W -f='${Version}' libhdf5-dev), libspdlog-dev $(dpkg-query -W -f='${Version}' libspdlog-dev), libyaml-cpp-dev $(dpkg-query -W -f='${Version}' libyaml-cpp-dev), libcli11-dev $(dpkg-query -W -f='${Version}' libcli11-dev)"
+if ! grep -h "mpitrain: ROCm compile check: HIP kernels .* and the RCCL backend" build.log; then
+  echo "debian13: the build did not run the ROCm compile check (build.log)"
+  rc=1
+fi
+echo "debian13: packages: libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev), openmpi-bin $(dpkg-query -W -f='${Version}' openmpi-bin), libhdf5-dev $(dpkg-query -W -f='${Version}' libhdf5-dev), libspdlog-dev $(dpkg-query -W -f='${Version}' libspdlog-dev), libyaml-cpp-dev $(dpkg-query -W -f='${Version}' libyaml-cpp-dev), libcli11-dev $(dpkg-query -W -f='${Version}' libcli11-dev), hipcc $(dpkg-query -W -f='${Version}' hipcc), librccl-dev $(dpkg-query -W -f='${Version}' librccl-dev)"
 echo "debian13: scripts/test.sh took $(( $(date +%s) - start )) s, exit $rc"
 if [ "${MPITRAIN_DEBIAN13_SHELL:-0}" = 1 ]; then bash -i < /dev/tty > /dev/tty 2>&1 || true; fi
 exit $rc

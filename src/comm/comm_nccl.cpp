@@ -13,16 +13,11 @@
 // is an Error naming the rank and host (the job then ends by MPI_Abort in main). A collective
 // that never completes is caught by the watchdog (watchdog.h), whose abort hook calls
 // ncclCommAbort before MPI_Abort.
-#include <cuda_runtime_api.h>
 #if defined(MPITRAIN_WITH_RCCL)
 #include <rccl/rccl.h>
 #else
 #include <nccl.h>
 #endif
-
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <cstdlib>
 #include <memory>
@@ -32,6 +27,7 @@
 #include "mpitrain/comm.h"
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/torch_gpu.h"  // CUDA, or ROCm under CUDA's names
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -50,8 +46,18 @@ namespace {
   throw Error(concat("NCCL ", what, " failed on ", log::identity(), ": ", ncclGetErrorString(r), detail));
 }
 
+// ncclInProgress (NCCL 2.14) is not a failure: a non-blocking call still under way. Older NCCL and
+// RCCL (ROCm 5's is NCCL 2.13) have no such state.
+constexpr bool nccl_ok(ncclResult_t r) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+  return r == ncclSuccess || r == ncclInProgress;
+#else
+  return r == ncclSuccess;
+#endif
+}
+
 void nccl_check(ncclResult_t r, ncclComm_t comm, const char* what) {
-  if (r != ncclSuccess && r != ncclInProgress) nccl_failure(r, comm, what);
+  if (!nccl_ok(r)) nccl_failure(r, comm, what);
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -123,9 +129,9 @@ bool unregister_comm(ncclComm_t c) {
 class NcclWork final : public Work {
  public:
   NcclWork(cudaEvent_t done, int device) : done_(done), device_(device) {}
-  ~NcclWork() override { cudaEventDestroy(done_); }
+  ~NcclWork() override { (void)cudaEventDestroy(done_); }  // HIP's calls are [[nodiscard]]
   void wait() override {
-    cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_).stream(), done_, 0),
+    cuda_check(cudaStreamWaitEvent(gpu::current_stream(device_).stream(), done_, 0),
                "cudaStreamWaitEvent");
   }
 
@@ -140,7 +146,7 @@ class NcclCommunicator final : public Communicator {
       : mpi_(mpi), device_(device.index()), host_(make_mpi_communicator(mpi)) {
     rank_ = host_->rank();
     size_ = host_->size();
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    gpu::DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
     // At log level debug NCCL itself says which interface and transport it chose.
     if (log::enabled(log::Level::debug) && std::getenv("NCCL_DEBUG") == nullptr) {
       setenv("NCCL_DEBUG", "INFO", 0);
@@ -158,8 +164,8 @@ class NcclCommunicator final : public Communicator {
       nccl_check(ncclCommInitRank(&comm_, size_, id, rank_), nullptr, "ncclCommInitRank");
     }
     register_comm(comm_);
-    stream_ = std::make_unique<c10::cuda::CUDAStream>(
-        c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_)));
+    stream_ = std::make_unique<gpu::Stream>(
+        gpu::stream_from_pool(/*high_priority=*/true, static_cast<c10::DeviceIndex>(device_)));
     {
       Watchdog::Scope watch("barrier(after ncclCommInitRank)");
       MPI_CHECK(MPI_Barrier(mpi_));
@@ -266,10 +272,10 @@ class NcclCommunicator final : public Communicator {
     // (the bucket was just filled there) ...
     cuda_check(cudaEventRecord(ready, current()), "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream_->stream(), ready, 0), "cudaStreamWaitEvent");
-    cudaEventDestroy(ready);  // released once recorded work completes
+    (void)cudaEventDestroy(ready);  // released once recorded work completes
     // ... and the caching allocator must not hand the tensors' memory to the compute stream while
     // NCCL may still use it.
-    for (const auto& t : tensors) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
+    for (const auto& t : tensors) gpu::record_stream(t.storage().data_ptr(), *stream_);
     // No watchdog scope here: this runs on autograd's thread (the watchdog's scopes belong to
     // the main thread), and enqueueing does not wait; a bucket that never completes is caught
     // where the main thread synchronises (the logged loss, barrier()).
@@ -282,7 +288,7 @@ class NcclCommunicator final : public Communicator {
   void check_async_errors() override {
     ncclResult_t r = ncclSuccess;
     nccl_check(ncclCommGetAsyncError(comm_, &r), comm_, "ncclCommGetAsyncError");
-    if (r != ncclSuccess && r != ncclInProgress) nccl_failure(r, comm_, "collective (asynchronous error)");
+    if (!nccl_ok(r)) nccl_failure(r, comm_, "collective (asynchronous error)");
   }
 
  private:
@@ -294,7 +300,7 @@ class NcclCommunicator final : public Communicator {
     return true;
   }
   cudaStream_t current() const {
-    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();
+    return gpu::current_stream(static_cast<c10::DeviceIndex>(device_)).stream();
   }
 
   MPI_Comm mpi_;
@@ -303,7 +309,7 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   ncclComm_t comm_ = nullptr;
-  std::unique_ptr<c10::cuda::CUDAStream> stream_;
+  std::unique_ptr<gpu::Stream> stream_;
 };
 
 }  // namespace

@@ -1,8 +1,5 @@
 // GPU builds: memory statistics of libtorch's CUDA caching allocator, the GPU's name, and timing
 // spans by CUDA events (see device.h).
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
 #if defined(MPITRAIN_WITH_RCCL)
 #include <rccl/rccl.h>
 #else
@@ -16,11 +13,12 @@
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
 #include "mpitrain/preflight.h"
+#include "mpitrain/torch_gpu.h"  // CUDA, or ROCm under CUDA's names
 
 namespace mpitrain {
 
 int64_t cuda_peak_allocated_bytes(int device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  const auto stats = gpu::allocator_stats(static_cast<c10::DeviceIndex>(device));
   // Index 0 is StatType::AGGREGATE (all pools); the enum moved between namespaces across libtorch
   // versions, its first value did not.
   return stats.allocated_bytes[0].peak;
@@ -40,7 +38,11 @@ std::string cuda_device_name(int device) {
 
 GpuFacts gpu_facts(int device) {
   GpuFacts f;
+#if defined(MPITRAIN_GPU_HIP)
+  auto version = [](int v) { return concat("HIP ", v / 10000000, ".", (v / 100000) % 100); };  // 50731921 -> "HIP 5.7"
+#else
   auto version = [](int v) { return concat(v / 1000, ".", (v % 1000) / 10); };  // 13000 -> "13.0"
+#endif
   int v = 0;
   if (cudaRuntimeGetVersion(&v) == cudaSuccess) f.cuda_runtime = version(v);
   if (cudaDriverGetVersion(&v) == cudaSuccess && v > 0) f.cuda_driver = version(v);
@@ -65,16 +67,16 @@ struct CudaSpans {
 CudaSpans* cuda_spans_new(int device) { return new CudaSpans{device, {}, 0}; }
 
 void cuda_spans_delete(CudaSpans* spans) {
-  for (auto& [a, b] : spans->events) {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+  for (auto& [a, b] : spans->events) {  // (void): HIP's calls are [[nodiscard]]
+    (void)cudaEventDestroy(a);
+    (void)cudaEventDestroy(b);
   }
   delete spans;
 }
 
 namespace {
 cudaStream_t current_stream(const CudaSpans& s) {
-  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(s.device)).stream();
+  return gpu::current_stream(static_cast<c10::DeviceIndex>(s.device)).stream();
 }
 }  // namespace
 

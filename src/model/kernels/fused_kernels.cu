@@ -1,5 +1,6 @@
 // CUDA kernels for the elementwise work of a GPT-2 or Llama block (see
-// include/mpitrain/fused_kernels.h).
+// include/mpitrain/fused_kernels.h). They also compile as HIP for AMD GPUs (hipcc; the runtime
+// names through mpitrain/gpu_runtime.h), checked by cmake/rocm-compile-check but never run there.
 //
 // LayerNorm or RMSNorm (with the residual add that precedes it in a pre-norm block), one kernel
 // template for both (kLayer: centred, with a bias): one warp per row; the row is read once for
@@ -33,9 +34,8 @@
 #ifdef MPITRAIN_CUDA_EMULATION
 #include "cuda_emu.h"  // tests/: the kernels on CPU threads (tests/test_kernels_emu.cpp)
 #else
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#define MPITRAIN_GPU_RUNTIME_DEVICE
+#include "mpitrain/gpu_runtime.h"  // CUDA, or HIP under CUDA's names (hipcc: the ROCm build)
 #define MPITRAIN_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
 #endif
 
@@ -68,8 +68,19 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { retu
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
+// One butterfly step among kWarp lanes. AMD GPUs run 64-lane wavefronts (CDNA: MI200, MI300) or
+// 32 (RDNA); HIP's __shfl_xor takes the width, so a "warp" here stays 32 lanes on both, and the
+// kernels' geometry (one row per 32 lanes, kWarp-wide shared arrays) is the same as on NVIDIA.
+__device__ __forceinline__ float shfl_xor(float v, int offset) {
+#ifdef MPITRAIN_GPU_HIP
+  return __shfl_xor(v, offset, kWarp);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += shfl_xor(v, offset);
   return v;
 }
 
@@ -399,7 +410,7 @@ __global__ void softmax_xent_kernel(T* __restrict__ logits, const int64_t* __res
     for (int k = 0; k < N; ++k) acc = add_value(acc, to_f32(v.v[k]));
   }
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.max, offset), __shfl_xor_sync(0xffffffffu, acc.sum, offset)};
+    MaxSum other{shfl_xor(acc.max, offset), shfl_xor(acc.sum, offset)};
     acc = combine(acc, other);
   }
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
