@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -159,8 +160,35 @@ Config sgd_like(Config c) {
 // not reduced: that rank's gradient alone, a gap of ~0.7; a wrong rank's data: ~1).
 constexpr double kReorderTolerance = 1.5e-3;
 
-// ZeRO-1 against plain data parallelism: allclose(rtol = atol = 1e-6), the bar.
+// ZeRO-1 against plain data parallelism: allclose(rtol = atol = 1e-6), the bar, where the
+// MPI's reduce-scatter adds the ranks' gradients in its all-reduce's order (Open MPI's do, probed
+// below); where it adds them in another order (MPICH's at 4 ranks), the gradients differ in their
+// last bits and AdamW's normalisation carries that into the parameters like any reordering:
+// kReorderTolerance.
 constexpr double kZeroTolerance = 1e-6;
+
+// Whether this MPI's non-blocking reduce-scatter gives every rank its slice of the non-blocking
+// all-reduce bit for bit, on random floats of several sizes: ZeRO-1's and plain data parallelism's
+// gradient paths.
+bool reduce_scatter_sums_as_all_reduce() {
+  const int n = world_size(), r = world_rank();
+  int same = 1;
+  for (int per : {7, 300, 4096}) {
+    std::vector<float> in(static_cast<size_t>(n) * per), sum, part(static_cast<size_t>(per));
+    std::mt19937 gen(1234 + r);
+    std::normal_distribution<float> normal;
+    for (auto& x : in) x = normal(gen);
+    sum = in;
+    MPI_Request q;
+    MPI_Iallreduce(MPI_IN_PLACE, sum.data(), n * per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &q);
+    MPI_Wait(&q, MPI_STATUS_IGNORE);
+    MPI_Ireduce_scatter_block(in.data(), part.data(), per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &q);
+    MPI_Wait(&q, MPI_STATUS_IGNORE);
+    if (!std::equal(part.begin(), part.end(), sum.begin() + static_cast<std::ptrdiff_t>(r) * per)) same = 0;
+  }
+  MPI_Allreduce(MPI_IN_PLACE, &same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return same == 1;
+}
 
 }  // namespace
 
@@ -478,13 +506,18 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
     const auto norms = logged_grad_norms(shared_data_dir() + "/zero0-out");
     EXPECT_TRUE(std::any_of(norms.begin(), norms.end(), [](double g) { return g > 0.5; }));
   }
+  const bool same_order = reduce_scatter_sums_as_all_reduce();
+  const double tolerance = same_order ? kZeroTolerance : kReorderTolerance;
+  if (world_rank() == 0)
+    std::printf("[ info ] this MPI's reduce-scatter %s its all-reduce's order: tolerance %.3g\n",
+                same_order ? "adds in" : "does not add in", tolerance);
   for (bool overlap : {true, false}) {
     TrainResult zero = train(cfg_for(concat("zero1-", overlap), 1, overlap), MPI_COMM_WORLD, keep);
     ASSERT_EQ(zero.losses.size(), plain.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < plain.losses.size(); ++i) {
       worst_loss = std::max(worst_loss, std::abs(zero.losses[i].second - plain.losses[i].second));
-      EXPECT_NEAR(zero.losses[i].second, plain.losses[i].second, kZeroTolerance) << "step " << plain.losses[i].first;
+      EXPECT_NEAR(zero.losses[i].second, plain.losses[i].second, tolerance) << "step " << plain.losses[i].first;
     }
     ASSERT_EQ(zero.params.size(), plain.params.size());
     for (size_t i = 0; i < plain.params.size(); ++i) {
@@ -493,7 +526,7 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
       for (size_t k = 0; k < a.size(); ++k) {
         const double d = std::abs(double(a[k]) - b[k]);
         worst_param = std::max(worst_param, d);
-        if (d > kZeroTolerance * (1 + std::abs(b[k]))) {
+        if (d > tolerance * (1 + std::abs(b[k]))) {
           ADD_FAILURE() << plain.params[i].first << "[" << k << "]: " << a[k] << " vs " << b[k];
           break;
         }
