@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iterator>
 #include <string>
@@ -268,12 +269,31 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
 }  // namespace
 }  // namespace mpitrain
 
+namespace mpitrain {
+namespace {
+// MPITRAIN_EXIT_FILE: rank 0 writes the job's exit code there before it exits, for wrappers
+// (scripts/mpitrain-run, slurm/mpitrain.sbatch) whose launcher may lose it: MPICH 4.0's hydra
+// mpiexec returned 0 after every rank exited 75 (its exit-status capture is racy,
+// pmodels/mpich#7057). Every rank of a run that returns here returns the same code.
+int report_exit(const MpiSession& mpi, int code) {
+  const char* path = std::getenv("MPITRAIN_EXIT_FILE");
+  if (path && *path && mpi.rank() == 0) {
+    if (std::FILE* f = std::fopen(path, "w")) {
+      std::fprintf(f, "%d\n", code);
+      std::fclose(f);
+    }
+  }
+  return code;
+}
+}  // namespace
+}  // namespace mpitrain
+
 int main(int argc, char** argv) {
   mpitrain::MpiSession mpi(argc, argv);
   try {
-    return mpitrain::run_cli(argc, argv, mpi);
+    return mpitrain::report_exit(mpi, mpitrain::run_cli(argc, argv, mpi));
   } catch (const mpitrain::ReportedUsageError& e) {  // printed once already; every rank agreed
-    return e.exit_code;
+    return mpitrain::report_exit(mpi, e.exit_code);
   } catch (const mpitrain::UsageError& e) {  // seen by this rank alone: print, end the job
     std::fprintf(stderr, "mpitrain: %s\n", e.what());
     mpi.abort(2);
