@@ -792,15 +792,17 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
   EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
   expect_llama_layout_equals_dp(llama_layout(2, 0), "llama-tp2", concat("llama tp 2 x dp ", n / 2));
   if (n > 2) expect_llama_layout_equals_dp(llama_layout(2, 1), "llama-tp2-zero", concat("llama tp 2 x dp ", n / 2, " with ZeRO-1"));
-  // ZeRO-1 alone: bitwise the data-parallel run, as for GPT-2 (ZeroOneEqualsPlainDataParallel).
+  // ZeRO-1 alone: the data-parallel run, to the bound ZeroOneEqualsPlainDataParallel derives
+  // (1e-6 where the MPI's reduce-scatter adds in its all-reduce's order, else the reordering bound).
+  const double tolerance = reduce_scatter_sums_as_all_reduce() ? kZeroTolerance : kReorderTolerance;
   Config zero = llama_config("llama-zero", 1, 4);
   zero.optim.zero = 1;
   TrainResult z = train(zero, MPI_COMM_WORLD, keep);
   ASSERT_EQ(z.params.size(), dp.params.size());
-  for (size_t i = 0; i < dp.losses.size(); ++i) EXPECT_NEAR(z.losses[i].second, dp.losses[i].second, kZeroTolerance);
+  for (size_t i = 0; i < dp.losses.size(); ++i) EXPECT_NEAR(z.losses[i].second, dp.losses[i].second, tolerance);
   for (size_t i = 0; i < dp.params.size(); ++i)
     for (size_t k = 0; k < dp.params[i].second.size(); ++k)
-      if (std::abs(double(z.params[i].second[k]) - dp.params[i].second[k]) > kZeroTolerance * (1 + std::abs(dp.params[i].second[k]))) {
+      if (std::abs(double(z.params[i].second[k]) - dp.params[i].second[k]) > tolerance * (1 + std::abs(dp.params[i].second[k]))) {
         ADD_FAILURE() << "llama ZeRO-1: " << dp.params[i].first << "[" << k << "]";
         break;
       }
