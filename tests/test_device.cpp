@@ -137,11 +137,6 @@ std::vector<PreflightRecord> records(int n, const std::vector<std::map<std::stri
   }
   return all;
 }
-std::vector<int> local_ranks(const Topology& t) {
-  std::vector<int> out(t.size), seen(t.hosts.size());
-  for (int r = 0; r < t.size; ++r) out[r] = seen[t.host_of_rank[r]]++;
-  return out;
-}
 bool any_has(const std::vector<std::string>& lines, const std::string& text) {
   for (const auto& l : lines)
     if (l.find(text) != std::string::npos) return true;
@@ -151,7 +146,7 @@ bool any_has(const std::vector<std::string>& lines, const std::string& text) {
 
 TEST(PreflightJudge, AgreeingRanksGiveOneLineAndNothingElse) {
   const Topology t = hosts_of({{"a", 4}, {"b", 4}});
-  const PreflightVerdict v = judge_preflight(records(8), t, local_ranks(t), true);
+  const PreflightVerdict v = judge_preflight(records(8), t, true);
   EXPECT_TRUE(v.errors.empty()) << v.errors.front();
   EXPECT_TRUE(v.warnings.empty()) << v.warnings.front();
   EXPECT_EQ(v.summary.rfind("preflight: 8 ranks on 2 hosts agree: mpitrain 0.1.0 (build 1a2b3c4d), libtorch 2.11.0, "
@@ -161,12 +156,11 @@ TEST(PreflightJudge, AgreeingRanksGiveOneLineAndNothingElse) {
 
 TEST(PreflightJudge, AnotherNcclOrBuildOnSomeRanksIsAnErrorNamingRanksAndHosts) {
   const Topology t = hosts_of({{"a", 2}, {"b", 2}});
-  PreflightVerdict v = judge_preflight(records(4, {{}, {}, {{"nccl", "2.21.5"}}, {{"nccl", "2.21.5"}}}), t,
-                                       local_ranks(t), true);
+  PreflightVerdict v = judge_preflight(records(4, {{}, {}, {{"nccl", "2.21.5"}}, {{"nccl", "2.21.5"}}}), t, true);
   ASSERT_EQ(v.errors.size(), 1u);
   EXPECT_EQ(v.errors[0], "preflight: NCCL 2.21.5 on host b (ranks 2-3) differs from rank 0's 2.28.3 on host a: "
                          "install the same version on every host (the same container image or modules)");
-  v = judge_preflight(records(4, {{}, {{"mpitrain", "0.1.0 (build ffffffff)"}}}), t, local_ranks(t), false);
+  v = judge_preflight(records(4, {{}, {{"mpitrain", "0.1.0 (build ffffffff)"}}}), t, false);
   ASSERT_EQ(v.errors.size(), 1u);
   EXPECT_TRUE(any_has(v.errors, "mpitrain 0.1.0 (build ffffffff) on host a (rank 1) differs")) << v.errors[0];
   EXPECT_TRUE(any_has(v.errors, "copy the same build to every host")) << v.errors[0];
@@ -177,7 +171,7 @@ TEST(PreflightJudge, AnotherNcclOrBuildOnSomeRanksIsAnErrorNamingRanksAndHosts) 
 TEST(PreflightJudge, AnotherDriverOrGpuModelIsOnlyAWarning) {
   const Topology t = hosts_of({{"a", 1}, {"b", 1}});
   const PreflightVerdict v =
-      judge_preflight(records(2, {{}, {{"cuda_driver", "12.8"}, {"gpu", "NVIDIA A100-SXM4-80GB"}}}), t, local_ranks(t), true);
+      judge_preflight(records(2, {{}, {{"cuda_driver", "12.8"}, {"gpu", "NVIDIA A100-SXM4-80GB"}}}), t, true);
   EXPECT_TRUE(v.errors.empty());
   EXPECT_EQ(v.warnings.size(), 2u);
   EXPECT_TRUE(any_has(v.warnings, "GPU NVIDIA A100-SXM4-80GB on host b (rank 1) differs"));
@@ -186,50 +180,47 @@ TEST(PreflightJudge, AnotherDriverOrGpuModelIsOnlyAWarning) {
 TEST(PreflightJudge, TwoRanksOnOneGpuUnderNcclNameBothRanksAndTheHost) {
   const Topology t = hosts_of({{"a", 2}, {"b", 2}});
   auto same = records(4, {{}, {}, {{"bus_id", "0000:1b:00.0"}}, {{"bus_id", "0000:1b:00.0"}}});
-  PreflightVerdict v = judge_preflight(same, t, local_ranks(t), true);
+  PreflightVerdict v = judge_preflight(same, t, true);
   ASSERT_EQ(v.errors.size(), 1u);
   EXPECT_EQ(v.errors[0].rfind("train.device: ranks 2-3 on host b would all train on GPU 0000:1b:00.0; NCCL needs one "
                               "GPU per rank", 0), 0u) << v.errors[0];
   // The MPI backend shares GPUs; one bus id on two hosts is two GPUs.
-  EXPECT_TRUE(judge_preflight(same, t, local_ranks(t), false).errors.empty());
+  EXPECT_TRUE(judge_preflight(same, t, false).errors.empty());
   auto across = records(2, {{{"bus_id", "0000:1b:00.0"}}, {{"bus_id", "0000:1b:00.0"}}});
   const Topology two = hosts_of({{"a", 1}, {"b", 1}});
-  EXPECT_TRUE(judge_preflight(across, two, local_ranks(two), true).errors.empty());
+  EXPECT_TRUE(judge_preflight(across, two, true).errors.empty());
 }
 
 TEST(PreflightJudge, RisksAreWarningsWithTheFix) {
   const Topology t = hosts_of({{"a", 2}, {"b", 2}});
   // A container's 64 MiB /dev/shm where two ranks share the host; not where a rank is alone.
-  PreflightVerdict v = judge_preflight(records(4, {{}, {}, {{"shm", "64 MiB"}}, {{"shm", "64 MiB"}}}), t, local_ranks(t), true);
+  PreflightVerdict v = judge_preflight(records(4, {{}, {}, {{"shm", "64 MiB"}}, {{"shm", "64 MiB"}}}), t, true);
   ASSERT_EQ(v.warnings.size(), 1u);
   EXPECT_TRUE(any_has(v.warnings, "/dev/shm is under 1 GiB (64 MiB) on host b (ranks 2-3)")) << v.warnings[0];
   EXPECT_TRUE(any_has(v.warnings, "--shm-size"));
   const Topology alone = hosts_of({{"a", 1}, {"b", 1}});
-  EXPECT_TRUE(judge_preflight(records(2, {{}, {{"shm", "64 MiB"}}}), alone, local_ranks(alone), true).warnings.empty());
+  EXPECT_TRUE(judge_preflight(records(2, {{}, {{"shm", "64 MiB"}}}), alone, true).warnings.empty());
   // NCCL on loopback or docker0 between hosts; NCCL_SOCKET_IFNAME against MPI's pinned interface.
-  v = judge_preflight(records(4, {{}, {}, {{"nccl_if", "auto: docker0"}}, {{"nccl_if", "NCCL_SOCKET_IFNAME=lo"}}}), t,
-                      local_ranks(t), true);
+  v = judge_preflight(records(4, {{}, {}, {{"nccl_if", "auto: docker0"}}, {{"nccl_if", "NCCL_SOCKET_IFNAME=lo"}}}), t, true);
   ASSERT_EQ(v.warnings.size(), 1u);
   EXPECT_TRUE(any_has(v.warnings, "NCCL would use auto: docker0 on host b (ranks 2-3)")) << v.warnings[0];
-  EXPECT_TRUE(judge_preflight(records(4, {{}, {}, {{"nccl_if", "auto: docker0"}}}), t, local_ranks(t), false)
+  EXPECT_TRUE(judge_preflight(records(4, {{}, {}, {{"nccl_if", "auto: docker0"}}}), t, false)
                   .warnings.empty());  // the MPI backend: NCCL is not used
-  v = judge_preflight(records(4, {{{"nccl_if", "NCCL_SOCKET_IFNAME=eth0"}, {"mpi_if", "UCX_NET_DEVICES=eth1"}}}), t,
-                      local_ranks(t), true);
+  v = judge_preflight(records(4, {{{"nccl_if", "NCCL_SOCKET_IFNAME=eth0"}, {"mpi_if", "UCX_NET_DEVICES=eth1"}}}), t, true);
   ASSERT_EQ(v.warnings.size(), 1u);
   EXPECT_TRUE(any_has(v.warnings, "NCCL_SOCKET_IFNAME=eth0 but MPI is pinned to UCX_NET_DEVICES=eth1")) << v.warnings[0];
   EXPECT_TRUE(judge_preflight(records(4, {{{"nccl_if", "NCCL_SOCKET_IFNAME==eth1"}, {"mpi_if", "UCX_NET_DEVICES=eth1:1"}}}),
-                              t, local_ranks(t), true).warnings.empty());
+                              t, true).warnings.empty());
 }
 
 TEST(PreflightJudge, ALauncherLocalRankThatDisagreesWithMpiIsNamed) {
   // MPIR_CVAR_NOLOCAL=1: MPI makes every rank a node of its own while hydra says local ranks 0, 1.
   Topology t = hosts_of({{"n", 1}, {"n", 1}});
   const PreflightVerdict v =
-      judge_preflight(records(2, {{{"local_rank", "MPI_LOCALRANKID=0"}}, {{"local_rank", "MPI_LOCALRANKID=1"}}}), t,
-                      {0, 0}, false);
+      judge_preflight(records(2, {{{"local_rank", "MPI_LOCALRANKID=0"}}, {{"local_rank", "MPI_LOCALRANKID=1"}}}), t, false);
   ASSERT_EQ(v.warnings.size(), 1u);
   EXPECT_TRUE(any_has(v.warnings, "rank 1 has MPI_LOCALRANKID=1, MPI's split says 0.")) << v.warnings[0];
   const Topology ok = hosts_of({{"a", 2}});
   EXPECT_TRUE(judge_preflight(records(2, {{{"local_rank", "MPI_LOCALRANKID=0"}}, {{"local_rank", "MPI_LOCALRANKID=1"}}}),
-                              ok, local_ranks(ok), false).warnings.empty());
+                              ok, false).warnings.empty());
 }

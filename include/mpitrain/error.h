@@ -34,6 +34,10 @@ std::string concat(const Args&... args) {
 // "a, b, c and 4 more": a list that stays on one line of an error message.
 std::string first_few(const std::vector<std::string>& items);
 
+// The items of a list as environment variables write them: split_list("eth0,,eth1", ',') is
+// {"eth0", "", "eth1"}; "" gives {""}.
+std::vector<std::string> split_list(const std::string& list, char sep);
+
 
 // Throws Error("[rank 3 @ node07] MPI error at comm_mpi.cpp:41: ... (MPI_Allreduce)").
 [[noreturn]] void fail(std::string_view lib, std::string_view what, const char* file, int line);

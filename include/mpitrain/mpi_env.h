@@ -60,6 +60,10 @@ void agree(MPI_Comm comm, const std::function<void()>& phase);
 // script itself has none).
 void check_not_a_singleton(int world_size);
 
+// Every rank's `mine` in rank order, each cut to `max_bytes` - 1 bytes: one fixed-size
+// MPI_Allgather over `comm` (collective).
+std::vector<std::string> allgather_text(MPI_Comm comm, const std::string& mine, size_t max_bytes);
+
 // Compact rank ranges: {0,1,2,5} -> "0-2,5".
 std::string rank_ranges(const std::vector<int>& ranks);
 

@@ -64,11 +64,9 @@ struct PreflightVerdict {
   std::vector<std::string> table;     // field | value | ranks (hosts), every distinct value
 };
 
-// Pure: the same records give every rank the same verdict. `local_rank_of` is MPI's host split
-// (Topology::local_rank of every rank), `nccl_backend` whether NCCL will be used (the GPU-sharing
-// and interface rules only matter then).
-PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const Topology& topo,
-                                 const std::vector<int>& local_rank_of, bool nccl_backend);
+// Pure: the same records give every rank the same verdict. `nccl_backend`: whether NCCL will be
+// used (the GPU-sharing and interface rules only matter then).
+PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const Topology& topo, bool nccl_backend);
 
 // Collective over `comm`: collects, allgathers and judges; prints nothing, throws nothing.
 PreflightVerdict gather_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,

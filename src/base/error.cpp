@@ -20,6 +20,17 @@ std::string mpi_error_string(int rc) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
+std::vector<std::string> split_list(const std::string& list, char sep) {
+  std::vector<std::string> items;
+  size_t pos = 0;
+  while (true) {
+    const size_t end = list.find(sep, pos);
+    items.push_back(list.substr(pos, end == std::string::npos ? std::string::npos : end - pos));
+    if (end == std::string::npos) return items;
+    pos = end + 1;
+  }
+}
+
 std::string first_few(const std::vector<std::string>& items) {
   std::string s;
   for (size_t i = 0; i < items.size() && i < 3; ++i) s += concat(i ? ", " : "", items[i]);

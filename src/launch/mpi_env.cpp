@@ -126,6 +126,18 @@ Topology Topology::discover(MPI_Comm comm) {
   return t;
 }
 
+std::vector<std::string> allgather_text(MPI_Comm comm, const std::string& mine, size_t max_bytes) {
+  int size = 1;
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  std::vector<char> buf(max_bytes, '\0'), all(max_bytes * static_cast<size_t>(size));
+  std::copy_n(mine.data(), std::min(mine.size(), max_bytes - 1), buf.data());
+  const int n = static_cast<int>(max_bytes);
+  MPI_CHECK(MPI_Allgather(buf.data(), n, MPI_CHAR, all.data(), n, MPI_CHAR, comm));
+  std::vector<std::string> out;
+  for (int r = 0; r < size; ++r) out.emplace_back(&all[static_cast<size_t>(r) * max_bytes]);
+  return out;
+}
+
 std::string rank_ranges(const std::vector<int>& ranks) {
   std::string out;
   for (size_t i = 0; i < ranks.size();) {

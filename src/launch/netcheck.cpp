@@ -47,15 +47,6 @@ std::string mca_setting(const char* name) {
   return v ? v : "";
 }
 
-std::vector<std::string> gather_text(MPI_Comm comm, const std::string& mine, int size) {
-  std::vector<char> buf(kTextLen, '\0'), all(kTextLen * static_cast<size_t>(size));
-  std::memcpy(buf.data(), mine.data(), std::min(mine.size(), kTextLen - 1));
-  MPI_CHECK(MPI_Allgather(buf.data(), kTextLen, MPI_CHAR, all.data(), kTextLen, MPI_CHAR, comm));
-  std::vector<std::string> out;
-  for (int r = 0; r < size; ++r) out.emplace_back(&all[static_cast<size_t>(r) * kTextLen]);
-  return out;
-}
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -162,27 +153,17 @@ std::string follow_mpi_interface_for_nccl() {
   for (const char* var : {"UCX_NET_DEVICES", "FI_TCP_IFACE"}) {
     const char* v = std::getenv(var);
     if (!mpi.empty() || !v) continue;
-    std::string list = v;
-    size_t pos = 0;
-    while (pos <= list.size()) {
-      const size_t comma = std::min(list.find(',', pos), list.size());
-      const std::string name = list.substr(pos, comma - pos);
+    for (const auto& name : split_list(v, ','))
       if (!name.empty() && if_nametoindex(name.c_str()) != 0) mpi += (mpi.empty() ? "" : ",") + name;
-      pos = comma + 1;
-    }
   }
   if (mpi.empty()) return "";
   std::vector<std::string> names;
-  size_t pos = 0;
-  while (pos <= mpi.size()) {
-    const size_t comma = std::min(mpi.find(',', pos), mpi.size());
-    const std::string item = mpi.substr(pos, comma - pos);
+  for (const auto& item : split_list(mpi, ',')) {
     if (item.find('/') != std::string::npos) {
       for (auto& n : interfaces_in(item)) names.push_back(n);
     } else if (!item.empty()) {
       names.push_back(item);
     }
-    pos = comma + 1;
   }
   if (names.empty()) return "";
   std::string value = "=";  // '=': exact names, not prefixes
@@ -204,7 +185,7 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus, const 
   Fingerprints fp;
   fp.binary = binary_fingerprint();
   auto problems = compare_fingerprints(comm, topo, fp);
-  const auto ifaces = gather_text(comm, topo.local_rank == 0 ? local_interfaces() : "", topo.size);
+  const auto ifaces = allgather_text(comm, topo.local_rank == 0 ? local_interfaces() : "", kTextLen);
   std::vector<int> gpus(topo.size);
   MPI_CHECK(MPI_Allgather(&local_gpus, 1, MPI_INT, gpus.data(), 1, MPI_INT, comm));
   std::vector<uint32_t> bins(topo.size);

@@ -99,13 +99,9 @@ std::string mpi_pinned_interface() {
 std::set<std::string> interface_names(std::string list) {
   if (!list.empty() && (list[0] == '=' || list[0] == '^')) list = list.substr(1);
   std::set<std::string> names;
-  size_t pos = 0;
-  while (pos <= list.size()) {
-    const size_t comma = std::min(list.find(',', pos), list.size());
-    std::string item = list.substr(pos, comma - pos);
+  for (std::string item : split_list(list, ',')) {
     if (item.find('/') == std::string::npos) item = item.substr(0, item.find(':'));
     if (!item.empty()) names.insert(item);
-    pos = comma + 1;
   }
   return names;
 }
@@ -138,12 +134,7 @@ std::string ranks_on_hosts(const std::vector<int>& ranks, const Topology& topo) 
 void apply_test_hook(PreflightRecord& rec, int rank) {
   const char* hook = std::getenv("MPITRAIN_TEST_PREFLIGHT");
   if (!hook) return;
-  std::string all = hook;
-  size_t pos = 0;
-  while (pos <= all.size()) {
-    const size_t semi = std::min(all.find(';', pos), all.size());
-    const std::string item = all.substr(pos, semi - pos);
-    pos = semi + 1;
+  for (const auto& item : split_list(hook, ';')) {
     const size_t colon = item.find(':'), eq = item.find('=');
     if (colon == std::string::npos || eq == std::string::npos || eq < colon) continue;
     if (std::atoi(item.substr(0, colon).c_str()) != rank) continue;
@@ -220,8 +211,7 @@ PreflightRecord collect_preflight(const Topology& topo, const std::string& torch
   return rec;
 }
 
-PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const Topology& topo,
-                                 const std::vector<int>& local_rank_of, bool nccl_backend) {
+PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const Topology& topo, bool nccl_backend) {
   PreflightVerdict v;
   const auto& fields = preflight_fields();
   const int n = static_cast<int>(all.size());
@@ -304,7 +294,10 @@ PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const 
                                   "follows MPI's setting) or make the two equal"));
   }
 
-  // The launcher's local rank against MPI's host split.
+  // The launcher's local rank against MPI's host split, whose local ranks number each host's
+  // ranks in rank order (Topology::discover splits with the rank as key).
+  std::vector<int> local_rank_of(topo.host_of_rank.size()), seen(topo.hosts.size());
+  for (size_t r = 0; r < local_rank_of.size(); ++r) local_rank_of[r] = seen[topo.host_of_rank[r]]++;
   const size_t lr = field_index("local_rank");
   std::vector<int> disagree;
   for (int r = 0; r < n; ++r) {
@@ -333,22 +326,13 @@ PreflightVerdict gather_preflight(MPI_Comm comm, const Topology& topo, const std
   const PreflightRecord mine = collect_preflight(topo, torch_version, gpu);
   std::string packed;
   for (const auto& value : mine.values) packed += value + "\n";
-  std::vector<char> buf(kRecordBytes, '\0'), all(kRecordBytes * static_cast<size_t>(topo.size));
-  std::memcpy(buf.data(), packed.data(), std::min(packed.size(), kRecordBytes - 1));
-  MPI_CHECK(MPI_Allgather(buf.data(), kRecordBytes, MPI_CHAR, all.data(), kRecordBytes, MPI_CHAR, comm));
-  std::vector<int> local_rank_of(topo.size);
-  MPI_CHECK(MPI_Allgather(&topo.local_rank, 1, MPI_INT, local_rank_of.data(), 1, MPI_INT, comm));
+  const auto texts = allgather_text(comm, packed, kRecordBytes);
   std::vector<PreflightRecord> records(topo.size);
   for (int r = 0; r < topo.size; ++r) {
-    std::string text(&all[static_cast<size_t>(r) * kRecordBytes]);
-    size_t pos = 0;
-    for (size_t f = 0; f < preflight_fields().size(); ++f) {
-      const size_t nl = std::min(text.find('\n', pos), text.size());
-      records[r].values.push_back(pos <= text.size() ? text.substr(pos, nl - pos) : "");
-      pos = nl + 1;
-    }
+    records[r].values = split_list(texts[r], '\n');
+    records[r].values.resize(preflight_fields().size());  // drops the text after the last '\n'
   }
-  return judge_preflight(records, topo, local_rank_of, nccl_backend);
+  return judge_preflight(records, topo, nccl_backend);
 }
 
 PreflightVerdict run_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,
