@@ -6,11 +6,14 @@ set -u
 BIN=$(realpath "$1")
 HERE=$(cd "$(dirname "$0")" && pwd)
 MPIRUN=${2:-mpirun}
-# The MPI family the binary is built against (CMake's MPITRAIN_MPI): the launcher-specific checks
-# differ (another family's launcher, how signals reach the ranks).
-FAMILY=openmpi
-ldd "$BIN" | grep -q libmpich && FAMILY=mpich
-echo "binary: $FAMILY build, launcher $MPIRUN"
+# The MPI family the binary is built against (CMake's MPITRAIN_MPI), as `mpitrain --version` says:
+# the launcher-specific checks differ (another family's launcher, how signals reach the ranks).
+VERSION_TEXT=$("$BIN" --version 2>&1)
+FAMILY=$(sed -n 's/^mpi: \([a-z]*\) .*/\1/p' <<< "$VERSION_TEXT")
+case $FAMILY in
+  openmpi|mpich) echo "binary: $FAMILY build, launcher $MPIRUN" ;;
+  *) echo "FAIL: '$BIN --version' names no MPI family (openmpi or mpich): $VERSION_TEXT"; exit 1 ;;
+esac
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 WORK=$(mktemp -d /tmp/mpitrain-cli-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -19,6 +22,12 @@ passed=0 failed=0
 ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
 bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
 check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+
+# ---- which MPI: --version against the libraries the binary links (ldd) ----
+LINKED=openmpi
+ldd "$BIN" | grep -q 'libmpich' && LINKED=mpich
+check "--version names the MPI family the binary links ($LINKED) and the library it loaded" \
+  "[ $FAMILY = $LINKED ] && grep -Eq '^mpi: [a-z]+ \\(built against (Open MPI|MPICH) [0-9]+\\.[0-9]+.*; loaded: (Open MPI v|MPICH )[0-9]' <<< \"\$VERSION_TEXT\""
 
 # ---- a small corpus ----
 mkdir corpus

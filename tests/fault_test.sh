@@ -3,8 +3,26 @@
 # calling collectives and a rank frozen by SIGSTOP (the watchdog must name that rank), a corrupt
 # newest checkpoint (fallback on resume), a disk that fills up during a save (root: a small tmpfs).
 # Prints PASS/FAIL lines and the measured times to exit. Usage: fault_test.sh PATH/TO/mpitrain
+# [LAUNCHER]: Open MPI's mpirun (the default) or, for an MPICH build, hydra's mpiexec.
 set -u
 BIN=$(realpath "$1")
+MPIRUN=${2:-mpirun}
+FAMILY=$("$BIN" --version 2>/dev/null | sed -n 's/^mpi: \([a-z]*\) .*/\1/p')
+case $FAMILY in
+  openmpi) RANK_VAR=OMPI_COMM_WORLD_RANK ;;
+  mpich) RANK_VAR=PMI_RANK ;;
+  *) echo "FAIL: $1 --version names no MPI family (openmpi or mpich)"; exit 1 ;;
+esac
+echo "binary: $FAMILY build, launcher $MPIRUN"
+# mpirun LAUNCHER-ARGS...: the MPITRAIN_TEST_* variables of the caller reach every rank (hydra passes
+# the whole environment on; Open MPI's mpirun only what -x names)
+mpirun() {
+  local forward=() v
+  if [ "$FAMILY" = openmpi ]; then
+    for v in ${!MPITRAIN_TEST_@}; do forward+=(-x "$v"); done
+  fi
+  command "$MPIRUN" "${forward[@]}" "$@"
+}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 WORK=$(mktemp -d /tmp/mpitrain-fault-XXXXXX)
 trap 'pkill -9 -f "$WORK" 2>/dev/null; umount "$WORK/full" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
@@ -63,7 +81,7 @@ check "corrupt newest checkpoint: resume falls back to the previous one" \
 
 # ---- killed while writing a checkpoint: `latest` still names the previous complete one ----
 rm -rf ckpt run
-MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 -x MPITRAIN_TEST_DIE_IN_SAVE "$BIN" "$WORK/cfg.yaml" > save.out 2>&1
+MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 "$BIN" "$WORK/cfg.yaml" > save.out 2>&1
 rc=$?
 check "killed during the checkpoint write: job fails" "[ $rc -ne 0 ] && [ -f ckpt/ckpt-00000010.h5.tmp ]"
 check "killed during the checkpoint write: latest still names the previous complete checkpoint" \
@@ -75,7 +93,7 @@ check "killed during the checkpoint write: resume continues from step 5" \
 # The same with ZeRO-1, where both ranks write their shares of the file: rank 0 dies after its
 # slices of the model tensors, rank 1 may have written all of its own.
 rm -rf ckpt run
-MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 -x MPITRAIN_TEST_DIE_IN_SAVE "$BIN" "$WORK/cfg.yaml" --set optim.zero=1 \
+MPITRAIN_TEST_DIE_IN_SAVE=10 mpirun -np 2 "$BIN" "$WORK/cfg.yaml" --set optim.zero=1 \
   > save-zero.out 2>&1
 rc=$?
 check "ZeRO-1, every rank writing its share: the shares are written by 2 ranks" \
@@ -89,7 +107,7 @@ check "ZeRO-1 shares, killed during the checkpoint write: resume continues from 
 # ---- a rank that stops calling collectives: the watchdog names it and aborts the job ----
 rm -rf ckpt run
 HOST=$(hostname)
-MPITRAIN_TEST_HANG=2:8 mpirun -np 4 -x MPITRAIN_TEST_HANG "$BIN" "$WORK/cfg.yaml" > hang.out 2>&1 &
+MPITRAIN_TEST_HANG=2:8 mpirun -np 4 "$BIN" "$WORK/cfg.yaml" > hang.out 2>&1 &
 mpid=$!
 wait_for_step hang.out 7
 t0=$(date +%s.%N)
@@ -117,7 +135,7 @@ mpid=$!
 wait_for_step frozen.out 7
 victim=""
 for p in $(pgrep -f "$BIN $WORK/cfg.yaml"); do
-  tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=2 && victim=$p
+  tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx "$RANK_VAR=2" && victim=$p
 done
 t0=$(date +%s.%N)
 kill -STOP "$victim"

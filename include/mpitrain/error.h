@@ -38,6 +38,8 @@ std::string first_few(const std::vector<std::string>& items);
 // {"eth0", "", "eth1"}; "" gives {""}.
 std::vector<std::string> split_list(const std::string& list, char sep);
 
+// Text as one line of a table: newlines and tabs become spaces, runs of spaces one, no trailing space.
+std::string one_line(std::string s);
 
 // Throws Error("[rank 3 @ node07] MPI error at comm_mpi.cpp:41: ... (MPI_Allreduce)").
 [[noreturn]] void fail(std::string_view lib, std::string_view what, const char* file, int line);

@@ -60,6 +60,13 @@ void agree(MPI_Comm comm, const std::function<void()>& phase);
 // script itself has none).
 void check_not_a_singleton(int world_size);
 
+// The MPI library this process loaded, from MPI_Get_library_version (callable before MPI_Init):
+// "Open MPI v4.1.4", "MPICH 4.0.2", "Intel(R) MPI Library 2021.10 for Linux* OS".
+std::string mpi_library();
+// The MPI family this binary was compiled for, first word "openmpi", "mpich" or "other", then the
+// headers' version: "mpich (built against MPICH 4.0.2; ...)". `mpitrain --version` prints it.
+std::string mpi_build();
+
 // Every rank's `mine` in rank order, each cut to `max_bytes` - 1 bytes: one fixed-size
 // MPI_Allgather over `comm` (collective).
 std::vector<std::string> allgather_text(MPI_Comm comm, const std::string& mine, size_t max_bytes);

@@ -31,6 +31,16 @@ std::vector<std::string> split_list(const std::string& list, char sep) {
   }
 }
 
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\t' || c == '\r') c = ' ';
+  std::string out;
+  for (char c : s)
+    if (!(c == ' ' && (out.empty() || out.back() == ' '))) out += c;
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return out;
+}
+
 std::string first_few(const std::vector<std::string>& items) {
   std::string s;
   for (size_t i = 0; i < items.size() && i < 3; ++i) s += concat(i ? ", " : "", items[i]);

@@ -66,7 +66,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   agree(MPI_COMM_WORLD, [&] { check_command_word(args); });
   if (!args.empty() && !is_command(args[0]) && args[0][0] != '-') args.insert(args.begin(), "train");
   if (args.size() == 1 && (args[0] == "--version" || args[0] == "-V")) {
-    if (mpi.rank() == 0) std::printf("mpitrain %s\n", MPITRAIN_VERSION);
+    if (mpi.rank() == 0)
+      std::printf("mpitrain %s\nmpi: %s; loaded: %s\n", MPITRAIN_VERSION, mpi_build().c_str(), mpi_library().c_str());
     return 0;
   }
 

@@ -55,6 +55,34 @@ void MpiSession::abort(int code) {
   std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
 
+// ---- which MPI ----------------------------------------------------------------------------------
+
+std::string mpi_library() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(text, &len);
+  std::string s(text, static_cast<size_t>(std::max(0, len)));
+  s = one_line(s.substr(0, std::min(s.find('\n'), s.find(','))));
+  const std::string kMpich = "MPICH Version: ";  // MPICH's own first line
+  if (s.rfind(kMpich, 0) == 0) s = "MPICH " + s.substr(kMpich.size());
+  return s;
+}
+
+#define MPITRAIN_STR2(x) #x
+#define MPITRAIN_STR(x) MPITRAIN_STR2(x)
+std::string mpi_build() {
+#if defined(OPEN_MPI) && OPEN_MPI
+  return "openmpi (built against Open MPI " MPITRAIN_STR(OMPI_MAJOR_VERSION) "." MPITRAIN_STR(
+      OMPI_MINOR_VERSION) "." MPITRAIN_STR(OMPI_RELEASE_VERSION) ")";
+#elif defined(MPICH_VERSION)
+  return "mpich (built against MPICH " MPICH_VERSION "; runs with MPICH-ABI libraries)";
+#else
+  return "other (built against an MPI that is neither Open MPI nor MPICH)";
+#endif
+}
+#undef MPITRAIN_STR
+#undef MPITRAIN_STR2
+
 // ---- the singleton guard -----------------------------------------------------------------------
 
 void check_not_a_singleton(int world_size) {

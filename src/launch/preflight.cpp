@@ -29,29 +29,6 @@ const char* fix_for(const std::string& key) {
   return "install the same version on every host (the same container image or modules)";
 }
 
-std::string one_line(std::string s) {
-  for (char& c : s)
-    if (c == '\n' || c == '\t' || c == '\r') c = ' ';
-  std::string out;
-  for (char c : s)
-    if (!(c == ' ' && (out.empty() || out.back() == ' '))) out += c;
-  while (!out.empty() && out.back() == ' ') out.pop_back();
-  return out;
-}
-
-// "Open MPI v4.1.4", "MPICH Version: 4.0.2", "Intel(R) MPI Library 2021.10 for Linux* OS".
-std::string mpi_library() {
-  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
-  int len = 0;
-  MPI_Get_library_version(text, &len);
-  std::string s(text, static_cast<size_t>(std::max(0, len)));
-  s = s.substr(0, s.find('\n'));
-  s = one_line(s.substr(0, s.find(',')));
-  const std::string kMpich = "MPICH Version: ";  // MPICH's own first line
-  if (s.rfind(kMpich, 0) == 0) s = "MPICH " + s.substr(kMpich.size());
-  return s;
-}
-
 std::string gib(double bytes) {
   char buf[32];
   if (bytes < (1 << 30)) std::snprintf(buf, sizeof buf, "%.0f MiB", bytes / (1 << 20));

@@ -35,8 +35,8 @@ HOSTS=(mpt-node1 mpt-node2 mpt-node3)
 SLOTS=(2 1 1)
 ID=mpt$$                         # namespace names are unique per run
 NETNS_TMP=/tmp/mpt-netns-XXXXXX
-FAMILY=openmpi
-ldd "$BIN" | grep -q libmpich && FAMILY=mpich
+FAMILY=$("$BIN" --version 2>/dev/null | sed -n 's/^mpi: \([a-z]*\) .*/\1/p')   # openmpi or mpich
+case $FAMILY in openmpi|mpich) ;; *) echo "FAIL: $BIN --version names no MPI family (openmpi or mpich)"; exit 1 ;; esac
 if [ $FAMILY = mpich ]; then NETNS_TOOLS=(mpiexec.mpich); else NETNS_TOOLS=(mpirun); fi
 MPIRUN_LIMIT=${NETNS_TEST_MPIRUN_LIMIT:-120}   # seconds per mpirun
 

@@ -183,7 +183,7 @@ else
 fi
 # The binary's MPI family decides srun's PMI plugin and the MPI's own launcher (as the wrapper does).
 family=openmpi srun_mpi=pmix mpi_launcher=mpirun
-if ldd "$bin" 2>/dev/null | grep -q libmpich; then
+if "$bin" --version 2>/dev/null | grep -q '^mpi: mpich '; then
     family=mpich srun_mpi=pmi2 mpi_launcher=mpiexec.mpich
 fi
 srun_plugin=0
@@ -309,7 +309,7 @@ run_case() {  # run_case LAUNCHER (srun | mpirun)
     write_config "$dir"
     echo "--- launcher $launcher"
     local env=(MPITRAIN="$bin")
-    [[ $launcher == mpirun ]] && env+=(MPITRAIN_LAUNCHER=mpirun MPITRAIN_MPIRUN="$mpi_launcher")
+    [[ $launcher == mpirun ]] && env+=(MPITRAIN_LAUNCH=mpirun MPITRAIN_MPIRUN="$mpi_launcher")
     # sbatch options on the command line override the script's #SBATCH defaults.
     jid=$(cd "$dir" && env "${env[@]}" timeout 20 sbatch --parsable --ntasks-per-node=2 --time=15 \
         "${overcommit[@]}" "$wrapper" train.yaml 2>"$dir/sbatch.err")
