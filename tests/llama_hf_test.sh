@@ -2,14 +2,17 @@
 # Llama-family models and Hugging Face, end to end, against an independent PyTorch Llama
 # (tests/llama_reference.py, written from transformers' modeling semantics, not from mpitrain's):
 #  - a Llama (grouped-query attention 4/2 heads, untied lm_head, rope_scaling llama3 with all three
-#    frequency bands in use) and a Qwen2-shaped one (q/k/v biases, tied output) train under
-#    `mpirun -np 2`, are exported with `mpitrain export --format hf`, and the reference's logits
-#    on the exported weights equal mpitrain's (tests/hf_logits.cpp);
+#    frequency bands in use), a Qwen2-shaped one (q/k/v biases, tied output) and a Qwen3-shaped one
+#    (heads of 16 at width 32, q/k norms) train under `mpirun -np 2`, are exported with
+#    `mpitrain export --format hf`, and the reference's logits on the exported weights equal
+#    mpitrain's (tests/hf_logits.cpp);
 #  - model.init_from: hf:DIR takes the shape from config.json and the weights from the
 #    safetensors: step-0 val loss = the exporting run's last; a sharded export
 #    (--max-shard-size, model.safetensors.index.json) loads the same;
 #  - 20 AdamW steps from the exported weights on 2 ranks (mpitrain) and in the reference
-#    (PyTorch's AdamW, one process, the same windows, schedule and clip) give the same losses;
+#    (PyTorch's AdamW, one process, the same windows, schedule and clip) give the same losses:
+#    the Llama data-parallel, the Qwen3 tensor-parallel (tp 2: each rank half the heads, the q/k
+#    norms' gradients summed over both);
 #  - a --tokenizer hf pack: the checkpoint records the tokenizer.json, export copies it, sample
 #    decodes through it, and a resume on shards of another tokenizer.json is refused;
 #  - bad input: config.json keys that disagree with explicit model keys, an index naming a
@@ -40,8 +43,12 @@ printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n
         rope_high_freq_factor: 4, rope_original_max_position: 64, tie_embeddings: false}' "$common" > llama.yaml
 printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 64,
         seq_len: 32, rope_theta: 10000, qkv_bias: true, norm_eps: 1e-6}' "$common" > qwen.yaml
+# vocab_size 258: every row a class and divisible by tp 2 (the tensor-parallel run below)
+printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
+        intermediate_size: 64, seq_len: 32, rope_theta: 1000000, qk_norm: true, norm_eps: 1e-6, vocab_size: 258}' \
+  "$common" > qwen3.yaml
 
-for m in llama qwen; do
+for m in llama qwen qwen3; do
   "$MPIRUN" -np 2 "$BIN" $m.yaml --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
   rc=$?
   check "$m: training (mpirun -np 2, 6 steps) exits 0 and names the architecture" \
@@ -59,10 +66,11 @@ for m in llama qwen; do
   sed 's/^/  /' ref_$m.out
   check "$m: the reference Llama on the exported weights gives mpitrain's logits (exit $rc)" "[ $rc -eq 0 ]"
 done
-check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head; Qwen2ForCausalLM tied" \
+check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head; Qwen2ForCausalLM tied; Qwen3ForCausalLM with head_dim 16" \
   "grep -q LlamaForCausalLM hf_llama/config.json && grep -q '\"rope_type\": \"llama3\"' hf_llama/config.json &&
    grep -q '\"tie_word_embeddings\": false' hf_llama/config.json && grep -q Qwen2ForCausalLM hf_qwen/config.json &&
-   grep -q '\"tie_word_embeddings\": true' hf_qwen/config.json"
+   grep -q '\"tie_word_embeddings\": true' hf_qwen/config.json && grep -q Qwen3ForCausalLM hf_qwen3/config.json &&
+   grep -q '\"head_dim\": 16' hf_qwen3/config.json && grep -q 'q/k norms' train_qwen3.out"
 
 # ---- Hugging Face in: hf:DIR, one file and sharded ----
 last_val=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_llama.out | tail -1)
@@ -92,13 +100,9 @@ check "the reference reads the sharded export through its index: the same logits
 # Text that can be learned: the GPL's bytes as tokens 1-256 (0 is the end-of-text token, unused).
 "$PY" -c 'import numpy as np; np.save("tokens.npy", np.frombuffer(open("/usr/share/common-licenses/GPL-3", "rb").read(), np.uint8).astype(np.uint16) + 1)'
 "$BIN" pack tokens.npy -o data/t --vocab-size 257 --eot 0 --val-fraction 0 > pack_t.out 2>&1 || cat pack_t.out
-"$MPIRUN" -np 2 "$BIN" init.yaml --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
-  --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par --set checkpoint.dir=ckpt_par \
-  > par.out 2>&1
-rc=$?
-"${REF[@]}" train hf_llama tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 > ref_train.out 2>&1
-rrc=$?
-"$PY" - run_par/metrics.jsonl ref_train.out > parity.out 2>&1 <<'PYEOF'
+# mpitrain's losses (METRICS) against the reference's (REF_OUT): 20 each, within 1e-4, learning.
+parity() {
+  "$PY" - "$1" "$2" <<'PYEOF'
 import json, sys
 ours = [json.loads(l)["loss"] for l in open(sys.argv[1]) if '"loss"' in l]
 ref = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])["losses"]
@@ -106,12 +110,27 @@ d = max(abs(a - b) for a, b in zip(ours, ref))
 print(f"  20 steps: mpitrain {ours[0]:.6f} .. {ours[-1]:.6f}, reference {ref[0]:.6f} .. {ref[-1]:.6f}; max |delta| {d:.2e}")
 sys.exit(0 if len(ours) == len(ref) == 20 and d <= 1e-4 and ours[-1] < ours[0] - 0.1 else 1)
 PYEOF
-prc=$?
-cat parity.out
-check "20 AdamW steps from the exported weights: losses within 1e-4 of the reference's, and learning" \
-  "[ $rc -eq 0 ] && [ $rrc -eq 0 ] && [ $prc -eq 0 ]"
-[ $rc -eq 0 ] || tail -5 par.out
-[ $rrc -eq 0 ] || tail -5 ref_train.out
+}
+cat > init3.yaml <<YAML
+model: {init_from: "hf:hf_qwen3", seq_len: 32}
+$common
+YAML
+for m in llama qwen3; do
+  if [ $m = llama ]; then cfg=init.yaml layout="data parallel" extra=(); else cfg=init3.yaml layout="tp 2, 2 micro-batches" extra=(--set parallel.tp=2 --set train.grad_accum=2); fi
+  "$MPIRUN" -np 2 "$BIN" $cfg "${extra[@]}" --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
+    --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par_$m \
+    --set checkpoint.dir=ckpt_par_$m > par_$m.out 2>&1
+  rc=$?
+  "${REF[@]}" train hf_$m tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 > ref_train_$m.out 2>&1
+  rrc=$?
+  parity run_par_$m/metrics.jsonl ref_train_$m.out > parity_$m.out 2>&1
+  prc=$?
+  cat parity_$m.out
+  check "$m: 20 AdamW steps from the exported weights ($layout; 2 ranks): losses within 1e-4 of the reference's, and learning" \
+    "[ $rc -eq 0 ] && [ $rrc -eq 0 ] && [ $prc -eq 0 ]"
+  [ $rc -eq 0 ] || tail -5 par_$m.out
+  [ $rrc -eq 0 ] || tail -5 ref_train_$m.out
+done
 
 # ---- a Hugging Face tokenizer.json: recorded in the shards, carried by the checkpoint ----
 for t in pairs strings; do  # the same vocabulary, two files (two SHA-256s)

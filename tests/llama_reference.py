@@ -1,10 +1,11 @@
 #!/usr/bin/python3
-"""An exported Hugging Face Llama / Qwen2 directory checked without mpitrain's code.
+"""An exported Hugging Face Llama / Qwen2 / Qwen3 directory checked without mpitrain's code.
 
-A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM and
-Qwen2ForCausalLM: RMSNorm in fp32 then cast, rotary in the half-split layout with rotate_half,
-Llama 3.1's rope_scaling "llama3", grouped-query attention by repeat_kv, SwiGLU, q/k/v biases
-for Qwen2, tied or untied lm_head), reading only config.json and the safetensors files:
+A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM,
+Qwen2ForCausalLM and Qwen3ForCausalLM: RMSNorm in fp32 then cast, rotary in the half-split layout
+with rotate_half, Llama 3.1's rope_scaling "llama3", grouped-query attention by repeat_kv,
+SwiGLU, q/k/v biases for Qwen2, config.json's head_dim and the per-head q_norm / k_norm before
+rotary for Qwen3, tied or untied lm_head), reading only config.json and the safetensors files:
 
   llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
       mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
@@ -91,7 +92,7 @@ def load_weights(hf_dir):
 
 
 class Llama(torch.nn.Module):
-    """transformers' LlamaForCausalLM / Qwen2ForCausalLM forward, with HF's parameter names."""
+    """transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM forward, with HF's parameter names."""
 
     def __init__(self, cfg, tensors):
         super().__init__()
@@ -150,8 +151,11 @@ class Llama(torch.nn.Module):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = self.rms(x, p + "input_layernorm.weight")
-            q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd).transpose(1, 2)
-            k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd).transpose(1, 2)
+            q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd)
+            k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd)
+            if self.has(p + "self_attn.q_norm.weight"):  # Qwen3: each head normalised, then rotated
+                q, k = self.rms(q, p + "self_attn.q_norm.weight"), self.rms(k, p + "self_attn.k_norm.weight")
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self.linear(h, p + "self_attn.v_proj").view(B, T, KV, hd).transpose(1, 2)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             k = k[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)  # repeat_kv
@@ -190,7 +194,7 @@ def main():
 
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
     arch = cfg["architectures"][0]
-    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         fail(f"config.json architectures {arch}")
     tensors = load_weights(args.hf_dir)
     tied = cfg.get("tie_word_embeddings", False)
@@ -199,9 +203,12 @@ def main():
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
     if qkv_bias != (arch == "Qwen2ForCausalLM"):
         fail(f"{arch} with q_proj.bias {'present' if qkv_bias else 'absent'}")
+    qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
+    if qk_norm != (arch == "Qwen3ForCausalLM"):
+        fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
-          f"{cfg.get('num_key_value_heads')} kv heads, rope_scaling {cfg.get('rope_scaling')}, tied {tied}")
+          f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}")
 
     if args.mode == "logits":
         tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))

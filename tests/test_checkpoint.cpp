@@ -175,6 +175,43 @@ std::string load_error(const std::string& path, GPTDims d) {
 }
 }  // namespace
 
+// A Qwen3-shaped Llama (heads of 16 at width 16, q/k norms) comes back bitwise with its shape;
+// a model without the norms or with other heads is refused by name before a tensor is read.
+TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNorms) {
+  const std::string dir = temp_dir();
+  GPTDims d = dims();
+  d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 8;
+  d.head_size = 16, d.qk_norm = true;
+  torch::manual_seed(5);
+  GPT a(d);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : a->named_params())
+      if (name.find("_norm.") != std::string::npos) p.uniform_(0.5, 1.5);
+  }
+  AdamW opt(a->named_params(), OptimConfig{});
+  TrainState st;
+  st.step = 1;
+  const std::string path = save_checkpoint(dir, a, opt, st, 3);
+  const GPTDims stored = checkpoint_dims(path);
+  EXPECT_EQ(stored.head_dim(), 16);
+  EXPECT_TRUE(stored.qk_norm);
+  torch::manual_seed(6);
+  GPT b(d);
+  AdamW opt_b(b->named_params(), OptimConfig{});
+  TrainState got;
+  load_checkpoint(path, b, &opt_b, got);
+  const auto pa = a->named_params(), pb = b->named_params();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i].second, pb[i].second)) << pa[i].first;
+  GPTDims no_norms = d;
+  no_norms.qk_norm = false;
+  EXPECT_NE(load_error(path, no_norms).find("has qk_norm 1, the configured one 0 (model.qk_norm)"), std::string::npos);
+  GPTDims narrow = d;
+  narrow.head_size = 0;  // n_embd / n_head = 8
+  EXPECT_NE(load_error(path, narrow).find("has head_dim 16, the configured one 8 (model.head_dim)"), std::string::npos);
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Checkpoint, BadCheckpointsAreUsageErrorsNamingFileAndDataset) {
   const std::string dir = temp_dir();
   Trained a(1);

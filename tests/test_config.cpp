@@ -69,6 +69,8 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.max_position, b.model.max_position);
   EXPECT_EQ(a.model.qkv_bias, b.model.qkv_bias);
   EXPECT_EQ(a.model.tie_embeddings, b.model.tie_embeddings);
+  EXPECT_EQ(a.model.head_dim, b.model.head_dim);
+  EXPECT_EQ(a.model.qk_norm, b.model.qk_norm);
   EXPECT_EQ(a.model.norm_eps, b.model.norm_eps);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val, b.data.val);
@@ -312,6 +314,24 @@ TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
   EXPECT_EQ(qwen.model.qkv_bias, "true");
   EXPECT_EQ(qwen.model.norm_eps, 1e-6);
   EXPECT_EQ(qwen.model.rope_scaling, "none");
+  EXPECT_EQ(qwen.model.qk_norm, "false");
+  EXPECT_EQ(qwen.model.head_dim, 0);  // n_embd / n_head
+  // Qwen3: 16 heads of 128 at width 1024, q/k norms, no biases, tied
+  Config qwen3 = parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-0.6b"});
+  EXPECT_EQ(qwen3.model.n_layer, 28);
+  EXPECT_EQ(qwen3.model.n_head, 16);
+  EXPECT_EQ(qwen3.model.n_kv_head, 8);
+  EXPECT_EQ(qwen3.model.n_embd, 1024);
+  EXPECT_EQ(qwen3.model.head_dim, 128);
+  EXPECT_EQ(qwen3.model.intermediate_size, 3072);
+  EXPECT_EQ(qwen3.model.vocab_size, 151936);
+  EXPECT_EQ(qwen3.model.max_position, 40960);
+  EXPECT_EQ(qwen3.model.qk_norm, "true");
+  EXPECT_EQ(qwen3.model.qkv_bias, "false");
+  EXPECT_EQ(qwen3.model.tie_embeddings, "true");
+  EXPECT_EQ(qwen3.model.rope_theta, 1000000.0);
+  EXPECT_EQ(parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-1.7b"}).model.intermediate_size, 6144);
+  expect_same(qwen3, parse_config(to_yaml(qwen3), "resolved.yaml"));
   Config debug = parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug"});
   EXPECT_EQ(debug.model.n_embd, 256);
   EXPECT_EQ(debug.model.n_kv_head, 4);
@@ -353,9 +373,54 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
   expect_same(c, parse_config(to_yaml(c), "resolved.yaml"));
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.n_kv_head=4"}); }),
                   {"run.yaml: model.n_kv_head: 4 disagrees with ", "/config.json's 2"});
+  // Qwen3: head_dim wider than hidden_size / num_attention_heads, q/k norms
+  const std::string qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+             "rope_theta": 1000000, "rope_scaling": null, "tie_word_embeddings": true, "hidden_act": "silu",
+             "attention_bias": false, "use_sliding_window": false, "sliding_window": null})";
+  std::ofstream(dir + "/config.json") << qwen3;
+  Config q = load_config(dir + "/run.yaml");
+  EXPECT_EQ(q.model.head_dim, 32);
+  EXPECT_EQ(q.model.qk_norm, "true");
+  EXPECT_EQ(q.model.qkv_bias, "false");
+  EXPECT_EQ(q.model.n_embd, 64);
+  expect_same(q, parse_config(to_yaml(q), "resolved.yaml"));
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.head_dim=16"}); }),
+                  {"run.yaml: model.head_dim: 16 disagrees with ", "/config.json's 32"});
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.qk_norm=false"}); }),
+                  {"run.yaml: model.qk_norm: false disagrees with ", "/config.json's true"});
+  std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"attention_bias\": false"), 23,
+                                                                    "\"attention_bias\": true ");
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: attention_bias: true"});
+  std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"head_dim\": 32"), 14,
+                                                                    "\"head_dim\": 33");
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: head_dim: 33: rotary needs an even"});
   std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "hidden_size": 64})";
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
                   {"run.yaml: model.init_from: ", "/config.json: model_type: 'mixtral'"});
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// Qwen3 0.6B's published config.json (the keys transformers 4.51 writes) gives the preset's shape.
+TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
+  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  std::ofstream(dir + "/config.json")
+      << R"({"architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+             "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+             "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+             "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+             "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+             "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": true,
+             "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": true,
+             "use_sliding_window": false, "vocab_size": 151936})";
+  std::ofstream(dir + "/run.yaml") << concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
+  Config from_file = load_config(dir + "/run.yaml");
+  Config preset = parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-0.6b"});
+  from_file.model.preset = preset.model.preset;
+  from_file.model.init_from = preset.model.init_from;
+  expect_same(from_file, preset);
   std::system(("rm -rf " + dir).c_str());
 }
 
@@ -400,6 +465,14 @@ INSTANTIATE_TEST_SUITE_P(
                 {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3, got 2"}},
         Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},
                 {"model.rope_high_freq_factor must be > model.rope_low_freq_factor (1), got 0.5"}},
+        Invalid{"head_dim_on_gpt2", {"model.head_dim=64"}, {"model.head_dim applies to model.arch: llama only"}},
+        Invalid{"qk_norm_on_gpt2", {"model.qk_norm=true"}, {"model.qk_norm applies to model.arch: llama only"}},
+        Invalid{"head_dim_odd", {"model.preset=llama-debug", "model.head_dim=15"},
+                {"model.head_dim must be even (rotary pairs), got 15"}},
+        Invalid{"qk_norm_with_qkv_bias", {"model.preset=qwen2.5-0.5b", "model.qk_norm=true"},
+                {"model.qk_norm must be false with model.qkv_bias: true"}},
+        Invalid{"qk_norm_value", {"model.preset=qwen3-0.6b", "model.qk_norm=yes"},
+                {"model.qk_norm must be true or false, got 'yes'"}},
         Invalid{"n_head", {"model.n_head=-2"}, {"model.n_head must be > 0, got -2"}},
         Invalid{"n_embd", {"model.n_embd=-3"}, {"model.n_embd must be > 0, got -3"}},
         Invalid{"seq_len", {"model.seq_len=-4"}, {"model.seq_len must be > 0, got -4"}},

@@ -400,43 +400,49 @@ void expect_grads_close(GPT& a, GPT& b, double rel, const std::string& what, Com
 }  // namespace
 
 TEST(FusedEmu, TheFusedLlamaMatchesTheUnfusedLlama) {
-  GPTDims d = llama_test_dims();
-  torch::manual_seed(29);
-  GPT plain(d);
-  perturb(plain);
-  d.fused_kernels = true;
-  d.fused_loss = true;
-  GPT fused(d);
-  {
-    torch::NoGradGuard no_grad;
-    auto pf = fused->named_params(), pp = plain->named_params();
-    ASSERT_EQ(pf.size(), pp.size());
-    for (size_t i = 0; i < pf.size(); ++i) pf[i].second.copy_(pp[i].second);
-  }
-  auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);
-  auto lf = fused->loss(x, y), lp = plain->loss(x, y);
-  const double loss_tol = 2 * kB32 * (std::fabs(lp.item<double>()) + 1);
-  std::cout << "llama fp32 loss: fused " << lf.item<double>() << ", unfused " << lp.item<double>()
-            << ", |diff| / bound " << std::fabs(lf.item<double>() - lp.item<double>()) / loss_tol << "\n";
-  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), loss_tol);
-  lf.backward();
-  lp.backward();
-  expect_grads_close(fused, plain, 2 * kB32 * std::sqrt(kTokens), "llama fp32");
+  // Llama-shaped (llama_test_dims), then Qwen3-shaped: heads of 16 at width 32 and q/k norms.
+  for (bool qwen3 : {false, true}) {
+    SCOPED_TRACE(qwen3 ? "qwen3" : "llama");
+    GPTDims d = llama_test_dims();
+    if (qwen3) d.qkv_bias = false, d.head_size = 16, d.qk_norm = true;  // q/k norms unfused, then the fused rotary
+    const std::string name = qwen3 ? "qwen3" : "llama";
+    torch::manual_seed(29);
+    GPT plain(d);
+    perturb(plain);
+    d.fused_kernels = true;
+    d.fused_loss = true;
+    GPT fused(d);
+    {
+      torch::NoGradGuard no_grad;
+      auto pf = fused->named_params(), pp = plain->named_params();
+      ASSERT_EQ(pf.size(), pp.size());
+      for (size_t i = 0; i < pf.size(); ++i) pf[i].second.copy_(pp[i].second);
+    }
+    auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);
+    auto lf = fused->loss(x, y), lp = plain->loss(x, y);
+    const double loss_tol = 2 * kB32 * (std::fabs(lp.item<double>()) + 1);
+    std::cout << name << " fp32 loss: fused " << lf.item<double>() << ", unfused " << lp.item<double>()
+              << ", |diff| / bound " << std::fabs(lf.item<double>() - lp.item<double>()) / loss_tol << "\n";
+    EXPECT_NEAR(lf.item<double>(), lp.item<double>(), loss_tol);
+    lf.backward();
+    lp.backward();
+    expect_grads_close(fused, plain, 2 * kB32 * std::sqrt(kTokens), name + " fp32");
 
-  // bf16 autocast on the CPU: the kernels take bf16 activations, as on a GPU.
-  fused->zero_grad();
-  plain->zero_grad();
-  {
-    Autocast ac(Precision::bf16, torch::Device(torch::kCPU));
-    lf = fused->loss(x, y), lp = plain->loss(x, y);
+    // bf16 autocast on the CPU: the kernels take bf16 activations, as on a GPU.
+    fused->zero_grad();
+    plain->zero_grad();
+    {
+      Autocast ac(Precision::bf16, torch::Device(torch::kCPU));
+      lf = fused->loss(x, y), lp = plain->loss(x, y);
+    }
+    const double loss_tol16 = kB16 * (std::fabs(lp.item<double>()) + 1);
+    std::cout << name << " bf16 loss: fused " << lf.item<double>() << ", unfused " << lp.item<double>()
+              << ", |diff| / bound " << std::fabs(lf.item<double>() - lp.item<double>()) / loss_tol16 << "\n";
+    EXPECT_NEAR(lf.item<double>(), lp.item<double>(), loss_tol16);
+    lf.backward();
+    lp.backward();
+    expect_grads_close(fused, plain, kB16, name + " bf16");
   }
-  const double loss_tol16 = kB16 * (std::fabs(lp.item<double>()) + 1);
-  std::cout << "llama bf16 loss: fused " << lf.item<double>() << ", unfused " << lp.item<double>()
-            << ", |diff| / bound " << std::fabs(lf.item<double>() - lp.item<double>()) / loss_tol16 << "\n";
-  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), loss_tol16);
-  lf.backward();
-  lp.backward();
-  expect_grads_close(fused, plain, kB16, "llama bf16");
 }
 
 // Tensor parallel on the kernel path (CTest test_fused_emu_tp_np2: mpirun -np 2; the singleton

@@ -313,14 +313,16 @@ TEST(Gpu, FusedBiasGeluKernelMatchesReference) {
   }
 }
 
-TEST(Gpu, FusedKernelsModelMatchesTheUnfusedModel) {
-  REQUIRE_FUSED_KERNELS();
-  GPTDims d = tiny_dims();
+namespace {
+
+// The model with d.fused_kernels on and off from the same seed, on the GPU: the same loss and
+// gradients in fp32, the same loss within bf16's precision under autocast.
+void expect_fused_model_matches_unfused(GPTDims d, uint64_t seed) {
   d.fused_kernels = true;
-  torch::manual_seed(13);
+  torch::manual_seed(seed);
   GPT fused(d);
   d.fused_kernels = false;
-  torch::manual_seed(13);
+  torch::manual_seed(seed);
   GPT plain(d);
   fused->to(kGpu);
   plain->to(kGpu);
@@ -333,9 +335,15 @@ TEST(Gpu, FusedKernelsModelMatchesTheUnfusedModel) {
   auto pf = fused->named_params(), pp = plain->named_params();
   for (size_t i = 0; i < pf.size(); ++i)
     expect_close(pf[i].second.grad(), pp[i].second.grad(), Tol{1e-3, 1e-5}, pf[i].first);
-  // bf16: the same model within bf16's precision.
   Autocast ac(Precision::bf16, kGpu);
   EXPECT_NEAR(fused->loss(x, y).item<double>(), plain->loss(x, y).item<double>(), 2e-2);
+}
+
+}  // namespace
+
+TEST(Gpu, FusedKernelsModelMatchesTheUnfusedModel) {
+  REQUIRE_FUSED_KERNELS();
+  expect_fused_model_matches_unfused(tiny_dims(), 13);
 }
 
 // The Llama block's fused ops (add_rmsnorm, swiglu, rotary) on the GPU against their ATen
@@ -399,33 +407,20 @@ TEST(Gpu, FusedLlamaOpsKernelsMatchReference) {
   }
 }
 
+// Llama-shaped, then Qwen3-shaped (heads of 16 at width 32 and q/k norms, no biases).
 TEST(Gpu, FusedKernelsLlamaMatchesTheUnfusedLlama) {
   REQUIRE_FUSED_KERNELS();
-  GPTDims d = tiny_dims();
-  d.arch = "llama";
-  d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 96, d.max_position = d.seq_len;
-  d.rope_scaling = "llama3", d.rope_factor = 8, d.rope_low_freq_factor = 1, d.rope_high_freq_factor = 4;
-  d.rope_original_max_position = 64;
-  d.qkv_bias = true, d.tie_embeddings = false;
-  d.fused_kernels = true;
-  torch::manual_seed(16);
-  GPT fused(d);
-  d.fused_kernels = false;
-  torch::manual_seed(16);
-  GPT plain(d);
-  fused->to(kGpu);
-  plain->to(kGpu);
-  auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
-  auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong).device(kGpu));
-  auto lf = fused->loss(x, y), lp = plain->loss(x, y);
-  EXPECT_NEAR(lf.item<double>(), lp.item<double>(), 1e-4);
-  lf.backward();
-  lp.backward();
-  auto pf = fused->named_params(), pp = plain->named_params();
-  for (size_t i = 0; i < pf.size(); ++i)
-    expect_close(pf[i].second.grad(), pp[i].second.grad(), Tol{1e-3, 1e-5}, pf[i].first);
-  Autocast ac(Precision::bf16, kGpu);
-  EXPECT_NEAR(fused->loss(x, y).item<double>(), plain->loss(x, y).item<double>(), 2e-2);
+  for (bool qwen3 : {false, true}) {
+    SCOPED_TRACE(qwen3 ? "qwen3" : "llama");
+    GPTDims d = tiny_dims();
+    d.arch = "llama";
+    d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 96, d.max_position = d.seq_len;
+    d.rope_scaling = "llama3", d.rope_factor = 8, d.rope_low_freq_factor = 1, d.rope_high_freq_factor = 4;
+    d.rope_original_max_position = 64;
+    d.qkv_bias = !qwen3, d.tie_embeddings = false;
+    if (qwen3) d.head_size = 16, d.qk_norm = true;
+    expect_fused_model_matches_unfused(d, 16);
+  }
 }
 
 TEST(Gpu, FusedSoftmaxCrossEntropyKernelMatchesReference) {

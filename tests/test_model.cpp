@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 
 #include "mpitrain/amp.h"
 #include "mpitrain/config.h"
@@ -49,16 +50,71 @@ TEST(Model, LlamaDebugPresetCountsEveryPart) {
   }
 }
 
+// Qwen3's attention: heads wider than n_embd / n_head (4 x 16 = 64 > 32), an RMSNorm over each
+// head's q and k (weights of head_dim, starting at one, whole on every tp rank), no biases.
+TEST(Model, Qwen3AttentionHasWideHeadsAndQkNorms) {
+  GPTDims d;
+  d.arch = "llama";
+  d.n_layer = 2, d.n_head = 4, d.n_kv_head = 2, d.n_embd = 32, d.head_size = 16, d.intermediate_size = 48;
+  d.seq_len = 16, d.vocab_size = 70, d.max_position = 16, d.qk_norm = true;
+  GPT model(d);
+  // per layer: q 64x32, k and v 32x32 (2 kv heads of 16), o 32x64, q/k norms of 16, gate/up/down
+  // 48x32, two RMSNorms of 32; the tied embedding and the final RMSNorm
+  const int64_t layer = 2 * 2048 + 2 * 1024 + 2 * 16 + 3 * 1536 + 2 * 32;
+  EXPECT_EQ(model->num_params(), 70 * 32 + 2 * layer + 32);
+  const auto params = model->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  ASSERT_TRUE(by_name.count("h.1.attn.q_norm.weight") && by_name.count("h.1.attn.k_norm.weight"));
+  EXPECT_TRUE(torch::equal(by_name["h.1.attn.q_norm.weight"], torch::ones({16})));
+  EXPECT_EQ(by_name["h.0.attn.q_proj.weight"].sizes(), torch::IntArrayRef({64, 32}));
+  EXPECT_EQ(by_name["h.0.attn.c_proj.weight"].sizes(), torch::IntArrayRef({32, 64}));
+  EXPECT_EQ(model->tp_split("h.0.attn.k_norm.weight"), TpSplit::replicated);
+  EXPECT_EQ(hf_name("h.0.attn.q_norm.weight", d), "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_EQ(hf_architecture(d), "Qwen3ForCausalLM");
+  // The norms act: the same model without them computes other logits.
+  GPTDims plain = d;
+  plain.qk_norm = false;
+  GPT without(plain);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : without->named_params()) p.copy_(by_name.at(name));
+    auto x = torch::randint(0, 70, {2, 16}, torch::kLong);
+    EXPECT_FALSE(torch::allclose(model->forward(x), without->forward(x), 1e-3, 1e-3));
+  }
+}
+
+// Qwen3 0.6B's blocks as published: 28 of 15,730,944 parameters, 0.44B without the embedding
+// (one block built here, with a small vocabulary: the whole model would take 2.4 GB).
+TEST(Model, Qwen3PresetBlockHasThePublishedSize) {
+  Config cfg = parse_config("model: {preset: qwen3-0.6b, n_layer: 1, vocab_size: 64}\ndata: {train: [x.h5], val: [y.h5]}\n",
+                            "t.yaml");
+  GPT model(model_dims(cfg.model, 64));
+  // q 2048x1024, k and v 1024x1024 (8 kv heads of 128), o 1024x2048, q/k norms of 128, gate/up/down
+  // 3072x1024, two RMSNorms of 1024
+  const int64_t block = 2 * 2097152 + 2 * 1048576 + 2 * 128 + 3 * 3145728 + 2 * 1024;
+  EXPECT_EQ(block, 15730944);
+  EXPECT_EQ(model->num_params(), 64 * 1024 + block + 1024);
+  EXPECT_EQ(28 * block + 1024, 440467456);  // "0.44B non-embedding parameters"
+}
+
 // A Llama written to Hugging Face's files and read back: every tensor bitwise, in one file and in
-// shards with an index; a tied model writes no lm_head, an untied one does.
+// shards with an index; a tied model writes no lm_head, an untied one does. Qwen2-shaped (q/k/v
+// biases) tied and untied, and Qwen3-shaped (wide heads, q/k norms).
 TEST(Model, LlamaHuggingFaceFilesRoundTripBitwise) {
-  for (bool tied : {true, false}) {
+  for (int variant : {0, 1, 2}) {
+    const bool tied = variant != 1, qwen3 = variant == 2;
     GPTDims d;
     d.arch = "llama";
     d.n_layer = 2, d.n_head = 4, d.n_kv_head = 2, d.n_embd = 32, d.intermediate_size = 48, d.seq_len = 16;
-    d.vocab_size = 70, d.max_position = 16, d.qkv_bias = true, d.tie_embeddings = tied;
+    d.vocab_size = 70, d.max_position = 16, d.qkv_bias = !qwen3, d.tie_embeddings = tied;
+    if (qwen3) d.head_size = 16, d.qk_norm = true;
     torch::manual_seed(3);
     GPT a(d);
+    if (qwen3) {  // norms other than their initial ones, so that a norm left at one is seen
+      torch::NoGradGuard no_grad;
+      for (const auto& [name, p] : a->named_params())
+        if (name.find("_norm.") != std::string::npos) p.uniform_(0.5, 1.5);
+    }
     char tmpl[] = "/tmp/mpitrain-hf-XXXXXX";
     const std::string dir = mkdtemp(tmpl);
     for (uint64_t shard_bytes : {uint64_t{5'000'000'000}, uint64_t{8000}}) {
@@ -425,7 +481,8 @@ TEST(Model, FusedKernelsMatchTheUnfusedModel) {
         if (llama) {
           d.arch = "llama";
           d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 48, d.max_position = 16;
-          d.qkv_bias = true, d.tie_embeddings = false;
+          d.qkv_bias = dropout == 0, d.tie_embeddings = false;
+          if (dropout > 0) d.head_size = 12, d.qk_norm = true;  // Qwen3-shaped: the fused rotary after the q/k norms
         }
         d.fused_loss = fused_loss;
         d.dropout = dropout;

@@ -75,13 +75,17 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
     if (world % tp != 0) continue;
     TpGroup group(tp);
     const int64_t r = group.comm->rank();
-    for (int variant = 0; variant < 6; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here); 3: a Llama
       // (GQA with tp kv heads, SwiGLU, rotary with llama3 scaling, q/k/v biases, untied head); 4: that
-      // Llama with the fused loss; 5: that Llama with the fused block ops (RMSNorm, SwiGLU, rotary)
-      const bool fused = variant == 1 || variant == 5, fused_loss = variant == 2 || variant == 4, llama = variant >= 3;
+      // Llama with the fused loss; 5: that Llama with the fused block ops (RMSNorm, SwiGLU, rotary);
+      // 6: a Qwen3-shaped Llama (heads of 12 at width 32, q/k norms whose weights every tp rank
+      // holds whole while normalising only its own heads, so their gradient is summed over the
+      // group; no biases, tied); 7: that with the fused block ops
+      const bool fused = variant == 1 || variant == 5 || variant == 7, fused_loss = variant == 2 || variant == 4;
+      const bool llama = variant >= 3, qwen3 = variant >= 6;
       SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss
-                                      << ", llama " << llama);
+                                      << ", llama " << llama << ", qwen3 " << qwen3);
       GPTDims dense_dims = small_dims(fused);
       dense_dims.fused_loss = fused_loss;
       if (llama) {
@@ -91,6 +95,7 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         dense_dims.rope_theta = 100, dense_dims.rope_scaling = "llama3", dense_dims.rope_factor = 4;
         dense_dims.rope_low_freq_factor = 1, dense_dims.rope_high_freq_factor = 4, dense_dims.rope_original_max_position = 32;
         dense_dims.qkv_bias = true, dense_dims.tie_embeddings = false;
+        if (qwen3) dense_dims.qkv_bias = false, dense_dims.tie_embeddings = true, dense_dims.head_size = 12, dense_dims.qk_norm = true;
       }
       GPTDims tp_dims = dense_dims;
       tp_dims.fused_loss_rows = 7;
@@ -138,9 +143,9 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         EXPECT_GT(rel_diff(got * 2, want), 100 * kTolerance) << whole[i].first;
       }
       if (world_rank() == 0)
-        std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d: loss %.7f vs dense %.7f, largest relative "
-                    "gradient difference %.2g\n",
-                    tp, fused, fused_loss, llama, tp_loss.item<double>(), dense_loss.item<double>(), worst);
+        std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d, qwen3 %d: loss %.7f vs dense %.7f, largest "
+                    "relative gradient difference %.2g\n",
+                    tp, fused, fused_loss, llama, qwen3, tp_loss.item<double>(), dense_loss.item<double>(), worst);
     }
   }
 }

@@ -1,5 +1,5 @@
 // GPT-2 and Llama in Hugging Face's format: safetensors + config.json, what transformers'
-// GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM .from_pretrained read (`mpitrain export
+// GPT2LMHeadModel / LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM .from_pretrained read (`mpitrain export
 // CKPT --format hf DIR`), and the same files as initial weights (model.init_from).
 //
 // Names, one table per family (hf_name):
@@ -11,8 +11,9 @@
 //   llama  wte -> model.embed_tokens, h.N -> model.layers.N, ln_1 -> input_layernorm,
 //          attn.{q,k,v}_proj -> self_attn.{q,k,v}_proj, attn.c_proj -> self_attn.o_proj,
 //          ln_2 -> post_attention_layernorm, mlp.{gate,up}_proj as they are, mlp.c_proj ->
-//          mlp.down_proj, ln_f -> model.norm, lm_head as it is (untied only). A rename and
-//          nothing else: mpitrain's rotary uses HF's half-split layout, so q/k are not permuted.
+//          mlp.down_proj, ln_f -> model.norm, lm_head as it is (untied only), attn.{q,k}_norm ->
+//          self_attn.{q,k}_norm (Qwen3). A rename and nothing else: mpitrain's rotary uses HF's
+//          half-split layout, so q/k are not permuted.
 //
 // safetensors: an 8-byte little-endian header length N, N bytes of JSON
 // {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ..., "__metadata__": {...}}
@@ -27,6 +28,10 @@
 #include "mpitrain/model.h"
 
 namespace mpitrain {
+
+// The transformers class of a model: GPT2LMHeadModel (gpt2), Qwen2ForCausalLM (llama with q/k/v
+// biases), Qwen3ForCausalLM (llama with q/k norms) or LlamaForCausalLM (llama).
+std::string hf_architecture(const GPTDims& d);
 
 // Hugging Face's name of an mpitrain parameter, and whether it is stored transposed (GPT-2's Conv1D).
 std::string hf_name(const std::string& name, const GPTDims& d);

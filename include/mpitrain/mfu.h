@@ -6,7 +6,8 @@
 // N counts the parameters that take part in matrix products: all but the position embedding (the
 // token embedding counts: it is also the output layer). 6 N: 2 FLOPs per multiply-add, forward
 // once, backward twice. 12 L d T: attention's two T x T products (Q K^T and the weighted sum of V)
-// per layer, 2 x 2 T d FLOPs per token forward, x 3 with backward; the causal mask is not
+// per layer, 2 x 2 T d FLOPs per token forward, x 3 with backward, d being the attention's width
+// (n_head x head_dim: n_embd but for Qwen3's wider heads); the causal mask is not
 // subtracted (the usual convention). Activation recomputation is not counted: these are model
 // FLOPs, not hardware FLOPs. Tensor parallelism does not change them (the same model, split).
 //
@@ -18,7 +19,7 @@
 
 namespace mpitrain {
 
-double model_flops_per_token(int64_t params, int64_t position_embedding_params, int64_t n_layer, int64_t n_embd,
+double model_flops_per_token(int64_t params, int64_t position_embedding_params, int64_t n_layer, int64_t attn_width,
                              int64_t seq_len);
 
 // The dense (no sparsity) peak TFLOPS of a known NVIDIA data-centre GPU, by the name CUDA reports:

@@ -4,6 +4,9 @@
 //   positions  learned wpe added to the embedding  | rotary on q and k, Hugging Face's half-split layout
 //   attention  one c_attn [q; k; v] with biases    | q_proj, k_proj, v_proj (n_kv_head heads: grouped-
 //              (n_head heads each)                 |   query attention), biases on them only with qkv_bias
+//              of n_embd / n_head each             |   (Qwen2); heads of head_dim each (Qwen3: 128 at any
+//                                                  |   width); with qk_norm an RMSNorm over each head's
+//                                                  |   q and k before rotary (Qwen3's q_norm, k_norm)
 //   MLP        c_fc -> GELU (tanh) -> c_proj,      | SwiGLU: c_proj(silu(gate_proj x) * up_proj x),
 //              4 n_embd units, biases              |   intermediate_size units, no biases
 //   output     tied to the token embedding         | tied, or its own lm_head (tie_embeddings false)
@@ -51,6 +54,8 @@ struct GPTDims {
   int64_t rope_original_max_position = 0;
   bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
   bool tie_embeddings = true;   // llama: false = an lm_head of its own
+  int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
+  bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
   // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
   // the rows after them are padding, initialised to zero, outside the loss and the logits, so
   // they get no gradient and are never sampled. 0: every row is a class (an explicit
@@ -67,7 +72,8 @@ struct GPTDims {
   Communicator* tp_comm = nullptr;
 
   bool llama() const { return arch == "llama"; }
-  int64_t head_dim() const { return n_embd / n_head; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
+  int64_t attn_width() const { return n_head * head_dim(); }  // q's and attention output's width
   int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
 };
 
@@ -107,9 +113,11 @@ class TpDeclared {
 // LayerNorm over the last dimension (weight and bias; GPT-2), or RMSNorm (weight only; Llama):
 // x / sqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, times the weight, as
 // Hugging Face's LlamaRMSNorm.
+// `partial_grad` (tensor parallel, the q/k norms): every tp rank holds the whole weight but
+// normalises only its own heads, so the weight's gradient is summed over that group (tp_copy).
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(int64_t dim, bool rms, double eps);
+  NormImpl(int64_t dim, bool rms, double eps, Communicator* partial_grad = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
   // dims.fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
   // add_rmsnorm, fused_ops.h): {x + delta (fp32), norm(x + delta) in out_dtype}; delta may be undefined.
@@ -119,6 +127,9 @@ class NormImpl : public torch::nn::Module {
   torch::Tensor weight, bias;  // bias: LayerNorm only
   const bool rms;
   const double eps;
+
+ private:
+  Communicator* partial_grad_;
 };
 TORCH_MODULE(Norm);
 
@@ -147,6 +158,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
 
   // gpt2: c_attn ([q; k; v]); llama: q_proj, k_proj, v_proj. Both: c_proj, the output projection.
   torch::nn::Linear c_attn{nullptr}, q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, c_proj{nullptr};
+  Norm q_norm{nullptr}, k_norm{nullptr};  // llama with qk_norm: RMSNorm over head_dim, whole on every tp rank
 
  private:
   Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)

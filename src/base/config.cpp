@@ -65,6 +65,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, rope_low_freq_factor), MPITRAIN_FIELD(model, rope_high_freq_factor),
     MPITRAIN_FIELD(model, rope_original_max_position), MPITRAIN_FIELD(model, max_position),
     MPITRAIN_FIELD(model, qkv_bias),     MPITRAIN_FIELD(model, tie_embeddings),
+    MPITRAIN_FIELD(model, head_dim),     MPITRAIN_FIELD(model, qk_norm),
     MPITRAIN_FIELD(model, norm_eps),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
@@ -313,25 +314,33 @@ struct Preset {
   double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
   int64_t rope_original_max_position;
   bool qkv_bias, tie_embeddings;
+  int64_t head_dim;  // 0: n_embd / n_head
+  bool qk_norm;
 };
 
 // The Llama shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
-// 8B, Qwen2.5 0.5B); seq_len is a training context, max_position what config.json declares.
+// 8B, Qwen2.5 0.5B, Qwen3 0.6B/1.7B); seq_len is a training context, max_position what
+// config.json declares.
 const Preset kPresets[] = {
-    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},  // vocab 0: the shards'
-    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
-    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
-    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
-    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true},
-    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true},
+    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},  // vocab 0: the shards'
+    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
+    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
+    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
+    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
+    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true, 0, false},
     {"llama3.2-1b", "llama", 16, 32, 2048, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true},
+     false, true, 0, false},
     {"llama3.2-3b", "llama", 28, 24, 3072, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true},
+     false, true, 0, false},
     {"llama3.1-8b", "llama", 32, 32, 4096, 2048, 128256, 8, 14336, 131072, 500000, 1e-5, "llama3", 8, 1, 4, 8192,
-     false, false},
+     false, false, 0, false},
     {"qwen2.5-0.5b", "llama", 24, 14, 896, 2048, 151936, 2, 4864, 32768, 1000000, 1e-6, "none", 0, 0, 0, 0, true,
-     true},
+     true, 0, false},
+    // Qwen3: 128-wide heads whatever the width (16 x 128 = 2048 > 1024), q/k norms, no biases.
+    {"qwen3-0.6b", "llama", 28, 16, 1024, 2048, 151936, 8, 3072, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
+     true, 128, true},
+    {"qwen3-1.7b", "llama", 28, 16, 2048, 2048, 151936, 8, 6144, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
+     true, 128, true},
 };
 
 // Fills the unset fields (0, "" or auto) from the preset, then from the architecture's defaults;
@@ -379,7 +388,9 @@ void apply_preset(ModelConfig& m, const std::string& where) {
         {"rope_original_max_position", m.rope_original_max_position != 0},
         {"max_position", m.max_position != 0 && m.max_position != m.seq_len},
         {"qkv_bias", m.qkv_bias == "false"},
-        {"tie_embeddings", m.tie_embeddings == "false"}};
+        {"tie_embeddings", m.tie_embeddings == "false"},
+        {"head_dim", m.head_dim != 0 && m.head_dim * m.n_head != m.n_embd},
+        {"qk_norm", m.qk_norm == "true"}};
     for (const auto& [key, set] : llama_only)
       if (set)
         throw UsageError(concat(where, ": model.", key, " applies to model.arch: llama only (this model is gpt2, ",
@@ -402,6 +413,8 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     }
     if (m.qkv_bias == "auto") m.qkv_bias = p->qkv_bias ? "true" : "false";
     if (m.tie_embeddings == "auto") m.tie_embeddings = p->tie_embeddings ? "true" : "false";
+    fill(m.head_dim, p->head_dim);
+    if (m.qk_norm == "auto") m.qk_norm = p->qk_norm ? "true" : "false";
   }
   fill(m.n_kv_head, m.n_head);
   fill(m.max_position, m.seq_len);
@@ -410,6 +423,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   fill(m.rope_scaling, std::string("none"));
   if (m.qkv_bias == "auto") m.qkv_bias = "false";
   if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
+  if (m.qk_norm == "auto") m.qk_norm = "false";
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -438,22 +452,33 @@ void validate(const Config& c, const std::string& where) {
   check(m.vocab_size >= 0, "model.vocab_size", ">= 0 (0 = from the shards)", show(m.vocab_size));
   check(m.vocab_multiple >= 0 && m.vocab_multiple <= 65536, "model.vocab_multiple", "in [0, 65536] (0 = automatic)",
         show(m.vocab_multiple));
-  check(m.n_embd % m.n_head == 0, "model.n_embd", concat("divisible by model.n_head (", m.n_head, ")"),
-        show(m.n_embd));
+  // The head size: model.head_dim (llama), else n_embd / n_head, which must then divide evenly.
+  check(m.head_dim >= 0, "model.head_dim", ">= 0 (0 = model.n_embd / model.n_head)", show(m.head_dim));
+  if (m.head_dim == 0)
+    check(m.n_embd % m.n_head == 0, "model.n_embd", concat("divisible by model.n_head (", m.n_head, ")"),
+          show(m.n_embd));
   check(m.dropout >= 0 && m.dropout < 1, "model.dropout", "in [0, 1)", show(m.dropout));
   check(m.norm_eps > 0, "model.norm_eps", "> 0", show(m.norm_eps));
   if (m.arch == "llama") {
     check(m.n_kv_head > 0 && m.n_head % m.n_kv_head == 0, "model.n_kv_head",
           concat("> 0 and dividing model.n_head (", m.n_head, ")"), show(m.n_kv_head));
     check(m.intermediate_size > 0, "model.intermediate_size", "> 0", show(m.intermediate_size));
-    check((m.n_embd / m.n_head) % 2 == 0, "model.n_embd",
-          concat("n_head x an even head size (rotary pairs; n_head ", m.n_head, ")"), show(m.n_embd));
+    if (m.head_dim > 0)
+      check(m.head_dim % 2 == 0, "model.head_dim", "even (rotary pairs)", show(m.head_dim));
+    else
+      check((m.n_embd / m.n_head) % 2 == 0, "model.n_embd",
+            concat("n_head x an even head size (rotary pairs; n_head ", m.n_head, ")"), show(m.n_embd));
     check(m.rope_theta > 0, "model.rope_theta", "> 0", show(m.rope_theta));
     check(one_of(m.rope_scaling, {"none", "llama3"}), "model.rope_scaling", "one of none|llama3", show(m.rope_scaling));
     check(m.max_position > 0, "model.max_position", "> 0", show(m.max_position));
     check(one_of(m.qkv_bias, {"true", "false"}), "model.qkv_bias", "true or false", show(m.qkv_bias));
     check(one_of(m.tie_embeddings, {"true", "false"}), "model.tie_embeddings", "true or false",
           show(m.tie_embeddings));
+    check(one_of(m.qk_norm, {"true", "false"}), "model.qk_norm", "true or false", show(m.qk_norm));
+    // Qwen3 (q/k norms) has no q/k/v biases; its attention_bias would put one on o_proj too.
+    check(m.qk_norm == "false" || m.qkv_bias == "false", "model.qk_norm",
+          "false with model.qkv_bias: true (no Hugging Face model has both: Qwen2 has the biases, Qwen3 the norms)",
+          show(m.qk_norm));
     const bool llama3 = m.rope_scaling == "llama3";
     auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
       check(llama3 ? ok : got == "0", key, llama3 ? range : "unset (0) unless model.rope_scaling is llama3", got);

@@ -78,21 +78,26 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   };
 
   const std::string type = c.value("model_type", std::string());
-  if (type != "llama" && type != "qwen2")
-    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM) and qwen2 (Qwen2ForCausalLM)"));
+  if (type != "llama" && type != "qwen2" && type != "qwen3")
+    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM) ",
+                                   "and qwen3 (Qwen3ForCausalLM)"));
   if (c.contains("hidden_act") && c["hidden_act"] != "silu")
     throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
   if (type == "llama" && (flag("attention_bias", false) || flag("mlp_bias", false)))
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias", "true: mpitrain's llama has no such biases");
-  if (type == "qwen2" && (flag("use_sliding_window", false)))
+  if (type == "qwen3" && flag("attention_bias", false))
+    throw bad("attention_bias", "true: mpitrain's qwen3 has no biases on q/k/v/o");
+  if (type != "llama" && flag("use_sliding_window", false))
     throw bad("use_sliding_window", "true: sliding-window attention is not supported");
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
+  // The head size: head_dim where given (Qwen3: 128 at any width), else hidden_size / num_attention_heads.
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
-  if (n_embd % n_head != 0) throw bad("hidden_size", concat(n_embd, " is not a multiple of num_attention_heads ", n_head));
-  if (c.contains("head_dim") && !c["head_dim"].is_null() && c["head_dim"] != n_embd / n_head)
-    throw bad("head_dim", concat(c["head_dim"].dump(), ": mpitrain's head size is hidden_size / num_attention_heads = ", n_embd / n_head));
+  const int64_t head_dim = integer("head_dim", false, 0);
+  if (head_dim == 0 && n_embd % n_head != 0)
+    throw bad("hidden_size", concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
+  if (head_dim % 2 != 0) throw bad("head_dim", concat(head_dim, ": rotary needs an even head size"));
 
   // rope: rope_theta + rope_scaling (transformers < 4.56) or rope_parameters (newer)
   const json* rope = nullptr;
@@ -128,6 +133,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
       {"vocab_size", &m.vocab_size, integer("vocab_size", true, 0)},
       {"max_position", &m.max_position, max_position},
       {"rope_original_max_position", &m.rope_original_max_position, original},
+      {"head_dim", &m.head_dim, head_dim > 0 ? head_dim : n_embd / n_head},
   };
   auto disagree = [&](const char* key, const std::string& have, const std::string& file) {
     return UsageError(concat(where, ": model.", key, ": ", have, " disagrees with ", path, "'s ", file,
@@ -151,7 +157,8 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   const Str strs[] = {{"arch", &m.arch, "llama", ""},
                       {"rope_scaling", &m.rope_scaling, scaling, ""},
                       {"qkv_bias", &m.qkv_bias, type == "qwen2" ? "true" : "false", "auto"},
-                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false", "auto"}};
+                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false", "auto"},
+                      {"qk_norm", &m.qk_norm, type == "qwen3" ? "true" : "false", "auto"}};
   for (const Str& f : strs) {
     if (*f.field != f.unset && *f.field != f.value) throw disagree(f.key, *f.field, f.value);
     *f.field = f.value;

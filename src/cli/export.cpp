@@ -50,7 +50,7 @@ std::string run_export(const ExportArgs& args) {
                                                        : concat("model-*-of-*.safetensors (", shards, " shards) + model.safetensors.index.json"),
                            " (", model->num_params(), " parameters, ", args.dtype, ", Hugging Face ",
                            dims.llama() ? "Llama" : "GPT-2", " names)\n", args.dir, "/config.json (",
-                           !dims.llama() ? "GPT2LMHeadModel" : dims.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM", ": ",
+                           hf_architecture(dims), ": ",
                            dims.n_layer, " layers, ", dims.n_head, " heads",
                            dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ", dims.n_embd,
                            ", context ", dims.llama() ? dims.max_position : dims.seq_len, ", vocab ", dims.vocab_size, ")\n");

@@ -275,11 +275,13 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
         {"eos_token_id", eot_token},
         {"torch_dtype", torch_dtype},
     };
-  // Qwen2's attention has q/k/v biases; Llama's has none (attention_bias would add o_proj's too).
-  const bool qwen2 = d.qkv_bias;
+  // Qwen2's attention has q/k/v biases, Qwen3's q/k norms; Llama's neither (attention_bias would
+  // add o_proj's bias too).
+  const std::string arch = hf_architecture(d);
+  const bool qwen2 = arch == "Qwen2ForCausalLM", qwen3 = arch == "Qwen3ForCausalLM";
   json c = {
-      {"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-      {"model_type", qwen2 ? "qwen2" : "llama"},
+      {"architectures", {arch}},
+      {"model_type", qwen2 ? "qwen2" : qwen3 ? "qwen3" : "llama"},
       {"vocab_size", d.vocab_size},
       {"hidden_size", d.n_embd},
       {"intermediate_size", d.intermediate_size},
@@ -300,10 +302,11 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"eos_token_id", eot_token},
       {"torch_dtype", torch_dtype},
   };
-  if (qwen2) {
+  if (qwen2 || qwen3) {
     c["use_sliding_window"] = false;
     c["sliding_window"] = nullptr;
     c["max_window_layers"] = d.n_layer;
+    if (qwen3) c["attention_bias"] = false;
   } else {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;
@@ -340,6 +343,12 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 }
 
 }  // namespace
+
+std::string hf_architecture(const GPTDims& d) {
+  MPITRAIN_CHECK(!(d.qkv_bias && d.qk_norm), "no Hugging Face class has both q/k/v biases and q/k norms");
+  if (!d.llama()) return "GPT2LMHeadModel";
+  return d.qkv_bias ? "Qwen2ForCausalLM" : d.qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
+}
 
 std::string hf_name(const std::string& name, const GPTDims& d) {
   return d.llama() ? llama_hf_name(name) : kPrefix + name;

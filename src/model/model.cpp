@@ -51,6 +51,8 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
     d.rope_original_max_position = cfg.rope_original_max_position;
     d.qkv_bias = cfg.qkv_bias == "true";
     d.tie_embeddings = cfg.tie_embeddings == "true";
+    d.head_size = cfg.head_dim * cfg.n_head == cfg.n_embd ? 0 : cfg.head_dim;  // 0: n_embd / n_head
+    d.qk_norm = cfg.qk_norm == "true";
   } else {
     d.n_kv_head = d.n_head;
     d.intermediate_size = 4 * d.n_embd;
@@ -89,7 +91,8 @@ Communicator* tp_of(const GPTDims& d) {
 
 // ---- norm and rotary positions --------------------------------------------------------------
 
-NormImpl::NormImpl(int64_t dim, bool rms_, double eps_) : rms(rms_), eps(eps_) {
+NormImpl::NormImpl(int64_t dim, bool rms_, double eps_, Communicator* partial_grad)
+    : rms(rms_), eps(eps_), partial_grad_(partial_grad) {
   weight = register_parameter("weight", torch::ones({dim}));
   if (!rms) bias = register_parameter("bias", torch::zeros({dim}));
 }
@@ -98,7 +101,7 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   if (!rms) return F::layer_norm(x, F::LayerNormFuncOptions({weight.size(0)}).weight(weight).bias(bias).eps(eps));
   torch::Tensor h = x.to(torch::kFloat32);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * h.to(x.scalar_type());
+  return (partial_grad_ ? tp_copy(weight, *partial_grad_) : weight) * h.to(x.scalar_type());
 }
 
 std::pair<torch::Tensor, torch::Tensor> NormImpl::add_forward(const torch::Tensor& x, const torch::Tensor& delta,
@@ -166,6 +169,10 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
     c_attn = register_module("c_attn", linear(d.n_embd, 3 * q_width, true));
   }
   c_proj = register_module("c_proj", linear(q_width, d.n_embd, !d.llama()));
+  if (d.llama() && d.qk_norm) {  // after o_proj, as in Hugging Face's Qwen3Attention
+    q_norm = register_module("q_norm", Norm(head_dim_, true, d.norm_eps, tp_));
+    k_norm = register_module("k_norm", Norm(head_dim_, true, d.norm_eps, tp_));
+  }
   // Column-parallel by whole heads: [q; k; v] each in tp blocks (gpt2), or q and k/v (llama); the
   // output projection row-parallel (its input columns; its bias whole).
   if (d.llama())
@@ -185,6 +192,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
     q = heads(qkv[0], n_head_), k = heads(qkv[1], n_head_), v = heads(qkv[2], n_head_);
   } else {
     q = heads(q_proj(in), n_head_), k = heads(k_proj(in), n_kv_head_), v = heads(v_proj(in), n_kv_head_);
+    if (q_norm) q = q_norm(q), k = k_norm(k);  // Qwen3: each head normalised, before rotary
   }
   if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);  // [B, n, T, hd]
@@ -363,7 +371,7 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
   const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(d.n_layer));
   for (auto& [name, p] : named_params()) {
     const bool is_weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
-    const bool is_norm = name.find("ln_") != std::string::npos;
+    const bool is_norm = name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos;
     if (is_norm) {
       is_weight ? p.fill_(1.0) : p.zero_();
     } else if (name == "wte.weight" || name == "lm_head.weight") {

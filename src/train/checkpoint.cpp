@@ -272,6 +272,8 @@ void write_arch_attrs(hid_t root, const GPTDims& d) {
   h5::set_attr(root, "rope_original_max_position", d.rope_original_max_position);
   h5::set_attr(root, "qkv_bias", int64_t{d.qkv_bias});
   h5::set_attr(root, "tie_embeddings", int64_t{d.tie_embeddings});
+  h5::set_attr(root, "head_dim", d.head_dim());
+  h5::set_attr(root, "qk_norm", int64_t{d.qk_norm});
 }
 
 UsageError write_failure(const std::string& tmp, const std::string& why) {
@@ -558,12 +560,19 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   d.vocab_size = require_int_in(root, path, "vocab_size", "vocab_size", 1);
   if (h5::has_attr(root, "vocab_live"))  // absent: every row a class
     d.vocab_live = require_int_in(root, path, "vocab_live", "vocab_live", 1, d.vocab_size);
-  if (d.n_embd % d.n_head != 0)
-    throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
-                            d.n_embd));
   d.arch = optional_string(root, path, "arch").value_or("gpt2");
   if (d.arch != "gpt2" && d.arch != "llama")
     throw UsageError(concat(path, ": attribute 'arch' must be gpt2 or llama, got '", d.arch, "'"));
+  // The head size: llama files since Qwen3 record it (and whether q/k are normalised); older
+  // files and gpt2 have n_embd / n_head.
+  if (d.llama() && h5::has_attr(root, "head_dim")) {
+    d.head_size = require_int_in(root, path, "head_dim", "head_dim", 2, 1 << 16);
+    if (d.head_size * d.n_head == d.n_embd) d.head_size = 0;  // the default, as a config would have it
+  }
+  if (d.llama() && h5::has_attr(root, "qk_norm")) d.qk_norm = require_int_in(root, path, "qk_norm", "qk_norm", 0, 1) == 1;
+  if (d.head_size == 0 && d.n_embd % d.n_head != 0)
+    throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
+                            d.n_embd));
   auto positive_double = [&](const char* name, bool required, double fallback) {
     if (!h5::has_attr(root, name)) {
       if (required) throw UsageError(concat(path, ": missing attribute '", name, "'"));
@@ -612,8 +621,9 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   const std::string last = concat("model/h.", d.n_layer - 1, "."), after = concat("model/h.", d.n_layer, ".");
   const char* attention = d.llama() ? "attn.q_proj.weight" : "attn.c_attn.weight";
   if (d.llama()) {
-    expect_stored(last + "attn.q_proj.weight", {d.n_embd, d.n_embd}, "'n_layer' and 'n_embd'");
-    expect_stored(last + "attn.k_proj.weight", {d.n_kv_head * d.head_dim(), d.n_embd}, "'n_kv_head', 'n_head' and 'n_embd'");
+    expect_stored(last + "attn.q_proj.weight", {d.attn_width(), d.n_embd}, "'n_layer', 'n_head', 'head_dim' and 'n_embd'");
+    expect_stored(last + "attn.k_proj.weight", {d.n_kv_head * d.head_dim(), d.n_embd},
+                  "'n_kv_head', 'n_head', 'head_dim' and 'n_embd'");
     expect_stored(last + "mlp.gate_proj.weight", {d.intermediate_size, d.n_embd}, "'intermediate_size' and 'n_embd'");
     if (!d.tie_embeddings) expect_stored("model/lm_head.weight", {d.vocab_size, d.n_embd}, "'vocab_size' and 'n_embd'");
   } else {
@@ -662,7 +672,9 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
                           concat(want.rope_scaling, " ", want.rope_factor, " ", want.rope_low_freq_factor, " ",
                                  want.rope_high_freq_factor, " ", want.rope_original_max_position)}},
         {"qkv_bias", {concat(have.qkv_bias), concat(want.qkv_bias)}},
-        {"tie_embeddings", {concat(have.tie_embeddings), concat(want.tie_embeddings)}}};
+        {"tie_embeddings", {concat(have.tie_embeddings), concat(want.tie_embeddings)}},
+        {"head_dim", {concat(have.head_dim()), concat(want.head_dim())}},
+        {"qk_norm", {concat(have.qk_norm), concat(want.qk_norm)}}};
     for (const auto& [key, values] : keys)
       if (values.first != values.second)
         throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",

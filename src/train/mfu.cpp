@@ -3,10 +3,10 @@
 
 namespace mpitrain {
 
-double model_flops_per_token(int64_t params, int64_t position_embedding_params, int64_t n_layer, int64_t n_embd,
+double model_flops_per_token(int64_t params, int64_t position_embedding_params, int64_t n_layer, int64_t attn_width,
                              int64_t seq_len) {
   const double n = static_cast<double>(params - position_embedding_params);
-  return 6.0 * n + 12.0 * static_cast<double>(n_layer) * static_cast<double>(n_embd) * static_cast<double>(seq_len);
+  return 6.0 * n + 12.0 * static_cast<double>(n_layer) * static_cast<double>(attn_width) * static_cast<double>(seq_len);
 }
 
 namespace {

@@ -144,10 +144,11 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
   return concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
                 " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
                 dims.n_embd,
+                dims.llama() && dims.attn_width() != dims.n_embd ? concat(", head_dim ", dims.head_dim()) : std::string(),
                 dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
                                       dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
                                       dims.tie_embeddings ? ", tied output" : ", untied output",
-                                      dims.qkv_bias ? ", qkv bias" : "")
+                                      dims.qkv_bias ? ", qkv bias" : "", dims.qk_norm ? ", q/k norms" : "")
                              : std::string(),
                 ", seq_len ", dims.seq_len, ", vocab ", dims.vocab_size,
                 dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
@@ -384,7 +385,7 @@ void Run::open_outputs() {
   // and GQA's smaller k/v projections count through the parameter total.
   const int64_t lookup_only =
       dims_.llama() ? (dims_.tie_embeddings ? 0 : dims_.vocab_size * dims_.n_embd) : dims_.seq_len * dims_.n_embd;
-  facts.flops_per_token = model_flops_per_token(whole_params_, lookup_only, dims_.n_layer, dims_.n_embd, T_);
+  facts.flops_per_token = model_flops_per_token(whole_params_, lookup_only, dims_.n_layer, dims_.attn_width(), T_);
   facts.communicates = s_.layout.dp > 1;
   facts.loss_scaling = scaler_.enabled();
   facts.host = topo_.host;
