@@ -43,6 +43,10 @@ class HfTokenizer {
   // The unknown token a SentencePiece-style file falls back to (model.unk_token), if it has one.
   // Text that needs it does not decode back to itself.
   std::optional<uint32_t> unknown_token() const;
+  // Whether a ByteLevel step puts a space before each piece that does not start with one
+  // (add_prefix_space; true where the file leaves it out). decode() keeps those spaces, as Hugging
+  // Face's ByteLevel decoder does.
+  bool adds_prefix_space() const;
   // The id of a vocabulary entry or added token, written as in the file.
   std::optional<uint32_t> token_id(const std::string& token) const;
 
@@ -57,7 +61,8 @@ class HfTokenizer {
   // The bytes of `ids` as the normalized text (the ByteLevel decoder without the final lossy UTF-8
   // conversion): each token's characters mapped back to bytes (byte-level), or the token as
   // written with each <0xXX> token as its byte (SentencePiece-style); an added token's content as
-  // it is. encode then decode gives normalize(text). An id that names no token is a UsageError.
+  // it is. encode then decode gives normalize(text), with the spaces adds_prefix_space() puts
+  // before pieces. An id that names no token is a UsageError.
   std::string decode(const std::vector<uint32_t>& ids) const;
   // Text for people: decode() and then the file's decoder steps that act on text (a
   // SentencePiece-style file's Replace "▁" -> " " and Strip of the leading space; byte-level files

@@ -450,6 +450,10 @@ const std::string& HfTokenizer::path() const { return impl_->path; }
 std::optional<uint32_t> HfTokenizer::separator() const { return impl_->separator; }
 std::optional<uint32_t> HfTokenizer::unknown_token() const { return impl_->unk_id; }
 
+bool HfTokenizer::adds_prefix_space() const {
+  return std::any_of(impl_->steps.begin(), impl_->steps.end(), [](const Step& s) { return s.byte_level && s.add_prefix_space; });
+}
+
 std::optional<uint32_t> HfTokenizer::token_id(const std::string& token) const {
   auto it = impl_->ids.find(token);
   if (it == impl_->ids.end()) return std::nullopt;
