@@ -392,7 +392,11 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
                   {"run.yaml: model.qk_norm: false disagrees with ", "/config.json's true"});
   std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"attention_bias\": false"), 23,
                                                                     "\"attention_bias\": true ");
-  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: attention_bias: true"});
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"/config.json: attention_bias: true: mpitrain's qwen3 has no such biases"});
+  std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"attention_bias\": false"), 23,
+                                                                    "\"mlp_bias\": true, \"a\": 0");
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: mlp_bias: true"});
   std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"head_dim\": 32"), 14,
                                                                     "\"head_dim\": 33");
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: head_dim: 33: rotary needs an even"});

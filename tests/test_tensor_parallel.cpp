@@ -95,7 +95,10 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         dense_dims.rope_theta = 100, dense_dims.rope_scaling = "llama3", dense_dims.rope_factor = 4;
         dense_dims.rope_low_freq_factor = 1, dense_dims.rope_high_freq_factor = 4, dense_dims.rope_original_max_position = 32;
         dense_dims.qkv_bias = true, dense_dims.tie_embeddings = false;
-        if (qwen3) dense_dims.qkv_bias = false, dense_dims.tie_embeddings = true, dense_dims.head_size = 12, dense_dims.qk_norm = true;
+        if (qwen3) {
+          dense_dims.qkv_bias = false, dense_dims.tie_embeddings = true;
+          dense_dims.head_size = 12, dense_dims.qk_norm = true;
+        }
       }
       GPTDims tp_dims = dense_dims;
       tp_dims.fused_loss_rows = 7;

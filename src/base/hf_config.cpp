@@ -83,10 +83,10 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
                                    "and qwen3 (Qwen3ForCausalLM)"));
   if (c.contains("hidden_act") && c["hidden_act"] != "silu")
     throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
-  if (type == "llama" && (flag("attention_bias", false) || flag("mlp_bias", false)))
-    throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias", "true: mpitrain's llama has no such biases");
-  if (type == "qwen3" && flag("attention_bias", false))
-    throw bad("attention_bias", "true: mpitrain's qwen3 has no biases on q/k/v/o");
+  // Qwen2's q/k/v biases are qkv_bias; llama's and qwen3's attention_bias (o_proj too) and mlp_bias are not supported.
+  if (type != "qwen2" && (flag("attention_bias", false) || flag("mlp_bias", false)))
+    throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
+              concat("true: mpitrain's ", type, " has no such biases"));
   if (type != "llama" && flag("use_sliding_window", false))
     throw bad("use_sliding_window", "true: sliding-window attention is not supported");
   for (const char* moe : {"num_experts", "num_local_experts"})
@@ -96,7 +96,8 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
   const int64_t head_dim = integer("head_dim", false, 0);
   if (head_dim == 0 && n_embd % n_head != 0)
-    throw bad("hidden_size", concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
+    throw bad("hidden_size",
+              concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
   if (head_dim % 2 != 0) throw bad("head_dim", concat(head_dim, ": rotary needs an even head size"));
 
   // rope: rope_theta + rope_scaling (transformers < 4.56) or rope_parameters (newer)
@@ -157,7 +158,8 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   const Str strs[] = {{"arch", &m.arch, "llama", ""},
                       {"rope_scaling", &m.rope_scaling, scaling, ""},
                       {"qkv_bias", &m.qkv_bias, type == "qwen2" ? "true" : "false", "auto"},
-                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false", "auto"},
+                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false",
+                       "auto"},
                       {"qk_norm", &m.qk_norm, type == "qwen3" ? "true" : "false", "auto"}};
   for (const Str& f : strs) {
     if (*f.field != f.unset && *f.field != f.value) throw disagree(f.key, *f.field, f.value);

@@ -451,7 +451,8 @@ std::optional<uint32_t> HfTokenizer::separator() const { return impl_->separator
 std::optional<uint32_t> HfTokenizer::unknown_token() const { return impl_->unk_id; }
 
 bool HfTokenizer::adds_prefix_space() const {
-  return std::any_of(impl_->steps.begin(), impl_->steps.end(), [](const Step& s) { return s.byte_level && s.add_prefix_space; });
+  const auto& steps = impl_->steps;
+  return std::any_of(steps.begin(), steps.end(), [](const Step& s) { return s.byte_level && s.add_prefix_space; });
 }
 
 std::optional<uint32_t> HfTokenizer::token_id(const std::string& token) const {

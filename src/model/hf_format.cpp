@@ -302,13 +302,12 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"eos_token_id", eot_token},
       {"torch_dtype", torch_dtype},
   };
+  if (!qwen2) c["attention_bias"] = false;
   if (qwen2 || qwen3) {
     c["use_sliding_window"] = false;
     c["sliding_window"] = nullptr;
     c["max_window_layers"] = d.n_layer;
-    if (qwen3) c["attention_bias"] = false;
   } else {
-    c["attention_bias"] = false;
     c["mlp_bias"] = false;
     c["pretraining_tp"] = 1;
   }

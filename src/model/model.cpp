@@ -51,7 +51,7 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
     d.rope_original_max_position = cfg.rope_original_max_position;
     d.qkv_bias = cfg.qkv_bias == "true";
     d.tie_embeddings = cfg.tie_embeddings == "true";
-    d.head_size = cfg.head_dim * cfg.n_head == cfg.n_embd ? 0 : cfg.head_dim;  // 0: n_embd / n_head
+    d.head_size = cfg.head_dim;  // 0: n_embd / n_head
     d.qk_norm = cfg.qk_norm == "true";
   } else {
     d.n_kv_head = d.n_head;

@@ -565,11 +565,10 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
     throw UsageError(concat(path, ": attribute 'arch' must be gpt2 or llama, got '", d.arch, "'"));
   // The head size: llama files since Qwen3 record it (and whether q/k are normalised); older
   // files and gpt2 have n_embd / n_head.
-  if (d.llama() && h5::has_attr(root, "head_dim")) {
+  if (d.llama() && h5::has_attr(root, "head_dim"))
     d.head_size = require_int_in(root, path, "head_dim", "head_dim", 2, 1 << 16);
-    if (d.head_size * d.n_head == d.n_embd) d.head_size = 0;  // the default, as a config would have it
-  }
-  if (d.llama() && h5::has_attr(root, "qk_norm")) d.qk_norm = require_int_in(root, path, "qk_norm", "qk_norm", 0, 1) == 1;
+  if (d.llama() && h5::has_attr(root, "qk_norm"))
+    d.qk_norm = require_int_in(root, path, "qk_norm", "qk_norm", 0, 1) == 1;
   if (d.head_size == 0 && d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));
@@ -621,7 +620,8 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   const std::string last = concat("model/h.", d.n_layer - 1, "."), after = concat("model/h.", d.n_layer, ".");
   const char* attention = d.llama() ? "attn.q_proj.weight" : "attn.c_attn.weight";
   if (d.llama()) {
-    expect_stored(last + "attn.q_proj.weight", {d.attn_width(), d.n_embd}, "'n_layer', 'n_head', 'head_dim' and 'n_embd'");
+    expect_stored(last + "attn.q_proj.weight", {d.attn_width(), d.n_embd},
+                  "'n_layer', 'n_head', 'head_dim' and 'n_embd'");
     expect_stored(last + "attn.k_proj.weight", {d.n_kv_head * d.head_dim(), d.n_embd},
                   "'n_kv_head', 'n_head', 'head_dim' and 'n_embd'");
     expect_stored(last + "mlp.gate_proj.weight", {d.intermediate_size, d.n_embd}, "'intermediate_size' and 'n_embd'");

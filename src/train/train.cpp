@@ -144,7 +144,7 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
   return concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
                 " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
                 dims.n_embd,
-                dims.llama() && dims.attn_width() != dims.n_embd ? concat(", head_dim ", dims.head_dim()) : std::string(),
+                dims.attn_width() != dims.n_embd ? concat(", head_dim ", dims.head_dim()) : std::string(),
                 dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
                                       dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
                                       dims.tie_embeddings ? ", tied output" : ", untied output",
