@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
@@ -43,15 +45,22 @@ MpiSession::~MpiSession() {
   MPI_Finalize();
 }
 
-void MpiSession::abort(int code) {
+void abort_world(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::duration<double>(kAbortDrainS));
+  MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+void MpiSession::abort(int code) {
   if (size_ == 1) {
+    std::fflush(stdout);
+    std::fflush(stderr);
     Watchdog::detach();
     MPI_Finalize();
     std::_Exit(code);
   }
-  MPI_Abort(MPI_COMM_WORLD, code);
+  abort_world(code);
   std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
 

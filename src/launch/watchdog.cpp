@@ -274,10 +274,8 @@ std::string compose(const Reply& me, double limit, bool first, const std::vector
 [[noreturn]] void abort_job() {
   auto& s = state();
   if (s.abort_hook) s.abort_hook();
-  std::fflush(stdout);
-  std::fflush(stderr);
   // MPI_Abort from this thread: the main thread is stuck inside MPI, so nothing else can.
-  MPI_Abort(MPI_COMM_WORLD, kExitWatchdog);
+  abort_world(kExitWatchdog);
   std::this_thread::sleep_for(std::chrono::seconds(10));
   std::_Exit(kExitWatchdog);  // if MPI could not abort, dying still ends the job under mpirun
 }
