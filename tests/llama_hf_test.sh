@@ -2,10 +2,12 @@
 # Llama-family models and Hugging Face, end to end, against an independent PyTorch Llama
 # (tests/llama_reference.py, written from transformers' modeling semantics, not from mpitrain's):
 #  - a Llama (grouped-query attention 4/2 heads, untied lm_head, rope_scaling llama3 with all three
-#    frequency bands in use), a Qwen2-shaped one (q/k/v biases, tied output) and a Qwen3-shaped one
-#    (heads of 16 at width 32, q/k norms) train under `mpirun -np 2`, are exported with
-#    `mpitrain export --format hf`, and the reference's logits on the exported weights equal
-#    mpitrain's (tests/hf_logits.cpp);
+#    frequency bands in use), a Qwen2-shaped one (q/k/v biases, tied output), a Qwen3-shaped one
+#    (heads of 16 at width 32, q/k norms) and a Mistral-shaped one (a sliding window of seq_len
+#    tokens, untied) train under `mpirun -np 2`, are exported with `mpitrain export --format hf`,
+#    and the reference's logits on the exported weights equal mpitrain's (tests/hf_logits.cpp);
+#    the reference applies Mistral's window, and with a window shorter than the context its
+#    logits differ (the check can fail);
 #  - model.init_from: hf:DIR takes the shape from config.json and the weights from the
 #    safetensors: step-0 val loss = the exporting run's last; a sharded export
 #    (--max-shard-size, model.safetensors.index.json) loads the same;
@@ -47,8 +49,10 @@ printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n
 printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
         intermediate_size: 64, seq_len: 32, rope_theta: 1000000, qk_norm: true, norm_eps: 1e-6, vocab_size: 258}' \
   "$common" > qwen3.yaml
+printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 64,
+        seq_len: 32, sliding_window: 32, tie_embeddings: false}' "$common" > mistral.yaml
 
-for m in llama qwen qwen3; do
+for m in llama qwen qwen3 mistral; do
   "$MPIRUN" -np 2 "$BIN" $m.yaml --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
   rc=$?
   check "$m: training (mpirun -np 2, 6 steps) exits 0 and names the architecture" \
@@ -71,6 +75,18 @@ check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head
    grep -q '\"tie_word_embeddings\": false' hf_llama/config.json && grep -q Qwen2ForCausalLM hf_qwen/config.json &&
    grep -q '\"tie_word_embeddings\": true' hf_qwen/config.json && grep -q Qwen3ForCausalLM hf_qwen3/config.json &&
    grep -q '\"head_dim\": 16' hf_qwen3/config.json && grep -q 'q/k norms' train_qwen3.out"
+check "config.json: MistralForCausalLM (model_type mistral) with sliding_window 32; the start-up line names the window" \
+  "grep -q MistralForCausalLM hf_mistral/config.json && grep -q '\"model_type\": \"mistral\"' hf_mistral/config.json &&
+   grep -q '\"sliding_window\": 32' hf_mistral/config.json && grep -q 'attention window 32' train_mistral.out"
+# The window is in force in the reference: 8 tokens < the 32 of the logits' sequences change them.
+mkdir -p hf_mistral_w8
+ln -sf "$PWD/hf_mistral/model.safetensors" hf_mistral_w8/model.safetensors
+sed 's/"sliding_window": 32/"sliding_window": 8/' hf_mistral/config.json > hf_mistral_w8/config.json
+"${REF[@]}" logits hf_mistral_w8 logits_mistral/tokens.npy logits_mistral/logits.npy > ref_mistral_w8.out 2>&1
+rc=$?
+sed 's/^/  (meant to differ) /' ref_mistral_w8.out
+check "the reference with a window of 8 (shorter than the 32-token sequences) does not give mpitrain's logits (exit $rc)" \
+  "[ $rc -ne 0 ] && grep -q 'logits differ' ref_mistral_w8.out"
 
 # ---- Hugging Face in: hf:DIR, one file and sharded ----
 last_val=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_llama.out | tail -1)
@@ -95,6 +111,19 @@ sh_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_sh.out | head -1
 check "init_from the sharded export loads the same weights ($sh_val)" "[ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ]"
 "${REF[@]}" logits hf_sharded logits_llama/tokens.npy logits_llama/logits.npy > ref_sharded.out 2>&1
 check "the reference reads the sharded export through its index: the same logits" "[ \$? -eq 0 ]"
+# Mistral in: the window comes from config.json; a context longer than it is refused by name.
+mistral_last=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_mistral.out | tail -1)
+"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set train.out_dir=run_mi \
+  --set checkpoint.dir=ckpt_mi --set train.steps=1 --set optim.warmup_steps=0 > init_mi.out 2>&1
+rc=$?
+mi_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_mi.out | head -1)
+check "init_from hf:hf_mistral: the window from config.json, step-0 val loss $mi_val = the exported run's last $mistral_last" \
+  "[ $rc -eq 0 ] && [ -n '$mi_val' ] && [ '$mi_val' = '$mistral_last' ] && grep -q 'attention window 32' init_mi.out"
+"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set model.seq_len=64 \
+  --set train.out_dir=run_mi64 > init_mi64.out 2>&1
+rc=$?
+check "init_from hf:hf_mistral with seq_len 64 > its window 32: exit 2, one line naming model.sliding_window" \
+  "[ $rc -eq 2 ] && [ \$(grep -c 'model.sliding_window must be >= model.seq_len (64' init_mi64.out) -eq 1 ] && [ ! -e run_mi64 ]"
 
 # ---- 20 AdamW steps: mpitrain (2 ranks x 2) = PyTorch's AdamW (one process, batch 4) ----
 # Text that can be learned: the GPL's bytes as tokens 1-256 (0 is the end-of-text token, unused).

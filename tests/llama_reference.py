@@ -1,11 +1,13 @@
 #!/usr/bin/python3
-"""An exported Hugging Face Llama / Qwen2 / Qwen3 directory checked without mpitrain's code.
+"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory checked without mpitrain's code.
 
 A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM: RMSNorm in fp32 then cast, rotary in the half-split layout
-with rotate_half, Llama 3.1's rope_scaling "llama3", grouped-query attention by repeat_kv,
-SwiGLU, q/k/v biases for Qwen2, config.json's head_dim and the per-head q_norm / k_norm before
-rotary for Qwen3, tied or untied lm_head), reading only config.json and the safetensors files:
+Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: RMSNorm in fp32 then cast, rotary in
+the half-split layout with rotate_half, Llama 3.1's rope_scaling "llama3", grouped-query attention
+by repeat_kv, SwiGLU, q/k/v biases for Qwen2, config.json's head_dim and the per-head q_norm /
+k_norm before rotary for Qwen3, Mistral's sliding_window in the attention mask (query i sees keys
+i - sliding_window + 1 .. i), tied or untied lm_head), reading only config.json and the
+safetensors files:
 
   llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
       mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
@@ -92,7 +94,7 @@ def load_weights(hf_dir):
 
 
 class Llama(torch.nn.Module):
-    """transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM forward, with HF's parameter names."""
+    """transformers' Llama / Qwen2 / Qwen3 / Mistral ForCausalLM forward, with HF's parameter names."""
 
     def __init__(self, cfg, tensors):
         super().__init__()
@@ -147,6 +149,9 @@ class Llama(torch.nn.Module):
             return torch.cat((-x2, x1), dim=-1)
 
         mask = torch.full((T, T), float("-inf")).triu(1)
+        window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
+        if window:  # Mistral: keys more than window - 1 positions back are masked too
+            mask = mask + torch.full((T, T), float("-inf")).tril(-window)
         x = F.embedding(idx, self.w("model.embed_tokens.weight"))
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
@@ -194,8 +199,11 @@ def main():
 
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
     arch = cfg["architectures"][0]
-    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         fail(f"config.json architectures {arch}")
+    if cfg.get("model_type") != {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                                 "MistralForCausalLM": "mistral"}[arch]:
+        fail(f"config.json: {arch} with model_type {cfg.get('model_type')}")
     tensors = load_weights(args.hf_dir)
     tied = cfg.get("tie_word_embeddings", False)
     if tied == ("lm_head.weight" in tensors):
@@ -208,7 +216,8 @@ def main():
         fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
-          f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}")
+          f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}"
+          + (f", sliding_window {cfg.get('sliding_window')}" if arch == "MistralForCausalLM" else ""))
 
     if args.mode == "logits":
         tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))

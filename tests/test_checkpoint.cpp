@@ -350,6 +350,40 @@ TEST(Checkpoint, DeclaredDimsMustMatchTheStoredTensorsBeforeAnythingIsAllocated)
   std::system(("rm -rf " + dir).c_str());
 }
 
+// Mistral's window is part of the architecture: it comes back with the checkpoint, a model
+// without it is refused by name, and a file declaring a window shorter than seq_len is refused.
+TEST(Checkpoint, MistralWindowRoundTripsAndIsPartOfTheArchitecture) {
+  const std::string dir = temp_dir();
+  GPTDims d = dims();
+  d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 64;
+  d.sliding_window = d.seq_len;  // the whole context: the smallest window mpitrain takes
+  torch::manual_seed(5);
+  GPT a(d);
+  AdamW opt(a->named_params(), OptimConfig{});
+  TrainState st;
+  st.step = 1;
+  const std::string path = save_checkpoint(dir, a, opt, st, 3);
+  EXPECT_EQ(checkpoint_dims(path).sliding_window, d.seq_len);
+  GPT b(d);
+  AdamW opt_b(b->named_params(), OptimConfig{});
+  TrainState got;
+  load_checkpoint(path, b, &opt_b, got);
+  const auto pa = a->named_params(), pb = b->named_params();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i].second, pb[i].second)) << pa[i].first;
+  GPTDims no_window = d;
+  no_window.sliding_window = 0;
+  EXPECT_NE(load_error(path, no_window).find(concat("has sliding_window ", d.seq_len,
+                                                    ", the configured one 0 (model.sliding_window)")),
+            std::string::npos)
+      << load_error(path, no_window);
+  set_int_attr(path, "/", "sliding_window", d.seq_len - 1);
+  EXPECT_NE(dims_error(path).find(concat("attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len,
+                                         "), got ", d.seq_len - 1)),
+            std::string::npos)
+      << dims_error(path);
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Checkpoint, OutOfRangeStateAttributesAreUsageErrorsNamingFileAndAttribute) {
   const std::string dir = temp_dir();
   Trained a(1);

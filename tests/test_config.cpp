@@ -71,6 +71,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.tie_embeddings, b.model.tie_embeddings);
   EXPECT_EQ(a.model.head_dim, b.model.head_dim);
   EXPECT_EQ(a.model.qk_norm, b.model.qk_norm);
+  EXPECT_EQ(a.model.sliding_window, b.model.sliding_window);
   EXPECT_EQ(a.model.norm_eps, b.model.norm_eps);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val, b.data.val);
@@ -331,6 +332,18 @@ TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
   EXPECT_EQ(qwen3.model.tie_embeddings, "true");
   EXPECT_EQ(qwen3.model.rope_theta, 1000000.0);
   EXPECT_EQ(parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-1.7b"}).model.intermediate_size, 6144);
+  Config qwen3_4b = parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-4b"});
+  EXPECT_EQ(qwen3_4b.model.n_layer, 36);
+  EXPECT_EQ(qwen3_4b.model.n_head, 32);
+  EXPECT_EQ(qwen3_4b.model.n_embd, 2560);
+  EXPECT_EQ(qwen3_4b.model.intermediate_size, 9728);
+  EXPECT_EQ(qwen3_4b.model.tie_embeddings, "true");
+  Config qwen3_8b = parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-8b"});
+  EXPECT_EQ(qwen3_8b.model.n_embd, 4096);
+  EXPECT_EQ(qwen3_8b.model.intermediate_size, 12288);
+  EXPECT_EQ(qwen3_8b.model.head_dim, 128);
+  EXPECT_EQ(qwen3_8b.model.tie_embeddings, "false");
+  EXPECT_EQ(qwen3.model.sliding_window, 0);
   expect_same(qwen3, parse_config(to_yaml(qwen3), "resolved.yaml"));
   Config debug = parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug"});
   EXPECT_EQ(debug.model.n_embd, 256);
@@ -428,6 +441,56 @@ TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+// Mistral 7B v0.1's published config.json gives the preset's shape, its 4096-token window
+// included; a training context longer than the window is refused by name (the window would cut).
+// Qwen's configs name a sliding_window too, unused without use_sliding_window: it is not read.
+TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) {
+  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+             "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+             "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+             "sliding_window": 4096, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+             "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000})";
+  std::ofstream(dir + "/config.json") << mistral;
+  std::ofstream(dir + "/run.yaml") << concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
+  Config from_file = load_config(dir + "/run.yaml");
+  EXPECT_EQ(from_file.model.sliding_window, 4096);
+  EXPECT_EQ(from_file.model.seq_len, 2048);
+  Config preset = parse_config(kMinimal, "run.yaml", {"model.preset=mistral-7b-v0.1"});
+  from_file.model.preset = preset.model.preset;
+  from_file.model.init_from = preset.model.init_from;
+  expect_same(from_file, preset);
+  expect_same(preset, parse_config(to_yaml(preset), "resolved.yaml"));
+  EXPECT_EQ(load_config(dir + "/run.yaml", {"model.seq_len=4096"}).model.seq_len, 4096);  // the whole window
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.seq_len=8192"}); }),
+                  {"run.yaml: model.sliding_window must be >= model.seq_len (8192: attention windows shorter than "
+                   "the context are not implemented; lower model.seq_len), got 4096"});
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.sliding_window=8192"}); }),
+                  {"run.yaml: model.sliding_window: 8192 disagrees with ", "/config.json's 4096"});
+  // Mistral NeMo's shape: no window, heads of 128 at width 5120 (32 x 128 = 4096)
+  std::string nemo = mistral;
+  nemo.replace(nemo.find("\"sliding_window\": 4096"), 22, "\"sliding_window\": null, \"head_dim\": 128");
+  nemo.replace(nemo.find("\"hidden_size\": 4096"), 19, "\"hidden_size\": 5120");
+  std::ofstream(dir + "/config.json") << nemo;
+  Config n = load_config(dir + "/run.yaml", {"model.seq_len=8192"});
+  EXPECT_EQ(n.model.sliding_window, 0);
+  EXPECT_EQ(n.model.head_dim, 128);
+  EXPECT_EQ(n.model.n_embd, 5120);
+  // Qwen2.5's config: sliding_window 32768 with use_sliding_window false, so no window
+  std::ofstream(dir + "/config.json")
+      << R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+             "vocab_size": 300, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+             "sliding_window": 32768, "use_sliding_window": false, "max_window_layers": 21,
+             "tie_word_embeddings": true, "hidden_act": "silu"})";
+  Config q = load_config(dir + "/run.yaml");
+  EXPECT_EQ(q.model.sliding_window, 0);
+  EXPECT_EQ(q.model.qkv_bias, "true");
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Config, UnknownPresetListsTheNames) {
   expect_contains(parse_error(kMinimal, {"model.preset=gpt3"}),
                   {"run.yaml: model.preset must be one of", "tiny", "gpt2-medium", "gpt2-xl",
@@ -477,6 +540,14 @@ INSTANTIATE_TEST_SUITE_P(
                 {"model.qk_norm must be false with model.qkv_bias: true"}},
         Invalid{"qk_norm_value", {"model.preset=qwen3-0.6b", "model.qk_norm=yes"},
                 {"model.qk_norm must be true or false, got 'yes'"}},
+        Invalid{"sliding_window_on_gpt2", {"model.sliding_window=1024"},
+                {"model.sliding_window applies to model.arch: llama only"}},
+        Invalid{"sliding_window_shorter_than_seq_len", {"model.preset=mistral-7b-v0.1", "model.seq_len=4097"},
+                {"model.sliding_window must be >= model.seq_len (4097", "got 4096"}},
+        Invalid{"sliding_window_negative", {"model.preset=llama-debug", "model.sliding_window=-1"},
+                {"model.sliding_window must be >= 0 (0 = none), got -1"}},
+        Invalid{"sliding_window_with_qk_norm", {"model.preset=qwen3-0.6b", "model.sliding_window=4096"},
+                {"model.sliding_window must be 0 with model.qkv_bias or model.qk_norm", "got 4096"}},
         Invalid{"n_head", {"model.n_head=-2"}, {"model.n_head must be > 0, got -2"}},
         Invalid{"n_embd", {"model.n_embd=-3"}, {"model.n_embd must be > 0, got -3"}},
         Invalid{"seq_len", {"model.seq_len=-4"}, {"model.seq_len must be > 0, got -4"}},

@@ -14,15 +14,15 @@ namespace mpitrain {
 
 // Presets (docs/models.md has the table): GPT-2's tiny (6/6/192, seq 256, vocab from the data),
 // gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama's llama-debug (6 layers, 16 heads, 4 kv heads,
-// width 256, vocab 2048), llama3.2-1b, llama3.2-3b, llama3.1-8b, qwen2.5-0.5b, qwen3-0.6b and
-// qwen3-1.7b with their published config.json values. custom requires n_layer, n_head, n_embd
+// width 256, vocab 2048), llama3.2-1b, llama3.2-3b, llama3.1-8b, qwen2.5-0.5b, qwen3-0.6b,
+// qwen3-1.7b, qwen3-4b, qwen3-8b and mistral-7b-v0.1 with their published config.json values. custom requires n_layer, n_head, n_embd
 // and seq_len (and for llama intermediate_size). parse_config fills the unset fields from the preset (then from the
 // architecture's defaults), so after it only vocab_size may be 0. With model.init_from: hf:DIR,
 // load_config first takes the unset fields from DIR/config.json (hf_config.h).
 struct ModelConfig {
   std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-debug |
                                 // llama3.2-1b | llama3.2-3b | llama3.1-8b | qwen2.5-0.5b | qwen3-0.6b |
-                                // qwen3-1.7b | custom
+                                // qwen3-1.7b | qwen3-4b | qwen3-8b | mistral-7b-v0.1 | custom
   int64_t n_layer = 0;          // transformer blocks (0 = from preset)
   int64_t n_head = 0;           // attention heads (0 = from preset)
   int64_t n_embd = 0;           // model width (0 = from preset)
@@ -47,6 +47,8 @@ struct ModelConfig {
   int64_t head_dim = 0;           // size of one attention head (0 = from preset, else n_embd / n_head; Qwen3: 128)
   std::string qk_norm = "auto";   // true | false: RMSNorm over each head's q and k before rotary (Qwen3)
                                   // (auto = the preset's, else false)
+  int64_t sliding_window = 0;     // Mistral's attention window in tokens (0 = none, or the preset's); must be
+                                  // >= seq_len: within it sliding-window attention is causal attention
   double norm_eps = 0;            // LayerNorm / RMSNorm epsilon, > 0 (0 = from preset, else 1e-5); both archs
   double dropout = 0.0;         // dropout probability, [0, 1)
   std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]

@@ -56,6 +56,8 @@ struct GPTDims {
   bool tie_embeddings = true;   // llama: false = an lm_head of its own
   int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
   bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
+  int64_t sliding_window = 0;   // llama: Mistral's attention window (0 none), >= seq_len, so the
+                                // attention is causal attention; kept for checkpoints and export
   // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
   // the rows after them are padding, initialised to zero, outside the loss and the logits, so
   // they get no gradient and are never sampled. 0: every row is a class (an explicit

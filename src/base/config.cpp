@@ -66,7 +66,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, rope_original_max_position), MPITRAIN_FIELD(model, max_position),
     MPITRAIN_FIELD(model, qkv_bias),     MPITRAIN_FIELD(model, tie_embeddings),
     MPITRAIN_FIELD(model, head_dim),     MPITRAIN_FIELD(model, qk_norm),
-    MPITRAIN_FIELD(model, norm_eps),
+    MPITRAIN_FIELD(model, sliding_window), MPITRAIN_FIELD(model, norm_eps),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
     MPITRAIN_FIELD(model, init_from),    MPITRAIN_FIELD(data, train),
@@ -316,31 +316,39 @@ struct Preset {
   bool qkv_bias, tie_embeddings;
   int64_t head_dim;  // 0: n_embd / n_head
   bool qk_norm;
+  int64_t sliding_window;  // 0: none
 };
 
 // The Llama shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
-// 8B, Qwen2.5 0.5B, Qwen3 0.6B/1.7B); seq_len is a training context, max_position what
-// config.json declares.
+// 8B, Qwen2.5 0.5B, Qwen3 0.6B/1.7B/4B/8B, Mistral 7B v0.1); seq_len is a training context,
+// max_position what config.json declares.
 const Preset kPresets[] = {
-    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},  // vocab 0: the shards'
-    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
-    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
-    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
-    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false},
-    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true, 0, false},
+    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},  // vocab 0: the shards'
+    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
+    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
+    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
+    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
+    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true, 0, false, 0},
     {"llama3.2-1b", "llama", 16, 32, 2048, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true, 0, false},
+     false, true, 0, false, 0},
     {"llama3.2-3b", "llama", 28, 24, 3072, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true, 0, false},
+     false, true, 0, false, 0},
     {"llama3.1-8b", "llama", 32, 32, 4096, 2048, 128256, 8, 14336, 131072, 500000, 1e-5, "llama3", 8, 1, 4, 8192,
-     false, false, 0, false},
+     false, false, 0, false, 0},
     {"qwen2.5-0.5b", "llama", 24, 14, 896, 2048, 151936, 2, 4864, 32768, 1000000, 1e-6, "none", 0, 0, 0, 0, true,
-     true, 0, false},
+     true, 0, false, 0},
     // Qwen3: 128-wide heads whatever the width (16 x 128 = 2048 > 1024), q/k norms, no biases.
     {"qwen3-0.6b", "llama", 28, 16, 1024, 2048, 151936, 8, 3072, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     true, 128, true},
+     true, 128, true, 0},
     {"qwen3-1.7b", "llama", 28, 16, 2048, 2048, 151936, 8, 6144, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     true, 128, true},
+     true, 128, true, 0},
+    {"qwen3-4b", "llama", 36, 32, 2560, 2048, 151936, 8, 9728, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
+     true, 128, true, 0},
+    {"qwen3-8b", "llama", 36, 32, 4096, 2048, 151936, 8, 12288, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
+     false, 128, true, 0},
+    // Mistral 7B v0.1: a 4096-token attention window (seq_len must stay within it), untied.
+    {"mistral-7b-v0.1", "llama", 32, 32, 4096, 2048, 32000, 8, 14336, 32768, 10000, 1e-5, "none", 0, 0, 0, 0, false,
+     false, 128, false, 4096},
 };
 
 // Fills the unset fields (0, "" or auto) from the preset, then from the architecture's defaults;
@@ -390,7 +398,8 @@ void apply_preset(ModelConfig& m, const std::string& where) {
         {"qkv_bias", m.qkv_bias == "false"},
         {"tie_embeddings", m.tie_embeddings == "false"},
         {"head_dim", m.head_dim != 0 && m.head_dim * m.n_head != m.n_embd},
-        {"qk_norm", m.qk_norm == "true"}};
+        {"qk_norm", m.qk_norm == "true"},
+        {"sliding_window", m.sliding_window != 0}};
     for (const auto& [key, set] : llama_only)
       if (set)
         throw UsageError(concat(where, ": model.", key, " applies to model.arch: llama only (this model is gpt2, ",
@@ -415,6 +424,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     if (m.tie_embeddings == "auto") m.tie_embeddings = p->tie_embeddings ? "true" : "false";
     fill(m.head_dim, p->head_dim);
     if (m.qk_norm == "auto") m.qk_norm = p->qk_norm ? "true" : "false";
+    fill(m.sliding_window, p->sliding_window);
   }
   fill(m.n_kv_head, m.n_head);
   fill(m.max_position, m.seq_len);
@@ -479,6 +489,18 @@ void validate(const Config& c, const std::string& where) {
     check(m.qk_norm == "false" || m.qkv_bias == "false", "model.qk_norm",
           "false with model.qkv_bias: true (no Hugging Face model has both: Qwen2 has the biases, Qwen3 the norms)",
           show(m.qk_norm));
+    // Only windows that never cut: within sliding_window tokens, sliding-window attention is causal.
+    check(m.sliding_window >= 0, "model.sliding_window", ">= 0 (0 = none)", show(m.sliding_window));
+    if (m.sliding_window > 0) {
+      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
+            "0 with model.qkv_bias or model.qk_norm (the window is Mistral's; Qwen's sliding windows are not "
+            "supported)",
+            show(m.sliding_window));
+      check(m.sliding_window >= m.seq_len, "model.sliding_window",
+            concat(">= model.seq_len (", m.seq_len,
+                   ": attention windows shorter than the context are not implemented; lower model.seq_len)"),
+            show(m.sliding_window));
+    }
     const bool llama3 = m.rope_scaling == "llama3";
     auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
       check(llama3 ? ok : got == "0", key, llama3 ? range : "unset (0) unless model.rope_scaling is llama3", got);

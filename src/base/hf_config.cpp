@@ -78,17 +78,21 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   };
 
   const std::string type = c.value("model_type", std::string());
-  if (type != "llama" && type != "qwen2" && type != "qwen3")
-    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM) ",
-                                   "and qwen3 (Qwen3ForCausalLM)"));
+  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "mistral")
+    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), ",
+                                   "qwen3 (Qwen3ForCausalLM) and mistral (MistralForCausalLM)"));
   if (c.contains("hidden_act") && c["hidden_act"] != "silu")
     throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
   // Qwen2's q/k/v biases are qkv_bias; llama's and qwen3's attention_bias (o_proj too) and mlp_bias are not supported.
   if (type != "qwen2" && (flag("attention_bias", false) || flag("mlp_bias", false)))
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
               concat("true: mpitrain's ", type, " has no such biases"));
-  if (type != "llama" && flag("use_sliding_window", false))
-    throw bad("use_sliding_window", "true: sliding-window attention is not supported");
+  if ((type == "qwen2" || type == "qwen3") && flag("use_sliding_window", false))
+    throw bad("use_sliding_window", "true: Qwen's sliding-window attention is not supported");
+  // Mistral's window (null: none). Qwen's configs carry a sliding_window too, unused without
+  // use_sliding_window; Llama's have none. A window shorter than model.seq_len is refused by the
+  // config's validation, naming model.sliding_window.
+  const int64_t window = type == "mistral" ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
@@ -135,6 +139,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
       {"max_position", &m.max_position, max_position},
       {"rope_original_max_position", &m.rope_original_max_position, original},
       {"head_dim", &m.head_dim, head_dim > 0 ? head_dim : n_embd / n_head},
+      {"sliding_window", &m.sliding_window, window},
   };
   auto disagree = [&](const char* key, const std::string& have, const std::string& file) {
     return UsageError(concat(where, ": model.", key, ": ", have, " disagrees with ", path, "'s ", file,

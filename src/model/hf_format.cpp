@@ -276,12 +276,13 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
         {"torch_dtype", torch_dtype},
     };
   // Qwen2's attention has q/k/v biases, Qwen3's q/k norms; Llama's neither (attention_bias would
-  // add o_proj's bias too).
+  // add o_proj's bias too); Mistral is Llama's with an attention window.
   const std::string arch = hf_architecture(d);
   const bool qwen2 = arch == "Qwen2ForCausalLM", qwen3 = arch == "Qwen3ForCausalLM";
+  const bool mistral = arch == "MistralForCausalLM";
   json c = {
       {"architectures", {arch}},
-      {"model_type", qwen2 ? "qwen2" : qwen3 ? "qwen3" : "llama"},
+      {"model_type", qwen2 ? "qwen2" : qwen3 ? "qwen3" : mistral ? "mistral" : "llama"},
       {"vocab_size", d.vocab_size},
       {"hidden_size", d.n_embd},
       {"intermediate_size", d.intermediate_size},
@@ -302,12 +303,15 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"eos_token_id", eot_token},
       {"torch_dtype", torch_dtype},
   };
-  if (!qwen2) c["attention_bias"] = false;
-  if (qwen2 || qwen3) {
+  if (mistral) {
+    c["sliding_window"] = d.sliding_window;
+  } else if (qwen2 || qwen3) {
+    if (qwen3) c["attention_bias"] = false;
     c["use_sliding_window"] = false;
     c["sliding_window"] = nullptr;
     c["max_window_layers"] = d.n_layer;
   } else {
+    c["attention_bias"] = false;
     c["mlp_bias"] = false;
     c["pretraining_tp"] = 1;
   }
@@ -345,7 +349,10 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 
 std::string hf_architecture(const GPTDims& d) {
   MPITRAIN_CHECK(!(d.qkv_bias && d.qk_norm), "no Hugging Face class has both q/k/v biases and q/k norms");
+  MPITRAIN_CHECK(d.sliding_window == 0 || !(d.qkv_bias || d.qk_norm),
+                 "a sliding window is Mistral's: no q/k/v biases or q/k norms with it");
   if (!d.llama()) return "GPT2LMHeadModel";
+  if (d.sliding_window > 0) return "MistralForCausalLM";
   return d.qkv_bias ? "Qwen2ForCausalLM" : d.qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
 }
 

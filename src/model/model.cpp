@@ -53,6 +53,7 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
     d.tie_embeddings = cfg.tie_embeddings == "true";
     d.head_size = cfg.head_dim;  // 0: n_embd / n_head
     d.qk_norm = cfg.qk_norm == "true";
+    d.sliding_window = cfg.sliding_window;
   } else {
     d.n_kv_head = d.n_head;
     d.intermediate_size = 4 * d.n_embd;
@@ -343,6 +344,9 @@ GPTDims complete(GPTDims d) {
 GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
+  // A window that never cuts (every sequence is at most seq_len): the causal attention below is it.
+  MPITRAIN_CHECK(d.sliding_window == 0 || d.sliding_window >= d.seq_len,
+                 "model dims: a sliding window shorter than seq_len is not implemented");
   MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
                      d.vocab_size % d.tp == 0,
                  "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");

@@ -274,6 +274,7 @@ void write_arch_attrs(hid_t root, const GPTDims& d) {
   h5::set_attr(root, "tie_embeddings", int64_t{d.tie_embeddings});
   h5::set_attr(root, "head_dim", d.head_dim());
   h5::set_attr(root, "qk_norm", int64_t{d.qk_norm});
+  h5::set_attr(root, "sliding_window", d.sliding_window);
 }
 
 UsageError write_failure(const std::string& tmp, const std::string& why) {
@@ -569,6 +570,13 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
     d.head_size = require_int_in(root, path, "head_dim", "head_dim", 2, 1 << 16);
   if (d.llama() && h5::has_attr(root, "qk_norm"))
     d.qk_norm = require_int_in(root, path, "qk_norm", "qk_norm", 0, 1) == 1;
+  // Mistral's window (0: none; files before it have none); one shorter than seq_len is not a model
+  // mpitrain makes.
+  if (d.llama() && h5::has_attr(root, "sliding_window"))
+    d.sliding_window = require_int_in(root, path, "sliding_window", "sliding_window", 0, INT32_MAX);
+  if (d.sliding_window != 0 && d.sliding_window < d.seq_len)
+    throw UsageError(concat(path, ": attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len, "), got ",
+                            d.sliding_window));
   if (d.head_size == 0 && d.n_embd % d.n_head != 0)
     throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
                             d.n_embd));
@@ -674,7 +682,8 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
         {"qkv_bias", {concat(have.qkv_bias), concat(want.qkv_bias)}},
         {"tie_embeddings", {concat(have.tie_embeddings), concat(want.tie_embeddings)}},
         {"head_dim", {concat(have.head_dim()), concat(want.head_dim())}},
-        {"qk_norm", {concat(have.qk_norm), concat(want.qk_norm)}}};
+        {"qk_norm", {concat(have.qk_norm), concat(want.qk_norm)}},
+        {"sliding_window", {concat(have.sliding_window), concat(want.sliding_window)}}};
     for (const auto& [key, values] : keys)
       if (values.first != values.second)
         throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",

@@ -148,7 +148,10 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
                 dims.llama() ? concat(", SwiGLU ", dims.intermediate_size, ", rope theta ", dims.rope_theta,
                                       dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
                                       dims.tie_embeddings ? ", tied output" : ", untied output",
-                                      dims.qkv_bias ? ", qkv bias" : "", dims.qk_norm ? ", q/k norms" : "")
+                                      dims.qkv_bias ? ", qkv bias" : "", dims.qk_norm ? ", q/k norms" : "",
+                                      dims.sliding_window > 0
+                                          ? concat(", attention window ", dims.sliding_window, " (>= seq_len: causal)")
+                                          : std::string())
                              : std::string(),
                 ", seq_len ", dims.seq_len, ", vocab ", dims.vocab_size,
                 dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
