@@ -236,6 +236,8 @@ TEST(HfTokenizer, BadFiles) {
   expect_bad([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }, "decoder.type: 'WordPiece' is not supported");
   expect_bad([](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type: 'NFKC' is not supported");
   expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); }, "pre_tokenizer: no ByteLevel step");
+  expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][1].erase("add_prefix_space"); },
+             "pre_tokenizer.pretokenizers[1].add_prefix_space: missing (a ByteLevel step must say true or false");
   expect_bad([](json& j) { j.erase("pre_tokenizer"); }, "pre_tokenizer: missing");
   expect_bad([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Weird"; },
              "pre_tokenizer.pretokenizers[0].behavior: 'Weird' is not one of Removed, Isolated");

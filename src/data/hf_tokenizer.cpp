@@ -211,6 +211,11 @@ void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
     Step s;
     if (type == "ByteLevel") {
       s.byte_level = true;
+      // Required, as Hugging Face's tokenizers (Rust) deserialises the step: a file without it
+      // does not load there, and a default would encode the first word of every text one way or
+      // the other (" Hello" or "Hello") by guess.
+      if (!member(*p, "add_prefix_space"))
+        bad(key + ".add_prefix_space", "missing (a ByteLevel step must say true or false, as tokenizers requires)");
       s.add_prefix_space = flag(*p, "add_prefix_space", true, key);
       if (flag(*p, "use_regex", true, key))
         s.pattern = std::make_unique<bpe::Pattern>(bpe::gpt2_pattern(), "GPT-2 pattern");
