@@ -49,17 +49,17 @@ sed 's/^/  /' ref.out
 check "independent parser: every tensor = the checkpoint's; HF-named GPT-2 logits = mpitrain's (exit $rc)" "[ $rc -eq 0 ]"
 
 # ---- the reverse: model.init_from takes the exported file ----
-last_val=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train.out | tail -1)
+last_val=$(val_loss 6 train.out tail)
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.init_from=hf/model.safetensors --set train.out_dir=run2 \
   --set checkpoint.dir=ckpt2 --set train.steps=1 --set optim.warmup_steps=0 > init.out 2>&1
 rc=$?
-first_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init.out | head -1)
+first_val=$(val_loss 0 init.out)
 check "model.init_from: hf/model.safetensors: step-0 val loss $first_val = the exported run's last $last_val" \
   "[ $rc -eq 0 ] && [ -n '$first_val' ] && [ '$first_val' = '$last_val' ] && grep -q 'initial weights from hf/model.safetensors' init.out"
 [ $rc -eq 0 ] || tail -5 init.out
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set model.init_from=hf --set train.out_dir=run3 \
   --set checkpoint.dir=ckpt3 --set train.steps=1 --set optim.warmup_steps=0 > init_dir.out 2>&1
-first_dir=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_dir.out | head -1)
+first_dir=$(val_loss 0 init_dir.out)
 check "model.init_from: hf (a directory holding model.safetensors) loads the same ($first_dir)" "[ '$first_dir' = '$last_val' ]"
 
 # ---- bf16 export; GPT-2 BPE with its tokenizer files ----

@@ -89,7 +89,7 @@ check "the reference with a window of 8 (shorter than the 32-token sequences) do
   "[ $rc -ne 0 ] && grep -q 'logits differ' ref_mistral_w8.out"
 
 # ---- Hugging Face in: hf:DIR, one file and sharded ----
-last_val=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_llama.out | tail -1)
+last_val=$(val_loss 6 train_llama.out tail)
 cat > init.yaml <<YAML
 model: {init_from: "hf:hf_llama", seq_len: 32}
 $common
@@ -97,7 +97,7 @@ YAML
 "$MPIRUN" -np 2 "$BIN" init.yaml --set train.out_dir=run_init --set checkpoint.dir=ckpt_init --set train.steps=1 \
   --set optim.warmup_steps=0 > init.out 2>&1
 rc=$?
-first_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init.out | head -1)
+first_val=$(val_loss 0 init.out)
 check "init_from hf:hf_llama (shape from config.json): step-0 val loss $first_val = the exported run's last $last_val" \
   "[ $rc -eq 0 ] && [ -n '$first_val' ] && [ '$first_val' = '$last_val' ] && grep -q 'model: llama, .*4 heads / 2 kv heads' init.out"
 [ $rc -eq 0 ] || tail -5 init.out
@@ -107,16 +107,16 @@ check "--max-shard-size 0.02 (20 kB): $nshards shards + model.safetensors.index.
   "[ $nshards -gt 1 ] && [ -s hf_sharded/model.safetensors.index.json ] && [ ! -e hf_sharded/model.safetensors ]"
 "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_sharded --set train.out_dir=run_sh \
   --set checkpoint.dir=ckpt_sh --set train.steps=1 --set optim.warmup_steps=0 > init_sh.out 2>&1
-sh_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_sh.out | head -1)
+sh_val=$(val_loss 0 init_sh.out)
 check "init_from the sharded export loads the same weights ($sh_val)" "[ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ]"
 "${REF[@]}" logits hf_sharded logits_llama/tokens.npy logits_llama/logits.npy > ref_sharded.out 2>&1
 check "the reference reads the sharded export through its index: the same logits" "[ \$? -eq 0 ]"
 # Mistral in: the window comes from config.json; a context longer than it is refused by name.
-mistral_last=$(sed -n 's/.*step 6 | val loss \([0-9.]*\).*/\1/p' train_mistral.out | tail -1)
+mistral_last=$(val_loss 6 train_mistral.out tail)
 "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set train.out_dir=run_mi \
   --set checkpoint.dir=ckpt_mi --set train.steps=1 --set optim.warmup_steps=0 > init_mi.out 2>&1
 rc=$?
-mi_val=$(sed -n 's/.*step 0 | val loss \([0-9.]*\).*/\1/p' init_mi.out | head -1)
+mi_val=$(val_loss 0 init_mi.out)
 check "init_from hf:hf_mistral: the window from config.json, step-0 val loss $mi_val = the exported run's last $mistral_last" \
   "[ $rc -eq 0 ] && [ -n '$mi_val' ] && [ '$mi_val' = '$mistral_last' ] && grep -q 'attention window 32' init_mi.out"
 "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set model.seq_len=64 \

@@ -173,6 +173,17 @@ std::string load_error(const std::string& path, GPTDims d) {
   }
   return "";
 }
+
+// A model of `saved`'s dims, initialised differently, loads `path` and then equals `saved` bitwise.
+void expect_loads_bitwise(const std::string& path, GPT& saved) {
+  torch::manual_seed(6);
+  GPT b(saved->dims());
+  AdamW opt_b(b->named_params(), OptimConfig{});
+  TrainState got;
+  load_checkpoint(path, b, &opt_b, got);
+  const auto pa = saved->named_params(), pb = b->named_params();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i].second, pb[i].second)) << pa[i].first;
+}
 }  // namespace
 
 // A Qwen3-shaped Llama (heads of 16 at width 16, q/k norms) comes back bitwise with its shape;
@@ -196,13 +207,7 @@ TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNor
   const GPTDims stored = checkpoint_dims(path);
   EXPECT_EQ(stored.head_dim(), 16);
   EXPECT_TRUE(stored.qk_norm);
-  torch::manual_seed(6);
-  GPT b(d);
-  AdamW opt_b(b->named_params(), OptimConfig{});
-  TrainState got;
-  load_checkpoint(path, b, &opt_b, got);
-  const auto pa = a->named_params(), pb = b->named_params();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i].second, pb[i].second)) << pa[i].first;
+  expect_loads_bitwise(path, a);
   GPTDims no_norms = d;
   no_norms.qk_norm = false;
   EXPECT_NE(load_error(path, no_norms).find("has qk_norm 1, the configured one 0 (model.qk_norm)"), std::string::npos);
@@ -364,12 +369,7 @@ TEST(Checkpoint, MistralWindowRoundTripsAndIsPartOfTheArchitecture) {
   st.step = 1;
   const std::string path = save_checkpoint(dir, a, opt, st, 3);
   EXPECT_EQ(checkpoint_dims(path).sliding_window, d.seq_len);
-  GPT b(d);
-  AdamW opt_b(b->named_params(), OptimConfig{});
-  TrainState got;
-  load_checkpoint(path, b, &opt_b, got);
-  const auto pa = a->named_params(), pb = b->named_params();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i].second, pb[i].second)) << pa[i].first;
+  expect_loads_bitwise(path, a);
   GPTDims no_window = d;
   no_window.sliding_window = 0;
   EXPECT_NE(load_error(path, no_window).find(concat("has sliding_window ", d.seq_len,

@@ -15,9 +15,10 @@ namespace mpitrain {
 // Presets (docs/models.md has the table): GPT-2's tiny (6/6/192, seq 256, vocab from the data),
 // gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama's llama-debug (6 layers, 16 heads, 4 kv heads,
 // width 256, vocab 2048), llama3.2-1b, llama3.2-3b, llama3.1-8b, qwen2.5-0.5b, qwen3-0.6b,
-// qwen3-1.7b, qwen3-4b, qwen3-8b and mistral-7b-v0.1 with their published config.json values. custom requires n_layer, n_head, n_embd
-// and seq_len (and for llama intermediate_size). parse_config fills the unset fields from the preset (then from the
-// architecture's defaults), so after it only vocab_size may be 0. With model.init_from: hf:DIR,
+// qwen3-1.7b, qwen3-4b, qwen3-8b and mistral-7b-v0.1 with their published config.json values.
+// custom requires n_layer, n_head, n_embd and seq_len (and for llama intermediate_size).
+// parse_config fills the unset fields from the preset (then from the architecture's defaults),
+// so after it only vocab_size may be 0. With model.init_from: hf:DIR,
 // load_config first takes the unset fields from DIR/config.json (hf_config.h).
 struct ModelConfig {
   std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-debug |

@@ -44,7 +44,7 @@ class HfTokenizer {
   // Text that needs it does not decode back to itself.
   std::optional<uint32_t> unknown_token() const;
   // Whether a ByteLevel step puts a space before each piece that does not start with one
-  // (add_prefix_space; true where the file leaves it out). decode() keeps those spaces, as Hugging
+  // (add_prefix_space, which a ByteLevel step must state). decode() keeps those spaces, as Hugging
   // Face's ByteLevel decoder does.
   bool adds_prefix_space() const;
   // The id of a vocabulary entry or added token, written as in the file.
