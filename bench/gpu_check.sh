@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One command on a bare GPU machine (issue 12): build the GPU variant, run test_gpu, train on the
-# GPU and measure, every log under OUTDIR, a summary table printed last.
+# One command on a bare GPU machine (issues 12, 40): build the GPU variant, run test_gpu, train on
+# the GPU and measure, every log under OUTDIR, a summary table printed last.
 #
 #   bash bench/gpu_check.sh OUTDIR [STAGE ...]
 #
 # Stages, in this order when none are named (each may be run alone; `build` is cheap once done):
-#   env      the machine: GPU, driver, Python torch and its CUDA/cuDNN, NCCL, nvcc, MPI, nsys
-#   build    CMake against Python torch's libtorch (torch.utils.cmake_prefix_path) and the NCCL
-#            of site-packages nvidia/nccl, all cores; checks: a GPU build, fused kernels built,
-#            no compiler warning in mpitrain's own sources; the start-up lines name the fused
-#            kernels and the attention path in use
+#   env      the machine: GPU, driver, Python torch and its CUDA/cuDNN, NCCL, nvcc, MPI, nsys, and
+#            which of the kit's libraries the image has of its own
+#   build    CMake against Python torch's libtorch (torch.utils.cmake_prefix_path), the NCCL of
+#            site-packages nvidia/nccl and the device kit, all cores, make -k (every compiler
+#            error in one pass); checks: a GPU build, fused kernels built, no compiler warning in
+#            mpitrain's own sources
 #   test     mpirun -np 1 test_gpu: every test must run and pass, none skipped
 #   train    a small byte-level GPT on Python's own sources: CPU fp32 reference; CUDA fp32 + NCCL
 #            (learns like the CPU run); 2 ranks sharing the GPU (comm.backend mpi, the same
@@ -24,16 +25,32 @@
 #   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) summarised by
 #            bench/profile_summary.py, and nsys's kernel table where nsys is installed
 #
-# A device command may run 10 minutes: on such a machine run `env build test train` first and
-# `llama bench profile` in a second call (the build stays while the machine is held; if it was given
-# back, `build` simply runs again).
+# The device kit: bench/device-kit.sh makes .device-kit/ (Debian 12's PCRE2, ISA-L, utf8proc,
+# OpenSSL, nlohmann-json, CLI11, GoogleTest and pkgconf, ~11 MiB, relocatable); when KIT (default
+# <repo>/.device-kit) holds env.sh, the build stage uses it, so the GPU image needs only what was
+# seen there: Python torch with CUDA, nvcc, NCCL, Open MPI, HDF5, yaml-cpp, spdlog, CMake.
+#
+# The lease (15 minutes of device time in all, each machine start counted, 10 per command), one
+# call from this machine, in the repository root, after `bash bench/device-kit.sh`:
+#   device run, carry [".device-kit"], timeout_s 540, command:
+#     bash bench/gpu_check.sh $OUT/check env build test train llama > $OUT/check.log 2>&1;
+#     tail -n 60 $OUT/check.log
+# Time budget of that call (<= 9 minutes, leaving ~5 for one rerun or `bench profile` after a
+# machine start of 1-2 minutes): build ~3 min (CPU seconds measured here for mpitrain, test_gpu and
+# bench_fused_ops against Debian's CPU libtorch, over 16 cores, plus nvcc's kernels and the heavier
+# CUDA headers: bench/README.md), test <= 2.5 min (its own timeout: TEST_TIMEOUT, default 150 s),
+# train ~1.5 min, llama ~1 min; each stage prints its seconds. The logs and summary come back
+# under $OUT/check (at most 8 files come back: the whole OUTDIR is not fetched, only what the
+# command copies there; summary.md and the logs the command names).
 #
 # Rehearsal without a GPU: REHEARSE=1 BUILD=build bash bench/gpu_check.sh OUTDIR env train
 # runs the same flow on the CPU (CUDA runs become CPU runs, GPU-only checks are SKIP rows), so
 # the script itself is tested where GPU time costs nothing (tests/gpu_check_rehearsal_test.sh).
+# REHEARSE_BUILD=1 makes the build stage configure and build a CPU build the way the lease does
+# (the kit, make -k), as bench/device-kit-rehearsal.sh does in a bare Debian 12 root.
 #
 # Environment: BUILD (default build-gpu), JOBS (default: all cores), CUDA_ARCH (default: the
-# GPU's, as CMake's "native"), PYTHON (default python3). Exit status 1 when any check FAILed.
+# GPU's, as CMake's "native"), PYTHON (default python3), KIT. Exit status 1 when any check FAILed.
 set -uo pipefail
 
 [ $# -ge 1 ] || { sed -n '2,30p' "$0"; exit 2; }
@@ -47,6 +64,9 @@ case $build in /*) ;; *) build=$root/$build ;; esac
 jobs=${JOBS:-$(getconf _NPROCESSORS_ONLN)}
 py=${PYTHON:-python3}
 rehearse=${REHEARSE:-0}
+rehearse_build=${REHEARSE_BUILD:-0}
+kit=${KIT:-$root/.device-kit}
+case $kit in /*) ;; *) kit=$root/$kit ;; esac
 bin=$build/mpitrain
 summary=$out/summary.tsv
 export OMPI_MCA_rmaps_base_oversubscribe=1
@@ -93,6 +113,13 @@ EOF
     echo "nsys: $(command -v nsys || echo none)"
     mpirun --version 2>&1 | head -n 1
     cmake --version | head -n 1
+    echo "compilers: $(c++ --version 2>/dev/null | head -n 1); glibc $(ldd --version 2>/dev/null | head -n 1 | grep -o '[0-9.]*$')"
+    local m have=() lack=()
+    for m in libpcre2-8 libisal libutf8proc libcrypto nlohmann_json CLI11 gtest yaml-cpp spdlog hdf5 ompi; do
+      if command -v pkg-config >/dev/null && PKG_CONFIG_PATH= pkg-config --exists "$m" 2>/dev/null; then have+=("$m"); else lack+=("$m"); fi
+    done
+    echo "the machine's own pkg-config modules: has ${have[*]:-none}; lacks ${lack[*]:-none}$(command -v pkg-config >/dev/null || echo ' (no pkg-config)')"
+    echo "device kit: $([ -f "$kit/env.sh" ] && echo "$kit ($(du -sh "$kit" | cut -f1))" || echo none)"
   } >"$out/env.txt" 2>&1
   cat "$out/env.txt"
   local gpus
@@ -103,17 +130,27 @@ EOF
 
 # ---- build --------------------------------------------------------------------------------------
 stage_build() {
-  if [ "$rehearse" = 1 ]; then
+  if [ "$rehearse" = 1 ] && [ "$rehearse_build" != 1 ]; then
     [ -x "$bin" ] || { row build "mpitrain binary" FAIL "REHEARSE=1 needs BUILD with a built mpitrain"; return; }
     row build "GPU build" SKIP "rehearsal: using the CPU build $build"
     return
   fi
-  local prefix arch=${CUDA_ARCH:-native} t0
-  prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)') ||
-    { row build configure FAIL "Python torch not importable"; return; }
+  local prefix="" arch=${CUDA_ARCH:-native} t0 targets=(mpitrain test_gpu test_stdlib_binding bench_fused_ops)
+  if [ -f "$kit/env.sh" ]; then
+    # shellcheck disable=SC1091
+    . "$kit/env.sh"
+    row build "device kit" INFO "$MPITRAIN_KIT: $(grep -c ' KiB installed' "$kit/PACKAGES" 2>/dev/null) Debian packages"
+  fi
+  if [ "$rehearse" = 1 ]; then
+    # The CPU flow of the lease: Debian's libtorch stands in for the image's Python torch.
+    prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null) || prefix=""
+  else
+    prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)') ||
+      { row build configure FAIL "Python torch not importable"; return; }
+  fi
   # nvcc: PATH, /usr/local/cuda, else a pip wheel's (nvidia-cuda-nvcc) under site-packages/nvidia.
   # Torch's own CMake config needs a CUDA toolkit too (it finds it the same way).
-  if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null; then
+  if [ "$rehearse" != 1 ] && [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null; then
     local nvcc=""
     if [ -x /usr/local/cuda/bin/nvcc ]; then
       nvcc=/usr/local/cuda/bin/nvcc
@@ -128,38 +165,78 @@ stage_build() {
       row build "CUDA compiler" INFO "no nvcc found: no fused kernels, and torch's CMake config may not configure"
     fi
   fi
+  # The compiler: the system's g++ where the environment names another (the H100 image sets
+  # CXX=/opt/gcc/bin/g++, a wrapper whose links left libstdc++.so out of test_gpu's NEEDED list,
+  # so std::filesystem bound to libtorch's broken copy; /usr/bin/g++ with mpitrain_stdlib_first
+  # passed all of test_gpu there). GPU_CHECK_KEEP_CXX=1 keeps the environment's compiler.
+  if [ "$rehearse" != 1 ] && [ "${GPU_CHECK_KEEP_CXX:-0}" != 1 ] && [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ] &&
+     [ "$(readlink -f "$(command -v "${CXX:-g++}")")" != "$(readlink -f /usr/bin/g++)" ]; then
+    row build compiler INFO "/usr/bin/g++ instead of CXX=${CXX:-g++} ($(file -b "$(command -v "${CXX:-g++}")" 2>/dev/null | cut -c1-40))"
+    export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
+  fi
+  local prefixes=$prefix
+  [ -n "${MPITRAIN_KIT:-}" ] && prefixes="${prefixes:+$prefixes;}$MPITRAIN_KIT"
+  local extra=()
+  if [ "$rehearse" = 1 ]; then
+    # What the lease's configure finds on its own there: no CUDA toolkit, no compile check.
+    extra=(-DMPITRAIN_CUDA=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF)
+    targets=(mpitrain test_gpu test_stdlib_binding)  # test_gpu: GoogleTest links (from the kit)
+  fi
   t0=$(date +%s)
-  if ! cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DMPITRAIN_BUILD_TESTS=ON -DMPITRAIN_BUILD_BENCH=ON \
+  if ! cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release ${prefixes:+-DCMAKE_PREFIX_PATH="$prefixes"} \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DMPITRAIN_BUILD_TESTS=ON -DMPITRAIN_BUILD_BENCH=ON "${extra[@]}" \
       >"$out/configure.log" 2>&1; then
-    row build configure FAIL "see configure.log: $(grep -m1 -i 'error' "$out/configure.log" | cut -c1-120)"
+    row build configure FAIL "see configure.log: $(grep -m1 -i -A2 'error' "$out/configure.log" | tr '\n' ' ' | cut -c1-200)"
+    grep -i -A6 'error' "$out/configure.log" | head -n 30
     return
   fi
   grep "mpitrain:" "$out/configure.log"
-  check build "CMake configured a GPU build" "$(grep -m1 'mpitrain: GPU build' "$out/configure.log" | cut -c1-100)" \
-    grep -q "mpitrain: GPU build" "$out/configure.log"
-  check build "fused CUDA kernels built" "$(grep -m1 'mpitrain: .*CUDA' "$out/configure.log" | cut -c1-100)" \
-    grep -q "mpitrain: fused CUDA kernels" "$out/configure.log"
-  if ! cmake --build "$build" -j"$jobs" --target mpitrain test_gpu bench_fused_ops >"$out/build.log" 2>&1; then
+  if [ "$rehearse" = 1 ]; then
+    row build "GPU build" SKIP "rehearsal: a CPU build configured the lease's way ($(grep -m1 -o 'mpitrain: CPU build' "$out/configure.log"))"
+  else
+    check build "CMake configured a GPU build" "$(grep -m1 'mpitrain: GPU build' "$out/configure.log" | cut -c1-100)" \
+      grep -q "mpitrain: GPU build" "$out/configure.log"
+    check build "fused CUDA kernels built" "$(grep -m1 'mpitrain: .*CUDA' "$out/configure.log" | cut -c1-100)" \
+      grep -q "mpitrain: fused CUDA kernels" "$out/configure.log"
+  fi
+  # make -k: every failing translation unit's first error in one pass, not only the first one's.
+  local TIMEFORMAT='%R %U %S' build_rc=0 cpu_s
+  { time cmake --build "$build" -j"$jobs" --target "${targets[@]}" -- -k >"$out/build.log" 2>&1; } 2>"$out/build.time" ||
+    build_rc=$?
+  cpu_s=$(awk '{ printf "%.0f s wall, %.0f CPU s", $1, $2 + $3 }' "$out/build.time" 2>/dev/null)
+  if [ $build_rc -ne 0 ]; then
     row build compile FAIL "$(grep -m1 -E 'error' "$out/build.log" | cut -c1-160)"
-    grep -E "error" "$out/build.log" | head -n 40
+    grep -E -A3 "(error|Error)[: ]" "$out/build.log" | head -n 80
     return
   fi
-  row build compile PASS "mpitrain test_gpu bench_fused_ops with -j$jobs in $(seconds_since "$t0") s (configure included)"
+  row build compile PASS "${targets[*]} with -j$jobs: $cpu_s; $(seconds_since "$t0") s with configure"
   # Warnings in mpitrain's own sources (gcc's "file:line:col: warning:" and nvcc's "file(line): warning")
   grep -E "^$root/(src|include|tests|bench)/[^:(]*(:[0-9]+:[0-9]+: warning:|\([0-9]+\): warning)" \
     "$out/build.log" | sort -u >"$out/warnings.txt"
   check build "no warnings in mpitrain's sources" "$(wc -l <"$out/warnings.txt") (warnings.txt)" \
     test ! -s "$out/warnings.txt"
+  [ -s "$out/warnings.txt" ] && head -n 20 "$out/warnings.txt"
+  # libstdc++ before libtorch in the executable's NEEDED list (CMakeLists.txt, mpitrain_stdlib_first)
+  local needed
+  needed=$(readelf -d "$bin" 2>/dev/null | awk '/NEEDED/ { gsub(/[][]/, "", $5); print $5 }' | head -n 40)
+  check build "libstdc++ is linked before libtorch" "NEEDED: $(echo "$needed" | grep -n -E '^(libstdc\+\+|libtorch)' | head -n 2 | paste -sd' ')" \
+    test "$(echo "$needed" | grep -m1 -E '^(libstdc\+\+|libtorch)')" = libstdc++.so.6
+  return 0
 }
 
 # ---- test ---------------------------------------------------------------------------------------
 stage_test() {
   local exe=$build/tests/test_gpu xml=$out/test_gpu.xml
+  if [ -x "$build/tests/test_stdlib_binding" ]; then
+    local brc=0
+    "$build/tests/test_stdlib_binding" >"$out/stdlib_binding.log" 2>&1 || brc=$?
+    check test "std::filesystem calls reach libstdc++, not libtorch's copy (test_stdlib_binding)" \
+      "$(tail -n 1 "$out/stdlib_binding.log" | cut -c1-120) (exit $brc)" test "$brc" -eq 0
+  fi
   if [ "$rehearse" = 1 ]; then row test test_gpu SKIP "rehearsal: no GPU"; return; fi
   [ -x "$exe" ] || { row test test_gpu FAIL "$exe not built"; return; }
   rm -f "$xml"
-  timeout 600 mpirun -np 1 "$exe" --gtest_output="xml:$xml" >"$out/test_gpu.log" 2>&1
+  timeout "${TEST_TIMEOUT:-150}" mpirun -np 1 "$exe" --gtest_output="xml:$xml" >"$out/test_gpu.log" 2>&1
   local rc=$?
   tail -n 30 "$out/test_gpu.log"
   local counts
@@ -178,6 +255,13 @@ print(n, n - failed - skipped, failed, skipped)
 EOF
 )
   read -r n passed failed skipped <<<"$counts"
+  if [ "$n" -eq 0 ]; then
+    # No XML: the process died. Count from the log, and name the test it died in.
+    passed=$(grep -c '\[       OK \]' "$out/test_gpu.log")
+    local died
+    died=$(grep -o '\[ RUN      \].*' "$out/test_gpu.log" | tail -n 1 | sed 's/.*\] *//; s/\x1b\[[0-9;]*m//g')
+    row test "test_gpu died (exit $rc)" FAIL "in ${died:-?} after $passed passed (test_gpu.log)"
+  fi
   check test "test_gpu: every test runs and passes" "$n tests: $passed passed, $failed failed, $skipped skipped (exit $rc)" \
     test "$rc" -eq 0 -a "$n" -gt 0 -a "$failed" -eq 0 -a "$skipped" -eq 0
 }
@@ -414,7 +498,7 @@ done
   echo "mpitrain gpu_check, $(date -u +%F), $(grep -m1 -A1 '^name' "$out/env.txt" 2>/dev/null | tail -n 1)"
   echo "| stage | check | result | detail |"
   echo "|---|---|---|---|"
-  for s in env build test train bench profile; do
+  for s in env build test train llama bench profile; do
     awk -F'\t' -v s="$s" '$1 == s { printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }' "$summary"
   done
 } | tee "$out/summary.md"

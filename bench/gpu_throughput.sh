@@ -34,6 +34,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 
 # ---- build --------------------------------------------------------------------------------------
 prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# The device kit (bench/device-kit.sh): the libraries the GPU image lacks.
+kit=${KIT:-$root/.device-kit}
+if [ -f "$kit/env.sh" ]; then
+  . "$kit/env.sh"
+  prefix="$prefix;$MPITRAIN_KIT"
+fi
 # The fused kernels need nvcc; CMake looks on PATH and at CUDACXX.
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc
