@@ -39,8 +39,8 @@ say() { echo "debian13: $*"; }
 
 if ! command -v debootstrap > /dev/null; then
   say "installing debootstrap"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap > /dev/null
+  "$REPO/scripts/apt-get-wait" update -qq
+  DEBIAN_FRONTEND=noninteractive "$REPO/scripts/apt-get-wait" install -y -qq --no-install-recommends debootstrap > /dev/null
 fi
 
 mirror=$("$REPO/scripts/debian-mirror.sh" bookworm)

@@ -38,7 +38,9 @@ fi
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  echo "test.sh: installing ${missing[*]}"
+  $SUDO scripts/apt-get-wait update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO scripts/apt-get-wait install -y -qq --no-install-recommends "${missing[@]}"
 fi
 [ $packages_only = 1 ] && exit 0
 mpich=${MPITRAIN_TEST_MPICH:-auto}
@@ -56,8 +58,9 @@ ccache=OFF
 command -v ccache > /dev/null && ccache=ON
 cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPITRAIN_CCACHE=$ccache \
   -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 || { cat build-mpich.log; exit 1; }
-cmake --build build-mpich -j"${JOBS:-2}" --target mpitrain test_shards_mpi test_pack_mpi test_hf_tokenizer_mpi \
-  test_comm test_powersgd test_train test_tensor_parallel test_fused_emu >> build-mpich.log 2>&1 || { tail -50 build-mpich.log; exit 1; }
+. scripts/build-progress.sh
+build_with_progress test.sh build-mpich build-mpich.log --target mpitrain test_shards_mpi test_pack_mpi \
+  test_hf_tokenizer_mpi test_comm test_powersgd test_train test_tensor_parallel test_fused_emu || exit 1
 echo "test.sh: MPICH-ABI build took $(( $(date +%s) - start )) s; $(readelf -d build-mpich/mpitrain | grep -o 'libmpi[^]]*' | tr '\n' ' ')"
 cd build-mpich
 ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" -L '^mpi$'

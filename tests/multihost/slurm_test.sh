@@ -124,9 +124,10 @@ if (( ${#missing[@]} )); then
         policy_rc_created=1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    if ! timeout 600 apt-get install -y --no-install-recommends slurm-wlm munge >/tmp/slurm_test_apt.log 2>&1; then
-        timeout 300 apt-get update >>/tmp/slurm_test_apt.log 2>&1
-        timeout 600 apt-get install -y --no-install-recommends slurm-wlm munge >>/tmp/slurm_test_apt.log 2>&1 ||
+    # apt-get-wait: another package manager (the swarm test's, unattended-upgrades) is waited for.
+    if ! timeout 900 "$repo/scripts/apt-get-wait" install -y --no-install-recommends slurm-wlm munge >/tmp/slurm_test_apt.log 2>&1; then
+        timeout 900 "$repo/scripts/apt-get-wait" update >>/tmp/slurm_test_apt.log 2>&1
+        timeout 900 "$repo/scripts/apt-get-wait" install -y --no-install-recommends slurm-wlm munge >>/tmp/slurm_test_apt.log 2>&1 ||
             { show_file /tmp/slurm_test_apt.log 20; die "apt-get install slurm-wlm munge failed"; }
     fi
     if (( policy_rc_created )); then rm -f /usr/sbin/policy-rc.d; policy_rc_created=0; fi

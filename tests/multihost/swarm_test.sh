@@ -272,8 +272,8 @@ if [ ${#need[@]} -gt 0 ]; then
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && made_policy=1
   fi
-  { timeout 600 apt-get -o DPkg::Lock::Timeout=300 update -qq \
-      && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+  { timeout 900 "$REPO/scripts/apt-get-wait" update -qq \
+      && DEBIAN_FRONTEND=noninteractive timeout 900 "$REPO/scripts/apt-get-wait" install -y -qq \
            --no-install-recommends "${need[@]}"; } > /tmp/mpitrain-swarm-apt.$$.log 2>&1
   apt_rc=$?
   [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
