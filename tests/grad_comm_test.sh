@@ -10,12 +10,18 @@
 #    any two runs with different rounding do (the bf16-autocast test allows the same 0.05);
 #    measured here: at most 0.024 (bf16) and 0.008 (fp16);
 #  - comm.compress: powersgd (rank 4, from step 11) sends at least 10x fewer bytes per step (the
-#    start-up line) and learns almost like fp32: validation loss at steps 100 and 200 and the mean
-#    train loss over steps 110-200 within 0.1 nats of fp32's. PowerSGD is lossy (a rank-4 projection
-#    of each weight matrix's mean gradient, what it leaves out delayed by error feedback, not
-#    lost), so no rounding argument bounds it: 0.1 is a behavioural bound, 3% of the loss here,
-#    about twice what was measured (0.03-0.05); a compression that lost the gradient (no error
-#    feedback) or applied it wrongly misses it by far more;
+#    start-up line) and learns: its steps before compression starts equal fp32's (steps 1-10: the
+#    same arithmetic), and at steps 100 and 200 (validation) and over steps 110-200 (mean train
+#    loss) it gets at least 3/4 as far below the corpus's unigram entropy (pack's figure, the loss
+#    of a model that ignores context) as fp32 does. PowerSGD is lossy (a rank-4 projection of each
+#    weight matrix's mean gradient, what it leaves out delayed by error feedback, not lost), so no
+#    rounding argument bounds its distance from fp32, and an absolute bound is one machine's: the
+#    old 0.1 nats passed here at 0.029-0.041 and failed elsewhere at 0.097-0.149 for the same
+#    commit. Measured from the unigram entropy, not from the first loss: the fall to it comes from
+#    token frequencies, which any learner gets (fp32 at a tenth of the learning rate falls 90% as
+#    far as fp32 from step 1), while what lies below it needs the gradient's structure. That
+#    control (fp32, lr / 10) must fail the criterion, so the check can fail (measured here:
+#    PowerSGD 0.95-0.96 of fp32's, the control 0.55-0.69);
 #  - comm.grad_dtype: int8 is refused (exit 2, one line naming the key); so is PowerSGD with ZeRO-1
 #    (naming both keys).
 # Usage: grad_comm_test.sh PATH/TO/mpitrain [mpirun]
@@ -30,11 +36,15 @@ E2E_NO_CORPUS=1
 [ -d /usr/share/games/fortunes ] || { echo "FAIL: no /usr/share/games/fortunes (Debian: fortunes; scripts/setup.sh installs it)"; exit 1; }
 "$BIN" pack /usr/share/games/fortunes -o data/f --doc-separator % --val-fraction 0.05 > pack.out 2>&1 || { cat pack.out; exit 1; }
 
-for d in fp32 bf16 fp16 powersgd; do
-  if [ $d = powersgd ]; then set_comm=(--set comm.compress=powersgd); else set_comm=(--set "comm.grad_dtype=$d"); fi
+for d in fp32 bf16 fp16 powersgd slow; do
+  case $d in
+    powersgd) set_comm=(--set comm.compress=powersgd) ;;
+    slow) set_comm=(--set optim.lr=0.0003 --set optim.min_lr=0.00003) ;;  # the control: fp32, lr / 10
+    *) set_comm=(--set "comm.grad_dtype=$d") ;;
+  esac
   "$MPIRUN" -np 2 "$BIN" "$HERE/../configs/demo.yaml" --set "data.train=[data/f-train-*.h5]" \
     --set "data.val=[data/f-val-*.h5]" --set train.steps=200 --set "train.out_dir=run_$d" \
-    --set "checkpoint.dir=ckpt_$d" --set checkpoint.keep=1 --set sample.tokens=0 --set log.every=10 \
+    --set "checkpoint.dir=ckpt_$d" --set checkpoint.keep=1 --set sample.tokens=0 --set log.every=1 \
     --set eval.every=100 "${set_comm[@]}" > "$d.out" 2>&1
   rc=$?
   check "200 steps of the demo model, mpirun -np 2, comm.grad_dtype $d (exit $rc)" "[ $rc -eq 0 ]"
@@ -44,11 +54,10 @@ mib() { sed -n 's/.*gradient communication: \([0-9.]*\) MiB per rank per step in
 psgd_mib=$(sed -n 's/.*PowerSGD rank 4 from step 11: \([0-9.]*\) MiB.*/\1/p' powersgd.out)
 check "powersgd: ${psgd_mib:-?} MiB per rank per step, at least 10x less than fp32's $(mib fp32)" \
   "awk -v a='${psgd_mib:-0}' -v b=$(mib fp32) 'BEGIN { exit !(a > 0 && a * 10 <= b) }'"
-for d in bf16 fp16 powersgd; do
-  if [ $d = powersgd ]; then bound=0.1; else bound=0.05; fi
-  [ $d = powersgd ] || check "$d: $(mib $d) MiB per rank per step, half of fp32's $(mib fp32)" \
+for d in bf16 fp16; do
+  check "$d: $(mib $d) MiB per rank per step, half of fp32's $(mib fp32)" \
     "awk -v a=$(mib $d) -v b=$(mib fp32) 'BEGIN { exit !(a > 0 && a * 2 == b) }'"
-  verdict=$($PY - "run_fp32/metrics.jsonl" "run_$d/metrics.jsonl" "$bound" <<'PYEOF'
+  verdict=$($PY - "run_fp32/metrics.jsonl" "run_$d/metrics.jsonl" 0.05 <<'PYEOF'
 import json, sys
 def read(p):
     rows = [json.loads(l) for l in open(p)]
@@ -64,6 +73,32 @@ PYEOF
 )
   check "$d communication learns like fp32: $verdict" "[ '${verdict%% *}' = ok ]"
 done
+# PowerSGD and the control against fp32: how far each gets below the unigram entropy, over how far
+# fp32 gets, at least 3/4 for val@100, val@200 and the mean train loss of steps 110-200;
+# PowerSGD's steps 1-10 must equal fp32's (compression starts at step 11).
+unigram=$(sed -n 's/.*train unigram entropy: \([0-9.]*\) nats.*/\1/p' pack.out)
+falls() {
+  $PY - "run_fp32/metrics.jsonl" "run_$1/metrics.jsonl" "$1" "${unigram:-nan}" <<'PYEOF'
+import json, math, sys
+def read(p):
+    rows = [json.loads(l) for l in open(p)]
+    train = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    late = [train[s] for s in train if 110 <= s <= 200]
+    return train, [val[100], val[200], sum(late) / len(late)]
+(t32, m32), (t, m) = read(sys.argv[1]), read(sys.argv[2])
+h = float(sys.argv[4])
+ratios = [(h - b) / (h - a) for a, b in zip(m32, m)]
+early = all(t[s] == t32[s] for s in range(1, 11))
+ok = math.isfinite(h) and min(m32) < h and min(ratios) >= 0.75 and (early or sys.argv[3] != "powersgd")
+print(("ok" if ok else "no") + " (below the unigram entropy %.4f, over fp32's: val@100 %.3f, val@200 %.3f, mean train "
+      "110-200 %.3f; at least 0.75; steps 1-10 %s fp32's)" % (h, *ratios, "equal to" if early else "differ from"))
+PYEOF
+}
+verdict=$(falls powersgd)
+check "powersgd communication learns like fp32: $verdict" "[ '${verdict%% *}' = ok ]"
+verdict=$(falls slow)
+check "the control (fp32 at a tenth of the learning rate) fails the same criterion: $verdict" "[ '${verdict%% *}' = no ]"
 "$BIN" "$HERE/../configs/demo.yaml" --set comm.grad_dtype=int8 > bad.out 2>&1
 rc=$?
 check "comm.grad_dtype: int8 refused: exit 2, one line naming the key" \

@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
     load_checkpoint(argv[1], model, static_cast<FullOptimState*>(nullptr), st);
     model->eval();
     torch::NoGradGuard no_grad;
-    torch::Tensor tokens = (torch::arange(2 * dims.seq_len, torch::kInt64) * 7919 + 13) % dims.vocab_size;
+    torch::Tensor tokens = (torch::arange(2 * dims.seq_len, torch::kInt64) * 7919 + 13) % dims.classes();  // no padding ids
     tokens = tokens.view({2, dims.seq_len});
     torch::Tensor logits = model->forward(tokens).to(torch::kFloat32).contiguous();
     npy_test::write_npy_tensor(std::string(argv[2]) + "/tokens.npy", tokens, "<f8");  // exact below 2^53

@@ -190,6 +190,79 @@ rc=$?
 check "resuming on shards of another tokenizer.json: exit 2, one line ($(grep -m1 mpitrain: resume_tok.out | head -c 200))" \
   "[ $rc -eq 2 ] && [ \$(grep -c '^mpitrain: ' resume_tok.out) -eq 1 ] && grep -q 'a resumed run must read the same tokenizer' resume_tok.out && [ ! -e ckpt_tok/ckpt-00000008.h5 ]"
 
+# ---- automatic vocabulary padding: not exported, and loaded back padded as the new run needs ----
+# data/t has 257 tokens. tp 2 pads the Qwen2-shaped model (tied) to 258 rows; model.vocab_multiple
+# 64 pads the Llama (untied lm_head) to 320, as every CUDA run pads GPT-2's 50257 to 50304. The
+# padding rows are outside mpitrain's loss; exported, Hugging Face made each a class of logit 0
+# (transformers' loss 4.029 against mpitrain's 3.807 at 320 rows, measured from outside), and
+# init_from hf: of such an export started from that loss, not the exporting run's.
+for v in tp2 m64; do
+  # Every run here is one data-parallel replica (dp 1), so that each evaluates the same windows.
+  if [ $v = tp2 ]; then cfg=qwen.yaml np=2 extra=(--set parallel.tp=2) rows=258; else cfg=llama.yaml np=1 extra=(--set model.vocab_multiple=64) rows=320; fi
+  "$MPIRUN" -np $np "$BIN" $cfg "${extra[@]}" --set "data.train=[data/t-train-*.h5]" --set "data.val=[data/t-train-*.h5]" \
+    --set train.out_dir=run_pad_$v --set checkpoint.dir=ckpt_pad_$v > pad_$v.out 2>&1
+  rc=$?
+  check "$v: a padded model trains ($rows rows = 257 tokens + $((rows - 257)); exit $rc)" \
+    "[ $rc -eq 0 ] && grep -q 'vocab $rows = 257 tokens + $((rows - 257))' pad_$v.out"
+  [ $rc -eq 0 ] || tail -5 pad_$v.out
+  "$BIN" export ckpt_pad_$v/ckpt-00000006.h5 hf_pad_$v > export_pad_$v.out 2>&1
+  rc=$?
+  shapes=$("$PY" - hf_pad_$v <<'PYEOF'
+import json, struct, sys
+raw = open(sys.argv[1] + "/model.safetensors", "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+h = json.loads(raw[8:8 + n])
+cfg = json.load(open(sys.argv[1] + "/config.json"))
+print(cfg["vocab_size"], h["model.embed_tokens.weight"]["shape"][0], h.get("lm_head.weight", {"shape": ["tied"]})["shape"][0])
+PYEOF
+)
+  check "$v: the export has the 257 token rows only (config.json vocab_size, embed_tokens, lm_head: $shapes)" \
+    "[ $rc -eq 0 ] && case '$shapes' in '257 257 257'|'257 257 tied') true ;; *) false ;; esac"
+  mkdir -p logits_pad_$v
+  "$LOGITS" ckpt_pad_$v/ckpt-00000006.h5 logits_pad_$v > logits_pad_$v.out 2>&1 || cat logits_pad_$v.out
+  "${REF[@]}" logits hf_pad_$v logits_pad_$v/tokens.npy logits_pad_$v/logits.npy > ref_pad_$v.out 2>&1
+  rc=$?
+  sed 's/^/  /' ref_pad_$v.out
+  check "$v: Hugging Face's model of the export computes mpitrain's logits over the same 257 classes, so its loss is mpitrain's (exit $rc)" \
+    "[ $rc -eq 0 ]"
+  last=$(val_loss 6 pad_$v.out tail)
+  for tp in 1 2; do
+    "$MPIRUN" -np $tp "$BIN" init.yaml --set model.init_from=hf:hf_pad_$v --set parallel.tp=$tp \
+      $([ $v = m64 ] && echo --set model.vocab_multiple=64) --set "data.train=[data/t-train-*.h5]" \
+      --set "data.val=[data/t-train-*.h5]" --set train.steps=1 --set optim.warmup_steps=0 \
+      --set train.out_dir=run_padin_${v}_$tp --set checkpoint.dir=ckpt_padin_${v}_$tp > padin_${v}_$tp.out 2>&1
+    rc=$?
+    first=$(val_loss 0 padin_${v}_$tp.out)
+    check "$v: init_from hf:hf_pad_$v at tp $tp: step-0 val loss $first = the exporting run's last $last ($(grep -o 'vocab [0-9]* = 257 tokens + [0-9]*' padin_${v}_$tp.out | head -1))" \
+      "[ $rc -eq 0 ] && [ -n '$first' ] && [ '$first' = '$last' ]"
+    [ $rc -eq 0 ] || tail -3 padin_${v}_$tp.out
+  done
+done
+
+# ---- export into a directory holding another model: refused unless --overwrite ----
+mkdir -p other && echo '{"model_type": "bert", "vocab_size": 30522}' > other/config.json
+"$PY" - other <<'PYEOF'
+import json, struct, sys
+for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+    h = json.dumps({"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    open(f"{sys.argv[1]}/{name}", "wb").write(struct.pack("<Q", len(h)) + h + b"\0\0\0\0")
+json.dump({"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors"}},
+          open(f"{sys.argv[1]}/model.safetensors.index.json", "w"))
+PYEOF
+echo "my notes" > other/README.md
+before=$(cd other && md5sum * | md5sum)
+"$BIN" export ckpt_llama/ckpt-00000006.h5 other > export_other.out 2>&1
+rc=$?
+check "export into a directory of another model: exit 2, one line naming it and its files, nothing changed ($(head -c 230 export_other.out))" \
+  "[ $rc -eq 2 ] && [ \$(wc -l < export_other.out) -eq 1 ] && grep -q 'other holds another model.s files (config.json, model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, model.safetensors.index.json) that the export would replace or remove: give --overwrite' export_other.out && [ '$before' = \"\$(cd other && md5sum * | md5sum)\" ]"
+"$BIN" export ckpt_llama/ckpt-00000006.h5 other --overwrite > export_other2.out 2>&1
+rc=$?
+check "--overwrite replaces them and says so; README.md is left alone (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'replaced or removed another model.s config.json, model-00001-of-00002.safetensors' export_other2.out && [ -s other/model.safetensors ] && [ ! -e other/model-00001-of-00002.safetensors ] && [ ! -e other/model.safetensors.index.json ] && [ \"\$(cat other/README.md)\" = 'my notes' ]"
+"$BIN" export ckpt_qwen/ckpt-00000006.h5 other > export_other3.out 2>&1
+rc=$?
+check "exporting again over mpitrain's own export needs no --overwrite (exit $rc)" "[ $rc -eq 0 ] && grep -q Qwen2ForCausalLM other/config.json"
+
 # ---- bad input ----
 "$BIN" init.yaml --set model.n_layer=3 --set train.out_dir=run_b1 --set checkpoint.dir=ckpt_b1 > bad_layers.out 2>&1
 rc=$?

@@ -376,7 +376,14 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
   EXPECT_EQ(c.model.n_layer, 3);
   EXPECT_EQ(c.model.n_kv_head, 2);
   EXPECT_EQ(c.model.intermediate_size, 160);
-  EXPECT_EQ(c.model.vocab_size, 300);
+  // vocab_size: the weights' classes, padded as automatic padding pads the data's (a padded
+  // mpitrain export comes back with its padding); an explicit model.vocab_size must equal it.
+  EXPECT_EQ(c.model.vocab_size, 0);
+  EXPECT_EQ(c.model.init_vocab, 300);
+  EXPECT_EQ(c.model.init_vocab_source, dir + "/config.json's vocab_size");
+  EXPECT_EQ(load_config(dir + "/run.yaml", {"model.vocab_size=300"}).model.vocab_size, 300);
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.vocab_size=320"}); }),
+                  {"run.yaml: model.vocab_size: 320 disagrees with ", "/config.json's 300"});
   EXPECT_EQ(c.model.seq_len, 2048);  // min(max_position_embeddings, 2048)
   EXPECT_EQ(c.model.max_position, 4096);
   EXPECT_EQ(c.model.rope_scaling, "llama3");
@@ -413,6 +420,20 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
   std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"head_dim\": 32"), 14,
                                                                     "\"head_dim\": 33");
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }), {"/config.json: head_dim: 33: rotary needs an even"});
+  // Without head_dim a qwen3 config.json means transformers' Qwen3Config default, 128 (not
+  // hidden_size / num_attention_heads = 16: its weights then failed on a shape, naming other keys).
+  std::ofstream(dir + "/config.json") << std::string(qwen3).replace(qwen3.find("\"head_dim\": 32,"), 15, "");
+  EXPECT_EQ(load_config(dir + "/run.yaml").model.head_dim, 128);
+  // config.json is read only when it is a small regular file: not /dev/zero (read until memory ran
+  // out, 2.2 GB per rank, before the JSON error), not a FIFO, not 2 MiB of JSON.
+  std::remove((dir + "/config.json").c_str());
+  ASSERT_EQ(symlink("/dev/zero", (dir + "/config.json").c_str()), 0);
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"run.yaml: model.init_from: ", "/config.json: not a regular file"});
+  std::remove((dir + "/config.json").c_str());
+  std::ofstream(dir + "/config.json") << std::string(2 << 20, ' ') << "{}";
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"/config.json: 2097154 bytes, larger than the 1 MiB a config.json may have"});
   std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "hidden_size": 64})";
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
                   {"run.yaml: model.init_from: ", "/config.json: model_type: 'mixtral'"});
@@ -437,6 +458,9 @@ TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
   Config preset = parse_config(kMinimal, "run.yaml", {"model.preset=qwen3-0.6b"});
   from_file.model.preset = preset.model.preset;
   from_file.model.init_from = preset.model.init_from;
+  // config.json's vocab_size is the weights' classes, which automatic padding pads (none on the CPU).
+  EXPECT_EQ(from_file.model.vocab_size, 0);
+  from_file.model.vocab_size = from_file.model.init_vocab;
   expect_same(from_file, preset);
   std::system(("rm -rf " + dir).c_str());
 }
@@ -461,6 +485,9 @@ TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) 
   Config preset = parse_config(kMinimal, "run.yaml", {"model.preset=mistral-7b-v0.1"});
   from_file.model.preset = preset.model.preset;
   from_file.model.init_from = preset.model.init_from;
+  // config.json's vocab_size is the weights' classes, which automatic padding pads (none on the CPU).
+  EXPECT_EQ(from_file.model.vocab_size, 0);
+  from_file.model.vocab_size = from_file.model.init_vocab;
   expect_same(from_file, preset);
   expect_same(preset, parse_config(to_yaml(preset), "resolved.yaml"));
   EXPECT_EQ(load_config(dir + "/run.yaml", {"model.seq_len=4096"}).model.seq_len, 4096);  // the whole window

@@ -4,6 +4,7 @@
 // Lines with it, whose shards (uint32, vocabulary 70001) must be the same under mpirun -np 2 as
 // alone. Exactness on real tokenizer files against Hugging Face's code: tests/hf_tokenizer_test.sh.
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <mpi.h>
 #include <stdlib.h>
 
@@ -212,6 +213,22 @@ TEST(HfTokenizer, BadFiles) {
     TempDir dir;
     write_file(dir / "tokenizer.json", "{\"model\": ");
     expect_usage([&] { HfTokenizer t(dir / "tokenizer.json"); }, dir / "tokenizer.json: malformed JSON");
+  }
+  // Ids far beyond the number of tokens (the tables are indexed by id): refused naming the file and
+  // the id (an added token of id 2^31 - 1 or a vocabulary id of 2^31 - 2 ended in std::bad_alloc).
+  expect_bad([](json& j) { j["added_tokens"].push_back({{"id", 2147483647}, {"content", "<big>"}}); },
+             "added_tokens[1].id: 2147483647 is far beyond the file's 273 tokens (ids must be below 1048849)");
+  expect_bad([](json& j) { j["model"]["vocab"]["zz"] = 2147483646; },
+             "model.vocab: id of 'zz' is 2147483646, far beyond the file's 273 tokens (ids must be below 1048849)");
+  // Read only when it is a regular file of at most 256 MiB: /dev/zero was read until memory ran out
+  // (std::bad_alloc, no file named), a 1 GiB file whole by every rank before being refused.
+  expect_usage([] { HfTokenizer("/dev/zero"); }, "/dev/zero: not a regular file");
+  {
+    TempDir dir;
+    write_file(dir / "tokenizer.json", "{}");
+    ASSERT_EQ(truncate((dir / "tokenizer.json").c_str(), off_t{1} << 30), 0);  // sparse: no disk used
+    expect_usage([&] { HfTokenizer t(dir / "tokenizer.json"); },
+                 dir / "tokenizer.json: 1024 MiB, larger than the 256 MiB a tokenizer file may have");
   }
   expect_bad([](json& j) { j["model"]["merges"][2] = json{"he", "zz"}; }, "model.merges[2]: 'zz' names no token");
   expect_bad([](json& j) { j["model"]["merges"][12] = "\u0120a b"; }, "model.merges[12]: 'Ġa' names no token",
@@ -546,7 +563,22 @@ TEST(PackHf, EotOverridesTheFilesSeparator) {
   EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)),
             (std::vector<uint32_t>{kEot, kHello, kWorld, kEot, 'x', 'y', 'z'}));
   EXPECT_EQ(read_shard_info(r.train_shards.at(0)).dtype_bytes, 2);
-  o.eot_token = 0;
+  // Another of the file's added tokens may be named instead of its separator...
+  load_edited(dir, [](json& j) {
+    j["added_tokens"].push_back({{"id", 272}, {"content", "<|sep|>"}, {"single_word", false}, {"lstrip", false},
+                                 {"rstrip", false}, {"normalized", false}, {"special", true}});
+  });
+  o.tokenizer_file = dir / "tokenizer.json";
+  o.eot_token = 272;
+  o.output_prefix = dir / "out/sep";
   r = pack_text(o);
-  EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)), (std::vector<uint32_t>{0, kHello, kWorld, 0, 'x', 'y', 'z'}));
+  EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)), (std::vector<uint32_t>{272, kHello, kWorld, 272, 'x', 'y', 'z'}));
+  // ...an ordinary token may not: each of its occurrences in the text would end a document (--eot 5
+  // was '&' in GPT-2's vocabulary, and was used silently).
+  o.eot_token = 'x';
+  o.output_prefix = dir / "out/ordinary";
+  expect_usage([&] { pack_text(o); }, concat("pack: --eot 120 is \"x\", an ordinary token of ", dir / "tokenizer.json",
+                                             ", not one of its added_tokens: a document separator must be a special "
+                                             "token (its own: 271 \"<|endoftext|>\", used when --eot is not given)"));
+  EXPECT_FALSE(fs::exists(dir / "out/ordinary-train-00000.h5"));
 }

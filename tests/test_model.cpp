@@ -189,6 +189,31 @@ TEST(Model, VocabularyMayBePaddedButNotSmallerThanData) {
   EXPECT_THROW(model_dims(m, 50), UsageError);
 }
 
+// model.init_from: hf:DIR: config.json's vocab_size is the weights' classes. Automatic padding pads
+// them, as it pads the data's; fewer than the data's tokens is refused naming the file and key (it
+// said "model.vocab_size must be >= the data's vocab_size 257, got 200", naming neither).
+TEST(Model, InitialWeightsClassesArePaddedAndMayNotBeFewerThanTheData) {
+  ModelConfig m;
+  m.n_layer = 1; m.n_head = 1; m.n_embd = 8; m.seq_len = 8;
+  m.init_vocab = 257;
+  m.init_vocab_source = "hf/config.json's vocab_size";
+  GPTDims d = model_dims(m, 200, 2);  // tp 2 on the CPU
+  EXPECT_EQ(d.vocab_size, 258);
+  EXPECT_EQ(d.vocab_live, 257);
+  EXPECT_EQ(d.classes(), 257);
+  d = model_dims(m, 257, 1);
+  EXPECT_EQ(d.vocab_size, 257);
+  EXPECT_EQ(d.vocab_live, 0);
+  m.init_vocab = 200;
+  try {
+    model_dims(m, 257, 1);
+    ADD_FAILURE() << "no UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()), "model.init_from: hf/config.json's vocab_size is 200, smaller than the data's "
+                                     "vocab_size 257 (the weights have no row for the data's larger token ids)");
+  }
+}
+
 TEST(Model, AutomaticPaddingRoundsTheDataVocabularyUpAndKeepsThePaddingOutOfTheLoss) {
   ModelConfig m;
   m.n_layer = 1; m.n_head = 1; m.n_embd = 8; m.seq_len = 8;

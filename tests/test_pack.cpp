@@ -114,8 +114,9 @@ std::vector<uint64_t> doc_offsets(const std::string& path) {
   return out;
 }
 
-// All tokens of some shards, checking on the way that shards are full but the last, that
-// doc_offsets are the EOT positions, and the metadata.
+// All tokens of some shards, checking on the way that shards are full but the last, that the last
+// of several holds between half and one and a half shards (a shorter remainder is folded into it),
+// that doc_offsets are the EOT positions, and the metadata.
 std::vector<uint32_t> stream(const std::vector<std::string>& paths, uint64_t limit, int64_t vocab,
                              int64_t eot) {
   std::vector<uint32_t> all;
@@ -123,8 +124,12 @@ std::vector<uint32_t> stream(const std::vector<std::string>& paths, uint64_t lim
     auto t = read_shard_tokens(paths[s]);
     if (s + 1 < paths.size()) {
       EXPECT_EQ(t.size(), limit) << paths[s];  // only the last shard is partial
+    } else {
+      if (paths.size() > 1) {
+        EXPECT_GE(t.size(), (limit + 1) / 2) << paths[s];
+      }
+      EXPECT_LT(t.size(), limit + (limit + 1) / 2) << paths[s];
     }
-    EXPECT_LE(t.size(), limit);
     std::vector<uint64_t> eots;
     for (size_t i = 0; i < t.size(); ++i)
       if (t[i] == eot) eots.push_back(i);
@@ -233,6 +238,26 @@ TEST(PackTokens, NpyRoundTrips) {
   EXPECT_EQ(stream(r.train_shards, 512, 128, 100), want);
   EXPECT_NE(read_shard_info(r.train_shards[0]).meta.source.find("8 files (8 npy)"),
             std::string::npos);
+}
+
+// A remainder shorter than half a shard joins the last shard (a pack of 2 N + 1 tokens was N, N and
+// 1, and training refuses a 1-token shard: shorter than any window); half a shard or more stays a
+// shard of its own.
+TEST(PackTokens, ShortRemainderJoinsTheLastShard) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  struct Case { size_t tokens; std::vector<size_t> shards; };
+  for (const Case& c : {Case{2001, {1000, 1001}}, Case{2499, {1000, 1499}}, Case{2500, {1000, 1000, 500}},
+                        Case{1001, {1001}}, Case{999, {999}}, Case{1, {1}}}) {
+    auto t = token_corpus(c.tokens, 50257, 50256, 50, 11);
+    const std::string name = "n" + std::to_string(c.tokens);
+    write_nanogpt(dir / (name + ".bin"), t);
+    PackResult r = pack_text(options({dir / (name + ".bin")}, dir / ("out/" + name), 1000));
+    std::vector<size_t> sizes;
+    for (const std::string& p : r.train_shards) sizes.push_back(read_shard_tokens(p).size());
+    EXPECT_EQ(sizes, c.shards) << c.tokens << " tokens";
+    EXPECT_EQ(stream(r.train_shards, 1000, 50257, 50256), t) << c.tokens << " tokens";
+  }
 }
 
 // Documents start at EOTs and at every file's start; each goes whole to train or val.
@@ -512,6 +537,10 @@ TEST(PackParallel, SameShardsAsOneRank) {
   tok.tokenizer = "gpt2";
   tok.bpe_dir = kData + "/gpt2";
   expect_same_as_single_rank(tok, dir, "mixed");
+  // The folded last shard is assembled across ranks: 20000 + 1500 + 900 + 1 tokens in shards of
+  // 2000 leave a remainder of 401, which joins the shard before, from the ranks that hold it.
+  PackOptions fold = options({dir / "tok"}, "", 2000, 0);
+  expect_same_as_single_rank(fold, dir, "fold");
 
   // Bad input seen by one rank only (a bad token deep in the big file): every rank reports it.
   if (world_rank() == 0) {

@@ -546,7 +546,7 @@ std::vector<std::string> unpack(const std::vector<std::string>& paths, uint64_t 
   std::vector<std::string> docs;
   for (size_t s = 0; s < paths.size(); ++s) {
     auto t = read_shard_tokens(paths[s]);
-    EXPECT_LE(t.size(), limit);
+    EXPECT_LT(t.size(), limit + (limit + 1) / 2);  // a short remainder joins the last shard
     if (s + 1 < paths.size()) {
       EXPECT_EQ(t.size(), limit);  // only the last shard is partial
     }

@@ -34,7 +34,10 @@ std::string symbol_bytes(std::string_view token, bool* all_mapped = nullptr);
 // code points past U+10FFFF are invalid), or npos when `s` is valid UTF-8.
 size_t find_invalid_utf8(std::string_view s);
 
-std::string read_file(const std::string& path);  // UsageError "PATH: cannot open for reading"
+// A tokenizer file (tokenizer.json, vocab.json, merges.txt) whole: a regular file of at most
+// kMaxTokenizerFileBytes (files.h), else UsageError naming it ("PATH: cannot open for reading ...").
+constexpr uint64_t kMaxTokenizerFileBytes = uint64_t{256} << 20;
+std::string read_file(const std::string& path);
 
 // ---- a compiled PCRE2 pattern (UTF + UCP, JIT when available) ----------------------------------
 

@@ -31,6 +31,10 @@ struct ModelConfig {
   int64_t vocab_size = 0;       // 0 = automatic: the shards' vocab_size padded up to a multiple of
                                 // vocab_multiple x parallel.tp; otherwise >= the shards' (every row a class)
   int64_t vocab_multiple = 0;   // automatic padding's multiple (times parallel.tp): 0 = 64 on CUDA, 1 on the CPU
+  // Not YAML keys: model.init_from: hf:DIR's config.json vocab_size, the classes its weights have
+  // (automatic padding pads them as it pads the data's), and where it came from, for messages.
+  int64_t init_vocab = 0;
+  std::string init_vocab_source;
   std::string arch = "";        // gpt2 | llama ("" = the preset's; custom: gpt2)
   // Llama only (refused on gpt2, whose values are fixed: n_kv_head = n_head, 4 n_embd GELU
   // units, learned positions, biases everywhere, tied output):

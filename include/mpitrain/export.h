@@ -14,6 +14,7 @@ struct ExportArgs {
   double max_shard_mb = 0;     // safetensors shards of at most this many MB (0: Hugging Face's 5 GB)
   std::string bpe_dir;         // GPT-2 BPE checkpoints: where vocab.json + merges.txt are (copied along)
   std::string tokenizer_file;  // hf checkpoints: the tokenizer.json ("" = the one the shards were packed with)
+  bool overwrite = false;      // replace another model's files in `dir` (foreign_model_files)
 };
 
 // Writes the safetensors file(s) + config.json (+ the tokenizer files) and returns what it wrote, one

@@ -11,19 +11,26 @@
 // Torch-free: parse_config uses it before any model exists.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "mpitrain/config.h"
 
 namespace mpitrain {
 
+// config.json is a few kB; a larger file is not one (a link to /dev/zero, a mistaken path).
+constexpr uint64_t kMaxHfConfigBytes = uint64_t{1} << 20;
+
 // "DIR" for model.init_from "hf:DIR", else "".
 std::string hf_model_dir(const std::string& init_from);
 
 // Fills m's unset fields (0, "" or auto) from DIR/config.json and makes the model a custom llama;
-// model.seq_len, when unset, becomes min(max_position_embeddings, 2048). An explicit model key
-// that disagrees with the file is a UsageError naming both; so is a file that is not one of the
-// architectures above. Errors start with `where` (the config file's name).
+// model.seq_len, when unset, becomes min(max_position_embeddings, 2048). vocab_size is the weights'
+// number of classes (m.init_vocab): model.vocab_size stays as given (unset: automatic padding of
+// those classes, as for the data's, so a padded mpitrain export comes back with the rows it had).
+// An explicit model key that disagrees with the file is a UsageError naming both; so is a file
+// that is not one of the architectures above, or larger than kMaxHfConfigBytes, or not a regular
+// file. Errors start with `where` (the config file's name).
 void apply_hf_config(ModelConfig& m, const std::string& dir, const std::string& where);
 
 // The same with config.json's text given (`path` names it in errors; the fuzz target's entry).

@@ -49,6 +49,14 @@ struct HfWriteOptions {
 // removed). `eot_token` becomes bos/eos. Returns the safetensors files' names, one per line.
 std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts = {});
 
+// The files of `dir` that an export would replace or remove (config.json, generation_config.json,
+// model.safetensors, model-*.safetensors, model.safetensors.index.json, and the tokenizer files
+// export copies) when they are not an earlier mpitrain export's: some safetensors file among them
+// was not written by mpitrain (its header's __metadata__ producer), or there are such files but no
+// safetensors of mpitrain's beside them. Empty when `dir` is absent, holds none of them, or holds
+// an earlier export (which an export replaces). Files of other names are never touched.
+std::vector<std::string> foreign_model_files(const std::string& dir);
+
 // Loads Hugging Face weights into `model`: a .safetensors file, or a directory (hf:DIR or DIR)
 // holding model.safetensors or a sharded model.safetensors.index.json. F32, F16, BF16 or F64.
 // Every file's header, every tensor's name, dtype, shape and byte range, and the index are

@@ -47,6 +47,9 @@ class HfTokenizer {
   // (add_prefix_space, which a ByteLevel step must state). decode() keeps those spaces, as Hugging
   // Face's ByteLevel decoder does.
   bool adds_prefix_space() const;
+  // Whether `id` is one of the file's added_tokens (special or not): what a document separator
+  // must be (pack --eot).
+  bool is_added_token(uint32_t id) const;
   // The id of a vocabulary entry or added token, written as in the file.
   std::optional<uint32_t> token_id(const std::string& token) const;
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "mpitrain/error.h"
+#include "mpitrain/files.h"
 
 namespace mpitrain {
 namespace {
@@ -36,11 +37,13 @@ std::string hf_model_dir(const std::string& init_from) {
 
 void apply_hf_config(ModelConfig& m, const std::string& dir, const std::string& where) {
   const std::string path = dir + "/config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError(concat(where, ": model.init_from: cannot read ", path, " (a Hugging Face model directory holds config.json)"));
-  std::stringstream text;
-  text << in.rdbuf();
-  apply_hf_config_text(m, text.str(), path, where);
+  std::string text;
+  try {
+    text = read_bounded_file(path, kMaxHfConfigBytes, "a config.json");
+  } catch (const UsageError& e) {
+    throw UsageError(concat(where, ": model.init_from: ", e.what(), " (a Hugging Face model directory holds config.json)"));
+  }
+  apply_hf_config_text(m, text, path, where);
 }
 
 void apply_hf_config_text(ModelConfig& m, const std::string& text, const std::string& path, const std::string& where) {
@@ -98,7 +101,9 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
 
   // The head size: head_dim where given (Qwen3: 128 at any width), else hidden_size / num_attention_heads.
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
-  const int64_t head_dim = integer("head_dim", false, 0);
+  // transformers' Qwen3Config has head_dim 128 when config.json has none (Llama's, Qwen2's and
+  // Mistral's: hidden_size / num_attention_heads).
+  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : 0);
   if (head_dim == 0 && n_embd % n_head != 0)
     throw bad("hidden_size",
               concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
@@ -135,7 +140,6 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
       {"n_embd", &m.n_embd, n_embd},
       {"n_kv_head", &m.n_kv_head, integer("num_key_value_heads", false, n_head)},
       {"intermediate_size", &m.intermediate_size, integer("intermediate_size", true, 0)},
-      {"vocab_size", &m.vocab_size, integer("vocab_size", true, 0)},
       {"max_position", &m.max_position, max_position},
       {"rope_original_max_position", &m.rope_original_max_position, original},
       {"head_dim", &m.head_dim, head_dim > 0 ? head_dim : n_embd / n_head},
@@ -149,6 +153,12 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     if (*f.field != 0 && *f.field != f.value) throw disagree(f.key, concat(*f.field), concat(f.value));
     *f.field = f.value;
   }
+  // The vocabulary: the weights' classes. An explicit model.vocab_size must equal them (every row a
+  // class); unset, automatic padding pads them (model_dims), as it pads the data's vocabulary.
+  const int64_t vocab = integer("vocab_size", true, 0);
+  if (m.vocab_size != 0 && m.vocab_size != vocab) throw disagree("vocab_size", concat(m.vocab_size), concat(vocab));
+  m.init_vocab = vocab;
+  m.init_vocab_source = concat(path, "'s vocab_size");
   struct Num { const char* key; double* field; double value; };
   const Num nums[] = {{"rope_theta", &m.rope_theta, theta},
                       {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},

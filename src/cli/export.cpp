@@ -22,6 +22,16 @@ std::string run_export(const ExportArgs& args) {
   if (args.format != "hf") throw UsageError(concat("command line: --format ", args.format, ": only hf is known"));
   if (args.dtype != "fp32" && args.dtype != "bf16" && args.dtype != "fp16")
     throw UsageError(concat("command line: --dtype ", args.dtype, ": one of fp32|bf16|fp16"));
+  // Another model's files in the directory are the user's: replaced only when told to.
+  const std::vector<std::string> foreign = foreign_model_files(args.dir);
+  if (!foreign.empty() && !args.overwrite) {
+    std::string names;
+    for (size_t i = 0; i < foreign.size() && i < 6; ++i) names += concat(i ? ", " : "", foreign[i]);
+    if (foreign.size() > 6) names += concat(" and ", foreign.size() - 6, " more");
+    throw UsageError(concat("command line: dir: ", args.dir, " holds another model's files (", names,
+                            ") that the export would replace or remove: give --overwrite to replace them, or "
+                            "export into a new directory"));
+  }
   GPTDims dims = checkpoint_dims(args.checkpoint);  // checkpoints hold whole tensors whatever the layout
   GPT model(dims);
   TrainState st;
@@ -45,6 +55,11 @@ std::string run_export(const ExportArgs& args) {
   opts.dtype = args.dtype;
   if (args.max_shard_mb > 0) opts.max_shard_bytes = static_cast<uint64_t>(args.max_shard_mb * 1e6);
   const std::string files = write_hf_model(args.dir, model, st.eot_token, opts);
+  std::string replaced;
+  if (!foreign.empty()) {
+    for (const std::string& f : foreign) replaced += concat(replaced.empty() ? "" : ", ", f);
+    replaced = concat("--overwrite: replaced or removed another model's ", replaced, " in ", args.dir, "\n");
+  }
   const size_t shards = static_cast<size_t>(std::count(files.begin(), files.end(), '\n'));
   std::string out = concat(args.dir, "/", shards == 1 ? files.substr(0, files.size() - 1)
                                                        : concat("model-*-of-*.safetensors (", shards, " shards) + model.safetensors.index.json"),
@@ -55,6 +70,7 @@ std::string run_export(const ExportArgs& args) {
                            dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ", dims.n_embd,
                            ", context ", dims.llama() ? dims.max_position : dims.seq_len, ", vocab ", dims.vocab_size, ")\n");
   if (dims.llama()) out += concat(args.dir, "/generation_config.json\n");
+  out += replaced;
   if (bpe) {
     std::error_code ec;  // BpeFiles holds the two files' paths
     for (const auto& [from, to] : {std::pair{bpe->vocab, "vocab.json"}, std::pair{bpe->merges, "merges.txt"}})

@@ -146,6 +146,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   export_cmd->add_option("--max-shard-size", export_args.max_shard_mb,
                          "MB per safetensors file; larger models are sharded with model.safetensors.index.json "
                          "(default 5000, as Hugging Face's 5GB)");
+  export_cmd->add_flag("--overwrite", export_args.overwrite,
+                       "replace another model's config.json, safetensors and index in dir (refused without it)");
   export_cmd->add_option("--bpe-dir", export_args.bpe_dir,
                          "GPT-2 BPE checkpoints: the vocab.json + merges.txt the shards were packed with (copied along)");
 

@@ -11,6 +11,7 @@
 #include <queue>
 
 #include "mpitrain/error.h"
+#include "mpitrain/files.h"
 
 namespace mpitrain::bpe {
 
@@ -124,11 +125,8 @@ size_t find_invalid_utf8(std::string_view s) {
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError(path + ": cannot open for reading");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw UsageError(path + ": read error");
-  return text;
+  // The largest real tokenizer.json files are ~35 MB (Gemma 3's); vocab.json and merges.txt ~1 MB.
+  return read_bounded_file(path, kMaxTokenizerFileBytes, "a tokenizer file");
 }
 
 // ---- patterns ----------------------------------------------------------------------------------

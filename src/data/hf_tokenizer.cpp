@@ -82,6 +82,11 @@ struct HfTokenizer::Impl {
   std::unordered_map<std::string, uint32_t> ids;  // vocab and added tokens, as written
   std::vector<std::string> token_bytes;           // id -> bytes (decode)
   std::vector<bool> known;                        // id -> names a token
+  std::vector<bool> added;                        // id -> an added token (added_tokens)
+  // Ids must stay below this: the number of entries (vocab and added tokens) plus kIdGap. The
+  // tables are indexed by id, so a file claiming id 2^31 - 2 would otherwise size them at gigabytes.
+  int64_t id_limit = 0;
+  static constexpr int64_t kIdGap = 1 << 20;
   std::optional<uint32_t> separator;
   // Scratch of encode(): the pieces of one text, and the strings a prefix space made.
   std::vector<std::string_view> pieces, next;
@@ -274,10 +279,14 @@ void HfTokenizer::Impl::load_model(const json& m) {
   if (!vocab || !vocab->is_object() || vocab->empty())
     bad("model.vocab", "expected an object {\"token\": id, ...}");
   std::vector<const std::string*> by_id;
+  id_limit += static_cast<int64_t>(vocab->size()) + kIdGap;
   for (auto it = vocab->begin(); it != vocab->end(); ++it) {
     const json& v = it.value();
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= (int64_t{1} << 31))
       bad("model.vocab", concat("id of '", it.key(), "' is ", v.dump(), ", expected an integer in [0, 2^31)"));
+    if (v.get<int64_t>() >= id_limit)
+      bad("model.vocab", concat("id of '", it.key(), "' is ", v.dump(), ", far beyond the file's ", id_limit - kIdGap,
+                                " tokens (ids must be below ", id_limit, ")"));
     const auto id = v.get<uint32_t>();
     if (id >= by_id.size()) by_id.resize(id + 1, nullptr);
     if (by_id[id]) bad("model.vocab", concat("id ", id, " given to both '", *by_id[id], "' and '", it.key(), "'"));
@@ -368,6 +377,9 @@ void HfTokenizer::Impl::load_added(const json& added) {
     const json* content = a.is_object() ? member(a, "content") : nullptr;
     if (!id || !id->is_number_integer() || id->get<int64_t>() < 0 || id->get<int64_t>() >= (int64_t{1} << 31))
       bad(key + ".id", "expected an integer in [0, 2^31)");
+    if (id->get<int64_t>() >= id_limit)
+      bad(key + ".id", concat(id->get<int64_t>(), " is far beyond the file's ", id_limit - kIdGap,
+                              " tokens (ids must be below ", id_limit, ")"));
     if (!content || !content->is_string() || content->get<std::string>().empty())
       bad(key + ".content", "expected a non-empty string");
     const auto n = id->get<uint32_t>();
@@ -381,8 +393,10 @@ void HfTokenizer::Impl::load_added(const json& added) {
       known.resize(n + 1, false);
       token_bytes.resize(n + 1);
     }
+    if (n >= this->added.size()) this->added.resize(n + 1, false);
     if (!known[n]) token_bytes[n] = text;  // added tokens decode as their content
     known[n] = true;
+    this->added[n] = true;
     ids.emplace(text, n);
   }
 }
@@ -426,6 +440,8 @@ HfTokenizer::HfTokenizer(const std::string& path) : impl_(std::make_unique<Impl>
     throw UsageError(concat(path, ": malformed JSON: ", e.what()));
   }
   if (!root.is_object()) throw UsageError(path + ": expected a JSON object (a tokenizer.json)");
+  // The ids' bound counts the added tokens too (load_model adds the vocabulary's entries).
+  if (const json* a = member(root, "added_tokens"); a && a->is_array()) m.id_limit = static_cast<int64_t>(a->size());
   const json* model = member(root, "model");
   if (!model) m.bad("model", "missing");
   m.load_model(*model);
@@ -454,6 +470,7 @@ const std::string& HfTokenizer::sha256() const { return impl_->sha256; }
 const std::string& HfTokenizer::path() const { return impl_->path; }
 std::optional<uint32_t> HfTokenizer::separator() const { return impl_->separator; }
 std::optional<uint32_t> HfTokenizer::unknown_token() const { return impl_->unk_id; }
+bool HfTokenizer::is_added_token(uint32_t id) const { return id < impl_->added.size() && impl_->added[id]; }
 
 bool HfTokenizer::adds_prefix_space() const {
   const auto& steps = impl_->steps;

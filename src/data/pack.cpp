@@ -196,16 +196,28 @@ class SplitWriter {
     for (size_t r = 0; r < n_.size(); ++r) o_[r + 1] = o_[r] + n_[r];
   }
   uint64_t total() const { return o_.back(); }
-  uint64_t shards() const { return (total() + limit_ - 1) / limit_; }
+  // Shards hold `limit_` tokens each, except the last of the split, which holds what is left; a
+  // remainder shorter than half a shard is folded into the shard before instead (a 1-token last
+  // shard is shorter than any training window, and training refuses such a shard), so every shard
+  // but a split's only one holds between limit_ / 2 and 1.5 limit_ tokens.
+  uint64_t shards() const {
+    uint64_t n = (total() + limit_ - 1) / limit_;
+    if (n > 1 && total() - (n - 1) * limit_ < (limit_ + 1) / 2) --n;
+    return n;
+  }
+  uint64_t start_of(uint64_t k) const { return k * limit_; }
+  uint64_t stop_of(uint64_t k) const { return k + 1 == shards() ? total() : (k + 1) * limit_; }
+  uint64_t shard_of(uint64_t position) const { return std::min(position / limit_, shards() - 1); }
 
   // This rank's head belongs to a shard that starts on an earlier rank: send it there.
   void post_send(std::vector<MPI_Request>& reqs) {
     const uint64_t mine = o_[rank_];
-    if (n_[rank_] == 0 || mine % limit_ == 0) return;
-    const uint64_t k = mine / limit_;
+    if (n_[rank_] == 0) return;
+    const uint64_t k = shard_of(mine);
+    if (start_of(k) == mine) return;
     int owner = rank_ - 1;
-    while (!(o_[owner] <= k * limit_ && k * limit_ < o_[owner + 1])) --owner;
-    send_.resize(std::min(n_[rank_], (k + 1) * limit_ - mine));
+    while (!(o_[owner] <= start_of(k) && start_of(k) < o_[owner + 1])) --owner;
+    send_.resize(std::min(n_[rank_], stop_of(k) - mine));
     s_.read(0, send_.size(), send_.data());
     for (uint64_t off = 0; off < send_.size(); off += kChunk) {
       reqs.emplace_back();
@@ -240,8 +252,8 @@ class SplitWriter {
     if (n_[rank_] == 0) return;
     std::vector<uint32_t> tokens;
     std::vector<uint64_t> offsets;
-    for (uint64_t k = (mine + limit_ - 1) / limit_; k * limit_ < mine_end; ++k) {
-      const uint64_t start = k * limit_, stop = std::min(start + limit_, total());
+    for (uint64_t k = (mine + limit_ - 1) / limit_; k < shards() && start_of(k) < mine_end; ++k) {
+      const uint64_t start = start_of(k), stop = stop_of(k);
       tokens.resize(stop - start);
       s_.read(start - mine, std::min(stop, mine_end) - mine, tokens.data());
       for (size_t q = static_cast<size_t>(rank_) + 1; q < n_.size() && o_[q] < stop; ++q) {

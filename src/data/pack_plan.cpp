@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <system_error>
 
+#include <nlohmann/json.hpp>
+
 #include "mpitrain/error.h"
 
 namespace mpitrain {
@@ -29,6 +31,20 @@ void resolve_hf(const PackOptions& o, TextTokenizer& t, ShardMeta& m) {
   if (o.eot_token != -1) {
     if (o.eot_token >= m.vocab_size)
       throw UsageError(concat("pack: --eot ", o.eot_token, " not in [0, vocab size ", m.vocab_size, ")"));
+    // An ordinary token as the separator would make every occurrence of it in the text a document
+    // boundary (--eot 5 is '&' in GPT-2's vocabulary): it must be one of the added tokens.
+    const auto id = static_cast<uint32_t>(o.eot_token);
+    if (!t.hf->is_added_token(id)) {
+      const auto sep = t.hf->separator();
+      // A token's bytes as a JSON string: escaped, one line, whatever bytes it holds.
+      auto shown = [&](uint32_t i) {
+        return nlohmann::json(t.hf->decode({i})).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      };
+      throw UsageError(concat("pack: --eot ", o.eot_token, " is ", shown(id), ", an ordinary token of ", o.tokenizer_file,
+                              ", not one of its added_tokens: a document separator must be a special token",
+                              sep ? concat(" (its own: ", *sep, " ", shown(*sep), ", used when --eot is not given)")
+                                  : std::string()));
+    }
     m.eot_token = o.eot_token;
   } else if (auto sep = t.hf->separator()) {
     m.eot_token = *sep;

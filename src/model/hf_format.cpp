@@ -14,6 +14,7 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
+#include "mpitrain/files.h"
 
 namespace mpitrain {
 namespace {
@@ -22,6 +23,10 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kPrefix = "transformer.";
+
+// The tensors whose rows are the vocabulary (mpitrain names): the token embedding and an untied
+// output layer.
+bool vocab_rows(const std::string& name) { return name == "wte.weight" || name == "lm_head.weight"; }
 
 struct DtypeName {
   const char* safetensors;
@@ -175,6 +180,16 @@ torch::Tensor read_part(SafetensorsFile& f, const Entry& e, const std::string& n
   const GPTDims& d = model->dims();
   const TpSplit split = model->tp_split(name);
   const bool transposed = hf_transposed(name, d);
+  if (vocab_rows(name) && e.shape.size() == 2 && e.shape[0] < d.vocab_size) {
+    // The file has the classes' rows, the model automatic padding's too: those start at zero, as
+    // in a model that was never exported. Each tp rank reads only the file rows it holds.
+    MPITRAIN_CHECK(split == TpSplit::rows && d.vocab_size % d.tp == 0, "the vocabulary's rows split over tp");
+    const int64_t n = d.vocab_size / d.tp, first = d.tp_rank * n;
+    const int64_t have = std::clamp<int64_t>(e.shape[0] - first, 0, n);
+    torch::Tensor out = torch::zeros({n, e.shape[1]}, torch::kFloat32);
+    if (have > 0) out.narrow(0, 0, have).copy_(read_rows(f.path, f.in, f.data_start, e, first, have));
+    return out;
+  }
   if (d.tp > 1 && split == TpSplit::rows && !transposed) {
     const int64_t n = e.shape[0] / d.tp;
     return read_rows(f.path, f.in, f.data_start, e, d.tp_rank * n, n);
@@ -206,12 +221,11 @@ std::vector<std::unique_ptr<SafetensorsFile>> open_safetensors(const std::string
   } else if (fs::exists(single, ec)) {
     paths.push_back(single.string());
   } else if (fs::exists(index_path, ec)) {
-    std::ifstream f(index_path);
-    std::stringstream text;
-    text << f.rdbuf();
+    // An index names a few thousand tensors (Llama 3.1 405B's is ~100 kB): 64 MiB is no index.
+    const std::string text = read_bounded_file(index_path.string(), uint64_t{64} << 20, "a model.safetensors.index.json");
     json j;
     try {
-      j = json::parse(text.str());
+      j = json::parse(text);
     } catch (const json::exception& e) {
       throw UsageError(concat(index_path.string(), ": not JSON: ", e.what()));
     }
@@ -255,7 +269,7 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
     return {
         {"architectures", {"GPT2LMHeadModel"}},
         {"model_type", "gpt2"},
-        {"vocab_size", d.vocab_size},
+        {"vocab_size", d.classes()},  // the padding rows are not written (write_hf_model)
         {"n_positions", d.seq_len},
         {"n_ctx", d.seq_len},
         {"n_embd", d.n_embd},
@@ -283,7 +297,7 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
   json c = {
       {"architectures", {arch}},
       {"model_type", qwen2 ? "qwen2" : qwen3 ? "qwen3" : mistral ? "mistral" : "llama"},
-      {"vocab_size", d.vocab_size},
+      {"vocab_size", d.classes()},
       {"hidden_size", d.n_embd},
       {"intermediate_size", d.intermediate_size},
       {"num_hidden_layers", d.n_layer},
@@ -366,6 +380,39 @@ bool hf_transposed(const std::string& name, const GPTDims& d) {
   return linear && ends_with(name, ".weight");
 }
 
+std::vector<std::string> foreign_model_files(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return {};
+  static const char* const kNamed[] = {"config.json", "generation_config.json", "model.safetensors",
+                                       "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                                       "vocab.json", "merges.txt"};
+  std::vector<std::string> found;
+  bool foreign_weights = false, ours = false;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string f = entry.path().filename().string();
+    const bool shard = f.rfind("model-", 0) == 0 && ends_with(f, ".safetensors");
+    if (!shard && std::find(std::begin(kNamed), std::end(kNamed), f) == std::end(kNamed)) continue;
+    found.push_back(f);
+    if (!ends_with(f, ".safetensors")) continue;
+    // mpitrain's safetensors say so in their header (write_safetensors); a header that cannot be
+    // read is not ours.
+    bool mpitrain = false;
+    std::ifstream in(entry.path(), std::ios::binary);
+    uint64_t n = 0;
+    if (in.read(reinterpret_cast<char*>(&n), 8) && n <= (uint64_t{100} << 20) && n <= fs::file_size(entry.path(), ec)) {
+      std::string text(n, '\0');
+      if (in.read(text.data(), static_cast<std::streamsize>(n))) {
+        const json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
+        mpitrain = header.is_object() && header.contains("__metadata__") && header["__metadata__"].is_object() &&
+                   header["__metadata__"].value("producer", std::string()).rfind("mpitrain ", 0) == 0;
+      }
+    }
+    (mpitrain ? ours : foreign_weights) = true;
+  }
+  std::sort(found.begin(), found.end());
+  return foreign_weights || (!found.empty() && !ours) ? found : std::vector<std::string>{};
+}
+
 std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts) {
   const GPTDims& d = model->dims();
   MPITRAIN_CHECK(d.tp == 1, "write_hf_model needs a whole (tp = 1) model");
@@ -375,12 +422,19 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
   fs::create_directories(dir, ec);
   if (ec) throw UsageError(concat("cannot create '", dir, "': ", ec.message()));
 
+  // Automatic vocabulary padding (GPTDims::vocab_live) stays here: its rows are outside mpitrain's
+  // loss and logits, and Hugging Face would make each a class with logit 0. The embedding and the
+  // output layer go out with their token rows only, and config.json says that many classes;
+  // model.init_from: hf: pads them again as the new run's device and tp need.
+  auto exported = [&](const std::string& name, const torch::Tensor& p) {
+    return vocab_rows(name) && d.vocab_live > 0 ? p.narrow(0, 0, d.vocab_live) : p;
+  };
   // Shards in parameter order, each at most max_shard_bytes (a larger tensor alone).
   const auto params = model->named_params();
   std::vector<std::vector<size_t>> shards(1);
   uint64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const uint64_t bytes = static_cast<uint64_t>(params[i].second.numel()) * c10::elementSize(type);
+    const uint64_t bytes = static_cast<uint64_t>(exported(params[i].first, params[i].second).numel()) * c10::elementSize(type);
     if (!shards.back().empty() && in_shard + bytes > opts.max_shard_bytes) shards.emplace_back(), in_shard = 0;
     shards.back().push_back(i);
     in_shard += bytes, total += bytes;
@@ -399,7 +453,7 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
     std::vector<std::pair<std::string, torch::Tensor>> tensors;
     for (size_t i : shards[k]) {
       const auto& [name, p] = params[i];
-      torch::Tensor t = p.detach().to(torch::kCPU, type);
+      torch::Tensor t = exported(name, p.detach()).to(torch::kCPU, type);
       if (hf_transposed(name, d)) t = t.t();
       tensors.emplace_back(hf_name(name, d), t.contiguous());
       weight_map[hf_name(name, d)] = shard_name(k);
@@ -470,13 +524,15 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
       std::vector<int64_t> want = tp_whole_shape(p.sizes(), model->tp_split(name), d.tp);  // the files hold whole tensors
+      if (vocab_rows(name)) want[0] = d.classes();  // without automatic padding's rows (write_hf_model)
       if (hf_transposed(name, d)) std::reverse(want.begin(), want.end());
       if (e->shape != want)
         throw UsageError(concat(file->path, ": tensor '", e->name, "' has shape ", shape_text(e->shape), ", the model needs ",
                                 shape_text(want),
                                 name == "wte.weight" || name == "wpe.weight" || name == "lm_head.weight"
                                     ? " (model.vocab_size and model.seq_len must equal the file's vocab_size and n_positions)"
-                                    : " (model.n_layer, n_head, n_kv_head, n_embd and intermediate_size must equal the file's)"));
+                                    : concat(" (model.n_layer, n_head, n_kv_head, n_embd, head_dim (", d.head_dim(),
+                                             ") and intermediate_size must equal the file's)")));
     }
     const Entry* wte = found[hf_name("wte.weight", d)].second;
     if (lm_head && lm_head->shape != wte->shape)

@@ -30,12 +30,18 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
   d.dropout = cfg.dropout;
   d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
   d.fused_kernels = cfg.fused_kernels == "on";  // likewise
+  if (cfg.init_vocab > 0 && cfg.init_vocab < data_vocab_size)
+    throw UsageError(concat("model.init_from: ", cfg.init_vocab_source, " is ", cfg.init_vocab,
+                            ", smaller than the data's vocab_size ", data_vocab_size,
+                            " (the weights have no row for the data's larger token ids)"));
   if (cfg.vocab_size > 0) {
     d.vocab_size = cfg.vocab_size;
   } else {
+    // Automatic padding of the classes: the initial weights' (model.init_from: hf:), else the data's.
     MPITRAIN_CHECK(pad_multiple >= 1, "model_dims: the padding multiple must be >= 1");
-    d.vocab_size = (data_vocab_size + pad_multiple - 1) / pad_multiple * pad_multiple;
-    if (d.vocab_size > data_vocab_size) d.vocab_live = data_vocab_size;
+    const int64_t classes = cfg.init_vocab > 0 ? cfg.init_vocab : data_vocab_size;
+    d.vocab_size = (classes + pad_multiple - 1) / pad_multiple * pad_multiple;
+    if (d.vocab_size > classes) d.vocab_live = classes;
   }
   d.arch = cfg.arch.empty() ? "gpt2" : cfg.arch;  // a ModelConfig that parse_config did not resolve: GPT-2's
   d.norm_eps = cfg.norm_eps > 0 ? cfg.norm_eps : 1e-5;

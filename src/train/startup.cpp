@@ -122,7 +122,9 @@ void keep_checkpoint_vocab(Startup& run, const Config& cfg, MPI_Comm comm) {
   MPI_CHECK(MPI_Bcast(&stored, 1, MPI_INT64_T, 0, comm));
   GPTDims& d = run.dims;
   if (stored == 0 || stored == d.vocab_size) return;
-  const int64_t tokens = run.train_data->vocab_size(), tp = run.layout.tp;
+  // The classes: the initial weights' (model.init_from: hf:, whose config.json gives them), else the data's.
+  const int64_t tokens = cfg.model.init_vocab > 0 ? cfg.model.init_vocab : run.train_data->vocab_size();
+  const int64_t tp = run.layout.tp;
   agree(comm, [&] { naming_config_file(cfg, [&] {
     if (stored < tokens || stored % tp != 0)
       throw UsageError(concat("model.vocab_size: the checkpoint to resume has ", stored, " vocabulary rows, which ",
