@@ -6,10 +6,12 @@
 # Configures <repo>/build-fuzz (or $FUZZ_BUILD_DIR; CTest's `fuzz` test uses <build>/fuzz) with
 # clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer; -O1 and line tables only, which builds
 # faster than RelWithDebInfo and still gives file:line in sanitizer reports), builds fuzz_config,
-# fuzz_shard, fuzz_checkpoint, fuzz_safetensors, fuzz_hf_tokenizer and fuzz_hf_config (-j2), then for each target:
+# fuzz_shard, fuzz_checkpoint, fuzz_safetensors, fuzz_hf_tokenizer, fuzz_hf_config, fuzz_jsonl,
+# fuzz_token_files, fuzz_safetensors_index and fuzz_launch_env (-j2), then for each target:
 #   1. replays every input committed under fuzz/regressions/<target>/ (crashes found earlier);
-#   2. fuzzes for the given time, starting from a temporary copy of fuzz/corpus/<target>/ (the
-#      committed corpus never grows), printing libFuzzer's execution count.
+#   2. fuzzes for the given time with fuzz/dict/<target>.dict, starting from a temporary copy of
+#      fuzz/corpus/<target>/ (what scripts/fuzz-campaign.sh grew; this short run does not write
+#      it back), printing libFuzzer's execution count.
 # A crash input is kept under build-fuzz/fuzz-artifacts/<target>/ and its path printed.
 # Exit status: 0 all passed, 1 something failed, 77 skipped (no clang or no libFuzzer runtime).
 # FUZZ_TARGETS="fuzz_shard ..." limits the run to some targets.
@@ -22,7 +24,7 @@ if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
 fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
-read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_tokenizer fuzz_hf_config}"
+read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_tokenizer fuzz_hf_config fuzz_jsonl fuzz_token_files fuzz_safetensors_index fuzz_launch_env}"
 
 skip() {
   echo "SKIP: $*"
@@ -59,6 +61,8 @@ if ! cmake --build "$build" -j2 --target "${targets[@]}" >"$work/build.log" 2>&1
   exit 1
 fi
 echo "   built in $((SECONDS - build_start)) s"
+# scripts/fuzz-campaign.sh builds through this script and runs the targets itself.
+[ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # ---- run -------------------------------------------------------------------------------------------
 passed=0
@@ -106,7 +110,9 @@ for target in "${targets[@]}"; do
   mkdir -p "$corpus"
   if [[ -d $root/fuzz/corpus/$target ]]; then cp -R "$root/fuzz/corpus/$target/." "$corpus/"; fi
   log="$build/fuzz-artifacts/$target.log"
-  "$bin" "${common[@]}" -max_total_time="$seconds" -print_final_stats=1 \
+  dict=()
+  [[ -f $root/fuzz/dict/$target.dict ]] && dict=(-dict="$root/fuzz/dict/$target.dict")
+  "$bin" "${common[@]}" "${dict[@]}" -max_total_time="$seconds" -print_final_stats=1 \
     -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1
   rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
