@@ -917,6 +917,59 @@ TEST(Train, LlamaSixteenBitGradientsPowerSgdAndBf16TrackFp32) {
   }
 }
 
+// Activation checkpointing (train.activation_checkpointing: full, on every block and on every
+// 2nd): each checkpointed block runs a second time in backward with the first run's random state
+// and autocast, so the run is bitwise the run without it: GPT-2 with dropout (embedding,
+// attention, block output) and gradient accumulation, with the fused kernels, under bf16 autocast,
+// with ZeRO-1; a Llama at tp 2 (its collectives run again in the second run). The blocks really
+// were run again (recomputed_blocks), so the comparison cannot pass vacuously.
+TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  auto gpt = [](const std::string& run) {
+    Config c = small_config(run, 2, 4);
+    c.model.dropout = 0.1;
+    c.train.grad_accum = 2;
+    return c;
+  };
+  struct Case {
+    std::string tag;
+    std::function<Config(const std::string&)> make;
+  };
+  const std::vector<Case> cases{
+      {"ac-gpt2", gpt},
+      {"ac-fused", [&](const std::string& r) { Config c = gpt(r); c.model.fused_kernels = "on"; return c; }},
+      {"ac-bf16", [&](const std::string& r) { Config c = gpt(r); c.train.precision = "bf16"; return c; }},
+      {"ac-zero1", [&](const std::string& r) { Config c = gpt(r); c.optim.zero = 1; return c; }},
+      {"ac-llama-tp2", [](const std::string& r) {
+         Config c = llama_config(r, 2, 8);
+         c.train.steps = 4;
+         c.model.dropout = 0.1;
+         return c;
+       }},
+  };
+  for (const Case& k : cases) {
+    const TrainResult plain = train(k.make(k.tag + "-none"), MPI_COMM_WORLD, keep);
+    for (int64_t every : {1, 2}) {
+      Config c = k.make(concat(k.tag, "-full", every));
+      c.train.activation_checkpointing = "full";
+      c.train.ac_every = every;
+      const int64_t before = recomputed_blocks();
+      const TrainResult ac = train(c, MPI_COMM_WORLD, keep);
+      const std::string what = concat(k.tag, ", every ", every, " block(s)");
+      // 2 blocks: 2 (every block) or 1 (every 2nd) per micro-step's backward
+      EXPECT_EQ(recomputed_blocks() - before, (every == 1 ? 2 : 1) * c.train.steps * std::max<int64_t>(1, c.train.grad_accum))
+          << what;
+      ASSERT_EQ(ac.losses.size(), plain.losses.size()) << what;
+      for (size_t i = 0; i < plain.losses.size(); ++i)
+        EXPECT_EQ(ac.losses[i].second, plain.losses[i].second) << what << ", step " << plain.losses[i].first;
+      ASSERT_EQ(ac.params.size(), plain.params.size()) << what;
+      for (size_t i = 0; i < plain.params.size(); ++i)
+        EXPECT_TRUE(ac.params[i].second == plain.params[i].second) << what << ": " << plain.params[i].first;
+    }
+  }
+}
+
 TEST(Train, Cleanup) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());

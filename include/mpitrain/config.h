@@ -85,6 +85,11 @@ struct TrainConfig {
   std::string out_dir = "runs/default";  // metrics.jsonl and the run's resolved config go here
   std::string device = "auto";     // auto (CUDA when this build and host have it) | cpu | cuda
   std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA)
+  // Activation checkpointing (model.h, GPTDims::ac): none | full (a block keeps only its input and
+  // is run again in backward) | selective (a block keeps its input and its linear layers' outputs;
+  // norms, attention and the activation function are run again); on every ac_every-th block.
+  std::string activation_checkpointing = "none";
+  int64_t ac_every = 1;  // >= 1: blocks ac_every - 1, 2 ac_every - 1, ... are checkpointed
 };
 
 struct OptimConfig {

@@ -67,6 +67,13 @@ struct GPTDims {
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
   bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
+  // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
+  // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
+  // backward; selective also keeps its linear layers' outputs, which the second run replays instead
+  // of multiplying again. The random state (dropout) and autocast of the first run are the
+  // second's, so gradients are bitwise those without it.
+  enum class Ac { none, full, selective } ac = Ac::none;
+  int64_t ac_every = 1;
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
   // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
   // and vocab_size divide by tp.
@@ -207,6 +214,10 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// How many checkpointed blocks this process has run a second time in backward (tests: the
+// checkpointing really happened).
+int64_t recomputed_blocks();
+
 class GPTImpl : public torch::nn::Module, public TpDeclared {
  public:
   explicit GPTImpl(const GPTDims& d);
@@ -241,6 +252,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
 
  private:
   void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
+  // Whether block `block` runs under activation checkpointing (dims.ac, in training with gradients).
+  bool checkpointed(int64_t block) const;
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
   void collect_tp_splits();  // every module's declarations, by full parameter name

@@ -76,6 +76,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(train, steps),        MPITRAIN_FIELD(train, seed),
     MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
     MPITRAIN_FIELD(train, device),       MPITRAIN_FIELD(train, precision),
+    MPITRAIN_FIELD(train, activation_checkpointing), MPITRAIN_FIELD(train, ac_every),
     MPITRAIN_FIELD(optim, lr),           MPITRAIN_FIELD(optim, min_lr),
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
@@ -540,6 +541,13 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(c.model.attention, {"auto", "flash", "cudnn", "efficient", "math"}), "model.attention",
         "one of auto|flash|cudnn|efficient|math", show(c.model.attention));
   check(one_of(t.device, {"auto", "cpu", "cuda"}), "train.device", "one of auto|cpu|cuda", show(t.device));
+  check(one_of(t.activation_checkpointing, {"none", "full", "selective"}), "train.activation_checkpointing",
+        "one of none|full|selective", show(t.activation_checkpointing));
+  check(t.ac_every >= 1, "train.ac_every", ">= 1", show(t.ac_every));
+  check(t.activation_checkpointing != "selective", "train.activation_checkpointing",
+        "none or full: selective (keeping the linear layers' outputs) is not implemented yet; full with "
+        "train.ac_every k checkpoints every k-th block",
+        show(t.activation_checkpointing));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
 

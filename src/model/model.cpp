@@ -3,6 +3,7 @@
 #include "mpitrain/model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -335,6 +336,111 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
   return {r2, m};
 }
 
+// ---- activation checkpointing ------------------------------------------------------------------
+
+namespace {
+
+// What a checkpointed block's second run needs: the block, and the random state (dropout) and
+// autocast of the first run.
+struct Recompute : torch::CustomClassHolder {
+  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> run;
+  torch::Device device{torch::kCPU};
+  torch::Tensor cpu_rng, gpu_rng;             // the generators' states before the first run
+  c10::ScalarType autocast = torch::kFloat32;  // the first run's autocast dtype (fp32: none)
+};
+
+torch::Tensor generator_state(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(at::Generator gen, const torch::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// For its lifetime, the generators are where they were before the first run; then back.
+class FirstRunRng {
+ public:
+  explicit FirstRunRng(const Recompute& r) : device_(r.device) {
+    cpu_ = generator_state(at::detail::getDefaultCPUGenerator());
+    set_generator_state(at::detail::getDefaultCPUGenerator(), r.cpu_rng);
+    if (r.gpu_rng.defined()) {
+      gpu_ = generator_state(at::globalContext().defaultGenerator(device_));
+      set_generator_state(at::globalContext().defaultGenerator(device_), r.gpu_rng);
+    }
+  }
+  ~FirstRunRng() {
+    set_generator_state(at::detail::getDefaultCPUGenerator(), cpu_);
+    if (gpu_.defined()) set_generator_state(at::globalContext().defaultGenerator(device_), gpu_);
+  }
+  FirstRunRng(const FirstRunRng&) = delete;
+  FirstRunRng& operator=(const FirstRunRng&) = delete;
+
+ private:
+  torch::Device device_;
+  torch::Tensor cpu_, gpu_;
+};
+
+// A block run without keeping anything for backward but its inputs (x, and the fused path's
+// delta, which may be undefined). Backward runs the block again from them, with the first run's
+// random state and autocast, and backpropagates the incoming gradients through that second graph
+// (a reentrant backward: the block's parameters get their gradients there, and their hooks, such
+// as the data-parallel buckets', fire there), then returns the inputs' gradients. The same
+// operations on the same values give the same gradients, bit for bit.
+std::atomic<int64_t> g_recomputed_blocks{0};
+
+class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+ public:
+  // delta: an optional (libtorch's autograd takes no undefined tensor as an input of a Function).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                const c10::optional<torch::Tensor>& delta_opt,
+                                                c10::intrusive_ptr<Recompute> r) {
+    const torch::Tensor delta = delta_opt.has_value() ? *delta_opt : torch::Tensor();
+    r->device = x.device();
+    r->cpu_rng = generator_state(at::detail::getDefaultCPUGenerator());
+    if (x.is_cuda()) r->gpu_rng = generator_state(at::globalContext().defaultGenerator(x.device()));
+    r->autocast = autocast_dtype_or(x.device().type(), torch::kFloat32);
+    ctx->save_for_backward({x, delta});
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(r);
+    return r->run({x, delta});  // autograd::Function runs forward without recording a graph
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    std::vector<torch::Tensor> in;
+    for (const auto& t : saved) in.push_back(t.defined() ? t.detach().requires_grad_(true) : torch::Tensor());
+    std::vector<torch::Tensor> outs;
+    {
+      FirstRunRng rng(*r);
+      torch::AutoGradMode grad_mode(true);
+      std::optional<Autocast> autocast;
+      if (r->autocast != torch::kFloat32)
+        autocast.emplace(r->autocast == torch::kBFloat16 ? Precision::bf16 : Precision::fp16, r->device);
+      outs = r->run(in);
+    }
+    g_recomputed_blocks.fetch_add(1, std::memory_order_relaxed);
+    std::vector<torch::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outs.size(); ++i)
+      if (outs[i].defined() && outs[i].requires_grad() && i < grads.size() && grads[i].defined())
+        roots.push_back(outs[i]), root_grads.push_back(grads[i]);
+    torch::autograd::backward(roots, root_grads);
+    auto grad_of = [](const torch::Tensor& t) { return t.defined() ? t.grad() : torch::Tensor(); };
+    return {grad_of(in[0]), grad_of(in[1]), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t recomputed_blocks() { return g_recomputed_blocks.load(std::memory_order_relaxed); }
+
+bool GPTImpl::checkpointed(int64_t block) const {
+  return is_training() && torch::GradMode::is_enabled() && dims_.ac != GPTDims::Ac::none &&
+         (block + 1) % dims_.ac_every == 0;
+}
+
 // ---- GPT ---------------------------------------------------------------------------------------
 
 namespace {
@@ -430,7 +536,16 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
-  for (const auto& block : *h) x = block->as<Block>()->forward(x);
+  for (size_t i = 0; i < h->size(); ++i) {
+    auto block = (*h)[i]->as<Block>();
+    if (!checkpointed(static_cast<int64_t>(i))) {
+      x = block->forward(x);
+      continue;
+    }
+    auto r = c10::make_intrusive<Recompute>();
+    r->run = [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0])}; };
+    x = CheckpointedBlock::apply(x, c10::nullopt, r)[0];
+  }
   return ln_f(x);
 }
 
@@ -440,7 +555,20 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
 torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
   torch::Tensor delta;
-  for (const auto& block : *h) std::tie(x, delta) = block->as<Block>()->forward_fused(x, delta, normed_dtype);
+  for (size_t i = 0; i < h->size(); ++i) {
+    auto block = (*h)[i]->as<Block>();
+    if (!checkpointed(static_cast<int64_t>(i))) {
+      std::tie(x, delta) = block->forward_fused(x, delta, normed_dtype);
+      continue;
+    }
+    auto r = c10::make_intrusive<Recompute>();
+    r->run = [block, normed_dtype](const std::vector<torch::Tensor>& in) {
+      auto [out, d] = block->forward_fused(in[0], in[1], normed_dtype);
+      return std::vector<torch::Tensor>{out, d};
+    };
+    const auto outs = CheckpointedBlock::apply(x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r);
+    x = outs[0], delta = outs[1];
+  }
   return ln_f->add_forward(x, delta, normed_dtype).second;
 }
 

@@ -225,6 +225,9 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
     // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
     // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist.
     if (cfg.model.fused_kernels == "auto") dims.fused_kernels = device.is_cuda() && fused_kernels_built();
+    const std::string& ac = cfg.train.activation_checkpointing;
+    dims.ac = ac == "full" ? GPTDims::Ac::full : ac == "selective" ? GPTDims::Ac::selective : GPTDims::Ac::none;
+    dims.ac_every = cfg.train.ac_every;
     if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
       log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
                        dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"

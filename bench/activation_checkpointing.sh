@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Activation checkpointing on one CPU rank: peak memory and step time of train.activation_checkpointing
+# none (the baseline), full on every block, and full on every 2nd block, in one run. The model:
+# GPT-2-shaped, N_LAYER layers of width N_EMBD (default 8 x 256, 6.4M parameters), micro-batch
+# MICRO_BATCH x SEQ (default 8 x 512), byte vocabulary, fp32, one torch thread: activations, not
+# parameters, dominate its memory (libtorch 1.13's explicit attention keeps the heads' T x T scores).
+#
+#     bash bench/activation_checkpointing.sh [build/mpitrain]
+#
+# "peak RSS" is the process's peak resident memory (GNU time): libtorch, MPI, parameters, gradients,
+# AdamW state and the activations of one micro-batch's backward. "ms/step" is the median step time
+# after WARMUP steps. Ratios are against `none` measured in the same run. The final losses must be
+# equal: the runs are bitwise the same (tests/test_train.cpp, ActivationCheckpointingGivesBitwiseTheSameRun).
+#
+# Environment: STEPS (12), WARMUP (4), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (8/256/4/512/8), MPIRUN (mpirun).
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BIN=$(realpath "${1:-$REPO/build/mpitrain}")
+MPIRUN=${MPIRUN:-mpirun}
+STEPS=${STEPS:-12} WARMUP=${WARMUP:-4}
+L=${N_LAYER:-8} D=${N_EMBD:-256} H=${N_HEAD:-4} T=${SEQ:-512} B=${MICRO_BATCH:-8}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+WORK=$(mktemp -d /tmp/mpitrain-ac-bench-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK"
+python3 - "$((STEPS * B * (T + 1) + 4096))" <<'PY'
+import random, sys
+random.seed(7)
+words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "stitch", "in", "time"]
+out, n = [], 0
+while n < int(sys.argv[1]):
+    line = " ".join(random.choice(words) for _ in range(12)) + ".\n"
+    out.append(line)
+    n += len(line)
+open("corpus.txt", "w").write("".join(out))
+PY
+"$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
+. "$REPO/bench/table_lib.sh"
+
+run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
+  local out=$WORK/run-$1-$2
+  cat > cfg.yaml <<YAML
+model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T}
+data: {train: [$WORK/data/t-train-*.h5]}
+train: {micro_batch: $B, steps: $STEPS, threads: 1, out_dir: $out, activation_checkpointing: $1, ac_every: $2}
+optim: {warmup_steps: 2}
+eval: {every: 0}
+log: {every: 1}
+checkpoint: {dir: $out/ckpt, every: 0, resume: none}
+sample: {tokens: 0}
+YAML
+  "$MPIRUN" -np 1 /usr/bin/time -o "$out.rss" -f %M "$BIN" cfg.yaml > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
+  local ms loss rss
+  ms=$(grep '"ms_per_step"' "$out/metrics.jsonl" | tail -n +$((WARMUP + 1)) | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | median)
+  loss=$(grep '"loss"' "$out/metrics.jsonl" | tail -1 | sed 's/.*"loss": \([0-9.]*\).*/\1/')
+  rss=$(awk '{ printf "%.0f", $1 / 1024 }' "$out.rss")
+  echo "$ms $loss $rss"
+}
+
+echo "Activation checkpointing, one CPU rank: GPT-2 $L layers x $D, $H heads, seq $T, micro-batch $B, $STEPS steps, $(date -u +%F), $("$BIN" --version 2>/dev/null | head -n 1)"
+echo "| activation_checkpointing | peak RSS (MiB) | ratio to none | ms/step | ratio to none | final loss |"
+echo "|---|---:|---:|---:|---:|---|"
+read -r t0 l0 m0 <<< "$(run none 1)"
+printf '| none | %s | 1.00 | %s | 1.00 | %s |\n' "$m0" "$t0" "$l0"
+for every in 1 2; do
+  read -r t l m <<< "$(run full $every)"
+  printf '| full, every %s block(s) | %s | %s | %s | %s | %s |\n' "$every" "$m" "$(ratio "$m" "$m0")" "$t" "$(ratio "$t" "$t0")" "$l"
+done
