@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# ZeRO-1 against plain data parallelism on CPU ranks: AdamW state per rank and step time,
-# optim.zero 0 vs 1, at 1, 2 and 4 ranks, in one run. The model: GPT-2-shaped, N_LAYER layers of
+# ZeRO-1 and ZeRO-2 against plain data parallelism on CPU ranks: AdamW state per rank and step time,
+# optim.zero 0, 1 and 2 (ZEROS, default "1 2", each against 0), at 1, 2 and 4 ranks, in one run. The model: GPT-2-shaped, N_LAYER layers of
 # width N_EMBD (default 4 x 256, 3.3M parameters: 26 MiB of AdamW moments unsharded), micro-batch
 # MICRO_BATCH x SEQ, byte vocabulary, fp32, one torch thread per rank (the ranks share this
 # machine's cores: on 2 cores, 4 ranks oversubscribe it and their step times say so).
@@ -74,13 +74,19 @@ YAML
 }
 
 params=$(( (L * 12 * D * D) + (256 + T) * D ))
-echo "ZeRO-1 vs plain data parallel: GPT-2 $L layers x $D, seq $T, micro-batch $B, ~$((params / 1000))K parameters, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
-printf '%-5s | %-13s | %-13s | %-11s | %-10s | %-10s | %-10s | %-21s | %-21s | %s\n' ranks "state/rank z0" "state/rank z1" "state ratio" "ms/step z0" "ms/step z1" "time ratio" "peak RSS r0 z0 / z1" "peak RSS others z0/z1" "final loss z0 / z1"
-printf -- '------+---------------+---------------+-------------+------------+------------+------------+-----------------------+-----------------------+-------------------\n'
+echo "ZeRO-1 and ZeRO-2 vs plain data parallel: GPT-2 $L layers x $D, seq $T, micro-batch $B, ~$((params / 1000))K parameters, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
+echo "| ranks | optim.zero | state/rank (MiB) | state ratio | ms/step | time ratio | peak RSS rank 0 (MiB) | peak RSS others (MiB) | RSS ratio (largest) | final loss |"
+echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
 for np in $RANKS; do
   read -r s0 t0 l0 m0 o0 <<< "$(run "$np" 0)"
-  read -r s1 t1 l1 m1 o1 <<< "$(run "$np" 1)"
-  printf '%-5s | %9.2f MiB | %9.2f MiB | %11s | %10s | %10s | %10s | %7s / %7s MiB | %7s / %7s MiB | %s / %s\n' "$np" "$s0" "$s1" \
-    "$(awk -v a="$s1" -v b="$s0" 'BEGIN { printf "%.3f", a / b }')" "$t0" "$t1" \
-    "$(awk -v a="$t1" -v b="$t0" 'BEGIN { printf "%.2f", a / b }')" "$m0" "$m1" "$o0" "$o1" "$l0" "$l1"
+  big0=$(( m0 > o0 ? m0 : o0 ))
+  printf '| %s | 0 | %.2f | 1.000 | %s | 1.00 | %s | %s | 1.00 | %s |\n' "$np" "$s0" "$t0" "$m0" "$o0" "$l0"
+  for z in ${ZEROS:-1 2}; do
+    read -r s t l m o <<< "$(run "$np" "$z")"
+    big=$(( m > o ? m : o ))
+    printf '| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s |\n' "$np" "$z" "$s" \
+      "$(awk -v a="$s" -v b="$s0" 'BEGIN { printf "%.3f", a / b }')" "$t" \
+      "$(awk -v a="$t" -v b="$t0" 'BEGIN { printf "%.2f", a / b }')" "$m" "$o" \
+      "$(awk -v a="$big" -v b="$big0" 'BEGIN { printf "%.2f", a / b }')" "$l"
+  done
 done

@@ -302,6 +302,95 @@ TEST(GradSync, OverlapWithBackwardEqualsAllReduceAfterBackward) {
   EXPECT_TRUE(torch::all(overlapped[0] == 0).item<bool>());  // unused: zeros, on every rank
 }
 
+// ZeRO-2's gradient path (free_grads): each backward's gradients go from the parameters' hooks into
+// the buckets and are reduce-scattered per micro-step. With one micro-step that is ZeRO-1's
+// reduce-scatter of the same buffer: bitwise equal shards. Over two micro-steps the shards are the
+// sum over micro-steps of the ranks' average where ZeRO-1 averages the sum: 2n terms g/n added in
+// two orders, each within (2n - 1) u of the exact sum of |g|/n, plus the divisions' u, so within
+// 4 u sum|g| = 2^-22 sum|g| per element (sum|g| over ranks and micro-steps, measured here). No
+// parameter holds a .grad() after any backward, and during one at most the last whose hook ran.
+// With overlap the complete buckets start during backward.
+TEST(GradSync, ZeroTwoKeepsOnlyTheShardAndEqualsZeroOne) {
+  auto c = world();
+  const int n = c->size();
+  auto make_params = [] {
+    torch::manual_seed(7);  // the same on every rank
+    return std::vector<torch::Tensor>{torch::randn({5}).requires_grad_(true),  // never used
+                                      torch::randn({64, 32}).requires_grad_(true),
+                                      torch::randn({32}).requires_grad_(true),
+                                      torch::randn({32, 300}).requires_grad_(true),
+                                      torch::randn({300, 16}).requires_grad_(true)};
+  };
+  auto backward = [](std::vector<torch::Tensor>& params) {
+    auto x = torch::randn({8, 64});
+    auto h = torch::tanh(torch::matmul(x, params[1]) + params[2]);
+    auto y = torch::matmul(torch::relu(torch::matmul(h, params[3])), params[4]);
+    (y.pow(2).mean() / 2.0).backward();
+  };
+  struct Got {
+    std::vector<torch::Tensor> shards;
+    std::vector<GradSync::Slice> slices;
+    int64_t held = 0;
+    size_t launched = 0;
+  };
+  auto run = [&](bool free_grads, bool overlap, int micros) {
+    auto params = make_params();
+    GradSync sync(params, *c, /*bucket_mb=*/0.03, overlap, /*shard=*/true, torch::kFloat32, free_grads);
+    torch::manual_seed(1000 + c->rank());  // different data per rank
+    Got got;
+    for (int micro = 0; micro < micros; ++micro) {
+      if (free_grads || micro + 1 == micros) sync.arm();
+      backward(params);
+      int64_t grads = 0;
+      for (auto& p : params) grads += p.grad().defined() ? p.numel() : 0;
+      got.held = std::max(got.held, grads);
+      if (free_grads && micro + 1 < micros) sync.reduce_micro_step();
+    }
+    got.launched = sync.launched_during_backward();
+    sync.all_reduce_grads();
+    for (auto& p : params) EXPECT_FALSE(p.grad().defined());
+    for (size_t b = 0; b < sync.num_buckets(); ++b) got.shards.push_back(sync.grad_shard(b).clone());
+    got.slices = sync.owned_slices();
+    return got;
+  };
+  // sum|g| over ranks and micro-steps, per element of each parameter, for the bound.
+  auto abs_sums = [&](int micros) {
+    auto params = make_params();
+    torch::manual_seed(1000 + c->rank());
+    std::vector<torch::Tensor> sums;
+    for (auto& p : params) sums.push_back(torch::zeros({p.numel()}));
+    for (int micro = 0; micro < micros; ++micro) {
+      for (auto& p : params) p.mutable_grad() = torch::Tensor();
+      backward(params);
+      for (size_t k = 0; k < params.size(); ++k)
+        if (params[k].grad().defined()) sums[k] += params[k].grad().abs().reshape({-1});
+    }
+    for (auto& s : sums) c->all_reduce(s, ReduceOp::sum);
+    return sums;
+  };
+  for (bool overlap : {true, false}) {
+    const Got one = run(false, overlap, 1), two = run(true, overlap, 1);
+    ASSERT_EQ(one.shards.size(), two.shards.size());
+    for (size_t b = 0; b < one.shards.size(); ++b) EXPECT_TRUE(torch::equal(one.shards[b], two.shards[b])) << b;
+    const Got one2 = run(false, overlap, 2), two2 = run(true, overlap, 2);
+    const auto sums = abs_sums(2);
+    for (const auto& sl : two2.slices) {
+      auto a = two2.shards[sl.bucket].narrow(0, sl.shard_offset, sl.length);
+      auto b = one2.shards[sl.bucket].narrow(0, sl.shard_offset, sl.length);
+      auto bound = sums[sl.param].narrow(0, sl.begin, sl.length) * std::ldexp(1.0, -22);
+      EXPECT_TRUE(torch::all((a - b).abs() <= bound).item<bool>())
+          << "param " << sl.param << ": max |delta| " << (a - b).abs().max().item<float>();
+    }
+    // ZeRO-1 holds every used parameter's whole gradient after backward; ZeRO-2 at most the last
+    // one whose hook ran ([64 x 32], [32] or [300 x 16] alone: never two).
+    EXPECT_GT(one2.held, 64 * 32 + 32 * 300);
+    EXPECT_LE(two2.held, 300 * 16) << "overlap " << overlap;
+    if (overlap && n > 1) {
+      EXPECT_EQ(two2.launched, 2u) << "the two complete buckets start during backward";
+    }
+  }
+}
+
 // The mesh's groups are the layout's: a sum over the tp group adds the tp-group ranks, a sum over
 // the dp group the ranks that share this rank's tp coordinate (tp 2 on one host's 2 or 4 ranks).
 TEST(Mesh, GroupCommunicatorsFollowTheLayout) {

@@ -538,6 +538,62 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
   }
 }
 
+// ZeRO-2 (optim.zero: 2) in training: with one micro-step per step it reduce-scatters what ZeRO-1
+// does, so its run is bitwise ZeRO-1's (overlap on and off); with gradient accumulation it averages
+// each micro-step over the ranks and sums the averages where ZeRO-1 averages the sum, a reordering
+// of the additions in any MPI, held to plain data parallelism within kReorderTolerance; and it
+// resumes bitwise (the checkpoint is ZeRO-1's: AdamW's shards, whole tensors).
+TEST(Train, ZeroTwoEqualsZeroOneAndPlainDataParallel) {
+  auto cfg_for = [](const std::string& run, int64_t zero, bool overlap, int64_t accum) {
+    Config c = small_config(run, 2, 12);
+    c.train.grad_accum = accum;
+    c.comm.bucket_mb = 0.01;
+    c.comm.overlap = overlap;
+    c.optim.zero = zero;
+    c.optim.grad_clip = 0.5;
+    return c;
+  };
+  TrainHooks keep;
+  keep.keep_params = true;
+  for (bool overlap : {true, false}) {
+    const TrainResult one = train(cfg_for(concat("z2-one-", overlap), 1, overlap, 1), MPI_COMM_WORLD, keep);
+    const TrainResult two = train(cfg_for(concat("z2-two-", overlap), 2, overlap, 1), MPI_COMM_WORLD, keep);
+    ASSERT_EQ(two.losses.size(), one.losses.size());
+    for (size_t i = 0; i < one.losses.size(); ++i) EXPECT_EQ(two.losses[i].second, one.losses[i].second) << i;
+    for (size_t i = 0; i < one.params.size(); ++i)
+      EXPECT_TRUE(two.params[i].second == one.params[i].second) << "overlap " << overlap << ": " << one.params[i].first;
+  }
+  // Summing averages instead of averaging sums reorders the additions whatever the MPI does:
+  // kReorderTolerance (its derivation above covers any order of the same terms).
+  const double tolerance = kReorderTolerance;
+  const TrainResult plain = train(cfg_for("z2-plain", 0, true, 2), MPI_COMM_WORLD, keep);
+  const TrainResult two = train(cfg_for("z2-accum", 2, true, 2), MPI_COMM_WORLD, keep);
+  ASSERT_EQ(two.losses.size(), plain.losses.size());
+  double worst = 0;
+  for (size_t i = 0; i < plain.losses.size(); ++i)
+    EXPECT_NEAR(two.losses[i].second, plain.losses[i].second, tolerance) << "step " << plain.losses[i].first;
+  for (size_t i = 0; i < plain.params.size(); ++i)
+    for (size_t k = 0; k < plain.params[i].second.size(); ++k) {
+      const double d = std::abs(double(two.params[i].second[k]) - plain.params[i].second[k]);
+      worst = std::max(worst, d);
+      if (d > tolerance * (1 + std::abs(plain.params[i].second[k]))) {
+        ADD_FAILURE() << "zero 2 with accumulation: " << plain.params[i].first << "[" << k << "]";
+        break;
+      }
+    }
+  if (world_rank() == 0)
+    std::printf("[ info ] zero 2 with grad_accum 2 vs zero 0 on %d ranks: largest parameter difference %.3g (bound %.3g)\n",
+                world_size(), worst, tolerance);
+  // Resume: 6 steps, stop, 6 more = the 12-step ZeRO-2 run, bitwise.
+  Config first = cfg_for("z2-resume", 2, true, 2);
+  TrainHooks stop = keep;
+  stop.stop_after = 6;
+  train(first, MPI_COMM_WORLD, stop);
+  const TrainResult resumed = train(cfg_for("z2-resume", 2, true, 2), MPI_COMM_WORLD, keep);
+  for (size_t i = 0; i < two.params.size(); ++i)
+    EXPECT_TRUE(resumed.params[i].second == two.params[i].second) << "resumed: " << two.params[i].first;
+}
+
 // Checkpoints written by the ranks that hold the state, each its share (checkpoint.writers: auto;
 // sync and async): ZeRO-1 (every rank its slices), tensor parallel 2 (rank 0's tp group its shards,
 // as runs of the whole tensors) and both (every rank its slices of its shards), are the

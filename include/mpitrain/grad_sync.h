@@ -24,6 +24,15 @@
 // all_gather_params() then gives every rank every updated parameter (one all-gather per bucket,
 // using the bucket's gradient buffer as its destination). As in DeepSpeed stage 1 and Megatron's
 // distributed optimizer, the parameters stay whole on every rank.
+//
+// ZeRO-2 (free_grads = true; optim.zero: 2): the same shards, but no rank ever holds the whole
+// gradient. Every micro-step's backward copies each parameter's gradient into its bucket from the
+// parameter's hook and drops .grad() at the next hook (by then it has been written: a leaf's hook
+// runs just before its AccumulateGrad); a complete bucket is reduce-scattered at once (overlap)
+// and its flat buffer freed when that is done; this rank's part is added into its shard (the
+// first micro-step of a step writes it). Per rank: the shards, plus the buckets in flight. With
+// gradient accumulation every micro-step communicates (ZeRO-1 communicates once per step): the
+// sum over micro-steps is taken after the average over ranks, which reorders the additions.
 #pragma once
 
 #include <torch/torch.h>
@@ -42,13 +51,18 @@ class GradSync {
   // in 16 bits, and cast back into the fp32 gradients, as PyTorch DDP's fp16/bf16 compression
   // hooks do; half the bytes of fp32.
   GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap,
-           bool shard = false, torch::ScalarType wire = torch::kFloat32);
+           bool shard = false, torch::ScalarType wire = torch::kFloat32, bool free_grads = false);
   ~GradSync();
   GradSync(const GradSync&) = delete;  // the hooks hold `this`
   GradSync& operator=(const GradSync&) = delete;
 
-  // Call before the backward whose gradients complete an optimizer step (the last micro-step).
+  // Call before the backward whose gradients complete an optimizer step (the last micro-step);
+  // ZeRO-2: before every micro-step's backward.
   void arm();
+  // ZeRO-2: after a backward that does not complete the step: its reduce-scatters finished and
+  // added into the shards, its buffers and .grad() dropped.
+  void reduce_micro_step();
+  bool frees_grads() const { return free_grads_; }
   // Averages every parameter's .grad() across ranks (a no-op with one rank); sharded: this
   // rank's slices of the averaged gradients into grad_shard().
   void all_reduce_grads();
@@ -89,10 +103,13 @@ class GradSync {
     int64_t padded = 0;          // flat's length (sharded: a multiple of the group size)
     torch::Tensor shard;         // sharded: this rank's reduce-scattered part of flat
     torch::Tensor wire, wire_shard;  // compressed: flat (and shard) in the wire dtype
+    torch::Tensor shard_in;          // ZeRO-2: this micro-step's reduce-scattered part
     size_t ready = 0;            // parameters whose gradient is in `flat` (overlap)
     std::unique_ptr<Work> work;  // the all-reduce in flight
   };
   void on_grad(size_t k, const torch::Tensor& grad);
+  void on_grad_freeing(size_t k, const torch::Tensor& grad);  // ZeRO-2's hook
+  void finish_buckets();                                       // ZeRO-2: after a backward
   void fill_slot(size_t k);  // p.grad (or zeros) into its slot
   void launch_ready();
   void launch(Bucket& b);
@@ -104,6 +121,11 @@ class GradSync {
   Communicator& comm_;
   bool overlap_;
   bool shard_;
+  bool free_grads_ = false;
+  torch::ScalarType wire_;
+  torch::TensorOptions options_;
+  std::vector<size_t> spent_;  // ZeRO-2: parameters whose hook ran: their .grad() is in a bucket
+  bool accumulating_ = false;  // ZeRO-2: an earlier micro-step of this step wrote the shards
   std::vector<Slice> owned_;
   bool armed_ = false;
   size_t next_launch_ = 0;

@@ -563,7 +563,8 @@ void validate(const Config& c, const std::string& where) {
   check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
   check(one_of(o.fused, {"auto", "on", "off"}), "optim.fused", "one of auto|on|off", show(o.fused));
   check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
-  check(o.zero == 0 || o.zero == 1, "optim.zero", "0 (off) or 1 (ZeRO-1: optimizer state sharded)",
+  check(o.zero >= 0 && o.zero <= 2, "optim.zero",
+        "0 (off), 1 (ZeRO-1: optimizer state sharded) or 2 (ZeRO-2: gradients too); 3 is not implemented yet",
         show(o.zero));
 
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));
@@ -591,7 +592,8 @@ void validate(const Config& c, const std::string& where) {
   check(c.comm.powersgd_start >= 0, "comm.powersgd_start", ">= 0", show(c.comm.powersgd_start));
   if (c.comm.compress == "powersgd") {  // the layouts PowerSGD does not cover, named with both keys
     check(c.optim.zero == 0, "comm.compress",
-          "none with optim.zero: 1 (ZeRO-1 reduce-scatters whole gradients; PowerSGD all-reduces low-rank factors)",
+          concat("none with optim.zero: ", c.optim.zero,
+                 " (ZeRO reduce-scatters whole gradients; PowerSGD all-reduces low-rank factors)"),
           show(c.comm.compress));
     check(c.parallel.tp == 1, "comm.compress", "none with parallel.tp > 1 (PowerSGD covers data parallelism only)",
           show(c.comm.compress));

@@ -6,8 +6,9 @@
 namespace mpitrain {
 
 GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard,
-                   torch::ScalarType wire)
-    : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard) {
+                   torch::ScalarType wire, bool free_grads)
+    : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard || free_grads),
+      free_grads_(free_grads), wire_(wire) {
   const double limit = bucket_mb * 1024.0 * 1024.0;
   bucket_of_.assign(params_.size(), 0);
   offset_.assign(params_.size(), 0);
@@ -36,11 +37,15 @@ GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double
     const int64_t n_ranks = comm_.size();
     bucket.padded = shard_ ? (n + n_ranks - 1) / n_ranks * n_ranks : n;
     const auto options = params_[bucket.params.front()].options().requires_grad(false);
+    options_ = options;
     // Padding stays zero: slots never cover it, and the all-gather writes zeros back into it.
-    bucket.flat = shard_ ? torch::zeros({bucket.padded}, options) : torch::empty({n}, options);
-    if (wire != options.dtype().toScalarType()) {
-      bucket.wire = torch::zeros({bucket.flat.numel()}, options.dtype(wire));
-      if (shard_) bucket.wire_shard = torch::zeros({bucket.padded / n_ranks}, options.dtype(wire));
+    // ZeRO-2 makes flat and wire only while a reduce-scatter needs them.
+    if (!free_grads_) {
+      bucket.flat = shard_ ? torch::zeros({bucket.padded}, options) : torch::empty({n}, options);
+      if (wire != options.dtype().toScalarType()) {
+        bucket.wire = torch::zeros({bucket.flat.numel()}, options.dtype(wire));
+        if (shard_) bucket.wire_shard = torch::zeros({bucket.padded / n_ranks}, options.dtype(wire));
+      }
     }
     if (!shard_) continue;
     bucket.shard = torch::zeros({bucket.padded / n_ranks}, options);
@@ -51,7 +56,7 @@ GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double
       if (from < to) owned_.push_back({k, from - static_cast<int64_t>(offset_[k]), to - from, b, from - lo});
     }
   }
-  if (overlap_)
+  if (overlap_ || free_grads_)
     for (size_t k = 0; k < params_.size(); ++k) {
       // A leaf's hook sees the gradient of this backward (all its uses summed), before it is
       // accumulated into .grad(); returning an undefined tensor leaves the gradient unchanged.
@@ -70,7 +75,7 @@ GradSync::~GradSync() {
 }
 
 void GradSync::arm() {
-  if (!overlap_) return;
+  if (!overlap_ && !free_grads_) return;
   armed_ = true;
   next_launch_ = 0;
   launched_in_backward_ = 0;
@@ -82,6 +87,10 @@ void GradSync::on_grad(size_t k, const torch::Tensor& grad) {
   if (!armed_ || seen_[k]) return;
   torch::NoGradGuard no_grad;
   seen_[k] = true;
+  if (free_grads_) {
+    on_grad_freeing(k, grad);
+    return;
+  }
   auto& p = params_[k];
   Bucket& b = buckets_[bucket_of_[k]];
   auto slot = b.flat.narrow(0, static_cast<int64_t>(offset_[k]), p.numel());
@@ -92,6 +101,54 @@ void GradSync::on_grad(size_t k, const torch::Tensor& grad) {
     launch_ready();
     launched_in_backward_ += next_launch_ - before;
   }
+}
+
+// ZeRO-2: the gradient goes into its bucket's flat buffer (made when the bucket's first gradient
+// arrives) and nowhere else. .grad() of the parameters whose hooks ran before this one is dropped
+// here: a leaf's hook runs just before its AccumulateGrad, so by the next hook theirs has written
+// .grad(), which the bucket already holds. A complete bucket is reduce-scattered at once (overlap)
+// in bucket order; its flat buffer is freed when that finishes (finish_buckets).
+void GradSync::on_grad_freeing(size_t k, const torch::Tensor& grad) {
+  for (size_t j : spent_) params_[j].mutable_grad() = torch::Tensor();
+  spent_.clear();
+  Bucket& b = buckets_[bucket_of_[k]];
+  if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);
+  b.flat.narrow(0, static_cast<int64_t>(offset_[k]), params_[k].numel()).copy_(grad.reshape({-1}));
+  spent_.push_back(k);
+  if (++b.ready == b.params.size() && overlap_) {
+    const size_t before = next_launch_;
+    launch_ready();
+    launched_in_backward_ += next_launch_ - before;
+  }
+}
+
+void GradSync::reduce_micro_step() {
+  MPITRAIN_CHECK(free_grads_, "reduce_micro_step is ZeRO-2's");
+  finish_buckets();
+}
+
+// ZeRO-2, after a backward: the buckets backward did not launch (parameters without a gradient
+// contribute zeros), then every reduce-scatter waited for and added into this rank's shards (the
+// first micro-step of a step writes them), and every flat buffer and .grad() dropped.
+void GradSync::finish_buckets() {
+  torch::NoGradGuard no_grad;
+  for (; next_launch_ < buckets_.size(); ++next_launch_) {
+    Bucket& b = buckets_[next_launch_];
+    if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);
+    launch(b);
+  }
+  for (auto& b : buckets_) {
+    b.work->wait();
+    b.work.reset();
+    torch::Tensor got = b.wire.defined() ? b.wire_shard.to(b.shard.scalar_type()) : b.shard_in;
+    if (accumulating_) b.shard.add_(got);
+    else b.shard.copy_(got);
+    b.flat = b.wire = b.wire_shard = b.shard_in = torch::Tensor();
+  }
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  spent_.clear();
+  armed_ = false;
+  accumulating_ = true;
 }
 
 void GradSync::fill_slot(size_t k) {
@@ -107,6 +164,19 @@ void GradSync::launch_ready() {
 }
 
 void GradSync::launch(Bucket& b) {
+  if (free_grads_) {  // ZeRO-2: into this micro-step's own output, added to the shard when done
+    const int64_t part = b.padded / comm_.size();
+    if (wire_ == options_.dtype().toScalarType()) {
+      b.shard_in = torch::empty({part}, options_);
+      b.work = comm_.reduce_scatter_async(b.flat, b.shard_in, ReduceOp::avg);
+    } else {
+      b.flat.div_(comm_.size());  // as below: the average's division before the cast
+      b.wire = b.flat.to(wire_);
+      b.wire_shard = torch::empty({part}, options_.dtype(wire_));
+      b.work = comm_.reduce_scatter_async(b.wire, b.wire_shard, ReduceOp::sum);
+    }
+    return;
+  }
   if (!b.wire.defined()) {
     b.work = shard_ ? comm_.reduce_scatter_async(b.flat, b.shard, ReduceOp::avg) : comm_.all_reduce_async(b.flat, ReduceOp::avg);
     return;
@@ -118,13 +188,18 @@ void GradSync::launch(Bucket& b) {
 
 uint64_t GradSync::bytes_per_step() const {
   uint64_t bytes = 0;
-  for (const auto& b : buckets_) bytes += static_cast<uint64_t>((b.wire.defined() ? b.wire : b.flat).nbytes());
+  for (const auto& b : buckets_) bytes += static_cast<uint64_t>(b.padded) * c10::elementSize(wire_);
   return bytes;
 }
 
 void GradSync::all_reduce_grads() {
   if (comm_.size() == 1 && !shard_) return;
   torch::NoGradGuard no_grad;
+  if (free_grads_) {
+    finish_buckets();
+    accumulating_ = false;  // the next step's first micro-step writes the shards
+    return;
+  }
   if (overlap_ && armed_) {
     // Buckets backward did not complete: parameters unused in this step contribute zeros.
     for (; next_launch_ < buckets_.size(); ++next_launch_) {
@@ -166,10 +241,12 @@ void GradSync::all_gather_params() {
     for (const Slice& s : owned_)
       if (s.bucket == b)
         mine.narrow(0, s.shard_offset, s.length).copy_(params_[s.param].detach().view({-1}).narrow(0, s.begin, s.length));
-    comm_.all_gather(mine, bucket.flat);  // the gradients in flat were consumed by the reduce-scatter
+    // The gradients in flat were consumed by the reduce-scatter (ZeRO-2: flat is made for this).
+    torch::Tensor whole = free_grads_ ? torch::empty({bucket.padded}, options_) : bucket.flat;
+    comm_.all_gather(mine, whole);
     for (size_t k : bucket.params) {
       auto& p = params_[k];
-      p.detach().view({-1}).copy_(bucket.flat.narrow(0, static_cast<int64_t>(offset_[k]), p.numel()));
+      p.detach().view({-1}).copy_(whole.narrow(0, static_cast<int64_t>(offset_[k]), p.numel()));
     }
   }
 }

@@ -699,7 +699,7 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   st.dp = h5::has_attr(root, "parallel_dp") ? require_int_in(root, path, "parallel_dp", "parallel_dp", 1, INT32_MAX)
                                             : st.world_size;
   st.tp = h5::has_attr(root, "parallel_tp") ? require_int_in(root, path, "parallel_tp", "parallel_tp", 1, INT32_MAX) : 1;
-  st.zero = h5::has_attr(root, "optim_zero") ? require_int_in(root, path, "optim_zero", "optim_zero", 0, 1) : 0;
+  st.zero = h5::has_attr(root, "optim_zero") ? require_int_in(root, path, "optim_zero", "optim_zero", 0, 3) : 0;
   st.config_yaml = optional_string(root, path, "config").value_or("");
   st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
   st.tokenizer_file = optional_string(root, path, "tokenizer_file").value_or("");

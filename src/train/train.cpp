@@ -166,7 +166,8 @@ class Run {
   Run(Config& cfg, Startup& startup, MPI_Comm mpi_comm, const TrainHooks& hooks)
       : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
         device_(startup.device), precision_(startup.precision), tensor_parallel_(startup.layout.tp > 1),
-        zero_(cfg.optim.zero == 1 && startup.layout.dp > 1), T_(startup.dims.seq_len),
+        zero_(cfg.optim.zero >= 1 && startup.layout.dp > 1), zero2_(zero_ && cfg.optim.zero == 2),
+        T_(startup.dims.seq_len),
         micro_(cfg.train.micro_batch), accum_(cfg.train.grad_accum),
         tokens_per_step_(cfg.train.global_batch * startup.dims.seq_len) {}
 
@@ -204,7 +205,7 @@ class Run {
   const GPTDims& dims_;
   const torch::Device device_;
   const Precision precision_;
-  const bool tensor_parallel_, zero_;
+  const bool tensor_parallel_, zero_, zero2_;  // zero_: optim.zero >= 1 over dp > 1; zero2_: optim.zero 2
   const int64_t T_, micro_, accum_, tokens_per_step_;
 
   GPT model_{nullptr};
@@ -291,7 +292,7 @@ void Run::build_optimizer() {
   const torch::ScalarType wire = cfg_.comm.grad_dtype == "bf16"   ? torch::kBFloat16
                                  : cfg_.comm.grad_dtype == "fp16" ? torch::kHalf
                                                                   : torch::kFloat32;
-  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire);
+  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire, zero2_);
   if (cfg_.comm.compress == "powersgd" && s_.layout.dp > 1)
     powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
   if (zero_) {
@@ -302,11 +303,14 @@ void Run::build_optimizer() {
   }
   if (topo_.rank == 0) {
     const double mib = static_cast<double>(opt_->state_bytes()) / (1 << 20);
-    log::info(zero_ ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-1: sharded over ", s_.layout.dp,
-                             " data-parallel ranks; gradients reduce-scattered, parameters all-gathered)")
+    log::info(zero_ ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-", cfg_.optim.zero, ": sharded over ",
+                             s_.layout.dp, " data-parallel ranks; gradients reduce-scattered",
+                             zero2_ ? " every micro-step, each rank keeping its shard only" : "",
+                             ", parameters all-gathered)")
                     : concat("optimizer state: ", mib, " MiB per rank (replicated",
-                             cfg_.optim.zero == 1 ? "; optim.zero: 1 has nothing to shard with one data-parallel rank"
-                                                  : "",
+                             cfg_.optim.zero >= 1 ? concat("; optim.zero: ", cfg_.optim.zero,
+                                                           " has nothing to shard with one data-parallel rank")
+                                                  : std::string(),
                              ")"));
   }
   scaler_ = LossScaler(precision_ == Precision::fp16);
@@ -322,8 +326,10 @@ void Run::describe() {
                    grad_sync_->overlapping() ? " (overlapped with backward)" : "", "; ", s_.threads,
                    " threads per rank; backend ", s_.mesh->dp().name()));
   if (layout.dp > 1)
-    log::info(concat("gradient communication: ", static_cast<double>(grad_sync_->bytes_per_step()) / (1 << 20),
-                     " MiB per rank per step in ", cfg_.comm.grad_dtype,
+    log::info(concat("gradient communication: ",
+                     static_cast<double>(grad_sync_->bytes_per_step() * static_cast<uint64_t>(zero2_ ? accum_ : 1)) /
+                         (1 << 20),
+                     " MiB per rank per step in ", cfg_.comm.grad_dtype, zero2_ && accum_ > 1 ? concat(" (ZeRO-2: ", accum_, " reduce-scatters, one per micro-step)") : std::string(),
                      cfg_.comm.grad_dtype == "fp32"
                          ? std::string()
                          : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
@@ -360,7 +366,7 @@ void Run::resume_or_start() {
   st_.world_size = topo_.size;
   st_.dp = s_.layout.dp;
   st_.tp = s_.layout.tp;
-  st_.zero = zero_ ? 1 : 0;
+  st_.zero = zero_ ? cfg_.optim.zero : 0;
   st_.config_yaml = to_yaml(cfg_);
   // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
   if (hooks_.stop_after >= 0 && st_.step >= hooks_.stop_after)
@@ -476,8 +482,10 @@ void Run::micro_batches() {
       Autocast autocast(precision_, device_);
       loss = model_->loss(to_device(x, device_), to_device(y, device_));
     }
-    if (m + 1 == accum_ && !compressed_) grad_sync_->arm();  // this backward completes the step's gradients
+    // This backward completes the step's gradients (ZeRO-2: every backward reduce-scatters its own).
+    if ((m + 1 == accum_ || zero2_) && !compressed_) grad_sync_->arm();
     scaler_.scale_loss(loss / static_cast<double>(accum_)).backward();
+    if (zero2_ && m + 1 < accum_) grad_sync_->reduce_micro_step();
     loss_sum_ += loss.detach().to(torch::kFloat64);
   }
 }
