@@ -23,19 +23,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 WORK=$(mktemp -d /tmp/mpitrain-ac-bench-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
-python3 - "$((STEPS * B * (T + 1) + 4096))" <<'PY'
-import random, sys
-random.seed(7)
-words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "stitch", "in", "time"]
-out, n = [], 0
-while n < int(sys.argv[1]):
-    line = " ".join(random.choice(words) for _ in range(12)) + ".\n"
-    out.append(line)
-    n += len(line)
-open("corpus.txt", "w").write("".join(out))
-PY
-"$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
 . "$REPO/bench/table_lib.sh"
+word_corpus "$((STEPS * B * (T + 1) + 4096))" corpus.txt
+"$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
 
 run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
   local out=$WORK/run-$1-$2

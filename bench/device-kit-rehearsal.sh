@@ -28,23 +28,10 @@ fi
 # What the GPU image was seen to have, as Debian 12 packages; nothing of the kit's.
 IMAGE_STAND_IN=(g++ make cmake libopenmpi-dev openmpi-bin libhdf5-dev libyaml-cpp-dev libspdlog-dev
                 libtorch-dev libopenblas0-openmp python3 python3-numpy)
-mirror=$("$REPO/scripts/debian-mirror.sh" bookworm)
 if [ ! -f "$ROOT/.mpitrain-root-complete" ]; then
-  say "debootstrap --variant=minbase bookworm from $mirror into $ROOT (first run only)"
-  rm -rf "$ROOT"
-  mkdir -p "$CACHE"
-  if ! timeout 1500 debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
-      bookworm "$ROOT" "$mirror" > "$CACHE/kit-rehearsal-debootstrap.log" 2>&1; then
-    tail -20 "$CACHE/kit-rehearsal-debootstrap.log"
-    say "debootstrap failed (log: $CACHE/kit-rehearsal-debootstrap.log)"
-    exit 1
-  fi
-  cat > "$ROOT/etc/apt/sources.list" <<EOF
-deb $mirror bookworm main
-deb $mirror bookworm-updates main
-EOF
-  printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"
-  chmod +x "$ROOT/usr/sbin/policy-rc.d"
+  say "debootstrap --variant=minbase bookworm into $ROOT (first run only)"
+  . "$REPO/scripts/debian-root.sh"
+  make_debian_root bookworm "$ROOT" "$CACHE/kit-rehearsal-debootstrap.log" || exit 1
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
   chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive bash -c "
     set -e

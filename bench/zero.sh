@@ -33,20 +33,10 @@ trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
 
 # A text corpus of enough bytes for 4 ranks x STEPS steps.
-python3 - "$((4 * STEPS * B * (T + 1) + 4096))" <<'PY'
-import random, sys
-random.seed(7)
-words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "stitch", "in", "time"]
-out, n = [], 0
-while n < int(sys.argv[1]):
-    line = " ".join(random.choice(words) for _ in range(12)) + ".\n"
-    out.append(line)
-    n += len(line)
-open("corpus.txt", "w").write("".join(out))
-PY
+. "$REPO/bench/table_lib.sh"
+word_corpus "$((4 * STEPS * B * (T + 1) + 4096))" corpus.txt
 "$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
 
-median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 
 run() {  # ranks zero -> "state_mib ms_per_step final_loss rss_rank0_mib rss_others_mib"
   local np=$1 zero=$2 out=$WORK/run-$1-$2

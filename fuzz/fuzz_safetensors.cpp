@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "weights.h"
 #include "mpitrain/error.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/model.h"
@@ -37,24 +38,6 @@ struct World {
   std::vector<torch::Tensor> saved;  // the exported values
 };
 World* g = nullptr;
-
-GPTDims tiny_dims() {
-  GPTDims d;
-  d.n_layer = 1, d.n_head = 1, d.n_embd = 4, d.seq_len = 4, d.vocab_size = 8;
-  return d;
-}
-
-std::vector<torch::Tensor> snapshot(GPT& m) {
-  std::vector<torch::Tensor> v;
-  for (auto& [name, p] : m->named_params()) v.push_back(p.detach().clone());
-  return v;
-}
-
-bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
 
 void setup() {
   torch::set_num_threads(1);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "weights.h"
 #include "mpitrain/error.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/model.h"
@@ -38,24 +39,11 @@ struct World {
 };
 World* g = nullptr;
 
-std::vector<torch::Tensor> snapshot(GPT& m) {
-  std::vector<torch::Tensor> v;
-  for (auto& [name, p] : m->named_params()) v.push_back(p.detach().clone());
-  return v;
-}
-
-bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
-
 void setup() {
   torch::set_num_threads(1);
   g = new World;
   g->dir = make_scratch_dir() + "/hf";
-  GPTDims d;
-  d.n_layer = 1, d.n_head = 1, d.n_embd = 4, d.seq_len = 4, d.vocab_size = 8;
+  const GPTDims d = tiny_dims();
   torch::manual_seed(1);
   GPT source(d);
   HfWriteOptions o;

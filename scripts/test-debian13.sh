@@ -43,24 +43,10 @@ if ! command -v debootstrap > /dev/null; then
   DEBIAN_FRONTEND=noninteractive "$REPO/scripts/apt-get-wait" install -y -qq --no-install-recommends debootstrap > /dev/null
 fi
 
-mirror=$("$REPO/scripts/debian-mirror.sh" bookworm)
 if [ ! -f "$ROOT/.mpitrain-root-complete" ]; then
-  say "debootstrap --variant=minbase trixie from $mirror into $ROOT (first run only)"
-  rm -rf "$ROOT"
-  mkdir -p "$CACHE"
-  if ! timeout 1500 debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
-      trixie "$ROOT" "$mirror" > "$CACHE/debian13-debootstrap.log" 2>&1; then
-    tail -20 "$CACHE/debian13-debootstrap.log"
-    say "debootstrap failed (log: $CACHE/debian13-debootstrap.log)"
-    exit 1
-  fi
-  cat > "$ROOT/etc/apt/sources.list" <<EOF
-deb $mirror trixie main
-deb $mirror trixie-updates main
-EOF
-  # No daemon starts inside the root when a package is installed (openssh-server, say).
-  printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"
-  chmod +x "$ROOT/usr/sbin/policy-rc.d"
+  say "debootstrap --variant=minbase trixie into $ROOT (first run only)"
+  . "$REPO/scripts/debian-root.sh"
+  make_debian_root trixie "$ROOT" "$CACHE/debian13-debootstrap.log" || exit 1
   touch "$ROOT/.mpitrain-root-complete"
 fi
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
