@@ -20,6 +20,8 @@
 #   llama    the Llama 3.2 1B shape (preset llama3.2-1b: 16 layers, 32/8 heads, width 2048, SwiGLU
 #            8192, vocab 128256), bf16, micro-batch 4 x seq 2048, on random tokens: tokens/s, MFU
 #            and peak GPU memory (LLAMA_STEPS, default 40). Rehearsal: llama-debug on the CPU
+#   memory   peak device memory of the Llama 3.2 1B shape on 2 ranks sharing the GPU, optim.zero
+#            0/1/2 x activation checkpointing none/full (not in the default list: name it)
 #   bench    bench/gpu_throughput.sh: GPT-2 124M yardstick vs PyTorch eager and torch.compile,
 #            and the 50-step loss parity
 #   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) summarised by
@@ -410,6 +412,49 @@ YAML
   grep -m1 "model: llama" "$work/mpitrain.log" | cut -c1-200
 }
 
+# ---- memory -------------------------------------------------------------------------------------
+# Peak device memory (libtorch's allocator, rank 0) of the Llama 3.2 1B shape on 2 ranks sharing the
+# GPU (comm.backend mpi, dp 2), bf16, micro-batch 2 x 2048, for optim.zero 0/1/2 x activation
+# checkpointing none/full, MEMORY_STEPS steps each (default 6): the table issue 41 asks of a lease,
+# each figure against zero 0 without checkpointing measured in the same call. Rehearsal:
+# llama-debug on the CPU, where there is no device peak to read (the runs must still end).
+stage_memory() {
+  local work=$out/memory preset=llama3.2-1b steps=${MEMORY_STEPS:-6} micro=2 precision=bf16 vocab=128256 n=3000000
+  mkdir -p "$work"
+  [ -x "$bin" ] || { row memory "mpitrain binary" FAIL "$bin not built"; return; }
+  if [ "$rehearse" = 1 ]; then preset=llama-debug micro=2 precision=fp32 vocab=2048 n=200000; fi
+  if [ ! -d "$work/shards" ]; then
+    $py -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(4).integers(1, $vocab, $n).astype(np.uint32))" \
+      "$work/tokens.npy"
+    "$bin" pack "$work/tokens.npy" -o "$work/shards/tok" --format npy --vocab-size $vocab --eot 0 --val-fraction 0 \
+      >"$work/pack.log" 2>&1 || { row memory "pack random tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
+  fi
+  local base="" zero ac peak rc
+  for zero in 0 1 2; do
+    for ac in none full; do
+      rm -rf "$work/run"
+      cat >"$work/m.yaml" <<YAML
+model: {preset: $preset}
+data: {train: ["$work/shards/tok-train-*.h5"]}
+train: {micro_batch: $micro, steps: $steps, device: $gpu, precision: $precision, out_dir: "$work/run", activation_checkpointing: $ac}
+optim: {warmup_steps: 2, zero: $zero}
+eval: {every: 0}
+log: {every: 1}
+checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0}
+comm: {backend: mpi}
+sample: {tokens: 0}
+YAML
+      timeout 300 mpirun -np 2 --bind-to none "$bin" "$work/m.yaml" >"$work/zero$zero-$ac.log" 2>&1
+      rc=$?
+      peak=$(sed -n 's/.*peak GPU memory (allocated by libtorch, rank 0): \([0-9.]*\) GiB.*/\1/p' "$work/zero$zero-$ac.log" | tail -n 1)
+      [ -z "$base" ] && base=$peak
+      check memory "zero $zero, checkpointing $ac" \
+        "peak ${peak:-n/a} GiB$([ -n "$peak" ] && [ -n "$base" ] && awk -v a="$peak" -v b="$base" 'BEGIN { printf " (%.2fx zero 0, none)", a / b }') (exit $rc)" \
+        test "$rc" -eq 0
+    done
+  done
+}
+
 # ---- bench --------------------------------------------------------------------------------------
 stage_bench() {
   if [ "$rehearse" = 1 ]; then row bench "gpu_throughput.sh" SKIP "rehearsal: needs CUDA"; return; fi
@@ -482,8 +527,8 @@ EOF
 # ---- run the stages, then the summary -----------------------------------------------------------
 for s in "${stages[@]}"; do
   case $s in
-    env | build | test | train | llama | bench | profile) ;;
-    *) echo "gpu_check: unknown stage '$s' (env build test train llama bench profile)"; exit 2 ;;
+    env | build | test | train | llama | memory | bench | profile) ;;
+    *) echo "gpu_check: unknown stage '$s' (env build test train llama memory bench profile)"; exit 2 ;;
   esac
 done
 for s in "${stages[@]}"; do
@@ -498,7 +543,7 @@ done
   echo "mpitrain gpu_check, $(date -u +%F), $(grep -m1 -A1 '^name' "$out/env.txt" 2>/dev/null | tail -n 1)"
   echo "| stage | check | result | detail |"
   echo "|---|---|---|---|"
-  for s in env build test train llama bench profile; do
+  for s in env build test train llama memory bench profile; do
     awk -F'\t' -v s="$s" '$1 == s { printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }' "$summary"
   done
 } | tee "$out/summary.md"

@@ -9,7 +9,7 @@ build=$(cd "$1" && pwd)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 E2E_NAME=gpu-check E2E_NO_CORPUS=1 BIN=$build/mpitrain source "$root/tests/e2e_lib.sh"
 
-REHEARSE=1 BUILD=$build TRAIN_STEPS=60 PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train llama profile \
+REHEARSE=1 BUILD=$build TRAIN_STEPS=60 MEMORY_STEPS=2 PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train llama memory profile \
   > check.out 2>&1
 rc=$?
 sed -n '/^mpitrain gpu_check/,$p' check.out
@@ -23,6 +23,8 @@ check "the train stage's checks PASS: learns like the CPU run, 2 ranks = 1 rank,
   "has train 'learns like the CPU run' PASS && has train '2 ranks x micro 8' PASS && has train 'losses continue' PASS && has train 'bf16 trains like fp32' PASS"
 check "the resumed runs continue bit for bit on one device (first steps within 0)" \
   "grep -q -P 'losses continue\tPASS\t.*within 0.0e\+00 / 0.0e\+00' $tsv"
+check "the memory stage runs zero 0/1/2 x checkpointing none/full (6 rows, each a finished run)" \
+  "[ \$(grep -c -P '^memory\tzero [012], checkpointing (none|full)\tPASS\t' $tsv) -eq 6 ]"
 check "the mid-run checkpoint and the shards are handed off" \
   "[ -f out/handoff/ckpt-00000030.h5 ] && ls out/handoff/shards/py-train-*.h5 >/dev/null"
 check "the profile stage summarises mpitrain's trace" \
