@@ -9,7 +9,9 @@
 # data-root, the device-kit rehearsal root), the tokenizer test's npm cache, and with
 # --purge-packages every package scripts/setup.sh and scripts/test.sh install (and what only
 # they pulled in) except what a plain Debian 12 machine has and this one needs (KEEP: compiler,
-# CMake, ssh, iproute2, procps), so apt-get installs the rest again as on a new machine. Nothing outside
+# CMake, ssh, iproute2, procps), and what the Slurm and swarm tests install when they start
+# (slurm-wlm, munge, docker.io, nftables: their install path, scripts/apt-install-no-daemons, runs
+# too), so apt-get installs the rest again as on a new machine. Nothing outside
 # those is touched; the clone is made from this repository's committed HEAD (uncommitted changes
 # are not in it: commit first).
 #
@@ -29,9 +31,10 @@ test_packages=$(grep -A1 '^for p in openssh-server' "$REPO/scripts/test.sh" | se
 KEEP=" build-essential cmake pkg-config openssh-server openssh-client iproute2 bc procps libssl-dev "
 drop() { local p out=""; for p in "$@"; do case $KEEP in *" $p "*) ;; *) out="$out $p" ;; esac; done; echo "$out"; }
 if [ $purge = 1 ]; then
-  say "purging the packages of setup.sh and test.sh, and debootstrap, ccache, nodejs, npm"
+  say "purging the packages of setup.sh and test.sh, the Slurm and swarm tests', and debootstrap, ccache, nodejs, npm"
   # shellcheck disable=SC2086
   DEBIAN_FRONTEND=noninteractive "$REPO/scripts/apt-get-wait" purge -y -qq $(drop $packages $test_packages) \
+    slurm-wlm slurmctld slurmd slurm-client munge docker.io containerd runc nftables \
     debootstrap ccache nodejs npm > /dev/null 2>&1
   DEBIAN_FRONTEND=noninteractive "$REPO/scripts/apt-get-wait" autoremove --purge -y -qq > /dev/null 2>&1
 else

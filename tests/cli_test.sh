@@ -305,7 +305,8 @@ check "tensor parallel: its checkpoint holds whole tensors (mpitrain sample load
 rc=$?
 check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 rows (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out && grep -q 'vocabulary rows 258 as the checkpoint has them' tp1.out"
-expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off) or 1" "$BIN" cfg.yaml --set optim.zero=2
+expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off), 1 (ZeRO-1" "$BIN" cfg.yaml --set optim.zero=4
+expect_usage "optim.zero 3: refused by name, not silently run as 2" "3 is not implemented yet" "$BIN" cfg.yaml --set optim.zero=3
 expect_usage "model.attention unknown" "cfg.yaml: model.attention must be one of auto|flash|cudnn|efficient|math" \
   "$BIN" cfg.yaml --set model.attention=fast
 # cuDNN attention does not exist on the CPU (libtorch >= 2.3 cannot choose it; older libtorch has none)

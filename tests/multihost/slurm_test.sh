@@ -40,7 +40,6 @@ STEPS=${SLURM_TEST_STEPS:-600}
 
 tmp=
 munged_pid='' ctld_pid='' slurmd_pid=''
-policy_rc_created=0
 
 # ---- cleanup (always) ---------------------------------------------------------------------------
 stop_pid() {  # stop_pid NAME PID: TERM, wait up to 10 s, KILL
@@ -86,7 +85,6 @@ cleanup() {
             rm -rf "$tmp"
         fi
     fi
-    if (( policy_rc_created )); then rm -f /usr/sbin/policy-rc.d; fi
     if (( skipped )); then exit 77; fi
     (( rc != 0 && failed == 0 )) && fail "aborted (exit $rc)"
     echo "$passed passed, $failed failed"
@@ -118,19 +116,10 @@ for c in "${need[@]}"; do command -v "$c" >/dev/null || missing+=("$c"); done
 if (( ${#missing[@]} )); then
     command -v apt-get >/dev/null || skip "no apt-get to install slurm-wlm/munge (missing: ${missing[*]})"
     echo "installing slurm-wlm munge (missing: ${missing[*]})"
-    # Keep the packages' init scripts from starting system daemons (munged on /run/munge, ...).
-    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
-        policy_rc_created=1
-    fi
-    export DEBIAN_FRONTEND=noninteractive
-    # apt-get-wait: another package manager (the swarm test's, unattended-upgrades) is waited for.
-    if ! timeout 900 "$repo/scripts/apt-get-wait" install -y --no-install-recommends slurm-wlm munge >/tmp/slurm_test_apt.log 2>&1; then
-        timeout 900 "$repo/scripts/apt-get-wait" update >>/tmp/slurm_test_apt.log 2>&1
-        timeout 900 "$repo/scripts/apt-get-wait" install -y --no-install-recommends slurm-wlm munge >>/tmp/slurm_test_apt.log 2>&1 ||
-            { show_file /tmp/slurm_test_apt.log 20; die "apt-get install slurm-wlm munge failed"; }
-    fi
-    if (( policy_rc_created )); then rm -f /usr/sbin/policy-rc.d; policy_rc_created=0; fi
+    # scripts/apt-install-no-daemons: no package starts its system daemon (munged on /run/munge,
+    # ...), another package manager is waited for, and a broken policy-rc.d is named.
+    "$repo/scripts/apt-install-no-daemons" /tmp/slurm_test_apt.log slurm-wlm munge ||
+        die "apt-get install slurm-wlm munge failed (log: /tmp/slurm_test_apt.log)"
     rm -f /tmp/slurm_test_apt.log
     for c in "${need[@]}"; do command -v "$c" >/dev/null || die "$c still missing after installing slurm-wlm munge"; done
 fi

@@ -267,18 +267,10 @@ for p in docker.io debootstrap nftables iproute2 openssh-client; do
 done
 if [ ${#need[@]} -gt 0 ]; then
   info "installing ${need[*]}"
-  # Debian's docker.io would start its own dockerd on /run/docker.sock: policy-rc.d forbids that.
-  made_policy=0
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && made_policy=1
-  fi
-  { timeout 900 "$REPO/scripts/apt-get-wait" update -qq \
-      && DEBIAN_FRONTEND=noninteractive timeout 900 "$REPO/scripts/apt-get-wait" install -y -qq \
-           --no-install-recommends "${need[@]}"; } > /tmp/mpitrain-swarm-apt.$$.log 2>&1
-  apt_rc=$?
-  [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
-  if [ $apt_rc -ne 0 ]; then tail -20 /tmp/mpitrain-swarm-apt.$$.log; rm -f /tmp/mpitrain-swarm-apt.$$.log
-    abort "apt-get install ${need[*]}"; fi
+  # Debian's docker.io would start its own dockerd on /run/docker.sock: no daemon starts
+  # (scripts/apt-install-no-daemons; it also waits for another package manager).
+  "$REPO/scripts/apt-install-no-daemons" /tmp/mpitrain-swarm-apt.$$.log "${need[@]}" \
+    || abort "apt-get install ${need[*]} (log: /tmp/mpitrain-swarm-apt.$$.log)"
   rm -f /tmp/mpitrain-swarm-apt.$$.log
 fi
 check "packages: docker.io, debootstrap, nftables present" test -x "$DOCKERD" -a -x "$DOCKER" -a -x /usr/sbin/debootstrap
