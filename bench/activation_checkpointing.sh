@@ -11,6 +11,11 @@
 # AdamW state and the activations of one micro-batch's backward. "ms/step" is the median step time
 # after WARMUP steps. Ratios are against `none` measured in the same run. The final losses must be
 # equal: the runs are bitwise the same (tests/test_train.cpp, ActivationCheckpointingGivesBitwiseTheSameRun).
+# "plan" columns: what `mpitrain plan` predicts for the same config (optim.zero 0, one rank;
+# docs/layouts.md "Memory per rank"): its activations and peak, and the measured peak RSS minus
+# the plan's peak (what the process holds besides the plan's terms: libtorch, MPI, the data, the
+# heap's slack; the same in every row if the activation model is right). Last line: the saving of
+# full checkpointing, measured (peak RSS none - full) against predicted.
 #
 # Environment: STEPS (12), WARMUP (4), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (8/256/4/512/8), MPIRUN (mpirun).
 set -euo pipefail
@@ -27,8 +32,8 @@ cd "$WORK"
 word_corpus "$((STEPS * B * (T + 1) + 4096))" corpus.txt
 "$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
 
-run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
-  local out=$WORK/run-$1-$2
+write_cfg() {  # mode every out_dir
+  local out=$3
   cat > cfg.yaml <<YAML
 model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T}
 data: {train: [$WORK/data/t-train-*.h5]}
@@ -39,6 +44,11 @@ log: {every: 1}
 checkpoint: {dir: $out/ckpt, every: 0, resume: none}
 sample: {tokens: 0}
 YAML
+}
+
+run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
+  local out=$WORK/run-$1-$2
+  write_cfg "$1" "$2" "$out"
   "$MPIRUN" -np 1 /usr/bin/time -o "$out.rss" -f %M "$BIN" cfg.yaml > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
   local ms loss rss
   ms=$(grep '"ms_per_step"' "$out/metrics.jsonl" | tail -n +$((WARMUP + 1)) | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | median)
@@ -47,12 +57,25 @@ YAML
   echo "$ms $loss $rss"
 }
 
+plan_row() {  # mode every -> "activations_mib peak_mib" of plan's optim.zero 0 row
+  local out=$WORK/plan-$1-$2
+  write_cfg "$1" "$2" "$out"
+  "$MPIRUN" -np 1 "$BIN" plan cfg.yaml --iters 1 > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
+  awk -F'|' -v mode="$1" '$2 ~ /^ 0 $/ && $3 ~ "^ " mode { gsub(/ /, "", $8); gsub(/ /, "", $9); print $8, $9; exit }' "$out.log"
+}
+
 echo "Activation checkpointing, one CPU rank: GPT-2 $L layers x $D, $H heads, seq $T, micro-batch $B, $STEPS steps, $(date -u +%F), $("$BIN" --version 2>/dev/null | head -n 1)"
-echo "| activation_checkpointing | peak RSS (MiB) | ratio to none | ms/step | ratio to none | final loss |"
-echo "|---|---:|---:|---:|---:|---|"
+echo "| activation_checkpointing | peak RSS (MiB) | ratio to none | ms/step | ratio to none | final loss | plan: activations (MiB) | plan: peak (MiB) | RSS - plan peak (MiB) |"
+echo "|---|---:|---:|---:|---:|---|---:|---:|---:|"
 read -r t0 l0 m0 <<< "$(run none 1)"
-printf '| none | %s | 1.00 | %s | 1.00 | %s |\n' "$m0" "$t0" "$l0"
+read -r a0 p0 <<< "$(plan_row none 1)"
+printf '| none | %s | 1.00 | %s | 1.00 | %s | %s | %s | %.0f |\n' "$m0" "$t0" "$l0" "$a0" "$p0" "$(echo "$m0 - $p0" | bc -l)"
 for every in 1 2; do
   read -r t l m <<< "$(run full $every)"
-  printf '| full, every %s block(s) | %s | %s | %s | %s | %s |\n' "$every" "$m" "$(ratio "$m" "$m0")" "$t" "$(ratio "$t" "$t0")" "$l"
+  read -r a p <<< "$(plan_row full $every)"
+  printf '| full, every %s block(s) | %s | %s | %s | %s | %s | %s | %s | %.0f |\n' "$every" "$m" "$(ratio "$m" "$m0")" "$t" \
+    "$(ratio "$t" "$t0")" "$l" "$a" "$p" "$(echo "$m - $p" | bc -l)"
+  [ "$every" = 1 ] && saved_measured=$((m0 - m)) && saved_plan=$(echo "$p0 - $p" | bc -l)
 done
+printf 'full checkpointing saves %s MiB of peak RSS, measured; the plan predicts %.0f MiB (ratio %s)\n' \
+  "$saved_measured" "$saved_plan" "$(ratio "$saved_measured" "$saved_plan")"

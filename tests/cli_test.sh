@@ -92,10 +92,27 @@ check "netcheck exits 0 and reports the host and links" \
 # o 16 x 16 each, k and v 8 x 16 each, gate/up/down 32 x 16 each, two RMSNorms of 16 = 2336; the
 # final RMSNorm 16: 6464 parameters.
 llama_model=(--set model.arch=llama --set model.n_kv_head=1 --set model.intermediate_size=32)
-"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --iters 2 > plan-llama.out 2>&1
+"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --iters 2 --memory 1 > plan-llama.out 2>&1
 rc=$?
 check "plan measures a Llama under mpirun -np 2 (exit $rc) and recommends a setting" \
   "[ $rc -eq 0 ] && grep -q ' model 6464 parameters' plan-llama.out && grep -q '^recommendation: ' plan-llama.out"
+# Its memory table: zero 0-3 x none/full, the 6464 parameters' state counted (zero 0: 4 bytes each
+# of weights, gradients and flat buckets = 0.0247 MiB, 8 of AdamW moments = 0.0493; zero 1: the
+# moments over 2 ranks, the received shard beside the buckets = 0.037), the activations measured
+# (a checkpointed block keeps less than a block), and what fits 1 GiB: the fastest layout.
+act_block=$(sed -n 's/.*as measured: \([0-9.e+-]*\) MiB per block, \([0-9.e+-]*\) MiB per checkpointed block.*/\1 \2/p' plan-llama.out)
+check "plan: memory per rank for zero 0-3 x none/full, the model state counted, activations measured ($act_block)" \
+  "[ \$(grep -c -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-llama.out) -eq 8 ] && grep -q '^| 0 | none | 0.0247 | 0.0247 | 0.0247 | 0.0493 |' plan-llama.out \
+   && grep -q '^| 1 | none | 0.0247 | 0.0247 | 0.037 | 0.0247 |' plan-llama.out \
+   && grep -q '^| 3 (not implemented) | full |' plan-llama.out \
+   && awk -v a='$act_block' 'BEGIN { split(a, v, \" \"); exit !(v[1] > 0 && v[2] > 0 && v[2] < v[1]) }'"
+check "plan --memory 1: the fastest layout fits, named" \
+  "grep -q 'memory recommendation (--memory: 1 GiB): optim.zero: 0, train.activation_checkpointing: none .*the fastest layout fits' plan-llama.out"
+"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --iters 1 --memory 0.0000001 > plan-small.out 2>&1
+rc=$?
+check "plan --memory smaller than any layout: exit 0, says none fits, why, and zero 3's prediction (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'no implemented layout fits: zero 0 + none needs .* (largest: ' plan-small.out \
+   && grep -q 'zero 3 + full (not implemented yet) would need' plan-small.out"
 "$MPIRUN" -np 2 "$BIN" cfg.yaml "${llama_model[@]}" --set train.steps=2 --set checkpoint.dir=ckpt-llama \
   --set train.out_dir=run-llama > train-llama.out 2>&1
 rc=$?
@@ -327,6 +344,7 @@ expect_usage "sample --temperature 0" "command line: --temperature must be a num
   "$BIN" sample ckpt/ckpt-00000006.h5 --temperature 0
 expect_usage "sample --temperature nan" "command line: --temperature must be a number > 0" \
   "$BIN" sample ckpt/ckpt-00000006.h5 --temperature nan
+expect_usage "plan --memory -1" "command line: --memory must be GiB per rank, > 0" "$BIN" plan cfg.yaml --memory -1
 expect_usage "netcheck --iters -1" "command line: --iters must be >= 1" "$MPIRUN" -np 2 "$BIN" netcheck --iters -1
 expect_usage "netcheck --max-bytes 0" "command line: --max-bytes must be >= 4" "$MPIRUN" -np 2 "$BIN" netcheck --max-bytes 0
 shards_before=$(md5sum data/c-*.h5)

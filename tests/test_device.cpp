@@ -1,13 +1,16 @@
 // Device per rank from MPI's host split (device.h): local rank r -> GPU r % visible, CUDA_VISIBLE_DEVICES
-// named in the description; the pre-flight's rules (preflight.h) on records of made-up ranks.
+// named in the description; the pre-flight's rules (preflight.h) on records of made-up ranks; the
+// memory plan's terms per layout (memory_plan.h) from made-up counts.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
 
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/layout.h"
+#include "mpitrain/memory_plan.h"
 #include "mpitrain/preflight.h"
 
 using namespace mpitrain;
@@ -223,4 +226,99 @@ TEST(PreflightJudge, ALauncherLocalRankThatDisagreesWithMpiIsNamed) {
   const Topology ok = hosts_of({{"a", 2}});
   EXPECT_TRUE(judge_preflight(records(2, {{{"local_rank", "MPI_LOCALRANKID=0"}}, {{"local_rank", "MPI_LOCALRANKID=1"}}}),
                               ok, false).warnings.empty());
+}
+
+// ---- memory_plan.h ----------------------------------------------------------------------------
+
+namespace {
+const MemoryRow& row(const std::vector<MemoryRow>& rows, int zero, const std::string& ac) {
+  for (const auto& r : rows)
+    if (r.zero == zero && r.ac == ac) return r;
+  throw std::runtime_error("no row");
+}
+MemoryInputs made_up() {
+  MemoryInputs in;
+  in.params = 1000;
+  in.largest_unit = 100;
+  in.n_layer = 4;
+  in.dp = 4;
+  in.bucket_mb = 1e-3;  // 1048.576 bytes: zero 2 keeps two buckets in flight
+  in.block_none = 100, in.block_full = 10, in.outside = 50;
+  return in;
+}
+}  // namespace
+
+TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
+  const auto rows = memory_rows(made_up());
+  ASSERT_EQ(rows.size(), 8u);
+  const MemoryRow& z0 = row(rows, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
+  EXPECT_EQ(z0.weights, 4000);
+  EXPECT_EQ(z0.gradients, 4000);
+  EXPECT_EQ(z0.buffers, 4000);
+  EXPECT_EQ(z0.optimizer, 8000);
+  const MemoryRow& z1 = row(rows, 1, "none");  // the moments over dp, the received shard beside the buckets
+  EXPECT_EQ(z1.optimizer, 2000);
+  EXPECT_EQ(z1.buffers, 5000);
+  EXPECT_EQ(z1.gradients, 4000);
+  const MemoryRow& z2 = row(rows, 2, "none");  // the gradient shard, two buckets in flight
+  EXPECT_EQ(z2.gradients, 1000);
+  EXPECT_DOUBLE_EQ(z2.buffers, 2 * 1e-3 * 1024 * 1024);
+  EXPECT_EQ(z2.optimizer, 2000);
+  EXPECT_EQ(z2.weights, 4000);
+  const MemoryRow& z3 = row(rows, 3, "none");  // the weight shard and two gathered units
+  EXPECT_FALSE(z3.implemented);
+  EXPECT_EQ(z3.weights, 1000 + 2 * 400);
+  EXPECT_EQ(z3.buffers, 2 * 400);
+  for (const auto& r : rows) EXPECT_EQ(r.implemented, r.zero <= 2);
+}
+
+TEST(MemoryPlan, OneRankShardsNothing) {
+  MemoryInputs in = made_up();
+  in.dp = 1;
+  for (const auto& r : memory_rows(in)) {
+    EXPECT_EQ(r.weights, 4000) << r.zero;
+    EXPECT_EQ(r.gradients, 4000) << r.zero;
+    EXPECT_EQ(r.buffers, 0) << r.zero;  // GradSync does nothing with one rank
+    EXPECT_EQ(r.optimizer, 8000) << r.zero;
+  }
+}
+
+TEST(MemoryPlan, ActivationsScaleByBlocksAndCheckpointing) {
+  MemoryInputs in = made_up();
+  auto rows = memory_rows(in);
+  EXPECT_EQ(row(rows, 0, "none").activations, 4 * 100 + 50);
+  // Each checkpointed block keeps its input; one block runs again in backward with its activations.
+  EXPECT_EQ(row(rows, 0, "full").activations, 4 * 10 + 100 + 50);
+  in.ac_every = 2;  // blocks 1 and 3 checkpointed
+  rows = memory_rows(in);
+  EXPECT_EQ(row(rows, 0, "full").activations, 2 * 100 + 2 * 10 + 100 + 50);
+  in.ac_every = 5;  // more than the blocks: none checkpointed
+  rows = memory_rows(in);
+  EXPECT_EQ(row(rows, 0, "full").activations, row(rows, 0, "none").activations);
+}
+
+TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
+  MemoryInputs in = made_up();
+  in.params = 1 << 28;  // 1 GiB per 4 bytes
+  in.largest_unit = 1 << 24;
+  in.bucket_mb = 25;
+  in.block_none = 1 << 28, in.block_full = 1 << 20, in.outside = 0;
+  const auto rows = memory_rows(in);
+  const double gib = 1024.0 * 1024 * 1024;
+  // 4N = 1 GiB. zero 1 + none: 1 + 1 + (1 + 0.25) + 0.5 + 1 (4 blocks x 0.25) = 4.75 GiB;
+  // zero 2 + none: 1 + 0.25 + 50 MiB + 0.5 + 1 = 2.80 GiB; zero 2 + full: 2.05 GiB; zero 3 + full: 1.50 GiB.
+  EXPECT_NEAR(row(rows, 2, "none").peak() / gib, 2.7988, 1e-3);
+  EXPECT_NEAR(row(rows, 3, "full").peak() / gib, 1.5039, 1e-3);
+  const std::string text = memory_report(in, 3, "--memory");
+  EXPECT_NE(text.find("memory recommendation (--memory: 3 GiB): optim.zero: 2, train.activation_checkpointing: none"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("zero 0 + none needs 6144 MiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("zero 1 + none needs 4864 MiB"), std::string::npos) << text;
+  // Nothing implemented fits 1.8 GiB: said, with zero 3's prediction.
+  const std::string none_fit = memory_report(in, 1.8, "--memory");
+  EXPECT_NE(none_fit.find("no implemented layout fits"), std::string::npos) << none_fit;
+  EXPECT_NE(none_fit.find("zero 3 + full (not implemented yet) would need"), std::string::npos) << none_fit;
+  // No limit: the table only.
+  EXPECT_NE(memory_report(in, 0, "").find("no recommendation"), std::string::npos);
+  EXPECT_NE(text.find("| 3 (not implemented) | full |"), std::string::npos) << text;
 }

@@ -28,6 +28,11 @@ DeviceChoice choose_device(const std::string& requested, const std::string& back
 // torch.cuda.max_memory_allocated reports); -1 in CPU builds.
 int64_t cuda_peak_allocated_bytes(int device);
 
+// Bytes libtorch's CUDA caching allocator has handed out on `device` now (torch.cuda.memory_allocated),
+// and the device's whole memory (cudaMemGetInfo's total); -1 in CPU builds.
+int64_t cuda_allocated_bytes(int device);
+int64_t cuda_total_memory_bytes(int device);
+
 // The GPU's name as CUDA reports it ("NVIDIA H100 80GB HBM3"); "" in CPU builds.
 std::string cuda_device_name(int device);
 

@@ -37,6 +37,7 @@
 #define cudaGetDeviceProperties hipGetDeviceProperties
 #define cudaGetErrorString hipGetErrorString
 #define cudaGetLastError hipGetLastError
+#define cudaMemGetInfo hipMemGetInfo
 #define cudaMemsetAsync hipMemsetAsync
 #define cudaRuntimeGetVersion hipRuntimeGetVersion
 #define cudaStreamSynchronize hipStreamSynchronize

@@ -11,6 +11,9 @@
 // embedding, only after it), the communication share exposed / step, tokens/s, and the speed-up
 // over one host's ranks training alone with the same settings (their all-reduce measured within
 // the host). Prints one table and a recommendation on rank 0 (docs/operations.md, "Slow networks").
+// Then the memory per rank of optim.zero 0-3 x activation checkpointing none/full (memory_plan.h:
+// the model state counted, one micro-batch's activations measured with one and two blocks), and
+// the fastest layout that fits --memory GiB (on a GPU by default its memory).
 #pragma once
 
 #include <mpi.h>
@@ -23,6 +26,7 @@ namespace mpitrain {
 
 struct PlanOptions {
   int64_t iters = 5;  // timed repetitions of each measurement (after 2 warm-ups)
+  double memory_gib = 0;  // --memory: the memory per rank to fit (0: the GPU's; none on the CPU)
 };
 
 // Collective. UsageError (agreed, printed once) for a bad config or parallel.tp > 1.

@@ -160,6 +160,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   plan_cmd->add_option("config", plan_config, "YAML config file")->required();
   plan_cmd->add_option("--set", plan_overrides, "override a config key: section.key=value (repeatable)");
   plan_cmd->add_option("--iters", plan.iters, "timed repetitions of each measurement")->capture_default_str();
+  plan_cmd->add_option("--memory", plan.memory_gib,
+                       "GiB per rank the layout must fit (default on a GPU: its memory; on the CPU none: no recommendation)");
 
   NetcheckOptions netcheck;
   auto* netcheck_cmd = app.add_subcommand("netcheck", "check the launch: host map, links, all-reduce bandwidth");
@@ -203,6 +205,9 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
       need(sample.top_k >= 0, "--top-k", ">= 0 (0 = no top-k)", std::to_string(sample.top_k));
     }
     if (*plan_cmd) need(plan.iters >= 1, "--iters", ">= 1", std::to_string(plan.iters));
+    if (*plan_cmd)
+      need(plan.memory_gib >= 0 && plan.memory_gib < 1e9, "--memory", "GiB per rank, > 0 (0: the GPU's memory)",
+           std::to_string(plan.memory_gib));
     if (*export_cmd)
       need(std::isfinite(export_args.max_shard_mb) && export_args.max_shard_mb >= 0, "--max-shard-size",
            "a number of MB > 0", concat(export_args.max_shard_mb));

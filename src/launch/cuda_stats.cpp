@@ -30,6 +30,17 @@ void check(cudaError_t e, const char* what) {
 }
 }  // namespace
 
+int64_t cuda_allocated_bytes(int device) {
+  return gpu::allocator_stats(static_cast<c10::DeviceIndex>(device)).allocated_bytes[0].current;
+}
+
+int64_t cuda_total_memory_bytes(int device) {
+  gpu::DeviceGuard guard(static_cast<c10::DeviceIndex>(device));  // cudaMemGetInfo asks the current device
+  size_t free_bytes = 0, total = 0;
+  check(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+  return static_cast<int64_t>(total);
+}
+
 std::string cuda_device_name(int device) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");

@@ -6,6 +6,8 @@
 namespace mpitrain {
 
 int64_t cuda_peak_allocated_bytes(int) { return -1; }
+int64_t cuda_allocated_bytes(int) { return -1; }
+int64_t cuda_total_memory_bytes(int) { return -1; }
 std::string cuda_device_name(int) { return ""; }
 GpuFacts gpu_facts(int) { return {}; }
 

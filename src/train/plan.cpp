@@ -1,16 +1,21 @@
 // `mpitrain plan` (see plan.h).
 #include "mpitrain/plan.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "mpitrain/amp.h"
 #include "mpitrain/comm.h"
+#include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/log.h"
+#include "mpitrain/memory_plan.h"
 #include "mpitrain/mesh.h"
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
@@ -77,6 +82,56 @@ double exposed(double comm, double last, double backward, bool overlap) {
   return overlap ? std::max(last, comm - backward) : comm;
 }
 
+// Bytes this process holds now: on a GPU what libtorch's caching allocator has handed out; on
+// the CPU what malloc has (glibc's mallinfo2 over all arenas: in-use chunks and mmapped blocks;
+// libtorch's CPU tensors come from malloc). -1 where neither can be asked.
+double held_bytes(const torch::Device& device) {
+  if (device.is_cuda()) return static_cast<double>(cuda_allocated_bytes(device.index()));
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
+#else
+  return -1;
+#endif
+}
+
+// What one micro-batch's forward keeps for backward (the loss's graph), measured on `device`
+// with models of one and two blocks of these dimensions, without and with full checkpointing:
+// per block, per checkpointed block and outside the blocks. Scaling by n_layer needs no model of
+// the real depth, so it also plans a model this device cannot hold whole. false where the
+// device's bytes cannot be read.
+bool activation_probe(const GPTDims& dims, Precision precision, const torch::Device& device, int64_t micro,
+                      MemoryInputs& out) {
+  if (held_bytes(device) < 0) return false;
+  auto kept = [&](int64_t layers, GPTDims::Ac ac) {
+    GPTDims d = dims;
+    d.n_layer = layers;
+    d.ac = ac;
+    d.ac_every = 1;
+    GPT model(d);
+    model->to(device);
+    model->train();
+    torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
+    torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
+    const double before = held_bytes(device);
+    torch::Tensor loss;
+    {
+      Autocast autocast(precision, device);
+      loss = model->loss(x, y);
+    }
+    const double after = held_bytes(device);
+    loss = torch::Tensor();  // the graph and everything it kept go
+    return after - before;
+  };
+  kept(1, GPTDims::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
+  const double none1 = kept(1, GPTDims::Ac::none), none2 = kept(2, GPTDims::Ac::none);
+  const double full1 = kept(1, GPTDims::Ac::full), full2 = kept(2, GPTDims::Ac::full);
+  out.block_none = std::max(0.0, none2 - none1);
+  out.block_full = std::max(0.0, full2 - full1);
+  out.outside = std::max(0.0, none1 - out.block_none);
+  return true;
+}
+
 }  // namespace
 
 void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
@@ -136,6 +191,31 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_DOUBLE, MPI_MAX, mpi_comm));
   MPI_CHECK(MPI_Comm_free(&host_mpi));
   if (topo.rank != 0) return;
+
+  // ---- memory: the model state counted, the activations measured (rank 0's device) ----
+  MemoryInputs mem;
+  {
+    std::map<std::string, int64_t> units;  // zero 3's units: each block; the rest one tensor each
+    for (const auto& [name, p] : model->named_params()) {
+      mem.params += p.numel();
+      const bool block = name.rfind("h.", 0) == 0;
+      units[block ? name.substr(0, name.find('.', 2)) : name] += p.numel();
+    }
+    for (const auto& [unit, n] : units) mem.largest_unit = std::max(mem.largest_unit, n);
+  }
+  mem.n_layer = dims.n_layer;
+  mem.dp = run.layout.dp;
+  mem.bucket_mb = cfg.comm.bucket_mb;
+  mem.ac_every = cfg.train.ac_every;
+  const bool measured = activation_probe(dims, run.precision, device, micro, mem);
+  double memory_gib = options.memory_gib;
+  std::string memory_source = "--memory";
+  if (memory_gib <= 0 && device.is_cuda()) {
+    memory_gib = static_cast<double>(cuda_total_memory_bytes(device.index())) / (1024.0 * 1024 * 1024);
+    memory_source = concat(cuda_device_name(device.index()), "'s memory");
+  }
+  const std::string memory = measured ? memory_report(mem, memory_gib, memory_source)
+                                      : "memory: this device's allocated bytes cannot be read: no activation measurement";
 
   // ---- prediction ----
   int64_t n_params = 0;
@@ -213,6 +293,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   if (topo.hosts.size() > 1 && pick->speedup < 1.1)
     out += concat("\nwarning: the other hosts add little (", pick->speedup,
                   "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");
+  out += "\n" + memory;
   std::printf("%s\n", out.c_str());
   std::fflush(stdout);
 }

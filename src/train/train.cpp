@@ -23,6 +23,7 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/log.h"
+#include "mpitrain/memory_plan.h"
 #include "mpitrain/mesh.h"
 #include "mpitrain/mfu.h"
 #include "mpitrain/model.h"
@@ -175,6 +176,7 @@ class Run {
   void build_model();
   void build_optimizer();
   void describe();
+  void warn_if_state_does_not_fit() const;
   void resume_or_start();
   void open_outputs();
 
@@ -314,6 +316,26 @@ void Run::build_optimizer() {
                              ")"));
   }
   scaler_ = LossScaler(precision_ == Precision::fp16);
+  if (topo_.rank == 0 && device_.is_cuda()) warn_if_state_does_not_fit();
+}
+
+// On a GPU: the model state this layout keeps per rank (memory_plan.h's count, activations not
+// included) against the device's memory; more than it is a warning naming `mpitrain plan`.
+void Run::warn_if_state_does_not_fit() const {
+  MemoryInputs in;
+  for (const auto& p : params_) in.params += p.numel();
+  in.dp = s_.layout.dp;
+  in.bucket_mb = cfg_.comm.bucket_mb;
+  const int zero = zero_ ? static_cast<int>(cfg_.optim.zero) : 0;
+  for (const MemoryRow& r : memory_rows(in)) {
+    if (r.zero != zero || r.ac != "none") continue;
+    const double state = r.peak(), total = static_cast<double>(cuda_total_memory_bytes(device_.index()));
+    if (total > 0 && state > 0.9 * total)
+      log::warn(concat("memory: the model state alone (weights, gradients, their buffers, AdamW; optim.zero: ", zero,
+                       ") needs ", state / (1 << 30), " GiB per rank of this GPU's ", total / (1 << 30),
+                       " GiB, before any activation: this run will run out of memory; `mpitrain plan --memory GIB` ",
+                       "under the same mpirun shows the layouts that fit"));
+  }
 }
 
 // The start-up lines: model, batch, gradient communication, data.

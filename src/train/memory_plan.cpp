@@ -1,0 +1,103 @@
+// Memory per rank for each layout (see memory_plan.h).
+#include "mpitrain/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+
+std::string MemoryRow::largest_term() const {
+  const std::pair<const char*, double> terms[] = {
+      {"weights", weights}, {"gradients", gradients}, {"gradient buffers", buffers},
+      {"optimizer state", optimizer}, {"activations", activations}};
+  const auto* top = std::max_element(std::begin(terms), std::end(terms),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  return top->first;
+}
+
+std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
+  const double n = static_cast<double>(in.params), d = static_cast<double>(std::max<int64_t>(1, in.dp));
+  const double unit = 4.0 * static_cast<double>(in.largest_unit);
+  const bool shards = in.dp > 1;
+  const int64_t every = std::max<int64_t>(1, in.ac_every);
+  const int64_t checkpointed = in.n_layer / every;  // blocks every-1, 2 every-1, ... (GPTImpl::checkpointed)
+  std::vector<MemoryRow> rows;
+  for (int zero = 0; zero <= 3; ++zero)
+    for (const char* ac : {"none", "full"}) {
+      MemoryRow r;
+      r.zero = zero;
+      r.ac = ac;
+      r.implemented = zero <= 2;
+      r.weights = zero == 3 && shards ? 4 * n / d + 2 * unit : 4 * n;
+      r.gradients = zero >= 2 && shards ? 4 * n / d : 4 * n;
+      if (shards) {
+        if (zero <= 1) r.buffers = 4 * n + (zero == 1 ? 4 * n / d : 0);  // flat buckets (+ ZeRO-1's shard)
+        else if (zero == 2) r.buffers = std::min(4 * n, 2 * in.bucket_mb * 1024 * 1024);  // buckets in flight
+        else r.buffers = 2 * unit;  // a unit's gradient and the next one's
+      }
+      r.optimizer = zero >= 1 && shards ? 8 * n / d : 8 * n;
+      const int64_t kept = r.ac == "full" ? checkpointed : 0;
+      r.activations = static_cast<double>(in.n_layer - kept) * in.block_none + static_cast<double>(kept) * in.block_full +
+                      (kept > 0 ? in.block_none : 0) + in.outside;
+      rows.push_back(r);
+    }
+  return rows;
+}
+
+namespace {
+double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+// MiB for the table: whole MiB from 100 up, one decimal from 1, three significant digits below.
+std::string cell(double bytes) {
+  const double v = mib(bytes);
+  char b[32];
+  std::snprintf(b, sizeof b, v >= 100 ? "%.0f" : v >= 1 ? "%.1f" : "%.3g", v);
+  return b;
+}
+}  // namespace
+
+std::string memory_report(const MemoryInputs& in, double memory_gib, const std::string& memory_source) {
+  const auto rows = memory_rows(in);
+  std::string out = concat("memory per rank (MiB; ", in.params, " parameters, dp ", in.dp,
+                           "; activations of one micro-batch as measured: ", mib(in.block_none), " MiB per block, ",
+                           mib(in.block_full), " MiB per checkpointed block, ", mib(in.outside),
+                           " MiB outside the blocks; peak = the sum, an upper bound):\n");
+  out += "| optim.zero | activation_checkpointing | weights | gradients | gradient buffers | optimizer state | "
+         "activations | peak |\n|---:|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const auto& r : rows) {
+    out += concat("| ", r.zero, r.implemented ? "" : " (not implemented)", " | ", r.ac,
+                  r.ac == "full" && in.ac_every > 1 ? concat(", every ", in.ac_every) : std::string(), " | ",
+                  cell(r.weights), " | ", cell(r.gradients), " | ", cell(r.buffers), " | ", cell(r.optimizer), " | ",
+                  cell(r.activations), " | ", cell(r.peak()), " |\n");
+  }
+  if (memory_gib <= 0) {
+    out += "memory: no limit given (--memory GiB; on a GPU the device's memory is the default): no recommendation";
+    return out;
+  }
+  const double limit = memory_gib * 1024 * 1024 * 1024;
+  // Expected speed: no recomputation first; then the stages that communicate least.
+  std::vector<const MemoryRow*> order;
+  for (const char* ac : {"none", "full"})
+    for (int zero : {0, 1, 2})
+      for (const auto& r : rows)
+        if (r.implemented && r.ac == ac && r.zero == zero && (zero == 0 || in.dp > 1)) order.push_back(&r);
+  std::string why;
+  for (const MemoryRow* r : order) {
+    if (r->peak() <= limit) {
+      out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): optim.zero: ", r->zero,
+                    ", train.activation_checkpointing: ", r->ac, " -> ", mib(r->peak()), " MiB per rank",
+                    why.empty() ? std::string(" (the fastest layout fits)") : concat("; faster ones do not fit: ", why));
+      return out;
+    }
+    if (!why.empty()) why += "; ";
+    why += concat("zero ", r->zero, " + ", r->ac, " needs ", mib(r->peak()), " MiB (largest: ", r->largest_term(), ")");
+  }
+  const MemoryRow* z3 = &rows.back();  // zero 3 + full
+  out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): no implemented layout fits: ", why,
+                "; zero 3 + full (not implemented yet) would need ", mib(z3->peak()),
+                " MiB: more data-parallel ranks, parallel.tp, a smaller micro-batch or a device with more memory");
+  return out;
+}
+
+}  // namespace mpitrain
