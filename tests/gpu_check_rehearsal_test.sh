@@ -25,6 +25,8 @@ check "the resumed runs continue bit for bit on one device (first steps within 0
   "grep -q -P 'losses continue\tPASS\t.*within 0.0e\+00 / 0.0e\+00' $tsv"
 check "the memory stage runs zero 0/1/2 x checkpointing none/full (6 rows, each a finished run)" \
   "[ \$(grep -c -P '^memory\tzero [012], checkpointing (none|full)\tPASS\t' $tsv) -eq 6 ]"
+check "each memory row carries mpitrain plan's prediction for it (6 rows with 'plan N GiB')" \
+  "[ \$(grep -c -P '^memory\tzero [012], checkpointing (none|full)\tPASS\t.*; plan [0-9.]+ GiB' $tsv) -eq 6 ]"
 check "the mid-run checkpoint and the shards are handed off" \
   "[ -f out/handoff/ckpt-00000030.h5 ] && ls out/handoff/shards/py-train-*.h5 >/dev/null"
 check "the profile stage summarises mpitrain's trace" \

@@ -17,6 +17,7 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/hf_format.h"
 #include "mpitrain/tensor_io.h"
 #include "npy_writer.h"
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "mpitrain/amp.h"
+#include "mpitrain/libtorch_version.h"
 #include "mpitrain/optim.h"
 
 using namespace mpitrain;

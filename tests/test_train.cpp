@@ -27,6 +27,7 @@
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/config.h"
+#include "mpitrain/libtorch_version.h"
 #include "mpitrain/log.h"
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"

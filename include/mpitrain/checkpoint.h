@@ -217,12 +217,4 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
 // The same into `opt`'s tensors (allocated in whole-parameter shapes, named as the parameters).
 void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st);
 
-// Initial weights from a directory of .npy files (model.init_from; docs/formats.md): one
-// `<parameter name>.npy` per entry of named_params() ("wte.weight.npy", "h.0.ln_1.bias.npy"),
-// dtype '<f4' or '<f8' ('<f2' too), C order, the parameter's shape; other files are ignored.
-// Every file's header and size are checked before any weight changes. A missing directory or
-// file, a .npy that matches no parameter, a bad header, dtype, order, shape or size, and NaN or
-// infinite values are a UsageError "<key>: <file>: ...". Returns the number of tensors loaded.
-int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key = "model.init_from");
-
 }  // namespace mpitrain

@@ -69,6 +69,14 @@ std::vector<std::string> foreign_model_files(const std::string& dir);
 // of tensors loaded.
 int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key = "model.init_from");
 
+// Initial weights from a directory of .npy files (model.init_from; docs/formats.md): one
+// `<parameter name>.npy` per entry of named_params() ("wte.weight.npy", "h.0.ln_1.bias.npy"),
+// dtype '<f4' or '<f8' ('<f2' too), C order, the parameter's shape; other files are ignored.
+// Every file's header and size are checked before any weight changes. A missing directory or
+// file, a .npy that matches no parameter, a bad header, dtype, order, shape or size, and NaN or
+// infinite values are a UsageError "<key>: <file>: ...". Returns the number of tensors loaded.
+int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key = "model.init_from");
+
 // model.init_from: hf:DIR, a .safetensors file or a directory holding model.safetensors or its
 // index (load_hf_safetensors), else a directory of .npy files (load_npy_weights).
 int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key = "model.init_from");

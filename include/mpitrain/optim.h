@@ -24,10 +24,6 @@ double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step);
 // Whether this libtorch has PyTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)) for
 // parameters on `device`: CUDA from libtorch 2.0 (GPU builds), the CPU from libtorch 2.4.
 bool fused_adamw_available(torch::DeviceType device);
-// "libtorch 2.6.0" (the headers this was compiled against).
-inline std::string libtorch_version() {
-  return concat("libtorch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, ".", TORCH_VERSION_PATCH);
-}
 
 class AdamW {
  public:

@@ -1,4 +1,5 @@
-// GPT-2 and Llama in Hugging Face's format: safetensors + config.json (see hf_format.h).
+// Weights in: Hugging Face's format (safetensors + config.json) and .npy directories; and out: Hugging
+// Face's format (see hf_format.h).
 #include "mpitrain/hf_format.h"
 
 #include <algorithm>
@@ -8,13 +9,15 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <nlohmann/json.hpp>
 
-#include "mpitrain/checkpoint.h"
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/files.h"
+#include "mpitrain/importers.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 namespace {
@@ -573,6 +576,115 @@ int64_t load_initial_weights(const std::string& path, GPT& model, const std::str
                                      fs::exists(fs::path(path) / "model.safetensors.index.json", ec)))
     return load_hf_safetensors(path, model, key);
   return load_npy_weights(path, model, key);
+}
+
+// ---- initial weights from .npy files (model.init_from) -----------------------------------------
+
+namespace {
+
+// Where one parameter's values are in its file, checked against the parameter.
+struct NpyWeight {
+  std::string path;
+  torch::ScalarType dtype;
+  uint64_t offset;
+};
+
+NpyWeight check_npy_weight(const std::string& path, const std::string& name, const std::vector<int64_t>& shape,
+                           const GPTDims& d) {
+  const NpyHeader h = read_npy_header(path, "float32 '<f4' or float64 '<f8'");
+  static const std::pair<const char*, torch::ScalarType> known[] = {
+      {"<f4", torch::kFloat32}, {"<f8", torch::kFloat64}, {"<f2", torch::kFloat16}};
+  const auto* type =
+      std::find_if(std::begin(known), std::end(known), [&](const auto& k) { return h.descr == k.first; });
+  if (type == std::end(known))
+    throw UsageError(concat(path, ": dtype '", h.descr, "', expected little-endian float32 '<f4' or float64 '<f8'"));
+  if (h.fortran_order)
+    throw UsageError(concat(path, ": fortran_order is True, expected False (C order: np.ascontiguousarray)"));
+  const std::vector<uint64_t> want(shape.begin(), shape.end());
+  uint64_t numel = 1;
+  for (uint64_t e : want) numel *= e;
+  if (h.shape != want) {
+    const bool transposed = want.size() == 2 && h.shape == std::vector<uint64_t>{want[1], want[0]};
+    const bool conv1d = hf_transposed(name, d);
+    throw UsageError(concat(path, ": shape ", npy_shape_text(h.shape), ", but parameter '", name, "' has shape ",
+                            npy_shape_text(want),
+                            !transposed ? "" : conv1d ? " (transposed? Hugging Face GPT-2's Conv1D weights need .T)"
+                                                      : " (transposed?)"));
+  }
+  const uint64_t need = h.data_offset + numel * c10::elementSize(type->second);
+  if (h.file_size != need)
+    throw UsageError(concat(path, ": size ", h.file_size, " bytes, but shape ", npy_shape_text(h.shape), " of '",
+                            h.descr, "' needs ", need, " (", h.file_size < need ? "truncated" : "trailing data", ")"));
+  return {path, type->second, h.data_offset};
+}
+
+// The file's values as fp32, of the checked `shape`.
+torch::Tensor read_npy_weight(const NpyWeight& w, const std::vector<int64_t>& shape) {
+  torch::Tensor buf = torch::empty(shape, w.dtype);
+  std::ifstream in(w.path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(w.offset));
+  in.read(static_cast<char*>(buf.data_ptr()), static_cast<std::streamsize>(buf.nbytes()));
+  if (!in) throw UsageError(concat(w.path, ": read error (did the file change while loading?)"));
+  if (!torch::isfinite(buf).all().item<bool>()) throw UsageError(concat(w.path, ": holds NaN or infinite values"));
+  return buf.to(torch::kFloat32);
+}
+
+}  // namespace
+
+int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key) {
+  namespace fs = std::filesystem;
+  try {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec))
+      throw UsageError(fs::exists(dir, ec) ? concat("'", dir, "' is not a directory")
+                                           : concat("no such directory '", dir, "'"));
+    const auto params = model->named_params();
+    std::set<std::string> wanted, found;
+    for (const auto& [name, p] : params) wanted.insert(name + ".npy");
+    std::vector<std::string> extra, missing;
+    fs::directory_iterator it(dir, ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      const std::string file = it->path().filename().string();
+      if (file.size() < 4 || file.compare(file.size() - 4, 4, ".npy") != 0) continue;
+      if (wanted.count(file)) found.insert(file);
+      else extra.push_back(it->path().string());
+    }
+    if (ec) throw UsageError(concat(dir, ": cannot list directory: ", ec.message()));
+    for (const auto& [name, p] : params)
+      if (!found.count(name + ".npy")) missing.push_back((fs::path(dir) / (name + ".npy")).string());
+    std::sort(extra.begin(), extra.end());
+    if (!missing.empty() || !extra.empty()) {
+      std::string msg;
+      if (!missing.empty())
+        msg = concat("missing ", first_few(missing), " (one <parameter name>.npy per model parameter)");
+      const bool lm_head = std::any_of(extra.begin(), extra.end(), [](const std::string& f) {
+        return fs::path(f).filename() == "lm_head.weight.npy";
+      });
+      if (!extra.empty())
+        msg += concat(msg.empty() ? "" : "; ", first_few(extra), extra.size() == 1 ? " matches" : " match",
+                      " no model parameter (a naming mistake? the parameters are wte.weight, wpe.weight, ",
+                      "h.<layer>.attn.c_attn.weight, ..., ln_f.bias; docs/formats.md",
+                      lm_head ? "; lm_head.weight is tied to wte.weight: leave it out)" : ")");
+      throw UsageError(msg);
+    }
+    // Every header and size checked before any weight changes; the files hold whole parameters,
+    // of which a tensor-parallel rank keeps its shard.
+    const GPTDims& d = model->dims();
+    std::vector<NpyWeight> files;
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& [name, p] : params) {
+      shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), d.tp));
+      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, shapes.back(), d));
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      torch::Tensor p = params[i].second;
+      p.copy_(tp_shard(read_npy_weight(files[i], shapes[i]), model->tp_split(params[i].first), d.tp_rank, d.tp));
+    }
+    return static_cast<int64_t>(params.size());
+  } catch (const UsageError& e) {
+    throw UsageError(concat(key, ": ", e.what()));
+  }
 }
 
 }  // namespace mpitrain

@@ -11,7 +11,7 @@
 #include "mpitrain/amp.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
-#include "mpitrain/optim.h"
+#include "mpitrain/libtorch_version.h"
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {

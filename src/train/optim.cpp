@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "mpitrain/error.h"
+#include "mpitrain/libtorch_version.h"
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {

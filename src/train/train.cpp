@@ -22,6 +22,7 @@
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
+#include "mpitrain/libtorch_version.h"
 #include "mpitrain/log.h"
 #include "mpitrain/memory_plan.h"
 #include "mpitrain/mesh.h"
