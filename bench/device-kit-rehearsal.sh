@@ -55,7 +55,7 @@ fi
 # The checkout as CI's clone has it, and a fresh kit made on this host (as before a lease).
 rm -rf "$ROOT/src/mpitrain"
 mkdir -p "$ROOT/src/mpitrain"
-(cd "$REPO" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - --no-recursion) \
+(cd "$REPO" && git ls-files -z --cached --others --exclude-standard | tar -cf - --null --no-recursion -T -) \
   | tar -C "$ROOT/src/mpitrain" -xf -
 "$REPO/bench/device-kit.sh" "$ROOT/src/mpitrain/.device-kit"
 

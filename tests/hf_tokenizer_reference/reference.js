@@ -24,7 +24,10 @@ const path = require('path');
 // The packages: NODE_PATH (the test's cache) or ./node_modules (npm ci here).
 const modules = (process.env.NODE_PATH || '').split(path.delimiter).filter(Boolean)[0] ||
   path.join(__dirname, 'node_modules');
-const { Tokenizer } = require(path.join(modules, '@huggingface/tokenizers'));
+// By name through the package's "exports" (its "require" condition: dist/tokenizers.cjs), not by
+// directory (its "main" is the ES module, which require() loads only from Node 20.19/22.12 on:
+// Debian 12's Node 18 refused it on a fresh machine; a newer Node hid that).
+const { Tokenizer } = require(require.resolve('@huggingface/tokenizers', { paths: [modules] }));
 
 const out = process.argv[2];
 const minBytes = Number(process.argv[3] || 1200000);
