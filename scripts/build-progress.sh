@@ -6,7 +6,8 @@
 # it runs prints a line at every 10% of the compile steps, or after 30 s without one:
 #   setup: build 40% (57 of 142 objects compiled), 6m12s, log build.log
 # (the objects to compile are the entries of BUILD_DIR/compile_commands.json, the compiled ones the
-# "Building ..." lines in LOG; the percentage is CMake's own). Safe under set -euo pipefail.
+# "Building ..." lines in LOG, the percentage theirs: CMake's own [ NN%] went 100% then 91% under
+# -j2, each target counting its own). Safe under set -euo pipefail.
 # When the build fails it prints the first compiler or linker error with its context, not the
 # last lines of make, and returns 1.
 build_with_progress() {
@@ -21,11 +22,13 @@ build_with_progress() {
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     sleep 2
-    pct=$({ grep -o '^\[ *[0-9]*%\]' "$log" || true; } | tail -n 1 | tr -dc '0-9')
-    pct=${pct:-0}
+    # The objects compiled of all (monotonic; CMake's own [ NN%] jumps between targets under -j).
+    compiled=$(grep -c '^\[ *[0-9]*%\] Building' "$log" || true)
+    compiled=${compiled:-0}
+    if [ "$total" != "?" ] && [ "$total" -gt 0 ]; then pct=$((compiled * 100 / total)); else pct=0; fi
+    [ "$pct" -le 100 ] || pct=100
     now=$(date +%s)
     if [ "$pct" -ge $((said_pct + 10)) ] || [ $((now - said_t)) -ge 30 ]; then
-      compiled=$(grep -c '^\[ *[0-9]*%\] Building' "$log" || true)
       printf '%s: build %3d%% (%s of %s objects compiled), %dm%02ds, log %s\n' "$name" "$pct" "$compiled" "$total" \
         $(((now - start) / 60)) $(((now - start) % 60)) "$log"
       said_pct=$pct
