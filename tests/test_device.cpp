@@ -231,7 +231,9 @@ TEST(PreflightJudge, ALauncherLocalRankThatDisagreesWithMpiIsNamed) {
 // ---- memory_plan.h ----------------------------------------------------------------------------
 
 namespace {
-const MemoryRow& row(const std::vector<MemoryRow>& rows, int zero, const std::string& ac) {
+// A copy (GCC 14's -Wdangling-reference takes a reference returned past the string temporary for
+// one into it).
+MemoryRow row(const std::vector<MemoryRow>& rows, int zero, const std::string& ac) {
   for (const auto& r : rows)
     if (r.zero == zero && r.ac == ac) return r;
   throw std::runtime_error("no row");
@@ -251,21 +253,21 @@ MemoryInputs made_up() {
 TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
   const auto rows = memory_rows(made_up());
   ASSERT_EQ(rows.size(), 8u);
-  const MemoryRow& z0 = row(rows, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
+  const MemoryRow z0 = row(rows, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
   EXPECT_EQ(z0.weights, 4000);
   EXPECT_EQ(z0.gradients, 4000);
   EXPECT_EQ(z0.buffers, 4000);
   EXPECT_EQ(z0.optimizer, 8000);
-  const MemoryRow& z1 = row(rows, 1, "none");  // the moments over dp, the received shard beside the buckets
+  const MemoryRow z1 = row(rows, 1, "none");  // the moments over dp, the received shard beside the buckets
   EXPECT_EQ(z1.optimizer, 2000);
   EXPECT_EQ(z1.buffers, 5000);
   EXPECT_EQ(z1.gradients, 4000);
-  const MemoryRow& z2 = row(rows, 2, "none");  // the gradient shard, two buckets in flight
+  const MemoryRow z2 = row(rows, 2, "none");  // the gradient shard, two buckets in flight
   EXPECT_EQ(z2.gradients, 1000);
   EXPECT_DOUBLE_EQ(z2.buffers, 2 * 1e-3 * 1024 * 1024);
   EXPECT_EQ(z2.optimizer, 2000);
   EXPECT_EQ(z2.weights, 4000);
-  const MemoryRow& z3 = row(rows, 3, "none");  // the weight shard and two gathered units
+  const MemoryRow z3 = row(rows, 3, "none");  // the weight shard and two gathered units
   EXPECT_FALSE(z3.implemented);
   EXPECT_EQ(z3.weights, 1000 + 2 * 400);
   EXPECT_EQ(z3.buffers, 2 * 400);

@@ -544,7 +544,7 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
     }
     auto r = c10::make_intrusive<Recompute>();
     r->run = [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0])}; };
-    x = CheckpointedBlock::apply(x, c10::nullopt, r)[0];
+    x = apply_autograd_function<CheckpointedBlock>(x, c10::nullopt, r)[0];
   }
   return ln_f(x);
 }
@@ -566,7 +566,8 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
       auto [out, d] = block->forward_fused(in[0], in[1], normed_dtype);
       return std::vector<torch::Tensor>{out, d};
     };
-    const auto outs = CheckpointedBlock::apply(x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r);
+    const auto outs = apply_autograd_function<CheckpointedBlock>(
+        x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r);
     x = outs[0], delta = outs[1];
   }
   return ln_f->add_forward(x, delta, normed_dtype).second;
