@@ -58,9 +58,12 @@ run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
 }
 
 plan_row() {  # mode every -> "activations_mib peak_mib" of plan's optim.zero 0 row
-  local out=$WORK/plan-$1-$2
-  write_cfg "$1" "$2" "$out"
-  "$MPIRUN" -np 1 "$BIN" plan cfg.yaml --iters 1 > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
+  # plan's table holds the none and the full rows for the config's ac_every: one run per every.
+  local out=$WORK/plan-every-$2
+  if [ ! -f "$out.log" ]; then
+    write_cfg "$1" "$2" "$out"
+    "$MPIRUN" -np 1 "$BIN" plan cfg.yaml --iters 1 > "$out.log" 2>&1 || { cat "$out.log" >&2; rm -f "$out.log"; exit 1; }
+  fi
   awk -F'|' -v mode="$1" '$2 ~ /^ 0 $/ && $3 ~ "^ " mode { gsub(/ /, "", $8); gsub(/ /, "", $9); print $8, $9; exit }' "$out.log"
 }
 

@@ -5,7 +5,6 @@
 
 #include <cstdlib>
 #include <map>
-#include <stdexcept>
 
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
@@ -231,13 +230,6 @@ TEST(PreflightJudge, ALauncherLocalRankThatDisagreesWithMpiIsNamed) {
 // ---- memory_plan.h ----------------------------------------------------------------------------
 
 namespace {
-// A copy (GCC 14's -Wdangling-reference takes a reference returned past the string temporary for
-// one into it).
-MemoryRow row(const std::vector<MemoryRow>& rows, int zero, const std::string& ac) {
-  for (const auto& r : rows)
-    if (r.zero == zero && r.ac == ac) return r;
-  throw std::runtime_error("no row");
-}
 MemoryInputs made_up() {
   MemoryInputs in;
   in.params = 1000;
@@ -251,23 +243,24 @@ MemoryInputs made_up() {
 }  // namespace
 
 TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
-  const auto rows = memory_rows(made_up());
+  const MemoryInputs in = made_up();
+  const auto rows = memory_rows(in);
   ASSERT_EQ(rows.size(), 8u);
-  const MemoryRow z0 = row(rows, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
+  const MemoryRow z0 = memory_row(in, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
   EXPECT_EQ(z0.weights, 4000);
   EXPECT_EQ(z0.gradients, 4000);
   EXPECT_EQ(z0.buffers, 4000);
   EXPECT_EQ(z0.optimizer, 8000);
-  const MemoryRow z1 = row(rows, 1, "none");  // the moments over dp, the received shard beside the buckets
+  const MemoryRow z1 = memory_row(in, 1, "none");  // the moments over dp, the received shard beside the buckets
   EXPECT_EQ(z1.optimizer, 2000);
   EXPECT_EQ(z1.buffers, 5000);
   EXPECT_EQ(z1.gradients, 4000);
-  const MemoryRow z2 = row(rows, 2, "none");  // the gradient shard, two buckets in flight
+  const MemoryRow z2 = memory_row(in, 2, "none");  // the gradient shard, two buckets in flight
   EXPECT_EQ(z2.gradients, 1000);
   EXPECT_DOUBLE_EQ(z2.buffers, 2 * 1e-3 * 1024 * 1024);
   EXPECT_EQ(z2.optimizer, 2000);
   EXPECT_EQ(z2.weights, 4000);
-  const MemoryRow z3 = row(rows, 3, "none");  // the weight shard and two gathered units
+  const MemoryRow z3 = memory_row(in, 3, "none");  // the weight shard and two gathered units
   EXPECT_FALSE(z3.implemented);
   EXPECT_EQ(z3.weights, 1000 + 2 * 400);
   EXPECT_EQ(z3.buffers, 2 * 400);
@@ -287,16 +280,13 @@ TEST(MemoryPlan, OneRankShardsNothing) {
 
 TEST(MemoryPlan, ActivationsScaleByBlocksAndCheckpointing) {
   MemoryInputs in = made_up();
-  auto rows = memory_rows(in);
-  EXPECT_EQ(row(rows, 0, "none").activations, 4 * 100 + 50);
+  EXPECT_EQ(memory_row(in, 0, "none").activations, 4 * 100 + 50);
   // Each checkpointed block keeps its input; one block runs again in backward with its activations.
-  EXPECT_EQ(row(rows, 0, "full").activations, 4 * 10 + 100 + 50);
+  EXPECT_EQ(memory_row(in, 0, "full").activations, 4 * 10 + 100 + 50);
   in.ac_every = 2;  // blocks 1 and 3 checkpointed
-  rows = memory_rows(in);
-  EXPECT_EQ(row(rows, 0, "full").activations, 2 * 100 + 2 * 10 + 100 + 50);
+  EXPECT_EQ(memory_row(in, 0, "full").activations, 2 * 100 + 2 * 10 + 100 + 50);
   in.ac_every = 5;  // more than the blocks: none checkpointed
-  rows = memory_rows(in);
-  EXPECT_EQ(row(rows, 0, "full").activations, row(rows, 0, "none").activations);
+  EXPECT_EQ(memory_row(in, 0, "full").activations, memory_row(in, 0, "none").activations);
 }
 
 TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
@@ -305,12 +295,11 @@ TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
   in.largest_unit = 1 << 24;
   in.bucket_mb = 25;
   in.block_none = 1 << 28, in.block_full = 1 << 20, in.outside = 0;
-  const auto rows = memory_rows(in);
   const double gib = 1024.0 * 1024 * 1024;
   // 4N = 1 GiB. zero 1 + none: 1 + 1 + (1 + 0.25) + 0.5 + 1 (4 blocks x 0.25) = 4.75 GiB;
   // zero 2 + none: 1 + 0.25 + 50 MiB + 0.5 + 1 = 2.80 GiB; zero 2 + full: 2.05 GiB; zero 3 + full: 1.50 GiB.
-  EXPECT_NEAR(row(rows, 2, "none").peak() / gib, 2.7988, 1e-3);
-  EXPECT_NEAR(row(rows, 3, "full").peak() / gib, 1.5039, 1e-3);
+  EXPECT_NEAR(memory_row(in, 2, "none").peak() / gib, 2.7988, 1e-3);
+  EXPECT_NEAR(memory_row(in, 3, "full").peak() / gib, 1.5039, 1e-3);
   const std::string text = memory_report(in, 3, "--memory");
   EXPECT_NE(text.find("memory recommendation (--memory: 3 GiB): optim.zero: 2, train.activation_checkpointing: none"),
             std::string::npos) << text;

@@ -50,6 +50,8 @@ struct MemoryRow {
 // zero 0..3 x ac none/full, in that order. zero 3 is not implemented (rows say so); with dp 1
 // the zero stages shard nothing (their rows equal zero 0's apart from zero 3's gathers).
 std::vector<MemoryRow> memory_rows(const MemoryInputs& in);
+// The row of one layout (zero 0..3, ac none | full); Error for another.
+MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);
 
 // The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first implemented
 // row that fits in memory_gib, in the order of expected speed (no checkpointing before full; lower

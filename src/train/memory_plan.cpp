@@ -46,6 +46,12 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
   return rows;
 }
 
+MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac) {
+  for (const MemoryRow& r : memory_rows(in))
+    if (r.zero == zero && r.ac == ac) return r;
+  throw Error(concat("memory_row: no layout zero ", zero, ", checkpointing ", ac));
+}
+
 namespace {
 double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 // MiB for the table: whole MiB from 100 up, one decimal from 1, three significant digits below.
@@ -76,26 +82,24 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
     return out;
   }
   const double limit = memory_gib * 1024 * 1024 * 1024;
-  // Expected speed: no recomputation first; then the stages that communicate least.
-  std::vector<const MemoryRow*> order;
-  for (const char* ac : {"none", "full"})
-    for (int zero : {0, 1, 2})
-      for (const auto& r : rows)
-        if (r.implemented && r.ac == ac && r.zero == zero && (zero == 0 || in.dp > 1)) order.push_back(&r);
+  // Expected speed: no recomputation first; then the stages that communicate least (with one
+  // data-parallel rank the zero stages shard nothing: zero 0 only).
   std::string why;
-  for (const MemoryRow* r : order) {
-    if (r->peak() <= limit) {
-      out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): optim.zero: ", r->zero,
-                    ", train.activation_checkpointing: ", r->ac, " -> ", mib(r->peak()), " MiB per rank",
-                    why.empty() ? std::string(" (the fastest layout fits)") : concat("; faster ones do not fit: ", why));
-      return out;
+  for (const char* ac : {"none", "full"})
+    for (int zero = 0; zero <= (in.dp > 1 ? 2 : 0); ++zero) {
+      const MemoryRow r = memory_row(in, zero, ac);
+      if (r.peak() <= limit) {
+        out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): optim.zero: ", r.zero,
+                      ", train.activation_checkpointing: ", r.ac, " -> ", mib(r.peak()), " MiB per rank",
+                      why.empty() ? std::string(" (the fastest layout fits)") : concat("; faster ones do not fit: ", why));
+        return out;
+      }
+      if (!why.empty()) why += "; ";
+      why += concat("zero ", r.zero, " + ", r.ac, " needs ", mib(r.peak()), " MiB (largest: ", r.largest_term(), ")");
     }
-    if (!why.empty()) why += "; ";
-    why += concat("zero ", r->zero, " + ", r->ac, " needs ", mib(r->peak()), " MiB (largest: ", r->largest_term(), ")");
-  }
-  const MemoryRow* z3 = &rows.back();  // zero 3 + full
+  const MemoryRow z3 = memory_row(in, 3, "full");
   out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): no implemented layout fits: ", why,
-                "; zero 3 + full (not implemented yet) would need ", mib(z3->peak()),
+                "; zero 3 + full (not implemented yet) would need ", mib(z3.peak()),
                 " MiB: more data-parallel ranks, parallel.tp, a smaller micro-batch or a device with more memory");
   return out;
 }

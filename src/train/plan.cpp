@@ -193,11 +193,13 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   if (topo.rank != 0) return;
 
   // ---- memory: the model state counted, the activations measured (rank 0's device) ----
+  int64_t n_params = 0;
+  for (const auto& p : params) n_params += p.numel();
   MemoryInputs mem;
+  mem.params = n_params;
   {
     std::map<std::string, int64_t> units;  // zero 3's units: each block; the rest one tensor each
     for (const auto& [name, p] : model->named_params()) {
-      mem.params += p.numel();
       const bool block = name.rfind("h.", 0) == 0;
       units[block ? name.substr(0, name.find('.', 2)) : name] += p.numel();
     }
@@ -218,8 +220,6 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
                                       : "memory: this device's allocated bytes cannot be read: no activation measurement";
 
   // ---- prediction ----
-  int64_t n_params = 0;
-  for (const auto& p : params) n_params += p.numel();
   const double bytes = 4.0 * static_cast<double>(n_params);
   const int n = topo.size, per_host = topo.local_size;
   auto busbw = [&](double b, double s) { return s > 0 ? 2.0 * (n - 1) / n * b / s / 1e9 : 0.0; };

@@ -328,15 +328,13 @@ void Run::warn_if_state_does_not_fit() const {
   in.dp = s_.layout.dp;
   in.bucket_mb = cfg_.comm.bucket_mb;
   const int zero = zero_ ? static_cast<int>(cfg_.optim.zero) : 0;
-  for (const MemoryRow& r : memory_rows(in)) {
-    if (r.zero != zero || r.ac != "none") continue;
-    const double state = r.peak(), total = static_cast<double>(cuda_total_memory_bytes(device_.index()));
-    if (total > 0 && state > 0.9 * total)
-      log::warn(concat("memory: the model state alone (weights, gradients, their buffers, AdamW; optim.zero: ", zero,
-                       ") needs ", state / (1 << 30), " GiB per rank of this GPU's ", total / (1 << 30),
-                       " GiB, before any activation: this run will run out of memory; `mpitrain plan --memory GIB` ",
-                       "under the same mpirun shows the layouts that fit"));
-  }
+  const double state = memory_row(in, zero, "none").peak();  // no activations given: the state alone
+  const double total = static_cast<double>(cuda_total_memory_bytes(device_.index()));
+  if (total > 0 && state > 0.9 * total)
+    log::warn(concat("memory: the model state alone (weights, gradients, their buffers, AdamW; optim.zero: ", zero,
+                     ") needs ", state / (1 << 30), " GiB per rank of this GPU's ", total / (1 << 30),
+                     " GiB, before any activation: this run will run out of memory; `mpitrain plan --memory GIB` ",
+                     "under the same mpirun shows the layouts that fit"));
 }
 
 // The start-up lines: model, batch, gradient communication, data.
