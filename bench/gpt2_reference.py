@@ -16,6 +16,7 @@ For the loss-parity check, --sequential reads the windows in mpitrain's unshuffl
 j = tokens [j*T, j*T+T], batch k = windows k*B .. k*B+B-1) and --all-losses records every step.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -110,6 +111,9 @@ def main():
     ap.add_argument("--n-head", type=int, default=12)
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--init-from", metavar="DIR", help="start from the .npy weights --dump-init wrote")
+    ap.add_argument("--profile", metavar="TRACE", help="profile the last 3 steps (torch.profiler, one "
+                    "ProfilerStep#N annotation per step, each step synchronised) into a Chrome trace; "
+                    "bench/profile_summary.py tabulates it")
     args = ap.parse_args()
 
     if args.threads > 0:
@@ -153,10 +157,18 @@ def main():
     losses, t0, step_ms = [], None, []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    prof, first_profiled = None, max(args.warmup, args.steps - 3)
     for step in range(args.steps):
         if step == args.warmup:
             sync()
             t0 = time.perf_counter()
+        if args.profile and step == first_profiled:
+            sync()
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
+        annotation = torch.profiler.record_function(f"ProfilerStep#{step + 1}") if prof else contextlib.nullcontext()
+        annotation.__enter__()
         t_step = time.perf_counter()
         if args.sequential:
             starts = [(step * B + i) * T for i in range(B)]
@@ -175,9 +187,15 @@ def main():
         opt.zero_grad(set_to_none=True)
         if args.all_losses or step < 5 or step + 1 == args.steps:
             losses.append(round(loss.item(), 4))
+        if prof:
+            sync()  # the step's kernels inside its annotation, as mpitrain's profiler does
+        annotation.__exit__(None, None, None)
         if step >= args.warmup:
             step_ms.append(1e3 * (time.perf_counter() - t_step))
     sync()
+    if prof:
+        prof.__exit__(None, None, None)
+        prof.export_chrome_trace(args.profile)
     dt = time.perf_counter() - t0
     timed = args.steps - args.warmup
     print(json.dumps({

@@ -24,8 +24,10 @@
 #            0/1/2 x activation checkpointing none/full (not in the default list: name it)
 #   bench    bench/gpu_throughput.sh: GPT-2 124M yardstick vs PyTorch eager and torch.compile,
 #            and the 50-step loss parity
-#   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) summarised by
-#            bench/profile_summary.py, and nsys's kernel table where nsys is installed
+#   profile  GPT-2 124M, bf16: mpitrain's own profiler trace (log.profile_start) beside PyTorch's
+#            torch.compile and eager steps (bench/gpt2_reference.py --profile), GPU time by kernel
+#            kind (bench/profile_summary.py), and nsys's kernel table where nsys is installed;
+#            the bench stage's tokens where it ran, else random ones of its own
 #
 # The device kit: bench/device-kit.sh makes .device-kit/ (Debian 12's PCRE2, ISA-L, utf8proc,
 # OpenSSL, nlohmann-json, CLI11, GoogleTest and pkgconf, ~11 MiB, relocatable); when KIT (default
@@ -441,7 +443,7 @@ train: {micro_batch: $micro, steps: $steps, device: $gpu, precision: $precision,
 optim: {warmup_steps: 2, zero: $zero}
 eval: {every: 0}
 log: {every: 1}
-checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0}
+checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0, at_end: false}
 comm: {backend: mpi}
 sample: {tokens: 0}
 YAML
@@ -485,7 +487,8 @@ stage_profile() {
   local work=$out/profile
   mkdir -p "$work"
   [ -x "$bin" ] || { row profile "mpitrain binary" FAIL "$bin not built"; return; }
-  local shards=$out/bench/shards cfg=$work/gpt2.yaml steps=30
+  local shards=$out/bench/shards tokens=$out/bench/tokens.npy cfg=$work/gpt2.yaml steps=30 vocab=50257
+  local ref_args=(--device cuda --precision bf16 --micro-batch 16 --seq-len 1024 --vocab 50304)
   if [ "$rehearse" = 1 ]; then
     shards=$out/train/shards
     cat >"$cfg" <<EOF
@@ -493,9 +496,17 @@ model: {n_layer: 4, n_head: 4, n_embd: 128, seq_len: 128, dropout: 0.0}
 data: {train: ["$shards/py-train-*.h5"]}
 train: {micro_batch: 16, steps: 12, device: cpu, out_dir: "$work/run"}
 EOF
-    steps=12
+    steps=12 vocab=257 tokens=$work/tokens.npy
+    ref_args=(--device cpu --precision fp32 --micro-batch 16 --seq-len 128 --vocab 257 --n-layer 4 --n-head 4 --n-embd 128)
   else
-    [ -d "$shards" ] || { row profile "GPT-2 shards from the bench stage" FAIL "run the bench stage first"; return; }
+    if [ ! -d "$shards" ] || [ ! -f "$tokens" ]; then  # without the bench stage: random GPT-2 tokens of its own
+      shards=$work/shards tokens=$work/tokens.npy
+      if [ ! -d "$shards" ]; then
+        $py -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(5).integers(0, $vocab, 2000000).astype(np.uint16))" \
+          "$tokens" && "$bin" pack "$tokens" -o "$shards/gpt2" --format npy --vocab-size $vocab --eot $((vocab - 1)) \
+          --val-fraction 0 >"$work/pack.log" 2>&1 || { row profile "pack random GPT-2 tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
+      fi
+    fi
     cat >"$cfg" <<EOF
 model: {preset: gpt2, vocab_size: 50304, dropout: 0.0}
 data: {train: ["$shards"]}
@@ -507,19 +518,42 @@ EOF
 optim: {warmup_steps: 5}
 eval: {every: 0}
 log: {every: 5, profile_start: $((steps - 4)), profile_steps: 3}
-checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0}
+checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0, at_end: false}
 sample: {tokens: 0}
 EOF
   rm -rf "$work/run"
+  local traces=() labels=()
   if timeout 300 mpirun -np 1 "$bin" "$cfg" >"$work/mpitrain.log" 2>&1 && [ -f "$work/run/profile/rank-0.json" ]; then
-    $py "$root/bench/profile_summary.py" "$work/run/profile/rank-0.json" >"$work/summary.md" 2>&1
-    local rc=$?
-    cat "$work/summary.md"
-    check profile "mpitrain profiler trace, summarised" \
-      "profile/summary.md: $(grep -m1 -o 'step time.*' "$work/summary.md" | cut -c1-60) $(grep -m1 -o 'GPU busy.* wall time' "$work/summary.md")" \
-      test "$rc" -eq 0
+    traces+=("$work/run/profile/rank-0.json") labels+=(mpitrain)
   else
     row profile "mpitrain profiler trace" FAIL "see profile/mpitrain.log: $(grep -m1 'mpitrain:' "$work/mpitrain.log" | cut -c1-120)"
+  fi
+  # The same model, batch and step count in PyTorch (bench/gpt2_reference.py), profiled the same
+  # way: where mpitrain's step differs from torch.compile's and eager's, kernel kind by kind.
+  if $py -c 'import torch' 2>/dev/null; then
+    [ -f "$tokens" ] || $py -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(5).integers(0, $vocab, 400000).astype(np.uint16))" "$tokens"
+    local mode
+    for mode in compile eager; do
+      [ "$rehearse" = 1 ] && [ "$mode" = compile ] && continue  # a C compiler for Inductor is not promised on the CPU
+      if timeout 300 "$py" "$root/bench/gpt2_reference.py" --tokens "$tokens" --mode $mode --steps $steps --warmup 8 \
+          "${ref_args[@]}" --profile "$work/$mode.json" >"$work/$mode.log" 2>&1 && [ -f "$work/$mode.json" ]; then
+        traces+=("$work/$mode.json") labels+=("pytorch $mode")
+      else
+        row profile "pytorch $mode profiler trace" FAIL "see profile/$mode.log: $(tail -n 1 "$work/$mode.log" | cut -c1-120)"
+      fi
+    done
+  else
+    row profile "pytorch profiles" SKIP "Python torch not importable"
+  fi
+  if [ ${#traces[@]} -gt 0 ]; then
+    local joined rc
+    joined=$(IFS=,; echo "${labels[*]}")
+    "$py" "$root/bench/profile_summary.py" "${traces[@]}" --labels "$joined" >"$work/summary.md" 2>&1
+    rc=$?
+    cat "$work/summary.md"
+    check profile "profiler traces summarised ($joined)" \
+      "profile/summary.md: $(grep -m1 -o 'step time.*' "$work/summary.md" | cut -c1-60) $(grep -m1 -o 'GPU busy.* wall time' "$work/summary.md")" \
+      test "$rc" -eq 0
   fi
   if [ "$rehearse" != 1 ] && command -v nsys >/dev/null; then
     timeout 300 mpirun -np 1 nsys profile -o "$work/nsys" --force-overwrite true --stats=true -t cuda,nvtx \

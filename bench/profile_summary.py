@@ -2,6 +2,11 @@
 """Where a training step's time goes, from mpitrain's profile (log.profile_start; a Chrome trace).
 
   python3 bench/profile_summary.py <out_dir>/profile/rank-0.json [--top N]
+  python3 bench/profile_summary.py A.json B.json [--labels mpitrain,"torch.compile"]
+
+Reads mpitrain's trace and torch.profiler's (Kineto's export_chrome_trace, e.g.
+bench/gpt2_reference.py --profile). With two or more traces it first prints one table of GPU time
+per step by kernel kind, a column per trace and the difference from the first, then each summary.
 
 Prints markdown tables: the profiled steps' wall time; on a GPU, the GPU's busy share of it and
 the kernel time by kind (matmul, attention, LayerNorm, GELU, softmax/cross-entropy, optimizer,
@@ -11,6 +16,7 @@ side of a GPU run), the top operators by inclusive time. Step boundaries come fr
 """
 import argparse
 import json
+import os
 import re
 from collections import defaultdict
 
@@ -26,7 +32,10 @@ KINDS = [  # (kind, pattern over the kernel name), first match wins
     ("reduction", r"reduce|norm_kernel|sum_kernel"),
     ("copies / memset", r"^memcpy|^memset|copy_kernel|cat_|catarray"),
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise|fill"),
+    ("Triton fused (other)", r"^triton_"),
 ]
+# A GPU event's category: "gpu" in mpitrain's own trace, Kineto's names in torch.profiler's.
+GPU_CATS = {"gpu", "kernel", "gpu_memcpy", "gpu_memset"}
 
 
 def kind_of(name):
@@ -50,25 +59,54 @@ def short(name, width=90):
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("trace")
-    ap.add_argument("--top", type=int, default=15)
-    args = ap.parse_args()
-    events = [e for e in json.load(open(args.trace))["traceEvents"] if e.get("ph") == "X"]
-    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
-    gpu = [e for e in events if e.get("cat") == "gpu"]
-    cpu = [e for e in events if e.get("cat") == "cpu_op"]
+def load(path):
+    """The profiled steps of one trace: (steps, GPU events inside them, CPU operators inside them)."""
+    data = json.load(open(path))
+    # Kineto's trace is an object with traceEvents; the legacy profiler's (torch 1.x built without
+    # Kineto, as Debian 12's python3-torch) a bare list of events without categories.
+    events = [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"]
+    for e in events:
+        e.setdefault("cat", "user_annotation" if e["name"].startswith("ProfilerStep#") else "cpu_op")
+    steps = [e for e in events if e["cat"] == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     if not steps:
-        raise SystemExit(f"{args.trace}: no ProfilerStep# annotations (not an mpitrain profile?)")
-    n = len(steps)
+        raise SystemExit(f"{path}: no ProfilerStep# annotations (not an mpitrain or gpt2_reference.py profile?)")
     window = (min(s["ts"] for s in steps), max(s["ts"] + s["dur"] for s in steps))
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and window[0] <= e["ts"] <= window[1]]
+    cpu = [e for e in events if e.get("cat") == "cpu_op" and window[0] <= e["ts"] <= window[1]]
+    return steps, gpu, cpu
+
+
+def kind_ms(steps, gpu):
+    by_kind = defaultdict(float)
+    for e in gpu:
+        by_kind[kind_of(e["name"])] += e["dur"] / 1e3 / len(steps)
+    return by_kind
+
+
+def compare(paths, labels):
+    loaded = [load(p) for p in paths]
+    kinds = [kind_ms(steps, gpu) for steps, gpu, _ in loaded]
+    print("GPU time per step by kernel kind (ms)")
+    print("| kernel kind | " + " | ".join(labels) + " | " + " | ".join(f"{l} - {labels[0]}" for l in labels[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(labels) - 1))
+    order = sorted({k for d in kinds for k in d}, key=lambda k: -max(d.get(k, 0.0) for d in kinds))
+    rows = [(k, [d.get(k, 0.0) for d in kinds]) for k in order]
+    rows.append(("all kernels", [sum(d.values()) for d in kinds]))
+    rows.append(("step (wall)", [sum(s["dur"] for s in steps) / 1e3 / len(steps) for steps, _, _ in loaded]))
+    for name, v in rows:
+        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in v) + " | "
+              + " | ".join(f"{x - v[0]:+.2f}" for x in v[1:]) + " |")
+    print()
+
+
+def summary(path, top):
+    steps, inside, cpu = load(path)
+    n = len(steps)
     wall_ms = sum(s["dur"] for s in steps) / 1e3
     print(f"profile of {n} steps ({', '.join(s['name'].split('#')[1] for s in steps)}): "
           f"step time {wall_ms / n:.2f} ms (wall, mean)")
     print()
-    if gpu:
-        inside = [e for e in gpu if window[0] <= e["ts"] <= window[1]]
+    if inside:
         kernel_ms = sum(e["dur"] for e in inside) / 1e3
         busy_ms = union_length([(e["ts"], e["ts"] + e["dur"]) for e in inside]) / 1e3
         print(f"GPU busy {busy_ms / n:.2f} ms per step = {busy_ms / wall_ms:.1%} of the wall time "
@@ -88,21 +126,39 @@ def main():
         for kind, (count, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
             print(f"| {kind} | {us / 1e3 / n:.2f} | {us / 1e3 / kernel_ms:.1%} | {count / n:.0f} |")
         print()
-        print(f"| top {args.top} kernels | kind | ms per step | share | launches per step |")
+        print(f"| top {top} kernels | kind | ms per step | share | launches per step |")
         print("|---|---|---:|---:|---:|")
-        for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
+        for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
             print(f"| {short(name)} | {kind_of(name)} | {us / 1e3 / n:.3f} | {us / 1e3 / kernel_ms:.1%} | {count / n:.0f} |")
         print()
     ops = defaultdict(lambda: [0, 0.0])
     for e in cpu:
-        if window[0] <= e["ts"] <= window[1]:
-            o = ops[e["name"]]
-            o[0] += 1
-            o[1] += e["dur"]
-    print(f"| top {args.top} CPU-side operators (inclusive) | ms per step | share of the step | calls per step |")
+        o = ops[e["name"]]
+        o[0] += 1
+        o[1] += e["dur"]
+    print(f"| top {top} CPU-side operators (inclusive) | ms per step | share of the step | calls per step |")
     print("|---|---:|---:|---:|")
-    for name, (count, us) in sorted(ops.items(), key=lambda kv: -kv[1][1])[: args.top]:
+    for name, (count, us) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"| {short(name, 60)} | {us / 1e3 / n:.2f} | {us / 1e3 / wall_ms:.1%} | {count / n:.0f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--labels", help="comma-separated names of the traces (default: their file names)")
+    args = ap.parse_args()
+    labels = args.labels.split(",") if args.labels else [os.path.basename(p) for p in args.traces]
+    if len(labels) != len(args.traces):
+        raise SystemExit(f"--labels names {len(labels)} traces, {len(args.traces)} given")
+    if len(args.traces) > 1:
+        compare(args.traces, labels)
+    for path, label in zip(args.traces, labels):
+        if len(args.traces) > 1:
+            print(f"## {label}: {path}")
+            print()
+        summary(path, args.top)
+        print()
 
 
 if __name__ == "__main__":

@@ -454,6 +454,12 @@ check "async: a failed background write ends the job with exit 2, printed once" 
   "[ $rc -eq 2 ] && [ \$(grep -c 'mpitrain: ckptC/ckpt-00000003.h5.tmp: cannot write checkpoint' afail.out) -eq 1 ]"
 check "async: after the failed write no checkpoint and no latest" \
   "! ls ckptC/ckpt-*.h5 >/dev/null 2>&1 && [ ! -e ckptC/latest ]"
+# checkpoint.at_end false: every 4 of 6 steps writes step 4's and nothing after the last step.
+"$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckptD --set train.out_dir=runD \
+  --set checkpoint.every=4 --set checkpoint.at_end=false > noend.out 2>&1
+rc=$?
+check "checkpoint.at_end false: step 4's checkpoint, none at the end" \
+  "[ $rc -eq 0 ] && [ -f ckptD/ckpt-00000004.h5 ] && [ ! -e ckptD/ckpt-00000006.h5 ] && grep -qx ckpt-00000004.h5 ckptD/latest && grep -q 'step     6/6' noend.out"
 # ==== END checkpoint.async ===================================================================
 
 echo "$passed passed, $failed failed"

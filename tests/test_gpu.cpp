@@ -7,6 +7,8 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -458,6 +460,66 @@ TEST(Gpu, FusedSoftmaxCrossEntropyKernelMatchesReference) {
       expect_close(res[0][1], res[1][1], tol, where + ": d_hidden");
       expect_close(res[0][2], res[1][2], tol, where + ": d_weight");
       expect_close(res[0][3], res[1][3], Tol{1e-4, 1e-4}, where + ": loss without gradients");
+    }
+  }
+}
+
+// ---- activation checkpointing on the GPU ---------------------------------------------------------
+
+// train.activation_checkpointing: full on CUDA. The second run of each block must draw the first
+// run's dropout masks from the CUDA generator (model.cpp saves and restores its state) and run
+// under the first run's autocast, so the loss and gradients equal those without checkpointing.
+// Control: the same run twice without checkpointing. Where that is bitwise (deterministic kernels),
+// checkpointing must be bitwise too; where a kernel's backward adds in a varying order (atomics),
+// checkpointing may differ by no more than twice what the control does.
+TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
+  REQUIRE_CUDA();
+  for (bool llama : {false, true}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(std::string(llama ? "llama" : "gpt2") + (bf16 ? " bf16" : " fp32"));
+      GPTDims d = tiny_dims();
+      if (llama) {
+        d.arch = "llama";
+        d.n_head = 4, d.n_kv_head = 2, d.intermediate_size = 96, d.max_position = d.seq_len;
+        d.tie_embeddings = false;
+      } else {
+        d.dropout = 0.1;  // the masks the recomputation must draw again
+      }
+      d.fused_kernels = fused_kernels_built();
+      auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
+      auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
+      std::vector<torch::Tensor> runs[3];  // none, none again (control), full
+      for (int k = 0; k < 3; ++k) {
+        d.ac = k == 2 ? GPTDims::Ac::full : GPTDims::Ac::none;
+        torch::manual_seed(21);  // the same weights, and the same CUDA generator for dropout
+        GPT m(d);
+        m->to(kGpu);
+        m->train();
+        const int64_t before = recomputed_blocks();
+        torch::Tensor loss;
+        {
+          std::optional<Autocast> ac;
+          if (bf16) ac.emplace(Precision::bf16, kGpu);
+          loss = m->loss(x, y);
+        }
+        loss.backward();
+        torch::cuda::synchronize();
+        EXPECT_EQ(recomputed_blocks() - before, k == 2 ? d.n_layer : 0) << "blocks run again in backward";
+        runs[k].push_back(loss.detach());
+        for (auto& [name, p] : m->named_params()) runs[k].push_back(p.grad());
+      }
+      double control = 0, checkpointed = 0;
+      for (size_t i = 0; i < runs[0].size(); ++i) {
+        ASSERT_TRUE(runs[0][i].defined() && runs[2][i].defined()) << "tensor " << i;
+        control = std::max(control, (runs[0][i] - runs[1][i]).abs().max().item<double>());
+        checkpointed = std::max(checkpointed, (runs[0][i] - runs[2][i]).abs().max().item<double>());
+      }
+      if (control == 0)
+        EXPECT_EQ(checkpointed, 0) << "deterministic kernels: checkpointing must be bitwise";
+      else
+        EXPECT_LE(checkpointed, 2 * control) << "control (same run twice) differs by " << control;
+      std::printf("  %s %s: checkpointing vs none max |diff| %.3g, control %.3g\n", llama ? "llama" : "gpt2",
+                  bf16 ? "bf16" : "fp32", checkpointed, control);
     }
   }
 }

@@ -124,6 +124,7 @@ struct LogConfig {
 struct CheckpointConfig {
   std::string dir = "checkpoints";  // ckpt-<step:08>.h5 and `latest` live here
   int64_t every = 0;                // steps between checkpoints (0 = only at the end)
+  bool at_end = true;               // write one after the last step (false: benchmarks, runs kept elsewhere)
   int64_t keep = 3;                 // keep the newest K complete checkpoints, >= 1
   std::string resume = "auto";      // auto (newest in dir, if any) | none | path to a .h5
   bool async = false;               // snapshot to host memory, write on a background thread

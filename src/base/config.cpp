@@ -90,7 +90,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(checkpoint, dir),
     MPITRAIN_FIELD(checkpoint, every),   MPITRAIN_FIELD(checkpoint, keep),
     MPITRAIN_FIELD(checkpoint, resume),  MPITRAIN_FIELD(checkpoint, async),
-    MPITRAIN_FIELD(checkpoint, writers),
+    MPITRAIN_FIELD(checkpoint, writers),   MPITRAIN_FIELD(checkpoint, at_end),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
     MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, compress),

@@ -594,8 +594,8 @@ void Run::run_eval(int64_t at_step) {
 }
 
 // A stop signal on any rank stops every rank after this step, with a checkpoint; so does
-// --stop-after. Checkpoints every checkpoint.every steps and at the last, never of a diverged
-// state. Returns whether training goes on.
+// --stop-after. Checkpoints every checkpoint.every steps and at the last (unless checkpoint.at_end
+// is false), never of a diverged state. Returns whether training goes on.
 bool Run::checkpoint_if_due() {
   const int64_t step = st_.step;
   const bool last = step == cfg_.train.steps;
@@ -605,7 +605,7 @@ bool Run::checkpoint_if_due() {
     MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm_));
   }
   const bool stop_here = (hooks_.stop_after >= 0 && step == hooks_.stop_after) || any_signal != 0;
-  if (every(step, cfg_.checkpoint.every) || last || stop_here) {
+  if (every(step, cfg_.checkpoint.every) || (last && cfg_.checkpoint.at_end) || stop_here) {
     // Never save a diverged state as the newest checkpoint: one check of every parameter (the
     // same on every rank after the all-reduce) per save.
     torch::Tensor all_finite;
