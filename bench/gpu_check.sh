@@ -417,12 +417,13 @@ YAML
 # ---- memory -------------------------------------------------------------------------------------
 # Peak device memory (libtorch's allocator, rank 0) of the Llama 3.2 1B shape on 2 ranks sharing the
 # GPU (comm.backend mpi, dp 2), bf16, micro-batch 2 x 2048, for optim.zero 0/1/2 x activation
-# checkpointing none/full, MEMORY_STEPS steps each (default 6): the table issue 41 asks of a lease,
-# each figure against zero 0 without checkpointing measured in the same call, and against what
-# `mpitrain plan` predicts for it (its memory table, run once first: issue 41's "within 15%"). Rehearsal:
+# checkpointing none/full, MEMORY_STEPS steps each (default 3: the first step allocates AdamW's
+# state, the second runs with it): the table issue 41 asks of a lease, each figure against zero 0
+# without checkpointing measured in the same call, and against what `mpitrain plan --memory-only`
+# predicts for it (run once first; issue 41's "within 15%"). Each run writes no checkpoint. Rehearsal:
 # llama-debug on the CPU, where there is no device peak to read (the runs must still end).
 stage_memory() {
-  local work=$out/memory preset=llama3.2-1b steps=${MEMORY_STEPS:-6} micro=2 precision=bf16 vocab=128256 n=3000000
+  local work=$out/memory preset=llama3.2-1b steps=${MEMORY_STEPS:-3} micro=2 precision=bf16 vocab=128256 n=3000000
   mkdir -p "$work"
   [ -x "$bin" ] || { row memory "mpitrain binary" FAIL "$bin not built"; return; }
   if [ "$rehearse" = 1 ]; then preset=llama-debug micro=2 precision=fp32 vocab=2048 n=200000; fi
@@ -449,7 +450,7 @@ sample: {tokens: 0}
 YAML
       # mpitrain plan's prediction for every row, once (the same model, world and micro-batch).
       if [ ! -f "$work/plan.log" ]; then
-        timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --iters 1 >"$work/plan.log" 2>&1 \
+        timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --memory-only >"$work/plan.log" 2>&1 \
           || row memory "mpitrain plan (memory per rank)" FAIL "exit $?: $(tail -n 1 "$work/plan.log")"
       fi
       planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); printf "%.2f", $9 / 1024; exit }' "$work/plan.log")

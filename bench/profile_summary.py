@@ -24,7 +24,7 @@ KINDS = [  # (kind, pattern over the kernel name), first match wins
     ("communication (NCCL)", r"nccl"),
     ("attention", r"flash|fmha|attention|sdpa|cudnn.*(mha|sdpa)|_efficient_attention"),
     ("matmul (GEMM)", r"gemm|cutlass|xmma|cublas|nvjet|sm\d+_.*(mma|h\d+gemm)|ampere_|hopper_"),
-    ("LayerNorm (fused add + LN)", r"layer_?norm|add_ln|addln|ln_fwd|ln_bwd"),
+    ("LayerNorm / RMSNorm (fused add + norm)", r"layer_?norm|rms_?norm|add_ln|addln|ln_fwd|ln_bwd|add_norm|norm_param_grad"),
     ("bias + GELU", r"gelu"),
     ("softmax / cross-entropy", r"softmax|cross_entropy|nll_loss|log_softmax|xent"),
     ("optimizer (AdamW)", r"adam|multi_tensor_apply"),
@@ -71,7 +71,9 @@ def load(path):
     if not steps:
         raise SystemExit(f"{path}: no ProfilerStep# annotations (not an mpitrain or gpt2_reference.py profile?)")
     window = (min(s["ts"] for s in steps), max(s["ts"] + s["dur"] for s in steps))
-    gpu = [e for e in events if e.get("cat") in GPU_CATS and window[0] <= e["ts"] <= window[1]]
+    # mpitrain's trace also holds the step annotations mirrored on the GPU's timeline: not kernels.
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and window[0] <= e["ts"] <= window[1]
+           and not e["name"].startswith("ProfilerStep#")]
     cpu = [e for e in events if e.get("cat") == "cpu_op" and window[0] <= e["ts"] <= window[1]]
     return steps, gpu, cpu
 

@@ -108,11 +108,17 @@ check "plan: memory per rank for zero 0-3 x none/full, the model state counted, 
    && awk -v a='$act_block' 'BEGIN { split(a, v, \" \"); exit !(v[1] > 0 && v[2] > 0 && v[2] < v[1]) }'"
 check "plan --memory 1: the fastest layout fits, named" \
   "grep -q 'memory recommendation (--memory: 1 GiB): optim.zero: 0, train.activation_checkpointing: none .*the fastest layout fits' plan-llama.out"
-"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --iters 1 --memory 0.0000001 > plan-small.out 2>&1
+"$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --memory-only --memory 0.0000001 > plan-small.out 2>&1
 rc=$?
 check "plan --memory smaller than any layout: exit 0, says none fits, why, and zero 3's prediction (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'no implemented layout fits: zero 0 + none needs .* (largest: ' plan-small.out \
    && grep -q 'zero 3 + full (not implemented yet) would need' plan-small.out"
+# (the state's columns; the activations are measured again, so may differ by an allocation)
+check "plan --memory-only: the same memory table, no timing" \
+  "! grep -q '^measured: ' plan-small.out && ! grep -q '^recommendation: ' plan-small.out \
+   && grep -q '^plan: model 6464 parameters; micro-batch 2 x 32 tokens; fp32; dp 2' plan-small.out \
+   && [ \"\$(grep -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-small.out | cut -d'|' -f2-7)\" = \"\$(grep -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-llama.out | cut -d'|' -f2-7)\" ] \
+   && [ \$(grep -c -E '^\\| [0-3]' plan-small.out) -eq 8 ]"
 "$MPIRUN" -np 2 "$BIN" cfg.yaml "${llama_model[@]}" --set train.steps=2 --set checkpoint.dir=ckpt-llama \
   --set train.out_dir=run-llama > train-llama.out 2>&1
 rc=$?

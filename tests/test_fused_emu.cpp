@@ -508,3 +508,26 @@ TEST(FusedEmuTensorParallel, TheFusedTpLlamaMatchesTheUnfusedDenseLlama) {
   lp.backward();
   expect_grads_close(fused, plain, 2 * kB32 * std::sqrt(kTokens), "llama tp 2", tp.get());
 }
+
+// Gradient clipping's fp64 sum of squares through the kernel (one pass over fp32 tensors of many
+// sizes, an empty one among them) against the reference's per-tensor fp64 norms; both are the
+// exact sum to a few fp64 roundings. A non-contiguous tensor in the list sends all to the reference.
+TEST(FusedEmu, SumOfSquaresThroughTheKernelMatchesTheReference) {
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> ts;
+  for (int64_t n : {1, 700, 0, 65536, 3 * 65536 + 5, 33})
+    ts.push_back(torch::randn({n}) * 2.5);
+  ts.push_back(torch::randn({64, 48}));
+  const torch::Tensor kernel = sum_of_squares(ts, torch::kCPU, FusedImpl::automatic);
+  const torch::Tensor reference = sum_of_squares(ts, torch::kCPU, FusedImpl::reference);
+  ASSERT_EQ(kernel.scalar_type(), torch::kFloat64);
+  ASSERT_EQ(kernel.sizes(), torch::IntArrayRef({1}));
+  double exact = 0;
+  for (const auto& t : ts) exact += t.to(torch::kFloat64).square().sum().item<double>();
+  EXPECT_NEAR(kernel.item<double>(), exact, 1e-12 * exact);
+  EXPECT_NEAR(reference.item<double>(), exact, 1e-12 * exact);
+  ts.push_back(torch::randn({8, 8}).t());  // not contiguous: the reference for the whole list
+  exact += ts.back().to(torch::kFloat64).square().sum().item<double>();
+  EXPECT_NEAR(sum_of_squares(ts, torch::kCPU).item<double>(), exact, 1e-12 * exact);
+  EXPECT_EQ(sum_of_squares({}, torch::kCPU).item<double>(), 0.0);
+}

@@ -523,3 +523,17 @@ TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
     }
   }
 }
+
+// Gradient clipping's fp64 sum of squares: the nvcc-compiled kernel against the per-tensor fp64
+// norms, on tensors of many sizes (several launches' worth of tensors, multi-chunk ones).
+TEST(Gpu, SumOfSquaresKernelMatchesTheReference) {
+  REQUIRE_FUSED_KERNELS();
+  torch::manual_seed(12);
+  std::vector<torch::Tensor> ts;
+  for (int i = 0; i < 60; ++i) ts.push_back(torch::randn({1 + (i * 7919) % 3000}, torch::device(kGpu)) * (1 + i % 5));
+  ts.push_back(torch::randn({3 * 65536 + 17}, torch::device(kGpu)));
+  const double kernel = sum_of_squares(ts, kGpu).item<double>();
+  const double reference = sum_of_squares(ts, kGpu, FusedImpl::reference).item<double>();
+  EXPECT_NEAR(kernel, reference, 1e-12 * reference);
+  std::printf("  sum of squares: kernel %.17g, reference %.17g\n", kernel, reference);
+}

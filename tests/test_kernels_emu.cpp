@@ -416,3 +416,37 @@ TEST(KernelsEmu, EmptyInputsLaunchNothingAndBadLaunchesReportAnError) {
   EXPECT_NE(launch_status(), nullptr);
   EXPECT_EQ(launch_status(), nullptr);  // and cleared once read
 }
+
+// Gradient clipping's sum of squares: 53 tensors (more than one launch's 48), among them empty ones
+// (skipped: no partial) and ones of several 65536-element chunks. Each partial is its chunk's
+// sum of squares (fp32 values squared exactly in fp64; the block's tree adds in another order than
+// the loop here, so within a few fp64 roundings), in tensor and chunk order, and nothing is written
+// past the last partial.
+TEST(KernelsEmu, SumSquaresWritesOnePartialPerChunkInOrder) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::vector<std::vector<float>> xs;
+  for (int i = 0; i < 53; ++i) {
+    const int64_t n = i % 17 == 5 ? 0 : i == 3 ? 3 * 65536 + 11 : i == 50 ? 65536 : 1 + (i * 7919) % 900;
+    std::vector<float> x(static_cast<size_t>(n));
+    for (auto& v : x) v = normal(rng);
+    xs.push_back(std::move(x));
+  }
+  std::vector<const float*> ptrs;
+  std::vector<int64_t> numel;
+  for (const auto& x : xs) ptrs.push_back(x.data()), numel.push_back(static_cast<int64_t>(x.size()));
+  const int64_t blocks = sum_squares_partials(numel.data(), static_cast<int>(xs.size()));
+  std::vector<double> partials(static_cast<size_t>(blocks) + 1, -1.0);  // one sentinel past the end
+  ASSERT_EQ(sum_squares(ptrs.data(), numel.data(), static_cast<int>(xs.size()), partials.data(), nullptr), nullptr);
+  size_t b = 0;
+  for (const auto& x : xs)
+    for (size_t begin = 0; begin < x.size(); begin += 65536, ++b) {
+      double want = 0;
+      for (size_t i = begin; i < std::min(x.size(), begin + 65536); ++i) want += static_cast<double>(x[i]) * x[i];
+      ASSERT_LT(b, static_cast<size_t>(blocks));
+      EXPECT_NEAR(partials[b], want, 1e-13 * want) << "partial " << b;
+    }
+  EXPECT_EQ(b, static_cast<size_t>(blocks)) << "one partial per non-empty chunk";
+  EXPECT_EQ(blocks, 48 + 4 + 1) << "48 small tensors one chunk each (3 empty ones none), tensor 3 four, tensor 50 one";
+  EXPECT_EQ(partials.back(), -1.0) << "written past the last partial";
+}

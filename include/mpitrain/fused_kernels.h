@@ -78,4 +78,10 @@ const char* rotary(const void* x, const float* cos, const float* sin, void* out,
 const char* softmax_cross_entropy(void* logits, DType t, const int64_t* targets, float* loss, float scale,
                                   bool with_grad, int64_t rows, int64_t cols, void* stream);
 
+// The sum of squares of n fp32 tensors (x[i] holding numel[i] elements; empty ones skipped), in
+// fp64: `partials` (sum_squares_partials(numel, n) doubles) receives one partial sum per block of
+// 65536 elements of one tensor, in tensor order; the caller adds them (a fixed order: deterministic).
+const char* sum_squares(const float* const* x, const int64_t* numel, int n, double* partials, void* stream);
+int64_t sum_squares_partials(const int64_t* numel, int n);
+
 }  // namespace mpitrain::kernels

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <utility>
+#include <vector>
 
 namespace mpitrain {
 
@@ -74,6 +75,13 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, FusedIm
 // gradient by the negative angle. The tables get no gradient.
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      FusedImpl impl = FusedImpl::automatic);
+
+// sum over the tensors of sum(t^2), accumulated in fp64: a [1] fp64 tensor on their device (on
+// `device` when the list is empty). The kernel reads each fp32 CUDA tensor once (sum_squares in
+// fused_kernels.h); the reference is one fp64 vector norm per tensor. Gradient clipping's global
+// norm (optim.cpp): fp64 keeps it the same, to fp32 rounding, however the elements are split.
+torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& ts, const torch::Device& device,
+                             FusedImpl impl = FusedImpl::automatic);
 
 // The classifier's softmax cross-entropy over one chunk of logits, by the CUDA kernel (only in
 // builds with the kernels; elsewhere an Error): loss[r] = logsumexp(logits[r]) -

@@ -14,7 +14,10 @@
 //   activations n_layer x the per-block bytes + the rest (embeddings, final norm, loss), measured;
 //               full checkpointing: each checkpointed block keeps its input only, plus one block's
 //               activations while it runs again in backward
-//   peak        the sum: an upper bound (the gradients grow in backward as the activations shrink)
+//   peak        the sum. Not a bound: the gradients grow in backward as the activations shrink
+//               (the H100 measured 0.89x of it for zero 0 without checkpointing), and transients
+//               it does not count (the tied embedding's gradient copies, autocast's weight copies
+//               in recomputation) made zero 2 + full checkpointing 1.41x of it (bench/RESULTS.md)
 // Megatron-LM's count for comparison: 18 bytes per parameter unsharded (its bf16 weights, fp32
 // master and gradients, moments) against mpitrain's 16 (fp32 weights and gradients, no copy).
 #pragma once

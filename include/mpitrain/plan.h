@@ -27,6 +27,7 @@ namespace mpitrain {
 struct PlanOptions {
   int64_t iters = 5;  // timed repetitions of each measurement (after 2 warm-ups)
   double memory_gib = 0;  // --memory: the memory per rank to fit (0: the GPU's; none on the CPU)
+  bool memory_only = false;  // --memory-only: the memory table alone, no timing (no collectives timed)
 };
 
 // Collective. UsageError (agreed, printed once) for a bad config or parallel.tp > 1.

@@ -162,6 +162,9 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   plan_cmd->add_option("--iters", plan.iters, "timed repetitions of each measurement")->capture_default_str();
   plan_cmd->add_option("--memory", plan.memory_gib,
                        "GiB per rank the layout must fit (default on a GPU: its memory; on the CPU none: no recommendation)");
+  plan_cmd->add_flag("--memory-only", plan.memory_only,
+                     "print the memory per rank alone: no timing of compute or all-reduce (seconds, not minutes, for a "
+                     "large model whose ranks share a GPU)");
 
   NetcheckOptions netcheck;
   auto* netcheck_cmd = app.add_subcommand("netcheck", "check the launch: host map, links, all-reduce bandwidth");

@@ -1,5 +1,5 @@
 // The MPI communicator backend: CPU tensors reduced in place with MPI; tensors on a device are
-// staged through a host copy (correct, not fast: GPU runs use NCCL).
+// staged through a page-locked host copy (ranks sharing a GPU; GPU runs otherwise use NCCL).
 #include <climits>
 #include <vector>
 
@@ -70,6 +70,24 @@ MPI_Op mpi_op(ReduceOp op, const torch::Tensor& t) {
     case ReduceOp::min: return MPI_MIN;
   }
   return MPI_SUM;
+}
+
+// A contiguous host tensor holding t's data (t itself when it is one). A device tensor goes into
+// page-locked memory from libtorch's caching host allocator (reused from step to step), which the
+// copy engine fills directly; a fresh pageable copy (to(kCPU)) first faults its pages in and goes
+// through the driver's bounce buffer. Two ranks sharing an H100 with pageable copies all-reduced
+// a 4.7 GB gradient at 0.51 GB/s (bench/RESULTS.md, the second lease).
+torch::Tensor host_copy(const torch::Tensor& t) {
+  if (t.is_cpu()) return t.contiguous();
+  torch::Tensor h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+  h.copy_(t);
+  return h;
+}
+
+// An uninitialised host tensor for a collective's result that goes to `t` (page-locked when t is on
+// a device, as above).
+torch::Tensor host_output(const torch::Tensor& t, const torch::TensorOptions& options) {
+  return torch::empty(t.sizes(), options.device(torch::kCPU).pinned_memory(!t.is_cpu()));
 }
 
 // MPI counts are int: large tensors go in pieces.
@@ -161,7 +179,7 @@ class MpiCommunicator final : public Communicator {
     check_gather_sizes("all_gather", "out", out, in, size_);
     if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
     Watchdog::Scope watch("all_gather");
-    torch::Tensor hin = in.to(torch::kCPU).contiguous();
+    torch::Tensor hin = host_copy(in);
     with_host_copy(out, /*copy_back=*/true, [&](torch::Tensor& hout) {
       const int count = static_cast<int>(hin.numel());
       MPI_CHECK(MPI_Allgather(hin.data_ptr(), count, mpi_type(hin), hout.data_ptr(), count,
@@ -183,7 +201,7 @@ class MpiCommunicator final : public Communicator {
       throw Error("all_reduce avg needs a floating-point tensor");
     count_reduced(t);
     const bool staged = !(t.is_cpu() && t.is_contiguous());
-    torch::Tensor host = staged ? t.to(torch::kCPU).contiguous() : t;
+    torch::Tensor host = staged ? host_copy(t) : t;
     auto work = std::make_unique<MpiWork>("all_reduce(bucket)", host, staged ? t : torch::Tensor(), op, size_);
     const MPI_Datatype type = mpi_type(host);
     const size_t elem = host.element_size();
@@ -203,9 +221,9 @@ class MpiCommunicator final : public Communicator {
     if (op == ReduceOp::avg && !out.is_floating_point())
       throw Error("reduce_scatter avg needs a floating-point tensor");
     count_reduced(in);
-    torch::Tensor hin = in.is_cpu() && in.is_contiguous() ? in : in.to(torch::kCPU).contiguous();
+    torch::Tensor hin = host_copy(in);
     const bool staged = !(out.is_cpu() && out.is_contiguous());
-    torch::Tensor hout = staged ? torch::empty(out.sizes(), hin.options()) : out;
+    torch::Tensor hout = staged ? host_output(out, hin.options()) : out;
     auto work = std::make_unique<MpiWork>("reduce_scatter(bucket)", hout, staged ? out : torch::Tensor(), op, size_, hin);
     work->requests().emplace_back();
     MPI_CHECK(MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(out.numel()),
@@ -222,7 +240,7 @@ class MpiCommunicator final : public Communicator {
       fn(t);
       return;
     }
-    torch::Tensor h = t.to(torch::kCPU).contiguous();
+    torch::Tensor h = host_copy(t);
     fn(h);
     if (copy_back) t.copy_(h);
   }

@@ -10,6 +10,7 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "mpitrain/error.h"
@@ -507,6 +508,35 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
                        t->scalar_type() == torch::kFloat32,
                    concat("rotary: cos and sin must be fp32 [>= ", x.size(1), ", ", x.size(3), "]"));
   return apply_autograd_function<RotaryEmbedding>(x, cos, sin, impl);
+}
+
+torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& ts, const torch::Device& device, FusedImpl impl) {
+  torch::NoGradGuard no_grad;
+  const torch::Device on_device = ts.empty() ? device : ts.front().device();
+#ifdef MPITRAIN_FUSED_KERNELS
+  const bool kernel = impl == FusedImpl::automatic && !ts.empty() &&
+                      std::all_of(ts.begin(), ts.end(), [&](const Tensor& t) {
+                        return on(t, on_device) && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
+                      });
+  if (kernel) {
+    std::vector<const float*> x;
+    std::vector<int64_t> numel;
+    for (const auto& t : ts) x.push_back(t.data_ptr<float>()), numel.push_back(t.numel());
+    const int n = static_cast<int>(ts.size());
+    const int64_t blocks = kernels::sum_squares_partials(numel.data(), n);
+    if (blocks == 0) return torch::zeros({1}, torch::dtype(torch::kFloat64).device(on_device));
+    Tensor partials = torch::empty({blocks}, torch::dtype(torch::kFloat64).device(on_device));
+    MPITRAIN_KERNEL_DEVICE_GUARD(on_device);
+    kernel_check(kernels::sum_squares(x.data(), numel.data(), n, partials.data_ptr<double>(), current_stream(on_device)),
+                 "sum_squares", __LINE__);
+    return partials.sum().reshape({1});
+  }
+#else
+  (void)impl;
+#endif
+  Tensor sum = torch::zeros({1}, torch::dtype(torch::kFloat64).device(on_device));
+  for (const auto& t : ts) sum += at::linalg_vector_norm(t, 2, c10::nullopt, false, torch::kFloat64).square();
+  return sum;
 }
 
 bool softmax_cross_entropy_kernel_applies(const torch::Tensor& logits) {

@@ -80,8 +80,18 @@ namespace {
 // and the output of a row-parallel one (its partial sums summed, then the replicated bias added
 // once). Without tp, the layer as it is.
 torch::Tensor column_input(const torch::Tensor& x, Communicator* tp) { return tp ? tp_copy(x, *tp) : x; }
+
+// A linear layer through ATen's linear, not libtorch's C++ functional one: that one computes a
+// batched [B, T, C] input as matmul, then the bias as a separate broadcast add (one more pass over
+// the output: 3.3 ms of a GPT-2 124M step on an H100, bench/RESULTS.md); ATen's folds B and T and
+// calls addmm, whose GEMM adds the bias (on CUDA, cuBLASLt's bias epilogue), as PyTorch's
+// nn.Linear does.
+torch::Tensor apply_linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return at::linear(x, layer->weight, layer->bias.defined() ? c10::optional<torch::Tensor>(layer->bias) : c10::nullopt);
+}
+
 torch::Tensor row_parallel(const torch::Tensor& x, torch::nn::Linear& layer, Communicator* tp) {
-  if (!tp) return layer(x);
+  if (!tp) return apply_linear(layer, x);
   torch::Tensor y = tp_reduce(F::linear(x, layer->weight), *tp);
   return layer->bias.defined() ? y + layer->bias : y;
 }
@@ -196,10 +206,11 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
   torch::Tensor q, k, v;
   if (c_attn) {
-    auto qkv = c_attn(in).split(n_head_ * hd, /*dim=*/2);
+    auto qkv = apply_linear(c_attn, in).split(n_head_ * hd, /*dim=*/2);
     q = heads(qkv[0], n_head_), k = heads(qkv[1], n_head_), v = heads(qkv[2], n_head_);
   } else {
-    q = heads(q_proj(in), n_head_), k = heads(k_proj(in), n_kv_head_), v = heads(v_proj(in), n_kv_head_);
+    q = heads(apply_linear(q_proj, in), n_head_), k = heads(apply_linear(k_proj, in), n_kv_head_),
+    v = heads(apply_linear(v_proj, in), n_kv_head_);
     if (q_norm) q = q_norm(q), k = k_norm(k);  // Qwen3: each head normalised, before rotary
   }
   if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
@@ -300,13 +311,13 @@ MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
-  if (gate_proj) return row_parallel(F::silu(gate_proj(in)) * up_proj(in), c_proj, tp_);
-  return row_parallel(F::gelu(c_fc(in), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
+  if (gate_proj) return row_parallel(F::silu(apply_linear(gate_proj, in)) * apply_linear(up_proj, in), c_proj, tp_);
+  return row_parallel(F::gelu(apply_linear(c_fc, in), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
-  if (gate_proj) return row_parallel(swiglu(gate_proj(in), up_proj(in)), c_proj, tp_);
+  if (gate_proj) return row_parallel(swiglu(apply_linear(gate_proj, in), apply_linear(up_proj, in)), c_proj, tp_);
   // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
   return row_parallel(bias_gelu(F::linear(in, c_fc->weight), c_fc->bias), c_proj, tp_);
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "mpitrain/error.h"
+#include "mpitrain/fused_ops.h"
 #include "mpitrain/libtorch_version.h"
 #include "mpitrain/tensor_parallel.h"
 
@@ -131,20 +132,21 @@ void AdamW::zero_grad() {
 
 namespace {
 
-// ||g||^2 accumulated in fp64: the global norm then rounds to the same fp32 value however the
-// elements are partitioned (whole parameters, or ZeRO-1's slices summed across ranks), so the
-// clip coefficient, and with it the whole run, does not depend on the layout.
-torch::Tensor squared_norm64(const torch::Tensor& g) {
-  return at::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kFloat64).square();
-}
-
+// ||g||^2 accumulated in fp64 (sum_of_squares: one kernel over all the gradients on CUDA): the
+// global norm then rounds to the same fp32 value however the elements are partitioned (whole
+// parameters, or ZeRO's slices summed across ranks), so the clip coefficient, and with it the whole
+// run, does not depend on the layout.
 torch::Tensor clip_by(std::vector<torch::Tensor>& grads, const torch::Tensor& squared_total, double max_norm) {
   torch::Tensor total = squared_total.sqrt().to(torch::kFloat32).reshape({});
-  if (max_norm > 0) {
+  if (max_norm > 0 && !grads.empty()) {
     // min(1, max_norm / norm) as a device scalar: no host synchronisation; exactly 1 (no change)
     // when the norm is within bounds.
     torch::Tensor coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+    at::_foreach_mul_(grads, coef);  // a few multi-tensor launches instead of one per gradient
+#else
     for (auto& g : grads) g.mul_(coef);
+#endif
   }
   return total;
 }
@@ -153,14 +155,11 @@ torch::Tensor clip_by(std::vector<torch::Tensor>& grads, const torch::Tensor& sq
 
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads, squares;
+  std::vector<torch::Tensor> grads;
   for (const auto& p : params)
-    if (p.grad().defined()) {
-      grads.push_back(p.grad());
-      squares.push_back(squared_norm64(p.grad()));
-    }
+    if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty()) return torch::zeros({}, torch::kFloat32);
-  return clip_by(grads, torch::stack(squares).sum(), max_norm);
+  return clip_by(grads, sum_of_squares(grads, grads.front().device()).sum(), max_norm);
 }
 
 torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator& group) {
@@ -168,27 +167,24 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
   torch::NoGradGuard no_grad;
   // Summed on the shards' device, also on a rank that owns no element (the all-reduce below must
   // take the same backend path on every rank).
-  torch::Tensor squared = torch::zeros({1}, opt.bucket_exp_avg(0).options().dtype(torch::kFloat64));
   std::vector<torch::Tensor> grads;
-  for (size_t i = 0; i < opt.size(); ++i) {
-    grads.push_back(opt.grad(i));
-    squared += squared_norm64(grads.back());
-  }
+  for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
+  torch::Tensor squared = sum_of_squares(grads, opt.bucket_exp_avg(0).device());
   group.all_reduce(squared, ReduceOp::sum);
   return clip_by(grads, squared, max_norm);
 }
 
 torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp) {
   torch::NoGradGuard no_grad;
-  const torch::TensorOptions on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).options();
-  torch::Tensor squared = torch::zeros({1}, on.dtype(torch::kFloat64));
-  std::vector<torch::Tensor> grads;
+  const torch::Device on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).device();
+  std::vector<torch::Tensor> grads, counted;  // counted: replicated tensors on tp rank 0 only
   for (size_t i = 0; i < opt.size(); ++i) {
     torch::Tensor g = opt.grad(i);
     if (!g.defined()) continue;
     grads.push_back(g);
-    if (tp.rank() == 0 || model->tp_split(opt.name(i)) != TpSplit::replicated) squared += squared_norm64(g);
+    if (tp.rank() == 0 || model->tp_split(opt.name(i)) != TpSplit::replicated) counted.push_back(g);
   }
+  torch::Tensor squared = sum_of_squares(counted, on);
   if (opt.sharded()) dp.all_reduce(squared, ReduceOp::sum);
   tp.all_reduce(squared, ReduceOp::sum);
   return clip_by(grads, squared, max_norm);

@@ -152,6 +152,44 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   std::vector<torch::Tensor> params;
   for (auto& [name, p] : model->named_params()) params.push_back(p);
 
+  // ---- memory: the model state counted, the activations measured (rank 0's device) ----
+  int64_t n_params = 0;
+  for (const auto& p : params) n_params += p.numel();
+  auto memory_table = [&] {
+    MemoryInputs mem;
+    mem.params = n_params;
+    {
+      std::map<std::string, int64_t> units;  // zero 3's units: each block; the rest one tensor each
+      for (const auto& [name, p] : model->named_params()) {
+        const bool block = name.rfind("h.", 0) == 0;
+        units[block ? name.substr(0, name.find('.', 2)) : name] += p.numel();
+      }
+      for (const auto& [unit, n] : units) mem.largest_unit = std::max(mem.largest_unit, n);
+    }
+    mem.n_layer = dims.n_layer;
+    mem.dp = run.layout.dp;
+    mem.bucket_mb = cfg.comm.bucket_mb;
+    mem.ac_every = cfg.train.ac_every;
+    const bool measured = activation_probe(dims, run.precision, device, micro, mem);
+    double memory_gib = options.memory_gib;
+    std::string memory_source = "--memory";
+    if (memory_gib <= 0 && device.is_cuda()) {
+      memory_gib = static_cast<double>(cuda_total_memory_bytes(device.index())) / (1024.0 * 1024 * 1024);
+      memory_source = concat(cuda_device_name(device.index()), "'s memory");
+    }
+    return measured ? memory_report(mem, memory_gib, memory_source)
+                    : std::string("memory: this device's allocated bytes cannot be read: no activation measurement");
+  };
+  if (options.memory_only) {  // no timing: the model's memory per rank alone (rank 0 measures)
+    if (topo.rank == 0) {
+      std::printf("plan: model %lld parameters; micro-batch %lld x %lld tokens; %s; dp %lld\n%s\n",
+                  static_cast<long long>(n_params), static_cast<long long>(micro), static_cast<long long>(T),
+                  precision_name(run.precision), static_cast<long long>(run.layout.dp), memory_table().c_str());
+      std::fflush(stdout);
+    }
+    return;
+  }
+
   // ---- compute: one micro-batch forward and backward on every rank at once ----
   torch::Tensor x = torch::randint(dims.classes(), {micro, T}, torch::kInt32).to(device);
   torch::Tensor y = torch::randint(dims.classes(), {micro, T}, torch::kInt64).to(device);
@@ -191,33 +229,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_DOUBLE, MPI_MAX, mpi_comm));
   MPI_CHECK(MPI_Comm_free(&host_mpi));
   if (topo.rank != 0) return;
-
-  // ---- memory: the model state counted, the activations measured (rank 0's device) ----
-  int64_t n_params = 0;
-  for (const auto& p : params) n_params += p.numel();
-  MemoryInputs mem;
-  mem.params = n_params;
-  {
-    std::map<std::string, int64_t> units;  // zero 3's units: each block; the rest one tensor each
-    for (const auto& [name, p] : model->named_params()) {
-      const bool block = name.rfind("h.", 0) == 0;
-      units[block ? name.substr(0, name.find('.', 2)) : name] += p.numel();
-    }
-    for (const auto& [unit, n] : units) mem.largest_unit = std::max(mem.largest_unit, n);
-  }
-  mem.n_layer = dims.n_layer;
-  mem.dp = run.layout.dp;
-  mem.bucket_mb = cfg.comm.bucket_mb;
-  mem.ac_every = cfg.train.ac_every;
-  const bool measured = activation_probe(dims, run.precision, device, micro, mem);
-  double memory_gib = options.memory_gib;
-  std::string memory_source = "--memory";
-  if (memory_gib <= 0 && device.is_cuda()) {
-    memory_gib = static_cast<double>(cuda_total_memory_bytes(device.index())) / (1024.0 * 1024 * 1024);
-    memory_source = concat(cuda_device_name(device.index()), "'s memory");
-  }
-  const std::string memory = measured ? memory_report(mem, memory_gib, memory_source)
-                                      : "memory: this device's allocated bytes cannot be read: no activation measurement";
+  const std::string memory = memory_table();
 
   // ---- prediction ----
   const double bytes = 4.0 * static_cast<double>(n_params);

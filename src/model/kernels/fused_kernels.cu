@@ -677,3 +677,78 @@ const char* rotary(const void* x, const float* cos, const float* sin, void* out,
 }
 
 }  // namespace mpitrain::kernels
+
+// ---- sum of squares (the global gradient norm of clipping) ---------------------------------------
+// Every block sums the squares of one chunk of one tensor in fp64 (each fp32 value squared exactly)
+// and writes one partial; the caller adds the partials in order. So the sum reads each gradient
+// once, in fp32, instead of a converted fp64 copy per parameter and three kernels each (2.7 ms of a
+// GPT-2 124M step on an H100 with the clip's multiply), and it depends only on how the elements are
+// split into tensors, as the per-tensor fp64 norms it replaces did.
+
+namespace mpitrain::kernels {
+namespace {
+
+constexpr int kSquaresTensors = 48;        // tensors per launch (the batch is a kernel argument)
+constexpr int kSquaresThreads = 256;
+constexpr int64_t kSquaresChunk = 1 << 16;  // elements per block
+
+struct SquaresBatch {
+  const float* x[kSquaresTensors];
+  int64_t numel[kSquaresTensors];
+  int64_t first_chunk[kSquaresTensors + 1];  // block b serves tensor t with first_chunk[t] <= b < first_chunk[t + 1]
+  int count;
+};
+
+int64_t chunks_of(int64_t numel) { return (numel + kSquaresChunk - 1) / kSquaresChunk; }
+
+__global__ void sum_squares_kernel(SquaresBatch b, double* partials) {
+  const int64_t block = blockIdx.x;
+  int t = 0;
+  while (t + 1 < b.count && b.first_chunk[t + 1] <= block) ++t;
+  const int64_t begin = (block - b.first_chunk[t]) * kSquaresChunk;
+  const int64_t end = begin + kSquaresChunk < b.numel[t] ? begin + kSquaresChunk : b.numel[t];
+  double acc = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kSquaresThreads) {
+    const double v = b.x[t][i];
+    acc += v * v;
+  }
+  __shared__ double s_acc[kSquaresThreads];
+  s_acc[threadIdx.x] = acc;
+  __syncthreads();
+  for (int width = kSquaresThreads / 2; width > 0; width /= 2) {  // a fixed tree: deterministic
+    if (static_cast<int>(threadIdx.x) < width) s_acc[threadIdx.x] += s_acc[threadIdx.x + width];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[block] = s_acc[0];
+}
+
+}  // namespace
+
+int64_t sum_squares_partials(const int64_t* numel, int n) {
+  int64_t blocks = 0;
+  for (int i = 0; i < n; ++i) blocks += chunks_of(numel[i]);
+  return blocks;
+}
+
+const char* sum_squares(const float* const* x, const int64_t* numel, int n, double* partials, void* stream) {
+  SquaresBatch b{};
+  auto flush = [&] {
+    if (b.count == 0 || b.first_chunk[b.count] == 0) return;
+    MPITRAIN_LAUNCH(sum_squares_kernel, static_cast<unsigned>(b.first_chunk[b.count]), kSquaresThreads,
+                    static_cast<cudaStream_t>(stream), b, partials);
+    partials += b.first_chunk[b.count];
+    b = SquaresBatch{};
+  };
+  for (int i = 0; i < n; ++i) {
+    if (numel[i] == 0) continue;
+    b.x[b.count] = x[i];
+    b.numel[b.count] = numel[i];
+    b.first_chunk[b.count + 1] = b.first_chunk[b.count] + chunks_of(numel[i]);
+    ++b.count;
+    if (b.count == kSquaresTensors) flush();
+  }
+  flush();
+  return launch_status();
+}
+
+}  // namespace mpitrain::kernels
