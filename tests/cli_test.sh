@@ -68,6 +68,8 @@ check "progress printed once per step (rank 0 only)" "[ \$(grep -c 'step     6/6
 check "keep-last-2 checkpoints" "[ -f ckpt/ckpt-00000006.h5 ] && [ -f ckpt/ckpt-00000003.h5 ]"
 check "metrics.jsonl has every step and val" "[ \$(grep -c '\"loss\"' run/metrics.jsonl) -eq 6 ] && grep -q val_loss run/metrics.jsonl"
 check "sample printed" "grep -q 'sample:' mpi.out"
+check "each rank's peak of libtorch's CPU memory printed once" \
+  "[ \$(grep -c 'peak CPU memory (allocated by libtorch, MiB): rank 0 [0-9.]*, rank 1 [0-9.]*$' mpi.out) -eq 1 ]"
 "$BIN" inspect ckpt/ckpt-00000006.h5 > ickpt.out 2>&1
 check "inspect shows a checkpoint" "grep -q \"@format = 'mpitrain-checkpoint'\" ickpt.out && grep -q '@step = 6' ickpt.out"
 "$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 30 > sample.out 2>&1

@@ -391,6 +391,37 @@ TEST(GradSync, ZeroTwoKeepsOnlyTheShardAndEqualsZeroOne) {
   }
 }
 
+// ZeRO-2 with overlap: a chain of 8 weights of 32 x 32, one per bucket, so backward completes a
+// bucket at every hook. Launching a third reduce-scatter completes the oldest, so at no hook are
+// more than three bucket buffers held (two in flight, one filling), not all eight; the shards
+// still equal ZeRO-1's.
+TEST(GradSync, ZeroTwoHoldsAtMostThreeBucketsDuringBackward) {
+  auto c = world();
+  if (c->size() < 2) GTEST_SKIP() << "ZeRO-2 shards over 2 or more ranks";
+  auto run = [&](bool free_grads, size_t* max_held) {
+    torch::manual_seed(5);
+    std::vector<torch::Tensor> params;
+    for (int i = 0; i < 8; ++i) params.push_back((torch::randn({32, 32}) / 6).requires_grad_(true));
+    GradSync sync(params, *c, /*bucket_mb=*/0.004, /*overlap=*/true, /*shard=*/true, torch::kFloat32, free_grads);
+    EXPECT_EQ(sync.num_buckets(), 8u);
+    torch::manual_seed(100 + c->rank());
+    sync.arm();
+    torch::Tensor h = torch::randn({4, 32});
+    for (auto& w : params) h = torch::tanh(h.matmul(w));
+    h.sum().backward();
+    if (max_held) *max_held = sync.max_buckets_held();
+    sync.all_reduce_grads();
+    std::vector<torch::Tensor> shards;
+    for (size_t b = 0; b < sync.num_buckets(); ++b) shards.push_back(sync.grad_shard(b).clone());
+    return shards;
+  };
+  size_t held = 0;
+  const auto zero2 = run(true, &held), zero1 = run(false, nullptr);
+  EXPECT_GE(held, 1u);
+  EXPECT_LE(held, 3u) << "bucket buffers held at once during backward";
+  for (size_t b = 0; b < zero1.size(); ++b) EXPECT_TRUE(torch::equal(zero1[b], zero2[b])) << "bucket " << b;
+}
+
 // The mesh's groups are the layout's: a sum over the tp group adds the tp-group ranks, a sum over
 // the dp group the ranks that share this rank's tp coordinate (tp 2 on one host's 2 or 4 ranks).
 TEST(Mesh, GroupCommunicatorsFollowTheLayout) {

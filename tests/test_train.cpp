@@ -9,6 +9,7 @@
 //  - bf16 autocast tracks fp32; fp16 on the CPU is refused;
 //  - model.init_from: .npy weights give bitwise the run that drew them;
 //  - model.fused_kernels=on (the fused ops' ATen reference on the CPU) trains like off.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <sys/stat.h>
@@ -26,6 +27,7 @@
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/host_memory.h"
 #include "mpitrain/config.h"
 #include "mpitrain/libtorch_version.h"
 #include "mpitrain/log.h"
@@ -1030,4 +1032,28 @@ TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
 TEST(Train, Cleanup) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());
+}
+
+// The counter of libtorch's CPU allocations (train reports each rank's peak from it): a tensor's
+// bytes are counted while it lives and the peak keeps them; the raw allocation path (what some of
+// libtorch's kernels use for scratch space) is counted and freed through the same deleter.
+TEST(HostMemory, LibtorchCpuAllocationsAreCounted) {
+  count_cpu_allocations();
+  ASSERT_TRUE(cpu_allocations_counted());
+  const int64_t before = cpu_allocated_bytes();
+  reset_cpu_peak();
+  {
+    torch::Tensor t = torch::empty({1 << 20}, torch::kFloat32);
+    EXPECT_GE(cpu_allocated_bytes() - before, int64_t{4} << 20);
+    t.resize_({1 << 21});  // a larger block, the old one freed
+    EXPECT_GE(cpu_allocated_bytes() - before, int64_t{8} << 20);
+  }
+  EXPECT_EQ(cpu_allocated_bytes(), before) << "a freed tensor's bytes leave the count";
+  EXPECT_GE(cpu_peak_allocated_bytes() - before, int64_t{8} << 20) << "the peak keeps them";
+  void* raw = c10::GetCPUAllocator()->raw_allocate(1000);
+  EXPECT_EQ(cpu_allocated_bytes() - before, 1000);
+  c10::GetCPUAllocator()->raw_deallocate(raw);
+  EXPECT_EQ(cpu_allocated_bytes(), before);
+  reset_cpu_peak();
+  EXPECT_EQ(cpu_peak_allocated_bytes(), before);
 }

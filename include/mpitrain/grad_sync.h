@@ -95,6 +95,9 @@ class GradSync {
   bool overlapping() const { return overlap_; }
   // Buckets whose all-reduce the hooks started during the last backward (tests, logging).
   size_t launched_during_backward() const { return launched_in_backward_; }
+  // ZeRO-2: the most bucket buffers held at once during the last backward (tests: at most two
+  // reduce-scatters in flight plus the bucket being filled).
+  size_t max_buckets_held() const { return max_held_; }
 
  private:
   struct Bucket {
@@ -110,6 +113,7 @@ class GradSync {
   void on_grad(size_t k, const torch::Tensor& grad);
   void on_grad_freeing(size_t k, const torch::Tensor& grad);  // ZeRO-2's hook
   void finish_buckets();                                       // ZeRO-2: after a backward
+  void complete(Bucket& b);  // ZeRO-2: wait for b's reduce-scatter, add it into the shard, free b's buffers
   void fill_slot(size_t k);  // p.grad (or zeros) into its slot
   void launch_ready();
   void launch(Bucket& b);
@@ -126,6 +130,8 @@ class GradSync {
   torch::TensorOptions options_;
   std::vector<size_t> spent_;  // ZeRO-2: parameters whose hook ran: their .grad() is in a bucket
   bool accumulating_ = false;  // ZeRO-2: an earlier micro-step of this step wrote the shards
+  size_t completed_ = 0;       // ZeRO-2: buckets before this one are reduced and freed (this backward)
+  size_t max_held_ = 0;        // ZeRO-2: max_buckets_held()
   std::vector<Slice> owned_;
   bool armed_ = false;
   size_t next_launch_ = 0;

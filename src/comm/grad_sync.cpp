@@ -1,6 +1,8 @@
 // Bucketed gradient all-reduce, optionally overlapped with backward (see grad_sync.h).
 #include "mpitrain/grad_sync.h"
 
+#include <algorithm>
+
 #include "mpitrain/error.h"
 
 namespace mpitrain {
@@ -78,6 +80,8 @@ void GradSync::arm() {
   if (!overlap_ && !free_grads_) return;
   armed_ = true;
   next_launch_ = 0;
+  completed_ = 0;
+  max_held_ = 0;
   launched_in_backward_ = 0;
   for (auto& b : buckets_) b.ready = 0;
   std::fill(seen_.begin(), seen_.end(), false);
@@ -107,7 +111,11 @@ void GradSync::on_grad(size_t k, const torch::Tensor& grad) {
 // arrives) and nowhere else. .grad() of the parameters whose hooks ran before this one is dropped
 // here: a leaf's hook runs just before its AccumulateGrad, so by the next hook theirs has written
 // .grad(), which the bucket already holds. A complete bucket is reduce-scattered at once (overlap)
-// in bucket order; its flat buffer is freed when that finishes (finish_buckets).
+// in bucket order. At most kInFlight reduce-scatters are outstanding: launching one more first
+// completes the oldest (its part added into the shard, its flat buffer freed), so backward holds
+// at most that many buckets besides the one filling, not the whole gradient (bench/memory.sh
+// measured the whole gradient held until the end of backward before this bound).
+constexpr size_t kInFlight = 2;
 void GradSync::on_grad_freeing(size_t k, const torch::Tensor& grad) {
   for (size_t j : spent_) params_[j].mutable_grad() = torch::Tensor();
   spent_.clear();
@@ -119,7 +127,19 @@ void GradSync::on_grad_freeing(size_t k, const torch::Tensor& grad) {
     const size_t before = next_launch_;
     launch_ready();
     launched_in_backward_ += next_launch_ - before;
+    while (next_launch_ - completed_ > kInFlight) complete(buckets_[completed_++]);
   }
+  const auto held = std::count_if(buckets_.begin(), buckets_.end(), [](const Bucket& x) { return x.flat.defined(); });
+  max_held_ = std::max(max_held_, static_cast<size_t>(held));
+}
+
+void GradSync::complete(Bucket& b) {
+  b.work->wait();
+  b.work.reset();
+  torch::Tensor got = b.wire.defined() ? b.wire_shard.to(b.shard.scalar_type()) : b.shard_in;
+  if (accumulating_) b.shard.add_(got);
+  else b.shard.copy_(got);
+  b.flat = b.wire = b.wire_shard = b.shard_in = torch::Tensor();
 }
 
 void GradSync::reduce_micro_step() {
@@ -136,15 +156,10 @@ void GradSync::finish_buckets() {
     Bucket& b = buckets_[next_launch_];
     if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);
     launch(b);
+    while (next_launch_ + 1 - completed_ > kInFlight) complete(buckets_[completed_++]);
   }
-  for (auto& b : buckets_) {
-    b.work->wait();
-    b.work.reset();
-    torch::Tensor got = b.wire.defined() ? b.wire_shard.to(b.shard.scalar_type()) : b.shard_in;
-    if (accumulating_) b.shard.add_(got);
-    else b.shard.copy_(got);
-    b.flat = b.wire = b.wire_shard = b.shard_in = torch::Tensor();
-  }
+  for (; completed_ < buckets_.size(); ++completed_) complete(buckets_[completed_]);
+  completed_ = 0;
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   spent_.clear();
   armed_ = false;
