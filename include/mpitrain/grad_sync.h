@@ -114,6 +114,7 @@ class GradSync {
   void on_grad_freeing(size_t k, const torch::Tensor& grad);  // ZeRO-2's hook
   void finish_buckets();                                       // ZeRO-2: after a backward
   void complete(Bucket& b);  // ZeRO-2: wait for b's reduce-scatter, add it into the shard, free b's buffers
+  void bound_in_flight();    // ZeRO-2: complete the oldest launched buckets until at most two are in flight
   void fill_slot(size_t k);  // p.grad (or zeros) into its slot
   void launch_ready();
   void launch(Bucket& b);

@@ -127,10 +127,14 @@ void GradSync::on_grad_freeing(size_t k, const torch::Tensor& grad) {
     const size_t before = next_launch_;
     launch_ready();
     launched_in_backward_ += next_launch_ - before;
-    while (next_launch_ - completed_ > kInFlight) complete(buckets_[completed_++]);
+    bound_in_flight();
   }
   const auto held = std::count_if(buckets_.begin(), buckets_.end(), [](const Bucket& x) { return x.flat.defined(); });
   max_held_ = std::max(max_held_, static_cast<size_t>(held));
+}
+
+void GradSync::bound_in_flight() {
+  while (next_launch_ - completed_ > kInFlight) complete(buckets_[completed_++]);
 }
 
 void GradSync::complete(Bucket& b) {
@@ -152,11 +156,11 @@ void GradSync::reduce_micro_step() {
 // first micro-step of a step writes them), and every flat buffer and .grad() dropped.
 void GradSync::finish_buckets() {
   torch::NoGradGuard no_grad;
-  for (; next_launch_ < buckets_.size(); ++next_launch_) {
-    Bucket& b = buckets_[next_launch_];
+  while (next_launch_ < buckets_.size()) {
+    Bucket& b = buckets_[next_launch_++];
     if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);
     launch(b);
-    while (next_launch_ + 1 - completed_ > kInFlight) complete(buckets_[completed_++]);
+    bound_in_flight();
   }
   for (; completed_ < buckets_.size(); ++completed_) complete(buckets_[completed_]);
   completed_ = 0;
