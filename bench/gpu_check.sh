@@ -416,8 +416,9 @@ YAML
 
 # ---- memory -------------------------------------------------------------------------------------
 # Peak device memory (libtorch's allocator, rank 0) of the Llama 3.2 1B shape on 2 ranks sharing the
-# GPU (comm.backend mpi, dp 2), bf16, micro-batch 2 x 2048, for optim.zero 0/1/2 x activation
-# checkpointing none/full, MEMORY_STEPS steps each (default 3: the first step allocates AdamW's
+# GPU (comm.backend mpi, dp 2), bf16, micro-batch 2 x 2048, for optim.zero 0/1/2/3 x activation
+# checkpointing none/full (MEMORY_ROWS, "zero:ac ..."; the default puts the rows a short lease
+# most needs first: zero 0 none, the baseline, then zero 3 and 2 with full checkpointing), MEMORY_STEPS steps each (default 3: the first step allocates AdamW's
 # state, the second runs with it): the table issue 41 asks of a lease, each figure against zero 0
 # without checkpointing measured in the same call, and against what `mpitrain plan --memory-only`
 # predicts for it (run once first; issue 41's "within 15%"). Each run writes no checkpoint. Rehearsal:
@@ -433,11 +434,11 @@ stage_memory() {
     "$bin" pack "$work/tokens.npy" -o "$work/shards/tok" --format npy --vocab-size $vocab --eot 0 --val-fraction 0 \
       >"$work/pack.log" 2>&1 || { row memory "pack random tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
   fi
-  local base="" zero ac peak rc planned
-  for zero in 0 1 2; do
-    for ac in none full; do
-      rm -rf "$work/run"
-      cat >"$work/m.yaml" <<YAML
+  local base="" zero ac peak rc planned row_spec
+  for row_spec in ${MEMORY_ROWS:-0:none 3:full 2:full 3:none 0:full 2:none 1:none 1:full}; do
+    zero=${row_spec%:*} ac=${row_spec#*:}
+    rm -rf "$work/run"
+    cat >"$work/m.yaml" <<YAML
 model: {preset: $preset}
 data: {train: ["$work/shards/tok-train-*.h5"]}
 train: {micro_batch: $micro, steps: $steps, device: $gpu, precision: $precision, out_dir: "$work/run", activation_checkpointing: $ac}
@@ -448,20 +449,19 @@ checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0, at_end: false}
 comm: {backend: mpi}
 sample: {tokens: 0}
 YAML
-      # mpitrain plan's prediction for every row, once (the same model, world and micro-batch).
-      if [ ! -f "$work/plan.log" ]; then
-        timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --memory-only >"$work/plan.log" 2>&1 \
-          || row memory "mpitrain plan (memory per rank)" FAIL "exit $?: $(tail -n 1 "$work/plan.log")"
-      fi
-      planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); printf "%.2f", $9 / 1024; exit }' "$work/plan.log")
-      timeout 300 mpirun -np 2 --bind-to none "$bin" "$work/m.yaml" >"$work/zero$zero-$ac.log" 2>&1
-      rc=$?
-      peak=$(sed -n 's/.*peak GPU memory (allocated by libtorch, rank 0): \([0-9.]*\) GiB.*/\1/p' "$work/zero$zero-$ac.log" | tail -n 1)
-      [ -z "$base" ] && base=$peak
-      check memory "zero $zero, checkpointing $ac" \
-        "peak ${peak:-n/a} GiB$([ -n "$peak" ] && [ -n "$base" ] && awk -v a="$peak" -v b="$base" 'BEGIN { printf " (%.2fx zero 0, none)", a / b }'); plan ${planned:-n/a} GiB (exit $rc)" \
-        test "$rc" -eq 0
-    done
+    # mpitrain plan's prediction for every row, once (the same model, world and micro-batch).
+    if [ ! -f "$work/plan.log" ]; then
+      timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --memory-only >"$work/plan.log" 2>&1 \
+        || row memory "mpitrain plan (memory per rank)" FAIL "exit $?: $(tail -n 1 "$work/plan.log")"
+    fi
+    planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); printf "%.2f", $9 / 1024; exit }' "$work/plan.log")
+    timeout 300 mpirun -np 2 --bind-to none "$bin" "$work/m.yaml" >"$work/zero$zero-$ac.log" 2>&1
+    rc=$?
+    peak=$(sed -n 's/.*peak GPU memory (allocated by libtorch, rank 0): \([0-9.]*\) GiB.*/\1/p' "$work/zero$zero-$ac.log" | tail -n 1)
+    [ -z "$base" ] && base=$peak
+    check memory "zero $zero, checkpointing $ac" \
+      "peak ${peak:-n/a} GiB$([ -n "$peak" ] && [ -n "$base" ] && awk -v a="$peak" -v b="$base" 'BEGIN { printf " (%.2fx zero 0, none)", a / b }'); plan ${planned:-n/a} GiB (exit $rc)" \
+      test "$rc" -eq 0
   done
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Memory per rank on CPU ranks against `mpitrain plan` (issue 41, section 5): optim.zero 0/1/2 x
+# Memory per rank on CPU ranks against `mpitrain plan` (issue 41, section 5): optim.zero 0/1/2/3 x
 # train.activation_checkpointing none/full, each at RANKS data-parallel ranks (default 4), in one
 # run. The model: GPT-2-shaped, N_LAYER x N_EMBD (default 12 x 768: 85M parameters, byte
 # vocabulary), micro-batch MICRO_BATCH x SEQ (2 x 256), fp32, one torch thread per rank, STEPS
@@ -72,7 +72,7 @@ echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $pa
 echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
 echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 base_ms=""
-for zero in 0 1 2; do
+for zero in 0 1 2 3; do
   for ac in none full; do
     read -r p l0 lo r0 ro ms <<< "$(run "$zero" "$ac")"
     [ -n "$base_ms" ] || base_ms=$ms

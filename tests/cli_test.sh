@@ -104,17 +104,17 @@ check "plan measures a Llama under mpirun -np 2 (exit $rc) and recommends a sett
 # (a checkpointed block keeps less than a block), and what fits 1 GiB: the fastest layout.
 act_block=$(sed -n 's/.*as measured: \([0-9.e+-]*\) MiB per block, \([0-9.e+-]*\) MiB per checkpointed block.*/\1 \2/p' plan-llama.out)
 check "plan: memory per rank for zero 0-3 x none/full, the model state counted, activations measured ($act_block)" \
-  "[ \$(grep -c -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-llama.out) -eq 8 ] && grep -q '^| 0 | none | 0.0247 | 0.0247 | 0.0247 | 0.0493 |' plan-llama.out \
+  "[ \$(grep -c -E '^\\| [0-3] \\| (none|full) \\|' plan-llama.out) -eq 8 ] && grep -q '^| 0 | none | 0.0247 | 0.0247 | 0.0247 | 0.0493 |' plan-llama.out \
    && grep -q '^| 1 | none | 0.0247 | 0.0247 | 0.037 | 0.0247 |' plan-llama.out \
-   && grep -q '^| 3 (not implemented) | full |' plan-llama.out \
+   && grep -q '^| 3 | full |' plan-llama.out \
    && awk -v a='$act_block' 'BEGIN { split(a, v, \" \"); exit !(v[1] > 0 && v[2] > 0 && v[2] < v[1]) }'"
 check "plan --memory 1: the fastest layout fits, named" \
   "grep -q 'memory recommendation (--memory: 1 GiB): optim.zero: 0, train.activation_checkpointing: none .*the fastest layout fits' plan-llama.out"
 "$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --memory-only --memory 0.0000001 > plan-small.out 2>&1
 rc=$?
-check "plan --memory smaller than any layout: exit 0, says none fits, why, and zero 3's prediction (exit $rc)" \
-  "[ $rc -eq 0 ] && grep -q 'no implemented layout fits: zero 0 + none needs .* (largest: ' plan-small.out \
-   && grep -q 'zero 3 + full (not implemented yet) would need' plan-small.out"
+check "plan --memory smaller than any layout: exit 0, says none fits and why, zero 3 included (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'no layout fits: zero 0 + none needs .* (largest: ' plan-small.out \
+   && grep -q 'zero 3 + full needs' plan-small.out"
 # (the state's columns; the activations are measured again, so may differ by an allocation)
 check "plan --memory-only: the same memory table, no timing" \
   "! grep -q '^measured: ' plan-small.out && ! grep -q '^recommendation: ' plan-small.out \
@@ -196,7 +196,7 @@ check "resume on 1 rank of a 2-rank checkpoint logs the global batch change" \
   "grep -q 'global batch on resume: the checkpoint.s run used [0-9]* sequences per step ([0-9]* micro x 2 data-parallel ranks' usr1c.out && grep -q 'data order continues at sample' usr1c.out"
 
 # ---- resume on another world size and layout: 4 ranks (ZeRO-1) -> 2 ranks (plain) -> 3 ranks
-# (ZeRO-1), global batch 12 throughout. The chain's loss at step 9 continues the curve of a
+# (ZeRO-3: parameters sharded too), global batch 12 throughout. The chain's loss at step 9 continues the curve of a
 # straight 4-rank run (they differ only in rounding: other micro-batch shapes and reduction
 # orders; AdamW runs that differ so agree in their mean loss to well within 1e-3, see
 # tests/test_train.cpp), and the windows every rank logged (log.level debug) cover 0..107 once
@@ -210,13 +210,13 @@ layout() {  # np zero micro ckpt out [args...]
 }
 layout 4 1 1 ckL runL --stop-after 3 > lay1.out 2>&1
 layout 2 0 2 ckL runL --stop-after 6 > lay2.out 2>&1
-layout 3 1 2 ckL runL > lay3.out 2>&1
+layout 3 3 2 ckL runL > lay3.out 2>&1
 rc=$?
 layout 4 1 1 ckS runS > layS.out 2>&1
-check "4 ranks ZeRO-1 -> 2 ranks -> 3 ranks ZeRO-1: each resumes and the chain finishes" \
+check "4 ranks ZeRO-1 -> 2 ranks -> 3 ranks ZeRO-3: each resumes and the chain finishes" \
   "[ $rc -eq 0 ] && grep -q 'resumed from ckL/ckpt-00000003.h5 at step 3' lay2.out && grep -q 'resumed from ckL/ckpt-00000006.h5 at step 6' lay3.out && grep -q 'step     9/9' lay3.out"
-check "the start-up logs say the layout: mesh and ZeRO-1 state per rank" \
-  "grep -q 'mesh: 4 ranks = dp 4' lay1.out && grep -q 'ZeRO-1: sharded over 4 data-parallel ranks' lay1.out && grep -q 'optimizer state: .* (replicated)' lay2.out && grep -q 'ZeRO-1: sharded over 3' lay3.out"
+check "the start-up logs say the layout: mesh and ZeRO-1/3 state per rank" \
+  "grep -q 'mesh: 4 ranks = dp 4' lay1.out && grep -q 'ZeRO-1: sharded over 4 data-parallel ranks' lay1.out && grep -q 'optimizer state: .* (replicated)' lay2.out && grep -q 'ZeRO-3: sharded over 3 .*parameters sharded too' lay3.out"
 loss_at() { grep "\"step\": $2, \"loss\"" "$1/metrics.jsonl" | tail -1 | sed 's/.*"loss": \([0-9.]*\).*/\1/'; }
 chain=$(loss_at runL 9) straight=$(loss_at runS 9)
 check "the loss curve continues across layouts (step 9: chain $chain, straight 4-rank run $straight)" \
@@ -331,7 +331,8 @@ rc=$?
 check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 rows (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out && grep -q 'vocabulary rows 258 as the checkpoint has them' tp1.out"
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off), 1 (ZeRO-1" "$BIN" cfg.yaml --set optim.zero=4
-expect_usage "optim.zero 3: refused by name, not silently run as 2" "3 is not implemented yet" "$BIN" cfg.yaml --set optim.zero=3
+expect_usage "optim.zero 3 with PowerSGD: refused by name" \
+  "cfg.yaml: comm.compress must be none with optim.zero: 3" "$BIN" cfg.yaml --set optim.zero=3 --set comm.compress=powersgd
 expect_usage "model.attention unknown" "cfg.yaml: model.attention must be one of auto|flash|cudnn|efficient|math" \
   "$BIN" cfg.yaml --set model.attention=fast
 # cuDNN attention does not exist on the CPU (libtorch >= 2.3 cannot choose it; older libtorch has none)

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "mpitrain/comm.h"
@@ -12,6 +13,8 @@
 #include "mpitrain/layout.h"
 #include "mpitrain/mesh.h"
 #include "mpitrain/mpi_env.h"
+#include "mpitrain/model.h"
+#include "zero3_probe.h"
 
 using namespace mpitrain;
 
@@ -446,4 +449,32 @@ TEST(Mesh, GroupCommunicatorsFollowTheLayout) {
     EXPECT_EQ(in_dp.item<int64_t>(), want) << "tp " << tp;
     mesh.world().barrier();
   }
+}
+
+// ZeRO-3's parameter shards (zero3.h) on a real model: the gradient shards of one forward and
+// backward equal ZeRO-2's over the same units (the same GradSync groups) bit for bit, while at most
+// the outside unit, the block running and the next one (prefetched) are whole at once, and none
+// after backward; the loss equals the whole model's.
+TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
+  auto c = world();
+  if (c->size() < 2) GTEST_SKIP() << "ZeRO-3 shards over 2 or more ranks";
+  GPTDims d;
+  d.n_layer = 3, d.n_head = 2, d.n_embd = 16, d.seq_len = 8, d.vocab_size = 40;
+  for (const char* arch : {"gpt2", "llama"})
+    for (bool checkpointing : {false, true}) {
+      d.arch = arch;
+      d.fused_kernels = std::string(arch) == "llama";
+      d.ac = checkpointing ? GPTDims::Ac::full : GPTDims::Ac::none;
+      const std::string what = concat(arch, checkpointing ? " with checkpointing" : "");
+      const auto zero2 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, false);
+      const auto zero3 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true);
+      EXPECT_TRUE(torch::equal(zero2.loss, zero3.loss)) << what;
+      ASSERT_EQ(zero2.grad_shards.size(), zero3.grad_shards.size());
+      for (size_t b = 0; b < zero2.grad_shards.size(); ++b) {
+        EXPECT_GT(zero2.grad_shards[b].abs().sum().item<double>(), 0) << what << ": unit " << b;
+        EXPECT_TRUE(torch::equal(zero2.grad_shards[b], zero3.grad_shards[b])) << what << ": unit " << b;
+      }
+      EXPECT_EQ(zero3.max_whole, 3u) << what << ": the outside unit, one block and the next";
+      EXPECT_EQ(zero3.whole_after, 0u) << what;
+    }
 }

@@ -233,7 +233,8 @@ namespace {
 MemoryInputs made_up() {
   MemoryInputs in;
   in.params = 1000;
-  in.largest_unit = 100;
+  in.largest_block = 100;
+  in.outside_params = 150;
   in.n_layer = 4;
   in.dp = 4;
   in.bucket_mb = 1e-3;  // 1048.576 bytes: zero 2 keeps two buckets in flight
@@ -260,11 +261,13 @@ TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
   EXPECT_DOUBLE_EQ(z2.buffers, 2 * 1e-3 * 1024 * 1024);
   EXPECT_EQ(z2.optimizer, 2000);
   EXPECT_EQ(z2.weights, 4000);
-  const MemoryRow z3 = memory_row(in, 3, "none");  // the weight shard and two gathered units
-  EXPECT_FALSE(z3.implemented);
-  EXPECT_EQ(z3.weights, 1000 + 2 * 400);
-  EXPECT_EQ(z3.buffers, 2 * 400);
-  for (const auto& r : rows) EXPECT_EQ(r.implemented, r.zero <= 2);
+  // The weight shard, the parameters outside the blocks and two blocks gathered (the one running,
+  // the next prefetched); the outside unit's gradient and three blocks' in the buckets.
+  const MemoryRow z3 = memory_row(in, 3, "none");
+  EXPECT_EQ(z3.weights, 1000 + 600 + 2 * 400);
+  EXPECT_EQ(z3.buffers, 600 + 3 * 400);
+  EXPECT_EQ(z3.gradients, 1000);
+  EXPECT_EQ(z3.optimizer, 2000);
 }
 
 TEST(MemoryPlan, OneRankShardsNothing) {
@@ -292,24 +295,29 @@ TEST(MemoryPlan, ActivationsScaleByBlocksAndCheckpointing) {
 TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
   MemoryInputs in = made_up();
   in.params = 1 << 28;  // 1 GiB per 4 bytes
-  in.largest_unit = 1 << 24;
+  in.largest_block = 1 << 24;
+  in.outside_params = 0;
   in.bucket_mb = 25;
   in.block_none = 1 << 28, in.block_full = 1 << 20, in.outside = 0;
   const double gib = 1024.0 * 1024 * 1024;
   // 4N = 1 GiB. zero 1 + none: 1 + 1 + (1 + 0.25) + 0.5 + 1 (4 blocks x 0.25) = 4.75 GiB;
-  // zero 2 + none: 1 + 0.25 + 50 MiB + 0.5 + 1 = 2.80 GiB; zero 2 + full: 2.05 GiB; zero 3 + full: 1.50 GiB.
+  // zero 2 + none: 1 + 0.25 + 50 MiB + 0.5 + 1 = 2.80 GiB; zero 2 + full: 2.05 GiB; zero 3 + full: 1.57 GiB
+  // (0.25 + 0.125 weights: the shard and two 64 MiB blocks; 0.25 + 0.1875 + 0.5 + 0.254).
   EXPECT_NEAR(memory_row(in, 2, "none").peak() / gib, 2.7988, 1e-3);
-  EXPECT_NEAR(memory_row(in, 3, "full").peak() / gib, 1.5039, 1e-3);
+  EXPECT_NEAR(memory_row(in, 3, "full").peak() / gib, 1.5664, 1e-3);
   const std::string text = memory_report(in, 3, "--memory");
   EXPECT_NE(text.find("memory recommendation (--memory: 3 GiB): optim.zero: 2, train.activation_checkpointing: none"),
             std::string::npos) << text;
   EXPECT_NE(text.find("zero 0 + none needs 6144 MiB"), std::string::npos) << text;
   EXPECT_NE(text.find("zero 1 + none needs 4864 MiB"), std::string::npos) << text;
-  // Nothing implemented fits 1.8 GiB: said, with zero 3's prediction.
-  const std::string none_fit = memory_report(in, 1.8, "--memory");
-  EXPECT_NE(none_fit.find("no implemented layout fits"), std::string::npos) << none_fit;
-  EXPECT_NE(none_fit.find("zero 3 + full (not implemented yet) would need"), std::string::npos) << none_fit;
+  // 1.8 GiB: only zero 3 + full checkpointing (1.57 GiB) fits; 1.4 GiB: nothing, said with why.
+  const std::string z3_fits = memory_report(in, 1.8, "--memory");
+  EXPECT_NE(z3_fits.find("optim.zero: 3, train.activation_checkpointing: full"), std::string::npos) << z3_fits;
+  EXPECT_NE(z3_fits.find("zero 3 + none needs 2368 MiB"), std::string::npos) << z3_fits;
+  const std::string none_fit = memory_report(in, 1.4, "--memory");
+  EXPECT_NE(none_fit.find("no layout fits"), std::string::npos) << none_fit;
+  EXPECT_NE(none_fit.find("zero 3 + full needs 1604 MiB"), std::string::npos) << none_fit;
   // No limit: the table only.
   EXPECT_NE(memory_report(in, 0, "").find("no recommendation"), std::string::npos);
-  EXPECT_NE(text.find("| 3 (not implemented) | full |"), std::string::npos) << text;
+  EXPECT_NE(text.find("| 3 | full |"), std::string::npos) << text;
 }

@@ -546,16 +546,21 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
 // each micro-step over the ranks and sums the averages where ZeRO-1 averages the sum, a reordering
 // of the additions in any MPI, held to plain data parallelism within kReorderTolerance; and it
 // resumes bitwise (the checkpoint is ZeRO-1's: AdamW's shards, whole tensors).
+namespace {
+// The ZeRO stages' runs: 12 steps, micro-batch 2, small buckets, clipping that acts.
+Config zero_config(const std::string& run, int64_t zero, bool overlap, int64_t accum) {
+  Config c = small_config(run, 2, 12);
+  c.train.grad_accum = accum;
+  c.comm.bucket_mb = 0.01;
+  c.comm.overlap = overlap;
+  c.optim.zero = zero;
+  c.optim.grad_clip = 0.5;
+  return c;
+}
+}  // namespace
+
 TEST(Train, ZeroTwoEqualsZeroOneAndPlainDataParallel) {
-  auto cfg_for = [](const std::string& run, int64_t zero, bool overlap, int64_t accum) {
-    Config c = small_config(run, 2, 12);
-    c.train.grad_accum = accum;
-    c.comm.bucket_mb = 0.01;
-    c.comm.overlap = overlap;
-    c.optim.zero = zero;
-    c.optim.grad_clip = 0.5;
-    return c;
-  };
+  const auto& cfg_for = zero_config;
   TrainHooks keep;
   keep.keep_params = true;
   for (bool overlap : {true, false}) {
@@ -741,6 +746,9 @@ TEST(Train, TensorParallelEqualsDataParallel) {
     Config zero = tp_config("tp2-zero", 2, 4 * 2);
     zero.optim.zero = 1;
     expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-1"));
+    zero.optim.zero = 3;  // each tp rank's shards of the blocks sharded again over its dp group
+    zero.train.out_dir += "3", zero.checkpoint.dir += "3";
+    expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-3"));
   }
   expect_same_run(train(tp_config("tp2-accum", 2, 4, 2), MPI_COMM_WORLD, keep), dp,
                   concat("tp 2 x dp ", n / 2, " with grad_accum 2"));
@@ -851,6 +859,7 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
   EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
   expect_llama_layout_equals_dp(llama_layout(2, 0), "llama-tp2", concat("llama tp 2 x dp ", n / 2));
   if (n > 2) expect_llama_layout_equals_dp(llama_layout(2, 1), "llama-tp2-zero", concat("llama tp 2 x dp ", n / 2, " with ZeRO-1"));
+  if (n > 2) expect_llama_layout_equals_dp(llama_layout(2, 3), "llama-tp2-zero3", concat("llama tp 2 x dp ", n / 2, " with ZeRO-3"));
   // ZeRO-1 alone: the data-parallel run, to the bound ZeroOneEqualsPlainDataParallel derives
   // (1e-6 where the MPI's reduce-scatter adds in its all-reduce's order, else the reordering bound).
   const double tolerance = reduce_scatter_sums_as_all_reduce() ? kZeroTolerance : kReorderTolerance;
@@ -865,6 +874,104 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
         ADD_FAILURE() << "llama ZeRO-1: " << dp.params[i].first << "[" << k << "]";
         break;
       }
+}
+
+// ZeRO-3 (optim.zero: 3): the parameters live as per-block shards, gathered around each block's
+// forward and again for its backward. Its gradients are ZeRO-2's, reduce-scattered in other
+// buckets (one per unit): at 2 ranks, where a sum of two numbers has one order, the run is bitwise
+// ZeRO-2's; at more ranks the MPI may add the ranks in another order for another bucket size:
+// kReorderTolerance. Exercised with dropout, evaluation between steps (a forward without
+// backward), gradient accumulation, full activation checkpointing (the block runs a third time
+// in backward, gathered), overlap on and off, bf16 autocast with bf16 gradients, Llama through
+// the fused ops' two-output path, a checkpoint at the end; resume bitwise, and a ZeRO-3
+// checkpoint resumed under ZeRO-2.
+TEST(Train, ZeroThreeEqualsZeroTwo) {
+  auto cfg_for = [](const std::string& run, int64_t zero, bool overlap, int64_t accum, const std::string& ac) {
+    Config c = zero_config(run, zero, overlap, accum);
+    c.model.dropout = 0.1;
+    c.train.activation_checkpointing = ac;
+    return c;
+  };
+  const bool bitwise = world_size() == 2;
+  auto expect_same = [bitwise](const TrainResult& three, const TrainResult& two, const std::string& what) {
+    ASSERT_EQ(three.losses.size(), two.losses.size()) << what;
+    ASSERT_EQ(three.params.size(), two.params.size()) << what;
+    for (size_t i = 0; i < two.losses.size(); ++i) {
+      if (bitwise) EXPECT_EQ(three.losses[i].second, two.losses[i].second) << what << ": step " << two.losses[i].first;
+      else EXPECT_NEAR(three.losses[i].second, two.losses[i].second, kReorderTolerance) << what;
+    }
+    ASSERT_EQ(three.val_losses.size(), two.val_losses.size()) << what;
+    for (size_t i = 0; i < two.val_losses.size(); ++i)
+      EXPECT_NEAR(three.val_losses[i].second, two.val_losses[i].second, bitwise ? 0.0 : kReorderTolerance) << what;
+    for (size_t i = 0; i < two.params.size(); ++i) {
+      const auto &a = three.params[i].second, &b = two.params[i].second;
+      ASSERT_EQ(a.size(), b.size()) << what << ": " << two.params[i].first;
+      for (size_t k = 0; k < b.size(); ++k)
+        if (bitwise ? a[k] != b[k] : std::abs(double(a[k]) - b[k]) > kReorderTolerance * (1 + std::abs(b[k]))) {
+          ADD_FAILURE() << what << ": " << two.params[i].first << "[" << k << "] " << a[k] << " vs " << b[k];
+          break;
+        }
+    }
+  };
+  TrainHooks keep;
+  keep.keep_params = true;
+  for (bool overlap : {true, false}) {
+    const TrainResult two = train(cfg_for(concat("z3-two-", overlap), 2, overlap, 1, "none"), MPI_COMM_WORLD, keep);
+    const TrainResult three = train(cfg_for(concat("z3-three-", overlap), 3, overlap, 1, "none"), MPI_COMM_WORLD, keep);
+    expect_same(three, two, concat("zero 3, overlap ", overlap));
+    EXPECT_FALSE(three.val_losses.empty());
+    if (!overlap) continue;
+    Config kept = cfg_for("z3-kept", 3, overlap, 1, "none");
+    kept.optim.reshard_after_forward = false;  // blocks whole from forward to their backward
+    expect_same(train(kept, MPI_COMM_WORLD, keep), two, "zero 3 without resharding after forward");
+  }
+  const TrainResult two = train(cfg_for("z3-two-ac", 2, true, 2, "full"), MPI_COMM_WORLD, keep);
+  const TrainResult three = train(cfg_for("z3-three-ac", 3, true, 2, "full"), MPI_COMM_WORLD, keep);
+  expect_same(three, two, "zero 3 with grad_accum 2 and full checkpointing");
+  // bf16 autocast (its weight casts made from the gathered blocks) and bf16 reduce-scatters.
+  auto bf16 = [&](const std::string& run, int64_t zero) {
+    Config c = cfg_for(run, zero, true, 1, "none");
+    c.train.precision = "bf16";
+    c.comm.grad_dtype = "bf16";
+    return train(c, MPI_COMM_WORLD, keep);
+  };
+  expect_same(bf16("z3-three-bf16", 3), bf16("z3-two-bf16", 2), "zero 3 in bf16 with bf16 gradients");
+
+  // Llama (untied head, q/k/v biases) through the fused ops (the CPU's reference path of each).
+  auto llama_for = [](const std::string& run, int64_t zero) {
+    Config c = llama_config(run, 1, 2);
+    c.train.steps = 8;
+    c.train.grad_accum = 2;
+    c.optim.zero = zero;
+    c.model.fused_kernels = "on";
+    c.model.fused_loss = "on";
+    c.train.activation_checkpointing = "full";
+    c.train.ac_every = 2;  // block 1 checkpointed, block 0 not
+    return c;
+  };
+  expect_same(train(llama_for("z3-llama-three", 3), MPI_COMM_WORLD, keep),
+              train(llama_for("z3-llama-two", 2), MPI_COMM_WORLD, keep), "llama, fused ops, zero 3");
+
+  // Resume: 6 steps, stop, 6 more under zero 3 = the 12-step zero 3 run, bitwise; the same
+  // checkpoint resumed under zero 2 continues as the zero 2 run does.
+  TrainHooks stop = keep;
+  stop.stop_after = 6;
+  train(cfg_for("z3-resume", 3, true, 2, "full"), MPI_COMM_WORLD, stop);
+  const TrainResult resumed = train(cfg_for("z3-resume", 3, true, 2, "full"), MPI_COMM_WORLD, keep);
+  ASSERT_EQ(resumed.final_step, 12);
+  for (size_t i = 0; i < three.params.size(); ++i)
+    EXPECT_TRUE(resumed.params[i].second == three.params[i].second) << "resumed: " << three.params[i].first;
+  train(cfg_for("z3-to-two", 3, true, 2, "full"), MPI_COMM_WORLD, stop);
+  TrainResult as_two = train(cfg_for("z3-to-two", 2, true, 2, "full"), MPI_COMM_WORLD, keep);
+  ASSERT_EQ(as_two.final_step, 12);
+  for (size_t i = 0; i < two.params.size(); ++i) {
+    const auto &a = as_two.params[i].second, &b = two.params[i].second;
+    for (size_t k = 0; k < b.size(); ++k)
+      if (bitwise ? a[k] != b[k] : std::abs(double(a[k]) - b[k]) > kReorderTolerance * (1 + std::abs(b[k]))) {
+        ADD_FAILURE() << "zero 3 checkpoint resumed under zero 2: " << two.params[i].first << "[" << k << "]";
+        break;
+      }
+  }
 }
 
 // 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1

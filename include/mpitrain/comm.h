@@ -49,6 +49,9 @@ class Communicator {
   virtual std::unique_ptr<Work> all_reduce_async(torch::Tensor& t, ReduceOp op);
   // The same for reduce_scatter: `in` and `out` stay alive and `in` unchanged until wait().
   virtual std::unique_ptr<Work> reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op);
+  // The same for all_gather (ZeRO-3's prefetch): `in` and `out` stay alive, `in` unchanged and
+  // `out` unread until wait().
+  virtual std::unique_ptr<Work> all_gather_async(const torch::Tensor& in, torch::Tensor& out);
   // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
   virtual void check_async_errors() {}
 

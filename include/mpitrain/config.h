@@ -103,6 +103,7 @@ struct OptimConfig {
   double grad_clip = 1.0;      // global-norm clip (0 = off)
   std::string fused = "auto";  // PyTorch's fused AdamW kernel: auto | on | off (optim.h)
   int64_t zero = 0;            // 1 = ZeRO-1: AdamW state sharded over the data-parallel ranks
+  bool reshard_after_forward = true;  // zero 3: drop a block's gathered parameters after its forward
 };
 
 struct EvalConfig {

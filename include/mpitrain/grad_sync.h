@@ -33,10 +33,16 @@
 // first micro-step of a step writes it). Per rank: the shards, plus the buckets in flight. With
 // gradient accumulation every micro-step communicates (ZeRO-1 communicates once per step): the
 // sum over micro-steps is taken after the average over ranks, which reorders the additions.
+//
+// ZeRO-3 (zero3.h) uses ZeRO-2's buckets with `groups` given: one bucket per unit of parameters
+// (a transformer block; the rest of the model), in the order backward completes them, and a
+// callback (on_bucket_filled) that frees a unit's whole parameters once backward has given every
+// one of them its gradient.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -50,8 +56,12 @@ class GradSync {
   // the group size in fp32 (so fp16 cannot overflow where the fp32 average would not), cast, summed
   // in 16 bits, and cast back into the fp32 gradients, as PyTorch DDP's fp16/bf16 compression
   // hooks do; half the bytes of fp32.
+  // `groups` (non-empty): the buckets, each a list of indices into `params` in the order their
+  // gradients are laid out, the buckets in the order backward completes them; bucket_mb is then
+  // not used. Every parameter must be in exactly one group.
   GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap,
-           bool shard = false, torch::ScalarType wire = torch::kFloat32, bool free_grads = false);
+           bool shard = false, torch::ScalarType wire = torch::kFloat32, bool free_grads = false,
+           std::vector<std::vector<size_t>> groups = {});
   ~GradSync();
   GradSync(const GradSync&) = delete;  // the hooks hold `this`
   GradSync& operator=(const GradSync&) = delete;
@@ -63,6 +73,11 @@ class GradSync {
   // added into the shards, its buffers and .grad() dropped.
   void reduce_micro_step();
   bool frees_grads() const { return free_grads_; }
+  // ZeRO-2: called with a bucket's index once the backward under way has given all of its
+  // parameters their gradients (from the last one's hook), or, for a bucket some of whose
+  // parameters got none, when that backward's buckets are finished (ZeRO-3 frees the bucket's
+  // whole parameters here).
+  void on_bucket_filled(std::function<void(size_t)> f) { on_filled_ = std::move(f); }
   // Averages every parameter's .grad() across ranks (a no-op with one rank); sharded: this
   // rank's slices of the averaged gradients into grad_shard().
   void all_reduce_grads();
@@ -138,6 +153,7 @@ class GradSync {
   size_t next_launch_ = 0;
   size_t launched_in_backward_ = 0;
   std::vector<std::pair<size_t, unsigned>> hooks_;  // (param, hook handle)
+  std::function<void(size_t)> on_filled_;
 };
 
 }  // namespace mpitrain

@@ -5,11 +5,14 @@
 // on the device that trains), so every kernel path's own activations are what is scaled.
 //
 // Per rank, N = the parameters this rank's model holds (all of them: plan models tp 1), d = dp:
-//   weights     4N fp32 (zero 3: 4N/d + the two largest units gathered, the current and the prefetched)
+//   weights     4N fp32 (zero 3: 4N/d + the units gathered at once: the parameters outside the
+//               blocks, whole from the forward's start to the end of backward, the block running
+//               and the next one, prefetched)
 //   gradients   4N in .grad (zero 0, 1); zero 2 and 3: the 4N/d shard
 //   buffers     GradSync's flat buckets with d > 1: 4N (zero 0, 1: every bucket kept for the next
-//               step); zero 2: the buckets in flight, at most 2 x comm.bucket_mb; zero 3: 2 x the
-//               largest unit's gradient
+//               step); zero 2: the buckets in flight, at most 2 x comm.bucket_mb; zero 3: the
+//               outside unit's gradient (filled through the whole backward) and three blocks' (two
+//               reduce-scatters in flight and the one filling)
 //   optimizer   AdamW's two fp32 moments: 8N, over d with zero >= 1
 //   activations n_layer x the per-block bytes + the rest (embeddings, final norm, loss), measured;
 //               full checkpointing: each checkpointed block keeps its input only, plus one block's
@@ -30,7 +33,8 @@ namespace mpitrain {
 
 struct MemoryInputs {
   int64_t params = 0;         // N: elements of this rank's parameters
-  int64_t largest_unit = 0;   // elements of the largest block, embedding or head (zero 3's unit)
+  int64_t largest_block = 0;  // elements of the largest block (a zero 3 unit)
+  int64_t outside_params = 0; // elements outside the blocks: embeddings, final norm, head (zero 3's other unit)
   int64_t n_layer = 0;
   int64_t dp = 1;             // data-parallel ranks the zero stages shard over
   double bucket_mb = 25;      // comm.bucket_mb
@@ -43,22 +47,21 @@ struct MemoryInputs {
 struct MemoryRow {
   int zero = 0;
   std::string ac;  // none | full
-  bool implemented = true;
   double weights = 0, gradients = 0, buffers = 0, optimizer = 0, activations = 0;
   double peak() const { return weights + gradients + buffers + optimizer + activations; }
   // The largest term, for "does not fit because of ...".
   std::string largest_term() const;
 };
 
-// zero 0..3 x ac none/full, in that order. zero 3 is not implemented (rows say so); with dp 1
-// the zero stages shard nothing (their rows equal zero 0's apart from zero 3's gathers).
+// zero 0..3 x ac none/full, in that order; with dp 1 the zero stages shard nothing (their rows
+// equal zero 0's).
 std::vector<MemoryRow> memory_rows(const MemoryInputs& in);
 // The row of one layout (zero 0..3, ac none | full); Error for another.
 MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);
 
-// The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first implemented
-// row that fits in memory_gib, in the order of expected speed (no checkpointing before full; lower
-// zero stages before higher: zero 2 communicates every micro-step under accumulation), naming why
+// The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first row that fits in memory_gib, in the order of expected speed (no checkpointing before full; lower
+// zero stages before higher: zero 2 and 3 communicate every micro-step under accumulation, zero 3
+// gathers every block's parameters twice per micro-step), naming why
 // each faster one does not fit. memory_source says where the limit came from ("--memory",
 // "the GPU's memory").
 std::string memory_report(const MemoryInputs& in, double memory_gib, const std::string& memory_source);

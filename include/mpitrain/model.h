@@ -214,6 +214,20 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// Where the parameters of a sharded model (ZeRO-3, zero3.h) are made whole and given back: the
+// model calls these around each block (forward, and again before the block's backward: a block's
+// output passes through an identity whose backward asks for the block), and before anything else
+// of its forward for the parameters outside the blocks (embeddings, final norm, output layer).
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void need_outside_blocks() = 0;  // before the forward: wte, wpe, ln_f, lm_head whole
+  // Before block `block` runs: in forward (the next block to run is block + 1), or in backward
+  // (then block - 1), which lets the parameters of the next one be fetched meanwhile.
+  virtual void need_block(int64_t block, bool backward) = 0;
+  virtual void done_with_block(int64_t block) = 0;  // after block `block`'s forward
+};
+
 // How many checkpointed blocks this process has run a second time in backward (tests: the
 // checkpointing really happened).
 int64_t recomputed_blocks();
@@ -231,6 +245,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
   const GPTDims& dims() const { return dims_; }
+  // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).
+  void set_unit_hooks(UnitHooks* units) { units_ = units; }
+  UnitHooks* unit_hooks() const { return units_; }
   // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...).
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;
@@ -254,11 +271,16 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
   // Whether block `block` runs under activation checkpointing (dims.ac, in training with gradients).
   bool checkpointed(int64_t block) const;
+  // ZeRO-3 (units_ set): block i's parameters whole before it runs and given back after; its
+  // outputs through the identity whose backward makes them whole again.
+  void before_block(int64_t block);
+  std::vector<torch::Tensor> after_block(int64_t block, std::vector<torch::Tensor> outs);
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
   void collect_tp_splits();  // every module's declarations, by full parameter name
   GPTDims dims_;
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
+  UnitHooks* units_ = nullptr;
 };
 TORCH_MODULE(GPT);
 

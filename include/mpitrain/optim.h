@@ -34,8 +34,10 @@ class AdamW {
   // parameters in the same order) gives this rank, gradients read from its grad_shard()s. Each
   // slot is a 1-D view of a run of one parameter's elements; the moments of bucket b's slices are
   // views into bucket_moments(b), this rank's part of the bucket's padded layout.
+  // ZeRO-3 (`param_shards`: ParamShards::param_shards(), one per bucket): the slots are views of
+  // this rank's parameter shards instead of the parameters, which are not whole between steps.
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
-        const OptimConfig& cfg, bool fused = false);
+        const OptimConfig& cfg, bool fused = false, const std::vector<torch::Tensor>* param_shards = nullptr);
 
   // One update from the parameters' .grad(): one fused kernel per group, or the foreach kernels,
   // which equal the textbook per-parameter loop bit for bit on the CPU. The fused kernel

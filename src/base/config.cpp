@@ -82,6 +82,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
     MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
     MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, zero),
+    MPITRAIN_FIELD(optim, reshard_after_forward),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(log, tensorboard),
@@ -563,8 +564,8 @@ void validate(const Config& c, const std::string& where) {
   check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
   check(one_of(o.fused, {"auto", "on", "off"}), "optim.fused", "one of auto|on|off", show(o.fused));
   check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
-  check(o.zero >= 0 && o.zero <= 2, "optim.zero",
-        "0 (off), 1 (ZeRO-1: optimizer state sharded) or 2 (ZeRO-2: gradients too); 3 is not implemented yet",
+  check(o.zero >= 0 && o.zero <= 3, "optim.zero",
+        "0 (off), 1 (ZeRO-1: optimizer state sharded), 2 (ZeRO-2: gradients too) or 3 (ZeRO-3: parameters too)",
         show(o.zero));
 
   check(c.log.every > 0, "log.every", "> 0", show(c.log.every));

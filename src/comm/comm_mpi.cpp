@@ -231,6 +231,21 @@ class MpiCommunicator final : public Communicator {
     return work;
   }
 
+  std::unique_ptr<Work> all_gather_async(const torch::Tensor& in, torch::Tensor& out) override {
+    check_gather_sizes("all_gather", "out", out, in, size_);
+    if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
+    torch::Tensor hin = host_copy(in);
+    const bool staged = !(out.is_cpu() && out.is_contiguous());
+    torch::Tensor hout = staged ? host_output(out, hin.options()) : out;
+    auto work = std::make_unique<MpiWork>("all_gather(prefetch)", hout, staged ? out : torch::Tensor(), ReduceOp::sum,
+                                          size_, hin);
+    work->requests().emplace_back();
+    const int count = static_cast<int>(hin.numel());
+    MPI_CHECK(MPI_Iallgather(hin.data_ptr(), count, mpi_type(hin), hout.data_ptr(), count, mpi_type(hout), comm_,
+                             &work->requests().back()));
+    return work;
+  }
+
  private:
   // Runs fn on a contiguous CPU tensor holding t's data; copies the result back into t when t
   // was not already such a tensor.
@@ -254,6 +269,11 @@ class MpiCommunicator final : public Communicator {
 
 std::unique_ptr<Work> Communicator::all_reduce_async(torch::Tensor& t, ReduceOp op) {
   all_reduce(t, op);
+  return std::make_unique<DoneWork>();
+}
+
+std::unique_ptr<Work> Communicator::all_gather_async(const torch::Tensor& in, torch::Tensor& out) {
+  all_gather(in, out);
   return std::make_unique<DoneWork>();
 }
 

@@ -260,6 +260,16 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  std::unique_ptr<Work> all_gather_async(const torch::Tensor& in, torch::Tensor& out) override {
+    if (!in.is_cuda() || !on_device(out)) return host_->all_gather_async(in, out);
+    check_gather_sizes("all_gather", "out", out, in, size_);
+    on_device(in);
+    return on_comm_stream({in, out}, [&](cudaStream_t s) {
+      nccl_check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), nccl_type(in), comm_, s), comm_,
+                 "ncclAllGather");
+    });
+  }
+
   // Enqueues `collective` on the communication stream after the work the caller's stream has
   // queued so far; the returned Work orders the caller's stream after it.
   template <class Fn>

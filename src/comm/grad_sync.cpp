@@ -8,26 +8,41 @@
 namespace mpitrain {
 
 GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard,
-                   torch::ScalarType wire, bool free_grads)
+                   torch::ScalarType wire, bool free_grads, std::vector<std::vector<size_t>> groups)
     : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard || free_grads),
       free_grads_(free_grads), wire_(wire) {
   const double limit = bucket_mb * 1024.0 * 1024.0;
   bucket_of_.assign(params_.size(), 0);
   offset_.assign(params_.size(), 0);
   seen_.assign(params_.size(), false);
-  buckets_.emplace_back();
-  double bytes = 0;
-  for (size_t k = params_.size(); k-- > 0;) {
-    const auto& p = params_[k];
-    const double b = static_cast<double>(p.numel() * p.element_size());
-    if (!buckets_.back().params.empty() && bytes + b > limit) {
+  if (!groups.empty()) {
+    std::vector<int> placed(params_.size(), 0);
+    for (auto& g : groups) {
+      MPITRAIN_CHECK(!g.empty(), "GradSync: an empty group");
+      for (size_t k : g) {
+        MPITRAIN_CHECK(k < params_.size(), "GradSync: a group names no parameter");
+        ++placed[k];
+      }
       buckets_.emplace_back();
-      bytes = 0;
+      buckets_.back().params = std::move(g);
     }
-    buckets_.back().params.push_back(k);
-    bytes += b;
+    MPITRAIN_CHECK(std::all_of(placed.begin(), placed.end(), [](int n) { return n == 1; }),
+                   "GradSync: every parameter must be in exactly one group");
+  } else {
+    buckets_.emplace_back();
+    double bytes = 0;
+    for (size_t k = params_.size(); k-- > 0;) {
+      const auto& p = params_[k];
+      const double b = static_cast<double>(p.numel() * p.element_size());
+      if (!buckets_.back().params.empty() && bytes + b > limit) {
+        buckets_.emplace_back();
+        bytes = 0;
+      }
+      buckets_.back().params.push_back(k);
+      bytes += b;
+    }
+    if (buckets_.back().params.empty()) buckets_.pop_back();
   }
-  if (buckets_.back().params.empty()) buckets_.pop_back();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto& bucket = buckets_[b];
     int64_t n = 0;
@@ -123,11 +138,14 @@ void GradSync::on_grad_freeing(size_t k, const torch::Tensor& grad) {
   if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);
   b.flat.narrow(0, static_cast<int64_t>(offset_[k]), params_[k].numel()).copy_(grad.reshape({-1}));
   spent_.push_back(k);
-  if (++b.ready == b.params.size() && overlap_) {
-    const size_t before = next_launch_;
-    launch_ready();
-    launched_in_backward_ += next_launch_ - before;
-    bound_in_flight();
+  if (++b.ready == b.params.size()) {
+    if (on_filled_) on_filled_(bucket_of_[k]);
+    if (overlap_) {
+      const size_t before = next_launch_;
+      launch_ready();
+      launched_in_backward_ += next_launch_ - before;
+      bound_in_flight();
+    }
   }
   const auto held = std::count_if(buckets_.begin(), buckets_.end(), [](const Bucket& x) { return x.flat.defined(); });
   max_held_ = std::max(max_held_, static_cast<size_t>(held));
@@ -156,6 +174,9 @@ void GradSync::reduce_micro_step() {
 // first micro-step of a step writes them), and every flat buffer and .grad() dropped.
 void GradSync::finish_buckets() {
   torch::NoGradGuard no_grad;
+  if (on_filled_)
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (buckets_[b].ready != buckets_[b].params.size()) on_filled_(b);
   while (next_launch_ < buckets_.size()) {
     Bucket& b = buckets_[next_launch_++];
     if (!b.flat.defined()) b.flat = torch::zeros({b.padded}, options_);

@@ -443,7 +443,44 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
   }
 };
 
+// ZeRO-3: the identity on a block's outputs (the residual stream, and the fused path's MLP output
+// still to be added) whose backward, which runs before the block's own (it needs these
+// gradients), asks for the block's parameters whole again. Tensor arguments, not a variable_list:
+// libtorch 1.13 leaves a list's tensors returned as they came unconnected to the graph.
+class BlockBoundary : public torch::autograd::Function<BlockBoundary> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                const c10::optional<torch::Tensor>& delta, int64_t units,
+                                                int64_t block) {
+    ctx->saved_data["units"] = units;
+    ctx->saved_data["block"] = block;
+    if (delta.has_value()) return {x, *delta};
+    return {x};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<UnitHooks*>(ctx->saved_data["units"].toInt())
+        ->need_block(ctx->saved_data["block"].toInt(), /*backward=*/true);
+    return {grads[0], grads.size() > 1 ? grads[1] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+void GPTImpl::before_block(int64_t block) {
+  if (units_) units_->need_block(block, /*backward=*/false);
+}
+
+std::vector<torch::Tensor> GPTImpl::after_block(int64_t block, std::vector<torch::Tensor> outs) {
+  if (!units_) return outs;
+  units_->done_with_block(block);
+  const bool wants_grad = torch::GradMode::is_enabled() &&
+                          std::any_of(outs.begin(), outs.end(), [](const torch::Tensor& t) { return t.requires_grad(); });
+  if (!wants_grad) return outs;
+  return apply_autograd_function<BlockBoundary>(
+      outs[0], outs.size() > 1 ? c10::optional<torch::Tensor>(outs[1]) : c10::nullopt,
+      static_cast<int64_t>(reinterpret_cast<intptr_t>(units_)), block);
+}
 
 int64_t recomputed_blocks() { return g_recomputed_blocks.load(std::memory_order_relaxed); }
 
@@ -541,6 +578,7 @@ void GPTImpl::build_modules(const GPTDims& d) {
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
+  if (units_) units_->need_outside_blocks();
   torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
                                  : wte(idx);
   if (wpe) x = x + wpe(torch::arange(T, torch::dtype(torch::kLong).device(idx.device())));
@@ -548,14 +586,16 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
   for (size_t i = 0; i < h->size(); ++i) {
+    const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
-    if (!checkpointed(static_cast<int64_t>(i))) {
-      x = block->forward(x);
+    before_block(b);
+    if (!checkpointed(b)) {
+      x = after_block(b, {block->forward(x)})[0];
       continue;
     }
     auto r = c10::make_intrusive<Recompute>();
     r->run = [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0])}; };
-    x = apply_autograd_function<CheckpointedBlock>(x, c10::nullopt, r)[0];
+    x = after_block(b, {apply_autograd_function<CheckpointedBlock>(x, c10::nullopt, r)[0]})[0];
   }
   return ln_f(x);
 }
@@ -567,9 +607,13 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
   torch::Tensor delta;
   for (size_t i = 0; i < h->size(); ++i) {
+    const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
-    if (!checkpointed(static_cast<int64_t>(i))) {
+    before_block(b);
+    if (!checkpointed(b)) {
       std::tie(x, delta) = block->forward_fused(x, delta, normed_dtype);
+      const auto outs = after_block(b, {x, delta});
+      x = outs[0], delta = outs[1];
       continue;
     }
     auto r = c10::make_intrusive<Recompute>();
@@ -577,8 +621,8 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
       auto [out, d] = block->forward_fused(in[0], in[1], normed_dtype);
       return std::vector<torch::Tensor>{out, d};
     };
-    const auto outs = apply_autograd_function<CheckpointedBlock>(
-        x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r);
+    const auto outs = after_block(b, apply_autograd_function<CheckpointedBlock>(
+                                         x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r));
     x = outs[0], delta = outs[1];
   }
   return ln_f->add_forward(x, delta, normed_dtype).second;
@@ -590,8 +634,10 @@ int64_t GPTImpl::live_rows() const {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows.
-  return F::linear(column_input(hidden(idx), tp_of(dims_)), output_weight().narrow(0, 0, live_rows()));
+  // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows;
+  // hidden() first: it makes the output layer whole under ZeRO-3.
+  torch::Tensor x = column_input(hidden(idx), tp_of(dims_));
+  return F::linear(x, output_weight().narrow(0, 0, live_rows()));
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {

@@ -19,7 +19,7 @@ std::string MemoryRow::largest_term() const {
 
 std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
   const double n = static_cast<double>(in.params), d = static_cast<double>(std::max<int64_t>(1, in.dp));
-  const double unit = 4.0 * static_cast<double>(in.largest_unit);
+  const double block = 4.0 * static_cast<double>(in.largest_block), outside = 4.0 * static_cast<double>(in.outside_params);
   const bool shards = in.dp > 1;
   const int64_t every = std::max<int64_t>(1, in.ac_every);
   const int64_t checkpointed = in.n_layer / every;  // blocks every-1, 2 every-1, ... (GPTImpl::checkpointed)
@@ -29,13 +29,12 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
       MemoryRow r;
       r.zero = zero;
       r.ac = ac;
-      r.implemented = zero <= 2;
-      r.weights = zero == 3 && shards ? 4 * n / d + 2 * unit : 4 * n;
+      r.weights = zero == 3 && shards ? 4 * n / d + outside + 2 * block : 4 * n;
       r.gradients = zero >= 2 && shards ? 4 * n / d : 4 * n;
       if (shards) {
         if (zero <= 1) r.buffers = 4 * n + (zero == 1 ? 4 * n / d : 0);  // flat buckets (+ ZeRO-1's shard)
         else if (zero == 2) r.buffers = std::min(4 * n, 2 * in.bucket_mb * 1024 * 1024);  // buckets in flight
-        else r.buffers = 2 * unit;  // a unit's gradient and the next one's
+        else r.buffers = outside + 3 * block;  // the outside unit's gradient, three blocks'
       }
       r.optimizer = zero >= 1 && shards ? 8 * n / d : 8 * n;
       const int64_t kept = r.ac == "full" ? checkpointed : 0;
@@ -72,7 +71,7 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   out += "| optim.zero | activation_checkpointing | weights | gradients | gradient buffers | optimizer state | "
          "activations | peak |\n|---:|---|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : rows) {
-    out += concat("| ", r.zero, r.implemented ? "" : " (not implemented)", " | ", r.ac,
+    out += concat("| ", r.zero, " | ", r.ac,
                   r.ac == "full" && in.ac_every > 1 ? concat(", every ", in.ac_every) : std::string(), " | ",
                   cell(r.weights), " | ", cell(r.gradients), " | ", cell(r.buffers), " | ", cell(r.optimizer), " | ",
                   cell(r.activations), " | ", cell(r.peak()), " |\n");
@@ -86,7 +85,7 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   // data-parallel rank the zero stages shard nothing: zero 0 only).
   std::string why;
   for (const char* ac : {"none", "full"})
-    for (int zero = 0; zero <= (in.dp > 1 ? 2 : 0); ++zero) {
+    for (int zero = 0; zero <= (in.dp > 1 ? 3 : 0); ++zero) {
       const MemoryRow r = memory_row(in, zero, ac);
       if (r.peak() <= limit) {
         out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): optim.zero: ", r.zero,
@@ -97,10 +96,8 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
       if (!why.empty()) why += "; ";
       why += concat("zero ", r.zero, " + ", r.ac, " needs ", mib(r.peak()), " MiB (largest: ", r.largest_term(), ")");
     }
-  const MemoryRow z3 = memory_row(in, 3, "full");
-  out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): no implemented layout fits: ", why,
-                "; zero 3 + full (not implemented yet) would need ", mib(z3.peak()),
-                " MiB: more data-parallel ranks, parallel.tp, a smaller micro-batch or a device with more memory");
+  out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): no layout fits: ", why,
+                ": more data-parallel ranks, parallel.tp, a smaller micro-batch or a device with more memory");
   return out;
 }
 

@@ -47,7 +47,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
 }
 
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
-             const OptimConfig& cfg, bool fused)
+             const OptimConfig& cfg, bool fused, const std::vector<torch::Tensor>* param_shards)
     : cfg_(cfg), fused_(fused) {
   MPITRAIN_CHECK(shards.sharded(), "AdamW: ZeRO-1 needs a sharded GradSync");
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
@@ -60,7 +60,8 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
   for (const GradSync::Slice& s : shards.owned_slices()) {
     const auto& [name, p] = named_params.at(s.param);
     names_.push_back(name);
-    params_.push_back(p.detach().view({-1}).narrow(0, s.begin, s.length));
+    params_.push_back(param_shards ? param_shards->at(s.bucket).narrow(0, s.shard_offset, s.length)
+                                   : p.detach().view({-1}).narrow(0, s.begin, s.length));
     grads_.push_back(shards.grad_shard(s.bucket).narrow(0, s.shard_offset, s.length));
     exp_avg_.push_back(bucket_exp_avg_[s.bucket].narrow(0, s.shard_offset, s.length));
     exp_avg_sq_.push_back(bucket_exp_avg_sq_[s.bucket].narrow(0, s.shard_offset, s.length));

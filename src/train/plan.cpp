@@ -159,12 +159,12 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     MemoryInputs mem;
     mem.params = n_params;
     {
-      std::map<std::string, int64_t> units;  // zero 3's units: each block; the rest one tensor each
+      std::map<std::string, int64_t> blocks;  // zero 3's units (zero3.h): each block, and the rest
       for (const auto& [name, p] : model->named_params()) {
-        const bool block = name.rfind("h.", 0) == 0;
-        units[block ? name.substr(0, name.find('.', 2)) : name] += p.numel();
+        if (name.rfind("h.", 0) == 0) blocks[name.substr(0, name.find('.', 2))] += p.numel();
+        else mem.outside_params += p.numel();
       }
-      for (const auto& [unit, n] : units) mem.largest_unit = std::max(mem.largest_unit, n);
+      for (const auto& [block, n] : blocks) mem.largest_block = std::max(mem.largest_block, n);
     }
     mem.n_layer = dims.n_layer;
     mem.dp = run.layout.dp;

@@ -42,6 +42,7 @@
 #include "mpitrain/state_sync.h"
 #include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
+#include "mpitrain/zero3.h"
 
 namespace mpitrain {
 namespace {
@@ -171,7 +172,8 @@ class Run {
   Run(Config& cfg, Startup& startup, MPI_Comm mpi_comm, const TrainHooks& hooks)
       : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
         device_(startup.device), precision_(startup.precision), tensor_parallel_(startup.layout.tp > 1),
-        zero_(cfg.optim.zero >= 1 && startup.layout.dp > 1), zero2_(zero_ && cfg.optim.zero == 2),
+        zero_(cfg.optim.zero >= 1 && startup.layout.dp > 1), zero2_(zero_ && cfg.optim.zero >= 2),
+        zero3_(zero_ && cfg.optim.zero == 3),
         T_(startup.dims.seq_len),
         micro_(cfg.train.micro_batch), accum_(cfg.train.grad_accum),
         tokens_per_step_(cfg.train.global_batch * startup.dims.seq_len) {}
@@ -212,7 +214,9 @@ class Run {
   const GPTDims& dims_;
   const torch::Device device_;
   const Precision precision_;
-  const bool tensor_parallel_, zero_, zero2_;  // zero_: optim.zero >= 1 over dp > 1; zero2_: optim.zero 2
+  // zero_: optim.zero >= 1 over dp > 1; zero2_: optim.zero >= 2 (gradients reduce-scattered every
+  // micro-step); zero3_: optim.zero 3 (the parameters sharded too)
+  const bool tensor_parallel_, zero_, zero2_, zero3_;
   const int64_t T_, micro_, accum_, tokens_per_step_;
 
   GPT model_{nullptr};
@@ -220,6 +224,7 @@ class Run {
   Writers writers_;
   std::vector<torch::Tensor> params_;
   std::optional<GradSync> grad_sync_;
+  std::optional<ParamShards> units_;  // ZeRO-3: the parameters' shards, gathered per unit
   std::optional<PowerSgd> powersgd_;  // comm.compress: powersgd, from step powersgd_start + 1 on
   std::optional<AdamW> opt_;
   const GradSync* shards_ = nullptr;  // ZeRO-1: who owns which slices
@@ -302,11 +307,33 @@ void Run::build_optimizer() {
   const torch::ScalarType wire = cfg_.comm.grad_dtype == "bf16"   ? torch::kBFloat16
                                  : cfg_.comm.grad_dtype == "fp16" ? torch::kHalf
                                                                   : torch::kFloat32;
-  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire, zero2_);
+  // ZeRO-3 gathers a block's parameters from its backward, which on a GPU runs on autograd's device
+  // thread: the MPI backend may call MPI there only under MPI_THREAD_MULTIPLE (the main thread
+  // waits in backward meanwhile).
+  int mpi_threads = MPI_THREAD_SINGLE;
+  MPI_CHECK(MPI_Query_thread(&mpi_threads));
+  if (zero3_ && device_.is_cuda() && dp.name() == "mpi" && mpi_threads < MPI_THREAD_MULTIPLE)
+    agree(mpi_comm_, [&] {
+      throw UsageError(concat("optim.zero: 3 on a GPU with comm.backend: mpi gathers parameters from autograd's "
+                              "device thread, which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set "
+                              "comm.backend: nccl (or optim.zero: 2)"));
+    });
+  Units units;
+  if (zero3_) {
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
+    units = model_units(names, dims_.n_layer);
+  }
+  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire, zero2_, units.groups);
   if (cfg_.comm.compress == "powersgd" && s_.layout.dp > 1)
     powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
+  if (zero3_) {
+    units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward);
+    model_->set_unit_hooks(&*units_);
+  }
   if (zero_) {
-    opt_.emplace(model_->named_params(), *grad_sync_, cfg_.optim, fused_adamw);
+    opt_.emplace(model_->named_params(), *grad_sync_, cfg_.optim, fused_adamw,
+                 units_ ? &units_->param_shards() : nullptr);
     shards_ = &*grad_sync_;
   } else {
     opt_.emplace(model_->named_params(), cfg_.optim, fused_adamw);
@@ -316,7 +343,9 @@ void Run::build_optimizer() {
     log::info(zero_ ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-", cfg_.optim.zero, ": sharded over ",
                              s_.layout.dp, " data-parallel ranks; gradients reduce-scattered",
                              zero2_ ? " every micro-step, each rank keeping its shard only" : "",
-                             ", parameters all-gathered)")
+                             zero3_ ? concat("; parameters sharded too, gathered per unit around its forward and "
+                                             "backward: ", units_->num_units(), " units)")
+                                    : std::string(", parameters all-gathered)"))
                     : concat("optimizer state: ", mib, " MiB per rank (replicated",
                              cfg_.optim.zero >= 1 ? concat("; optim.zero: ", cfg_.optim.zero,
                                                            " has nothing to shard with one data-parallel rank")
@@ -357,7 +386,7 @@ void Run::describe() {
     log::info(concat("gradient communication: ",
                      static_cast<double>(grad_sync_->bytes_per_step() * static_cast<uint64_t>(zero2_ ? accum_ : 1)) /
                          (1 << 20),
-                     " MiB per rank per step in ", cfg_.comm.grad_dtype, zero2_ && accum_ > 1 ? concat(" (ZeRO-2: ", accum_, " reduce-scatters, one per micro-step)") : std::string(),
+                     " MiB per rank per step in ", cfg_.comm.grad_dtype, zero2_ && accum_ > 1 ? concat(" (ZeRO-", cfg_.optim.zero, ": ", accum_, " reduce-scatters, one per micro-step)") : std::string(),
                      cfg_.comm.grad_dtype == "fp32"
                          ? std::string()
                          : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
@@ -387,7 +416,11 @@ void Run::resume_or_start() {
   st_.tokenizer_sha256 = train.tokenizer_sha256();
   st_.eot_token = train.eot_token();
   if (s_.has_resume) {
-    resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_);
+    {  // ZeRO-3: the checkpoint's whole tensors into whole parameters, then each rank's shards of them
+      WholeParams whole(units_ ? &*units_ : nullptr);
+      resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_);
+      if (units_) units_->keep_shards_of_whole();
+    }
     scaler_.restore(st_.loss_scale, st_.loss_scale_good_steps);  // fp16: the scale continues
     if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.dp);
   }
@@ -450,6 +483,7 @@ void Run::open_outputs() {
   // synchronous saves allocate nothing between them.
   checkpoints_.emplace(cfg_.checkpoint.dir, cfg_.checkpoint.keep, cfg_.checkpoint.async);
   if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
+  WholeParams whole(units_ && checkpoints_->async() ? &*units_ : nullptr);  // ZeRO-3: host buffers like them
   if (checkpoints_->async() && writers_.shares) {
     share_checkpoint(share_buffers_, model_, *opt_, shards_, s_.mesh->dp_rank() == 0, st_, /*copy=*/true);
   } else if (whole_model_ && checkpoints_->async()) {
@@ -551,7 +585,9 @@ void Run::clip_and_update() {
   lr_ = lr_at(cfg_.optim, cfg_.train.steps, st_.step);
   if (finite) {
     opt.step(lr_);
-    if (zero_) {  // every rank's updated slices to every rank
+    if (zero3_) {  // the shards are the parameters: a unit still whole (evaluation's) is stale now
+      units_->release_all();
+    } else if (zero_) {  // every rank's updated slices to every rank
       comm_wait_->begin();
       grad_sync_->all_gather_params();
       comm_wait_->end();
@@ -620,20 +656,26 @@ bool Run::checkpoint_if_due() {
     {
       torch::NoGradGuard no_grad;
       std::vector<torch::Tensor> ok;
-      for (const auto& p : params_) ok.push_back(torch::isfinite(p).all());
-      all_finite = torch::stack(ok).all();
+      if (zero3_)  // the shards (whole parameters exist only around a unit's use)
+        for (size_t i = 0; i < opt_->size(); ++i) ok.push_back(torch::isfinite(opt_->param(i)).all());
+      else
+        for (const auto& p : params_) ok.push_back(torch::isfinite(p).all());
+      all_finite = ok.empty() ? torch::ones({}, torch::kBool) : torch::stack(ok).all();
     }
     int finite_params = 1;
     {
       Watchdog::Scope watch("device synchronize (parameter check)");
       finite_params = all_finite.item<bool>() ? 1 : 0;
     }
-    if (tensor_parallel_) {  // each rank checked its shards: agree
+    if (tensor_parallel_ || zero3_) {  // each rank checked its shards: agree
       Watchdog::Scope watch("all_reduce(parameter check)");
       MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite_params, 1, MPI_INT, MPI_MIN, mpi_comm_));
     }
     if (!finite_params) diverged(step, "a parameter is NaN or infinite");
-    progress_->untimed([&] { save(); });
+    progress_->untimed([&] {
+      WholeParams whole(units_ ? &*units_ : nullptr);  // ZeRO-3: checkpoints read whole parameters
+      save();
+    });
   }
   if (any_signal != 0 && !last) {
     result_.exit_code = exit_code_for_signal(any_signal);
@@ -703,6 +745,9 @@ TrainResult Run::finish() {
                      static_cast<double>(cuda_peak_allocated_bytes(device_.index())) / (1 << 30), " GiB"));
   if (!device_.is_cuda() && cpu_allocations_counted()) report_cpu_peaks();
   const bool wants_sample = topo_.rank == 0 && cfg_.sample.tokens > 0;
+  // ZeRO-3: rank 0 samples alone, so every rank makes the parameters whole first (and keeps them
+  // whole for the final parameters below).
+  WholeParams whole(units_ && (cfg_.sample.tokens > 0 || hooks_.keep_params) ? &*units_ : nullptr);
   if (tensor_parallel_ && wants_sample)
     log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result_.last_checkpoint,
                      "` samples its checkpoint"));
@@ -714,13 +759,14 @@ TrainResult Run::finish() {
     result_.sample = decode_bytes(std::vector<int64_t>(out.begin() + 1, out.end()), st_.eot_token);
     log::info("sample:\n" + result_.sample);
   }
-  if (hooks_.keep_params)
+  if (hooks_.keep_params) {
     for (auto& [name, p] : model_->named_params()) {  // whole parameters (tensor parallel: gathered)
       torch::Tensor c = tp_unshard(p.detach(), model_->tp_split(name), s_.mesh->tp())
                             .to(torch::kCPU, torch::kFloat32)
                             .contiguous();
       result_.params.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
     }
+  }
   return std::move(result_);
 }
 

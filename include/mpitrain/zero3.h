@@ -1,0 +1,114 @@
+// ZeRO-3 (optim.zero: 3), FSDP-style: the parameters live as shards, one per unit.
+//
+// A unit is one transformer block, or everything outside the blocks (embeddings, final norm,
+// output layer). Each unit is one bucket of a ZeRO-2 GradSync (grad_sync.h; buckets given as
+// groups, last block first, the outside unit last: the order backward completes them), so the
+// unit's flat layout (padded to a multiple of the dp group) is the gradient bucket's, and this
+// rank's part of it is the same elements in both: the parameter shard that AdamW updates in place
+// (AdamW's ZeRO constructor with param_shards) and the gradient shard it reads.
+//
+// Every parameter is a view of its unit's flat `whole` buffer, whose memory exists only while the
+// unit is gathered: the model (GPTImpl's UnitHooks) asks for a block before it runs and gives it
+// back after its forward; a block's output passes through an identity whose backward asks for
+// the block again before the block's backward; once backward has given all of a unit's
+// parameters their gradients (GradSync::on_bucket_filled) the unit's memory is released again.
+// While a block runs, the next one's all-gather is in flight (block + 1 in forward, block - 1 in
+// backward; Communicator::all_gather_async: MPI's nonblocking collective on the CPU, NCCL's
+// communication stream on a GPU), so a rank holds up to two blocks whole besides the outside unit.
+// Releasing keeps the buffer's storage object and drops only its memory, so the tensors that
+// autograd saved in forward (views of the same storage) see the gathered values again in
+// backward: PyTorch FSDP's storage-resize scheme. The gathers write through the flat buffer,
+// whose version counter is not the parameters', so autograd's saved-tensor checks hold.
+//
+// Outside the training step (checkpoints, resume, the final parameters) WholeParams gathers
+// every unit for its lifetime.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mpitrain/grad_sync.h"
+#include "mpitrain/model.h"
+
+namespace mpitrain {
+
+// The units of a model with `n_layer` blocks, from its parameter names (named_params order):
+// the GradSync groups (blocks n_layer - 1 .. 0, then the parameters outside the blocks), and
+// which group each block is (block_unit[i]) and the outside one.
+struct Units {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> block_unit;
+  size_t outside = 0;
+};
+Units model_units(const std::vector<std::string>& names, int64_t n_layer);
+
+class ParamShards : public UnitHooks {
+ public:
+  // `params`: the model's parameters (named_params order), whole and equal on every rank of the
+  // GradSync's group; they become views of the units' buffers, each rank keeping its shard, and
+  // every unit is released.
+  // `reshard_after_forward` (optim.reshard_after_forward) false: a block stays whole from its
+  // forward to the end of its backward (one gather per micro-step instead of two); a forward
+  // without gradients releases it either way.
+  ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward = true);
+  ~ParamShards() override;
+  ParamShards(const ParamShards&) = delete;
+  ParamShards& operator=(const ParamShards&) = delete;
+
+  void need_outside_blocks() override { gather(units_.outside); }
+  void need_block(int64_t block, bool backward) override;
+  void done_with_block(int64_t block) override;
+
+  void gather(size_t unit);    // all-gathers the unit's shards into its whole buffer (no-op if whole)
+  void prefetch(size_t unit);  // starts that all-gather; gather() completes it
+  void release(size_t unit);   // drops the whole buffer's memory (no-op if released, or while all are held)
+  // Every unit whole, and kept whole (release() does nothing) until release_all(): a collective,
+  // after which one rank alone may run the model (sampling) without any gather.
+  void gather_all();
+  void release_all();
+  // After the whole parameters were written (resume): this rank's shards taken from them.
+  void keep_shards_of_whole();
+
+  // Per unit (= GradSync bucket): this rank's part of its padded flat parameters.
+  const std::vector<torch::Tensor>& param_shards() const { return shards_; }
+  size_t num_units() const { return whole_.size(); }
+  // Units whose whole buffer exists now (prefetched ones included), and the most at once since
+  // the last reset (tests).
+  size_t units_whole() const;
+  size_t max_units_whole() const { return max_whole_; }
+  void reset_max_units_whole() { max_whole_ = units_whole(); }
+
+ private:
+  GradSync& sync_;
+  Units units_;
+  std::vector<torch::Tensor> whole_;   // per unit: the flat buffer the parameters are views of
+  std::vector<torch::Tensor> shards_;  // per unit: this rank's part
+  std::vector<bool> is_whole_;  // the buffer has memory (its gather may still be in flight)
+  std::vector<std::unique_ptr<Work>> pending_;  // per unit: a prefetch in flight
+  bool held_ = false;  // between gather_all() and release_all()
+  bool reshard_after_forward_ = true;
+  bool autocast_cache_was_ = true;  // autocast's weight cache, off while this object lives
+  size_t max_whole_ = 0;
+};
+
+// Every unit whole for this object's lifetime (null: nothing to do), released after.
+class WholeParams {
+ public:
+  explicit WholeParams(ParamShards* shards) : shards_(shards) {
+    if (shards_) shards_->gather_all();
+  }
+  ~WholeParams() {
+    if (shards_) shards_->release_all();
+  }
+  WholeParams(const WholeParams&) = delete;
+  WholeParams& operator=(const WholeParams&) = delete;
+
+ private:
+  ParamShards* shards_;
+};
+
+}  // namespace mpitrain

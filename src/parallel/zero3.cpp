@@ -1,0 +1,160 @@
+// ZeRO-3: parameters as per-unit shards, gathered around each unit's use (see zero3.h).
+#include "mpitrain/zero3.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <algorithm>
+#include <string>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+
+namespace {
+
+// The memory of `t`'s storage, dropped or made again (the storage object, and with it every
+// view of it, autograd's saved tensors included, stays).
+void drop_memory(const torch::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  impl->set_nbytes(0);
+}
+
+void make_memory(const torch::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  c10::Allocator* allocator = impl->allocator();
+  if (!allocator) allocator = c10::GetAllocator(t.device().type());
+  impl->set_data_ptr_noswap(allocator->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+Units model_units(const std::vector<std::string>& names, int64_t n_layer) {
+  Units u;
+  u.groups.resize(static_cast<size_t>(n_layer) + 1);
+  u.block_unit.resize(static_cast<size_t>(n_layer));
+  for (int64_t i = 0; i < n_layer; ++i) u.block_unit[static_cast<size_t>(i)] = static_cast<size_t>(n_layer - 1 - i);
+  u.outside = static_cast<size_t>(n_layer);
+  for (size_t k = 0; k < names.size(); ++k) {
+    size_t group = u.outside;
+    if (names[k].rfind("h.", 0) == 0) {
+      const size_t dot = names[k].find('.', 2);
+      const int64_t block = std::stoll(names[k].substr(2, dot - 2));
+      MPITRAIN_CHECK(block >= 0 && block < n_layer, concat("ZeRO-3: parameter ", names[k], " of no block"));
+      group = u.block_unit[static_cast<size_t>(block)];
+    }
+    u.groups[group].push_back(k);
+  }
+  MPITRAIN_CHECK(std::none_of(u.groups.begin(), u.groups.end(), [](const auto& g) { return g.empty(); }),
+                 "ZeRO-3: a unit without parameters");
+  return u;
+}
+
+ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward)
+    : sync_(sync), units_(std::move(units)), reshard_after_forward_(reshard_after_forward) {
+  MPITRAIN_CHECK(sync.sharded() && sync.frees_grads() && sync.num_buckets() == units_.groups.size(),
+                 "ZeRO-3: needs a ZeRO-2 GradSync with one bucket per unit");
+  torch::NoGradGuard no_grad;
+  Communicator& comm = sync.communicator();
+  const size_t n = sync.num_buckets();
+  whole_.resize(n);
+  shards_.resize(n);
+  is_whole_.assign(n, true);
+  pending_.resize(n);
+  for (size_t u = 0; u < n; ++u) {
+    const auto& ks = sync.bucket_params(u);
+    const torch::Tensor& first = params.at(ks.front());
+    const int64_t padded = sync.padded_length(u), part = padded / comm.size();
+    whole_[u] = torch::zeros({padded}, first.options().requires_grad(false));
+    for (size_t k : ks) {
+      torch::Tensor& p = params.at(k);
+      torch::Tensor slot = whole_[u].narrow(0, sync.flat_offset(k), p.numel());
+      slot.copy_(p.detach().reshape({-1}));
+      p.set_data(slot.view(p.sizes()));
+    }
+    shards_[u] = whole_[u].narrow(0, comm.rank() * part, part).clone();
+    release(u);
+  }
+  max_whole_ = 0;
+  sync_.on_bucket_filled([this](size_t u) { release(u); });
+  // Autocast keeps the 16-bit copy of every weight it cast until the autocast region ends (the
+  // whole forward): under ZeRO-3 that would hold every block's weights again. Without the cache
+  // each use casts anew; in this model only the tied embedding is used twice.
+  autocast_cache_was_ = at::autocast::is_autocast_cache_enabled();
+  at::autocast::set_autocast_cache_enabled(false);
+}
+
+ParamShards::~ParamShards() {
+  at::autocast::set_autocast_cache_enabled(autocast_cache_was_);
+  sync_.on_bucket_filled(nullptr);
+  for (auto& p : pending_)
+    if (p) p->wait();
+}
+
+void ParamShards::need_block(int64_t block, bool backward) {
+  const size_t n_layer = units_.block_unit.size(), b = static_cast<size_t>(block);
+  gather(units_.block_unit.at(b));
+  if (!backward && b + 1 < n_layer) prefetch(units_.block_unit[b + 1]);
+  if (backward && b > 0) prefetch(units_.block_unit[b - 1]);
+}
+
+void ParamShards::done_with_block(int64_t block) {
+  if (reshard_after_forward_ || !torch::GradMode::is_enabled()) release(units_.block_unit.at(static_cast<size_t>(block)));
+}
+
+void ParamShards::gather(size_t u) {
+  if (pending_.at(u)) {
+    pending_[u]->wait();
+    pending_[u].reset();
+  }
+  if (is_whole_.at(u)) return;
+  make_memory(whole_[u], static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size());
+  sync_.communicator().all_gather(shards_[u], whole_[u]);
+  is_whole_[u] = true;
+  max_whole_ = std::max(max_whole_, units_whole());
+}
+
+void ParamShards::prefetch(size_t u) {
+  if (is_whole_.at(u)) return;
+  make_memory(whole_[u], static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size());
+  pending_[u] = sync_.communicator().all_gather_async(shards_[u], whole_[u]);
+  is_whole_[u] = true;
+  max_whole_ = std::max(max_whole_, units_whole());
+}
+
+void ParamShards::release(size_t u) {
+  if (held_ || !is_whole_.at(u)) return;
+  if (pending_[u]) {  // a prefetch nobody used (a forward that stopped early): finished first
+    pending_[u]->wait();
+    pending_[u].reset();
+  }
+  drop_memory(whole_[u]);
+  is_whole_[u] = false;
+}
+
+void ParamShards::gather_all() {
+  for (size_t u = 0; u < whole_.size(); ++u) gather(u);
+  held_ = true;
+}
+
+void ParamShards::release_all() {
+  held_ = false;
+  for (size_t u = 0; u < whole_.size(); ++u) release(u);
+}
+
+void ParamShards::keep_shards_of_whole() {
+  torch::NoGradGuard no_grad;
+  const int rank = sync_.communicator().rank();
+  for (size_t u = 0; u < whole_.size(); ++u) {
+    MPITRAIN_CHECK(is_whole_[u], "ZeRO-3: keep_shards_of_whole needs every unit whole");
+    const int64_t part = shards_[u].numel();
+    shards_[u].copy_(whole_[u].narrow(0, rank * part, part));
+  }
+}
+
+size_t ParamShards::units_whole() const {
+  return static_cast<size_t>(std::count(is_whole_.begin(), is_whole_.end(), true));
+}
+
+}  // namespace mpitrain

@@ -1,0 +1,59 @@
+// One forward and backward of a small model with a ZeRO-2 GradSync over ZeRO-3's units, with or
+// without ParamShards (zero3.h) making the parameters shards: test_comm compares the two on CPU
+// ranks, test_gpu on CUDA. Header-only: each test binary compiles its own copy.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mpitrain/amp.h"
+#include "mpitrain/comm.h"
+#include "mpitrain/grad_sync.h"
+#include "mpitrain/model.h"
+#include "mpitrain/zero3.h"
+
+namespace mpitrain {
+
+struct Zero3Probe {
+  std::vector<torch::Tensor> grad_shards;  // per unit: this rank's averaged gradients (on the CPU)
+  torch::Tensor loss;                      // this rank's loss (on the CPU)
+  size_t max_whole = 0, whole_after = 0;   // ParamShards' units whole: at most during, and after backward
+};
+
+// The model drawn from seed 3 on `device`; the batch from seed 10 + the rank, so ranks differ.
+inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::Device& device, Precision precision,
+                              bool zero3) {
+  torch::manual_seed(3);
+  GPT model(d);
+  model->to(device);
+  model->train();
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (auto& [name, p] : model->named_params()) params.push_back(p), names.push_back(name);
+  Units units = model_units(names, d.n_layer);
+  GradSync sync(params, c, 25, /*overlap=*/true, /*shard=*/true, torch::kFloat32, /*free_grads=*/true, units.groups);
+  std::optional<ParamShards> shards;
+  if (zero3) {
+    shards.emplace(params, sync, units);
+    model->set_unit_hooks(&*shards);
+  }
+  Zero3Probe out;
+  torch::manual_seed(10 + c.rank());
+  torch::Tensor idx = torch::randint(d.vocab_size, {2, d.seq_len}, torch::kLong).to(device);
+  torch::Tensor tgt = torch::randint(d.vocab_size, {2, d.seq_len}, torch::kLong).to(device);
+  sync.arm();
+  torch::Tensor loss;
+  {
+    Autocast autocast(precision, device);
+    loss = model->loss(idx, tgt);
+  }
+  out.loss = loss.detach().cpu();
+  loss.backward();
+  if (shards) out.max_whole = shards->max_units_whole(), out.whole_after = shards->units_whole();
+  sync.all_reduce_grads();
+  for (size_t b = 0; b < sync.num_buckets(); ++b) out.grad_shards.push_back(sync.grad_shard(b).cpu());
+  return out;
+}
+
+}  // namespace mpitrain
