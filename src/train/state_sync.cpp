@@ -78,6 +78,26 @@ void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync&
   }
 }
 
+// ZeRO-3 resume: rank 0's whole parameters (`whole`, null elsewhere) to every rank's parameter
+// shards, as scatter_optim_state moves the moments: one padded unit at a time is broadcast over
+// the shards' communicator and each rank keeps its part.
+void scatter_param_shards(GPT* whole, const std::vector<torch::Tensor>& param_shards, const GradSync& shards) {
+  Communicator& comm = shards.communicator();
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  if (whole) params = (*whole)->named_params();
+  for (size_t b = 0; b < shards.num_buckets(); ++b) {
+    const torch::Tensor& mine = param_shards.at(b);
+    torch::Tensor unit = torch::zeros({shards.padded_length(b)}, mine.options());
+    if (whole)
+      for (size_t k : shards.bucket_params(b)) {
+        const torch::Tensor& p = params.at(k).second;
+        unit.narrow(0, shards.flat_offset(k), p.numel()).copy_(p.detach().reshape({-1}));
+      }
+    comm.broadcast(unit, 0);
+    mine.copy_(unit.narrow(0, comm.rank() * mine.numel(), mine.numel()));
+  }
+}
+
 // Tensor parallel resume: rank 0's whole parameters (`whole`) and moments (`full`, in the
 // parameters' order) go to every rank, one tensor at a time over `comm` (the world), and each
 // rank keeps its tp shard of them: its parameters, and its AdamW state (sharded: its owned slices
@@ -406,17 +426,19 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 }
 
 void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
-                 TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device) {
+                 TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
+                 const std::vector<torch::Tensor>* param_shards) {
   std::string path;
   // Rank 0 loads AdamW's state into the optimizer itself, or (sharded) into whole-parameter host
   // tensors that are handed out below. Tensor parallel: the whole model and state into host
   // memory (a dense model), every rank then keeps its shards.
   const GPTDims& model_dims = model->dims();
   const bool tensor_parallel = model_dims.tp > 1;
+  MPITRAIN_CHECK(!param_shards || (!tensor_parallel && shards), "resume_from: ZeRO-3's shards at tp 1 with their GradSync");
   std::optional<GPT> whole;
   FullOptimState full;
   if (comm.rank() == 0) {
-    if (tensor_parallel) {
+    if (tensor_parallel || param_shards) {
       GPTDims d = model_dims;
       d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
       whole.emplace(d);
@@ -455,6 +477,9 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   torch::NoGradGuard no_grad;
   if (tensor_parallel) {
     keep_tp_shards(whole ? &*whole : nullptr, full, model, opt, shards, comm);
+  } else if (param_shards) {
+    scatter_param_shards(whole ? &*whole : nullptr, *param_shards, *shards);
+    scatter_optim_state(full, opt, *shards);
   } else {
     for (auto& [name, p] : model->named_params()) comm.broadcast(p, 0);
     if (opt.sharded()) {

@@ -416,7 +416,10 @@ void Run::resume_or_start() {
   st_.tokenizer_sha256 = train.tokenizer_sha256();
   st_.eot_token = train.eot_token();
   if (s_.has_resume) {
-    {  // ZeRO-3: the checkpoint's whole tensors into whole parameters, then each rank's shards of them
+    if (units_ && !tensor_parallel_) {  // ZeRO-3: each rank receives its shards, one unit at a time
+      resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_,
+                  &units_->param_shards());
+    } else {  // (ZeRO-3 under tp: into whole parameters, then each rank's shards of them)
       WholeParams whole(units_ ? &*units_ : nullptr);
       resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_);
       if (units_) units_->keep_shards_of_whole();
@@ -483,7 +486,9 @@ void Run::open_outputs() {
   // synchronous saves allocate nothing between them.
   checkpoints_.emplace(cfg_.checkpoint.dir, cfg_.checkpoint.keep, cfg_.checkpoint.async);
   if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
-  WholeParams whole(units_ && checkpoints_->async() ? &*units_ : nullptr);  // ZeRO-3: host buffers like them
+  // ZeRO-3: rank 0's host buffers are made like the whole parameters (the ranks' shares read the
+  // shards: AdamW's slots).
+  WholeParams whole(units_ && checkpoints_->async() && !writers_.shares ? &*units_ : nullptr);
   if (checkpoints_->async() && writers_.shares) {
     share_checkpoint(share_buffers_, model_, *opt_, shards_, s_.mesh->dp_rank() == 0, st_, /*copy=*/true);
   } else if (whole_model_ && checkpoints_->async()) {
@@ -673,7 +678,9 @@ bool Run::checkpoint_if_due() {
     }
     if (!finite_params) diverged(step, "a parameter is NaN or infinite");
     progress_->untimed([&] {
-      WholeParams whole(units_ ? &*units_ : nullptr);  // ZeRO-3: checkpoints read whole parameters
+      // ZeRO-3: each rank's share is read from its shards (AdamW's slots); rank 0 writing alone
+      // reads whole parameters.
+      WholeParams whole(units_ && !writers_.shares ? &*units_ : nullptr);
       save();
     });
   }
