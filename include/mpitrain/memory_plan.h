@@ -59,10 +59,10 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in);
 // The row of one layout (zero 0..3, ac none | full); Error for another.
 MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);
 
-// The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first row that fits in memory_gib, in the order of expected speed (no checkpointing before full; lower
-// zero stages before higher: zero 2 and 3 communicate every micro-step under accumulation, zero 3
-// gathers every block's parameters twice per micro-step), naming why
-// each faster one does not fit. memory_source says where the limit came from ("--memory",
+// The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first row that fits
+// in memory_gib, in the order of expected speed (no checkpointing before full; lower zero stages
+// before higher: zero 2 and 3 communicate every micro-step under accumulation, zero 3 gathers
+// every block's parameters twice per micro-step), naming why each faster one does not fit. memory_source says where the limit came from ("--memory",
 // "the GPU's memory").
 std::string memory_report(const MemoryInputs& in, double memory_gib, const std::string& memory_source);
 

@@ -247,7 +247,6 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   const GPTDims& dims() const { return dims_; }
   // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).
   void set_unit_hooks(UnitHooks* units) { units_ = units; }
-  UnitHooks* unit_hooks() const { return units_; }
   // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...).
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;

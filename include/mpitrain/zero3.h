@@ -80,9 +80,10 @@ class ParamShards : public UnitHooks {
   // the last reset (tests).
   size_t units_whole() const;
   size_t max_units_whole() const { return max_whole_; }
-  void reset_max_units_whole() { max_whole_ = units_whole(); }
 
  private:
+  void finish_prefetch(size_t unit);  // waits for the unit's prefetch, if one is in flight
+  void make_whole(size_t unit);       // gives the unit's buffer its memory (contents: the gather's)
   GradSync& sync_;
   Units units_;
   std::vector<torch::Tensor> whole_;   // per unit: the flat buffer the parameters are views of

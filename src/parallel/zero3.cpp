@@ -88,8 +88,7 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
 ParamShards::~ParamShards() {
   at::autocast::set_autocast_cache_enabled(autocast_cache_was_);
   sync_.on_bucket_filled(nullptr);
-  for (auto& p : pending_)
-    if (p) p->wait();
+  for (size_t u = 0; u < pending_.size(); ++u) finish_prefetch(u);
 }
 
 void ParamShards::need_block(int64_t block, bool backward) {
@@ -103,32 +102,34 @@ void ParamShards::done_with_block(int64_t block) {
   if (reshard_after_forward_ || !torch::GradMode::is_enabled()) release(units_.block_unit.at(static_cast<size_t>(block)));
 }
 
-void ParamShards::gather(size_t u) {
-  if (pending_.at(u)) {
-    pending_[u]->wait();
-    pending_[u].reset();
-  }
-  if (is_whole_.at(u)) return;
+void ParamShards::finish_prefetch(size_t u) {
+  if (!pending_.at(u)) return;
+  pending_[u]->wait();
+  pending_[u].reset();
+}
+
+void ParamShards::make_whole(size_t u) {
   make_memory(whole_[u], static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size());
-  sync_.communicator().all_gather(shards_[u], whole_[u]);
   is_whole_[u] = true;
   max_whole_ = std::max(max_whole_, units_whole());
+}
+
+void ParamShards::gather(size_t u) {
+  finish_prefetch(u);
+  if (is_whole_.at(u)) return;
+  make_whole(u);
+  sync_.communicator().all_gather(shards_[u], whole_[u]);
 }
 
 void ParamShards::prefetch(size_t u) {
   if (is_whole_.at(u)) return;
-  make_memory(whole_[u], static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size());
+  make_whole(u);
   pending_[u] = sync_.communicator().all_gather_async(shards_[u], whole_[u]);
-  is_whole_[u] = true;
-  max_whole_ = std::max(max_whole_, units_whole());
 }
 
 void ParamShards::release(size_t u) {
   if (held_ || !is_whole_.at(u)) return;
-  if (pending_[u]) {  // a prefetch nobody used (a forward that stopped early): finished first
-    pending_[u]->wait();
-    pending_[u].reset();
-  }
+  finish_prefetch(u);  // a prefetch nobody used (a forward that stopped early) completes first
   drop_memory(whole_[u]);
   is_whole_[u] = false;
 }

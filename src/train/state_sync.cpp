@@ -55,47 +55,40 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
   return true;
 }
 
-// Rank 0's whole-parameter moments (`full`) to every rank's slices: one padded bucket at a time
-// is broadcast over the shards' communicator; each rank keeps its part.
-void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync& shards) {
+// Bucket b of `shards`' padded layout, assembled on rank 0 from whole tensors (`whole_of(k)`:
+// parameter k's, called on rank 0 only), broadcast over the shards' communicator; each rank keeps
+// its part in `mine`.
+template <class WholeOf>
+void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine) {
   Communicator& comm = shards.communicator();
-  const bool root = comm.rank() == 0;
-  for (size_t b = 0; b < shards.num_buckets(); ++b) {
-    torch::Tensor& mine_m = opt.bucket_exp_avg(b);
-    torch::Tensor& mine_v = opt.bucket_exp_avg_sq(b);
-    const int64_t len = mine_m.numel();
-    for (int which = 0; which < 2; ++which) {
-      torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine_m.options());
-      if (root)
-        for (size_t k : shards.bucket_params(b)) {
-          const auto& m = full.moments[k];
-          const torch::Tensor& src = which == 0 ? m.exp_avg : m.exp_avg_sq;
-          bucket.narrow(0, shards.flat_offset(k), src.numel()).copy_(src.reshape({-1}));
-        }
-      comm.broadcast(bucket, 0);
-      (which == 0 ? mine_m : mine_v).copy_(bucket.narrow(0, comm.rank() * len, len));
+  torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
+  if (comm.rank() == 0)
+    for (size_t k : shards.bucket_params(b)) {
+      const torch::Tensor& src = whole_of(k);
+      bucket.narrow(0, shards.flat_offset(k), src.numel()).copy_(src.detach().reshape({-1}));
     }
+  comm.broadcast(bucket, 0);
+  mine.copy_(bucket.narrow(0, comm.rank() * mine.numel(), mine.numel()));
+}
+
+// Rank 0's whole-parameter moments (`full`) to every rank's slices, one padded bucket at a time.
+void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync& shards) {
+  for (size_t b = 0; b < shards.num_buckets(); ++b) {
+    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return full.moments[k].exp_avg; },
+                   opt.bucket_exp_avg(b));
+    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return full.moments[k].exp_avg_sq; },
+                   opt.bucket_exp_avg_sq(b));
   }
 }
 
 // ZeRO-3 resume: rank 0's whole parameters (`whole`, null elsewhere) to every rank's parameter
-// shards, as scatter_optim_state moves the moments: one padded unit at a time is broadcast over
-// the shards' communicator and each rank keeps its part.
+// shards, one padded unit at a time, as the moments above.
 void scatter_param_shards(GPT* whole, const std::vector<torch::Tensor>& param_shards, const GradSync& shards) {
-  Communicator& comm = shards.communicator();
   std::vector<std::pair<std::string, torch::Tensor>> params;
   if (whole) params = (*whole)->named_params();
-  for (size_t b = 0; b < shards.num_buckets(); ++b) {
-    const torch::Tensor& mine = param_shards.at(b);
-    torch::Tensor unit = torch::zeros({shards.padded_length(b)}, mine.options());
-    if (whole)
-      for (size_t k : shards.bucket_params(b)) {
-        const torch::Tensor& p = params.at(k).second;
-        unit.narrow(0, shards.flat_offset(k), p.numel()).copy_(p.detach().reshape({-1}));
-      }
-    comm.broadcast(unit, 0);
-    mine.copy_(unit.narrow(0, comm.rank() * mine.numel(), mine.numel()));
-  }
+  for (size_t b = 0; b < shards.num_buckets(); ++b)
+    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return params.at(k).second; },
+                   param_shards.at(b));
 }
 
 // Tensor parallel resume: rank 0's whole parameters (`whole`) and moments (`full`, in the
