@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Activation checkpointing on one CPU rank: peak memory and step time of train.activation_checkpointing
-# none (the baseline), full on every block, and full on every 2nd block, in one run. The model:
+# none (the baseline), selective and full, each on every block and on every 2nd block, in one run. The model:
 # GPT-2-shaped, N_LAYER layers of width N_EMBD (default 8 x 256, 6.4M parameters), micro-batch
 # MICRO_BATCH x SEQ (default 8 x 512), byte vocabulary, fp32, one torch thread: activations, not
 # parameters, dominate its memory (libtorch 1.13's explicit attention keeps the heads' T x T scores).
@@ -14,8 +14,8 @@
 # "plan" columns: what `mpitrain plan` predicts for the same config (optim.zero 0, one rank;
 # docs/layouts.md "Memory per rank"): its activations and peak, and the measured peak RSS minus
 # the plan's peak (what the process holds besides the plan's terms: libtorch, MPI, the data, the
-# heap's slack; the same in every row if the activation model is right). Last line: the saving of
-# full checkpointing, measured (peak RSS none - full) against predicted.
+# heap's slack; the same in every row if the activation model is right). Last lines: the saving of
+# selective and of full checkpointing on every block, measured (peak RSS none - it) against predicted.
 #
 # Environment: STEPS (12), WARMUP (4), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (8/256/4/512/8), MPIRUN (mpirun).
 set -euo pipefail
@@ -58,7 +58,7 @@ run() {  # mode every -> "ms_per_step final_loss peak_rss_mib"
 }
 
 plan_row() {  # mode every -> "activations_mib peak_mib" of plan's optim.zero 0 row
-  # plan's table holds the none and the full rows for the config's ac_every: one run per every.
+  # plan's table holds the none, selective and full rows for the config's ac_every: one run per every.
   local out=$WORK/plan-every-$2
   if [ ! -f "$out.log" ]; then
     write_cfg "$1" "$2" "$out"
@@ -70,15 +70,21 @@ plan_row() {  # mode every -> "activations_mib peak_mib" of plan's optim.zero 0 
 echo "Activation checkpointing, one CPU rank: GPT-2 $L layers x $D, $H heads, seq $T, micro-batch $B, $STEPS steps, $(date -u +%F), $("$BIN" --version 2>/dev/null | head -n 1)"
 echo "| activation_checkpointing | peak RSS (MiB) | ratio to none | ms/step | ratio to none | final loss | plan: activations (MiB) | plan: peak (MiB) | RSS - plan peak (MiB) |"
 echo "|---|---:|---:|---:|---:|---|---:|---:|---:|"
-read -r t0 l0 m0 <<< "$(run none 1)"
-read -r a0 p0 <<< "$(plan_row none 1)"
+# (a failed run ends the script: an assignment from a failed command substitution stops set -e)
+r=$(run none 1); read -r t0 l0 m0 <<< "$r"
+r=$(plan_row none 1); read -r a0 p0 <<< "$r"
 printf '| none | %s | 1.00 | %s | 1.00 | %s | %s | %s | %.0f |\n' "$m0" "$t0" "$l0" "$a0" "$p0" "$(echo "$m0 - $p0" | bc -l)"
-for every in 1 2; do
-  read -r t l m <<< "$(run full $every)"
-  read -r a p <<< "$(plan_row full $every)"
-  printf '| full, every %s block(s) | %s | %s | %s | %s | %s | %s | %s | %.0f |\n' "$every" "$m" "$(ratio "$m" "$m0")" "$t" \
-    "$(ratio "$t" "$t0")" "$l" "$a" "$p" "$(echo "$m - $p" | bc -l)"
-  [ "$every" = 1 ] && saved_measured=$((m0 - m)) && saved_plan=$(echo "$p0 - $p" | bc -l)
+declare -A saved_measured saved_plan
+for mode in selective full; do
+  for every in 1 2; do
+    r=$(run $mode $every); read -r t l m <<< "$r"
+    r=$(plan_row $mode $every); read -r a p <<< "$r"
+    printf '| %s, every %s block(s) | %s | %s | %s | %s | %s | %s | %s | %.0f |\n' "$mode" "$every" "$m" "$(ratio "$m" "$m0")" \
+      "$t" "$(ratio "$t" "$t0")" "$l" "$a" "$p" "$(echo "$m - $p" | bc -l)"
+    if [ "$every" = 1 ]; then saved_measured[$mode]=$((m0 - m)); saved_plan[$mode]=$(echo "$p0 - $p" | bc -l); fi
+  done
 done
-printf 'full checkpointing saves %s MiB of peak RSS, measured; the plan predicts %.0f MiB (ratio %s)\n' \
-  "$saved_measured" "$saved_plan" "$(ratio "$saved_measured" "$saved_plan")"
+for mode in selective full; do
+  printf '%s checkpointing saves %s MiB of peak RSS, measured; the plan predicts %.0f MiB (ratio %s)\n' "$mode" \
+    "${saved_measured[$mode]}" "${saved_plan[$mode]}" "$(ratio "${saved_measured[$mode]}" "${saved_plan[$mode]}")"
+done

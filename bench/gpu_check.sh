@@ -417,8 +417,9 @@ YAML
 # ---- memory -------------------------------------------------------------------------------------
 # Peak device memory (libtorch's allocator, rank 0) of the Llama 3.2 1B shape on 2 ranks sharing the
 # GPU (comm.backend mpi, dp 2), bf16, micro-batch 2 x 2048, for optim.zero 0/1/2/3 x activation
-# checkpointing none/full (MEMORY_ROWS, "zero:ac ..."; the default puts the rows a short lease
-# most needs first: zero 0 none, the baseline, then zero 3 and 2 with full checkpointing), MEMORY_STEPS steps each (default 3: the first step allocates AdamW's
+# checkpointing none/selective/full (MEMORY_ROWS, "zero:ac ..."; the default puts the rows a short
+# lease most needs first: zero 0 none, the baseline, then zero 3 and 2 with full checkpointing,
+# then selective, which keeps attention's flash kernel state there), MEMORY_STEPS steps each (default 3: the first step allocates AdamW's
 # state, the second runs with it): the table issue 41 asks of a lease, each figure against zero 0
 # without checkpointing measured in the same call, and against what `mpitrain plan --memory-only`
 # predicts for it (run once first; issue 41's "within 15%"). Each run writes no checkpoint. Rehearsal:
@@ -435,7 +436,7 @@ stage_memory() {
       >"$work/pack.log" 2>&1 || { row memory "pack random tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
   fi
   local base="" zero ac peak rc planned row_spec
-  for row_spec in ${MEMORY_ROWS:-0:none 3:full 2:full 3:none 0:full 2:none 1:none 1:full}; do
+  for row_spec in ${MEMORY_ROWS:-0:none 3:full 2:full 3:selective 0:selective 3:none 0:full 2:none 1:none 1:full}; do
     zero=${row_spec%:*} ac=${row_spec#*:}
     rm -rf "$work/run"
     cat >"$work/m.yaml" <<YAML

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory per rank on CPU ranks against `mpitrain plan` (issue 41, section 5): optim.zero 0/1/2/3 x
-# train.activation_checkpointing none/full, each at RANKS data-parallel ranks (default 4), in one
-# run. The model: GPT-2-shaped, N_LAYER x N_EMBD (default 12 x 768: 85M parameters, byte
+# train.activation_checkpointing none/selective/full (ZEROS, ACS), each at RANKS data-parallel
+# ranks (default 4), in one run. The model: GPT-2-shaped, N_LAYER x N_EMBD (default 12 x 768: 85M parameters, byte
 # vocabulary), micro-batch MICRO_BATCH x SEQ (2 x 256), fp32, one torch thread per rank, STEPS
 # steps (3: the first allocates AdamW's state), no checkpoint written.
 #
@@ -17,7 +17,7 @@
 #   ms/step       the median step after the first, and its ratio to zero 0 without checkpointing
 #
 # Environment: RANKS (4), STEPS (3), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (12/768/12/256/2),
-# MPIRUN (mpirun).
+# ZEROS ("0 1 2 3"; the first row is the time baseline), ACS ("none selective full"), MPIRUN (mpirun).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-$REPO/build/mpitrain}")
@@ -72,9 +72,10 @@ echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $pa
 echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
 echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 base_ms=""
-for zero in 0 1 2 3; do
-  for ac in none full; do
-    read -r p l0 lo r0 ro ms <<< "$(run "$zero" "$ac")"
+for zero in ${ZEROS:-0 1 2 3}; do
+  for ac in ${ACS:-none selective full}; do
+    r=$(run "$zero" "$ac")  # (a failed run ends the script: set -e stops at a failed assignment)
+    read -r p l0 lo r0 ro ms <<< "$r"
     [ -n "$base_ms" ] || base_ms=$ms
     big=$(awk -v a="$l0" -v b="$lo" 'BEGIN { print (b != "nan" && b > a) ? b : a }')
     echo "| $zero | $ac | $(num "$p") | $(num "$l0") | $(num "$lo") | $(ratio "$big" "$p") | $r0 | $ro | $(num "$ms") | $(ratio "$ms" "$base_ms") |"

@@ -98,16 +98,17 @@ llama_model=(--set model.arch=llama --set model.n_kv_head=1 --set model.intermed
 rc=$?
 check "plan measures a Llama under mpirun -np 2 (exit $rc) and recommends a setting" \
   "[ $rc -eq 0 ] && grep -q ' model 6464 parameters' plan-llama.out && grep -q '^recommendation: ' plan-llama.out"
-# Its memory table: zero 0-3 x none/full, the 6464 parameters' state counted (zero 0: 4 bytes each
+# Its memory table: zero 0-3 x none/selective/full, the 6464 parameters' state counted (zero 0: 4 bytes each
 # of weights, gradients and flat buckets = 0.0247 MiB, 8 of AdamW moments = 0.0493; zero 1: the
 # moments over 2 ranks, the received shard beside the buckets = 0.037), the activations measured
-# (a checkpointed block keeps less than a block), and what fits 1 GiB: the fastest layout.
-act_block=$(sed -n 's/.*as measured: \([0-9.e+-]*\) MiB per block, \([0-9.e+-]*\) MiB per checkpointed block.*/\1 \2/p' plan-llama.out)
-check "plan: memory per rank for zero 0-3 x none/full, the model state counted, activations measured ($act_block)" \
-  "[ \$(grep -c -E '^\\| [0-3] \\| (none|full) \\|' plan-llama.out) -eq 8 ] && grep -q '^| 0 | none | 0.0247 | 0.0247 | 0.0247 | 0.0493 |' plan-llama.out \
+# (a fully checkpointed block keeps less than a selective one, which keeps less than a block), and
+# what fits 1 GiB: the fastest layout.
+act_block=$(sed -n 's/.*as measured: \([0-9.e+-]*\) MiB per block, \([0-9.e+-]*\) MiB per selectively checkpointed block, \([0-9.e+-]*\) MiB per fully checkpointed block.*/\1 \2 \3/p' plan-llama.out)
+check "plan: memory per rank for zero 0-3 x none/selective/full, the model state counted, activations measured ($act_block)" \
+  "[ \$(grep -c -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-llama.out) -eq 12 ] && grep -q '^| 0 | none | 0.0247 | 0.0247 | 0.0247 | 0.0493 |' plan-llama.out \
    && grep -q '^| 1 | none | 0.0247 | 0.0247 | 0.037 | 0.0247 |' plan-llama.out \
    && grep -q '^| 3 | full |' plan-llama.out \
-   && awk -v a='$act_block' 'BEGIN { split(a, v, \" \"); exit !(v[1] > 0 && v[2] > 0 && v[2] < v[1]) }'"
+   && awk -v a='$act_block' 'BEGIN { split(a, v, \" \"); exit !(v[1] > 0 && v[3] > 0 && v[3] < v[2] && v[2] < v[1]) }'"
 check "plan --memory 1: the fastest layout fits, named" \
   "grep -q 'memory recommendation (--memory: 1 GiB): optim.zero: 0, train.activation_checkpointing: none .*the fastest layout fits' plan-llama.out"
 "$MPIRUN" -np 2 "$BIN" plan cfg.yaml "${llama_model[@]}" --memory-only --memory 0.0000001 > plan-small.out 2>&1
@@ -119,8 +120,8 @@ check "plan --memory smaller than any layout: exit 0, says none fits and why, ze
 check "plan --memory-only: the same memory table, no timing" \
   "! grep -q '^measured: ' plan-small.out && ! grep -q '^recommendation: ' plan-small.out \
    && grep -q '^plan: model 6464 parameters; micro-batch 2 x 32 tokens; fp32; dp 2' plan-small.out \
-   && [ \"\$(grep -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-small.out | cut -d'|' -f2-7)\" = \"\$(grep -E '^\\| [0-3]( \\(not implemented\\))? \\| (none|full) \\|' plan-llama.out | cut -d'|' -f2-7)\" ] \
-   && [ \$(grep -c -E '^\\| [0-3]' plan-small.out) -eq 8 ]"
+   && [ \"\$(grep -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-small.out | cut -d'|' -f2-7)\" = \"\$(grep -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-llama.out | cut -d'|' -f2-7)\" ] \
+   && [ \$(grep -c -E '^\\| [0-3]' plan-small.out) -eq 12 ]"
 "$MPIRUN" -np 2 "$BIN" cfg.yaml "${llama_model[@]}" --set train.steps=2 --set checkpoint.dir=ckpt-llama \
   --set train.out_dir=run-llama > train-llama.out 2>&1
 rc=$?
@@ -333,6 +334,8 @@ check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off), 1 (ZeRO-1" "$BIN" cfg.yaml --set optim.zero=4
 expect_usage "optim.zero 3 with PowerSGD: refused by name" \
   "cfg.yaml: comm.compress must be none with optim.zero: 3" "$BIN" cfg.yaml --set optim.zero=3 --set comm.compress=powersgd
+expect_usage "comm.param_dtype without ZeRO-3: refused by name" \
+  "cfg.yaml: comm.param_dtype must be fp32 with optim.zero: 2" "$BIN" cfg.yaml --set optim.zero=2 --set comm.param_dtype=bf16
 expect_usage "model.attention unknown" "cfg.yaml: model.attention must be one of auto|flash|cudnn|efficient|math" \
   "$BIN" cfg.yaml --set model.attention=fast
 # cuDNN attention does not exist on the CPU (libtorch >= 2.3 cannot choose it; older libtorch has none)

@@ -461,11 +461,13 @@ TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
   GPTDims d;
   d.n_layer = 3, d.n_head = 2, d.n_embd = 16, d.seq_len = 8, d.vocab_size = 40;
   for (const char* arch : {"gpt2", "llama"})
-    for (bool checkpointing : {false, true}) {
+    for (GPTDims::Ac ac : {GPTDims::Ac::none, GPTDims::Ac::full, GPTDims::Ac::selective}) {
       d.arch = arch;
       d.fused_kernels = std::string(arch) == "llama";
-      d.ac = checkpointing ? GPTDims::Ac::full : GPTDims::Ac::none;
-      const std::string what = concat(arch, checkpointing ? " with checkpointing" : "");
+      d.ac = ac;
+      const std::string what = concat(arch, ac == GPTDims::Ac::full        ? " with full checkpointing"
+                                             : ac == GPTDims::Ac::selective ? " with selective checkpointing"
+                                                                            : "");
       const auto zero2 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, false);
       const auto zero3 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true);
       EXPECT_TRUE(torch::equal(zero2.loss, zero3.loss)) << what;
@@ -476,5 +478,30 @@ TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
       }
       EXPECT_EQ(zero3.max_whole, 3u) << what << ": the outside unit, one block and the next";
       EXPECT_EQ(zero3.whole_after, 0u) << what;
+      EXPECT_TRUE(zero3.gather_all_exact) << what;
     }
+}
+
+// comm.param_dtype bf16: ZeRO-3's gathers send the fp32 shards rounded to bf16, so one forward and
+// backward equals, bit for bit, ZeRO-2's over a model whose weights were rounded to bf16 first
+// (prefetched gathers included: every block but the first arrives through one); it differs from
+// the fp32 gathers' (the rounding happened); and gather_all (checkpoints, the final parameters)
+// still gives back the fp32 master weights exactly.
+TEST(ParamShards, SixteenBitGathersComputeWithTheRoundedWeights) {
+  auto c = world();
+  if (c->size() < 2) GTEST_SKIP() << "ZeRO-3 shards over 2 or more ranks";
+  GPTDims d;
+  d.n_layer = 3, d.n_head = 2, d.n_embd = 16, d.seq_len = 8, d.vocab_size = 40;
+  for (const char* arch : {"gpt2", "llama"}) {
+    d.arch = arch;
+    const auto rounded = zero3_probe(d, *c, torch::kCPU, Precision::fp32, false, torch::kBFloat16);
+    const auto zero3 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true, torch::kBFloat16);
+    const auto fp32 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true);
+    EXPECT_TRUE(torch::equal(zero3.loss, rounded.loss)) << arch;
+    EXPECT_FALSE(torch::equal(zero3.loss, fp32.loss)) << arch << ": the bf16 gathers rounded nothing";
+    ASSERT_EQ(zero3.grad_shards.size(), rounded.grad_shards.size());
+    for (size_t b = 0; b < rounded.grad_shards.size(); ++b)
+      EXPECT_TRUE(torch::equal(zero3.grad_shards[b], rounded.grad_shards[b])) << arch << ": unit " << b;
+    EXPECT_TRUE(zero3.gather_all_exact) << arch;
+  }
 }

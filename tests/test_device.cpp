@@ -238,7 +238,7 @@ MemoryInputs made_up() {
   in.n_layer = 4;
   in.dp = 4;
   in.bucket_mb = 1e-3;  // 1048.576 bytes: zero 2 keeps two buckets in flight
-  in.block_none = 100, in.block_full = 10, in.outside = 50;
+  in.block_none = 100, in.block_selective = 40, in.block_full = 10, in.outside = 50;
   return in;
 }
 }  // namespace
@@ -246,7 +246,7 @@ MemoryInputs made_up() {
 TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
   const MemoryInputs in = made_up();
   const auto rows = memory_rows(in);
-  ASSERT_EQ(rows.size(), 8u);
+  ASSERT_EQ(rows.size(), 12u);  // zero 0-3 x none, selective, full
   const MemoryRow z0 = memory_row(in, 0, "none");  // 4 + 4 + 8 bytes per parameter, flat buckets 4
   EXPECT_EQ(z0.weights, 4000);
   EXPECT_EQ(z0.gradients, 4000);
@@ -286,8 +286,10 @@ TEST(MemoryPlan, ActivationsScaleByBlocksAndCheckpointing) {
   EXPECT_EQ(memory_row(in, 0, "none").activations, 4 * 100 + 50);
   // Each checkpointed block keeps its input; one block runs again in backward with its activations.
   EXPECT_EQ(memory_row(in, 0, "full").activations, 4 * 10 + 100 + 50);
+  EXPECT_EQ(memory_row(in, 0, "selective").activations, 4 * 40 + 100 + 50);
   in.ac_every = 2;  // blocks 1 and 3 checkpointed
   EXPECT_EQ(memory_row(in, 0, "full").activations, 2 * 100 + 2 * 10 + 100 + 50);
+  EXPECT_EQ(memory_row(in, 0, "selective").activations, 2 * 100 + 2 * 40 + 100 + 50);
   in.ac_every = 5;  // more than the blocks: none checkpointed
   EXPECT_EQ(memory_row(in, 0, "full").activations, memory_row(in, 0, "none").activations);
 }
@@ -298,7 +300,7 @@ TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
   in.largest_block = 1 << 24;
   in.outside_params = 0;
   in.bucket_mb = 25;
-  in.block_none = 1 << 28, in.block_full = 1 << 20, in.outside = 0;
+  in.block_none = 1 << 28, in.block_selective = 1 << 26, in.block_full = 1 << 20, in.outside = 0;
   const double gib = 1024.0 * 1024 * 1024;
   // 4N = 1 GiB. zero 1 + none: 1 + 1 + (1 + 0.25) + 0.5 + 1 (4 blocks x 0.25) = 4.75 GiB;
   // zero 2 + none: 1 + 0.25 + 50 MiB + 0.5 + 1 = 2.80 GiB; zero 2 + full: 2.05 GiB; zero 3 + full: 1.57 GiB
@@ -310,6 +312,13 @@ TEST(MemoryPlan, RecommendsTheFastestLayoutThatFitsAndSaysWhy) {
             std::string::npos) << text;
   EXPECT_NE(text.find("zero 0 + none needs 6144 MiB"), std::string::npos) << text;
   EXPECT_NE(text.find("zero 1 + none needs 4864 MiB"), std::string::npos) << text;
+  // 2.2 GiB: no layout without checkpointing fits; zero 3 + selective (1.81 GiB: 4 blocks x 64 MiB
+  // + one block's 256 MiB recomputed) comes before any full checkpointing.
+  EXPECT_NEAR(memory_row(in, 3, "selective").peak() / gib, 1.8125, 1e-3);
+  const std::string selective_fits = memory_report(in, 2.2, "--memory");
+  EXPECT_NE(selective_fits.find("optim.zero: 3, train.activation_checkpointing: selective"), std::string::npos)
+      << selective_fits;
+  EXPECT_NE(selective_fits.find("zero 2 + selective needs 2354 MiB"), std::string::npos) << selective_fits;
   // 1.8 GiB: only zero 3 + full checkpointing (1.57 GiB) fits; 1.4 GiB: nothing, said with why.
   const std::string z3_fits = memory_report(in, 1.8, "--memory");
   EXPECT_NE(z3_fits.find("optim.zero: 3, train.activation_checkpointing: full"), std::string::npos) << z3_fits;

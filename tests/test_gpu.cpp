@@ -470,12 +470,15 @@ TEST(Gpu, FusedSoftmaxCrossEntropyKernelMatchesReference) {
 
 // ---- activation checkpointing on the GPU ---------------------------------------------------------
 
-// train.activation_checkpointing: full on CUDA. The second run of each block must draw the first
-// run's dropout masks from the CUDA generator (model.cpp saves and restores its state) and run
-// under the first run's autocast, so the loss and gradients equal those without checkpointing.
-// Control: the same run twice without checkpointing. Where that is bitwise (deterministic kernels),
-// checkpointing must be bitwise too; where a kernel's backward adds in a varying order (atomics),
-// checkpointing may differ by no more than twice what the control does.
+// train.activation_checkpointing: full and selective on CUDA. The second run of each block must
+// draw the first run's dropout masks from the CUDA generator (checkpointing.cpp saves and restores
+// its state; selective also skips over what a replayed attention kernel drew) and run under the
+// first run's autocast; selective replays its linear layers through cuBLAS with PyTorch's own
+// backward formulas and, with a fused attention kernel (flash / memory-efficient: the GPU's
+// choice for these shapes), that kernel's own backward. So the loss and gradients equal those
+// without checkpointing. Control: the same run twice without checkpointing. Where that is bitwise
+// (deterministic kernels), checkpointing must be bitwise too; where a kernel's backward adds in a
+// varying order (atomics), checkpointing may differ by no more than twice what the control does.
 TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
   REQUIRE_CUDA();
   for (bool llama : {false, true}) {
@@ -492,14 +495,17 @@ TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
       d.fused_kernels = fused_kernels_built();
       auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
       auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
-      std::vector<torch::Tensor> runs[3];  // none, none again (control), full
-      for (int k = 0; k < 3; ++k) {
-        d.ac = k == 2 ? GPTDims::Ac::full : GPTDims::Ac::none;
+      const GPTDims::Ac modes[4] = {GPTDims::Ac::none, GPTDims::Ac::none, GPTDims::Ac::full, GPTDims::Ac::selective};
+      std::vector<torch::Tensor> runs[4];  // none, none again (control), full, selective
+      int64_t attention_replayed = 0;
+      for (int k = 0; k < 4; ++k) {
+        d.ac = modes[k];
         torch::manual_seed(21);  // the same weights, and the same CUDA generator for dropout
         GPT m(d);
         m->to(kGpu);
         m->train();
-        const int64_t before = recomputed_blocks();
+        const int64_t before = recomputed_blocks(), linear_before = replayed_linear_layers(),
+                      attention_before = replayed_attention();
         torch::Tensor loss;
         {
           std::optional<Autocast> ac;
@@ -508,22 +514,31 @@ TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
         }
         loss.backward();
         torch::cuda::synchronize();
-        EXPECT_EQ(recomputed_blocks() - before, k == 2 ? d.n_layer : 0) << "blocks run again in backward";
+        EXPECT_EQ(recomputed_blocks() - before, k >= 2 ? d.n_layer : 0) << "blocks run again in backward";
+        EXPECT_EQ(replayed_linear_layers() - linear_before, k == 3 ? d.n_layer * (llama ? 7 : 4) : 0)
+            << "linear layers replayed";
+        if (k == 3) attention_replayed = replayed_attention() - attention_before;
         runs[k].push_back(loss.detach());
         for (auto& [name, p] : m->named_params()) runs[k].push_back(p.grad());
       }
-      double control = 0, checkpointed = 0;
+      double control = 0, full = 0, selective = 0;
       for (size_t i = 0; i < runs[0].size(); ++i) {
-        ASSERT_TRUE(runs[0][i].defined() && runs[2][i].defined()) << "tensor " << i;
+        ASSERT_TRUE(runs[0][i].defined() && runs[2][i].defined() && runs[3][i].defined()) << "tensor " << i;
         control = std::max(control, (runs[0][i] - runs[1][i]).abs().max().item<double>());
-        checkpointed = std::max(checkpointed, (runs[0][i] - runs[2][i]).abs().max().item<double>());
+        full = std::max(full, (runs[0][i] - runs[2][i]).abs().max().item<double>());
+        selective = std::max(selective, (runs[0][i] - runs[3][i]).abs().max().item<double>());
       }
-      if (control == 0)
-        EXPECT_EQ(checkpointed, 0) << "deterministic kernels: checkpointing must be bitwise";
-      else
-        EXPECT_LE(checkpointed, 2 * control) << "control (same run twice) differs by " << control;
-      std::printf("  %s %s: checkpointing vs none max |diff| %.3g, control %.3g\n", llama ? "llama" : "gpt2",
-                  bf16 ? "bf16" : "fp32", checkpointed, control);
+      if (control == 0) {
+        EXPECT_EQ(full, 0) << "deterministic kernels: full checkpointing must be bitwise";
+        EXPECT_EQ(selective, 0) << "deterministic kernels: selective checkpointing must be bitwise";
+      } else {
+        EXPECT_LE(full, 2 * control) << "control (same run twice) differs by " << control;
+        EXPECT_LE(selective, 2 * control) << "control (same run twice) differs by " << control;
+      }
+      std::printf("  %s %s: vs none max |diff| full %.3g, selective %.3g (attention replayed in %lld of %lld blocks), "
+                  "control %.3g\n",
+                  llama ? "llama" : "gpt2", bf16 ? "bf16" : "fp32", full, selective,
+                  static_cast<long long>(attention_replayed), static_cast<long long>(d.n_layer), control);
     }
   }
 }
@@ -566,5 +581,15 @@ TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
         for (size_t b = 0; b < plain.grad_shards.size(); ++b)
           EXPECT_TRUE(torch::equal(plain.grad_shards[b], sharded.grad_shards[b])) << what << ": unit " << b;
         EXPECT_EQ(sharded.whole_after, 0u) << what;
+        EXPECT_TRUE(sharded.gather_all_exact) << what;
+        // comm.param_dtype bf16: the gathers (NCCL's bf16 all-gather, widened on the device)
+        // compute with the weights rounded to bf16, as the whole model does with them rounded first.
+        const auto rounded = zero3_probe(d, *c, kGpu, precision, false, torch::kBFloat16);
+        const auto bf16_wire = zero3_probe(d, *c, kGpu, precision, true, torch::kBFloat16);
+        EXPECT_TRUE(torch::equal(rounded.loss, bf16_wire.loss)) << what << ", param_dtype bf16";
+        for (size_t b = 0; b < rounded.grad_shards.size(); ++b)
+          EXPECT_TRUE(torch::equal(rounded.grad_shards[b], bf16_wire.grad_shards[b]))
+              << what << ", param_dtype bf16: unit " << b;
+        EXPECT_TRUE(bf16_wire.gather_all_exact) << what << ", param_dtype bf16";
       }
 }

@@ -539,6 +539,57 @@ TEST(Model, FusedKernelsMatchTheUnfusedModel) {
   }
 }
 
+// Activation checkpointing at shapes where the matmuls span several of the BLAS kernels' blocks
+// (256 and 688 wide, 512 rows; test_train's runs are 32 wide): selective's replayed linear layers
+// (PyTorch's own mm formulas on the same operands, so equal by construction on every kernel path)
+// and full's second runs give bitwise the gradients of no checkpointing, GPT-2 with dropout and a
+// Llama with grouped-query attention (whose attention libtorch >= 2 may run as a fused kernel,
+// which selective then replays), in fp32 and under bf16 autocast.
+TEST(Model, CheckpointingGivesBitwiseTheGradientsAtLargerShapes) {
+  for (bool llama : {false, true})
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      SCOPED_TRACE(concat(llama ? "llama " : "gpt2 ", precision_name(precision)));
+      GPTDims d;
+      d.n_layer = 2, d.n_head = 4, d.n_embd = 256, d.seq_len = 128, d.vocab_size = 300;
+      if (llama) {
+        d.arch = "llama";
+        d.n_kv_head = 2, d.intermediate_size = 688, d.max_position = 128, d.tie_embeddings = false;
+      } else {
+        d.dropout = 0.1;
+      }
+      torch::manual_seed(7);
+      const auto x = torch::randint(0, 300, {4, 128}, torch::kLong), y = torch::randint(0, 300, {4, 128}, torch::kLong);
+      auto grads = [&](GPTDims::Ac ac) {
+        GPTDims da = d;
+        da.ac = ac;
+        torch::manual_seed(8);
+        GPT model(da);
+        model->train();
+        torch::manual_seed(9);
+        torch::Tensor loss;
+        {
+          Autocast autocast(precision, torch::kCPU);
+          loss = model->loss(x, y);
+        }
+        loss.backward();
+        std::vector<std::pair<std::string, torch::Tensor>> out;
+        for (auto& [name, p] : model->named_params()) out.emplace_back(name, p.grad());
+        return out;
+      };
+      const auto none = grads(GPTDims::Ac::none);
+      for (GPTDims::Ac ac : {GPTDims::Ac::selective, GPTDims::Ac::full}) {
+        const int64_t linear_before = replayed_linear_layers();
+        const auto got = grads(ac);
+        EXPECT_EQ(replayed_linear_layers() - linear_before, ac == GPTDims::Ac::selective ? 2 * (llama ? 7 : 4) : 0);
+        ASSERT_EQ(got.size(), none.size());
+        for (size_t i = 0; i < none.size(); ++i)
+          EXPECT_TRUE(torch::equal(got[i].second, none[i].second))
+              << (ac == GPTDims::Ac::full ? "full: " : "selective: ") << none[i].first << " differs by "
+              << (got[i].second - none[i].second).abs().max().item<double>();
+      }
+    }
+}
+
 // Under bf16 autocast the fused model still tracks the unfused one (bf16 LayerNorm outputs).
 TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
   GPTDims d = small_dims();

@@ -975,6 +975,33 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
         break;
       }
   }
+
+  // comm.param_dtype bf16 (bf16 autocast): the step computes with the gathered weights rounded
+  // to bf16 (test_comm: bitwise a model rounded first), while the shards keep fp32 master weights:
+  // the final parameters (gathered exactly) are not all bf16 values, and a checkpoint written by
+  // rank 0 alone from gathered parameters resumes bitwise (it holds the masters, not their
+  // roundings).
+  auto bf16_gathers = [&](const std::string& run) {
+    Config c = cfg_for(run, 3, true, 1, "none");
+    c.train.precision = "bf16";
+    c.comm.param_dtype = "bf16";
+    c.checkpoint.writers = "rank0";
+    return c;
+  };
+  const TrainResult bf16_straight = train(bf16_gathers("z3-bf16-straight"), MPI_COMM_WORLD, keep);
+  size_t not_bf16 = 0, total = 0;
+  for (const auto& [name, values] : bf16_straight.params)
+    for (float v : values) {
+      total += 1;
+      not_bf16 += torch::tensor(v).to(torch::kBFloat16).to(torch::kFloat32).item<float>() != v;
+    }
+  EXPECT_GT(not_bf16, total / 2) << "the master weights are fp32";
+  train(bf16_gathers("z3-bf16-resume"), MPI_COMM_WORLD, stop);
+  const TrainResult bf16_resumed = train(bf16_gathers("z3-bf16-resume"), MPI_COMM_WORLD, keep);
+  ASSERT_EQ(bf16_resumed.final_step, 12);
+  for (size_t i = 0; i < bf16_straight.params.size(); ++i)
+    EXPECT_TRUE(bf16_resumed.params[i].second == bf16_straight.params[i].second)
+        << "param_dtype bf16 resumed: " << bf16_straight.params[i].first;
 }
 
 // 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1
@@ -1086,12 +1113,17 @@ TEST(Train, LlamaSixteenBitGradientsPowerSgdAndBf16TrackFp32) {
   }
 }
 
-// Activation checkpointing (train.activation_checkpointing: full, on every block and on every
-// 2nd): each checkpointed block runs a second time in backward with the first run's random state
-// and autocast, so the run is bitwise the run without it: GPT-2 with dropout (embedding,
+// Activation checkpointing (train.activation_checkpointing: full and selective, on every block and
+// on every 2nd): each checkpointed block runs a second time in backward with the first run's
+// random state and autocast (selective: replaying its linear layers' outputs and attention's graph
+// from the first run), so the run is bitwise the run without it: GPT-2 with dropout (embedding,
 // attention, block output) and gradient accumulation, with the fused kernels, under bf16 autocast,
-// with ZeRO-1; a Llama at tp 2 (its collectives run again in the second run). The blocks really
-// were run again (recomputed_blocks), so the comparison cannot pass vacuously.
+// with ZeRO-1 and ZeRO-3 (the second run's block gathered again); a Llama at tp 2 (full: its collectives run again in the second run; selective:
+// the row-parallel sums are replayed). The blocks really were run again (recomputed_blocks) and
+// selective's linear layers really were replayed, not recomputed (each one of every recomputed
+// block), and attention in every recomputed block or in none (replayed where libtorch runs a fused
+// kernel, recomputed on the math path: libtorch 1.13's explicit softmax), so the comparison cannot
+// pass vacuously.
 TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
   TrainHooks keep;
   keep.keep_params = true;
@@ -1104,38 +1136,63 @@ TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
   struct Case {
     std::string tag;
     std::function<Config(const std::string&)> make;
+    int64_t linear_per_block;  // gpt2 c_attn, c_proj, c_fc, c_proj; llama q, k, v, o, gate, up, down
   };
   const std::vector<Case> cases{
-      {"ac-gpt2", gpt},
-      {"ac-fused", [&](const std::string& r) { Config c = gpt(r); c.model.fused_kernels = "on"; return c; }},
-      {"ac-bf16", [&](const std::string& r) { Config c = gpt(r); c.train.precision = "bf16"; return c; }},
-      {"ac-zero1", [&](const std::string& r) { Config c = gpt(r); c.optim.zero = 1; return c; }},
+      {"ac-gpt2", gpt, 4},
+      {"ac-fused", [&](const std::string& r) { Config c = gpt(r); c.model.fused_kernels = "on"; return c; }, 4},
+      {"ac-bf16", [&](const std::string& r) { Config c = gpt(r); c.train.precision = "bf16"; return c; }, 4},
+      {"ac-zero1", [&](const std::string& r) { Config c = gpt(r); c.optim.zero = 1; return c; }, 4},
+      {"ac-zero3", [&](const std::string& r) { Config c = gpt(r); c.optim.zero = 3; return c; }, 4},
       {"ac-llama-tp2", [](const std::string& r) {
          Config c = llama_config(r, 2, 8);
          c.train.steps = 4;
          c.model.dropout = 0.1;
          return c;
-       }},
+       }, 7},
+      // Without dropout, libtorch >= 2 may run a fused attention kernel on the CPU, which selective
+      // checkpointing keeps and replays: grouped-query attention (4 heads, 2 key/value heads) with
+      // the fused ops; GPT-2 in bf16.
+      {"ac-llama-fused", [](const std::string& r) {
+         Config c = llama_config(r, 1, 4);
+         c.train.steps = 4;
+         c.model.fused_kernels = "on";
+         return c;
+       }, 7},
+      {"ac-bf16-nodrop", [&](const std::string& r) {
+         Config c = gpt(r);
+         c.model.dropout = 0;
+         c.train.precision = "bf16";
+         return c;
+       }, 4},
   };
   for (const Case& k : cases) {
     const TrainResult plain = train(k.make(k.tag + "-none"), MPI_COMM_WORLD, keep);
-    for (int64_t every : {1, 2}) {
-      Config c = k.make(concat(k.tag, "-full", every));
-      c.train.activation_checkpointing = "full";
-      c.train.ac_every = every;
-      const int64_t before = recomputed_blocks();
-      const TrainResult ac = train(c, MPI_COMM_WORLD, keep);
-      const std::string what = concat(k.tag, ", every ", every, " block(s)");
-      // 2 blocks: 2 (every block) or 1 (every 2nd) per micro-step's backward
-      EXPECT_EQ(recomputed_blocks() - before, (every == 1 ? 2 : 1) * c.train.steps * std::max<int64_t>(1, c.train.grad_accum))
-          << what;
-      ASSERT_EQ(ac.losses.size(), plain.losses.size()) << what;
-      for (size_t i = 0; i < plain.losses.size(); ++i)
-        EXPECT_EQ(ac.losses[i].second, plain.losses[i].second) << what << ", step " << plain.losses[i].first;
-      ASSERT_EQ(ac.params.size(), plain.params.size()) << what;
-      for (size_t i = 0; i < plain.params.size(); ++i)
-        EXPECT_TRUE(ac.params[i].second == plain.params[i].second) << what << ": " << plain.params[i].first;
-    }
+    for (const std::string ac : {"full", "selective"})
+      for (int64_t every : {1, 2}) {
+        Config c = k.make(concat(k.tag, "-", ac, every));
+        c.train.activation_checkpointing = ac;
+        c.train.ac_every = every;
+        const int64_t blocks_before = recomputed_blocks(), linear_before = replayed_linear_layers(),
+                      attention_before = replayed_attention();
+        const TrainResult run = train(c, MPI_COMM_WORLD, keep);
+        const std::string what = concat(k.tag, ", ", ac, ", every ", every, " block(s)");
+        // 2 blocks: 2 (every block) or 1 (every 2nd) per micro-step's backward
+        const int64_t recomputed = (every == 1 ? 2 : 1) * c.train.steps * std::max<int64_t>(1, c.train.grad_accum);
+        EXPECT_EQ(recomputed_blocks() - blocks_before, recomputed) << what;
+        EXPECT_EQ(replayed_linear_layers() - linear_before, ac == "selective" ? recomputed * k.linear_per_block : 0)
+            << what;
+        const int64_t attention = replayed_attention() - attention_before;
+        EXPECT_TRUE(attention == 0 || (ac == "selective" && attention == recomputed)) << what << ": " << attention;
+        if (ac == "selective" && every == 1 && world_rank() == 0)
+          std::printf("%s: attention %s\n", what.c_str(), attention ? "replayed (a fused kernel)" : "recomputed (math path)");
+        ASSERT_EQ(run.losses.size(), plain.losses.size()) << what;
+        for (size_t i = 0; i < plain.losses.size(); ++i)
+          EXPECT_EQ(run.losses[i].second, plain.losses[i].second) << what << ", step " << plain.losses[i].first;
+        ASSERT_EQ(run.params.size(), plain.params.size()) << what;
+        for (size_t i = 0; i < plain.params.size(); ++i)
+          EXPECT_TRUE(run.params[i].second == plain.params[i].second) << what << ": " << plain.params[i].first;
+      }
   }
 }
 

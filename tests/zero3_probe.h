@@ -19,23 +19,30 @@ struct Zero3Probe {
   std::vector<torch::Tensor> grad_shards;  // per unit: this rank's averaged gradients (on the CPU)
   torch::Tensor loss;                      // this rank's loss (on the CPU)
   size_t max_whole = 0, whole_after = 0;   // ParamShards' units whole: at most during, and after backward
+  bool gather_all_exact = false;  // zero3: after backward, gather_all() gave back the drawn fp32 parameters
 };
 
 // The model drawn from seed 3 on `device`; the batch from seed 10 + the rank, so ranks differ.
+// `wire` (comm.param_dtype): zero3 gathers in it; without zero3 the weights are rounded to it
+// first, which is what a 16-bit gather computes with.
 inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::Device& device, Precision precision,
-                              bool zero3) {
+                              bool zero3, c10::ScalarType wire = torch::kFloat32) {
   torch::manual_seed(3);
   GPT model(d);
   model->to(device);
   model->train();
-  std::vector<torch::Tensor> params;
+  std::vector<torch::Tensor> params, drawn;
   std::vector<std::string> names;
-  for (auto& [name, p] : model->named_params()) params.push_back(p), names.push_back(name);
+  for (auto& [name, p] : model->named_params()) params.push_back(p), names.push_back(name), drawn.push_back(p.detach().clone());
+  if (!zero3 && wire != torch::kFloat32) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : params) p.copy_(p.to(wire));
+  }
   Units units = model_units(names, d.n_layer);
   GradSync sync(params, c, 25, /*overlap=*/true, /*shard=*/true, torch::kFloat32, /*free_grads=*/true, units.groups);
   std::optional<ParamShards> shards;
   if (zero3) {
-    shards.emplace(params, sync, units);
+    shards.emplace(params, sync, units, /*reshard_after_forward=*/true, wire);
     model->set_unit_hooks(&*shards);
   }
   Zero3Probe out;
@@ -52,6 +59,11 @@ inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::De
   loss.backward();
   if (shards) out.max_whole = shards->max_units_whole(), out.whole_after = shards->units_whole();
   sync.all_reduce_grads();
+  if (shards) {
+    WholeParams whole(&*shards);
+    out.gather_all_exact = true;
+    for (size_t k = 0; k < params.size(); ++k) out.gather_all_exact = out.gather_all_exact && torch::equal(params[k], drawn[k]);
+  }
   for (size_t b = 0; b < sync.num_buckets(); ++b) out.grad_shards.push_back(sync.grad_shard(b).cpu());
   return out;
 }

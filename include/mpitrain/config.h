@@ -86,8 +86,9 @@ struct TrainConfig {
   std::string device = "auto";     // auto (CUDA when this build and host have it) | cpu | cuda
   std::string precision = "fp32";  // fp32 | bf16 (autocast) | fp16 (autocast + loss scaling, CUDA)
   // Activation checkpointing (model.h, GPTDims::ac): none | full (a block keeps only its input and
-  // is run again in backward) | selective (a block keeps its input and its linear layers' outputs;
-  // norms, attention and the activation function are run again); on every ac_every-th block.
+  // is run again in backward) | selective (a block also keeps its linear layers' outputs and a
+  // fused attention kernel's state; norms, rotary, activation functions and dropout are run again,
+  // and attention too where it is the math path: checkpointing.h); on every ac_every-th block.
   std::string activation_checkpointing = "none";
   int64_t ac_every = 1;  // >= 1: blocks ac_every - 1, 2 ac_every - 1, ... are checkpointed
 };
@@ -137,6 +138,10 @@ struct CommConfig {
   double bucket_mb = 25.0;       // gradient all-reduce bucket size in MiB, > 0
   bool overlap = true;           // launch each bucket's all-reduce during backward, when it is ready
   std::string grad_dtype = "fp32";  // the gradients' dtype on the wire: fp32 | bf16 | fp16 (half the bytes)
+  // ZeRO-3's parameter all-gathers on the wire: fp32 | bf16 | fp16 (half the bytes). The gathered
+  // weights the step computes with are the shards rounded to it; the fp32 shards stay the master
+  // weights that AdamW updates and checkpoints hold. Needs optim.zero 3.
+  std::string param_dtype = "fp32";
   std::string compress = "none";    // none | powersgd (low-rank gradients with error feedback, powersgd.h)
   int64_t powersgd_rank = 4;        // PowerSGD: the rank of each weight matrix's approximation, >= 1
   int64_t powersgd_start = 10;      // PowerSGD: steps before this one all-reduce plainly, >= 0

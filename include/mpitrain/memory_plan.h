@@ -15,8 +15,9 @@
 //               reduce-scatters in flight and the one filling)
 //   optimizer   AdamW's two fp32 moments: 8N, over d with zero >= 1
 //   activations n_layer x the per-block bytes + the rest (embeddings, final norm, loss), measured;
-//               full checkpointing: each checkpointed block keeps its input only, plus one block's
-//               activations while it runs again in backward
+//               full checkpointing: each checkpointed block keeps its input only; selective: its
+//               input, its linear layers' outputs and attention's (checkpointing.h), measured
+//               likewise; either plus one block's activations while it runs again in backward
 //   peak        the sum. Not a bound: the gradients grow in backward as the activations shrink
 //               (the H100 measured 0.89x of it for zero 0 without checkpointing), and transients
 //               it does not count (the tied embedding's gradient copies, autocast's weight copies
@@ -40,27 +41,28 @@ struct MemoryInputs {
   double bucket_mb = 25;      // comm.bucket_mb
   int64_t ac_every = 1;       // train.ac_every
   // Measured by plan for one micro-batch (bytes): what the forward keeps for backward per block
-  // without checkpointing and with full checkpointing, and everything outside the blocks.
-  double block_none = 0, block_full = 0, outside = 0;
+  // without checkpointing, with selective and with full checkpointing, and everything outside the
+  // blocks.
+  double block_none = 0, block_selective = 0, block_full = 0, outside = 0;
 };
 
 struct MemoryRow {
   int zero = 0;
-  std::string ac;  // none | full
+  std::string ac;  // none | selective | full
   double weights = 0, gradients = 0, buffers = 0, optimizer = 0, activations = 0;
   double peak() const { return weights + gradients + buffers + optimizer + activations; }
   // The largest term, for "does not fit because of ...".
   std::string largest_term() const;
 };
 
-// zero 0..3 x ac none/full, in that order; with dp 1 the zero stages shard nothing (their rows
-// equal zero 0's).
+// zero 0..3 x ac none/selective/full, in that order; with dp 1 the zero stages shard nothing
+// (their rows equal zero 0's).
 std::vector<MemoryRow> memory_rows(const MemoryInputs& in);
-// The row of one layout (zero 0..3, ac none | full); Error for another.
+// The row of one layout (zero 0..3, ac none | selective | full); Error for another.
 MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);
 
 // The table (MiB per rank) and, when memory_gib > 0, the recommendation: the first row that fits
-// in memory_gib, in the order of expected speed (no checkpointing before full; lower zero stages
+// in memory_gib, in the order of expected speed (no checkpointing, selective, full; lower zero stages
 // before higher: zero 2 and 3 communicate every micro-step under accumulation, zero 3 gathers
 // every block's parameters twice per micro-step), naming why each faster one does not fit. memory_source says where the limit came from ("--memory",
 // "the GPU's memory").

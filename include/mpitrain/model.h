@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "mpitrain/checkpointing.h"
 #include "mpitrain/config.h"
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/tensor_parallel.h"
@@ -69,9 +70,10 @@ struct GPTDims {
   bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
   // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
   // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
-  // backward; selective also keeps its linear layers' outputs, which the second run replays instead
-  // of multiplying again. The random state (dropout) and autocast of the first run are the
-  // second's, so gradients are bitwise those without it.
+  // backward; selective also keeps its linear layers' outputs and a fused attention kernel's
+  // graph, which the second run replays instead of computing again (checkpointing.h). The random
+  // state (dropout) and autocast of the first run are the second's, so gradients are bitwise
+  // those without it.
   enum class Ac { none, full, selective } ac = Ac::none;
   int64_t ac_every = 1;
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
@@ -170,6 +172,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
   Norm q_norm{nullptr}, k_norm{nullptr};  // llama with qk_norm: RMSNorm over head_dim, whole on every tp rank
 
  private:
+  // q, k, v ([B, heads, T, head_dim]) to the attention output: the causal softmax and dropout p.
+  torch::Tensor core(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, double p);
   Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)
   int64_t n_head_, n_kv_head_, head_dim_;  // this rank's heads (tensor parallel: its share)
   double dropout_;
@@ -227,10 +231,6 @@ class UnitHooks {
   virtual void need_block(int64_t block, bool backward) = 0;
   virtual void done_with_block(int64_t block) = 0;  // after block `block`'s forward
 };
-
-// How many checkpointed blocks this process has run a second time in backward (tests: the
-// checkpointing really happened).
-int64_t recomputed_blocks();
 
 class GPTImpl : public torch::nn::Module, public TpDeclared {
  public:

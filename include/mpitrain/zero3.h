@@ -20,8 +20,14 @@
 // backward: PyTorch FSDP's storage-resize scheme. The gathers write through the flat buffer,
 // whose version counter is not the parameters', so autograd's saved-tensor checks hold.
 //
+// comm.param_dtype bf16 / fp16: the training step's gathers send the shards rounded to it (half
+// the bytes) and widen what arrives into the fp32 buffer, so the step computes with the rounded
+// weights; the fp32 shards stay the master weights. Under autocast to the same dtype the matmuls
+// see the weights they would see anyway (autocast casts them to it); the fp32 ops that read
+// weights (embedding lookups, norms) see them rounded.
+//
 // Outside the training step (checkpoints, resume, the final parameters) WholeParams gathers
-// every unit for its lifetime.
+// every unit for its lifetime, exactly (fp32 on the wire: a rounded unit is gathered again).
 #pragma once
 
 #include <torch/torch.h>
@@ -53,8 +59,10 @@ class ParamShards : public UnitHooks {
   // every unit is released.
   // `reshard_after_forward` (optim.reshard_after_forward) false: a block stays whole from its
   // forward to the end of its backward (one gather per micro-step instead of two); a forward
-  // without gradients releases it either way.
-  ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward = true);
+  // without gradients releases it either way. `wire`: the training step's gathers' dtype
+  // (comm.param_dtype).
+  ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward = true,
+              c10::ScalarType wire = torch::kFloat32);
   ~ParamShards() override;
   ParamShards(const ParamShards&) = delete;
   ParamShards& operator=(const ParamShards&) = delete;
@@ -65,6 +73,7 @@ class ParamShards : public UnitHooks {
 
   void gather(size_t unit);    // all-gathers the unit's shards into its whole buffer (no-op if whole)
   void prefetch(size_t unit);  // starts that all-gather; gather() completes it
+  void gather_exact(size_t unit);  // the same in fp32 on the wire (again if the unit is whole but rounded)
   void release(size_t unit);   // drops the whole buffer's memory (no-op if released, or while all are held)
   // Every unit whole, and kept whole (release() does nothing) until release_all(): a collective,
   // after which one rank alone may run the model (sampling) without any gather.
@@ -82,14 +91,24 @@ class ParamShards : public UnitHooks {
   size_t max_units_whole() const { return max_whole_; }
 
  private:
+  // A prefetch in flight: its request, and with a 16-bit wire the rounded shard sent and the
+  // buffer receiving, widened into the whole buffer when it completes.
+  struct Pending {
+    std::unique_ptr<Work> work;
+    torch::Tensor sent, received;
+  };
   void finish_prefetch(size_t unit);  // waits for the unit's prefetch, if one is in flight
   void make_whole(size_t unit);       // gives the unit's buffer its memory (contents: the gather's)
+  // Starts the unit's all-gather with `wire` on the wire into its (whole) buffer: pending_[u].
+  void start_gather(size_t unit, c10::ScalarType wire);
   GradSync& sync_;
   Units units_;
+  c10::ScalarType wire_ = torch::kFloat32;
   std::vector<torch::Tensor> whole_;   // per unit: the flat buffer the parameters are views of
   std::vector<torch::Tensor> shards_;  // per unit: this rank's part
   std::vector<bool> is_whole_;  // the buffer has memory (its gather may still be in flight)
-  std::vector<std::unique_ptr<Work>> pending_;  // per unit: a prefetch in flight
+  std::vector<bool> rounded_;   // its contents came through a 16-bit wire
+  std::vector<Pending> pending_;  // per unit: a prefetch in flight
   bool held_ = false;  // between gather_all() and release_all()
   bool reshard_after_forward_ = true;
   bool autocast_cache_was_ = true;  // autocast's weight cache, off while this object lives

@@ -94,7 +94,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(checkpoint, writers),   MPITRAIN_FIELD(checkpoint, at_end),
     MPITRAIN_FIELD(comm, backend),
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
-    MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, compress),
+    MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, param_dtype), MPITRAIN_FIELD(comm, compress),
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),
     MPITRAIN_FIELD(fault, collective_timeout_s),
@@ -545,10 +545,6 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(t.activation_checkpointing, {"none", "full", "selective"}), "train.activation_checkpointing",
         "one of none|full|selective", show(t.activation_checkpointing));
   check(t.ac_every >= 1, "train.ac_every", ">= 1", show(t.ac_every));
-  check(t.activation_checkpointing != "selective", "train.activation_checkpointing",
-        "none or full: selective (keeping the linear layers' outputs) is not implemented yet; full with "
-        "train.ac_every k checkpoints every k-th block",
-        show(t.activation_checkpointing));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
 
@@ -588,6 +584,11 @@ void validate(const Config& c, const std::string& where) {
   check(c.comm.bucket_mb > 0, "comm.bucket_mb", "> 0", show(c.comm.bucket_mb));
   check(one_of(c.comm.grad_dtype, {"fp32", "bf16", "fp16"}), "comm.grad_dtype", "one of fp32|bf16|fp16",
         show(c.comm.grad_dtype));
+  check(one_of(c.comm.param_dtype, {"fp32", "bf16", "fp16"}), "comm.param_dtype", "one of fp32|bf16|fp16",
+        show(c.comm.param_dtype));
+  check(c.comm.param_dtype == "fp32" || c.optim.zero == 3, "comm.param_dtype",
+        concat("fp32 with optim.zero: ", c.optim.zero, " (it casts ZeRO-3's parameter all-gathers; other stages gather none)"),
+        show(c.comm.param_dtype));
   check(one_of(c.comm.compress, {"none", "powersgd"}), "comm.compress", "one of none|powersgd", show(c.comm.compress));
   check(c.comm.powersgd_rank >= 1, "comm.powersgd_rank", ">= 1", show(c.comm.powersgd_rank));
   check(c.comm.powersgd_start >= 0, "comm.powersgd_start", ">= 0", show(c.comm.powersgd_start));

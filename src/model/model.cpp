@@ -3,12 +3,12 @@
 #include "mpitrain/model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <optional>
 #include <tuple>
 
 #include "mpitrain/amp.h"
+#include "mpitrain/checkpointing.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/libtorch_version.h"
@@ -86,13 +86,18 @@ torch::Tensor column_input(const torch::Tensor& x, Communicator* tp) { return tp
 // the output: 3.3 ms of a GPT-2 124M step on an H100, bench/RESULTS.md); ATen's folds B and T and
 // calls addmm, whose GEMM adds the bias (on CUDA, cuBLASLt's bias epilogue), as PyTorch's
 // nn.Linear does.
+// Each block's linear layer goes through tape_linear: selective checkpointing keeps its output.
 torch::Tensor apply_linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
-  return at::linear(x, layer->weight, layer->bias.defined() ? c10::optional<torch::Tensor>(layer->bias) : c10::nullopt);
+  return tape_linear(x, layer->weight, layer->bias, [&] {
+    return at::linear(x, layer->weight, layer->bias.defined() ? c10::optional<torch::Tensor>(layer->bias) : c10::nullopt);
+  });
 }
 
+// Tensor parallel: the product summed over the group is what selective checkpointing keeps (the
+// sum's backward is the identity), so its second run makes no collective call here.
 torch::Tensor row_parallel(const torch::Tensor& x, torch::nn::Linear& layer, Communicator* tp) {
   if (!tp) return apply_linear(layer, x);
-  torch::Tensor y = tp_reduce(F::linear(x, layer->weight), *tp);
+  torch::Tensor y = tape_linear(x, layer->weight, torch::Tensor(), [&] { return tp_reduce(F::linear(x, layer->weight), *tp); });
   return layer->bias.defined() ? y + layer->bias : y;
 }
 
@@ -200,6 +205,48 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
   tp_declare("c_proj.weight", TpSplit::cols);
 }
 
+namespace {
+// Whether attention on q (and k, v of its shape) runs a fused kernel, which keeps O(T) per head
+// for backward (flash, memory-efficient, cuDNN: the output and the log-sum-exp), not the T x T
+// weights (SDPA's math kernel; the explicit softmax of libtorch < 2.0).
+bool fused_attention(const torch::Tensor& q, double p) {
+#if TORCH_VERSION_MAJOR >= 2
+  try {
+    return at::_fused_sdp_choice(q, q, q, /*attn_mask=*/{}, p, /*is_causal=*/true) > 0;  // 0: math
+  } catch (const c10::Error&) {
+    return false;
+  }
+#else
+  (void)q, (void)p;
+  return false;
+#endif
+}
+}  // namespace
+
+// Attention proper on [B, heads, T, head_dim]: the causal softmax of the scaled products, dropout
+// p on its weights. No parameters: selective checkpointing keeps its graph (tape_attention).
+torch::Tensor CausalSelfAttentionImpl::core(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, double p) {
+  const int64_t B = q.size(0), T = q.size(2), hd = head_dim_;
+  if (n_kv_head_ != n_head_) {  // grouped-query attention: kv head j serves query heads j rep .. (j + 1) rep - 1
+    const int64_t rep = n_head_ / n_kv_head_;
+    k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
+    v = v.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+#else
+  if (!causal_mask_.defined() || causal_mask_.size(0) < T || causal_mask_.device() != q.device())
+    causal_mask_ = torch::ones({T, T}, torch::dtype(torch::kBool).device(q.device())).triu(1);
+  auto mask = causal_mask_.index({torch::indexing::Slice(0, T), torch::indexing::Slice(0, T)});
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  // In place: the scores are nobody's saved input (the scalar product keeps nothing), so the
+  // masked copy the out-of-place form allocates per layer is not needed; the values are the same.
+  att = att.masked_fill_(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
+  if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
+  return torch::matmul(att, v);
+#endif
+}
+
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), hd = head_dim_;
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}); };  // [B, T, n, hd]
@@ -215,26 +262,10 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   }
   if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);  // [B, n, T, hd]
-  if (n_kv_head_ != n_head_) {  // grouped-query attention: kv head j serves query heads j rep .. (j + 1) rep - 1
-    const int64_t rep = n_head_ / n_kv_head_;
-    k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
-    v = v.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
-  }
   const double p = is_training() ? dropout_ : 0.0;
-  torch::Tensor y;
-#if TORCH_VERSION_MAJOR >= 2
-  y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
-#else
-  if (!causal_mask_.defined() || causal_mask_.size(0) < T || causal_mask_.device() != x.device())
-    causal_mask_ = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
-  auto mask = causal_mask_.index({torch::indexing::Slice(0, T), torch::indexing::Slice(0, T)});
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  // In place: the scores are nobody's saved input (the scalar product keeps nothing), so the
-  // masked copy the out-of-place form allocates per layer is not needed; the values are the same.
-  att = att.masked_fill_(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
-  if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
-  y = torch::matmul(att, v);
-#endif
+  torch::Tensor y = tape_attention(
+      q, k, v, /*uses_rng=*/p > 0, [p](const torch::Tensor& qh) { return fused_attention(qh, p); },
+      [this, p](const torch::Tensor& qh, const torch::Tensor& kh, const torch::Tensor& vh) { return core(qh, kh, vh, p); });
   y = y.transpose(1, 2).contiguous().view({B, T, n_head_ * hd});
   y = row_parallel(y, c_proj, tp_);
   if (p > 0) y = F::dropout(y, F::DropoutFuncOptions().p(p).training(true));
@@ -319,7 +350,8 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
   if (gate_proj) return row_parallel(swiglu(apply_linear(gate_proj, in), apply_linear(up_proj, in)), c_proj, tp_);
   // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
-  return row_parallel(bias_gelu(F::linear(in, c_fc->weight), c_fc->bias), c_proj, tp_);
+  const torch::Tensor pre = tape_linear(in, c_fc->weight, torch::Tensor(), [&] { return F::linear(in, c_fc->weight); });
+  return row_parallel(bias_gelu(pre, c_fc->bias), c_proj, tp_);
 }
 
 BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary) : dropout_(d.dropout) {
@@ -347,101 +379,9 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
   return {r2, m};
 }
 
-// ---- activation checkpointing ------------------------------------------------------------------
+// ---- ZeRO-3's block boundaries ---------------------------------------------------------------
 
 namespace {
-
-// What a checkpointed block's second run needs: the block, and the random state (dropout) and
-// autocast of the first run.
-struct Recompute : torch::CustomClassHolder {
-  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> run;
-  torch::Device device{torch::kCPU};
-  torch::Tensor cpu_rng, gpu_rng;             // the generators' states before the first run
-  c10::ScalarType autocast = torch::kFloat32;  // the first run's autocast dtype (fp32: none)
-};
-
-torch::Tensor generator_state(at::Generator gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_generator_state(at::Generator gen, const torch::Tensor& state) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
-// For its lifetime, the generators are where they were before the first run; then back.
-class FirstRunRng {
- public:
-  explicit FirstRunRng(const Recompute& r) : device_(r.device) {
-    cpu_ = generator_state(at::detail::getDefaultCPUGenerator());
-    set_generator_state(at::detail::getDefaultCPUGenerator(), r.cpu_rng);
-    if (r.gpu_rng.defined()) {
-      gpu_ = generator_state(at::globalContext().defaultGenerator(device_));
-      set_generator_state(at::globalContext().defaultGenerator(device_), r.gpu_rng);
-    }
-  }
-  ~FirstRunRng() {
-    set_generator_state(at::detail::getDefaultCPUGenerator(), cpu_);
-    if (gpu_.defined()) set_generator_state(at::globalContext().defaultGenerator(device_), gpu_);
-  }
-  FirstRunRng(const FirstRunRng&) = delete;
-  FirstRunRng& operator=(const FirstRunRng&) = delete;
-
- private:
-  torch::Device device_;
-  torch::Tensor cpu_, gpu_;
-};
-
-// A block run without keeping anything for backward but its inputs (x, and the fused path's
-// delta, which may be undefined). Backward runs the block again from them, with the first run's
-// random state and autocast, and backpropagates the incoming gradients through that second graph
-// (a reentrant backward: the block's parameters get their gradients there, and their hooks, such
-// as the data-parallel buckets', fire there), then returns the inputs' gradients. The same
-// operations on the same values give the same gradients, bit for bit.
-std::atomic<int64_t> g_recomputed_blocks{0};
-
-class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
- public:
-  // delta: an optional (libtorch's autograd takes no undefined tensor as an input of a Function).
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                                                const c10::optional<torch::Tensor>& delta_opt,
-                                                c10::intrusive_ptr<Recompute> r) {
-    const torch::Tensor delta = delta_opt.has_value() ? *delta_opt : torch::Tensor();
-    r->device = x.device();
-    r->cpu_rng = generator_state(at::detail::getDefaultCPUGenerator());
-    if (x.is_cuda()) r->gpu_rng = generator_state(at::globalContext().defaultGenerator(x.device()));
-    r->autocast = autocast_dtype_or(x.device().type(), torch::kFloat32);
-    ctx->save_for_backward({x, delta});
-    ctx->saved_data["recompute"] = c10::IValue::make_capsule(r);
-    return r->run({x, delta});  // autograd::Function runs forward without recording a graph
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
-    std::vector<torch::Tensor> in;
-    for (const auto& t : saved) in.push_back(t.defined() ? t.detach().requires_grad_(true) : torch::Tensor());
-    std::vector<torch::Tensor> outs;
-    {
-      FirstRunRng rng(*r);
-      torch::AutoGradMode grad_mode(true);
-      std::optional<Autocast> autocast;
-      if (r->autocast != torch::kFloat32)
-        autocast.emplace(r->autocast == torch::kBFloat16 ? Precision::bf16 : Precision::fp16, r->device);
-      outs = r->run(in);
-    }
-    g_recomputed_blocks.fetch_add(1, std::memory_order_relaxed);
-    std::vector<torch::Tensor> roots, root_grads;
-    for (size_t i = 0; i < outs.size(); ++i)
-      if (outs[i].defined() && outs[i].requires_grad() && i < grads.size() && grads[i].defined())
-        roots.push_back(outs[i]), root_grads.push_back(grads[i]);
-    torch::autograd::backward(roots, root_grads);
-    auto grad_of = [](const torch::Tensor& t) { return t.defined() ? t.grad() : torch::Tensor(); };
-    return {grad_of(in[0]), grad_of(in[1]), torch::Tensor()};
-  }
-};
 
 // ZeRO-3: the identity on a block's outputs (the residual stream, and the fused path's MLP output
 // still to be added) whose backward, which runs before the block's own (it needs these
@@ -481,8 +421,6 @@ std::vector<torch::Tensor> GPTImpl::after_block(int64_t block, std::vector<torch
       outs[0], outs.size() > 1 ? c10::optional<torch::Tensor>(outs[1]) : c10::nullopt,
       static_cast<int64_t>(reinterpret_cast<intptr_t>(units_)), block);
 }
-
-int64_t recomputed_blocks() { return g_recomputed_blocks.load(std::memory_order_relaxed); }
 
 bool GPTImpl::checkpointed(int64_t block) const {
   return is_training() && torch::GradMode::is_enabled() && dims_.ac != GPTDims::Ac::none &&
@@ -593,9 +531,10 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
       x = after_block(b, {block->forward(x)})[0];
       continue;
     }
-    auto r = c10::make_intrusive<Recompute>();
-    r->run = [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0])}; };
-    x = after_block(b, {apply_autograd_function<CheckpointedBlock>(x, c10::nullopt, r)[0]})[0];
+    const BlockRun run = [block](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{block->forward(in[0])};
+    };
+    x = after_block(b, checkpointed_block(run, x, torch::Tensor(), dims_.ac == GPTDims::Ac::selective))[0];
   }
   return ln_f(x);
 }
@@ -616,13 +555,11 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
       x = outs[0], delta = outs[1];
       continue;
     }
-    auto r = c10::make_intrusive<Recompute>();
-    r->run = [block, normed_dtype](const std::vector<torch::Tensor>& in) {
+    const BlockRun run = [block, normed_dtype](const std::vector<torch::Tensor>& in) {
       auto [out, d] = block->forward_fused(in[0], in[1], normed_dtype);
       return std::vector<torch::Tensor>{out, d};
     };
-    const auto outs = after_block(b, apply_autograd_function<CheckpointedBlock>(
-                                         x, delta.defined() ? c10::optional<torch::Tensor>(delta) : c10::nullopt, r));
+    const auto outs = after_block(b, checkpointed_block(run, x, delta, dims_.ac == GPTDims::Ac::selective));
     x = outs[0], delta = outs[1];
   }
   return ln_f->add_forward(x, delta, normed_dtype).second;

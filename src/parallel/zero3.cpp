@@ -51,8 +51,9 @@ Units model_units(const std::vector<std::string>& names, int64_t n_layer) {
   return u;
 }
 
-ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward)
-    : sync_(sync), units_(std::move(units)), reshard_after_forward_(reshard_after_forward) {
+ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Units units, bool reshard_after_forward,
+                         c10::ScalarType wire)
+    : sync_(sync), units_(std::move(units)), wire_(wire), reshard_after_forward_(reshard_after_forward) {
   MPITRAIN_CHECK(sync.sharded() && sync.frees_grads() && sync.num_buckets() == units_.groups.size(),
                  "ZeRO-3: needs a ZeRO-2 GradSync with one bucket per unit");
   torch::NoGradGuard no_grad;
@@ -61,6 +62,7 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
   whole_.resize(n);
   shards_.resize(n);
   is_whole_.assign(n, true);
+  rounded_.assign(n, false);
   pending_.resize(n);
   for (size_t u = 0; u < n; ++u) {
     const auto& ks = sync.bucket_params(u);
@@ -103,9 +105,27 @@ void ParamShards::done_with_block(int64_t block) {
 }
 
 void ParamShards::finish_prefetch(size_t u) {
-  if (!pending_.at(u)) return;
-  pending_[u]->wait();
-  pending_[u].reset();
+  Pending& p = pending_.at(u);
+  if (!p.work) return;
+  p.work->wait();
+  if (p.received.defined()) {
+    torch::NoGradGuard no_grad;
+    whole_[u].copy_(p.received);  // widened: every 16-bit value is an fp32 one
+  }
+  p = Pending();
+}
+
+void ParamShards::start_gather(size_t u, c10::ScalarType wire) {
+  Pending& p = pending_.at(u);
+  rounded_[u] = wire != whole_[u].scalar_type();
+  if (!rounded_[u]) {
+    p.work = sync_.communicator().all_gather_async(shards_[u], whole_[u]);
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  p.sent = shards_[u].to(wire);
+  p.received = torch::empty({whole_[u].numel()}, p.sent.options());
+  p.work = sync_.communicator().all_gather_async(p.sent, p.received);
 }
 
 void ParamShards::make_whole(size_t u) {
@@ -118,13 +138,27 @@ void ParamShards::gather(size_t u) {
   finish_prefetch(u);
   if (is_whole_.at(u)) return;
   make_whole(u);
+  if (wire_ == whole_[u].scalar_type()) {
+    sync_.communicator().all_gather(shards_[u], whole_[u]);
+    rounded_[u] = false;
+    return;
+  }
+  start_gather(u, wire_);
+  finish_prefetch(u);
+}
+
+void ParamShards::gather_exact(size_t u) {
+  finish_prefetch(u);
+  if (is_whole_.at(u) && !rounded_[u]) return;
+  if (!is_whole_[u]) make_whole(u);
   sync_.communicator().all_gather(shards_[u], whole_[u]);
+  rounded_[u] = false;
 }
 
 void ParamShards::prefetch(size_t u) {
   if (is_whole_.at(u)) return;
   make_whole(u);
-  pending_[u] = sync_.communicator().all_gather_async(shards_[u], whole_[u]);
+  start_gather(u, wire_);
 }
 
 void ParamShards::release(size_t u) {
@@ -135,7 +169,7 @@ void ParamShards::release(size_t u) {
 }
 
 void ParamShards::gather_all() {
-  for (size_t u = 0; u < whole_.size(); ++u) gather(u);
+  for (size_t u = 0; u < whole_.size(); ++u) gather_exact(u);
   held_ = true;
 }
 

@@ -25,7 +25,7 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
   const int64_t checkpointed = in.n_layer / every;  // blocks every-1, 2 every-1, ... (GPTImpl::checkpointed)
   std::vector<MemoryRow> rows;
   for (int zero = 0; zero <= 3; ++zero)
-    for (const char* ac : {"none", "full"}) {
+    for (const char* ac : {"none", "selective", "full"}) {
       MemoryRow r;
       r.zero = zero;
       r.ac = ac;
@@ -37,8 +37,9 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
         else r.buffers = outside + 3 * block;  // the outside unit's gradient, three blocks'
       }
       r.optimizer = zero >= 1 && shards ? 8 * n / d : 8 * n;
-      const int64_t kept = r.ac == "full" ? checkpointed : 0;
-      r.activations = static_cast<double>(in.n_layer - kept) * in.block_none + static_cast<double>(kept) * in.block_full +
+      const int64_t kept = r.ac == "none" ? 0 : checkpointed;
+      const double per_kept = r.ac == "full" ? in.block_full : in.block_selective;
+      r.activations = static_cast<double>(in.n_layer - kept) * in.block_none + static_cast<double>(kept) * per_kept +
                       (kept > 0 ? in.block_none : 0) + in.outside;
       rows.push_back(r);
     }
@@ -66,13 +67,14 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   const auto rows = memory_rows(in);
   std::string out = concat("memory per rank (MiB; ", in.params, " parameters, dp ", in.dp,
                            "; activations of one micro-batch as measured: ", mib(in.block_none), " MiB per block, ",
-                           mib(in.block_full), " MiB per checkpointed block, ", mib(in.outside),
+                           mib(in.block_selective), " MiB per selectively checkpointed block, ", mib(in.block_full),
+                           " MiB per fully checkpointed block, ", mib(in.outside),
                            " MiB outside the blocks; peak = the sum of the terms, not a bound: on an H100 0.89x-1.41x of it was measured, bench/RESULTS.md):\n");
   out += "| optim.zero | activation_checkpointing | weights | gradients | gradient buffers | optimizer state | "
          "activations | peak |\n|---:|---|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : rows) {
     out += concat("| ", r.zero, " | ", r.ac,
-                  r.ac == "full" && in.ac_every > 1 ? concat(", every ", in.ac_every) : std::string(), " | ",
+                  r.ac != "none" && in.ac_every > 1 ? concat(", every ", in.ac_every) : std::string(), " | ",
                   cell(r.weights), " | ", cell(r.gradients), " | ", cell(r.buffers), " | ", cell(r.optimizer), " | ",
                   cell(r.activations), " | ", cell(r.peak()), " |\n");
   }
@@ -84,7 +86,7 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   // Expected speed: no recomputation first; then the stages that communicate least (with one
   // data-parallel rank the zero stages shard nothing: zero 0 only).
   std::string why;
-  for (const char* ac : {"none", "full"})
+  for (const char* ac : {"none", "selective", "full"})
     for (int zero = 0; zero <= (in.dp > 1 ? 3 : 0); ++zero) {
       const MemoryRow r = memory_row(in, zero, ac);
       if (r.peak() <= limit) {

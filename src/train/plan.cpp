@@ -96,8 +96,8 @@ double held_bytes(const torch::Device& device) {
 }
 
 // What one micro-batch's forward keeps for backward (the loss's graph), measured on `device`
-// with models of one and two blocks of these dimensions, without and with full checkpointing:
-// per block, per checkpointed block and outside the blocks. Scaling by n_layer needs no model of
+// with models of one and two blocks of these dimensions, without checkpointing and with selective
+// and full checkpointing: per block, per checkpointed block of each kind and outside the blocks. Scaling by n_layer needs no model of
 // the real depth, so it also plans a model this device cannot hold whole. false where the
 // device's bytes cannot be read.
 bool activation_probe(const GPTDims& dims, Precision precision, const torch::Device& device, int64_t micro,
@@ -125,8 +125,10 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
   };
   kept(1, GPTDims::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
   const double none1 = kept(1, GPTDims::Ac::none), none2 = kept(2, GPTDims::Ac::none);
+  const double selective1 = kept(1, GPTDims::Ac::selective), selective2 = kept(2, GPTDims::Ac::selective);
   const double full1 = kept(1, GPTDims::Ac::full), full2 = kept(2, GPTDims::Ac::full);
   out.block_none = std::max(0.0, none2 - none1);
+  out.block_selective = std::max(0.0, selective2 - selective1);
   out.block_full = std::max(0.0, full2 - full1);
   out.outside = std::max(0.0, none1 - out.block_none);
   return true;

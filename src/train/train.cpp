@@ -310,9 +310,10 @@ void Run::build_optimizer() {
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
   Communicator& dp = s_.mesh->dp();
   const bool overlap = cfg_.comm.overlap && !(device_.is_cuda() && dp.name() == "mpi");
-  const torch::ScalarType wire = cfg_.comm.grad_dtype == "bf16"   ? torch::kBFloat16
-                                 : cfg_.comm.grad_dtype == "fp16" ? torch::kHalf
-                                                                  : torch::kFloat32;
+  auto dtype_of = [](const std::string& name) {
+    return name == "bf16" ? torch::kBFloat16 : name == "fp16" ? torch::kHalf : torch::kFloat32;
+  };
+  const torch::ScalarType wire = dtype_of(cfg_.comm.grad_dtype);
   // ZeRO-3 gathers a block's parameters from its backward, which on a GPU runs on autograd's device
   // thread: the MPI backend may call MPI there only under MPI_THREAD_MULTIPLE (the main thread
   // waits in backward meanwhile).
@@ -332,7 +333,8 @@ void Run::build_optimizer() {
   if (cfg_.comm.compress == "powersgd" && s_.layout.dp > 1)
     powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
   if (zero3_) {
-    units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward);
+    units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
+                   dtype_of(cfg_.comm.param_dtype));
     model_->set_unit_hooks(&*units_);
   }
   if (zero_) {
