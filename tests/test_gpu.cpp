@@ -582,6 +582,12 @@ TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
           EXPECT_TRUE(torch::equal(plain.grad_shards[b], sharded.grad_shards[b])) << what << ": unit " << b;
         EXPECT_EQ(sharded.whole_after, 0u) << what;
         EXPECT_TRUE(sharded.gather_all_exact) << what;
+        // train's start-up: the model drawn on the host, moved to the GPU one unit at a time.
+        const auto from_host = zero3_probe(d, *c, kGpu, precision, true, torch::kFloat32, /*from_host=*/true);
+        EXPECT_TRUE(torch::equal(plain.loss, from_host.loss)) << what << ", built on the host";
+        for (size_t b = 0; b < plain.grad_shards.size(); ++b)
+          EXPECT_TRUE(torch::equal(plain.grad_shards[b], from_host.grad_shards[b]))
+              << what << ", built on the host: unit " << b;
         // comm.param_dtype bf16: the gathers (NCCL's bf16 all-gather, widened on the device)
         // compute with the weights rounded to bf16, as the whole model does with them rounded first.
         const auto rounded = zero3_probe(d, *c, kGpu, precision, false, torch::kBFloat16);

@@ -883,13 +883,15 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
 // kReorderTolerance. Exercised with dropout, evaluation between steps (a forward without
 // backward), gradient accumulation, full activation checkpointing (the block runs a third time
 // in backward, gathered), overlap on and off, bf16 autocast with bf16 gradients, Llama through
-// the fused ops' two-output path, a checkpoint at the end; resume bitwise, and a ZeRO-3
-// checkpoint resumed under ZeRO-2.
+// the fused ops' two-output path, a checkpoint at the end, the final sample (ZeRO-3: every rank
+// runs rank 0's sampling passes, gathering block by block; at 2 ranks the same text); resume
+// bitwise, and a ZeRO-3 checkpoint resumed under ZeRO-2.
 TEST(Train, ZeroThreeEqualsZeroTwo) {
   auto cfg_for = [](const std::string& run, int64_t zero, bool overlap, int64_t accum, const std::string& ac) {
     Config c = zero_config(run, zero, overlap, accum);
     c.model.dropout = 0.1;
     c.train.activation_checkpointing = ac;
+    c.sample.tokens = 12;  // zero 3: every rank samples with rank 0, each block gathered around its use
     return c;
   };
   const bool bitwise = world_size() == 2;
@@ -899,6 +901,9 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     for (size_t i = 0; i < two.losses.size(); ++i) {
       if (bitwise) EXPECT_EQ(three.losses[i].second, two.losses[i].second) << what << ": step " << two.losses[i].first;
       else EXPECT_NEAR(three.losses[i].second, two.losses[i].second, kReorderTolerance) << what;
+    }
+    if (bitwise) {
+      EXPECT_EQ(three.sample, two.sample) << what << ": the final sample";
     }
     ASSERT_EQ(three.val_losses.size(), two.val_losses.size()) << what;
     for (size_t i = 0; i < two.val_losses.size(); ++i)
@@ -920,6 +925,9 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     const TrainResult three = train(cfg_for(concat("z3-three-", overlap), 3, overlap, 1, "none"), MPI_COMM_WORLD, keep);
     expect_same(three, two, concat("zero 3, overlap ", overlap));
     EXPECT_FALSE(three.val_losses.empty());
+    if (world_rank() == 0) {
+      EXPECT_FALSE(three.sample.empty()) << "zero 3 sampled";
+    }
     if (!overlap) continue;
     Config kept = cfg_for("z3-kept", 3, overlap, 1, "none");
     kept.optim.reshard_after_forward = false;  // blocks whole from forward to their backward

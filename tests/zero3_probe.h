@@ -24,12 +24,13 @@ struct Zero3Probe {
 
 // The model drawn from seed 3 on `device`; the batch from seed 10 + the rank, so ranks differ.
 // `wire` (comm.param_dtype): zero3 gathers in it; without zero3 the weights are rounded to it
-// first, which is what a 16-bit gather computes with.
+// first, which is what a 16-bit gather computes with. `from_host` (zero3): the model stays on the
+// host and ParamShards moves it to `device` unit by unit, as train's start-up does.
 inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::Device& device, Precision precision,
-                              bool zero3, c10::ScalarType wire = torch::kFloat32) {
+                              bool zero3, c10::ScalarType wire = torch::kFloat32, bool from_host = false) {
   torch::manual_seed(3);
   GPT model(d);
-  model->to(device);
+  if (!(zero3 && from_host)) model->to(device);
   model->train();
   std::vector<torch::Tensor> params, drawn;
   std::vector<std::string> names;
@@ -39,7 +40,8 @@ inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::De
     for (auto& p : params) p.copy_(p.to(wire));
   }
   Units units = model_units(names, d.n_layer);
-  GradSync sync(params, c, 25, /*overlap=*/true, /*shard=*/true, torch::kFloat32, /*free_grads=*/true, units.groups);
+  GradSync sync(params, c, 25, /*overlap=*/true, /*shard=*/true, torch::kFloat32, /*free_grads=*/true, units.groups,
+                device);
   std::optional<ParamShards> shards;
   if (zero3) {
     shards.emplace(params, sync, units, /*reshard_after_forward=*/true, wire);
@@ -62,7 +64,8 @@ inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::De
   if (shards) {
     WholeParams whole(&*shards);
     out.gather_all_exact = true;
-    for (size_t k = 0; k < params.size(); ++k) out.gather_all_exact = out.gather_all_exact && torch::equal(params[k], drawn[k]);
+    for (size_t k = 0; k < params.size(); ++k)
+      out.gather_all_exact = out.gather_all_exact && torch::equal(params[k].cpu(), drawn[k].cpu());
   }
   for (size_t b = 0; b < sync.num_buckets(); ++b) out.grad_shards.push_back(sync.grad_shard(b).cpu());
   return out;

@@ -59,9 +59,12 @@ class GradSync {
   // `groups` (non-empty): the buckets, each a list of indices into `params` in the order their
   // gradients are laid out, the buckets in the order backward completes them; bucket_mb is then
   // not used. Every parameter must be in exactly one group.
+  // `device`: where the buckets and shards live (default: the parameters' device). ZeRO-3 makes
+  // its GradSync over parameters still on the host, which ParamShards then moves to the device
+  // one unit at a time.
   GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap,
            bool shard = false, torch::ScalarType wire = torch::kFloat32, bool free_grads = false,
-           std::vector<std::vector<size_t>> groups = {});
+           std::vector<std::vector<size_t>> groups = {}, c10::optional<torch::Device> device = c10::nullopt);
   ~GradSync();
   GradSync(const GradSync&) = delete;  // the hooks hold `this`
   GradSync& operator=(const GradSync&) = delete;
@@ -105,6 +108,7 @@ class GradSync {
   Communicator& communicator() const { return comm_; }
 
   size_t num_buckets() const { return buckets_.size(); }
+  torch::Device device() const { return options_.device(); }  // the buckets' and shards'
   // Bytes one step hands to the reducing collectives (all buckets, in the wire dtype).
   uint64_t bytes_per_step() const;
   bool overlapping() const { return overlap_; }

@@ -55,8 +55,9 @@ Units model_units(const std::vector<std::string>& names, int64_t n_layer);
 class ParamShards : public UnitHooks {
  public:
   // `params`: the model's parameters (named_params order), whole and equal on every rank of the
-  // GradSync's group; they become views of the units' buffers, each rank keeping its shard, and
-  // every unit is released.
+  // GradSync's group, on its device or on the host; they become views of the units' buffers on the
+  // GradSync's device, each rank keeping its shard, and every unit is released: a model built on
+  // the host reaches the device one unit at a time.
   // `reshard_after_forward` (optim.reshard_after_forward) false: a block stays whole from its
   // forward to the end of its backward (one gather per micro-step instead of two); a forward
   // without gradients releases it either way. `wire`: the training step's gathers' dtype

@@ -8,7 +8,8 @@
 namespace mpitrain {
 
 GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double bucket_mb, bool overlap, bool shard,
-                   torch::ScalarType wire, bool free_grads, std::vector<std::vector<size_t>> groups)
+                   torch::ScalarType wire, bool free_grads, std::vector<std::vector<size_t>> groups,
+                   c10::optional<torch::Device> device)
     : params_(std::move(params)), comm_(comm), overlap_(overlap && comm.size() > 1), shard_(shard || free_grads),
       free_grads_(free_grads), wire_(wire) {
   const double limit = bucket_mb * 1024.0 * 1024.0;
@@ -53,7 +54,8 @@ GradSync::GradSync(std::vector<torch::Tensor> params, Communicator& comm, double
     }
     const int64_t n_ranks = comm_.size();
     bucket.padded = shard_ ? (n + n_ranks - 1) / n_ranks * n_ranks : n;
-    const auto options = params_[bucket.params.front()].options().requires_grad(false);
+    auto options = params_[bucket.params.front()].options().requires_grad(false);
+    if (device) options = options.device(*device);
     options_ = options;
     // Padding stays zero: slots never cover it, and the all-gather writes zeros back into it.
     // ZeRO-2 makes flat and wire only while a reduce-scatter needs them.

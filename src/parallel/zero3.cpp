@@ -68,7 +68,9 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
     const auto& ks = sync.bucket_params(u);
     const torch::Tensor& first = params.at(ks.front());
     const int64_t padded = sync.padded_length(u), part = padded / comm.size();
-    whole_[u] = torch::zeros({padded}, first.options().requires_grad(false));
+    // On the GradSync's device: the parameters may come from the host, where the whole model was
+    // built, and move to the device one unit at a time (their host memory goes with set_data).
+    whole_[u] = torch::zeros({padded}, first.options().device(sync.device()).requires_grad(false));
     for (size_t k : ks) {
       torch::Tensor& p = params.at(k);
       torch::Tensor slot = whole_[u].narrow(0, sync.flat_offset(k), p.numel());
