@@ -102,6 +102,9 @@ class ParamShards : public UnitHooks {
   void make_whole(size_t unit);       // gives the unit's buffer its memory (contents: the gather's)
   // Starts the unit's all-gather with `wire` on the wire into its (whole) buffer: pending_[u].
   void start_gather(size_t unit, c10::ScalarType wire);
+  // gather() and gather_exact(): the unit whole through `wire`, unless it is whole already
+  // (through an fp32 wire, or through any when `wire` is 16-bit).
+  void gather_as(size_t unit, c10::ScalarType wire);
   GradSync& sync_;
   Units units_;
   c10::ScalarType wire_ = torch::kFloat32;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "mpitrain/amp.h"
 #include "mpitrain/error.h"
@@ -102,7 +103,7 @@ class TapeScope {
 // A replayed linear layer: forward hands out the recorded output; backward is the matmul's (and
 // the bias add's) own, as libtorch's autograd computes it for at::linear and F::linear (both fold
 // a [B, T, in] input into [B T, in] and multiply by weight.t(): addmm with a bias, mm without):
-// tools/autograd/templates' mm_mat1_backward and mm_mat2_backward with mat1 = the folded input,
+// torch/csrc/autograd/FunctionsManual.cpp's mm_mat1_backward and mm_mat2_backward with mat1 = the folded input,
 // mat2 = weight.t(), alpha 1, and the engine's sum_to for the broadcast bias.
 class ReplayLinear : public torch::autograd::Function<ReplayLinear> {
  public:
@@ -111,9 +112,7 @@ class ReplayLinear : public torch::autograd::Function<ReplayLinear> {
                                                 c10::intrusive_ptr<TapeEntry> entry) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias"] = bias.has_value();
-    torch::Tensor out = std::move(entry->out);
-    entry->out = torch::Tensor();
-    return {out};
+    return {std::exchange(entry->out, torch::Tensor())};  // the tape lets go of it
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

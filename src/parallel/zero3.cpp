@@ -136,25 +136,22 @@ void ParamShards::make_whole(size_t u) {
   max_whole_ = std::max(max_whole_, units_whole());
 }
 
-void ParamShards::gather(size_t u) {
+void ParamShards::gather(size_t u) { gather_as(u, wire_); }
+
+void ParamShards::gather_exact(size_t u) { gather_as(u, whole_.at(u).scalar_type()); }
+
+void ParamShards::gather_as(size_t u, c10::ScalarType wire) {
   finish_prefetch(u);
-  if (is_whole_.at(u)) return;
-  make_whole(u);
-  if (wire_ == whole_[u].scalar_type()) {
+  const bool exact = wire == whole_[u].scalar_type();
+  if (is_whole_.at(u) && (!rounded_[u] || !exact)) return;  // whole already, as exact as asked
+  if (!is_whole_[u]) make_whole(u);
+  if (exact) {
     sync_.communicator().all_gather(shards_[u], whole_[u]);
     rounded_[u] = false;
     return;
   }
-  start_gather(u, wire_);
+  start_gather(u, wire);
   finish_prefetch(u);
-}
-
-void ParamShards::gather_exact(size_t u) {
-  finish_prefetch(u);
-  if (is_whole_.at(u) && !rounded_[u]) return;
-  if (!is_whole_[u]) make_whole(u);
-  sync_.communicator().all_gather(shards_[u], whole_[u]);
-  rounded_[u] = false;
 }
 
 void ParamShards::prefetch(size_t u) {

@@ -312,9 +312,8 @@ void Run::build_optimizer() {
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
   Communicator& dp = s_.mesh->dp();
   const bool overlap = cfg_.comm.overlap && !(device_.is_cuda() && dp.name() == "mpi");
-  auto dtype_of = [](const std::string& name) {
-    return name == "bf16" ? torch::kBFloat16 : name == "fp16" ? torch::kHalf : torch::kFloat32;
-  };
+  // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
+  auto dtype_of = [](const std::string& name) { return precision_dtype(parse_precision(name)); };
   const torch::ScalarType wire = dtype_of(cfg_.comm.grad_dtype);
   // ZeRO-3 gathers a block's parameters from its backward, which on a GPU runs on autograd's device
   // thread: the MPI backend may call MPI there only under MPI_THREAD_MULTIPLE (the main thread
