@@ -12,6 +12,8 @@
 #   libtorch      the most bytes of CPU tensors the rank held during the steps (train's last lines:
 #                 "peak CPU memory (allocated by libtorch)", counted by host_memory.h), rank 0 and
 #                 the largest of the others; "/ plan" is the largest over all ranks / plan
+#   start-up      the same count's peak before the first step (making the model, its shards and
+#                 the optimizer), the largest over all ranks
 #   RSS           each process's peak resident size (GNU time): libtorch's tensors plus the
 #                 process (libtorch's code, MPI's buffers, HDF5, glibc's retained free blocks)
 #   ms/step       the median step after the first, and its ratio to zero 0 without checkpointing
@@ -49,7 +51,7 @@ YAML
 config 0 none "$WORK/plan" > plan.yaml
 "$MPIRUN" -np "$NP" "$BIN" plan plan.yaml --memory-only > plan.log 2>&1 || { cat plan.log; exit 1; }
 
-run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms"
+run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms startup"
   local zero=$1 ac=$2 out=$WORK/run-$1-$2
   config "$zero" "$ac" "$out" > cfg.yaml
   "$MPIRUN" -np "$NP" bash -c 'exec /usr/bin/time -o "$0.rss.$OMPI_COMM_WORLD_RANK" -f %M "$@"' "$out" "$BIN" cfg.yaml \
@@ -58,26 +60,30 @@ run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms"
   planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); print $9; exit }' plan.log)
   peaks=$(sed -n 's/.*peak CPU memory (allocated by libtorch, MiB): //p' "$out.log" | tr ',' '\n' | awk '{ print $3 }')
   [ -n "$peaks" ] || { echo "no peak line in $out.log" >&2; exit 1; }
+  local startup
+  startup=$(sed -n 's/.*peak CPU memory at start-up (allocated by libtorch, MiB): //p' "$out.log" | tr ',' '\n' |
+            awk '{ print $3 }' | sort -g | tail -n 1)
+  [ -n "$startup" ] || { echo "no start-up peak line in $out.log" >&2; exit 1; }
   ms=$(grep '"ms_per_step"' "$out/metrics.jsonl" | tail -n +2 | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | median)
   local lib0 libo rss0 rsso
   lib0=$(echo "$peaks" | head -n 1)
   libo=$(echo "$peaks" | tail -n +2 | sort -g | tail -n 1)
   rss0=$(awk '{ printf "%.0f", $1 / 1024 }' "$out.rss.0")
   rsso=$(for f in "$out".rss.*; do [[ $f == "$out.rss.0" ]] || cat "$f"; done | sort -n | tail -n 1 | awk '{ printf "%.0f", $1 / 1024 }')
-  echo "$planned $lib0 ${libo:-nan} $rss0 ${rsso:-nan} $ms"
+  echo "$planned $lib0 ${libo:-nan} $rss0 ${rsso:-nan} $ms $startup"
 }
 
 params=$(grep -o 'memory per rank (MiB; [0-9]* parameters' plan.log | grep -o '[0-9]* parameters')
 echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $params, dp $NP, fp32, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
-echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
-echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | start-up (max) | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
+echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 base_ms=""
 for zero in ${ZEROS:-0 1 2 3}; do
   for ac in ${ACS:-none selective full}; do
     r=$(run "$zero" "$ac")  # (a failed run ends the script: set -e stops at a failed assignment)
-    read -r p l0 lo r0 ro ms <<< "$r"
+    read -r p l0 lo r0 ro ms su <<< "$r"
     [ -n "$base_ms" ] || base_ms=$ms
     big=$(awk -v a="$l0" -v b="$lo" 'BEGIN { print (b != "nan" && b > a) ? b : a }')
-    echo "| $zero | $ac | $(num "$p") | $(num "$l0") | $(num "$lo") | $(ratio "$big" "$p") | $r0 | $ro | $(num "$ms") | $(ratio "$ms" "$base_ms") |"
+    echo "| $zero | $ac | $(num "$p") | $(num "$l0") | $(num "$lo") | $(ratio "$big" "$p") | $(num "$su") | $r0 | $ro | $(num "$ms") | $(ratio "$ms" "$base_ms") |"
   done
 done

@@ -70,10 +70,14 @@ check "metrics.jsonl has every step and val" "[ \$(grep -c '\"loss\"' run/metric
 check "sample printed" "grep -q 'sample:' mpi.out"
 check "each rank's peak of libtorch's CPU memory printed once" \
   "[ \$(grep -c 'peak CPU memory (allocated by libtorch, MiB): rank 0 [0-9.]*, rank 1 [0-9.]*$' mpi.out) -eq 1 ]"
+check "and each rank's peak at start-up, once" \
+  "[ \$(grep -c 'peak CPU memory at start-up (allocated by libtorch, MiB): rank 0 [0-9.]*, rank 1 [0-9.]*$' mpi.out) -eq 1 ]"
 "$BIN" inspect ckpt/ckpt-00000006.h5 > ickpt.out 2>&1
 check "inspect shows a checkpoint" "grep -q \"@format = 'mpitrain-checkpoint'\" ickpt.out && grep -q '@step = 6' ickpt.out"
 "$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 30 > sample.out 2>&1
 check "sample command generates text" "[ \$? -eq 0 ] && [ \$(wc -c < sample.out) -gt 30 ]"
+"$BIN" sample ckpt/ckpt-00000006.h5 --prompt "The " --tokens 30 --stream > sample-stream.out 2>&1
+check "sample --stream (one block in memory at a time) generates the same text" "cmp -s sample.out sample-stream.out"
 
 # ---- stop and resume through the CLI ----
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --set checkpoint.dir=ckpt2 --set train.out_dir=run2 --stop-after 4 > stop.out 2>&1

@@ -12,12 +12,17 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
+#include <set>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
+#include "mpitrain/export.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
+#include "mpitrain/host_memory.h"
+#include "mpitrain/sample.h"
 #include "mpitrain/tensor_io.h"
 #include "npy_writer.h"
 
@@ -127,6 +132,95 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
   EXPECT_EQ(got.loss_scale, 8192.0);
   EXPECT_EQ(got.loss_scale_good_steps, 17);
   std::system(("rm -rf " + dir).c_str());
+}
+
+// `mpitrain export` streams the checkpoint: the model is made without values (GPT deferred) and
+// each tensor is read, verified and written on its own, so the export never holds the whole model
+// (counted by host_memory.h's allocation counter; the bound is derived from the shapes, and is
+// below the model's size). The files hold the checkpoint's values. A checkpoint with a damaged
+// tensor late in the file writes nothing: every tensor is verified before the first file is.
+// `sample --stream` holds one block at a time and generates the text the loaded model does.
+TEST(Checkpoint, ExportAndSampleStreamOneTensorAtATimeAndADamagedCheckpointWritesNothing) {
+  count_cpu_allocations();
+  const std::string dir = temp_dir();
+  GPTDims d = dims();
+  d.n_layer = 8;
+  d.n_embd = 32;
+  torch::manual_seed(5);
+  GPT model(d);
+  {  // large weights: logits far apart, so that the sampled tokens depend on every weight
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : model->named_params()) p.mul_(20).add_(torch::randn_like(p).mul_(0.1));
+  }
+  AdamW opt(model->named_params(), OptimConfig{});
+  TrainState st;
+  st.step = 2;
+  st.eot_token = 31;  // (the byte tokenizer's text: the prompt is this token alone)
+  const std::string path = save_checkpoint(dir, model, opt, st, 3);
+  int64_t whole = 0, outside = 0, largest_block = 0, largest = 0;
+  std::map<std::string, int64_t> blocks;
+  for (const auto& [name, p] : model->named_params()) {
+    whole += p.nbytes();
+    largest = std::max<int64_t>(largest, p.nbytes());
+    if (name.rfind("h.", 0) == 0) blocks[name.substr(0, name.find('.', 2))] += p.nbytes();
+    else outside += p.nbytes();
+  }
+  for (const auto& [b, bytes] : blocks) largest_block = std::max(largest_block, bytes);
+
+  ExportArgs args;
+  args.checkpoint = path;
+  args.dir = dir + "/hf";
+  reset_cpu_peak();
+  const int64_t before = cpu_allocated_bytes();
+  run_export(args);
+  const int64_t peak = cpu_peak_allocated_bytes() - before;
+  // Making the deferred model (the layers outside the blocks twice, one block), then per tensor:
+  // the read, its converted copy and its transposed contiguous copy.
+  const int64_t bound = 2 * outside + largest_block + 3 * largest;
+  EXPECT_LE(peak, bound);
+  EXPECT_LT(bound, whole) << "the bound says something";
+  GPT back(d);
+  load_hf_safetensors(args.dir, back);
+  const auto want = model->named_params(), got = back->named_params();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(got[i].second, want[i].second)) << want[i].first;
+
+  // `sample --stream`: the same text as sampling the loaded model, one block in memory at a time.
+  SampleArgs sample;
+  sample.checkpoint = path;
+  sample.tokens = 12;
+  sample.top_k = 1;
+  const std::string loaded_text = run_sample(sample);
+  EXPECT_GT(std::set<char>(loaded_text.begin(), loaded_text.end()).size(), 5u) << loaded_text;
+  sample.stream = true;
+  reset_cpu_peak();
+  const int64_t before_sample = cpu_allocated_bytes();
+  EXPECT_EQ(run_sample(sample), loaded_text);
+  EXPECT_LE(cpu_peak_allocated_bytes() - before_sample, 2 * outside + largest_block + 3 * largest) << "sample --stream";
+
+  // The last tensor's bytes changed behind its checksum: refused, and the earlier export stays.
+  std::ifstream in(args.dir + "/model.safetensors", std::ios::binary);
+  const std::string exported((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  {
+    h5::silence_errors();
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    hid_t ds = H5Dopen2(f, "model/ln_f.bias", H5P_DEFAULT);
+    std::vector<float> v(static_cast<size_t>(d.n_embd), 0.5f);
+    H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
+    H5Dclose(ds);
+    H5Fclose(f);
+  }
+  std::string error;
+  try {
+    run_export(args);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("model/ln_f.bias"), std::string::npos) << error;
+  std::ifstream again(args.dir + "/model.safetensors", std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(again)), std::istreambuf_iterator<char>()), exported);
+  EXPECT_FALSE(std::ifstream(args.dir + "/model.safetensors.tmp").good());
+  std::system(concat("rm -rf ", dir).c_str());
 }
 
 TEST(Checkpoint, LatestNamesNewestAndKeepLastK) {

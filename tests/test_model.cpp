@@ -12,6 +12,7 @@
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/hf_format.h"
+#include "mpitrain/host_memory.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
 
@@ -255,6 +256,63 @@ TEST(Model, Gpt2Initialisation) {
       const double expected = name.find("c_proj.weight") != std::string::npos ? 0.02 / std::sqrt(8.0) : 0.02;
       EXPECT_NEAR(p.std().item<double>(), expected, expected * 0.15) << name;
     }
+  }
+}
+
+// ZeRO-3's start-up (GPT made `deferred`): the modules are made with every draw they make, but no
+// parameter keeps memory, so at most one block and the embeddings exist at once; initialize()
+// then hands out, one parameter at a time, the values a model made whole draws, bitwise: GPT-2
+// with a padded vocabulary, Llama with an untied head and q/k/v biases. It changes no generator
+// state, so it can run twice.
+TEST(Model, DeferredModelDrawsTheSameValuesOneParameterAtATime) {
+  count_cpu_allocations();
+  GPTDims gpt2 = small_dims();
+  gpt2.n_layer = 6;
+  gpt2.vocab_live = 45;  // 5 padding rows, drawn as zeros
+  GPTDims llama = gpt2;
+  llama.arch = "llama";
+  llama.n_kv_head = 1;
+  llama.tie_embeddings = false;
+  llama.qkv_bias = true;
+  llama.intermediate_size = 48;
+  for (const GPTDims& d : {gpt2, llama}) {  // (a tensor-parallel rank's: test_tensor_parallel)
+    const std::string what = d.arch;
+    torch::manual_seed(3);
+    GPT whole(d);
+    const auto want = whole->named_params();
+    int64_t whole_bytes = 0, largest_block = 0, outside = 0;
+    std::map<std::string, int64_t> block_bytes;
+    for (const auto& [name, p] : want) {
+      whole_bytes += p.nbytes();
+      if (name.rfind("h.", 0) == 0) block_bytes[name.substr(0, name.find('.', 2))] += p.nbytes();
+      else outside += p.nbytes();
+    }
+    for (const auto& [block, bytes] : block_bytes) largest_block = std::max(largest_block, bytes);
+
+    torch::manual_seed(3);
+    reset_cpu_peak();
+    const int64_t before = cpu_allocated_bytes();
+    GPT deferred(d, /*deferred=*/true);
+    const int64_t made_peak = cpu_peak_allocated_bytes() - before;
+    const torch::Tensor next_draw = torch::rand({4});  // the generator as the modules left it
+    // At most the layers outside the blocks (a padded embedding twice while it is padded) and one
+    // block at once.
+    const int64_t bound = 2 * outside + largest_block;
+    EXPECT_LE(made_peak, bound) << what;
+    EXPECT_LT(bound, whole_bytes) << what << ": the bound says something";
+    for (const auto& [name, p] : deferred->named_params())
+      EXPECT_LE(p.storage().nbytes(), p.element_size()) << what << ": " << name << " has memory";
+    for (int pass = 0; pass < 2; ++pass) {
+      size_t seen = 0;
+      deferred->initialize([&](size_t k, const torch::Tensor& v) {
+        ASSERT_EQ(k, seen++) << what;
+        EXPECT_TRUE(torch::equal(v, want.at(k).second)) << what << ": " << want[k].first << ", pass " << pass;
+      });
+      EXPECT_EQ(seen, want.size()) << what;
+    }
+    torch::manual_seed(3);
+    GPT again(d, true);
+    EXPECT_TRUE(torch::equal(torch::rand({4}), next_draw)) << what << ": initialize() drew from the default generator";
   }
 }
 

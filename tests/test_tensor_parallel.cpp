@@ -328,16 +328,34 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
       const int64_t r = group.comm->rank();
       GPTDims tp_dims = dense_dims;
       tp_dims.tp = tp, tp_dims.tp_rank = r, tp_dims.tp_comm = group.comm.get();
+      const auto whole = dense->named_params();
       for (const std::string& from : {"hf:" + hf, "hf:" + sharded_hf, npy}) {
         SCOPED_TRACE(testing::Message() << (llama ? "llama" : "gpt2") << ", tp " << tp << ", " << from);
         torch::manual_seed(99);  // other values than the files'
         GPT sharded(tp_dims);
         EXPECT_EQ(load_initial_weights(from, sharded), static_cast<int64_t>(sharded->named_params().size()));
-        const auto whole = dense->named_params(), local = sharded->named_params();
+        const auto local = sharded->named_params();
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(torch::equal(local[i].second, tp_shard(whole[i].second, dense->tp_split(whole[i].first), r, tp)))
               << whole[i].first;
+        // ZeRO-3's way: a model without values, the files read one parameter at a time.
+        GPT empty(tp_dims, /*deferred=*/true);
+        const auto files = open_initial_weights(from, empty);
+        ASSERT_EQ(files->size(), whole.size());
+        for (size_t i = 0; i < whole.size(); ++i)
+          EXPECT_TRUE(torch::equal(files->read(i), local[i].second)) << "read one at a time: " << whole[i].first;
       }
+      // A deferred tp rank draws, one parameter at a time, its shards of the dense model's draws:
+      // what a tp rank made whole holds, bitwise.
+      torch::manual_seed(7);
+      GPT deferred(tp_dims, /*deferred=*/true);
+      size_t seen = 0;
+      deferred->initialize([&](size_t k, const torch::Tensor& v) {
+        ASSERT_EQ(k, seen++);
+        EXPECT_TRUE(torch::equal(v, tp_shard(whole.at(k).second, dense->tp_split(whole[k].first), r, tp)))
+            << "deferred, tp " << tp << ": " << whole[k].first;
+      });
+      EXPECT_EQ(seen, whole.size());
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);

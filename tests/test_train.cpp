@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
@@ -383,6 +384,42 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
   ASSERT_EQ(loaded2.params.size(), drawn2.params.size());
   for (size_t i = 0; i < drawn2.params.size(); ++i)
     EXPECT_EQ(loaded2.params[i].second, drawn2.params[i].second) << "tp 2: " << drawn2.params[i].first;
+
+  // ZeRO-3: the model is made without values. Drawn, every rank keeps its part of each parameter
+  // as it is drawn; loaded, rank 0 reads one tensor at a time and broadcasts it, each rank keeping
+  // its part. Either way no rank holds the whole model, and the two runs are bitwise one run (at
+  // tp 2 too: the first tp group's ranks read their shards).
+  for (int64_t tp : {1, 2}) {
+    Config drawn3 = small_config(concat("init-drawn-z3-tp", tp), 2, 4);
+    drawn3.optim.zero = 3, drawn3.parallel.tp = tp;
+    Config loaded3 = small_config(concat("init-npy-z3-tp", tp), 2, 4);
+    loaded3.optim.zero = 3, loaded3.parallel.tp = tp;
+    loaded3.model.init_from = dir;
+    loaded3.train.seed = 7;
+    const TrainResult a = train(drawn3, MPI_COMM_WORLD, keep), b = train(loaded3, MPI_COMM_WORLD, keep);
+    ASSERT_EQ(a.losses.size(), b.losses.size());
+    for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(b.losses[i], a.losses[i]) << "zero 3, tp " << tp;
+    ASSERT_EQ(a.params.size(), b.params.size());
+    for (size_t i = 0; i < a.params.size(); ++i)
+      EXPECT_EQ(b.params[i].second, a.params[i].second) << "zero 3, tp " << tp << ": " << a.params[i].first;
+    if (tp == 1) {
+      EXPECT_EQ(a.losses.front(), drawn.losses.front()) << "zero 3 starts from the weights zero 0 draws";
+    }
+  }
+  // A NaN in a tensor read after others were handed out: every rank ends, naming the file.
+  const std::string nan_dir = shared_data_dir() + "/init-weights-nan";
+  if (world_rank() == 0) {
+    std::filesystem::copy(dir, nan_dir);
+    torch::manual_seed(1);
+    GPT g(model_dims(small_config("init-drawn", 2, 4).model, 64));
+    const auto last = g->named_params().back();
+    npy_test::write_npy_tensor(nan_dir + "/" + last.first + ".npy", torch::full_like(last.second, NAN));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Config nan3 = small_config("init-nan-z3", 2, 4);
+  nan3.optim.zero = 3;
+  nan3.model.init_from = nan_dir;
+  EXPECT_THROW(train(nan3, MPI_COMM_WORLD), ReportedUsageError);
 
   Config bad = small_config("init-bad", 2, 4);
   bad.model.init_from = dir + "/nowhere";

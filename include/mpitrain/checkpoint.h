@@ -217,4 +217,22 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
 // The same into `opt`'s tensors (allocated in whole-parameter shapes, named as the parameters).
 void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st);
 
+// A checkpoint's parameters one at a time (`export`, `sample --stream`): what load_checkpoint reads
+// and checks before any tensor (the architecture against `model`'s, which may be made deferred and
+// hold no values; the training state into `st`; every parameter's dataset and shape) is done by
+// the constructor, and read(k) reads named_params()[k]'s whole tensor (fp32, host), its checksum
+// and values verified, UsageError naming the file and dataset otherwise.
+class CheckpointParams {
+ public:
+  CheckpointParams(const std::string& path, GPT& model, TrainState& st);
+  torch::Tensor read(size_t k);
+  size_t size() const { return names_.size(); }
+  const std::string& name(size_t k) const { return names_.at(k); }
+
+ private:
+  std::string path_;
+  std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+};
+
 }  // namespace mpitrain

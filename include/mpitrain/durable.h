@@ -3,6 +3,8 @@
 // Hugging Face export).
 #pragma once
 
+#include <functional>
+#include <ostream>
 #include <string>
 
 namespace mpitrain {
@@ -14,5 +16,8 @@ void rename_durably(const std::string& from, const std::string& to, const std::s
 // `bytes` into `path` through `<path>.tmp` (removed on failure): written, fsynced, renamed
 // durably. UsageError naming the file when it cannot be written (a full disk, no permission).
 void write_file_durably(const std::string& path, const std::string& bytes);
+// The same, the bytes written by `write` as it goes (a file larger than memory holds at once); an
+// exception from it removes the temporary file and leaves `path` as it was.
+void write_file_durably(const std::string& path, const std::function<void(std::ostream&)>& write);
 
 }  // namespace mpitrain

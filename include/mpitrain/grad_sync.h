@@ -104,6 +104,7 @@ class GradSync {
   // parameter k starts in its bucket's flat buffer, and the buffer's padded length.
   const std::vector<size_t>& bucket_params(size_t b) const { return buckets_[b].params; }
   int64_t flat_offset(size_t k) const { return static_cast<int64_t>(offset_[k]); }
+  size_t bucket_of(size_t k) const { return bucket_of_[k]; }
   int64_t padded_length(size_t b) const { return buckets_[b].padded; }
   Communicator& communicator() const { return comm_; }
 

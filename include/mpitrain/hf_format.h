@@ -23,7 +23,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "mpitrain/model.h"
 
@@ -47,7 +50,11 @@ struct HfWriteOptions {
 // written), config.json and, for llama, generation_config.json for a dense (tp = 1) model into
 // `dir` (created; each file replaced atomically; files of the other layout, single or sharded,
 // removed). `eot_token` becomes bos/eos. Returns the safetensors files' names, one per line.
-std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts = {});
+// `values` (given): named_params()[k]'s whole values come from values(k), called once per
+// parameter, one at a time (`export` streams a checkpoint through it into the files: a model made
+// deferred, no whole model in memory); else the model's own parameters.
+std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts = {},
+                           const std::function<torch::Tensor(size_t)>& values = {});
 
 // The files of `dir` that an export would replace or remove (config.json, generation_config.json,
 // model.safetensors, model-*.safetensors, model.safetensors.index.json, and the tokenizer files
@@ -56,6 +63,26 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
 // safetensors of mpitrain's beside them. Empty when `dir` is absent, holds none of them, or holds
 // an earlier export (which an export replaces). Files of other names are never touched.
 std::vector<std::string> foreign_model_files(const std::string& dir);
+
+// model.init_from's files, opened and checked, read one parameter at a time: what a
+// ZeRO-3 start-up hands out tensor by tensor, and the loaders below copy into a model.
+class InitialWeights {
+ public:
+  virtual ~InitialWeights() = default;
+  // named_params()[k]'s values of the model it was opened for: this tp rank's part, fp32, on the
+  // host. A read error or a bad value is a UsageError "<key>: <file>: ...".
+  torch::Tensor read(size_t k);
+  size_t size() const { return names_.size(); }
+  // Every parameter of `model` (the one it was opened for) from read(); returns their number.
+  int64_t copy_into(GPT& model);
+
+ protected:
+  InitialWeights(GPT model, std::string key);
+  virtual torch::Tensor read_values(size_t k) = 0;
+  GPT model_;
+  std::string key_;
+  std::vector<std::string> names_;  // named_params() order
+};
 
 // Loads Hugging Face weights into `model`: a .safetensors file, or a directory (hf:DIR or DIR)
 // holding model.safetensors or a sharded model.safetensors.index.json. F32, F16, BF16 or F64.
@@ -68,6 +95,9 @@ std::vector<std::string> foreign_model_files(const std::string& dir);
 // carry (GPT-2's attn.bias masks, Llama's rotary_emb.inv_freq) are ignored. Returns the number
 // of tensors loaded.
 int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key = "model.init_from");
+// The same checks (headers, then every value), the values left to read().
+std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT& model,
+                                                    const std::string& key = "model.init_from");
 
 // Initial weights from a directory of .npy files (model.init_from; docs/formats.md): one
 // `<parameter name>.npy` per entry of named_params() ("wte.weight.npy", "h.0.ln_1.bias.npy"),
@@ -76,9 +106,14 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
 // file, a .npy that matches no parameter, a bad header, dtype, order, shape or size, and NaN or
 // infinite values are a UsageError "<key>: <file>: ...". Returns the number of tensors loaded.
 int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key = "model.init_from");
+// The same header checks, the values left to read() (which checks them).
+std::unique_ptr<InitialWeights> open_npy_weights(const std::string& dir, GPT& model,
+                                                 const std::string& key = "model.init_from");
 
 // model.init_from: hf:DIR, a .safetensors file or a directory holding model.safetensors or its
 // index (load_hf_safetensors), else a directory of .npy files (load_npy_weights).
 int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key = "model.init_from");
+std::unique_ptr<InitialWeights> open_initial_weights(const std::string& path, GPT& model,
+                                                     const std::string& key = "model.init_from");
 
 }  // namespace mpitrain

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -234,7 +235,15 @@ class UnitHooks {
 
 class GPTImpl : public torch::nn::Module, public TpDeclared {
  public:
-  explicit GPTImpl(const GPTDims& d);
+  // `deferred` (ZeRO-3): the modules are made (their own draws included) but every parameter is
+  // left without memory, one block at a time, so that no whole model ever exists; initialize()
+  // then draws the values the model would have had, one parameter at a time.
+  explicit GPTImpl(const GPTDims& d, bool deferred = false);
+
+  // A deferred model's initial values: named_params()[k]'s values (this rank's tp shard of the
+  // whole parameter, drawn as a model made without `deferred` draws it) to `take(k, values)`, in
+  // order, one parameter in memory at a time. Touches no generator's state; any number of times.
+  void initialize(const std::function<void(size_t, const torch::Tensor&)>& take);
 
   // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, classes()] (tensor parallel:
   // this rank's vocabulary slice of them, [B, T, live_rows()]): padding rows have none.
@@ -267,7 +276,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::nn::Linear lm_head{nullptr};  // llama with tie_embeddings false
 
  private:
-  void build_modules(const GPTDims& d);  // this rank's shapes (tensor parallel: its shards)
+  void build_modules(const GPTDims& d, bool deferred);  // this rank's shapes (tensor parallel: its shards)
   // Whether block `block` runs under activation checkpointing (dims.ac, in training with gradients).
   bool checkpointed(int64_t block) const;
   // ZeRO-3 (units_ set): block i's parameters whole before it runs and given back after; its
@@ -280,6 +289,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   GPTDims dims_;
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
+  c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules
 };
 TORCH_MODULE(GPT);
 

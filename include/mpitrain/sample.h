@@ -18,6 +18,9 @@ struct SampleArgs {
   int64_t top_k = 40;
   uint64_t seed = 1;
   std::string tokenizer_file;  // hf checkpoints: the tokenizer.json ("" = the one the shards were packed with)
+  // --stream: one block of the model in memory at a time, read from the checkpoint around its use
+  // in every forward pass (a model larger than memory; slow: the file is read once per token).
+  bool stream = false;
 };
 std::string run_sample(const SampleArgs& args);
 

@@ -57,7 +57,8 @@ class ParamShards : public UnitHooks {
   // `params`: the model's parameters (named_params order), whole and equal on every rank of the
   // GradSync's group, on its device or on the host; they become views of the units' buffers on the
   // GradSync's device, each rank keeping its shard, and every unit is released: a model built on
-  // the host reaches the device one unit at a time.
+  // the host reaches the device one unit at a time. A parameter without memory (GPT made
+  // `deferred`: fewer bytes of storage than elements) gives zeros until set_param().
   // `reshard_after_forward` (optim.reshard_after_forward) false: a block stays whole from its
   // forward to the end of its backward (one gather per micro-step instead of two); a forward
   // without gradients releases it either way. `wire`: the training step's gathers' dtype
@@ -82,6 +83,10 @@ class ParamShards : public UnitHooks {
   void release_all();
   // After the whole parameters were written (resume): this rank's shards taken from them.
   void keep_shards_of_whole();
+  // Parameter k's values (its shape, on any device): this rank's part of them into its shard; no
+  // communication, no unit made whole (GPT::initialize's and model.init_from's values, one
+  // parameter at a time).
+  void set_param(size_t k, const torch::Tensor& values);
 
   // Per unit (= GradSync bucket): this rank's part of its padded flat parameters.
   const std::vector<torch::Tensor>& param_shards() const { return shards_; }
@@ -113,6 +118,7 @@ class ParamShards : public UnitHooks {
   std::vector<bool> is_whole_;  // the buffer has memory (its gather may still be in flight)
   std::vector<bool> rounded_;   // its contents came through a 16-bit wire
   std::vector<Pending> pending_;  // per unit: a prefetch in flight
+  std::vector<int64_t> param_numel_;  // per parameter
   bool held_ = false;  // between gather_all() and release_all()
   bool reshard_after_forward_ = true;
   bool autocast_cache_was_ = true;  // autocast's weight cache, off while this object lives

@@ -28,17 +28,19 @@ void rename_durably(const std::string& from, const std::string& to, const std::s
   fsync_path(dir, /*directory=*/true);
 }
 
-void write_file_durably(const std::string& path, const std::string& bytes) {
+void write_file_durably(const std::string& path, const std::function<void(std::ostream&)>& write) {
   const std::string tmp = path + ".tmp";
-  {
+  try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (out) write(out);
     out.flush();
     if (!out) {
       const int err = errno;
-      std::remove(tmp.c_str());
       throw UsageError(concat("cannot write '", tmp, "': ", std::strerror(err)));
     }
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
   }
   const std::string dir = std::filesystem::path(path).parent_path().string();
   try {
@@ -48,6 +50,10 @@ void write_file_durably(const std::string& path, const std::string& bytes) {
     std::remove(tmp.c_str());
     throw UsageError(e.what());
   }
+}
+
+void write_file_durably(const std::string& path, const std::string& bytes) {
+  write_file_durably(path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
 }
 
 }  // namespace mpitrain

@@ -32,10 +32,14 @@ std::string run_export(const ExportArgs& args) {
                             ") that the export would replace or remove: give --overwrite to replace them, or "
                             "export into a new directory"));
   }
-  GPTDims dims = checkpoint_dims(args.checkpoint);  // checkpoints hold whole tensors whatever the layout
-  GPT model(dims);
+  // Checkpoints hold whole tensors whatever the layout. The model is made without values and the
+  // checkpoint streams through, one tensor in memory at a time: every tensor is read and verified
+  // once before anything is written (a damaged checkpoint writes nothing), then again into the files.
+  GPTDims dims = checkpoint_dims(args.checkpoint);
+  GPT model(dims, /*deferred=*/true);
   TrainState st;
-  load_checkpoint(args.checkpoint, model, static_cast<FullOptimState*>(nullptr), st);
+  CheckpointParams params(args.checkpoint, model, st);
+  for (size_t k = 0; k < params.size(); ++k) params.read(k);
   // The tokenizer files first: a bad --bpe-dir leaves nothing written.
   std::optional<BpeFiles> bpe;
   if (!args.bpe_dir.empty()) {
@@ -54,7 +58,8 @@ std::string run_export(const ExportArgs& args) {
   HfWriteOptions opts;
   opts.dtype = args.dtype;
   if (args.max_shard_mb > 0) opts.max_shard_bytes = static_cast<uint64_t>(args.max_shard_mb * 1e6);
-  const std::string files = write_hf_model(args.dir, model, st.eot_token, opts);
+  const std::string files =
+      write_hf_model(args.dir, model, st.eot_token, opts, [&](size_t k) { return params.read(k); });
   std::string replaced;
   if (!foreign.empty()) {
     for (const std::string& f : foreign) replaced += concat(replaced.empty() ? "" : ", ", f);

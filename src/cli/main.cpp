@@ -131,6 +131,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--temperature", sample.temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", sample.top_k, "0 = no top-k")->capture_default_str();
   sample_cmd->add_option("--seed", sample.seed)->capture_default_str();
+  sample_cmd->add_flag("--stream", sample.stream,
+                       "hold one block at a time, read from the checkpoint for every token (a model larger than memory; slow)");
   sample_cmd->add_option("--tokenizer-file", sample.tokenizer_file,
                          "hf checkpoints: the tokenizer.json (default: the one the shards were packed with)");
 

@@ -1,6 +1,9 @@
 // `mpitrain sample`: text from a checkpoint (see sample.h).
 #include <cstdio>
 #include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
@@ -11,11 +14,64 @@
 
 namespace mpitrain {
 
+namespace {
+
+// `sample --stream`: a model made without values (GPT deferred) takes them from the checkpoint
+// around their use: the layers outside the blocks once, each block before it runs, dropped after
+// it ran. At most one block and those layers are in memory; every forward pass reads every
+// block from the file again (the page cache permitting), each read verified.
+class StreamedBlocks : public UnitHooks {
+ public:
+  StreamedBlocks(GPT& model, CheckpointParams& file) : file_(file) {
+    blocks_.resize(static_cast<size_t>(model->dims().n_layer));
+    for (const auto& [name, p] : model->named_params()) {
+      const size_t k = params_.size();
+      params_.push_back(p);
+      if (name.rfind("h.", 0) == 0) blocks_.at(std::stoul(name.substr(2, name.find('.', 2) - 2))).push_back(k);
+      else outside_.push_back(k);
+    }
+  }
+  void need_outside_blocks() override {
+    if (outside_loaded_) return;
+    for (size_t k : outside_) load(k);
+    outside_loaded_ = true;
+  }
+  void need_block(int64_t block, bool /*backward*/) override {
+    for (size_t k : blocks_.at(static_cast<size_t>(block))) load(k);
+  }
+  void done_with_block(int64_t block) override {
+    torch::NoGradGuard no_grad;
+    for (size_t k : blocks_.at(static_cast<size_t>(block)))
+      params_[k].set_data(torch::zeros({1}, params_[k].options()).expand(params_[k].sizes()));
+  }
+
+ private:
+  void load(size_t k) {
+    torch::NoGradGuard no_grad;
+    params_[k].set_data(file_.read(k));
+  }
+  CheckpointParams& file_;
+  std::vector<torch::Tensor> params_;
+  std::vector<std::vector<size_t>> blocks_;
+  std::vector<size_t> outside_;
+  bool outside_loaded_ = false;
+};
+
+}  // namespace
+
 std::string run_sample(const SampleArgs& args) {
   GPTDims dims = checkpoint_dims(args.checkpoint);
-  GPT model(dims);
+  GPT model(dims, /*deferred=*/args.stream);
   TrainState st;
-  load_checkpoint(args.checkpoint, model, static_cast<FullOptimState*>(nullptr), st);
+  std::optional<CheckpointParams> file;
+  std::optional<StreamedBlocks> streamed;
+  if (args.stream) {
+    file.emplace(args.checkpoint, model, st);
+    streamed.emplace(model, *file);
+    model->set_unit_hooks(&*streamed);
+  } else {
+    load_checkpoint(args.checkpoint, model, static_cast<FullOptimState*>(nullptr), st);
+  }
   if (st.tokenizer == "hf") {  // the prompt and the text through the checkpoint's own tokenizer.json
     HfTokenizer tok = checkpoint_tokenizer(st, args.tokenizer_file, args.checkpoint);
     std::vector<int64_t> prompt{st.eot_token};

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -342,24 +343,34 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
 }
 
 // One safetensors file of `tensors` (HF name, bytes in the file's dtype), written durably.
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                       const char* type_name) {
+// One safetensors file of the named shapes in `type`, the header first, then each tensor as
+// `tensor(i)` gives it (that shape, in `type`, contiguous, on the host), one in memory at a time.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, std::vector<int64_t>>>& shapes,
+                       torch::ScalarType type, const char* type_name, const std::function<torch::Tensor(size_t)>& tensor) {
   json header = json::object();
   header["__metadata__"] = {{"format", "pt"}, {"producer", concat("mpitrain ", MPITRAIN_VERSION)}};
   uint64_t at = 0;
-  for (const auto& [name, t] : tensors) {
-    header[name] = {{"dtype", type_name}, {"shape", t.sizes().vec()}, {"data_offsets", {at, at + t.nbytes()}}};
-    at += t.nbytes();
+  std::vector<uint64_t> sizes;
+  for (const auto& [name, shape] : shapes) {
+    uint64_t bytes = c10::elementSize(type);
+    for (int64_t e : shape) bytes *= static_cast<uint64_t>(e);
+    header[name] = {{"dtype", type_name}, {"shape", shape}, {"data_offsets", {at, at + bytes}}};
+    at += bytes;
+    sizes.push_back(bytes);
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  std::string bytes;
-  bytes.reserve(8 + text.size() + at);
-  const uint64_t n = text.size();
-  bytes.append(reinterpret_cast<const char*>(&n), 8);
-  bytes += text;
-  for (const auto& [name, t] : tensors) bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  write_file_durably(path, bytes);
+  write_file_durably(path, [&](std::ostream& out) {
+    const uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text;
+    for (size_t i = 0; i < shapes.size() && out; ++i) {
+      const torch::Tensor t = tensor(i);
+      MPITRAIN_CHECK(t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu() && t.nbytes() == sizes[i],
+                     concat("write_safetensors: tensor ", shapes[i].first, " is not what the header says"));
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    }
+  });
 }
 
 }  // namespace
@@ -416,7 +427,8 @@ std::vector<std::string> foreign_model_files(const std::string& dir) {
   return foreign_weights || (!found.empty() && !ours) ? found : std::vector<std::string>{};
 }
 
-std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts) {
+std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts,
+                           const std::function<torch::Tensor(size_t)>& values) {
   const GPTDims& d = model->dims();
   MPITRAIN_CHECK(d.tp == 1, "write_hf_model needs a whole (tp = 1) model");
   const torch::ScalarType type = opts.dtype == "bf16" ? torch::kBFloat16 : opts.dtype == "fp16" ? torch::kFloat16 : torch::kFloat32;
@@ -432,12 +444,18 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
   auto exported = [&](const std::string& name, const torch::Tensor& p) {
     return vocab_rows(name) && d.vocab_live > 0 ? p.narrow(0, 0, d.vocab_live) : p;
   };
+  auto exported_shape = [&](const std::string& name, std::vector<int64_t> shape) {  // as the file holds it
+    if (vocab_rows(name) && d.vocab_live > 0) shape[0] = d.vocab_live;
+    if (hf_transposed(name, d)) std::reverse(shape.begin(), shape.end());
+    return shape;
+  };
   // Shards in parameter order, each at most max_shard_bytes (a larger tensor alone).
   const auto params = model->named_params();
   std::vector<std::vector<size_t>> shards(1);
   uint64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const uint64_t bytes = static_cast<uint64_t>(exported(params[i].first, params[i].second).numel()) * c10::elementSize(type);
+    uint64_t bytes = c10::elementSize(type);
+    for (int64_t e : exported_shape(params[i].first, params[i].second.sizes().vec())) bytes *= static_cast<uint64_t>(e);
     if (!shards.back().empty() && in_shard + bytes > opts.max_shard_bytes) shards.emplace_back(), in_shard = 0;
     shards.back().push_back(i);
     in_shard += bytes, total += bytes;
@@ -452,16 +470,19 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
   json weight_map = json::object();
   std::string written;
   torch::NoGradGuard no_grad;
-  for (size_t k = 0; k < n; ++k) {  // one shard's tensors in memory at a time
-    std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (size_t k = 0; k < n; ++k) {  // one tensor in memory at a time
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
     for (size_t i : shards[k]) {
       const auto& [name, p] = params[i];
-      torch::Tensor t = exported(name, p.detach()).to(torch::kCPU, type);
-      if (hf_transposed(name, d)) t = t.t();
-      tensors.emplace_back(hf_name(name, d), t.contiguous());
+      shapes.emplace_back(hf_name(name, d), exported_shape(name, p.sizes().vec()));
       weight_map[hf_name(name, d)] = shard_name(k);
     }
-    write_safetensors((fs::path(dir) / shard_name(k)).string(), tensors, type_name);
+    write_safetensors((fs::path(dir) / shard_name(k)).string(), shapes, type, type_name, [&](size_t j) {
+      const auto& [name, p] = params[shards[k][j]];
+      torch::Tensor t = exported(name, values ? values(shards[k][j]) : p.detach()).to(torch::kCPU, type);
+      if (hf_transposed(name, d)) t = t.t();
+      return t.contiguous();
+    });
     written += shard_name(k) + "\n";
   }
   // The other layout's files go: from_pretrained takes model.safetensors before an index.
@@ -482,16 +503,37 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
   return written;
 }
 
-int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key) {
+namespace {
+
+// Hugging Face safetensors files, every header and value checked, read one parameter at a time.
+class HfWeights : public InitialWeights {
+ public:
+  HfWeights(GPT model, std::string key) : InitialWeights(model, std::move(key)) {}
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, std::pair<SafetensorsFile*, const Entry*>> found;  // by HF name
+
+ private:
+  torch::Tensor read_values(size_t k) override {
+    const std::string& name = names_.at(k);
+    const auto& [file, e] = found.at(hf_name(name, model_->dims()));
+    return read_part(*file, *e, name, model_);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT& model, const std::string& key) {
   try {
+    auto weights = std::make_unique<HfWeights>(model, key);
     const GPTDims& d = model->dims();
     std::map<std::string, SafetensorsFile*> index;
-    const auto files = open_safetensors(path, index);
+    auto& files = weights->files;
+    files = open_safetensors(path, index);
     // HF name -> (file, entry); GPT-2's "transformer." is optional (GPT2Model's files lack it).
     const auto params = model->named_params();
     std::map<std::string, std::string> ours;  // HF name -> mpitrain name
     for (const auto& [name, p] : params) ours[hf_name(name, d)] = name;
-    std::map<std::string, std::pair<SafetensorsFile*, const Entry*>> found;
+    auto& found = weights->found;
     const Entry* lm_head = nullptr;
     SafetensorsFile* lm_head_file = nullptr;
     std::vector<std::string> unknown;
@@ -557,25 +599,48 @@ int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::stri
       const auto& [file, e] = found[hf_name(name, d)];
       read_part(*file, *e, name, model);
     }
-    torch::NoGradGuard no_grad;
-    for (const auto& [name, p] : params) {
-      const auto& [file, e] = found[hf_name(name, d)];
-      p.copy_(read_part(*file, *e, name, model));
-    }
-    return static_cast<int64_t>(params.size());
+    return weights;
   } catch (const UsageError& e) {
     throw UsageError(concat(key, ": ", e.what()));
   }
 }
 
-int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key) {
+int64_t load_hf_safetensors(const std::string& path, GPT& model, const std::string& key) {
+  return open_hf_safetensors(path, model, key)->copy_into(model);
+}
+
+InitialWeights::InitialWeights(GPT model, std::string key) : model_(std::move(model)), key_(std::move(key)) {
+  for (const auto& [name, p] : model_->named_params()) names_.push_back(name);
+}
+
+torch::Tensor InitialWeights::read(size_t k) {
+  try {
+    return read_values(k);
+  } catch (const UsageError& e) {
+    throw UsageError(concat(key_, ": ", e.what()));
+  }
+}
+
+int64_t InitialWeights::copy_into(GPT& model) {
+  torch::NoGradGuard no_grad;
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(params.size() == names_.size(), "initial weights: another model");
+  for (size_t k = 0; k < params.size(); ++k) params[k].second.copy_(read(k));
+  return static_cast<int64_t>(params.size());
+}
+
+std::unique_ptr<InitialWeights> open_initial_weights(const std::string& path, GPT& model, const std::string& key) {
   std::error_code ec;
-  if (path.rfind("hf:", 0) == 0) return load_hf_safetensors(path.substr(3), model, key);
-  if (ends_with(path, ".safetensors")) return load_hf_safetensors(path, model, key);
+  if (path.rfind("hf:", 0) == 0) return open_hf_safetensors(path.substr(3), model, key);
+  if (ends_with(path, ".safetensors")) return open_hf_safetensors(path, model, key);
   if (fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "model.safetensors", ec) ||
                                      fs::exists(fs::path(path) / "model.safetensors.index.json", ec)))
-    return load_hf_safetensors(path, model, key);
-  return load_npy_weights(path, model, key);
+    return open_hf_safetensors(path, model, key);
+  return open_npy_weights(path, model, key);
+}
+
+int64_t load_initial_weights(const std::string& path, GPT& model, const std::string& key) {
+  return open_initial_weights(path, model, key)->copy_into(model);
 }
 
 // ---- initial weights from .npy files (model.init_from) -----------------------------------------
@@ -631,9 +696,29 @@ torch::Tensor read_npy_weight(const NpyWeight& w, const std::vector<int64_t>& sh
 
 }  // namespace
 
-int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key) {
+namespace {
+
+// A directory of .npy files, every header checked, read one parameter at a time (the values are
+// checked as they are read).
+class NpyWeights : public InitialWeights {
+ public:
+  NpyWeights(GPT model, std::string key) : InitialWeights(model, std::move(key)) {}
+  std::vector<NpyWeight> files;
+  std::vector<std::vector<int64_t>> shapes;  // the whole parameters'
+
+ private:
+  torch::Tensor read_values(size_t k) override {
+    const GPTDims& d = model_->dims();
+    return tp_shard(read_npy_weight(files.at(k), shapes.at(k)), model_->tp_split(names_.at(k)), d.tp_rank, d.tp);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<InitialWeights> open_npy_weights(const std::string& dir, GPT& model, const std::string& key) {
   namespace fs = std::filesystem;
   try {
+    auto weights = std::make_unique<NpyWeights>(model, key);
     std::error_code ec;
     if (!fs::is_directory(dir, ec))
       throw UsageError(fs::exists(dir, ec) ? concat("'", dir, "' is not a directory")
@@ -670,21 +755,19 @@ int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& 
     // Every header and size checked before any weight changes; the files hold whole parameters,
     // of which a tensor-parallel rank keeps its shard.
     const GPTDims& d = model->dims();
-    std::vector<NpyWeight> files;
-    std::vector<std::vector<int64_t>> shapes;
     for (const auto& [name, p] : params) {
-      shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), d.tp));
-      files.push_back(check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, shapes.back(), d));
+      weights->shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), d.tp));
+      weights->files.push_back(
+          check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, weights->shapes.back(), d));
     }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      torch::Tensor p = params[i].second;
-      p.copy_(tp_shard(read_npy_weight(files[i], shapes[i]), model->tp_split(params[i].first), d.tp_rank, d.tp));
-    }
-    return static_cast<int64_t>(params.size());
+    return weights;
   } catch (const UsageError& e) {
     throw UsageError(concat(key, ": ", e.what()));
   }
+}
+
+int64_t load_npy_weights(const std::string& dir, GPT& model, const std::string& key) {
+  return open_npy_weights(dir, model, key)->copy_into(model);
 }
 
 }  // namespace mpitrain

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <optional>
 #include <tuple>
 
@@ -439,7 +440,45 @@ GPTDims complete(GPTDims d) {
 }
 }  // namespace
 
-GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
+namespace {
+// A parameter's shape without its memory (GPT's deferred initialisation): one element, expanded.
+void drop_values(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.set_data(torch::zeros({1}, p.options()).expand(p.sizes()));
+}
+
+// GPT-2 initialisation of one whole parameter, drawn from `gen` (none: the default generator).
+// The residual projections (attn.c_proj, mlp.c_proj) add into the residual stream once per
+// layer each, so their std shrinks with depth to keep it bounded.
+void draw_initial(const std::string& name, torch::Tensor p, const GPTDims& d,
+                  const c10::optional<at::Generator>& gen) {
+  const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(d.n_layer));
+  const bool is_weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+  const bool is_norm = name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos;
+  if (is_norm) {
+    is_weight ? p.fill_(1.0) : p.zero_();
+  } else if (name == "wte.weight" || name == "lm_head.weight") {
+    // The tokens' rows are drawn as an unpadded model's (the same generator draws: padding
+    // changes no other initial value); padding rows are zero.
+    p.zero_();
+    p.narrow(0, 0, d.classes()).normal_(0.0, 0.02, gen);
+  } else if (is_weight) {
+    const bool residual = name.find("c_proj.weight") != std::string::npos;
+    p.normal_(0.0, residual ? proj_std : 0.02, gen);
+  } else {
+    p.zero_();
+  }
+}
+
+// The default CPU generator's state now, as a generator of its own.
+at::Generator snapshot_of_default_generator() {
+  at::Generator g = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.clone();
+}
+}  // namespace
+
+GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
   // A window that never cuts (every sequence is at most seq_len): the causal attention below is it.
@@ -452,41 +491,44 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
     // The dense model's initial values from the same generator state, then this rank's shards.
     GPTDims whole = d;
     whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
-    GPT dense(whole);
-    build_modules(d);
+    GPT dense(whole, deferred);
+    build_modules(d, deferred);
     collect_tp_splits();
-    torch::NoGradGuard no_grad;
     const auto mine = named_params(), all = dense->named_params();  // the same modules, in the same order
     MPITRAIN_CHECK(mine.size() == all.size(), "tensor parallel: the dense model has other parameters");
-    for (size_t k = 0; k < all.size(); ++k) {
+    for (size_t k = 0; k < all.size(); ++k)
       MPITRAIN_CHECK(mine[k].first == all[k].first, "tensor parallel: the dense model has other parameters");
-      mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
+    if (deferred) {  // the dense model's draws, made by initialize() one parameter at a time
+      init_generator_ = dense->init_generator_;
+      return;
     }
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < all.size(); ++k)
+      mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
     return;
   }
-  build_modules(d);
+  build_modules(d, deferred);
   collect_tp_splits();
-
-  // GPT-2 initialisation. The residual projections (attn.c_proj, mlp.c_proj) add into the
-  // residual stream once per layer each, so their std shrinks with depth to keep it bounded.
+  if (deferred) {
+    init_generator_ = snapshot_of_default_generator();
+    return;
+  }
   torch::NoGradGuard no_grad;
-  const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(d.n_layer));
-  for (auto& [name, p] : named_params()) {
-    const bool is_weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
-    const bool is_norm = name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos;
-    if (is_norm) {
-      is_weight ? p.fill_(1.0) : p.zero_();
-    } else if (name == "wte.weight" || name == "lm_head.weight") {
-      // The tokens' rows are drawn as an unpadded model's (the same generator draws: padding
-      // changes no other initial value); padding rows are zero.
-      p.zero_();
-      p.narrow(0, 0, d.classes()).normal_(0.0, 0.02);
-    } else if (is_weight) {
-      const bool residual = name.find("c_proj.weight") != std::string::npos;
-      p.normal_(0.0, residual ? proj_std : 0.02);
-    } else {
-      p.zero_();
-    }
+  for (auto& [name, p] : named_params()) draw_initial(name, p, d, c10::nullopt);
+}
+
+void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
+  MPITRAIN_CHECK(init_generator_.has_value(), "GPT::initialize: the model was not made deferred");
+  torch::NoGradGuard no_grad;
+  const GPTDims& d = dims_;
+  at::Generator gen = init_generator_->clone();  // initialize() draws the same values each time
+  const auto params = named_params();
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& [name, p] = params[k];
+    const TpSplit split = tp_split(name);
+    torch::Tensor whole = torch::empty(tp_whole_shape(p.sizes(), split, d.tp), p.options().requires_grad(false));
+    draw_initial(name, whole, d, gen);
+    take(k, d.tp > 1 ? tp_shard(whole, split, d.tp_rank, d.tp) : whole);
   }
 }
 
@@ -496,21 +538,31 @@ GPTImpl::GPTImpl(const GPTDims& given) : dims_(complete(given)) {
 // rows only and the zero padding rows appended after, so that making the modules draws what an
 // unpadded model's draws (libtorch's modules initialise themselves when made) and the
 // initialisation below then draws the same values too.
-void GPTImpl::build_modules(const GPTDims& d) {
+// `deferred`: each module's values are dropped as soon as it is made (its draws are made all the
+// same), so that no more than one block and the embedding exist at once.
+void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   const int64_t rows = d.vocab_size / d.tp, made = d.tp > 1 ? rows : d.classes();
+  auto pad_rows = [&](torch::Tensor& w) {
+    torch::NoGradGuard no_grad;
+    if (made < rows) w.set_data(torch::cat({w, torch::zeros({rows - made, d.n_embd}, w.options())}));
+  };
   wte = register_module("wte", torch::nn::Embedding(made, d.n_embd));
+  pad_rows(wte->weight);
+  if (deferred) drop_values(*wte);
   if (!d.llama()) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < d.n_layer; ++i) h->push_back(Block(d, rotary));
-  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
-  if (d.llama() && !d.tie_embeddings) lm_head = register_module("lm_head", linear(d.n_embd, made, false));
-  for (const char* m : {"wte", "lm_head"}) tp_declare(m, TpSplit::rows);  // the vocabulary's rows
-  if (made < rows) {
-    torch::NoGradGuard no_grad;
-    for (torch::Tensor* w : {&wte->weight, lm_head ? &lm_head->weight : nullptr})
-      if (w) w->set_data(torch::cat({*w, torch::zeros({rows - made, d.n_embd}, w->options())}));
+  for (int64_t i = 0; i < d.n_layer; ++i) {
+    h->push_back(Block(d, rotary));
+    if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
+  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
+  if (d.llama() && !d.tie_embeddings) {
+    lm_head = register_module("lm_head", linear(d.n_embd, made, false));
+    pad_rows(lm_head->weight);
+  }
+  for (const char* m : {"wte", "lm_head"}) tp_declare(m, TpSplit::rows);  // the vocabulary's rows
+  if (deferred) drop_values(*this);
 }
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {

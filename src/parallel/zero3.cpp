@@ -64,6 +64,7 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
   is_whole_.assign(n, true);
   rounded_.assign(n, false);
   pending_.resize(n);
+  for (const auto& p : params) param_numel_.push_back(p.numel());
   for (size_t u = 0; u < n; ++u) {
     const auto& ks = sync.bucket_params(u);
     const torch::Tensor& first = params.at(ks.front());
@@ -74,7 +75,8 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
     for (size_t k : ks) {
       torch::Tensor& p = params.at(k);
       torch::Tensor slot = whole_[u].narrow(0, sync.flat_offset(k), p.numel());
-      slot.copy_(p.detach().reshape({-1}));
+      const bool has_values = p.storage().nbytes() >= static_cast<size_t>(p.numel()) * p.element_size();
+      if (has_values) slot.copy_(p.detach().reshape({-1}));
       p.set_data(slot.view(p.sizes()));
     }
     shards_[u] = whole_[u].narrow(0, comm.rank() * part, part).clone();
@@ -185,6 +187,17 @@ void ParamShards::keep_shards_of_whole() {
     const int64_t part = shards_[u].numel();
     shards_[u].copy_(whole_[u].narrow(0, rank * part, part));
   }
+}
+
+void ParamShards::set_param(size_t k, const torch::Tensor& values) {
+  torch::NoGradGuard no_grad;
+  const size_t u = sync_.bucket_of(k);
+  const int64_t part = shards_.at(u).numel(), mine = sync_.communicator().rank() * part;
+  const int64_t offset = sync_.flat_offset(k), n = values.numel();
+  MPITRAIN_CHECK(n == param_numel_.at(k), "ZeRO-3: set_param's values have another size");
+  const int64_t first = std::max(offset, mine), last = std::min(offset + n, mine + part);  // [first, last) is mine
+  if (first >= last) return;
+  shards_[u].narrow(0, first - mine, last - first).copy_(values.reshape({-1}).narrow(0, first - offset, last - first));
 }
 
 size_t ParamShards::units_whole() const {

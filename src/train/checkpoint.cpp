@@ -654,9 +654,11 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
   opt->set_steps_taken(full.steps_taken);
 }
 
-void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st) {
-  h5::File f = open_checkpoint(path);
-  const hid_t root = f.get();
+namespace {
+
+// What load_checkpoint reads and checks before any tensor: the architecture against the model's,
+// the training state's scalars, and (with_optim) AdamW's step count, returned.
+int64_t read_checkpoint_header(hid_t root, const std::string& path, GPT& model, bool with_optim, TrainState& st) {
   // The architecture first: equal tensor shapes are not enough (n_head changes the attention but
   // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
   {
@@ -705,7 +707,7 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   if (h5::has_attr(root, "eot_token"))  // a token of the model's vocabulary, or -1 (none)
     st.eot_token = require_int_in(root, path, "eot_token", "eot_token", -1, model->dims().vocab_size - 1);
   int64_t steps_taken = 0;
-  if (opt) {
+  if (with_optim) {
     if (!h5::exists(root, "optim")) throw UsageError(concat(path, ": missing group 'optim'"));
     auto g = open_group(root, path, "optim");
     steps_taken = require_int_in(g.get(), path, "steps_taken", "optim/steps_taken", 0);
@@ -722,14 +724,35 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
     st.loss_scale_good_steps = require_int_in(train.get(), path, "loss_scale_good_steps",
                                               "train/loss_scale_good_steps", 0);
   }
+  return steps_taken;
+}
 
-  // Every dataset is found and checked before any bytes are read.
+uint64_t file_size_of(const std::string& path) {
   struct stat file_stat {};
   if (::stat(path.c_str(), &file_stat) != 0) throw UsageError(concat(path, ": cannot stat: ", std::strerror(errno)));
-  const auto file_size = static_cast<uint64_t>(file_stat.st_size);
+  return static_cast<uint64_t>(file_stat.st_size);
+}
+
+// Every parameter's dataset of the checkpoint, found and its shape checked (nothing read).
+std::vector<TensorRead> plan_param_reads(hid_t root, const std::string& path, GPT& model) {
+  const uint64_t file_size = file_size_of(path);
   std::vector<TensorRead> reads;
   for (auto& [name, p] : model->named_params()) reads.push_back(plan_read(root, path, "model/" + name, p, file_size));
+  return reads;
+}
+
+}  // namespace
+
+void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st) {
+  h5::File f = open_checkpoint(path);
+  const hid_t root = f.get();
+  const int64_t steps_taken = read_checkpoint_header(root, path, model, opt != nullptr, st);
+  auto train = open_group(root, path, "train");
+
+  // Every dataset is found and checked before any bytes are read.
+  std::vector<TensorRead> reads = plan_param_reads(root, path, model);
   if (opt) {
+    const uint64_t file_size = file_size_of(path);
     for (auto& m : opt->moments) {
       reads.push_back(plan_read(root, path, "optim/" + m.name + "/exp_avg", m.exp_avg, file_size));
       reads.push_back(plan_read(root, path, "optim/" + m.name + "/exp_avg_sq", m.exp_avg_sq, file_size));
@@ -757,6 +780,25 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
     for (hsize_t r = 0; r < dims[0]; ++r)
       st.rng_states.emplace_back(flat.begin() + r * dims[1], flat.begin() + (r + 1) * dims[1]);
   }
+}
+
+CheckpointParams::CheckpointParams(const std::string& path, GPT& model, TrainState& st) : path_(path) {
+  h5::File f = open_checkpoint(path);
+  read_checkpoint_header(f.get(), path, model, /*with_optim=*/false, st);
+  plan_param_reads(f.get(), path, model);  // every parameter's dataset there, of its shape
+  for (const auto& [name, p] : model->named_params()) {
+    names_.push_back(name);
+    shapes_.push_back(p.sizes().vec());
+  }
+}
+
+torch::Tensor CheckpointParams::read(size_t k) {
+  h5::File f = open_checkpoint(path_);
+  torch::Tensor into = torch::empty(shapes_.at(k), torch::kFloat32);
+  std::vector<TensorRead> reads;
+  reads.push_back(plan_read(f.get(), path_, "model/" + names_.at(k), into, file_size_of(path_)));
+  read_tensors(path_, reads);  // its checksum and values verified
+  return into;
 }
 
 }  // namespace mpitrain

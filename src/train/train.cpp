@@ -188,6 +188,8 @@ class Run {
   void build_optimizer();
   void describe();
   void warn_if_state_does_not_fit() const;
+  void initial_shards();
+  void log_initial_weights(int64_t tensors) const;
   void resume_or_start();
   void open_outputs();
 
@@ -202,7 +204,8 @@ class Run {
   bool checkpoint_if_due();  // false: stop here (a signal, --stop-after)
 
   TrainResult finish();
-  void report_cpu_peaks() const;
+  void report_cpu_peaks(const char* what, int64_t mine) const;
+  int64_t startup_cpu_peak_ = 0;
 
  private:
   int64_t step_number() const { return st_.step + 1; }  // the step under way, 1-based
@@ -263,9 +266,11 @@ void Run::build_model() {
   // end (finish), as a GPU run reports its caching allocator's.
   if (!device_.is_cuda()) count_cpu_allocations();
   torch::manual_seed(cfg_.train.seed);
-  model_ = GPT(dims_);  // tensor parallel: this rank's shards of the model drawn from the same seed
-  // ZeRO-3: the model stays on the host until ParamShards (build_optimizer) moves it to the device
-  // one unit at a time, each rank keeping its shards: no device ever holds the whole model.
+  // Tensor parallel: this rank's shards of the model drawn from the same seed. ZeRO-3: the model
+  // is made without its values (deferred; one block at a time exists while it is made), which
+  // initial_shards() gives each rank's shards of once ParamShards exists (build_optimizer): no
+  // rank, host or device, ever holds the whole model.
+  model_ = GPT(dims_, /*deferred=*/zero3_);
   if (!zero3_) model_->to(device_);
   writers_ = choose_checkpoint_writers(cfg_, s_, zero_, tensor_parallel_);
   // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
@@ -277,19 +282,16 @@ void Run::build_model() {
   }
   if (!cfg_.model.init_from.empty() && s_.has_resume) {
     log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg_.model.init_from, ") is not read"));
-  } else if (!cfg_.model.init_from.empty()) {
+  } else if (!cfg_.model.init_from.empty() && !zero3_) {
     // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
     // their shards of the files, each only what it holds; the dp broadcast below does the rest.
     int64_t n = 0;
     agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
       if (s_.mesh->dp_rank() == 0) n = load_initial_weights(cfg_.model.init_from, model_);
     }); });
-    log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", n, " tensors",
-                     tensor_parallel_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards")
-                                      : std::string(),
-                     ")"));
+    log_initial_weights(n);
   }
-  {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
+  if (!zero3_) {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
     torch::NoGradGuard no_grad;
     for (auto& [name, p] : model_->named_params()) s_.mesh->dp().broadcast(p, 0);
   }
@@ -338,6 +340,7 @@ void Run::build_optimizer() {
     units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
                    dtype_of(cfg_.comm.param_dtype));
     model_->set_unit_hooks(&*units_);
+    if (!s_.has_resume) initial_shards();  // (a resumed run's shards come from its checkpoint)
   }
   if (zero_) {
     opt_.emplace(model_->named_params(), *grad_sync_, cfg_.optim, fused_adamw,
@@ -362,6 +365,42 @@ void Run::build_optimizer() {
   }
   scaler_ = LossScaler(precision_ == Precision::fp16);
   if (topo_.rank == 0 && device_.is_cuda()) warn_if_state_does_not_fit();
+}
+
+// ZeRO-3: each rank's shards of the initial weights, one parameter whole at a time. Drawn: every
+// rank draws each parameter as a model made whole would (GPT::initialize) and keeps its part, with
+// no communication. model.init_from: the first data-parallel replica's ranks (rank 0's tp group,
+// on rank 0's host, as without ZeRO-3) read one tensor at a time, each its tp shard, and broadcast
+// it over their dp group, each rank keeping its part; a read error found on the way ends every
+// rank, naming the file.
+void Run::initial_shards() {
+  if (cfg_.model.init_from.empty()) {
+    model_->initialize([&](size_t k, const torch::Tensor& v) { units_->set_param(k, v); });
+    return;
+  }
+  std::unique_ptr<InitialWeights> files;
+  agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+    if (s_.mesh->dp_rank() == 0) files = open_initial_weights(cfg_.model.init_from, model_);
+  }); });
+  const auto params = model_->named_params();
+  for (size_t k = 0; k < params.size(); ++k) {
+    torch::Tensor v;
+    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+      if (files) v = files->read(k).to(device_);
+    }); });
+    if (!v.defined()) v = torch::empty(params[k].second.sizes(), torch::dtype(torch::kFloat32).device(device_));
+    s_.mesh->dp().broadcast(v, 0);
+    units_->set_param(k, v);
+  }
+  log_initial_weights(static_cast<int64_t>(params.size()));
+}
+
+void Run::log_initial_weights(int64_t tensors) const {
+  log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", tensors, " tensors",
+                   tensor_parallel_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards")
+                                    : std::string(),
+                   zero3_ ? "; one tensor at a time, broadcast over the dp group, each rank keeping its shard" : "",
+                   ")"));
 }
 
 // On a GPU: the model state this layout keeps per rank (memory_plan.h's count, activations not
@@ -509,7 +548,10 @@ void Run::open_outputs() {
   profiler_.emplace(topo_.rank == 0 ? cfg_.log.profile_start : 0, cfg_.log.profile_steps,
                     cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
   model_->train();
-  if (cpu_allocations_counted()) reset_cpu_peak();  // the steps' peak, not start-up's transients
+  if (cpu_allocations_counted()) {  // the steps' peak apart from start-up's (model, optimizer, resume)
+    startup_cpu_peak_ = cpu_peak_allocated_bytes();
+    reset_cpu_peak();
+  }
   if (s_.val_data && cfg_.eval.every > 0 && st_.step == 0) run_eval(0);  // the untrained baseline
 }
 
@@ -758,7 +800,10 @@ TrainResult Run::finish() {
   if (device_.is_cuda() && topo_.rank == 0)
     log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
                      static_cast<double>(cuda_peak_allocated_bytes(device_.index())) / (1 << 30), " GiB"));
-  if (!device_.is_cuda() && cpu_allocations_counted()) report_cpu_peaks();
+  if (!device_.is_cuda() && cpu_allocations_counted()) {
+    report_cpu_peaks("peak CPU memory at start-up", startup_cpu_peak_);
+    report_cpu_peaks("peak CPU memory", cpu_peak_allocated_bytes());
+  }
   const bool wants_sample = topo_.rank == 0 && cfg_.sample.tokens > 0;
   if (tensor_parallel_ && wants_sample)
     log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result_.last_checkpoint,
@@ -791,10 +836,10 @@ TrainResult Run::finish() {
 
 // ---- the run -----------------------------------------------------------------------------------
 
-// The peak bytes of CPU tensors each rank held during the steps (their evaluations and
-// checkpoints included), gathered to rank 0: every rank's up to 16 ranks, else the extremes.
-void Run::report_cpu_peaks() const {
-  const int64_t mine = cpu_peak_allocated_bytes();
+// The peak bytes of CPU tensors each rank held (at start-up: making the model and the optimizer,
+// resuming; else during the steps, their evaluations and checkpoints included), gathered to rank
+// 0: every rank's up to 16 ranks, else the extremes.
+void Run::report_cpu_peaks(const char* what, int64_t mine) const {
   std::vector<int64_t> peaks(static_cast<size_t>(topo_.rank == 0 ? topo_.size : 1));
   MPI_CHECK(MPI_Gather(&mine, 1, MPI_INT64_T, peaks.data(), 1, MPI_INT64_T, 0, mpi_comm_));
   if (topo_.rank != 0) return;
@@ -807,7 +852,7 @@ void Run::report_cpu_peaks() const {
     list = concat("rank 0 ", mib(peaks[0]), ", smallest ", mib(*lo), " (rank ", lo - peaks.begin(), "), largest ",
                   mib(*hi), " (rank ", hi - peaks.begin(), ")");
   }
-  log::info(concat("peak CPU memory (allocated by libtorch, MiB): ", list));
+  log::info(concat(what, " (allocated by libtorch, MiB): ", list));
 }
 
 TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
