@@ -17,9 +17,14 @@
 #   RSS           each process's peak resident size (GNU time): libtorch's tensors plus the
 #                 process (libtorch's code, MPI's buffers, HDF5, glibc's retained free blocks)
 #   ms/step       the median step after the first, and its ratio to zero 0 without checkpointing
+#   resume        with RESUME=1: the run writes a checkpoint at its end, and a second run resumes
+#                 it for one more step; its start-up peak, rank 0 (which reads the file) and the
+#                 largest of the others (the checkpoint at the first run's end then counts in its
+#                 steps' peak)
 #
 # Environment: RANKS (4), STEPS (3), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (12/768/12/256/2),
-# ZEROS ("0 1 2 3"; the first row is the time baseline), ACS ("none selective full"), MPIRUN (mpirun).
+# ZEROS ("0 1 2 3"; the first row is the time baseline), ACS ("none selective full"), RESUME (0),
+# MPIRUN (mpirun).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-$REPO/build/mpitrain}")
@@ -35,15 +40,15 @@ cd "$WORK"
 word_corpus "$((NP * (STEPS + 2) * B * (T + 1) + 4096))" corpus.txt
 "$BIN" pack corpus.txt -o data/t --val-fraction 0 > pack.log 2>&1 || { cat pack.log; exit 1; }
 
-config() {  # ZERO AC OUT
+config() {  # ZERO AC OUT [STEPS RESUME AT_END]
   cat <<YAML
 model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T, dropout: 0.0}
 data: {train: [$WORK/data/t-train-*.h5]}
-train: {micro_batch: $B, steps: $STEPS, threads: 1, out_dir: $3, activation_checkpointing: $2}
+train: {micro_batch: $B, steps: ${4:-$STEPS}, threads: 1, out_dir: $3, activation_checkpointing: $2}
 optim: {zero: $1, warmup_steps: 1}
 eval: {every: 0}
 log: {every: 1}
-checkpoint: {dir: $3/ckpt, every: 0, resume: none, at_end: false}
+checkpoint: {dir: $3/ckpt, every: 0, resume: ${5:-none}, at_end: ${6:-false}}
 sample: {tokens: 0}
 YAML
 }
@@ -51,39 +56,48 @@ YAML
 config 0 none "$WORK/plan" > plan.yaml
 "$MPIRUN" -np "$NP" "$BIN" plan plan.yaml --memory-only > plan.log 2>&1 || { cat plan.log; exit 1; }
 
-run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms startup"
+startup_peaks() {  # LOG -> the start-up peaks line's MiB, one per rank
+  sed -n 's/.*peak CPU memory at start-up (allocated by libtorch, MiB): //p' "$1" | tr ',' '\n' | awk '{ print $3 }'
+}
+
+run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms startup resume0 resume_others"
   local zero=$1 ac=$2 out=$WORK/run-$1-$2
-  config "$zero" "$ac" "$out" > cfg.yaml
+  if [ "${RESUME:-0}" = 1 ]; then config "$zero" "$ac" "$out" "$STEPS" none true; else config "$zero" "$ac" "$out"; fi > cfg.yaml
   "$MPIRUN" -np "$NP" bash -c 'exec /usr/bin/time -o "$0.rss.$OMPI_COMM_WORLD_RANK" -f %M "$@"' "$out" "$BIN" cfg.yaml \
     > "$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
   local planned peaks ms
   planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); print $9; exit }' plan.log)
   peaks=$(sed -n 's/.*peak CPU memory (allocated by libtorch, MiB): //p' "$out.log" | tr ',' '\n' | awk '{ print $3 }')
   [ -n "$peaks" ] || { echo "no peak line in $out.log" >&2; exit 1; }
-  local startup
-  startup=$(sed -n 's/.*peak CPU memory at start-up (allocated by libtorch, MiB): //p' "$out.log" | tr ',' '\n' |
-            awk '{ print $3 }' | sort -g | tail -n 1)
+  local startup resumed="nan nan"
+  startup=$(startup_peaks "$out.log" | sort -g | tail -n 1)
   [ -n "$startup" ] || { echo "no start-up peak line in $out.log" >&2; exit 1; }
+  if [ "${RESUME:-0}" = 1 ]; then
+    config "$zero" "$ac" "$out" "$((STEPS + 1))" auto false > cfg-resume.yaml
+    "$MPIRUN" -np "$NP" "$BIN" cfg-resume.yaml > "$out.resume.log" 2>&1 || { cat "$out.resume.log" >&2; exit 1; }
+    grep -q "resumed from" "$out.resume.log" || { echo "the second run did not resume: $out.resume.log" >&2; exit 1; }
+    resumed="$(startup_peaks "$out.resume.log" | head -n 1) $(startup_peaks "$out.resume.log" | tail -n +2 | sort -g | tail -n 1)"
+  fi
   ms=$(grep '"ms_per_step"' "$out/metrics.jsonl" | tail -n +2 | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | median)
   local lib0 libo rss0 rsso
   lib0=$(echo "$peaks" | head -n 1)
   libo=$(echo "$peaks" | tail -n +2 | sort -g | tail -n 1)
   rss0=$(awk '{ printf "%.0f", $1 / 1024 }' "$out.rss.0")
   rsso=$(for f in "$out".rss.*; do [[ $f == "$out.rss.0" ]] || cat "$f"; done | sort -n | tail -n 1 | awk '{ printf "%.0f", $1 / 1024 }')
-  echo "$planned $lib0 ${libo:-nan} $rss0 ${rsso:-nan} $ms $startup"
+  echo "$planned $lib0 ${libo:-nan} $rss0 ${rsso:-nan} $ms $startup $resumed"
 }
 
 params=$(grep -o 'memory per rank (MiB; [0-9]* parameters' plan.log | grep -o '[0-9]* parameters')
 echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $params, dp $NP, fp32, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
-echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | start-up (max) | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
-echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | start-up (max) | resume rank 0 | resume others (max) | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
+echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 base_ms=""
 for zero in ${ZEROS:-0 1 2 3}; do
   for ac in ${ACS:-none selective full}; do
     r=$(run "$zero" "$ac")  # (a failed run ends the script: set -e stops at a failed assignment)
-    read -r p l0 lo r0 ro ms su <<< "$r"
+    read -r p l0 lo r0 ro ms su rs0 rso <<< "$r"
     [ -n "$base_ms" ] || base_ms=$ms
     big=$(awk -v a="$l0" -v b="$lo" 'BEGIN { print (b != "nan" && b > a) ? b : a }')
-    echo "| $zero | $ac | $(num "$p") | $(num "$l0") | $(num "$lo") | $(ratio "$big" "$p") | $(num "$su") | $r0 | $ro | $(num "$ms") | $(ratio "$ms" "$base_ms") |"
+    echo "| $zero | $ac | $(num "$p") | $(num "$l0") | $(num "$lo") | $(ratio "$big" "$p") | $(num "$su") | $(num "$rs0") | $(num "$rso") | $r0 | $ro | $(num "$ms") | $(ratio "$ms" "$base_ms") |"
   done
 done

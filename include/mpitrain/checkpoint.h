@@ -217,22 +217,28 @@ void load_checkpoint(const std::string& path, GPT& model, AdamW* opt, TrainState
 // The same into `opt`'s tensors (allocated in whole-parameter shapes, named as the parameters).
 void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st);
 
-// A checkpoint's parameters one at a time (`export`, `sample --stream`): what load_checkpoint reads
-// and checks before any tensor (the architecture against `model`'s, which may be made deferred and
-// hold no values; the training state into `st`; every parameter's dataset and shape) is done by
-// the constructor, and read(k) reads named_params()[k]'s whole tensor (fp32, host), its checksum
-// and values verified, UsageError naming the file and dataset otherwise.
+// A checkpoint's tensors one at a time (`export`, `sample --stream`, a ZeRO-3 resume): what
+// load_checkpoint reads and checks before any tensor (the architecture against `model`'s, which
+// may be made deferred and hold no values; the training state into `st`; every parameter's
+// dataset and shape, and with_optim AdamW's moments' too and the ranks' RNG states) is done by
+// the constructor. read(k, part) reads named_params()[k]'s whole tensor or one of its moments
+// (fp32, host), its checksum and values verified: UsageError naming the file and dataset otherwise.
 class CheckpointParams {
  public:
-  CheckpointParams(const std::string& path, GPT& model, TrainState& st);
-  torch::Tensor read(size_t k);
+  enum class Part { param, exp_avg, exp_avg_sq };
+  CheckpointParams(const std::string& path, GPT& model, TrainState& st, bool with_optim = false);
+  torch::Tensor read(size_t k, Part part = Part::param);
+  void verify_all();  // every tensor read once (and dropped): what a later read() can still fail on
   size_t size() const { return names_.size(); }
   const std::string& name(size_t k) const { return names_.at(k); }
+  int64_t steps_taken() const { return steps_taken_; }  // with_optim: AdamW's step count
 
  private:
   std::string path_;
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;
+  bool with_optim_ = false;
+  int64_t steps_taken_ = 0;
 };
 
 }  // namespace mpitrain

@@ -741,6 +741,29 @@ std::vector<TensorRead> plan_param_reads(hid_t root, const std::string& path, GP
   return reads;
 }
 
+// The ranks' RNG states (train/rng_states), when the file has them, into st.rng_states.
+void read_rng_states(hid_t train, const std::string& path, TrainState& st) {
+  st.rng_states.clear();
+  if (h5::exists(train, "rng_states")) {
+    h5::Dataset ds = open_dataset(train, path, "rng_states");
+    auto dims = h5::shape(ds.get());
+    if (dims.size() != 2) throw UsageError(concat(path, ": dataset 'train/rng_states' must be 2-D"));
+    // Allocate only what the file really stores (found by fuzz_checkpoint: a declared shape of
+    // 65536 x 65536 that was never written asked for 4 GiB before the checksum could refuse it).
+    if (dims[0] > static_cast<hsize_t>(std::max<int64_t>(st.world_size, 1)) || dims[1] > (1u << 20) ||
+        H5Dget_storage_size(ds.get()) != dims[0] * dims[1])
+      throw UsageError(concat(path, ": dataset 'train/rng_states' has shape [", dims[0], ", ", dims[1],
+                              "] that does not match world_size ", st.world_size, " or its stored size"));
+    std::vector<uint8_t> flat(dims[0] * dims[1]);
+    h5::read(ds.get(), H5T_NATIVE_UINT8, flat.data());
+    auto crc = h5::get_attr_int(ds.get(), "crc32");
+    if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(flat.data(), flat.size()))
+      throw UsageError(concat(path, ": checksum mismatch in dataset 'train/rng_states'"));
+    for (hsize_t r = 0; r < dims[0]; ++r)
+      st.rng_states.emplace_back(flat.begin() + r * dims[1], flat.begin() + (r + 1) * dims[1]);
+  }
+}
+
 }  // namespace
 
 void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, TrainState& st) {
@@ -761,44 +784,45 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
   read_tensors(path, reads);
   if (opt) opt->steps_taken = steps_taken;
 
-  st.rng_states.clear();
-  if (h5::exists(train.get(), "rng_states")) {
-    h5::Dataset ds = open_dataset(train.get(), path, "rng_states");
-    auto dims = h5::shape(ds.get());
-    if (dims.size() != 2) throw UsageError(concat(path, ": dataset 'train/rng_states' must be 2-D"));
-    // Allocate only what the file really stores (found by fuzz_checkpoint: a declared shape of
-    // 65536 x 65536 that was never written asked for 4 GiB before the checksum could refuse it).
-    if (dims[0] > static_cast<hsize_t>(std::max<int64_t>(st.world_size, 1)) || dims[1] > (1u << 20) ||
-        H5Dget_storage_size(ds.get()) != dims[0] * dims[1])
-      throw UsageError(concat(path, ": dataset 'train/rng_states' has shape [", dims[0], ", ", dims[1],
-                              "] that does not match world_size ", st.world_size, " or its stored size"));
-    std::vector<uint8_t> flat(dims[0] * dims[1]);
-    h5::read(ds.get(), H5T_NATIVE_UINT8, flat.data());
-    auto crc = h5::get_attr_int(ds.get(), "crc32");
-    if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(flat.data(), flat.size()))
-      throw UsageError(concat(path, ": checksum mismatch in dataset 'train/rng_states'"));
-    for (hsize_t r = 0; r < dims[0]; ++r)
-      st.rng_states.emplace_back(flat.begin() + r * dims[1], flat.begin() + (r + 1) * dims[1]);
-  }
+  read_rng_states(train.get(), path, st);
 }
 
-CheckpointParams::CheckpointParams(const std::string& path, GPT& model, TrainState& st) : path_(path) {
+CheckpointParams::CheckpointParams(const std::string& path, GPT& model, TrainState& st, bool with_optim)
+    : path_(path) {
   h5::File f = open_checkpoint(path);
-  read_checkpoint_header(f.get(), path, model, /*with_optim=*/false, st);
+  steps_taken_ = read_checkpoint_header(f.get(), path, model, with_optim, st);
   plan_param_reads(f.get(), path, model);  // every parameter's dataset there, of its shape
   for (const auto& [name, p] : model->named_params()) {
     names_.push_back(name);
     shapes_.push_back(p.sizes().vec());
+    if (!with_optim) continue;
+    const uint64_t file_size = file_size_of(path);
+    for (const char* m : {"/exp_avg", "/exp_avg_sq"}) plan_read(f.get(), path, "optim/" + name + m, p, file_size);
   }
+  if (with_optim) read_rng_states(open_group(f.get(), path, "train").get(), path, st);
+  with_optim_ = with_optim;
 }
 
-torch::Tensor CheckpointParams::read(size_t k) {
+torch::Tensor CheckpointParams::read(size_t k, Part part) {
+  MPITRAIN_CHECK(part == Part::param || with_optim_, "CheckpointParams: opened without AdamW's state");
+  const std::string dataset = part == Part::param     ? "model/" + names_.at(k)
+                              : part == Part::exp_avg ? "optim/" + names_.at(k) + "/exp_avg"
+                                                      : "optim/" + names_.at(k) + "/exp_avg_sq";
   h5::File f = open_checkpoint(path_);
   torch::Tensor into = torch::empty(shapes_.at(k), torch::kFloat32);
   std::vector<TensorRead> reads;
-  reads.push_back(plan_read(f.get(), path_, "model/" + names_.at(k), into, file_size_of(path_)));
+  reads.push_back(plan_read(f.get(), path_, dataset, into, file_size_of(path_)));
   read_tensors(path_, reads);  // its checksum and values verified
   return into;
+}
+
+void CheckpointParams::verify_all() {
+  for (size_t k = 0; k < size(); ++k) {
+    read(k);
+    if (!with_optim_) continue;
+    read(k, Part::exp_avg);
+    read(k, Part::exp_avg_sq);
+  }
 }
 
 }  // namespace mpitrain

@@ -58,15 +58,22 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
 // Bucket b of `shards`' padded layout, assembled on rank 0 from whole tensors (`whole_of(k)`:
 // parameter k's, called on rank 0 only), broadcast over the shards' communicator; each rank keeps
 // its part in `mine`.
+// `agree_on` (given): rank 0 fills the bucket under agree(), so that a read failing there ends
+// every rank instead of leaving them in the broadcast.
 template <class WholeOf>
-void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine) {
+void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine,
+                    MPI_Comm agree_on = MPI_COMM_NULL) {
   Communicator& comm = shards.communicator();
   torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
-  if (comm.rank() == 0)
+  auto fill = [&] {
+    if (comm.rank() != 0) return;
     for (size_t k : shards.bucket_params(b)) {
-      const torch::Tensor& src = whole_of(k);
+      const torch::Tensor src = whole_of(k);
       bucket.narrow(0, shards.flat_offset(k), src.numel()).copy_(src.detach().reshape({-1}));
     }
+  };
+  if (agree_on != MPI_COMM_NULL) agree(agree_on, fill);
+  else fill();
   comm.broadcast(bucket, 0);
   mine.copy_(bucket.narrow(0, comm.rank() * mine.numel(), mine.numel()));
 }
@@ -81,14 +88,20 @@ void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync&
   }
 }
 
-// ZeRO-3 resume: rank 0's whole parameters (`whole`, null elsewhere) to every rank's parameter
-// shards, one padded unit at a time, as the moments above.
-void scatter_param_shards(GPT* whole, const std::vector<torch::Tensor>& param_shards, const GradSync& shards) {
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  if (whole) params = (*whole)->named_params();
+// ZeRO-3 resume at tp 1: rank 0 reads each unit's parameters and then their moments from the
+// checkpoint (`file`, verified whole already; null elsewhere), one tensor at a time, into the
+// unit's padded buffer, which goes to every rank, each keeping its part: rank 0 holds one unit's
+// buffer and one tensor, never the whole model or its state.
+void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>& param_shards, AdamW& opt,
+                       const GradSync& shards, MPI_Comm mpi_comm) {
+  using Part = CheckpointParams::Part;
   for (size_t b = 0; b < shards.num_buckets(); ++b)
-    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return params.at(k).second; },
-                   param_shards.at(b));
+    for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
+      const torch::Tensor& mine = part == Part::param     ? param_shards.at(b)
+                                  : part == Part::exp_avg ? opt.bucket_exp_avg(b)
+                                                          : opt.bucket_exp_avg_sq(b);
+      scatter_bucket(shards, b, [&](size_t k) { return file->read(k, part); }, mine, mpi_comm);
+    }
 }
 
 // Tensor parallel resume: rank 0's whole parameters (`whole`) and moments (`full`, in the
@@ -424,14 +437,17 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   std::string path;
   // Rank 0 loads AdamW's state into the optimizer itself, or (sharded) into whole-parameter host
   // tensors that are handed out below. Tensor parallel: the whole model and state into host
-  // memory (a dense model), every rank then keeps its shards.
+  // memory (a dense model), every rank then keeps its shards. ZeRO-3 (param_shards): nothing
+  // whole; rank 0 verifies every tensor of the file, then reads them again one at a time while
+  // handing out each unit.
   const GPTDims& model_dims = model->dims();
   const bool tensor_parallel = model_dims.tp > 1;
   MPITRAIN_CHECK(!param_shards || (!tensor_parallel && shards), "resume_from: ZeRO-3's shards at tp 1 with their GradSync");
   std::optional<GPT> whole;
   FullOptimState full;
-  if (comm.rank() == 0) {
-    if (tensor_parallel || param_shards) {
+  std::optional<CheckpointParams> file;  // ZeRO-3: read one tensor at a time
+  if (comm.rank() == 0 && !param_shards) {
+    if (tensor_parallel) {
       GPTDims d = model_dims;
       d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
       whole.emplace(d);
@@ -445,7 +461,13 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
     if (comm.rank() != 0) return;
     for (size_t i = 0; i < candidates.size() && path.empty(); ++i) {
       try {
-        load_checkpoint(candidates[i], whole ? *whole : model, &full, st);
+        if (param_shards) {  // every tensor verified before any rank takes one, as load_checkpoint does
+          file.emplace(candidates[i], model, st, /*with_optim=*/true);
+          file->verify_all();
+          full.steps_taken = file->steps_taken();
+        } else {
+          load_checkpoint(candidates[i], whole ? *whole : model, &full, st);
+        }
         path = candidates[i];
       } catch (const ArchitectureMismatch&) {
         throw;  // the configuration differs: an older checkpoint of the same run would too
@@ -471,8 +493,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   if (tensor_parallel) {
     keep_tp_shards(whole ? &*whole : nullptr, full, model, opt, shards, comm);
   } else if (param_shards) {
-    scatter_param_shards(whole ? &*whole : nullptr, *param_shards, *shards);
-    scatter_optim_state(full, opt, *shards);
+    scatter_from_file(file ? &*file : nullptr, *param_shards, opt, *shards, mpi_comm);
   } else {
     for (auto& [name, p] : model->named_params()) comm.broadcast(p, 0);
     if (opt.sharded()) {
