@@ -221,7 +221,8 @@ void load_checkpoint(const std::string& path, GPT& model, FullOptimState* opt, T
 // load_checkpoint reads and checks before any tensor (the architecture against `model`'s, which
 // may be made deferred and hold no values; the training state into `st`; every parameter's
 // dataset and shape, and with_optim AdamW's moments' too and the ranks' RNG states) is done by
-// the constructor. read(k, part) reads named_params()[k]'s whole tensor or one of its moments
+// the constructor. read(k, part) reads named_params()[k]'s whole tensor (a tensor-parallel
+// model's too: the whole parameter its shard is of) or one of its moments
 // (fp32, host), its checksum and values verified: UsageError naming the file and dataset otherwise.
 class CheckpointParams {
  public:

@@ -27,6 +27,7 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
 #include "mpitrain/tensor_io.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 namespace {
@@ -791,13 +792,16 @@ CheckpointParams::CheckpointParams(const std::string& path, GPT& model, TrainSta
     : path_(path) {
   h5::File f = open_checkpoint(path);
   steps_taken_ = read_checkpoint_header(f.get(), path, model, with_optim, st);
-  plan_param_reads(f.get(), path, model);  // every parameter's dataset there, of its shape
+  // Every dataset there, of the whole parameter's shape (a tensor-parallel model's are shards);
+  // checked against a tensor of that shape without memory.
+  const uint64_t file_size = file_size_of(path);
   for (const auto& [name, p] : model->named_params()) {
     names_.push_back(name);
-    shapes_.push_back(p.sizes().vec());
+    shapes_.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), model->dims().tp));
+    const torch::Tensor shape = torch::zeros({1}).expand(shapes_.back());
+    plan_read(f.get(), path, "model/" + name, shape, file_size);
     if (!with_optim) continue;
-    const uint64_t file_size = file_size_of(path);
-    for (const char* m : {"/exp_avg", "/exp_avg_sq"}) plan_read(f.get(), path, "optim/" + name + m, p, file_size);
+    for (const char* m : {"/exp_avg", "/exp_avg_sq"}) plan_read(f.get(), path, "optim/" + name + m, shape, file_size);
   }
   if (with_optim) read_rng_states(open_group(f.get(), path, "train").get(), path, st);
   with_optim_ = with_optim;

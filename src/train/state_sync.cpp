@@ -78,57 +78,59 @@ void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const 
   mine.copy_(bucket.narrow(0, comm.rank() * mine.numel(), mine.numel()));
 }
 
-// Rank 0's whole-parameter moments (`full`) to every rank's slices, one padded bucket at a time.
-void scatter_optim_state(const FullOptimState& full, AdamW& opt, const GradSync& shards) {
-  for (size_t b = 0; b < shards.num_buckets(); ++b) {
-    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return full.moments[k].exp_avg; },
-                   opt.bucket_exp_avg(b));
-    scatter_bucket(shards, b, [&](size_t k) -> const torch::Tensor& { return full.moments[k].exp_avg_sq; },
-                   opt.bucket_exp_avg_sq(b));
-  }
-}
-
-// ZeRO-3 resume at tp 1: rank 0 reads each unit's parameters and then their moments from the
-// checkpoint (`file`, verified whole already; null elsewhere), one tensor at a time, into the
-// unit's padded buffer, which goes to every rank, each keeping its part: rank 0 holds one unit's
-// buffer and one tensor, never the whole model or its state.
-void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>& param_shards, AdamW& opt,
+// Sharded AdamW at tp 1 (ZeRO-1/2/3): rank 0 reads each bucket's moments (and under ZeRO-3,
+// `param_shards` given, first its parameters) from the checkpoint (`file`, verified whole
+// already; null elsewhere), one tensor at a time, into the bucket's padded buffer, which goes to
+// every rank, each keeping its part: rank 0 holds one bucket's buffer and one tensor, never the
+// whole model's state.
+void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>* param_shards, AdamW& opt,
                        const GradSync& shards, MPI_Comm mpi_comm) {
   using Part = CheckpointParams::Part;
   for (size_t b = 0; b < shards.num_buckets(); ++b)
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
-      const torch::Tensor& mine = part == Part::param     ? param_shards.at(b)
+      if (part == Part::param && !param_shards) continue;
+      const torch::Tensor& mine = part == Part::param     ? param_shards->at(b)
                                   : part == Part::exp_avg ? opt.bucket_exp_avg(b)
                                                           : opt.bucket_exp_avg_sq(b);
       scatter_bucket(shards, b, [&](size_t k) { return file->read(k, part); }, mine, mpi_comm);
     }
 }
 
-// Tensor parallel resume: rank 0's whole parameters (`whole`) and moments (`full`, in the
-// parameters' order) go to every rank, one tensor at a time over `comm` (the world), and each
-// rank keeps its tp shard of them: its parameters, and its AdamW state (sharded: its owned slices
-// of the shard).
-void keep_tp_shards(GPT* whole, const FullOptimState& full, GPT& model, AdamW& opt, const GradSync* shards,
-                    Communicator& comm) {
+// Rank 0's value of `dest` from the checkpoint (`file`, null elsewhere), then on every rank.
+void broadcast_from_file(CheckpointParams* file, size_t k, CheckpointParams::Part part, torch::Tensor dest,
+                         Communicator& comm, MPI_Comm mpi_comm) {
+  agree(mpi_comm, [&] {
+    if (file) dest.copy_(file->read(k, part));
+  });
+  comm.broadcast(dest, 0);
+}
+
+// Tensor parallel resume: rank 0 reads each whole parameter and its moments from the checkpoint
+// (`file`, verified whole already; null elsewhere), one tensor at a time, and they go to every
+// rank over `comm` (the world); each rank keeps its tp shard of them: its parameters, and its
+// AdamW state (sharded: its owned slices of the shard).
+void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
+                    MPI_Comm mpi_comm) {
+  using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
-  const bool root = comm.rank() == 0;
-  const auto whole_params = root ? (*whole)->named_params() : decltype(params){};
   // Slot i of an unsharded AdamW is parameter i; a sharded one's slots are owned slices.
   std::vector<std::vector<size_t>> slots(params.size());
   for (size_t i = 0; i < opt.size(); ++i) slots[shards ? shards->owned_slices()[i].param : i].push_back(i);
   for (size_t k = 0; k < params.size(); ++k) {
     const torch::Tensor& p = params[k].second;  // (a lambda may not capture a structured binding in C++17)
     const TpSplit split = model->tp_split(params[k].first);
-    auto shard_of = [&](const torch::Tensor& src) {
-      torch::Tensor t = root ? src.to(torch::kCPU, torch::kFloat32).contiguous()
-                             : torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
+    auto shard_of = [&](Part part) {
+      torch::Tensor t = torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
+      agree(mpi_comm, [&] {
+        if (file) t = file->read(k, part);
+      });
       comm.broadcast(t, 0);
       return tp_shard(t, split, d.tp_rank, d.tp).contiguous();
     };
-    p.copy_(shard_of(root ? whole_params[k].second : torch::Tensor()));
-    const torch::Tensor m = shard_of(root ? full.moments[k].exp_avg : torch::Tensor());
-    const torch::Tensor v = shard_of(root ? full.moments[k].exp_avg_sq : torch::Tensor());
+    p.copy_(shard_of(Part::param));
+    const torch::Tensor m = shard_of(Part::exp_avg);
+    const torch::Tensor v = shard_of(Part::exp_avg_sq);
     for (size_t i : slots[k]) {
       if (shards) {
         const GradSync::Slice& s = shards->owned_slices()[i];
@@ -435,39 +437,22 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
                  TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards) {
   std::string path;
-  // Rank 0 loads AdamW's state into the optimizer itself, or (sharded) into whole-parameter host
-  // tensors that are handed out below. Tensor parallel: the whole model and state into host
-  // memory (a dense model), every rank then keeps its shards. ZeRO-3 (param_shards): nothing
-  // whole; rank 0 verifies every tensor of the file, then reads them again one at a time while
-  // handing out each unit.
-  const GPTDims& model_dims = model->dims();
-  const bool tensor_parallel = model_dims.tp > 1;
+  // Rank 0 reads and verifies every tensor of the file (a damaged one falls back to the next
+  // candidate before any rank has taken anything), then reads them again one at a time while
+  // handing them out: no rank holds the whole model or its state for a resume, in any layout (the
+  // second read comes mostly from the page cache). Tensor parallel: every rank keeps its tp shards
+  // of each tensor; ZeRO: each its part of each bucket; else the whole tensors.
+  const bool tensor_parallel = model->dims().tp > 1;
   MPITRAIN_CHECK(!param_shards || (!tensor_parallel && shards), "resume_from: ZeRO-3's shards at tp 1 with their GradSync");
-  std::optional<GPT> whole;
-  FullOptimState full;
-  std::optional<CheckpointParams> file;  // ZeRO-3: read one tensor at a time
-  if (comm.rank() == 0 && !param_shards) {
-    if (tensor_parallel) {
-      GPTDims d = model_dims;
-      d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
-      whole.emplace(d);
-    }
-    GPT& into = whole ? *whole : model;
-    full = opt.sharded() || tensor_parallel ? host_optim_state_like(into) : full_state_of(opt);
-  }
+  std::optional<CheckpointParams> file;
   // The data's tokenizer (st holds it until the checkpoint's state replaces it).
   const std::string data_tokenizer = st.tokenizer, data_sha256 = st.tokenizer_sha256;
   agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
     for (size_t i = 0; i < candidates.size() && path.empty(); ++i) {
       try {
-        if (param_shards) {  // every tensor verified before any rank takes one, as load_checkpoint does
-          file.emplace(candidates[i], model, st, /*with_optim=*/true);
-          file->verify_all();
-          full.steps_taken = file->steps_taken();
-        } else {
-          load_checkpoint(candidates[i], whole ? *whole : model, &full, st);
-        }
+        file.emplace(candidates[i], model, st, /*with_optim=*/true);
+        file->verify_all();
         path = candidates[i];
       } catch (const ArchitectureMismatch&) {
         throw;  // the configuration differs: an older checkpoint of the same run would too
@@ -490,23 +475,27 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
                               " ids: a resumed run must read the same tokenizer's shards"));
   });
   torch::NoGradGuard no_grad;
+  using Part = CheckpointParams::Part;
+  CheckpointParams* from = file ? &*file : nullptr;
   if (tensor_parallel) {
-    keep_tp_shards(whole ? &*whole : nullptr, full, model, opt, shards, comm);
-  } else if (param_shards) {
-    scatter_from_file(file ? &*file : nullptr, *param_shards, opt, *shards, mpi_comm);
+    keep_tp_shards(from, model, opt, shards, comm, mpi_comm);
   } else {
-    for (auto& [name, p] : model->named_params()) comm.broadcast(p, 0);
+    if (!param_shards) {
+      const auto params = model->named_params();
+      for (size_t k = 0; k < params.size(); ++k) broadcast_from_file(from, k, Part::param, params[k].second, comm, mpi_comm);
+    }
     if (opt.sharded()) {
-      scatter_optim_state(full, opt, *shards);
-    } else {
+      scatter_from_file(from, param_shards, opt, *shards, mpi_comm);
+    } else {  // slot i is parameter i
       for (size_t i = 0; i < opt.size(); ++i) {
-        comm.broadcast(opt.exp_avg(i), 0);
-        comm.broadcast(opt.exp_avg_sq(i), 0);
+        broadcast_from_file(from, i, Part::exp_avg, opt.exp_avg(i), comm, mpi_comm);
+        broadcast_from_file(from, i, Part::exp_avg_sq, opt.exp_avg_sq(i), comm, mpi_comm);
       }
     }
   }
+  const int64_t steps_taken = file ? file->steps_taken() : 0;
   torch::Tensor scalars = torch::tensor({st.step, st.tokens_seen, static_cast<int64_t>(st.data_cursor),
-                                         st.world_size, full.steps_taken, st.dp, st.tp, st.zero}, torch::kInt64);
+                                         st.world_size, steps_taken, st.dp, st.tp, st.zero}, torch::kInt64);
   comm.broadcast(scalars, 0);
   auto s = scalars.accessor<int64_t, 1>();
   st.step = s[0];
