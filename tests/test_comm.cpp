@@ -479,6 +479,13 @@ TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
       EXPECT_EQ(zero3.max_whole, 3u) << what << ": the outside unit, one block and the next";
       EXPECT_EQ(zero3.whole_after, 0u) << what;
       EXPECT_TRUE(zero3.gather_all_exact) << what;
+      // train's start-up: the model made without values, each parameter drawn on its own into
+      // the shards (GPT::initialize, ParamShards::set_param): the same step, bit for bit.
+      const auto deferred = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true, torch::kFloat32, /*from_host=*/true);
+      EXPECT_TRUE(torch::equal(zero2.loss, deferred.loss)) << what << ", made deferred";
+      for (size_t b = 0; b < zero2.grad_shards.size(); ++b)
+        EXPECT_TRUE(torch::equal(zero2.grad_shards[b], deferred.grad_shards[b])) << what << ", made deferred: unit " << b;
+      EXPECT_TRUE(deferred.gather_all_exact) << what << ", made deferred";
     }
 }
 

@@ -582,7 +582,8 @@ TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
           EXPECT_TRUE(torch::equal(plain.grad_shards[b], sharded.grad_shards[b])) << what << ": unit " << b;
         EXPECT_EQ(sharded.whole_after, 0u) << what;
         EXPECT_TRUE(sharded.gather_all_exact) << what;
-        // train's start-up: the model drawn on the host, moved to the GPU one unit at a time.
+        // train's start-up: the model made on the host without values, each parameter drawn on
+        // its own into the shards on the GPU.
         const auto from_host = zero3_probe(d, *c, kGpu, precision, true, torch::kFloat32, /*from_host=*/true);
         EXPECT_TRUE(torch::equal(plain.loss, from_host.loss)) << what << ", built on the host";
         for (size_t b = 0; b < plain.grad_shards.size(); ++b)

@@ -24,17 +24,21 @@ struct Zero3Probe {
 
 // The model drawn from seed 3 on `device`; the batch from seed 10 + the rank, so ranks differ.
 // `wire` (comm.param_dtype): zero3 gathers in it; without zero3 the weights are rounded to it
-// first, which is what a 16-bit gather computes with. `from_host` (zero3): the model stays on the
-// host and ParamShards moves it to `device` unit by unit, as train's start-up does.
+// first, which is what a 16-bit gather computes with. `from_host` (zero3): as train's start-up
+// does, the model is made on the host without values (GPT deferred), ParamShards makes its units'
+// buffers on `device`, and GPT::initialize's draws reach each rank's shards through set_param,
+// one parameter at a time: the same values as the model drawn whole.
 inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::Device& device, Precision precision,
                               bool zero3, c10::ScalarType wire = torch::kFloat32, bool from_host = false) {
   torch::manual_seed(3);
-  GPT model(d);
-  if (!(zero3 && from_host)) model->to(device);
+  const bool deferred = zero3 && from_host;
+  GPT model(d, deferred);
+  if (!deferred) model->to(device);
   model->train();
   std::vector<torch::Tensor> params, drawn;
   std::vector<std::string> names;
-  for (auto& [name, p] : model->named_params()) params.push_back(p), names.push_back(name), drawn.push_back(p.detach().clone());
+  for (auto& [name, p] : model->named_params())
+    params.push_back(p), names.push_back(name), drawn.push_back(deferred ? torch::Tensor() : p.detach().clone());
   if (!zero3 && wire != torch::kFloat32) {
     torch::NoGradGuard no_grad;
     for (auto& p : params) p.copy_(p.to(wire));
@@ -46,6 +50,11 @@ inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::De
   if (zero3) {
     shards.emplace(params, sync, units, /*reshard_after_forward=*/true, wire);
     model->set_unit_hooks(&*shards);
+    if (deferred)
+      model->initialize([&](size_t k, const torch::Tensor& v) {
+        shards->set_param(k, v);
+        drawn[k] = v.clone();
+      });
   }
   Zero3Probe out;
   torch::manual_seed(10 + c.rank());
