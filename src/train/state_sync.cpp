@@ -56,24 +56,21 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
 }
 
 // Bucket b of `shards`' padded layout, assembled on rank 0 from whole tensors (`whole_of(k)`:
-// parameter k's, called on rank 0 only), broadcast over the shards' communicator; each rank keeps
-// its part in `mine`.
-// `agree_on` (given): rank 0 fills the bucket under agree(), so that a read failing there ends
-// every rank instead of leaving them in the broadcast.
+// parameter k's, called on rank 0 only) under agree() over `mpi_comm`, so that a read failing
+// there ends every rank instead of leaving them in the broadcast; then broadcast over the shards'
+// communicator, each rank keeping its part in `mine`.
 template <class WholeOf>
 void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine,
-                    MPI_Comm agree_on = MPI_COMM_NULL) {
+                    MPI_Comm mpi_comm) {
   Communicator& comm = shards.communicator();
   torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
-  auto fill = [&] {
+  agree(mpi_comm, [&] {
     if (comm.rank() != 0) return;
     for (size_t k : shards.bucket_params(b)) {
       const torch::Tensor src = whole_of(k);
       bucket.narrow(0, shards.flat_offset(k), src.numel()).copy_(src.detach().reshape({-1}));
     }
-  };
-  if (agree_on != MPI_COMM_NULL) agree(agree_on, fill);
-  else fill();
+  });
   comm.broadcast(bucket, 0);
   mine.copy_(bucket.narrow(0, comm.rank() * mine.numel(), mine.numel()));
 }
