@@ -11,6 +11,7 @@
 #include "mpitrain/log.h"
 #include "mpitrain/model.h"
 #include "mpitrain/sample.h"
+#include "mpitrain/zero3.h"
 
 namespace mpitrain {
 
@@ -22,26 +23,23 @@ namespace {
 // block from the file again (the page cache permitting), each read verified.
 class StreamedBlocks : public UnitHooks {
  public:
+  // The blocks' parameters and the others: ZeRO-3's units (zero3.h).
   StreamedBlocks(GPT& model, CheckpointParams& file) : file_(file) {
-    blocks_.resize(static_cast<size_t>(model->dims().n_layer));
-    for (const auto& [name, p] : model->named_params()) {
-      const size_t k = params_.size();
-      params_.push_back(p);
-      if (name.rfind("h.", 0) == 0) blocks_.at(std::stoul(name.substr(2, name.find('.', 2) - 2))).push_back(k);
-      else outside_.push_back(k);
-    }
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model->named_params()) names.push_back(name), params_.push_back(p);
+    units_ = model_units(names, model->dims().n_layer);
   }
   void need_outside_blocks() override {
     if (outside_loaded_) return;
-    for (size_t k : outside_) load(k);
+    for (size_t k : units_.groups[units_.outside]) load(k);
     outside_loaded_ = true;
   }
   void need_block(int64_t block, bool /*backward*/) override {
-    for (size_t k : blocks_.at(static_cast<size_t>(block))) load(k);
+    for (size_t k : block_params(block)) load(k);
   }
   void done_with_block(int64_t block) override {
     torch::NoGradGuard no_grad;
-    for (size_t k : blocks_.at(static_cast<size_t>(block)))
+    for (size_t k : block_params(block))
       params_[k].set_data(torch::zeros({1}, params_[k].options()).expand(params_[k].sizes()));
   }
 
@@ -50,10 +48,12 @@ class StreamedBlocks : public UnitHooks {
     torch::NoGradGuard no_grad;
     params_[k].set_data(file_.read(k));
   }
+  const std::vector<size_t>& block_params(int64_t block) const {
+    return units_.groups.at(units_.block_unit.at(static_cast<size_t>(block)));
+  }
   CheckpointParams& file_;
   std::vector<torch::Tensor> params_;
-  std::vector<std::vector<size_t>> blocks_;
-  std::vector<size_t> outside_;
+  Units units_;
   bool outside_loaded_ = false;
 };
 
