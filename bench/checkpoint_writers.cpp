@@ -75,7 +75,7 @@ void run(int argc, char** argv) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   GradSync shards(params, *comm, 25.0, /*overlap=*/false, /*shard=*/true);
   OptimConfig ocfg;
-  AdamW opt(model->named_params(), shards, ocfg);
+  AdamW opt(model->named_params(), shards.grad_shards(), ocfg);
   {
     torch::NoGradGuard no_grad;
     for (size_t b = 0; b < shards.num_buckets(); ++b) {

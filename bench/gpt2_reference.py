@@ -77,7 +77,7 @@ class GPT(nn.Module):
 
 
 def lr_at(step, total, lr, min_lr, warmup):
-    """mpitrain's schedule (src/train/optim.cpp): linear warm-up, then cosine decay to min_lr."""
+    """mpitrain's schedule (src/state/optim.cpp): linear warm-up, then cosine decay to min_lr."""
     if step < warmup:
         return lr * (step + 1) / warmup
     decay_steps = total - warmup

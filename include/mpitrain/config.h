@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "mpitrain/error.h"
+
 namespace mpitrain {
 
 // Presets (docs/models.md has the table): GPT-2's tiny (6/6/192, seq 256, vocab from the data),
@@ -202,5 +204,20 @@ void resolve_for_world(Config& cfg, int world_size);
 // The resolved configuration as YAML (every key, in a stable order); parse_config of the result
 // gives back an equal Config.
 std::string to_yaml(const Config& cfg);
+
+// Start-up checks that find a config value wrong only at run time ("data.train: no shard
+// matches ...", "train.device: ...") say which file the key came from, like parse_config's.
+template <class Fn>
+void naming_config_file(const Config& cfg, Fn&& fn) {
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
+                                "fault.", "sample."})
+      if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
+    throw;
+  }
+}
 
 }  // namespace mpitrain

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "mpitrain/comm.h"
+#include "mpitrain/optim.h"
 
 namespace mpitrain {
 
@@ -89,15 +90,12 @@ class GradSync {
   bool sharded() const { return shard_; }
   // A contiguous run of one parameter's elements that this rank owns (flattened parameter index
   // `begin`..begin+length) and where its averaged gradient sits in grad_shard(bucket).
-  struct Slice {
-    size_t param;
-    int64_t begin, length;
-    size_t bucket;
-    int64_t shard_offset;
-  };
+  using Slice = OwnedSlice;
   const std::vector<Slice>& owned_slices() const { return owned_; }
   // This rank's averaged gradients of bucket b (padding elements are zero).
   const torch::Tensor& grad_shard(size_t b) const { return buckets_[b].shard; }
+  // The slices and every bucket's gradient shard: what a sharded AdamW updates (optim.h).
+  GradShards grad_shards() const;
   // Every rank's updated slices to every rank, written into the parameters.
   void all_gather_params();
   // The layout, for moving sharded optimizer state (checkpoints): bucket b's parameters, where

@@ -12,7 +12,6 @@
 
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
-#include "mpitrain/grad_sync.h"
 #include "mpitrain/model.h"
 
 namespace mpitrain {
@@ -25,18 +24,33 @@ double lr_at(const OptimConfig& cfg, int64_t total_steps, int64_t step);
 // parameters on `device`: CUDA from libtorch 2.0 (GPU builds), the CPU from libtorch 2.4.
 bool fused_adamw_available(torch::DeviceType device);
 
+// ZeRO's split of the parameters (a sharded GradSync's, grad_sync.h). OwnedSlice: a contiguous run
+// of one parameter's elements that this rank updates (flattened parameter index begin..begin +
+// length) and where its averaged gradient sits in grads[bucket], this rank's part of the bucket.
+struct OwnedSlice {
+  size_t param;
+  int64_t begin, length;
+  size_t bucket;
+  int64_t shard_offset;
+};
+struct GradShards {
+  std::vector<OwnedSlice> slices;
+  std::vector<torch::Tensor> grads;  // per bucket; padding elements are zero
+};
+
 class AdamW {
  public:
   // fused: update with PyTorch's fused AdamW kernel (fused_adamw_available() must hold for the
   // parameters' device), else with multi-tensor (foreach) kernels.
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused = false);
-  // ZeRO-1: state for the slices of `named_params` that `shards` (a sharded GradSync over the same
-  // parameters in the same order) gives this rank, gradients read from its grad_shard()s. Each
+  // ZeRO-1: state for the slices of `named_params` that `shards` (GradSync::grad_shards() of a
+  // sharded GradSync over the same parameters in the same order) gives this rank, gradients read
+  // from its gradient shards. Each
   // slot is a 1-D view of a run of one parameter's elements; the moments of bucket b's slices are
   // views into bucket_moments(b), this rank's part of the bucket's padded layout.
   // ZeRO-3 (`param_shards`: ParamShards::param_shards(), one per bucket): the slots are views of
   // this rank's parameter shards instead of the parameters, which are not whole between steps.
-  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
+  AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
         const OptimConfig& cfg, bool fused = false, const std::vector<torch::Tensor>* param_shards = nullptr);
 
   // One update from the parameters' .grad(): one fused kernel per group, or the foreach kernels,

@@ -25,21 +25,6 @@
 
 namespace mpitrain {
 
-// Start-up checks that find a config value wrong only at run time ("data.train: no shard
-// matches ...", "train.device: ...") say which file the key came from, like parse_config's.
-template <class Fn>
-void naming_config_file(const Config& cfg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    const std::string msg = e.what();
-    for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
-                                "fault.", "sample."})
-      if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
-    throw;
-  }
-}
-
 struct Startup {
   Topology topo;
   MeshLayout layout;

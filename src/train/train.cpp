@@ -1,7 +1,9 @@
 // The training loop. train() at the bottom reads top to bottom as the run's steps; each step is a
 // member of Run, in the order it runs:
 //   start-up (startup.cpp: MPI, layout, device, data)  -> build_model -> build_optimizer
-//   -> describe -> resume_or_start (state_sync.cpp) -> open_outputs
+//   -> describe -> resume_or_start -> open_outputs
+// What depends on the layout (tensor parallelism, the ZeRO stage, PowerSGD, how a checkpoint is
+// assembled and a resume scattered) is asked of par_ (parallelism.h), never branched on here.
 //   -> per step: micro_batches -> sync_gradients -> clip_and_update -> log_step -> evaluate_if_due
 //                -> checkpoint_if_due (signals, --stop-after)
 //   -> finish (last async write, sample, parameters for tests)
@@ -21,7 +23,6 @@
 #include "mpitrain/device.h"
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
-#include "mpitrain/grad_sync.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/host_memory.h"
@@ -33,7 +34,7 @@
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
-#include "mpitrain/powersgd.h"
+#include "mpitrain/parallelism.h"
 #include "mpitrain/profiler.h"
 #include "mpitrain/progress.h"
 #include "mpitrain/shards.h"
@@ -42,7 +43,6 @@
 #include "mpitrain/state_sync.h"
 #include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
-#include "mpitrain/zero3.h"
 
 namespace mpitrain {
 namespace {
@@ -90,49 +90,6 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   return sum.item<double>() / static_cast<double>(cfg.eval.batches);
 }
 
-// Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
-// checkpoint.dir (checkpoint.writers: auto): under ZeRO-1 every rank, under tensor parallelism
-// rank 0's tp group (with ZeRO-1 every rank); else rank 0 the whole state, gathered to it. Async
-// writes of shares need MPI collectives on the writer's thread.
-struct Writers {
-  bool shares = false;  // each holder writes its share
-  int count = 1;        // ranks that write each checkpoint
-};
-// Whether MPI runs with MPI_THREAD_MULTIPLE (collectives from more than one thread).
-bool mpi_thread_multiple() {
-  int mpi_threads = MPI_THREAD_SINGLE;
-  MPI_CHECK(MPI_Query_thread(&mpi_threads));
-  return mpi_threads >= MPI_THREAD_MULTIPLE;
-}
-
-Writers choose_checkpoint_writers(const Config& cfg, const Startup& run, bool zero, bool tensor_parallel) {
-  const bool async_collectives = !cfg.checkpoint.async || mpi_thread_multiple();
-  const bool spread = zero || tensor_parallel;  // state held in parts
-  Writers w;
-  w.shares = spread && cfg.checkpoint.writers == "auto" && run.checkpoint_dir_blind_rank < 0 && async_collectives;
-  w.count = !w.shares ? 1 : zero ? run.topo.size : static_cast<int>(run.layout.tp);
-  if (!spread || run.topo.rank != 0) return w;
-  const char* share = zero && tensor_parallel ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
-                      : zero                  ? "every rank writes its ZeRO-1 share"
-                                              : "the ranks of rank 0's tp group write their tensor-parallel shards";
-  const char* state = zero && tensor_parallel ? "tensor-parallel shards and ZeRO-1 state"
-                      : zero                  ? "ZeRO-1 state"
-                                              : "tensor-parallel shards";
-  const Topology& topo = run.topo;
-  log::info(w.shares ? concat("checkpoint: ", share, " (", w.count, " writers; checkpoint.dir '", cfg.checkpoint.dir,
-                              "' is seen by every rank)")
-                     : concat("checkpoint: rank 0 writes whole checkpoints (", state, " gathered to it): ",
-                              cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
-                              : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
-                              : run.checkpoint_dir_blind_rank > 0
-                                  ? concat("rank ", run.checkpoint_dir_blind_rank, " (host ",
-                                           topo.hosts[topo.host_of_rank[run.checkpoint_dir_blind_rank]],
-                                           ") does not see checkpoint.dir '", cfg.checkpoint.dir,
-                                           "' (not a shared filesystem?)")
-                                  : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
-  return w;
-}
-
 // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
 bool choose_fused_adamw(const Config& cfg, MPI_Comm mpi_comm, const torch::Device& device, int rank) {
   bool fused = false;
@@ -176,9 +133,8 @@ class Run {
  public:
   Run(Config& cfg, Startup& startup, MPI_Comm mpi_comm, const TrainHooks& hooks)
       : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
-        device_(startup.device), precision_(startup.precision), tensor_parallel_(startup.layout.tp > 1),
-        zero_(cfg.optim.zero >= 1 && startup.layout.dp > 1), zero2_(zero_ && cfg.optim.zero >= 2),
-        zero3_(zero_ && cfg.optim.zero == 3),
+        device_(startup.device), precision_(startup.precision), par_(cfg, *startup.mesh, startup.topo, startup.dims, startup.device,
+                                                         startup.checkpoint_dir_blind_rank, mpi_comm),
         T_(startup.dims.seq_len),
         micro_(cfg.train.micro_batch), accum_(cfg.train.grad_accum),
         tokens_per_step_(cfg.train.global_batch * startup.dims.seq_len) {}
@@ -188,7 +144,6 @@ class Run {
   void build_optimizer();
   void describe();
   void warn_if_state_does_not_fit() const;
-  void initial_shards();
   void log_initial_weights(int64_t tensors) const;
   void resume_or_start();
   void open_outputs();
@@ -222,21 +177,12 @@ class Run {
   const GPTDims& dims_;
   const torch::Device device_;
   const Precision precision_;
-  // zero_: optim.zero >= 1 over dp > 1; zero2_: optim.zero >= 2 (gradients reduce-scattered every
-  // micro-step); zero3_: optim.zero 3 (the parameters sharded too)
-  const bool tensor_parallel_, zero_, zero2_, zero3_;
+  // Tensor parallelism and the data-parallel stage: the model's gradient sync, its shards, the
+  // optimizer, how checkpoints are assembled (parallelism.h).
+  Parallelism par_;
   const int64_t T_, micro_, accum_, tokens_per_step_;
 
   GPT model_{nullptr};
-  std::optional<GPT> whole_model_;  // tensor parallel: rank 0's whole copy, into which checkpoints gather
-  Writers writers_;
-  std::vector<torch::Tensor> params_;
-  std::optional<GradSync> grad_sync_;
-  std::optional<ParamShards> units_;  // ZeRO-3: the parameters' shards, gathered per unit
-  ParamShards* units() { return units_ ? &*units_ : nullptr; }  // WholeParams' argument
-  std::optional<PowerSgd> powersgd_;  // comm.compress: powersgd, from step powersgd_start + 1 on
-  std::optional<AdamW> opt_;
-  const GradSync* shards_ = nullptr;  // ZeRO-1: who owns which slices
   LossScaler scaler_{false};
   int64_t whole_params_ = 0;  // the whole model's (tensor parallel: not this rank's shards)
 
@@ -245,61 +191,36 @@ class Run {
   bool config_recorded_ = false;  // out_dir/config.yaml written (rank 0, at the first save)
   std::optional<Progress> progress_;
   std::optional<BatchPrefetcher> prefetch_;
-  std::optional<CommDup> checkpoint_comm_;  // the writer thread's collectives (shares)
-  CheckpointShare share_buffers_;           // shares + async: this rank's host copies, reused by every save
   std::optional<AsyncCheckpointWriter> checkpoints_;
-  FullOptimState gathered_;
   std::optional<SpanTimer> comm_wait_;  // what backward did not hide of the gradient communication
   std::optional<StepProfiler> profiler_;
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
-  bool compressed_ = false;
   torch::Tensor loss_sum_, norm_;
   double lr_ = 0;
 };
 
-// The model on the device, its initial weights (model.init_from, else drawn from train.seed) the
-// same on every rank of a dp group, then the dropout streams.
+// The model (this rank's modules: tp shards; ZeRO-3 without values), the parallelisms applied to
+// it, its initial weights (model.init_from, else drawn from train.seed) the same on every rank of
+// a dp group, then the dropout streams.
 void Run::build_model() {
   // On the CPU, libtorch's allocations are counted from here: the run's peak is reported at the
   // end (finish), as a GPU run reports its caching allocator's.
   if (!device_.is_cuda()) count_cpu_allocations();
   torch::manual_seed(cfg_.train.seed);
-  // Tensor parallel: this rank's shards of the model drawn from the same seed. ZeRO-3: the model
-  // is made without its values (deferred; one block at a time exists while it is made), which
-  // initial_shards() gives each rank's shards of once ParamShards exists (build_optimizer): no
-  // rank, host or device, ever holds the whole model.
-  model_ = GPT(dims_, /*deferred=*/zero3_);
-  if (!zero3_) model_->to(device_);
-  writers_ = choose_checkpoint_writers(cfg_, s_, zero_, tensor_parallel_);
-  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
-  // host memory, into which the shards are gathered.
-  if (tensor_parallel_ && topo_.rank == 0 && !writers_.shares) {
-    GPTDims d = dims_;
-    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
-    whole_model_.emplace(d);
-  }
-  if (!cfg_.model.init_from.empty() && s_.has_resume) {
+  model_ = par_.make_model();
+  par_.apply(model_);
+  if (!cfg_.model.init_from.empty() && s_.has_resume)
     log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg_.model.init_from, ") is not read"));
-  } else if (!cfg_.model.init_from.empty() && !zero3_) {
-    // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
-    // their shards of the files, each only what it holds; the dp broadcast below does the rest.
-    int64_t n = 0;
-    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-      if (s_.mesh->dp_rank() == 0) n = load_initial_weights(cfg_.model.init_from, model_);
-    }); });
-    log_initial_weights(n);
-  }
-  if (!zero3_) {  // identical initial parameters on every rank of a dp group, whatever each rank's RNG did
-    torch::NoGradGuard no_grad;
-    for (auto& [name, p] : model_->named_params()) s_.mesh->dp().broadcast(p, 0);
+  if (!s_.has_resume) {  // (a resumed run's weights come from its checkpoint)
+    const int64_t n = par_.initial_weights(cfg_.model.init_from);
+    if (!cfg_.model.init_from.empty()) log_initial_weights(n);
   }
   // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
   // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
   // same on each. The model above was drawn before this.
   torch::manual_seed(cfg_.train.seed + 7919 * static_cast<uint64_t>(s_.mesh->dp_rank() + 1));
-  for (auto& [name, p] : model_->named_params()) params_.push_back(p);
   for (const auto& [name, p] : model_->named_params()) {
     int64_t n = 1;
     for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), dims_.tp)) n *= e;
@@ -307,110 +228,26 @@ void Run::build_model() {
   }
 }
 
-// Gradient sync (buckets; ZeRO-1: reduce-scatter), PowerSGD, AdamW and the fp16 loss scaler.
+// AdamW over what this rank updates and the fp16 loss scaler.
 void Run::build_optimizer() {
-  const bool fused_adamw = choose_fused_adamw(cfg_, mpi_comm_, device_, topo_.rank);
-  // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
-  // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
-  Communicator& dp = s_.mesh->dp();
-  const bool overlap = cfg_.comm.overlap && !(device_.is_cuda() && dp.name() == "mpi");
-  // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
-  auto dtype_of = [](const std::string& name) { return precision_dtype(parse_precision(name)); };
-  const torch::ScalarType wire = dtype_of(cfg_.comm.grad_dtype);
-  // ZeRO-3 gathers a block's parameters from its backward, which on a GPU runs on autograd's device
-  // thread: the MPI backend may call MPI there only under MPI_THREAD_MULTIPLE (the main thread
-  // waits in backward meanwhile).
-  if (zero3_ && device_.is_cuda() && dp.name() == "mpi" && !mpi_thread_multiple())
-    agree(mpi_comm_, [&] {
-      throw UsageError(concat("optim.zero: 3 on a GPU with comm.backend: mpi gathers parameters from autograd's "
-                              "device thread, which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set "
-                              "comm.backend: nccl (or optim.zero: 2)"));
-    });
-  Units units;
-  if (zero3_) {
-    std::vector<std::string> names;
-    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
-    units = model_units(names, dims_.n_layer);
-  }
-  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, zero_, wire, zero2_, units.groups,
-                     zero3_ ? c10::optional<torch::Device>(device_) : c10::nullopt);
-  if (cfg_.comm.compress == "powersgd" && s_.layout.dp > 1)
-    powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
-  if (zero3_) {
-    units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
-                   dtype_of(cfg_.comm.param_dtype));
-    model_->set_unit_hooks(&*units_);
-    if (!s_.has_resume) initial_shards();  // (a resumed run's shards come from its checkpoint)
-  }
-  if (zero_) {
-    opt_.emplace(model_->named_params(), *grad_sync_, cfg_.optim, fused_adamw,
-                 units_ ? &units_->param_shards() : nullptr);
-    shards_ = &*grad_sync_;
-  } else {
-    opt_.emplace(model_->named_params(), cfg_.optim, fused_adamw);
-  }
-  if (topo_.rank == 0) {
-    const double mib = static_cast<double>(opt_->state_bytes()) / (1 << 20);
-    log::info(zero_ ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-", cfg_.optim.zero, ": sharded over ",
-                             s_.layout.dp, " data-parallel ranks; gradients reduce-scattered",
-                             zero2_ ? " every micro-step, each rank keeping its shard only" : "",
-                             zero3_ ? concat("; parameters sharded too, gathered per unit around its forward and "
-                                             "backward: ", units_->num_units(), " units)")
-                                    : std::string(", parameters all-gathered)"))
-                    : concat("optimizer state: ", mib, " MiB per rank (replicated",
-                             cfg_.optim.zero >= 1 ? concat("; optim.zero: ", cfg_.optim.zero,
-                                                           " has nothing to shard with one data-parallel rank")
-                                                  : std::string(),
-                             ")"));
-  }
+  par_.make_optimizer(choose_fused_adamw(cfg_, mpi_comm_, device_, topo_.rank));
   scaler_ = LossScaler(precision_ == Precision::fp16);
   if (topo_.rank == 0 && device_.is_cuda()) warn_if_state_does_not_fit();
 }
 
-// ZeRO-3: each rank's shards of the initial weights, one parameter whole at a time. Drawn: every
-// rank draws each parameter as a model made whole would (GPT::initialize) and keeps its part, with
-// no communication. model.init_from: the first data-parallel replica's ranks (rank 0's tp group,
-// on rank 0's host, as without ZeRO-3) read one tensor at a time, each its tp shard, and broadcast
-// it over their dp group, each rank keeping its part; a read error found on the way ends every
-// rank, naming the file.
-void Run::initial_shards() {
-  if (cfg_.model.init_from.empty()) {
-    model_->initialize([&](size_t k, const torch::Tensor& v) { units_->set_param(k, v); });
-    return;
-  }
-  std::unique_ptr<InitialWeights> files;
-  agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-    if (s_.mesh->dp_rank() == 0) files = open_initial_weights(cfg_.model.init_from, model_);
-  }); });
-  const auto params = model_->named_params();
-  for (size_t k = 0; k < params.size(); ++k) {
-    torch::Tensor v;
-    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-      if (files) v = files->read(k).to(device_);
-    }); });
-    if (!v.defined()) v = torch::empty(params[k].second.sizes(), torch::dtype(torch::kFloat32).device(device_));
-    s_.mesh->dp().broadcast(v, 0);
-    units_->set_param(k, v);
-  }
-  log_initial_weights(static_cast<int64_t>(params.size()));
-}
-
 void Run::log_initial_weights(int64_t tensors) const {
   log::info(concat("model: initial weights from ", cfg_.model.init_from, " (", tensors, " tensors",
-                   tensor_parallel_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards")
-                                    : std::string(),
-                   zero3_ ? "; one tensor at a time, broadcast over the dp group, each rank keeping its shard" : "",
-                   ")"));
+                   par_.describe_initial_weights(), ")"));
 }
 
 // On a GPU: the model state this layout keeps per rank (memory_plan.h's count, activations not
 // included) against the device's memory; more than it is a warning naming `mpitrain plan`.
 void Run::warn_if_state_does_not_fit() const {
   MemoryInputs in;
-  for (const auto& p : params_) in.params += p.numel();
+  for (const auto& p : par_.params()) in.params += p.numel();
   in.dp = s_.layout.dp;
   in.bucket_mb = cfg_.comm.bucket_mb;
-  const int zero = zero_ ? static_cast<int>(cfg_.optim.zero) : 0;
+  const int zero = par_.zero_stage();
   const double state = memory_row(in, zero, "none").peak();  // no activations given: the state alone
   const double total = static_cast<double>(cuda_total_memory_bytes(device_.index()));
   if (total > 0 && state > 0.9 * total)
@@ -425,28 +262,9 @@ void Run::describe() {
   const MeshLayout& layout = s_.layout;
   log::info(describe_model(dims_, whole_params_));
   log::info(concat("batch: ", micro_, " micro x ", layout.dp, " ranks x ", accum_, " accum = ", cfg_.train.global_batch,
-                   " sequences = ", tokens_per_step_, " tokens per step; ", grad_sync_->num_buckets(),
-                   zero_ ? " reduce-scatter buckets" : " all-reduce buckets",
-                   grad_sync_->overlapping() ? " (overlapped with backward)" : "", "; ", s_.threads,
+                   " sequences = ", tokens_per_step_, " tokens per step; ", par_.describe_buckets(), "; ", s_.threads,
                    " threads per rank; backend ", s_.mesh->dp().name()));
-  if (layout.dp > 1)
-    log::info(concat("gradient communication: ",
-                     static_cast<double>(grad_sync_->bytes_per_step() * static_cast<uint64_t>(zero2_ ? accum_ : 1)) /
-                         (1 << 20),
-                     " MiB per rank per step in ", cfg_.comm.grad_dtype, zero2_ && accum_ > 1 ? concat(" (ZeRO-", cfg_.optim.zero, ": ", accum_, " reduce-scatters, one per micro-step)") : std::string(),
-                     cfg_.comm.grad_dtype == "fp32"
-                         ? std::string()
-                         : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
-                     powersgd_ ? concat("; PowerSGD rank ", cfg_.comm.powersgd_rank, " from step ",
-                                        cfg_.comm.powersgd_start + 1, ": ",
-                                        static_cast<double>(powersgd_->bytes_per_step()) / (1 << 20), " MiB (",
-                                        static_cast<double>(powersgd_->uncompressed_bytes()) /
-                                            static_cast<double>(powersgd_->bytes_per_step()),
-                                        "x less; ", powersgd_->compressed_matrices(),
-                                        " weight matrices compressed, two all-reduces after backward, error feedback)")
-                               : std::string()));
-  else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
-    log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
+  if (const std::string traffic = par_.describe_gradient_traffic(accum_); !traffic.empty()) log::info(traffic);
   const TokenDataset& train = *s_.train_data;
   log::info(concat("data: ", train.num_tokens(), " train tokens in ", train.paths().size(), " shards (",
                    train.num_windows(), " windows/epoch)",
@@ -463,21 +281,14 @@ void Run::resume_or_start() {
   st_.tokenizer_sha256 = train.tokenizer_sha256();
   st_.eot_token = train.eot_token();
   if (s_.has_resume) {
-    if (units_ && !tensor_parallel_) {  // ZeRO-3: each rank receives its shards, one unit at a time
-      resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_,
-                  &units_->param_shards());
-    } else {  // (ZeRO-3 under tp: into whole parameters, then each rank's shards of them)
-      WholeParams whole(units());
-      resume_from(s_.resume, model_, *opt_, shards_, st_, s_.mesh->world(), mpi_comm_, cfg_.train.seed, device_);
-      if (units_) units_->keep_shards_of_whole();
-    }
+    par_.resume(s_.resume, st_);
     scaler_.restore(st_.loss_scale, st_.loss_scale_good_steps);  // fp16: the scale continues
     if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.dp);
   }
   st_.world_size = topo_.size;
   st_.dp = s_.layout.dp;
   st_.tp = s_.layout.tp;
-  st_.zero = zero_ ? cfg_.optim.zero : 0;
+  st_.zero = par_.zero_stage();
   st_.config_yaml = to_yaml(cfg_);
   // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
   if (hooks_.stop_after >= 0 && st_.step >= hooks_.stop_after)
@@ -526,24 +337,9 @@ void Run::open_outputs() {
   // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { progress_.emplace(cfg_, topo_.rank == 0, facts); }); });
   prefetch_.emplace(*s_.train_data, s_.mesh->dp_rank(), micro_);
-  result_.checkpoint_writers = writers_.count;
-  if (writers_.shares) checkpoint_comm_.emplace(mpi_comm_);
-  // With checkpoint.async the loop stalls only for copies into host buffers allocated here, once
-  // (ZeRO-1 through rank 0: also the whole moments rank 0 assembles, kept between saves);
-  // synchronous saves allocate nothing between them.
+  result_.checkpoint_writers = par_.writers();
   checkpoints_.emplace(cfg_.checkpoint.dir, cfg_.checkpoint.keep, cfg_.checkpoint.async);
-  if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
-  // ZeRO-3: rank 0's host buffers are made like the whole parameters (the ranks' shares read the
-  // shards: AdamW's slots).
-  WholeParams whole(checkpoints_->async() && !writers_.shares ? units() : nullptr);
-  if (checkpoints_->async() && writers_.shares) {
-    share_checkpoint(share_buffers_, model_, *opt_, shards_, s_.mesh->dp_rank() == 0, st_, /*copy=*/true);
-  } else if (whole_model_ && checkpoints_->async()) {
-    checkpoints_->prepare(*whole_model_, gathered_);
-  } else if (topo_.rank == 0 && checkpoints_->async()) {
-    if (opt_->sharded()) gathered_ = host_optim_state_like(model_);
-    checkpoints_->prepare(model_, opt_->sharded() ? gathered_ : full_state_of(*opt_));
-  }
+  par_.prepare_checkpoints(*checkpoints_, st_);
   comm_wait_.emplace(device_.is_cuda(), device_.is_cuda() ? device_.index() : -1);
   profiler_.emplace(topo_.rank == 0 ? cfg_.log.profile_start : 0, cfg_.log.profile_steps,
                     cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
@@ -558,7 +354,7 @@ void Run::open_outputs() {
 void Run::begin_step() {
   progress_->start_step();
   profiler_->begin_step(step_number());
-  compressed_ = powersgd_ && st_.step >= cfg_.comm.powersgd_start;
+  par_.begin_step(st_.step);
   Watchdog::set_step(step_number());
   maybe_hang_for_test(topo_.rank, step_number());
 }
@@ -600,10 +396,9 @@ void Run::micro_batches() {
       Autocast autocast(precision_, device_);
       loss = model_->loss(to_device(x, device_), to_device(y, device_));
     }
-    // This backward completes the step's gradients (ZeRO-2: every backward reduce-scatters its own).
-    if ((m + 1 == accum_ || zero2_) && !compressed_) grad_sync_->arm();
+    par_.before_backward(m + 1 == accum_);
     scaler_.scale_loss(loss / static_cast<double>(accum_)).backward();
-    if (zero2_ && m + 1 < accum_) grad_sync_->reduce_micro_step();
+    par_.after_backward(m + 1 == accum_);
     loss_sum_ += loss.detach().to(torch::kFloat64);
   }
 }
@@ -612,47 +407,27 @@ void Run::micro_batches() {
 // its slices; PowerSGD: its low-rank factors).
 void Run::sync_gradients() {
   comm_wait_->begin();
-  if (compressed_)
-    powersgd_->reduce_grads();
-  else
-    grad_sync_->all_reduce_grads();
+  par_.reduce_gradients();
   comm_wait_->end();
 }
 
 // fp16's overflow check, gradient clipping and the AdamW update (ZeRO-1: then the all-gather of
 // the updated slices); the step's counters advance either way.
 void Run::clip_and_update() {
-  AdamW& opt = *opt_;
-  Communicator& dp = s_.mesh->dp();
-  bool finite = true;  // fp16 only; the same verdict on every rank
-  if (zero_ || tensor_parallel_) {
-    // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
-    // that hold the others (ZeRO-1: the dp group; tensor parallel: the world).
-    std::vector<torch::Tensor> grads;
-    for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
-    finite = scaler_.unscale_and_check(grads, tensor_parallel_ ? s_.mesh->world() : dp, device_);
-    norm_ = tensor_parallel_ ? clip_tp_grad_norm_(opt, model_, cfg_.optim.grad_clip, s_.mesh->tp(), dp)
-                             : clip_sharded_grad_norm_(opt, cfg_.optim.grad_clip, dp);
-  } else {
-    finite = scaler_.unscale_and_check(params_);
-    norm_ = clip_grad_norm_(params_, cfg_.optim.grad_clip);
-  }
+  auto [finite, norm] = par_.unscale_and_clip(scaler_, cfg_.optim.grad_clip);  // the same verdict on every rank
+  norm_ = norm;
   lr_ = lr_at(cfg_.optim, cfg_.train.steps, st_.step);
   if (finite) {
-    opt.step(lr_);
-    if (zero3_) {  // the shards are the parameters: a unit still whole (evaluation's) is stale now
-      units_->release_all();
-    } else if (zero_) {  // every rank's updated slices to every rank
-      comm_wait_->begin();
-      grad_sync_->all_gather_params();
-      comm_wait_->end();
-    }
-  } else if (topo_.rank == 0) {  // the same verdict on every rank
+    par_.optimizer().step(lr_);
+    comm_wait_->begin();  // (ZeRO-1/2: every rank's updated slices to every rank)
+    par_.after_update();
+    comm_wait_->end();
+  } else if (topo_.rank == 0) {
     log::warn(concat("step ", step_number(), ": fp16 gradients overflowed at loss scale ", scaler_.scale(),
                      "; step skipped"));
   }
   scaler_.update(finite);
-  opt.zero_grad();
+  par_.optimizer().zero_grad();
   profiler_->end_step(step_number());
   st_.step += 1;
   st_.data_cursor += static_cast<uint64_t>(cfg_.train.global_batch);
@@ -706,33 +481,9 @@ bool Run::checkpoint_if_due() {
   const bool stop_here = (hooks_.stop_after >= 0 && step == hooks_.stop_after) || any_signal != 0;
   if (every(step, cfg_.checkpoint.every) || (last && cfg_.checkpoint.at_end) || stop_here) {
     // Never save a diverged state as the newest checkpoint: one check of every parameter (the
-    // same on every rank after the all-reduce) per save.
-    torch::Tensor all_finite;
-    {
-      torch::NoGradGuard no_grad;
-      std::vector<torch::Tensor> ok;
-      if (zero3_)  // the shards (whole parameters exist only around a unit's use)
-        for (size_t i = 0; i < opt_->size(); ++i) ok.push_back(torch::isfinite(opt_->param(i)).all());
-      else
-        for (const auto& p : params_) ok.push_back(torch::isfinite(p).all());
-      all_finite = ok.empty() ? torch::ones({}, torch::kBool) : torch::stack(ok).all();
-    }
-    int finite_params = 1;
-    {
-      Watchdog::Scope watch("device synchronize (parameter check)");
-      finite_params = all_finite.item<bool>() ? 1 : 0;
-    }
-    if (tensor_parallel_ || zero3_) {  // each rank checked its shards: agree
-      Watchdog::Scope watch("all_reduce(parameter check)");
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite_params, 1, MPI_INT, MPI_MIN, mpi_comm_));
-    }
-    if (!finite_params) diverged(step, "a parameter is NaN or infinite");
-    progress_->untimed([&] {
-      // ZeRO-3: each rank's share is read from its shards (AdamW's slots); rank 0 writing alone
-      // reads whole parameters.
-      WholeParams whole(!writers_.shares ? units() : nullptr);
-      save();
-    });
+    // same on every rank) per save.
+    if (!par_.params_finite()) diverged(step, "a parameter is NaN or infinite");
+    progress_->untimed([&] { save(); });
   }
   if (any_signal != 0 && !last) {
     result_.exit_code = exit_code_for_signal(any_signal);
@@ -759,22 +510,8 @@ void Run::save() {
     st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;
     st_.loss_scale_good_steps = scaler_.good_steps();
   }
-  if (writers_.shares) {
-    const std::string path = save_shares(*checkpoints_, share_buffers_, model_, *opt_, shards_, mesh.dp_rank() == 0,
-                                         st_, checkpoint_comm_->get());
-    if (topo_.rank == 0) result_.last_checkpoint = path;
-    return;  // collective: nobody runs ahead of a synchronous save that may yet fail
-  }
-  if (tensor_parallel_) {  // the shards assembled on rank 0
-    gather_tp_state(model_, *opt_, shards_, mesh.tp(), mesh.dp_rank() == 0, whole_model_ ? &*whole_model_ : nullptr,
-                    &gathered_);
-    if (topo_.rank == 0) result_.last_checkpoint = checkpoints_->save(*whole_model_, gathered_, st_);
-  } else {  // ZeRO-1: assembled on rank 0
-    FullOptimState optim_state =
-        gather_optim_state(*opt_, shards_, model_, checkpoints_->async() ? &gathered_ : nullptr);
-    if (topo_.rank == 0) result_.last_checkpoint = checkpoints_->save(model_, optim_state, st_);
-  }
-  if (!checkpoints_->async()) mesh.world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
+  const std::string path = par_.save(*checkpoints_, st_);  // collective
+  if (topo_.rank == 0) result_.last_checkpoint = path;
 }
 
 // A run whose loss or parameters became NaN/inf stops here, printed once (every rank sees the
@@ -805,13 +542,14 @@ TrainResult Run::finish() {
     report_cpu_peaks("peak CPU memory", cpu_peak_allocated_bytes());
   }
   const bool wants_sample = topo_.rank == 0 && cfg_.sample.tokens > 0;
-  if (tensor_parallel_ && wants_sample)
+  if (!par_.can_sample() && wants_sample)
     log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result_.last_checkpoint,
                      "` samples its checkpoint"));
   // ZeRO-3: every rank runs rank 0's sampling forward passes with it (the same prompt, seed and
   // gathered weights give every rank the same tokens), so each block is gathered around its use
   // as in training and no rank holds the whole model.
-  if (!tensor_parallel_ && cfg_.sample.tokens > 0 && st_.tokenizer == "byte" && (wants_sample || units_)) {
+  if (par_.can_sample() && cfg_.sample.tokens > 0 && st_.tokenizer == "byte" &&
+      (wants_sample || par_.samples_on_every_rank())) {
     std::vector<int64_t> prompt{st_.eot_token};
     for (unsigned char c : cfg_.sample.prompt) prompt.push_back(c);
     auto out = generate(model_, prompt, cfg_.sample.tokens, cfg_.sample.temperature, cfg_.sample.top_k,
@@ -821,14 +559,7 @@ TrainResult Run::finish() {
       log::info("sample:\n" + result_.sample);
     }
   }
-  WholeParams whole(hooks_.keep_params ? units() : nullptr);  // the tests' final parameters, whole
-  if (hooks_.keep_params)
-    for (auto& [name, p] : model_->named_params()) {  // whole parameters (tensor parallel: gathered)
-      torch::Tensor c = tp_unshard(p.detach(), model_->tp_split(name), s_.mesh->tp())
-                            .to(torch::kCPU, torch::kFloat32)
-                            .contiguous();
-      result_.params.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
-    }
+  if (hooks_.keep_params) result_.params = par_.whole_params();  // the tests' final parameters, whole
   return std::move(result_);
 }
 

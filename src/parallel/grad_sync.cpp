@@ -228,6 +228,13 @@ void GradSync::launch(Bucket& b) {
   b.work = shard_ ? comm_.reduce_scatter_async(b.wire, b.wire_shard, ReduceOp::sum) : comm_.all_reduce_async(b.wire, ReduceOp::sum);
 }
 
+GradShards GradSync::grad_shards() const {
+  MPITRAIN_CHECK(shard_, "GradSync: gradient shards exist only when sharded (ZeRO-1/2/3)");
+  GradShards out{owned_, {}};
+  for (const Bucket& b : buckets_) out.grads.push_back(b.shard);
+  return out;
+}
+
 uint64_t GradSync::bytes_per_step() const {
   uint64_t bytes = 0;
   for (const auto& b : buckets_) bytes += static_cast<uint64_t>(b.padded) * c10::elementSize(wire_);

@@ -46,23 +46,23 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
   }
 }
 
-AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradSync& shards,
+AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
              const OptimConfig& cfg, bool fused, const std::vector<torch::Tensor>* param_shards)
     : cfg_(cfg), fused_(fused) {
-  MPITRAIN_CHECK(shards.sharded(), "AdamW: ZeRO-1 needs a sharded GradSync");
+  MPITRAIN_CHECK(!shards.grads.empty() || named_params.empty(), "AdamW: ZeRO-1 needs a sharded GradSync's shards");
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
                  concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
   torch::NoGradGuard no_grad;
-  for (size_t b = 0; b < shards.num_buckets(); ++b) {
-    bucket_exp_avg_.push_back(torch::zeros_like(shards.grad_shard(b)));
-    bucket_exp_avg_sq_.push_back(torch::zeros_like(shards.grad_shard(b)));
+  for (const torch::Tensor& g : shards.grads) {
+    bucket_exp_avg_.push_back(torch::zeros_like(g));
+    bucket_exp_avg_sq_.push_back(torch::zeros_like(g));
   }
-  for (const GradSync::Slice& s : shards.owned_slices()) {
+  for (const OwnedSlice& s : shards.slices) {
     const auto& [name, p] = named_params.at(s.param);
     names_.push_back(name);
     params_.push_back(param_shards ? param_shards->at(s.bucket).narrow(0, s.shard_offset, s.length)
                                    : p.detach().view({-1}).narrow(0, s.begin, s.length));
-    grads_.push_back(shards.grad_shard(s.bucket).narrow(0, s.shard_offset, s.length));
+    grads_.push_back(shards.grads.at(s.bucket).narrow(0, s.shard_offset, s.length));
     exp_avg_.push_back(bucket_exp_avg_[s.bucket].narrow(0, s.shard_offset, s.length));
     exp_avg_sq_.push_back(bucket_exp_avg_sq_[s.bucket].narrow(0, s.shard_offset, s.length));
     decay_.push_back(p.dim() >= 2);  // the whole parameter's shape decides, as unsharded

@@ -1,0 +1,348 @@
+// The run's parallelisms applied to its model and optimizer (parallelism.h): tensor parallelism
+// and the data-parallel stage, the only place the training loop's stage-dependent work lives.
+#include "mpitrain/parallelism.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpitrain/error.h"
+#include "mpitrain/hf_format.h"
+#include "mpitrain/log.h"
+#include "mpitrain/mesh.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/watchdog.h"
+#include "mpitrain/tensor_parallel.h"
+
+namespace mpitrain {
+namespace {
+
+// Whether MPI runs with MPI_THREAD_MULTIPLE (collectives from more than one thread).
+bool mpi_thread_multiple() {
+  int mpi_threads = MPI_THREAD_SINGLE;
+  MPI_CHECK(MPI_Query_thread(&mpi_threads));
+  return mpi_threads >= MPI_THREAD_MULTIPLE;
+}
+
+torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(parse_precision(name)); }
+
+}  // namespace
+
+Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims,
+                         torch::Device device, int checkpoint_dir_blind_rank, MPI_Comm mpi_comm)
+    : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), mpi_comm_(mpi_comm), device_(device),
+      tp_(mesh.layout().tp > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
+  // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
+  // checkpoint.dir (checkpoint.writers: auto): with a sharded optimizer every rank, under tensor
+  // parallelism rank 0's tp group; else rank 0 the whole state, gathered to it. Async writes of
+  // shares need MPI collectives on the writer's thread.
+  const bool async_collectives = !cfg.checkpoint.async || mpi_thread_multiple();
+  const bool zero = shards_optimizer();
+  const bool spread = zero || tp_;  // state held in parts
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives;
+  writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
+  if (!spread || topo_.rank != 0) return;
+  const char* share = zero && tp_ ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
+                      : zero      ? "every rank writes its ZeRO-1 share"
+                                  : "the ranks of rank 0's tp group write their tensor-parallel shards";
+  const char* state = zero && tp_ ? "tensor-parallel shards and ZeRO-1 state"
+                      : zero      ? "ZeRO-1 state"
+                                  : "tensor-parallel shards";
+  const int blind = checkpoint_dir_blind_rank;
+  log::info(shares_ ? concat("checkpoint: ", share, " (", writer_count_, " writers; checkpoint.dir '",
+                             cfg.checkpoint.dir, "' is seen by every rank)")
+                    : concat("checkpoint: rank 0 writes whole checkpoints (", state, " gathered to it): ",
+                             cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
+                             : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
+                             : blind > 0 ? concat("rank ", blind, " (host ", topo_.hosts[topo_.host_of_rank[blind]],
+                                                  ") does not see checkpoint.dir '", cfg.checkpoint.dir,
+                                                  "' (not a shared filesystem?)")
+                                         : std::string("checkpoint.dir is not locked, so no rank can check it sees it")));
+}
+
+// ---- start-up ----------------------------------------------------------------------------------
+
+GPT Parallelism::make_model() {
+  // ZeRO-3: the model is made without its values (deferred; one block at a time exists while it
+  // is made), which initial_weights() gives each rank's shards of once the units exist: no rank,
+  // host or device, ever holds the whole model.
+  GPT model(dims_, /*deferred=*/stage_ == 3);
+  if (stage_ != 3) model->to(device_);
+  return model;
+}
+
+void Parallelism::apply(GPT model) {
+  model_ = std::move(model);
+  for (auto& [name, p] : model_->named_params()) params_.push_back(p);
+  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
+  // host memory, into which the shards are gathered.
+  if (tp_ && topo_.rank == 0 && !shares_) {
+    GPTDims d = dims_;
+    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
+    whole_model_.emplace(d);
+  }
+  // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
+  // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
+  Communicator& dp = mesh_.dp();
+  const bool overlap = cfg_.comm.overlap && !(device_.is_cuda() && dp.name() == "mpi");
+  // ZeRO-3 gathers a block's parameters from its backward, which on a GPU runs on autograd's device
+  // thread: the MPI backend may call MPI there only under MPI_THREAD_MULTIPLE (the main thread
+  // waits in backward meanwhile).
+  if (stage_ == 3 && device_.is_cuda() && dp.name() == "mpi" && !mpi_thread_multiple())
+    agree(mpi_comm_, [&] {
+      throw UsageError(concat("optim.zero: 3 on a GPU with comm.backend: mpi gathers parameters from autograd's "
+                              "device thread, which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set "
+                              "comm.backend: nccl (or optim.zero: 2)"));
+    });
+  Units units;
+  if (stage_ == 3) {
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
+    units = model_units(names, dims_.n_layer);
+  }
+  // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
+  grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), dtype_named(cfg_.comm.grad_dtype),
+                     stage_ >= 2, units.groups,
+                     stage_ == 3 ? c10::optional<torch::Device>(device_) : c10::nullopt);
+  if (shards_optimizer()) slice_owner_ = &*grad_sync_;
+  if (cfg_.comm.compress == "powersgd" && mesh_.layout().dp > 1)
+    powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
+  else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
+    log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
+  if (stage_ == 3) {
+    units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
+                   dtype_named(cfg_.comm.param_dtype));
+    model_->set_unit_hooks(&*units_);
+  }
+}
+
+int64_t Parallelism::initial_weights(const std::string& init_from) {
+  Communicator& dp = mesh_.dp();
+  const bool first_replica = mesh_.dp_rank() == 0;
+  if (!units_) {
+    // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
+    // their shards of the files, each only what it holds; the dp broadcast does the rest, also of
+    // the drawn weights, whatever each rank's RNG did.
+    int64_t n = 0;
+    if (!init_from.empty())
+      agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+        if (first_replica) n = load_initial_weights(init_from, model_);
+      }); });
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) dp.broadcast(p, 0);
+    return n;
+  }
+  // ZeRO-3: each rank's shards, one parameter whole at a time. Drawn: every rank draws each
+  // parameter as a model made whole would (GPT::initialize) and keeps its part, with no
+  // communication. init_from: the first replica's ranks read one tensor at a time, each its tp
+  // shard, and broadcast it over their dp group, each rank keeping its part; a read error found
+  // on the way ends every rank, naming the file.
+  if (init_from.empty()) {
+    model_->initialize([&](size_t k, const torch::Tensor& v) { units_->set_param(k, v); });
+    return 0;
+  }
+  std::unique_ptr<InitialWeights> files;
+  agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+    if (first_replica) files = open_initial_weights(init_from, model_);
+  }); });
+  for (size_t k = 0; k < params_.size(); ++k) {
+    torch::Tensor v;
+    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+      if (files) v = files->read(k).to(device_);
+    }); });
+    if (!v.defined()) v = torch::empty(params_[k].sizes(), torch::dtype(torch::kFloat32).device(device_));
+    dp.broadcast(v, 0);
+    units_->set_param(k, v);
+  }
+  return static_cast<int64_t>(params_.size());
+}
+
+std::string Parallelism::describe_initial_weights() const {
+  return concat(tp_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards") : std::string(),
+                units_ ? "; one tensor at a time, broadcast over the dp group, each rank keeping its shard" : "");
+}
+
+void Parallelism::make_optimizer(bool fused) {
+  if (shards_optimizer())
+    opt_.emplace(model_->named_params(), grad_sync_->grad_shards(), cfg_.optim, fused,
+                 units_ ? &units_->param_shards() : nullptr);
+  else
+    opt_.emplace(model_->named_params(), cfg_.optim, fused);
+  if (topo_.rank != 0) return;
+  const double mib = static_cast<double>(opt_->state_bytes()) / (1 << 20);
+  log::info(shards_optimizer()
+                ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-", stage_, ": sharded over ", mesh_.layout().dp,
+                         " data-parallel ranks; gradients reduce-scattered",
+                         stage_ >= 2 ? " every micro-step, each rank keeping its shard only" : "",
+                         units_ ? concat("; parameters sharded too, gathered per unit around its forward and "
+                                         "backward: ", units_->num_units(), " units)")
+                                : std::string(", parameters all-gathered)"))
+                : concat("optimizer state: ", mib, " MiB per rank (replicated",
+                         cfg_.optim.zero >= 1
+                             ? concat("; optim.zero: ", cfg_.optim.zero, " has nothing to shard with one data-parallel rank")
+                             : std::string(),
+                         ")"));
+}
+
+void Parallelism::resume(const std::vector<std::string>& candidates, TrainState& st) {
+  if (units_ && !tp_) {  // ZeRO-3: each rank receives its shards, one unit at a time
+    resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
+                &units_->param_shards());
+    return;
+  }
+  // (ZeRO-3 under tp: into whole parameters, then each rank's shards of them)
+  WholeParams whole(units());
+  resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_);
+  if (units_) units_->keep_shards_of_whole();
+}
+
+std::string Parallelism::describe_buckets() const {
+  return concat(grad_sync_->num_buckets(), shards_optimizer() ? " reduce-scatter buckets" : " all-reduce buckets",
+                grad_sync_->overlapping() ? " (overlapped with backward)" : "");
+}
+
+std::string Parallelism::describe_gradient_traffic(int64_t accum) const {
+  if (mesh_.layout().dp <= 1) return {};
+  const bool per_micro = stage_ >= 2;
+  return concat(
+      "gradient communication: ",
+      static_cast<double>(grad_sync_->bytes_per_step() * static_cast<uint64_t>(per_micro ? accum : 1)) / (1 << 20),
+      " MiB per rank per step in ", cfg_.comm.grad_dtype,
+      per_micro && accum > 1 ? concat(" (ZeRO-", stage_, ": ", accum, " reduce-scatters, one per micro-step)")
+                             : std::string(),
+      cfg_.comm.grad_dtype == "fp32" ? std::string()
+                                     : " (comm.grad_dtype: half of fp32; summed in 16 bits, pre-divided by the group size)",
+      powersgd_ ? concat("; PowerSGD rank ", cfg_.comm.powersgd_rank, " from step ", cfg_.comm.powersgd_start + 1, ": ",
+                         static_cast<double>(powersgd_->bytes_per_step()) / (1 << 20), " MiB (",
+                         static_cast<double>(powersgd_->uncompressed_bytes()) /
+                             static_cast<double>(powersgd_->bytes_per_step()),
+                         "x less; ", powersgd_->compressed_matrices(),
+                         " weight matrices compressed, two all-reduces after backward, error feedback)")
+                : std::string());
+}
+
+// ---- one step ------------------------------------------------------------------------------------
+
+void Parallelism::begin_step(int64_t step) { compressed_ = powersgd_ && step >= cfg_.comm.powersgd_start; }
+
+void Parallelism::before_backward(bool completes_step) {
+  // This backward completes the step's gradients (ZeRO-2/3: every backward reduce-scatters its own).
+  if ((completes_step || grad_sync_->frees_grads()) && !compressed_) grad_sync_->arm();
+}
+
+void Parallelism::after_backward(bool completes_step) {
+  if (grad_sync_->frees_grads() && !completes_step) grad_sync_->reduce_micro_step();
+}
+
+void Parallelism::reduce_gradients() {
+  if (compressed_)
+    powersgd_->reduce_grads();
+  else
+    grad_sync_->all_reduce_grads();
+}
+
+std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
+  if (!shards_optimizer() && !tp_) {
+    const bool finite = scaler.unscale_and_check(params_);
+    return {finite, clip_grad_norm_(params_, max_norm)};
+  }
+  // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
+  // that hold the others (sharded optimizer: the dp group; tensor parallel: the world).
+  Communicator& dp = mesh_.dp();
+  AdamW& opt = *opt_;
+  std::vector<torch::Tensor> grads;
+  for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
+  const bool finite = scaler.unscale_and_check(grads, tp_ ? mesh_.world() : dp, device_);
+  return {finite, tp_ ? clip_tp_grad_norm_(opt, model_, max_norm, mesh_.tp(), dp)
+                      : clip_sharded_grad_norm_(opt, max_norm, dp)};
+}
+
+void Parallelism::after_update() {
+  if (units_)  // the shards are the parameters: a unit still whole (evaluation's) is stale now
+    units_->release_all();
+  else if (shards_optimizer())  // every rank's updated slices to every rank
+    grad_sync_->all_gather_params();
+}
+
+bool Parallelism::params_finite() {
+  // One check of every parameter this rank holds (ZeRO-3: its shards; whole parameters exist only
+  // around a unit's use), the same verdict on every rank.
+  torch::Tensor all_finite;
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> ok;
+    if (units_)
+      for (size_t i = 0; i < opt_->size(); ++i) ok.push_back(torch::isfinite(opt_->param(i)).all());
+    else
+      for (const auto& p : params_) ok.push_back(torch::isfinite(p).all());
+    all_finite = ok.empty() ? torch::ones({}, torch::kBool) : torch::stack(ok).all();
+  }
+  int finite = 1;
+  {
+    Watchdog::Scope watch("device synchronize (parameter check)");
+    finite = all_finite.item<bool>() ? 1 : 0;
+  }
+  if (tp_ || units_) {  // each rank checked its shards: agree
+    Watchdog::Scope watch("all_reduce(parameter check)");
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite, 1, MPI_INT, MPI_MIN, mpi_comm_));
+  }
+  return finite != 0;
+}
+
+// ---- checkpoints and the end -------------------------------------------------------------------
+
+void Parallelism::prepare_checkpoints(AsyncCheckpointWriter& writer, const TrainState& st) {
+  if (shares_) checkpoint_comm_.emplace(mpi_comm_);
+  // With checkpoint.async the loop stalls only for copies into host buffers allocated here, once
+  // (a sharded optimizer through rank 0: also the whole moments rank 0 assembles, kept between
+  // saves); synchronous saves allocate nothing between them.
+  if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
+  if (!writer.async()) return;
+  // ZeRO-3: rank 0's host buffers are made like the whole parameters (the ranks' shares read the
+  // shards: AdamW's slots).
+  WholeParams whole(!shares_ ? units() : nullptr);
+  if (shares_) {
+    share_checkpoint(share_buffers_, model_, *opt_, slice_owner_, mesh_.dp_rank() == 0, st, /*copy=*/true);
+  } else if (whole_model_) {
+    writer.prepare(*whole_model_, gathered_);
+  } else if (topo_.rank == 0) {
+    if (opt_->sharded()) gathered_ = host_optim_state_like(model_);
+    writer.prepare(model_, opt_->sharded() ? gathered_ : full_state_of(*opt_));
+  }
+}
+
+std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& st) {
+  Mesh& mesh = mesh_;
+  const bool first_replica = mesh.dp_rank() == 0;
+  // ZeRO-3: each rank's share is read from its shards (AdamW's slots); rank 0 writing alone
+  // reads whole parameters.
+  WholeParams whole(!shares_ ? units() : nullptr);
+  if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
+    return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get());
+  std::string path;
+  if (tp_) {  // the shards assembled on rank 0
+    gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
+                    &gathered_);
+    if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
+  } else {  // a sharded optimizer's state assembled on rank 0
+    FullOptimState optim_state = gather_optim_state(*opt_, slice_owner_, model_, writer.async() ? &gathered_ : nullptr);
+    if (topo_.rank == 0) path = writer.save(model_, optim_state, st);
+  }
+  if (!writer.async()) mesh.world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
+  return path;
+}
+
+std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_params() {
+  std::vector<std::pair<std::string, std::vector<float>>> out;
+  WholeParams whole(units());
+  for (auto& [name, p] : model_->named_params()) {
+    torch::Tensor c =
+        tp_unshard(p.detach(), model_->tp_split(name), mesh_.tp()).to(torch::kCPU, torch::kFloat32).contiguous();
+    out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
+  }
+  return out;
+}
+
+}  // namespace mpitrain
