@@ -1077,6 +1077,45 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
         << "param_dtype bf16 resumed: " << bf16_straight.params[i].first;
 }
 
+// ZeRO-3 with rank 0 writing checkpoints alone (checkpoint.writers: rank0, sync and async): each
+// unit is gathered in turn and copied into rank 0's host copy, so no rank holds more units whole
+// at once than training does (the outside unit and two blocks: 3 of this model's 6), checkpoints
+// included; gathering every unit for the save (5 or 6) fails this. The checkpoints resume bitwise.
+// At 4 ranks also under tp 2 (dp 2), where rank 0's tp group unshards each unit while it is whole.
+TEST(Train, ZeroThreeRankZeroWriterGathersOneUnitAtATime) {
+  TrainHooks keep;
+  keep.keep_params = true;
+  TrainHooks stop = keep;
+  stop.stop_after = 6;
+  std::vector<std::pair<bool, int64_t>> runs{{false, 1}, {true, 1}};
+  if (world_size() == 4) runs.push_back({false, 2}), runs.push_back({true, 2});
+  for (const auto& [async, tp] : runs) {
+    auto cfg_for = [async = async, tp = tp](const std::string& run) {
+      Config c = small_config(concat(run, async ? "-async" : "-sync", "-tp", tp), 2, 12,
+                              "{preset: custom, n_layer: 5, n_head: 2, n_embd: 32, seq_len: 16}");
+      c.parallel.tp = tp;
+      c.optim.zero = 3;
+      c.comm.bucket_mb = 0.01;
+      c.checkpoint.writers = "rank0";
+      c.checkpoint.async = async;
+      c.checkpoint.every = 3;
+      return c;
+    };
+    const TrainResult straight = train(cfg_for("z3-rank0-straight"), MPI_COMM_WORLD, keep);
+    ASSERT_EQ(straight.checkpoint_writers, 1);
+    EXPECT_GE(straight.max_units_whole, 1u);
+    EXPECT_LE(straight.max_units_whole, 3u) << "async " << async << ", tp " << tp << ": units whole at once, of 6";
+    train(cfg_for("z3-rank0-resume"), MPI_COMM_WORLD, stop);
+    const TrainResult resumed = train(cfg_for("z3-rank0-resume"), MPI_COMM_WORLD, keep);
+    ASSERT_EQ(resumed.final_step, 12);
+    EXPECT_LE(resumed.max_units_whole, 3u);
+    ASSERT_EQ(resumed.params.size(), straight.params.size());
+    for (size_t i = 0; i < straight.params.size(); ++i)
+      EXPECT_TRUE(resumed.params[i].second == straight.params[i].second)
+          << "async " << async << ", tp " << tp << ": resumed from rank 0's checkpoint: " << straight.params[i].first;
+  }
+}
+
 // 10 steps + resume + 10 = 20 steps, bitwise (ZeRO-1 too); and a tp 2 checkpoint resumed at tp 1
 // continues the run (compared as the layouts above).
 TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {

@@ -233,6 +233,12 @@ class UnitHooks {
   virtual void done_with_block(int64_t block) = 0;  // after block `block`'s forward
 };
 
+// A parameter without its values (GPT made `deferred`, a block of `sample --stream` put away):
+// its shape kept, its memory one element expanded to that shape. param_has_values: whether it
+// holds every element's memory.
+void drop_param_values(const torch::Tensor& p);
+bool param_has_values(const torch::Tensor& p);
+
 class GPTImpl : public torch::nn::Module, public TpDeclared {
  public:
   // `deferred` (ZeRO-3): the modules are made (their own draws included) but every parameter is

@@ -123,6 +123,11 @@ class Parallelism {
 
   // ZeRO-3's units (tests, sampling); null under the other stages.
   ParamShards* units() { return units_ ? &*units_ : nullptr; }
+  // ZeRO-3: the most units whole at once since reset_units_peak() (0 under the other stages).
+  size_t units_peak() const { return units_ ? units_->max_units_whole() : 0; }
+  void reset_units_peak() {
+    if (units_) units_->reset_max_units_whole();
+  }
 
  private:
   bool shards_optimizer() const { return stage_ >= 1; }
@@ -139,7 +144,8 @@ class Parallelism {
 
   GPT model_{nullptr};
   std::vector<torch::Tensor> params_;
-  std::optional<GPT> whole_model_;  // tp, rank 0 writing alone: the whole copy checkpoints gather into
+  // Rank 0 writing checkpoints alone under tp or ZeRO-3: the whole host copy they gather into.
+  std::optional<GPT> whole_model_;
   std::optional<GradSync> grad_sync_;
   std::optional<ParamShards> units_;   // ZeRO-3
   std::optional<PowerSgd> powersgd_;   // comm.compress: powersgd

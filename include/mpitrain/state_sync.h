@@ -24,6 +24,7 @@
 #include "mpitrain/grad_sync.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/zero3.h"
 
 namespace mpitrain {
 
@@ -37,8 +38,10 @@ FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model
 // shards (tp_unshard over `tp`, after gather_optim_state over the dp group when sharded) by the
 // ranks of rank 0's tp group; rank 0 copies them into `whole` (a dense model of the same
 // dimensions, host) and `whole_state` (host_optim_state_like(whole)). Every rank calls it.
+// `units` (ZeRO-3): the parameters are gathered over the dp group one unit at a time
+// (ParamShards::for_each_unit_whole) and unsharded over tp while their unit is whole.
 void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicator& tp, bool first_tp_group,
-                     GPT* whole, FullOptimState* whole_state);
+                     GPT* whole, FullOptimState* whole_state, ParamShards* units = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 

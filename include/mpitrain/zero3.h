@@ -33,6 +33,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,6 +82,11 @@ class ParamShards : public UnitHooks {
   // after which one rank alone may run the model (sampling) without any gather.
   void gather_all();
   void release_all();
+  // Each unit whole in turn, exactly (fp32 on the wire), `f` called with its parameters' indices
+  // (into `params`) while it is, then released unless it was whole before: a collective that
+  // holds at most one unit whole beyond those already whole (rank 0 copying the parameters for a
+  // checkpoint it writes alone).
+  void for_each_unit_whole(const std::function<void(const std::vector<size_t>&)>& f);
   // After the whole parameters were written (resume): this rank's shards taken from them.
   void keep_shards_of_whole();
   // Parameter k's values (its shape, on any device): this rank's part of them into its shard; no
@@ -95,6 +101,7 @@ class ParamShards : public UnitHooks {
   // the last reset (tests).
   size_t units_whole() const;
   size_t max_units_whole() const { return max_whole_; }
+  void reset_max_units_whole() { max_whole_ = units_whole(); }
 
  private:
   // A prefetch in flight: its request, and with a 16-bit wire the rounded shard sent and the

@@ -38,9 +38,7 @@ class StreamedBlocks : public UnitHooks {
     for (size_t k : block_params(block)) load(k);
   }
   void done_with_block(int64_t block) override {
-    torch::NoGradGuard no_grad;
-    for (size_t k : block_params(block))
-      params_[k].set_data(torch::zeros({1}, params_[k].options()).expand(params_[k].sizes()));
+    for (size_t k : block_params(block)) drop_param_values(params_[k]);
   }
 
  private:

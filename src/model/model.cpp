@@ -440,11 +440,20 @@ GPTDims complete(GPTDims d) {
 }
 }  // namespace
 
-namespace {
-// A parameter's shape without its memory (GPT's deferred initialisation): one element, expanded.
-void drop_values(torch::nn::Module& m) {
+void drop_param_values(const torch::Tensor& p) {
   torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters()) p.set_data(torch::zeros({1}, p.options()).expand(p.sizes()));
+  torch::Tensor param = p;  // (set_data swaps what the shared TensorImpl holds)
+  param.set_data(torch::zeros({1}, p.options()).expand(p.sizes()));
+}
+
+bool param_has_values(const torch::Tensor& p) {
+  return p.storage().nbytes() >= static_cast<size_t>(p.numel()) * p.element_size();
+}
+
+namespace {
+// Every parameter of `m` without its values (GPT's deferred initialisation).
+void drop_values(torch::nn::Module& m) {
+  for (const auto& p : m.parameters()) drop_param_values(p);
 }
 
 // GPT-2 initialisation of one whole parameter, drawn from `gen` (none: the default generator).

@@ -76,9 +76,10 @@ GPT Parallelism::make_model() {
 void Parallelism::apply(GPT model) {
   model_ = std::move(model);
   for (auto& [name, p] : model_->named_params()) params_.push_back(p);
-  // Tensor parallel: when rank 0 writes checkpoints alone, it keeps a whole copy of the model in
-  // host memory, into which the shards are gathered.
-  if (tp_ && topo_.rank == 0 && !shares_) {
+  // Tensor parallel or ZeRO-3: when rank 0 writes checkpoints alone, it keeps a whole copy of the
+  // model in host memory, into which the shards are gathered (ZeRO-3: one unit at a time, so no
+  // rank holds the whole model on its device for it).
+  if ((tp_ || stage_ == 3) && topo_.rank == 0 && !shares_) {
     GPTDims d = dims_;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     whole_model_.emplace(d);
@@ -298,11 +299,9 @@ void Parallelism::prepare_checkpoints(AsyncCheckpointWriter& writer, const Train
   // With checkpoint.async the loop stalls only for copies into host buffers allocated here, once
   // (a sharded optimizer through rank 0: also the whole moments rank 0 assembles, kept between
   // saves); synchronous saves allocate nothing between them.
-  if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // tensor parallel: rank 0's whole state
+  if (whole_model_) gathered_ = host_optim_state_like(*whole_model_);  // rank 0's whole state
   if (!writer.async()) return;
-  // ZeRO-3: rank 0's host buffers are made like the whole parameters (the ranks' shares read the
-  // shards: AdamW's slots).
-  WholeParams whole(!shares_ ? units() : nullptr);
+  // (ZeRO-3: the ranks' shares read the shards, AdamW's slots; rank 0 alone, its whole copy)
   if (shares_) {
     share_checkpoint(share_buffers_, model_, *opt_, slice_owner_, mesh_.dp_rank() == 0, st, /*copy=*/true);
   } else if (whole_model_) {
@@ -316,19 +315,27 @@ void Parallelism::prepare_checkpoints(AsyncCheckpointWriter& writer, const Train
 std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& st) {
   Mesh& mesh = mesh_;
   const bool first_replica = mesh.dp_rank() == 0;
-  // ZeRO-3: each rank's share is read from its shards (AdamW's slots); rank 0 writing alone
-  // reads whole parameters.
-  WholeParams whole(!shares_ ? units() : nullptr);
+  // ZeRO-3: each rank's share is read from its shards (AdamW's slots).
   if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get());
   std::string path;
-  if (tp_) {  // the shards assembled on rank 0
+  if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
     gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
-                    &gathered_);
+                    &gathered_, units());
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else {  // a sharded optimizer's state assembled on rank 0
+    if (units_) {  // ZeRO-3: each unit gathered in turn, rank 0 copying it into its whole copy
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> into;
+      if (whole_model_)
+        for (auto& [name, p] : (*whole_model_)->named_params()) into.push_back(p);
+      units_->for_each_unit_whole([&](const std::vector<size_t>& ks) {
+        if (whole_model_)
+          for (size_t k : ks) into[k].copy_(params_[k]);
+      });
+    }
     FullOptimState optim_state = gather_optim_state(*opt_, slice_owner_, model_, writer.async() ? &gathered_ : nullptr);
-    if (topo_.rank == 0) path = writer.save(model_, optim_state, st);
+    if (topo_.rank == 0) path = writer.save(whole_model_ ? *whole_model_ : model_, optim_state, st);
   }
   if (!writer.async()) mesh.world().barrier();  // nobody runs ahead of a checkpoint that may yet fail
   return path;

@@ -396,24 +396,31 @@ std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers,
 }
 
 void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicator& tp, bool first_tp_group,
-                     GPT* whole, FullOptimState* whole_state) {
+                     GPT* whole, FullOptimState* whole_state, ParamShards* units) {
   torch::NoGradGuard no_grad;
   FullOptimState local = gather_optim_state(opt, shards, model);  // this tp rank's shards, whole over dp
   whole_state->steps_taken = opt.steps_taken();
-  if (!first_tp_group) return;
   const bool root = whole != nullptr;
   const auto params = model->named_params();
   const auto into = root ? (*whole)->named_params() : decltype(params){};
-  for (size_t k = 0; k < params.size(); ++k) {
+  auto assemble = [&](size_t k) {
+    if (!first_tp_group) return;
     const TpSplit split = model->tp_split(params[k].first);
     torch::Tensor p = tp_unshard(params[k].second.detach(), split, tp);
     torch::Tensor m = tp_unshard(local.moments[k].exp_avg.to(p.device()), split, tp);
     torch::Tensor v = tp_unshard(local.moments[k].exp_avg_sq.to(p.device()), split, tp);
-    if (!root) continue;
+    if (!root) return;
     into[k].second.detach().copy_(p);
     whole_state->moments[k].exp_avg.copy_(m);
     whole_state->moments[k].exp_avg_sq.copy_(v);
+  };
+  if (units) {  // every rank takes part in each unit's dp gather; rank 0's tp group unshards it
+    units->for_each_unit_whole([&](const std::vector<size_t>& ks) {
+      for (size_t k : ks) assemble(k);
+    });
+    return;
   }
+  for (size_t k = 0; k < params.size(); ++k) assemble(k);
 }
 
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).

@@ -75,8 +75,7 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
     for (size_t k : ks) {
       torch::Tensor& p = params.at(k);
       torch::Tensor slot = whole_[u].narrow(0, sync.flat_offset(k), p.numel());
-      const bool has_values = p.storage().nbytes() >= static_cast<size_t>(p.numel()) * p.element_size();
-      if (has_values) slot.copy_(p.detach().reshape({-1}));
+      if (param_has_values(p)) slot.copy_(p.detach().reshape({-1}));
       p.set_data(slot.view(p.sizes()));
     }
     shards_[u] = whole_[u].narrow(0, comm.rank() * part, part).clone();
@@ -177,6 +176,15 @@ void ParamShards::gather_all() {
 void ParamShards::release_all() {
   held_ = false;
   for (size_t u = 0; u < whole_.size(); ++u) release(u);
+}
+
+void ParamShards::for_each_unit_whole(const std::function<void(const std::vector<size_t>&)>& f) {
+  for (size_t u = 0; u < whole_.size(); ++u) {
+    const bool was_whole = is_whole_[u];
+    gather_exact(u);
+    f(units_.groups[u]);
+    if (!was_whole) release(u);
+  }
 }
 
 void ParamShards::keep_shards_of_whole() {
