@@ -22,14 +22,15 @@
 #                 largest of the others (the checkpoint at the first run's end then counts in its
 #                 steps' peak)
 #
-# Environment: RANKS (4), STEPS (3), N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (12/768/12/256/2),
+# Environment: RANKS (4), TP (1: parallel.tp; dp = RANKS / TP), STEPS (3),
+# N_LAYER/N_EMBD/N_HEAD/SEQ/MICRO_BATCH (12/768/12/256/2),
 # ZEROS ("0 1 2 3"; the first row is the time baseline), ACS ("none selective full"), RESUME (0),
 # MPIRUN (mpirun).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-$REPO/build/mpitrain}")
 MPIRUN=${MPIRUN:-mpirun}
-NP=${RANKS:-4} STEPS=${STEPS:-3}
+NP=${RANKS:-4} STEPS=${STEPS:-3} TP=${TP:-1}
 L=${N_LAYER:-12} D=${N_EMBD:-768} H=${N_HEAD:-12} T=${SEQ:-256} B=${MICRO_BATCH:-2}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMP_NUM_THREADS=1
@@ -46,6 +47,7 @@ model: {preset: custom, n_layer: $L, n_head: $H, n_embd: $D, seq_len: $T, dropou
 data: {train: [$WORK/data/t-train-*.h5]}
 train: {micro_batch: $B, steps: ${4:-$STEPS}, threads: 1, out_dir: $3, activation_checkpointing: $2}
 optim: {zero: $1, warmup_steps: 1}
+parallel: {tp: $TP}
 eval: {every: 0}
 log: {every: 1}
 checkpoint: {dir: $3/ckpt, every: 0, resume: ${5:-none}, at_end: ${6:-false}}
@@ -88,7 +90,7 @@ run() {  # ZERO AC -> "plan lib0 lib_others rss0 rss_others ms startup resume0 r
 }
 
 params=$(grep -o 'memory per rank (MiB; [0-9]* parameters' plan.log | grep -o '[0-9]* parameters')
-echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $params, dp $NP, fp32, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
+echo "Memory per rank vs plan: GPT-2 $L layers x $D, seq $T, micro-batch $B, $params, dp $((NP / TP)) x tp $TP, fp32, $STEPS steps, $(getconf _NPROCESSORS_ONLN) cores, $(date -u +%F)"
 echo "| optim.zero | checkpointing | plan peak (MiB) | libtorch rank 0 | libtorch others (max) | largest / plan | start-up (max) | resume rank 0 | resume others (max) | RSS rank 0 | RSS others (max) | ms/step | time vs zero 0, none |"
 echo "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 base_ms=""

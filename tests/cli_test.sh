@@ -126,6 +126,17 @@ check "plan --memory-only: the same memory table, no timing" \
    && grep -q '^plan: model 6464 parameters; micro-batch 2 x 32 tokens; fp32; dp 2' plan-small.out \
    && [ \"\$(grep -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-small.out | cut -d'|' -f2-7)\" = \"\$(grep -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-llama.out | cut -d'|' -f2-7)\" ] \
    && [ \$(grep -c -E '^\\| [0-3]' plan-small.out) -eq 12 ]"
+# Under parallel.tp 2 (2 ranks: dp 1): the memory table of that layout, each rank's tp shards
+# counted and its activations measured on tensor-parallel probe models (every rank takes part);
+# the step-time model is data parallelism's, so no timing table, said.
+"$MPIRUN" -np 2 "$BIN" plan cfg.yaml --set parallel.tp=2 --iters 2 > plan-tp.out 2>&1
+rc=$?
+tp_counts=$(sed -n 's/^plan: model \([0-9]*\) parameters per rank (its tp shards of \([0-9]*\)).*/\1 \2/p' plan-tp.out)
+check "plan under parallel.tp 2: the tp layout's memory per rank, its shards counted ($tp_counts), no timing (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'the step-time model covers data parallelism only (parallel.tp: 2)' plan-tp.out \
+   && grep -q '; dp 1 x tp 2' plan-tp.out && ! grep -q '^measured: ' plan-tp.out \
+   && [ \$(grep -c -E '^\\| [0-3] \\| (none|selective|full) \\|' plan-tp.out) -eq 12 ] \
+   && awk -v c='$tp_counts' 'BEGIN { split(c, v, \" \"); exit !(v[1] > 0 && v[1] < v[2]) }'"
 "$MPIRUN" -np 2 "$BIN" cfg.yaml "${llama_model[@]}" --set train.steps=2 --set checkpoint.dir=ckpt-llama \
   --set train.out_dir=run-llama > train-llama.out 2>&1
 rc=$?

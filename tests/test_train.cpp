@@ -25,6 +25,7 @@
 #include <sstream>
 #include <functional>
 #include <random>
+#include <tuple>
 
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/h5.h"
@@ -801,11 +802,14 @@ TEST(Train, TensorParallelEqualsDataParallel) {
 
 // A checkpoint holds whole tensors whatever the tp degree: a run saved at tp 2 resumes at tp 1,
 // and that one's checkpoint at tp = world size, continuing the losses of an uninterrupted run.
+// At 4 ranks the first leg is also a ZeRO-3 run (tp 2 x dp 2) resuming the second's checkpoint
+// (tp 1, zero 0) into its slices of its tp shards, and written by its shares.
 TEST(Train, ResumeAcrossTensorParallelDegrees) {
   const int n = world_size();
-  auto cfg_for = [](const std::string& run, int64_t tp) {
+  auto cfg_for = [](const std::string& run, int64_t tp, int64_t zero) {
     Config c = tp_config(run, tp, 4 * tp);
     c.checkpoint.dir = shared_data_dir() + "/tp-resume-ckpt";
+    c.optim.zero = zero;
     return c;
   };
   TrainHooks keep;
@@ -813,10 +817,12 @@ TEST(Train, ResumeAcrossTensorParallelDegrees) {
   TrainResult straight = train(tp_config("tp-straight", 1, 4), MPI_COMM_WORLD, keep);
   std::vector<std::pair<int64_t, double>> losses;
   int64_t at = 0;
-  for (auto [tp, stop] : std::vector<std::pair<int64_t, int64_t>>{{2, 7}, {1, 14}, {n, 20}}) {
+  const int64_t zero = n == 4 ? 3 : 0;
+  for (auto [tp, stop, z] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 7, 0}, {1, 14, 0}, {2, 17, zero}, {n, 20, 0}}) {
     TrainHooks hooks = keep;
     hooks.stop_after = stop;
-    TrainResult part = train(cfg_for(concat("tp-resume-", tp), tp), MPI_COMM_WORLD, hooks);
+    TrainResult part = train(cfg_for(concat("tp-resume-", tp, "-", z, "-", stop), tp, z), MPI_COMM_WORLD, hooks);
     EXPECT_EQ(part.final_step, stop);
     EXPECT_EQ(part.losses.front().first, at + 1) << "tp " << tp << " resumed where the last run stopped";
     losses.insert(losses.end(), part.losses.begin(), part.losses.end());
@@ -824,7 +830,7 @@ TEST(Train, ResumeAcrossTensorParallelDegrees) {
     if (stop == 20) {
       TrainResult joined = part;
       joined.losses = losses;
-      expect_same_run(joined, straight, concat("tp 2 -> 1 -> ", n, ", resumed twice,"));
+      expect_same_run(joined, straight, concat("tp 2 -> 1 -> 2 (zero ", zero, ") -> ", n, ", resumed three times,"));
     }
   }
 }
@@ -1080,8 +1086,10 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
 // ZeRO-3 with rank 0 writing checkpoints alone (checkpoint.writers: rank0, sync and async): each
 // unit is gathered in turn and copied into rank 0's host copy, so no rank holds more units whole
 // at once than training does (the outside unit and two blocks: 3 of this model's 6), checkpoints
-// included; gathering every unit for the save (5 or 6) fails this. The checkpoints resume bitwise.
-// At 4 ranks also under tp 2 (dp 2), where rank 0's tp group unshards each unit while it is whole.
+// included; gathering every unit for the save (5 or 6) fails this. The checkpoints resume bitwise,
+// and the resume makes no unit whole either (each rank keeps its slices of what it reads). At 4
+// ranks also under tp 2 (dp 2), where rank 0's tp group unshards each unit while it is whole and
+// a resume keeps each rank's slices of its tp shards.
 TEST(Train, ZeroThreeRankZeroWriterGathersOneUnitAtATime) {
   TrainHooks keep;
   keep.keep_params = true;

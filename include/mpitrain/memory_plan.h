@@ -2,9 +2,11 @@
 // `mpitrain plan` that says what fits (issue 41, section 4). Torch-free: the model state is counted
 // from the parameter numbers, the activations come from what plan measured (activation_probe in
 // plan.cpp: the bytes one micro-batch's forward keeps for backward, with one block and with two,
-// on the device that trains), so every kernel path's own activations are what is scaled.
+// on the device that trains, tensor-parallel like the run), so every kernel path's own
+// activations are what is scaled.
 //
-// Per rank, N = the parameters this rank's model holds (all of them: plan models tp 1), d = dp:
+// Per rank, N = the parameters this rank's model holds (under parallel.tp its shards, the
+// replicated parameters whole), d = dp:
 //   weights     4N fp32 (zero 3: 4N/d + the units gathered at once: the parameters outside the
 //               blocks, whole from the forward's start to the end of backward, the block running
 //               and the next one, prefetched)

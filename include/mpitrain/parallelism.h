@@ -123,11 +123,8 @@ class Parallelism {
 
   // ZeRO-3's units (tests, sampling); null under the other stages.
   ParamShards* units() { return units_ ? &*units_ : nullptr; }
-  // ZeRO-3: the most units whole at once since reset_units_peak() (0 under the other stages).
+  // ZeRO-3: the most units whole at once so far (0 under the other stages).
   size_t units_peak() const { return units_ ? units_->max_units_whole() : 0; }
-  void reset_units_peak() {
-    if (units_) units_->reset_max_units_whole();
-  }
 
  private:
   bool shards_optimizer() const { return stage_ >= 1; }

@@ -28,8 +28,9 @@ struct TrainResult {
   std::string last_checkpoint;                         // path of the newest checkpoint written
   int checkpoint_writers = 1;                          // ranks that write each checkpoint (ZeRO-1 shares: all)
   std::string sample;                                  // generated text (rank 0, sample.tokens > 0)
-  // ZeRO-3: the most units this rank held whole at once from the first step on (evaluations and
-  // checkpoints included, the final sample not); 0 under the other stages.
+  // ZeRO-3: the most units this rank held whole at once from start-up to the last step
+  // (initial weights, resume, evaluations and checkpoints included; the final sample not); 0
+  // under the other stages.
   size_t max_units_whole = 0;
   std::vector<std::pair<std::string, std::vector<float>>> params;  // when hooks.keep_params
 };

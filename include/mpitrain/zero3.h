@@ -87,8 +87,6 @@ class ParamShards : public UnitHooks {
   // holds at most one unit whole beyond those already whole (rank 0 copying the parameters for a
   // checkpoint it writes alone).
   void for_each_unit_whole(const std::function<void(const std::vector<size_t>&)>& f);
-  // After the whole parameters were written (resume): this rank's shards taken from them.
-  void keep_shards_of_whole();
   // Parameter k's values (its shape, on any device): this rank's part of them into its shard; no
   // communication, no unit made whole (GPT::initialize's and model.init_from's values, one
   // parameter at a time).
@@ -101,7 +99,6 @@ class ParamShards : public UnitHooks {
   // the last reset (tests).
   size_t units_whole() const;
   size_t max_units_whole() const { return max_whole_; }
-  void reset_max_units_whole() { max_whole_ = units_whole(); }
 
  private:
   // A prefetch in flight: its request, and with a 16-bit wire the rounded shard sent and the

@@ -188,15 +188,10 @@ void Parallelism::make_optimizer(bool fused) {
 }
 
 void Parallelism::resume(const std::vector<std::string>& candidates, TrainState& st) {
-  if (units_ && !tp_) {  // ZeRO-3: each rank receives its shards, one unit at a time
-    resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
-                &units_->param_shards());
-    return;
-  }
-  // (ZeRO-3 under tp: into whole parameters, then each rank's shards of them)
-  WholeParams whole(units());
-  resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_);
-  if (units_) units_->keep_shards_of_whole();
+  // ZeRO-3: each rank keeps its part of each tensor (at tp 1 one unit's bucket at a time, under tp
+  // its slices of its tp shard), with no unit made whole.
+  resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
+              units_ ? &units_->param_shards() : nullptr);
 }
 
 std::string Parallelism::describe_buckets() const {

@@ -105,9 +105,11 @@ void broadcast_from_file(CheckpointParams* file, size_t k, CheckpointParams::Par
 // Tensor parallel resume: rank 0 reads each whole parameter and its moments from the checkpoint
 // (`file`, verified whole already; null elsewhere), one tensor at a time, and they go to every
 // rank over `comm` (the world); each rank keeps its tp shard of them: its parameters, and its
-// AdamW state (sharded: its owned slices of the shard).
+// AdamW state (sharded: its owned slices of the shard). `zero3`: the parameters are not whole
+// (ZeRO-3's units): each rank keeps its owned slices of the parameter's tp shard too, through
+// AdamW's slots (views of its parameter shards), as of the moments.
 void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
-                    MPI_Comm mpi_comm) {
+                    MPI_Comm mpi_comm, bool zero3) {
   using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -125,12 +127,14 @@ void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSy
       comm.broadcast(t, 0);
       return tp_shard(t, split, d.tp_rank, d.tp).contiguous();
     };
-    p.copy_(shard_of(Part::param));
+    const torch::Tensor w = shard_of(Part::param);
+    if (!zero3) p.copy_(w);
     const torch::Tensor m = shard_of(Part::exp_avg);
     const torch::Tensor v = shard_of(Part::exp_avg_sq);
     for (size_t i : slots[k]) {
       if (shards) {
         const GradSync::Slice& s = shards->owned_slices()[i];
+        if (zero3) opt.param(i).copy_(w.view({-1}).narrow(0, s.begin, s.length));
         opt.exp_avg(i).copy_(m.view({-1}).narrow(0, s.begin, s.length));
         opt.exp_avg_sq(i).copy_(v.view({-1}).narrow(0, s.begin, s.length));
       } else {
@@ -447,7 +451,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   // second read comes mostly from the page cache). Tensor parallel: every rank keeps its tp shards
   // of each tensor; ZeRO: each its part of each bucket; else the whole tensors.
   const bool tensor_parallel = model->dims().tp > 1;
-  MPITRAIN_CHECK(!param_shards || (!tensor_parallel && shards), "resume_from: ZeRO-3's shards at tp 1 with their GradSync");
+  MPITRAIN_CHECK(!param_shards || (shards && opt.sharded()), "resume_from: ZeRO-3's shards with their GradSync");
   std::optional<CheckpointParams> file;
   // The data's tokenizer (st holds it until the checkpoint's state replaces it).
   const std::string data_tokenizer = st.tokenizer, data_sha256 = st.tokenizer_sha256;
@@ -482,7 +486,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   using Part = CheckpointParams::Part;
   CheckpointParams* from = file ? &*file : nullptr;
   if (tensor_parallel) {
-    keep_tp_shards(from, model, opt, shards, comm, mpi_comm);
+    keep_tp_shards(from, model, opt, shards, comm, mpi_comm, /*zero3=*/param_shards != nullptr);
   } else {
     if (!param_shards) {
       const auto params = model->named_params();

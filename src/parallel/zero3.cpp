@@ -187,16 +187,6 @@ void ParamShards::for_each_unit_whole(const std::function<void(const std::vector
   }
 }
 
-void ParamShards::keep_shards_of_whole() {
-  torch::NoGradGuard no_grad;
-  const int rank = sync_.communicator().rank();
-  for (size_t u = 0; u < whole_.size(); ++u) {
-    MPITRAIN_CHECK(is_whole_[u], "ZeRO-3: keep_shards_of_whole needs every unit whole");
-    const int64_t part = shards_[u].numel();
-    shards_[u].copy_(whole_[u].narrow(0, rank * part, part));
-  }
-}
-
 void ParamShards::set_param(size_t k, const torch::Tensor& values) {
   torch::NoGradGuard no_grad;
   const size_t u = sync_.bucket_of(k);

@@ -22,6 +22,7 @@
 #include "mpitrain/optim.h"
 #include "mpitrain/powersgd.h"
 #include "mpitrain/startup.h"
+#include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 namespace {
@@ -139,11 +140,10 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
 void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   Startup run = start_up(cfg, mpi_comm, /*force_unlock=*/false, /*plan_only=*/true);
   const Topology& topo = run.topo;
-  agree(mpi_comm, [&] {
-    if (run.layout.tp > 1)
-      throw UsageError(concat("parallel.tp: ", run.layout.tp, ": mpitrain plan models data parallelism only; plan with ",
-                              "parallel.tp: 1 (comm.grad_dtype and train.grad_accum act on the data-parallel all-reduce alike)"));
-  });
+  // Under parallel.tp every rank holds its tp shards (N below is rank 0's), and the activation
+  // probe's models are tensor-parallel too: their forward is collective over each tp group, so
+  // every rank measures (rank 0's figures are printed). The timing model is data parallelism's.
+  const bool tensor_parallel = run.layout.tp > 1;
   const torch::Device device = run.device;
   const GPTDims& dims = run.dims;
   const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
@@ -155,8 +155,13 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   for (auto& [name, p] : model->named_params()) params.push_back(p);
 
   // ---- memory: the model state counted, the activations measured (rank 0's device) ----
-  int64_t n_params = 0;
+  int64_t n_params = 0, n_whole_params = 0;  // this rank's (under tp: its shards), the whole model's
   for (const auto& p : params) n_params += p.numel();
+  for (const auto& [name, p] : model->named_params()) {
+    int64_t whole = 1;
+    for (int64_t e : tp_whole_shape(p.sizes(), model->tp_split(name), dims.tp)) whole *= e;
+    n_whole_params += whole;
+  }
   auto memory_table = [&] {
     MemoryInputs mem;
     mem.params = n_params;
@@ -182,11 +187,20 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     return measured ? memory_report(mem, memory_gib, memory_source)
                     : std::string("memory: this device's allocated bytes cannot be read: no activation measurement");
   };
-  if (options.memory_only) {  // no timing: the model's memory per rank alone (rank 0 measures)
+  if (options.memory_only || tensor_parallel) {  // no timing: the model's memory per rank alone
+    const std::string table = topo.rank == 0 || tensor_parallel ? memory_table() : std::string();
     if (topo.rank == 0) {
-      std::printf("plan: model %lld parameters; micro-batch %lld x %lld tokens; %s; dp %lld\n%s\n",
-                  static_cast<long long>(n_params), static_cast<long long>(micro), static_cast<long long>(T),
-                  precision_name(run.precision), static_cast<long long>(run.layout.dp), memory_table().c_str());
+      std::printf("plan: model %lld parameters%s; micro-batch %lld x %lld tokens; %s; dp %lld%s\n%s%s\n",
+                  static_cast<long long>(n_params),
+                  tensor_parallel ? concat(" per rank (its tp shards of ", n_whole_params, ")").c_str() : "",
+                  static_cast<long long>(micro), static_cast<long long>(T), precision_name(run.precision),
+                  static_cast<long long>(run.layout.dp),
+                  tensor_parallel ? concat(" x tp ", run.layout.tp).c_str() : "",
+                  tensor_parallel && !options.memory_only
+                      ? concat("plan: the step-time model covers data parallelism only (parallel.tp: ", run.layout.tp,
+                               "): no timing table; the memory per rank of this layout follows\n").c_str()
+                      : "",
+                  table.c_str());
       std::fflush(stdout);
     }
     return;

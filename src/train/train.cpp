@@ -344,7 +344,6 @@ void Run::open_outputs() {
   profiler_.emplace(topo_.rank == 0 ? cfg_.log.profile_start : 0, cfg_.log.profile_steps,
                     cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
   model_->train();
-  par_.reset_units_peak();          // (ZeRO-3 under tp: a resume held every unit whole)
   if (cpu_allocations_counted()) {  // the steps' peak apart from start-up's (model, optimizer, resume)
     startup_cpu_peak_ = cpu_peak_allocated_bytes();
     reset_cpu_peak();
