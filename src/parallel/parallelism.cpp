@@ -44,12 +44,13 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives;
   writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (!spread || topo_.rank != 0) return;
-  const char* share = zero && tp_ ? "every rank writes its ZeRO-1 slices of its tensor-parallel shards"
-                      : zero      ? "every rank writes its ZeRO-1 share"
-                                  : "the ranks of rank 0's tp group write their tensor-parallel shards";
-  const char* state = zero && tp_ ? "tensor-parallel shards and ZeRO-1 state"
-                      : zero      ? "ZeRO-1 state"
-                                  : "tensor-parallel shards";
+  const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
+  const std::string share = zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
+                            : zero      ? concat("every rank writes its ", stage, " share")
+                                        : "the ranks of rank 0's tp group write their tensor-parallel shards";
+  const std::string state = zero && tp_ ? concat("tensor-parallel shards and ", stage, " state")
+                            : zero      ? concat(stage, " state")
+                                        : "tensor-parallel shards";
   const int blind = checkpoint_dir_blind_rank;
   log::info(shares_ ? concat("checkpoint: ", share, " (", writer_count_, " writers; checkpoint.dir '",
                              cfg.checkpoint.dir, "' is seen by every rank)")
