@@ -1,6 +1,7 @@
 // Compares mpitrain's Hugging Face tokenizer with reference ids (tests/hf_tokenizer_test.sh):
-//   hf_tokenizer_exact TOKENIZER.json CORPUS.jsonl IDS.jsonl
-// CORPUS holds {"text": ...} per line, IDS the reference ids of the same line as a JSON array.
+//   hf_tokenizer_exact TOKENIZER.json CORPUS.jsonl IDS.jsonl [text|match]
+// CORPUS holds {"text": ...} per line, IDS the reference ids of the same line as a JSON array; the
+// last argument is the special tokens' mode (HfTokenizer::set_special_tokens; default text).
 // Every document must encode to exactly its reference ids, and decode back to its (normalized)
 // text. Prints the counts; the first mismatches name the document, the position and the tokens
 // around it. Exit status 0 when all agree, 1 otherwise.
@@ -36,12 +37,14 @@ std::string show(const HfTokenizer& tok, const std::vector<uint32_t>& ids, size_
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: hf_tokenizer_exact TOKENIZER.json CORPUS.jsonl IDS.jsonl\n");
+  const std::string mode = argc == 5 ? argv[4] : "text";
+  if ((argc != 4 && argc != 5) || (mode != "text" && mode != "match")) {
+    std::fprintf(stderr, "usage: hf_tokenizer_exact TOKENIZER.json CORPUS.jsonl IDS.jsonl [text|match]\n");
     return 2;
   }
   try {
     HfTokenizer tok(argv[1]);
+    tok.set_special_tokens(mode == "match" ? mpitrain::SpecialTokens::match : mpitrain::SpecialTokens::text);
     std::ifstream corpus(argv[2]), reference(argv[3]);
     if (!corpus || !reference) throw mpitrain::UsageError("cannot open the corpus or the ids");
     std::string line, ref_line;
@@ -67,9 +70,9 @@ int main(int argc, char** argv) {
         std::printf("  mpitrain: %s\n  reference: %s\n", show(tok, got, at).c_str(), show(tok, want, at).c_str());
       }
     }
-    std::printf("%s: %zu documents, %zu bytes, %zu reference ids: %zu documents differ "
+    std::printf("%s (special tokens: %s): %zu documents, %zu bytes, %zu reference ids: %zu documents differ "
                 "(encoding took %.2f s, %.1f MB/s)\n",
-                argv[1], docs, bytes, ids, bad, seconds, bytes / 1e6 / (seconds > 0 ? seconds : 1));
+                argv[1], mode.c_str(), docs, bytes, ids, bad, seconds, bytes / 1e6 / (seconds > 0 ? seconds : 1));
     return bad == 0 && docs > 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hf_tokenizer_exact: %s\n", e.what());

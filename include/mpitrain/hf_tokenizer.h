@@ -3,12 +3,18 @@
 //  - byte-level (GPT-2, Llama 3, Qwen2/2.5/3 and their kin): normalizer (none or NFC) ->
 //    pre_tokenizer (Split steps with Oniguruma-style regexes, then ByteLevel) -> BPE model (vocab,
 //    merges in either format, ignore_merges);
-//  - SentencePiece-style (model.byte_fallback: Llama 2, Mistral, Gemma): normalizer (Prepend and
-//    Replace, e.g. "▁" before the text and every space as "▁"; NFC) -> no pre-tokenizer -> BPE over
+//  - SentencePiece-style (model.byte_fallback: Llama 2, Mistral, Gemma, Gemma 3): normalizer
+//    (Prepend and Replace, e.g. "▁" before the text and every space as "▁"; NFC) -> no
+//    pre-tokenizer (or a Split that cannot match the normalized text: Gemma 3's on " ") -> BPE over
 //    the text's characters, a character that is no token as its bytes' <0xXX> tokens, else the
 //    unknown token (fuse_unk).
-// Added tokens written in the text are plain text (docs/pack.md, "Tokenizers"): only the document
-// separator that pack puts between documents is ever a special id.
+// Before all that, as the library's AddedVocabulary does, the added_tokens written in the text are
+// cut out and become their ids, the text between them going through the steps above piece by
+// piece: the non-special ones always (Gemma's runs of newlines and spaces, HTML tags; Qwen3's
+// <think>), with their single_word, lstrip, rstrip and normalized flags; the special ones
+// (<|endoftext|>, <|im_start|>, <bos>) only with SpecialTokens::match — by default they are plain
+// text (docs/pack.md, "Tokenizers"), so that only the document separator that pack puts between
+// documents is a special id.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +27,10 @@
 #include "mpitrain/bpe.h"  // InvalidUtf8
 
 namespace mpitrain {
+
+// Whether special added tokens written in the text are matched (Hugging Face's encode) or are
+// plain text (mpitrain's default; the library's encode_special_tokens=True).
+enum class SpecialTokens { text, match };
 
 class HfTokenizer {
  public:
@@ -50,10 +60,16 @@ class HfTokenizer {
   // Whether `id` is one of the file's added_tokens (special or not): what a document separator
   // must be (pack --eot).
   bool is_added_token(uint32_t id) const;
+  // Special added tokens in the text: plain text (the default) or matched (pack --special-tokens).
+  void set_special_tokens(SpecialTokens mode);
+  SpecialTokens special_tokens() const;
   // The id of a vocabulary entry or added token, written as in the file.
   std::optional<uint32_t> token_id(const std::string& token) const;
 
-  // The text as the tokenizer sees it: the file's normalizers applied (NFC, Prepend, Replace).
+  // The text as the tokenizer sees it: the file's normalizers applied (NFC, Prepend, Replace) —
+  // to each piece between the added tokens that encode() matches, on its own, and each such token
+  // as decode() writes it (the whitespace its lstrip or rstrip takes is gone). Without added
+  // tokens in the text: the normalizers applied to the whole text.
   // Throws InvalidUtf8 for text that is not UTF-8.
   std::string normalize(std::string_view text) const;
 

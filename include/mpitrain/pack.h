@@ -20,6 +20,9 @@ struct PackOptions {
   std::string bpe_dir;                // gpt2: vocab.json + merges.txt or encoder.json + vocab.bpe
   std::string bpe_vocab, bpe_merges;  // gpt2: the two files named directly (instead of bpe_dir)
   std::string tokenizer_file;         // hf: a Hugging Face tokenizer.json (byte-level BPE)
+  // hf: special added tokens written in the text: "text" (also ""; plain text) or "match" (their
+  // ids, as Hugging Face's encode gives them).
+  std::string special_tokens;
   std::string text_key = "text";      // jsonl: the key of each line's text
   // Token-array inputs: every token must be < vocab_size; documents start at each eot. 0 / -1
   // mean the tokenizer's values, and without a tokenizer GPT-2's (50257 / 50256). hf: eot_token

@@ -28,6 +28,10 @@ struct ShardMeta {
   // bytes (lower-case hex). Empty: not written (other tokenizers) or not present (older shards).
   std::string tokenizer_file;
   std::string tokenizer_sha256;
+  // hf: how special added tokens written in the text were encoded (pack --special-tokens): "" =
+  // as plain text (the default; attribute absent), "match" = as their ids. Shards packed both ways
+  // are refused together.
+  std::string special_tokens;
 };
 
 // Writes one shard: /tokens (uint16 if vocab_size <= 65536, else uint32; contiguous),
@@ -119,7 +123,7 @@ class TokenDataset {
   int64_t vocab_size_ = 0;
   int64_t eot_token_ = -1;
   std::string tokenizer_;
-  std::string tokenizer_file_, tokenizer_sha256_;
+  std::string tokenizer_file_, tokenizer_sha256_, special_tokens_;
   uint64_t total_windows_ = 0;
   uint64_t total_tokens_ = 0;
 };

@@ -99,7 +99,11 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
       ->capture_default_str();
   pack_cmd->add_option("--tokenizer", pack.tokenizer, "text: byte (default) | gpt2 | hf");
   pack_cmd->add_option("--tokenizer-file", pack.tokenizer_file,
-                       "hf: a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen2/3)");
+                       "hf: a Hugging Face tokenizer.json (BPE, byte-level: GPT-2, Llama 3, Qwen2/3; "
+                       "SentencePiece-style: Llama 2, Mistral, Gemma, Gemma 3)");
+  pack_cmd->add_option("--special-tokens", pack.special_tokens,
+                       "hf: special added tokens written in the text: text (default: plain text) | match (their "
+                       "ids, as Hugging Face's encode)");
   pack_cmd->add_option("--text-key", pack.text_key, "jsonl: the key holding each line's text")
       ->capture_default_str();
   pack_cmd->add_option("--bpe-dir", pack.bpe_dir,

@@ -1,14 +1,17 @@
 // A Hugging Face BPE tokenizer.json, byte-level or SentencePiece-style: loading and checking every
-// key the encoding depends on, the normalizers (NFC through utf8proc, Prepend, Replace), the
-// Oniguruma-style Split patterns rewritten for PCRE2, the pre-tokenizer pipeline with the
-// `tokenizers` library's split behaviours, byte fallback, and the shared merge engine
-// (bpe_merge.h) in Hugging Face's merge order.
+// key the encoding depends on, the added tokens cut out of the text first (the `tokenizers`
+// library's AddedVocabulary: leftmost-longest matching, single_word, lstrip, rstrip, normalized),
+// the normalizers (NFC through utf8proc, Prepend, Replace), the Oniguruma-style Split patterns
+// rewritten for PCRE2, the pre-tokenizer pipeline with the `tokenizers` library's split
+// behaviours, byte fallback, and the shared merge engine (bpe_merge.h) in Hugging Face's merge
+// order.
 #include "mpitrain/hf_tokenizer.h"
 
 #include <openssl/evp.h>
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstdlib>
 #include <cstdio>
@@ -16,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
+#include "mpitrain/added_tokens.h"
 #include "mpitrain/bpe_merge.h"
 #include "mpitrain/error.h"
 #include "mpitrain/onig_pattern.h"
@@ -91,6 +95,12 @@ struct HfTokenizer::Impl {
   // Scratch of encode(): the pieces of one text, and the strings a prefix space made.
   std::vector<std::string_view> pieces, next;
   std::deque<std::string> owned;
+  // The added tokens (one per id), found in the text as written (normalized: false) or in each
+  // normalized piece (normalized: true, the entry normalized too); special ones only with
+  // match_special. `plain`: some added token is not special.
+  std::vector<AddedToken> added_tokens;
+  AddedTokenTrie raw_trie, normalized_trie;
+  bool plain = false, match_special = false;
 
   [[noreturn]] void bad(const std::string& key, const std::string& what) const {
     throw UsageError(concat(path, ": ", key, ": ", what));
@@ -100,15 +110,25 @@ struct HfTokenizer::Impl {
   // s}, "content": c} as (s, c) (a Regex pattern is refused); each names the key when wrong.
   std::vector<std::pair<std::string, const json*>> steps_of(const json& j, const std::string& key, const char* array) const;
   bool flag(const json& o, const char* name, bool fallback, const std::string& key) const;
+  Behavior behavior_of(const json& split, const std::string& key) const;
   std::pair<std::string, std::string> replace_of(const json& j, const std::string& key) const;
   void load_normalizer(const json& j);
   void load_pre_tokenizer(const json& j);
   void load_model(const json& j);
   void load_added(const json& j);
+  void load_sentencepiece_pre_tokenizer(const json& j);
   void load_decoder(const json& j);
   void find_separator(const json& root);
   void split(std::string_view text, const Step& s);
-  void encode_sentencepiece(const std::string& text, std::vector<uint32_t>& out);
+  void encode_sentencepiece(std::string_view text, std::vector<uint32_t>& out);
+  // Encoding: the normalizers on one piece of text; the added tokens of `text` found with `trie`
+  // (added_tokens.h) as `cuts`; encode's walk over a (valid UTF-8)
+  // text, calling on_token(id) for each added token it cuts out and on_text(piece) for each
+  // normalized piece between them; the pre-tokenizer and the model on one normalized piece.
+  std::string normalize_piece(std::string_view text) const;
+  template <class OnToken, class OnText>
+  void walk(std::string_view text, OnToken on_token, OnText on_text) const;
+  void encode_normalized(std::string_view normal, std::vector<uint32_t>& out);
 };
 
 namespace {
@@ -208,6 +228,21 @@ void HfTokenizer::Impl::load_decoder(const json& j) {
   }
 }
 
+Behavior HfTokenizer::Impl::behavior_of(const json& split, const std::string& key) const {
+  const json* b = member(split, "behavior");
+  const std::string behavior = b && b->is_string() ? b->get<std::string>() : "";
+  static const std::pair<const char*, Behavior> kBehaviors[] = {
+      {"Removed", Behavior::removed},
+      {"Isolated", Behavior::isolated},
+      {"MergedWithPrevious", Behavior::merged_with_previous},
+      {"MergedWithNext", Behavior::merged_with_next},
+      {"Contiguous", Behavior::contiguous}};
+  for (auto& [name, value] : kBehaviors)
+    if (behavior == name) return value;
+  bad(key + ".behavior", concat("'", behavior, "' is not one of Removed, Isolated, ",
+                                "MergedWithPrevious, MergedWithNext, Contiguous"));
+}
+
 void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
   for (auto& [key, p] : steps_of(j, "pre_tokenizer", "pretokenizers")) {
     const std::string type = type_of(*p);
@@ -237,20 +272,7 @@ void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
         bad(key + ".pattern.Regex", e.what());
       }
       s.pattern = std::make_unique<bpe::Pattern>(translated, concat(path, ": ", key, ".pattern"));
-      const json* b = member(*p, "behavior");
-      const std::string behavior = b && b->is_string() ? b->get<std::string>() : "";
-      static const std::pair<const char*, Behavior> kBehaviors[] = {
-          {"Removed", Behavior::removed},
-          {"Isolated", Behavior::isolated},
-          {"MergedWithPrevious", Behavior::merged_with_previous},
-          {"MergedWithNext", Behavior::merged_with_next},
-          {"Contiguous", Behavior::contiguous}};
-      bool found = false;
-      for (auto& [name, value] : kBehaviors)
-        if (behavior == name) s.behavior = value, found = true;
-      if (!found)
-        bad(key + ".behavior", concat("'", behavior, "' is not one of Removed, Isolated, ",
-                                      "MergedWithPrevious, MergedWithNext, Contiguous"));
+      s.behavior = behavior_of(*p, key);
       s.invert = flag(*p, "invert", false, key);
     } else if (type == "Metaspace") {
       bad(key + ".type", kMetaspace);
@@ -261,6 +283,48 @@ void HfTokenizer::Impl::load_pre_tokenizer(const json& j) {
   }
   if (steps.empty() || !steps.back().byte_level)
     bad("pre_tokenizer", "no ByteLevel step: not a byte-level BPE tokenizer");
+}
+
+// A SentencePiece-style BPE has no pre-tokenizer: the normalized text is one piece. A Split is
+// accepted where it provably cannot cut that text: its String pattern holds a character that a
+// Replace of the normalizer removes (replaces by text without it) and no later normalizer step can
+// bring back (a Prepend or Replace writing it, or an NFC, which composes characters). Gemma 3's
+// Split on " " after its Replace of " " by "▁" is such a no-op: with no match, every behaviour
+// keeps the piece whole — except Removed with invert, where the whole text is the match.
+void HfTokenizer::Impl::load_sentencepiece_pre_tokenizer(const json& j) {
+  for (auto& [key, p] : steps_of(j, "pre_tokenizer", "pretokenizers")) {
+    const std::string type = type_of(*p);
+    if (type == "Metaspace") bad(key == "pre_tokenizer" ? key : key + ".type", kMetaspace);
+    if (type != "Split")
+      bad(key, concat("'", type, "': a SentencePiece-style BPE (model.byte_fallback) has none (accepted: a Split "
+                                 "that cannot match the normalized text)"));
+    const json* pat = member(*p, "pattern");
+    const json* lit = pat && pat->is_object() ? member(*pat, "String") : nullptr;
+    if (!lit || !lit->is_string())
+      bad(key + ".pattern", "a SentencePiece-style BPE (model.byte_fallback) accepts only a Split on a {\"String\": "
+                            "...} that its normalizer removes (a Regex or other pattern could cut the text)");
+    const Behavior behavior = behavior_of(*p, key);
+    if (flag(*p, "invert", false, key) && behavior == Behavior::removed)
+      bad(key + ".invert", "true with behavior Removed removes the whole text");
+    const std::string s = lit->get<std::string>();
+    bool removed = false;
+    for (size_t i = 0; i < s.size() && !removed;) {
+      const auto c0 = static_cast<unsigned char>(s[i]);
+      const size_t len = c0 < 0x80 ? 1 : c0 < 0xE0 ? 2 : c0 < 0xF0 ? 3 : 4;  // JSON strings are UTF-8
+      const std::string c = s.substr(i, len);
+      i += len;
+      for (const NormalizerStep& n : norms) {  // the last step that writes or removes `c` decides
+        if (n.kind == NormalizerStep::nfc) removed = false;
+        else if (n.kind == NormalizerStep::prepend && n.text.find(c) != std::string::npos) removed = false;
+        else if (n.kind == NormalizerStep::replace && n.with.find(c) != std::string::npos) removed = false;
+        else if (n.kind == NormalizerStep::replace && n.text == c) removed = true;
+      }
+    }
+    if (!removed)
+      bad(key + ".pattern", concat(lit->dump(), " can match the normalized text, which a SentencePiece-style BPE "
+                                   "(model.byte_fallback) takes whole: accepted only where a Replace of the "
+                                   "normalizer removes one of its characters"));
+  }
 }
 
 void HfTokenizer::Impl::load_model(const json& m) {
@@ -370,6 +434,9 @@ void HfTokenizer::Impl::load_model(const json& m) {
 
 void HfTokenizer::Impl::load_added(const json& added) {
   if (!added.is_array()) bad("added_tokens", "expected an array");
+  std::unordered_map<uint32_t, size_t> listed;  // id -> its entry in added_tokens
+  std::vector<std::string> token_text;           // added_tokens[k]'s content
+  std::vector<size_t> entry;                     // added_tokens[k]'s index in the file
   for (size_t i = 0; i < added.size(); ++i) {
     const json& a = added[i];
     const std::string key = concat("added_tokens[", i, "]");
@@ -398,7 +465,44 @@ void HfTokenizer::Impl::load_added(const json& added) {
     known[n] = true;
     this->added[n] = true;
     ids.emplace(text, n);
+
+    // Where encode() matches it. `special` decides whether it is plain text by default, so it must
+    // be stated (as the library writes it); the others default as the library's AddedToken::from.
+    AddedToken t;
+    t.id = n;
+    if (!member(a, "special")) bad(key + ".special", "missing (true or false: whether it is a special token)");
+    t.special = flag(a, "special", false, key);
+    t.single_word = flag(a, "single_word", false, key);
+    t.lstrip = flag(a, "lstrip", false, key);
+    t.rstrip = flag(a, "rstrip", false, key);
+    t.normalized = flag(a, "normalized", !t.special, key);
+    if (auto [it, fresh] = listed.try_emplace(n, added_tokens.size()); !fresh) {
+      const AddedToken& o = added_tokens[it->second];
+      if (o.special != t.special || o.single_word != t.single_word || o.lstrip != t.lstrip || o.rstrip != t.rstrip ||
+          o.normalized != t.normalized)
+        bad(key, concat("'", text, "' is listed twice, with different flags"));
+      continue;
+    }
+    added_tokens.push_back(t);
+    token_text.push_back(text);
+    entry.push_back(i);
+    plain = plain || !t.special;
   }
+  // The library's order: the special tokens, then the others, each in the file's order (of two
+  // entries that read the same after normalizing, the first is matched).
+  for (const bool special : {true, false})
+    for (size_t k = 0; k < added_tokens.size(); ++k) {
+      const AddedToken& t = added_tokens[k];
+      if (t.special != special) continue;
+      const std::string& text = token_text[k];
+      if (!t.normalized) {
+        raw_trie.add(text, static_cast<uint32_t>(k));
+        continue;
+      }
+      const std::string normal = normalize_piece(text);
+      if (normal.empty()) bad(concat("added_tokens[", entry[k], "].content"), "the normalizer makes it empty");
+      normalized_trie.add(normal, static_cast<uint32_t>(k));
+    }
 }
 
 void HfTokenizer::Impl::find_separator(const json& root) {
@@ -448,10 +552,7 @@ HfTokenizer::HfTokenizer(const std::string& path) : impl_(std::make_unique<Impl>
   if (const json* n = member(root, "normalizer")) m.load_normalizer(*n);
   const json* pre = member(root, "pre_tokenizer");
   if (m.byte_fallback) {
-    if (pre)
-      m.bad("pre_tokenizer", type_of(*pre) == "Metaspace"
-                                 ? std::string(kMetaspace)
-                                 : concat("'", type_of(*pre), "': a SentencePiece-style BPE (model.byte_fallback) has none"));
+    if (pre) m.load_sentencepiece_pre_tokenizer(*pre);
   } else {
     if (!pre) m.bad("pre_tokenizer", "missing (a byte-level BPE tokenizer has a ByteLevel step)");
     m.load_pre_tokenizer(*pre);
@@ -512,16 +613,58 @@ std::string replace_all(const std::string& text, const std::string& what, const 
 
 }  // namespace
 
-std::string HfTokenizer::normalize(std::string_view text) const {
-  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
-    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+std::string HfTokenizer::Impl::normalize_piece(std::string_view text) const {
   std::string out(text);
-  for (const NormalizerStep& n : impl_->norms) {
+  for (const NormalizerStep& n : norms) {
     if (n.kind == NormalizerStep::nfc) out = nfc(out);
     else if (n.kind == NormalizerStep::prepend && !out.empty()) out = n.text + out;
     else if (n.kind == NormalizerStep::replace) out = replace_all(out, n.text, n.with);
   }
   return out;
+}
+
+// The library's AddedVocabulary::extract_and_normalize, then the rest of the pipeline per piece:
+// the tokens written as they are (normalized: false) cut out of the text first; each piece between
+// them normalized on its own, and the normalized tokens cut out of that; what is left goes to the
+// pre-tokenizer and the model. Empty pieces vanish.
+template <class OnToken, class OnText>
+void HfTokenizer::Impl::walk(std::string_view text, OnToken on_token, OnText on_text) const {
+  if (!(plain || (match_special && !added_tokens.empty()))) {  // nothing to match: one piece
+    on_text(std::string_view(normalize_piece(text)));
+    return;
+  }
+  std::vector<AddedCut> outer, inner;
+  find_added(text, raw_trie, added_tokens, match_special, outer);
+  for (const AddedCut& c : outer) {
+    if (c.end <= c.begin) continue;
+    if (c.token >= 0) {
+      on_token(added_tokens[static_cast<size_t>(c.token)].id);
+      continue;
+    }
+    const std::string normal = normalize_piece(text.substr(c.begin, c.end - c.begin));
+    find_added(normal, normalized_trie, added_tokens, match_special, inner);
+    for (const AddedCut& d : inner) {
+      if (d.end <= d.begin) continue;
+      if (d.token >= 0)
+        on_token(added_tokens[static_cast<size_t>(d.token)].id);
+      else
+        on_text(std::string_view(normal).substr(d.begin, d.end - d.begin));
+    }
+  }
+}
+
+std::string HfTokenizer::normalize(std::string_view text) const {
+  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
+    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+  std::string out;
+  impl_->walk(
+      text, [&](uint32_t id) { out += impl_->token_bytes[id]; }, [&](std::string_view piece) { out += piece; });
+  return out;
+}
+
+void HfTokenizer::set_special_tokens(SpecialTokens mode) { impl_->match_special = mode == SpecialTokens::match; }
+SpecialTokens HfTokenizer::special_tokens() const {
+  return impl_->match_special ? SpecialTokens::match : SpecialTokens::text;
 }
 
 // The `tokenizers` library's NormalizedString::split: the text as alternating matches and gaps
@@ -593,10 +736,10 @@ void HfTokenizer::Impl::split(std::string_view text, const Step& s) {
 // The `tokenizers` library's BPE::merge_word for a SentencePiece-style model: each character a
 // symbol when it is a token, else its bytes' <0xXX> tokens when all exist, else the unknown token
 // (a run of them one, with fuse_unk); then the merges by (rank, position).
-void HfTokenizer::Impl::encode_sentencepiece(const std::string& text, std::vector<uint32_t>& out) {
+void HfTokenizer::Impl::encode_sentencepiece(std::string_view text, std::vector<uint32_t>& out) {
   if (text.empty()) return;
-  if (ignore_merges && byte_token(text) < 0)
-    if (auto it = ids.find(text); it != ids.end()) {
+  if (ignore_merges && byte_token(std::string(text)) < 0)
+    if (auto it = ids.find(std::string(text)); it != ids.end()) {
       out.push_back(it->second);
       return;
     }
@@ -633,31 +776,37 @@ void HfTokenizer::Impl::encode_sentencepiece(const std::string& text, std::vecto
   merger.encode_symbols(symbols, out);
 }
 
-void HfTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
-  Impl& m = *impl_;
-  const std::string normal = normalize(text);
-  if (m.byte_fallback) {  // no pre-tokenizer: the whole text is one piece
-    m.encode_sentencepiece(normal, out);
+void HfTokenizer::Impl::encode_normalized(std::string_view normal, std::vector<uint32_t>& out) {
+  if (byte_fallback) {  // no pre-tokenizer (or one that cannot cut): the whole piece is one
+    encode_sentencepiece(normal, out);
     return;
   }
-  m.pieces.assign(1, normal);
-  m.owned.clear();
-  for (const Step& s : m.steps) {
-    m.next.clear();
-    for (std::string_view p : m.pieces) {
+  pieces.assign(1, normal);
+  owned.clear();
+  for (const Step& s : steps) {
+    next.clear();
+    for (std::string_view p : pieces) {
       if (p.empty()) continue;
       if (s.byte_level && s.add_prefix_space && p[0] != ' ') {
-        m.owned.push_back(" " + std::string(p));
-        p = m.owned.back();
+        owned.push_back(" " + std::string(p));
+        p = owned.back();
       }
       if (s.pattern)
-        m.split(p, s);
+        split(p, s);
       else
-        m.next.push_back(p);
+        next.push_back(p);
     }
-    std::swap(m.pieces, m.next);
+    std::swap(pieces, next);
   }
-  for (std::string_view p : m.pieces) m.merger.encode_piece(p, out);
+  for (std::string_view p : pieces) merger.encode_piece(p, out);
+}
+
+void HfTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
+  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
+    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+  Impl& m = *impl_;
+  m.walk(
+      text, [&](uint32_t id) { out.push_back(id); }, [&](std::string_view piece) { m.encode_normalized(piece, out); });
 }
 
 std::vector<uint32_t> HfTokenizer::encode(std::string_view text) {

@@ -21,6 +21,7 @@
 
 #include "mpitrain/bpe.h"
 #include "mpitrain/error.h"
+#include "mpitrain/hf_tokenizer.h"
 #include "mpitrain/importers.h"
 #include "mpitrain/jsonl.h"
 #include "mpitrain/pack_plan.h"
@@ -299,7 +300,12 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   PackPlan plan;
   TextTokenizer tok;
   all_or_none(comm, [&] {
-    if (rank == 0) plan = make_pack_plan(opts, tok);
+    if (rank != 0) return;
+    if (!opts.special_tokens.empty() && opts.special_tokens != "text" && opts.special_tokens != "match")
+      throw UsageError("pack: --special-tokens '" + opts.special_tokens + "' is not text or match");
+    if (!opts.special_tokens.empty() && opts.tokenizer != "hf")
+      throw UsageError("pack: --special-tokens is read by --tokenizer hf only");
+    plan = make_pack_plan(opts, tok);
   });
   broadcast_pack_plan(plan, comm);
   const ShardMeta& meta = plan.meta;
@@ -316,6 +322,7 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
         continue;
       }
       load_text_tokenizer(opts, meta, tok);
+      if (tok.hf) tok.hf->set_special_tokens(meta.special_tokens == "match" ? SpecialTokens::match : SpecialTokens::text);
       load_text(units.back(), f, opts, meta, tok);
     }
   });

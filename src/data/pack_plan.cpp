@@ -28,6 +28,7 @@ void resolve_hf(const PackOptions& o, TextTokenizer& t, ShardMeta& m) {
   m.vocab_size = t.hf->vocab_size();
   m.tokenizer_file = o.tokenizer_file;
   m.tokenizer_sha256 = t.hf->sha256();
+  m.special_tokens = o.special_tokens == "match" ? "match" : "";
   if (o.eot_token != -1) {
     if (o.eot_token >= m.vocab_size)
       throw UsageError(concat("pack: --eot ", o.eot_token, " not in [0, vocab size ", m.vocab_size, ")"));
@@ -208,6 +209,7 @@ void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm) {
     put_str(plan.meta.source);
     put_str(plan.meta.tokenizer_file);
     put_str(plan.meta.tokenizer_sha256);
+    put_str(plan.meta.special_tokens);
   }
   uint64_t len = buf.size();
   MPI_CHECK(MPI_Bcast(&len, 1, MPI_UINT64_T, 0, comm));
@@ -243,6 +245,7 @@ void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm) {
   plan.meta.source = get_str();
   plan.meta.tokenizer_file = get_str();
   plan.meta.tokenizer_sha256 = get_str();
+  plan.meta.special_tokens = get_str();
 }
 
 // ---- this rank's share -------------------------------------------------------------------------

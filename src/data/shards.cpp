@@ -92,6 +92,7 @@ OpenShard open_shard(const std::string& path) {
   s.info.meta.source = h5::get_attr_string(f, "source").value_or("");
   s.info.meta.tokenizer_file = h5::get_attr_string(f, "tokenizer_file").value_or("");
   s.info.meta.tokenizer_sha256 = h5::get_attr_string(f, "tokenizer_sha256").value_or("");
+  s.info.meta.special_tokens = h5::get_attr_string(f, "tokenizer_special_tokens").value_or("");
 
   if (H5Lexists(f, "tokens", H5P_DEFAULT) <= 0) throw bad("missing dataset 'tokens'");
   hid_t d = H5Dopen2(f, "tokens", H5P_DEFAULT);
@@ -256,6 +257,7 @@ void write_shard(const std::string& path, const std::vector<uint32_t>& tokens,
     h5::set_attr(root, "source", meta.source);
     if (!meta.tokenizer_file.empty()) h5::set_attr(root, "tokenizer_file", meta.tokenizer_file);
     if (!meta.tokenizer_sha256.empty()) h5::set_attr(root, "tokenizer_sha256", meta.tokenizer_sha256);
+    if (!meta.special_tokens.empty()) h5::set_attr(root, "tokenizer_special_tokens", meta.special_tokens);
     if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error(tmp + ": cannot flush (disk full?)");
   } catch (...) {
     std::remove(tmp.c_str());
@@ -417,6 +419,7 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_le
       tokenizer_ = s.info.meta.tokenizer;
       tokenizer_file_ = s.info.meta.tokenizer_file;
       tokenizer_sha256_ = s.info.meta.tokenizer_sha256;
+      special_tokens_ = s.info.meta.special_tokens;
     } else if (s.info.meta.vocab_size != vocab_size_) {
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size, " differs from ",
                            vocab_size_, " in ", paths.front()));
@@ -425,6 +428,11 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_le
                               s.info.meta.tokenizer_sha256.empty() ? "none" : s.info.meta.tokenizer_sha256.substr(0, 12),
                               ") than ", paths.front(), " (",
                               tokenizer_sha256_.empty() ? "none" : tokenizer_sha256_.substr(0, 12), ")"));
+    } else if (s.info.meta.special_tokens != special_tokens_) {
+      auto mode = [](const std::string& m) { return m.empty() ? std::string("text") : m; };
+      throw UsageError(concat(path, ": packed with --special-tokens ", mode(s.info.meta.special_tokens), ", ",
+                              paths.front(), " with --special-tokens ", mode(special_tokens_),
+                              " (the same text has other ids)"));
     }
     if (s.info.meta.vocab_size > (int64_t{1} << 31))
       throw UsageError(concat(path, ": vocab_size ", s.info.meta.vocab_size,

