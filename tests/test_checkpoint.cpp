@@ -281,6 +281,10 @@ void expect_loads_bitwise(const std::string& path, GPT& saved) {
 }
 }  // namespace
 
+namespace {
+std::string dims_error(const std::string& path);
+}  // namespace
+
 // A Qwen3-shaped Llama (heads of 16 at width 16, q/k norms) comes back bitwise with its shape;
 // a model without the norms or with other heads is refused by name before a tensor is read.
 TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNorms) {
@@ -309,6 +313,27 @@ TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNor
   GPTDims narrow = d;
   narrow.head_size = 0;  // n_embd / n_head = 8
   EXPECT_NE(load_error(path, narrow).find("has head_dim 16, the configured one 8 (model.head_dim)"), std::string::npos);
+  // The family is recorded (model_fields.h); a file without it (before model.family) has the family
+  // its flags make, and one whose family contradicts its flags is refused naming the attribute.
+  EXPECT_EQ(stored.family, "qwen3");
+  auto with_family = [&](const char* family) {
+    h5::silence_errors();
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    EXPECT_GE(f, 0);
+    if (family) h5::set_attr(f, "family", std::string(family));
+    else EXPECT_GE(H5Adelete(f, "family"), 0);
+    H5Fclose(f);
+  };
+  with_family(nullptr);
+  EXPECT_EQ(checkpoint_dims(path).family, "qwen3");
+  expect_loads_bitwise(path, a);
+  with_family("qwen2");
+  EXPECT_NE(dims_error(path).find("attribute 'qkv_bias' does not fit attribute 'family' (qwen2)"), std::string::npos)
+      << dims_error(path);
+  with_family("gemma");
+  EXPECT_NE(dims_error(path).find("attribute 'family' must be one of gpt2|llama|qwen2|qwen3|mistral, got 'gemma'"),
+            std::string::npos)
+      << dims_error(path);
   std::system(("rm -rf " + dir).c_str());
 }
 

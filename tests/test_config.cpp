@@ -9,10 +9,13 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "mpitrain/error.h"
+#include "mpitrain/model_fields.h"
 
 namespace mpitrain {
 namespace {
@@ -58,6 +61,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.fused_kernels, b.model.fused_kernels);
   EXPECT_EQ(a.model.init_from, b.model.init_from);
   EXPECT_EQ(a.model.arch, b.model.arch);
+  EXPECT_EQ(a.model.family, b.model.family);
   EXPECT_EQ(a.model.n_kv_head, b.model.n_kv_head);
   EXPECT_EQ(a.model.intermediate_size, b.model.intermediate_size);
   EXPECT_EQ(a.model.rope_theta, b.model.rope_theta);
@@ -117,7 +121,7 @@ TEST(Config, MinimalFileKeepsEveryDefault) {
   d.data.train = {"train.h5"};
   d.data.val = {"val.h5"};
   d.model.n_layer = 6, d.model.n_head = 6, d.model.n_embd = 192, d.model.seq_len = 256;
-  d.model.arch = "gpt2", d.model.norm_eps = 1e-5;  // the tiny preset resolves these too
+  d.model.family = "gpt2", d.model.arch = "gpt2", d.model.norm_eps = 1e-5;  // the tiny preset resolves these too
   expect_same(c, d);
   EXPECT_EQ(c.source, "run.yaml");
 }
@@ -286,6 +290,80 @@ TEST(Config, CustomPresetNeedsEveryDimension) {
   EXPECT_EQ(c.model.n_layer, 2);
   EXPECT_EQ(c.model.seq_len, 32);
   EXPECT_EQ(c.model.vocab_size, 0);
+}
+
+// Every preset names its family (a row of families()); a config that names none takes the family
+// its parts make, as configs did before model.family; a named family fixes its block and flags.
+TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
+  const std::pair<const char*, const char*> presets[] = {
+      {"tiny", "gpt2"},          {"gpt2", "gpt2"},         {"gpt2-xl", "gpt2"},          {"llama-debug", "llama"},
+      {"llama3.2-1b", "llama"},  {"llama3.1-8b", "llama"}, {"qwen2.5-0.5b", "qwen2"},    {"qwen3-0.6b", "qwen3"},
+      {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}};
+  for (const auto& [preset, family] : presets) {
+    const Config c = parse_config(kMinimal, "run.yaml", {concat("model.preset=", preset)});
+    EXPECT_EQ(c.model.family, family) << preset;
+    EXPECT_EQ(c.model.arch, find_family(family)->block) << preset;
+    EXPECT_EQ(dims_of_config(c.model).family, family) << preset;
+    expect_same(c, parse_config(to_yaml(c), "resolved.yaml"));
+  }
+  // model.arch alone (configs written before model.family): the parts say the family.
+  const std::vector<std::string> custom = {"model.preset=custom", "model.n_layer=2", "model.n_head=4",
+                                           "model.n_embd=32", "model.seq_len=16"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = custom;
+    all.insert(all.end(), more.begin(), more.end());
+    return parse_config(kMinimal, "run.yaml", all).model;
+  };
+  EXPECT_EQ(with({}).family, "gpt2");
+  EXPECT_EQ(with({"model.arch=llama", "model.intermediate_size=64"}).family, "llama");
+  EXPECT_EQ(with({"model.arch=llama", "model.intermediate_size=64", "model.qkv_bias=true"}).family, "qwen2");
+  EXPECT_EQ(with({"model.arch=llama", "model.intermediate_size=64", "model.qk_norm=true"}).family, "qwen3");
+  EXPECT_EQ(with({"model.arch=llama", "model.intermediate_size=64", "model.sliding_window=16"}).family, "mistral");
+  // A named family gives the block and its flags.
+  const ModelConfig qwen3 = with({"model.family=qwen3", "model.intermediate_size=64"});
+  EXPECT_EQ(qwen3.arch, "llama");
+  EXPECT_EQ(qwen3.qk_norm, "true");
+  EXPECT_EQ(qwen3.qkv_bias, "false");
+  const ModelConfig qwen2 = with({"model.family=qwen2", "model.intermediate_size=64"});
+  EXPECT_EQ(qwen2.qkv_bias, "true");
+  EXPECT_EQ(qwen2.qk_norm, "false");
+  // A family of the preset's block may be named over the preset: the shape stays the preset's.
+  const Config over = parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug", "model.family=mistral",
+                                                          "model.sliding_window=256"});
+  EXPECT_EQ(over.model.family, "mistral");
+  EXPECT_EQ(over.model.n_embd, 256);
+  EXPECT_EQ(over.model.sliding_window, 256);
+  std::set<std::string> classes;
+  for (const Family& f : families()) {  // each family is read from and written as its own class
+    EXPECT_EQ(family_by_model_type(f.hf_model_type), &f);
+    EXPECT_TRUE(classes.insert(f.hf_architecture).second) << f.hf_architecture;
+  }
+}
+
+// docs/config.md's model table is checked against the tables: every model.* key (to_yaml writes
+// them all), every architecture field, every family and every preset is in it.
+TEST(Config, DocsNameEveryModelKeyFamilyAndPreset) {
+  std::ifstream in(std::string(MPITRAIN_TEST_DATA) + "/../../docs/config.md");
+  ASSERT_TRUE(in) << "docs/config.md";
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t begin = doc.find("## model"), end = doc.find("\n## ", begin + 1);
+  ASSERT_NE(begin, std::string::npos);
+  const std::string model = doc.substr(begin, end - begin);
+  const Config c = parse_config(kMinimal, "run.yaml");
+  const std::string yaml = to_yaml(c);
+  const size_t m0 = yaml.find("model:\n"), m1 = yaml.find("\n", yaml.find("\n", m0) + 1);
+  ASSERT_NE(m0, std::string::npos);
+  std::vector<std::string> keys;
+  for (size_t at = yaml.find("\n", m0) + 1; at < yaml.size() && yaml.compare(at, 2, "  ") == 0;
+       at = yaml.find("\n", at) + 1)
+    keys.push_back(yaml.substr(at + 2, yaml.find(':', at) - at - 2));
+  EXPECT_GT(keys.size(), 20u) << yaml.substr(m0, m1 - m0);
+  for (const ModelField& f : model_fields()) keys.push_back(f.key);
+  for (const std::string& k : keys) EXPECT_NE(model.find("`" + k + "`"), std::string::npos) << "model." << k;
+  for (const Family& f : families()) EXPECT_NE(model.find("`" + std::string(f.name) + "`"), std::string::npos) << f.name;
+  for (const char* preset : {"tiny", "gpt2-medium", "llama-debug", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-1.7b",
+                             "qwen3-4b", "mistral-7b-v0.1"})
+    EXPECT_NE(model.find(concat("`", preset, "`")), std::string::npos) << preset;
 }
 
 TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
@@ -555,6 +633,19 @@ INSTANTIATE_TEST_SUITE_P(
                 {"model.intermediate_size must be set (> 0) for a custom llama model"}},
         Invalid{"arch_vs_preset", {"model.preset=gpt2", "model.arch=llama"},
                 {"model.arch must be gpt2 with model.preset gpt2"}},
+        Invalid{"family_unknown", {"model.family=gemma"},
+                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral, got 'gemma'"}},
+        Invalid{"family_vs_preset_block", {"model.preset=gpt2", "model.family=llama"},
+                {"model.family must be one of the gpt2 families with model.preset gpt2"}},
+        Invalid{"arch_vs_family", {"model.preset=custom", "model.family=qwen3", "model.arch=gpt2", "model.n_layer=2",
+                                   "model.n_head=2", "model.n_embd=16", "model.seq_len=8"},
+                {"model.arch must be llama with model.family qwen3"}},
+        Invalid{"family_fixes_qkv_bias", {"model.preset=llama-debug", "model.family=qwen2", "model.qkv_bias=false"},
+                {"model.qkv_bias must be true with model.family qwen2", "got 'false'"}},
+        Invalid{"family_fixes_qk_norm", {"model.preset=qwen3-0.6b", "model.family=qwen3", "model.qk_norm=false"},
+                {"model.qk_norm must be true with model.family qwen3", "got 'false'"}},
+        Invalid{"family_window", {"model.preset=llama-debug", "model.family=llama", "model.sliding_window=256"},
+                {"model.sliding_window must be 0 with model.family llama", "got 256"}},
         Invalid{"rope_factor_without_llama3", {"model.preset=llama-debug", "model.rope_factor=2"},
                 {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3, got 2"}},
         Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},

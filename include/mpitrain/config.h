@@ -37,7 +37,12 @@ struct ModelConfig {
   // (automatic padding pads them as it pads the data's), and where it came from, for messages.
   int64_t init_vocab = 0;
   std::string init_vocab_source;
-  std::string arch = "";        // gpt2 | llama ("" = the preset's; custom: gpt2)
+  // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral ("" = the
+  // preset's; custom: from model.arch and the flags, as before the key existed). It gives the
+  // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's only) and
+  // the Hugging Face class it is read from and exported as.
+  std::string family = "";
+  std::string arch = "";        // the family's block, gpt2 | llama ("" = the family's; custom without family: gpt2)
   // Llama only (refused on gpt2, whose values are fixed: n_kv_head = n_head, 4 n_embd GELU
   // units, learned positions, biases everywhere, tied output):
   int64_t n_kv_head = 0;          // key/value heads, grouped-query attention; divides n_head (0 = n_head)

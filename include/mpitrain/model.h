@@ -33,61 +33,12 @@
 #include "mpitrain/checkpointing.h"
 #include "mpitrain/config.h"
 #include "mpitrain/fused_ops.h"
+#include "mpitrain/model_fields.h"  // GPTDims
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
 
 class Communicator;
-
-struct GPTDims {
-  int64_t n_layer = 0;
-  int64_t n_head = 0;
-  int64_t n_embd = 0;
-  int64_t seq_len = 0;
-  int64_t vocab_size = 0;         // rows of the token embedding and of the output layer
-  std::string arch = "gpt2";  // gpt2 | llama: which parts the block is made of (above)
-  int64_t n_kv_head = 0;          // llama: key/value heads (gpt2: n_head)
-  int64_t intermediate_size = 0;  // the MLP's hidden units (gpt2: 4 n_embd)
-  int64_t max_position = 0;       // llama: config.json's max_position_embeddings (gpt2: seq_len)
-  double norm_eps = 1e-5;
-  double rope_theta = 10000;
-  std::string rope_scaling = "none";  // none | llama3
-  double rope_factor = 0, rope_low_freq_factor = 0, rope_high_freq_factor = 0;
-  int64_t rope_original_max_position = 0;
-  bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
-  bool tie_embeddings = true;   // llama: false = an lm_head of its own
-  int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
-  bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
-  int64_t sliding_window = 0;   // llama: Mistral's attention window (0 none), >= seq_len, so the
-                                // attention is causal attention; kept for checkpoints and export
-  // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
-  // the rows after them are padding, initialised to zero, outside the loss and the logits, so
-  // they get no gradient and are never sampled. 0: every row is a class (an explicit
-  // model.vocab_size, as nanoGPT's 50304 and Hugging Face's padded checkpoints have it).
-  int64_t vocab_live = 0;
-  double dropout = 0.0;
-  bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
-  int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
-  bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
-  // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
-  // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
-  // backward; selective also keeps its linear layers' outputs and a fused attention kernel's
-  // graph, which the second run replays instead of computing again (checkpointing.h). The random
-  // state (dropout) and autocast of the first run are the second's, so gradients are bitwise
-  // those without it.
-  enum class Ac { none, full, selective } ac = Ac::none;
-  int64_t ac_every = 1;
-  // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
-  // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
-  // and vocab_size divide by tp.
-  int64_t tp = 1, tp_rank = 0;
-  Communicator* tp_comm = nullptr;
-
-  bool llama() const { return arch == "llama"; }
-  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
-  int64_t attn_width() const { return n_head * head_dim(); }  // q's and attention output's width
-  int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
-};
 
 // The model's dimensions: the config's (presets already resolved by parse_config). vocab_size 0
 // pads the data's vocabulary up to a multiple of `pad_multiple` (model.vocab_multiple, resolved

@@ -19,6 +19,7 @@
 
 #include "mpitrain/error.h"
 #include "mpitrain/hf_config.h"
+#include "mpitrain/model_fields.h"
 
 namespace mpitrain {
 namespace {
@@ -58,7 +59,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, preset),       MPITRAIN_FIELD(model, n_layer),
     MPITRAIN_FIELD(model, n_head),       MPITRAIN_FIELD(model, n_embd),
     MPITRAIN_FIELD(model, seq_len),      MPITRAIN_FIELD(model, vocab_size),
-    MPITRAIN_FIELD(model, vocab_multiple),
+    MPITRAIN_FIELD(model, vocab_multiple), MPITRAIN_FIELD(model, family),
     MPITRAIN_FIELD(model, arch),         MPITRAIN_FIELD(model, n_kv_head),
     MPITRAIN_FIELD(model, intermediate_size), MPITRAIN_FIELD(model, rope_theta),
     MPITRAIN_FIELD(model, rope_scaling), MPITRAIN_FIELD(model, rope_factor),
@@ -305,56 +306,98 @@ void apply_override(const std::string& spec, Config& cfg) {
 
 // ---- presets and validation ---------------------------------------------------------------------
 
-struct Preset {
-  const char* name;
-  const char* arch;
-  int64_t n_layer, n_head, n_embd, seq_len, vocab_size;
-  // Llama only (0 / nullptr for GPT-2):
-  int64_t n_kv_head, intermediate_size, max_position;
-  double rope_theta, norm_eps;
-  const char* rope_scaling;
-  double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
-  int64_t rope_original_max_position;
-  bool qkv_bias, tie_embeddings;
-  int64_t head_dim;  // 0: n_embd / n_head
-  bool qk_norm;
-  int64_t sliding_window;  // 0: none
-};
-
-// The Llama shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
+// A preset is one row: its fields by name, as the model.* keys of a config (the key table above
+// reads them, so a row is typed like a config). The family gives the block and its flags. The
+// Llama-block shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
 // 8B, Qwen2.5 0.5B, Qwen3 0.6B/1.7B/4B/8B, Mistral 7B v0.1); seq_len is a training context,
 // max_position what config.json declares.
-const Preset kPresets[] = {
-    {"tiny", "gpt2", 6, 6, 192, 256, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},  // vocab 0: the shards'
-    {"gpt2", "gpt2", 12, 12, 768, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
-    {"gpt2-medium", "gpt2", 24, 16, 1024, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
-    {"gpt2-large", "gpt2", 36, 20, 1280, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
-    {"gpt2-xl", "gpt2", 48, 25, 1600, 1024, 50257, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0, false, true, 0, false, 0},
-    {"llama-debug", "llama", 6, 16, 256, 256, 2048, 4, 768, 256, 500000, 1e-5, "none", 0, 0, 0, 0, false, true, 0, false, 0},
-    {"llama3.2-1b", "llama", 16, 32, 2048, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true, 0, false, 0},
-    {"llama3.2-3b", "llama", 28, 24, 3072, 2048, 128256, 8, 8192, 131072, 500000, 1e-5, "llama3", 32, 1, 4, 8192,
-     false, true, 0, false, 0},
-    {"llama3.1-8b", "llama", 32, 32, 4096, 2048, 128256, 8, 14336, 131072, 500000, 1e-5, "llama3", 8, 1, 4, 8192,
-     false, false, 0, false, 0},
-    {"qwen2.5-0.5b", "llama", 24, 14, 896, 2048, 151936, 2, 4864, 32768, 1000000, 1e-6, "none", 0, 0, 0, 0, true,
-     true, 0, false, 0},
-    // Qwen3: 128-wide heads whatever the width (16 x 128 = 2048 > 1024), q/k norms, no biases.
-    {"qwen3-0.6b", "llama", 28, 16, 1024, 2048, 151936, 8, 3072, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     true, 128, true, 0},
-    {"qwen3-1.7b", "llama", 28, 16, 2048, 2048, 151936, 8, 6144, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     true, 128, true, 0},
-    {"qwen3-4b", "llama", 36, 32, 2560, 2048, 151936, 8, 9728, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     true, 128, true, 0},
-    {"qwen3-8b", "llama", 36, 32, 4096, 2048, 151936, 8, 12288, 40960, 1000000, 1e-6, "none", 0, 0, 0, 0, false,
-     false, 128, true, 0},
-    // Mistral 7B v0.1: a 4096-token attention window (seq_len must stay within it), untied.
-    {"mistral-7b-v0.1", "llama", 32, 32, 4096, 2048, 32000, 8, 14336, 32768, 10000, 1e-5, "none", 0, 0, 0, 0, false,
-     false, 128, false, 4096},
+struct Preset {
+  const char* name;
+  const char* fields;
 };
 
-// Fills the unset fields (0, "" or auto) from the preset, then from the architecture's defaults;
-// an explicit value wins. GPT-2 has none of Llama's keys: setting one is an error naming it.
+#define MPITRAIN_LLAMA3_ROPE "rope_theta: 500000, norm_eps: 1e-5, rope_scaling: llama3, rope_low_freq_factor: 1, " \
+                             "rope_high_freq_factor: 4, rope_original_max_position: 8192, max_position: 131072"
+#define MPITRAIN_QWEN_ROPE "rope_theta: 1000000, norm_eps: 1e-6, rope_scaling: none"
+const Preset kPresets[] = {
+    {"tiny", "family: gpt2, n_layer: 6, n_head: 6, n_embd: 192, seq_len: 256"},  // vocab: the shards'
+    {"gpt2", "family: gpt2, n_layer: 12, n_head: 12, n_embd: 768, seq_len: 1024, vocab_size: 50257"},
+    {"gpt2-medium", "family: gpt2, n_layer: 24, n_head: 16, n_embd: 1024, seq_len: 1024, vocab_size: 50257"},
+    {"gpt2-large", "family: gpt2, n_layer: 36, n_head: 20, n_embd: 1280, seq_len: 1024, vocab_size: 50257"},
+    {"gpt2-xl", "family: gpt2, n_layer: 48, n_head: 25, n_embd: 1600, seq_len: 1024, vocab_size: 50257"},
+    {"llama-debug", "family: llama, n_layer: 6, n_head: 16, n_kv_head: 4, n_embd: 256, intermediate_size: 768, "
+                    "seq_len: 256, vocab_size: 2048, max_position: 256, rope_theta: 500000, norm_eps: 1e-5, "
+                    "rope_scaling: none, tie_embeddings: true"},
+    {"llama3.2-1b", "family: llama, n_layer: 16, n_head: 32, n_kv_head: 8, n_embd: 2048, intermediate_size: 8192, "
+                    "seq_len: 2048, vocab_size: 128256, rope_factor: 32, tie_embeddings: true, " MPITRAIN_LLAMA3_ROPE},
+    {"llama3.2-3b", "family: llama, n_layer: 28, n_head: 24, n_kv_head: 8, n_embd: 3072, intermediate_size: 8192, "
+                    "seq_len: 2048, vocab_size: 128256, rope_factor: 32, tie_embeddings: true, " MPITRAIN_LLAMA3_ROPE},
+    {"llama3.1-8b", "family: llama, n_layer: 32, n_head: 32, n_kv_head: 8, n_embd: 4096, intermediate_size: 14336, "
+                    "seq_len: 2048, vocab_size: 128256, rope_factor: 8, tie_embeddings: false, " MPITRAIN_LLAMA3_ROPE},
+    {"qwen2.5-0.5b", "family: qwen2, n_layer: 24, n_head: 14, n_kv_head: 2, n_embd: 896, intermediate_size: 4864, "
+                     "seq_len: 2048, vocab_size: 151936, max_position: 32768, tie_embeddings: true, " MPITRAIN_QWEN_ROPE},
+    // Qwen3: 128-wide heads whatever the width (16 x 128 = 2048 > 1024).
+    {"qwen3-0.6b", "family: qwen3, n_layer: 28, n_head: 16, n_kv_head: 8, n_embd: 1024, intermediate_size: 3072, "
+                   "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
+                   MPITRAIN_QWEN_ROPE},
+    {"qwen3-1.7b", "family: qwen3, n_layer: 28, n_head: 16, n_kv_head: 8, n_embd: 2048, intermediate_size: 6144, "
+                   "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
+                   MPITRAIN_QWEN_ROPE},
+    {"qwen3-4b", "family: qwen3, n_layer: 36, n_head: 32, n_kv_head: 8, n_embd: 2560, intermediate_size: 9728, "
+                 "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
+                 MPITRAIN_QWEN_ROPE},
+    {"qwen3-8b", "family: qwen3, n_layer: 36, n_head: 32, n_kv_head: 8, n_embd: 4096, intermediate_size: 12288, "
+                 "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: false, "
+                 MPITRAIN_QWEN_ROPE},
+    // Mistral 7B v0.1: a 4096-token attention window (seq_len must stay within it), untied.
+    {"mistral-7b-v0.1", "family: mistral, n_layer: 32, n_head: 32, n_kv_head: 8, n_embd: 4096, "
+                        "intermediate_size: 14336, head_dim: 128, seq_len: 2048, vocab_size: 32000, "
+                        "max_position: 32768, rope_theta: 10000, norm_eps: 1e-5, rope_scaling: none, "
+                        "tie_embeddings: false, sliding_window: 4096"},
+};
+#undef MPITRAIN_LLAMA3_ROPE
+#undef MPITRAIN_QWEN_ROPE
+
+// The preset's row as a Config's model section.
+Config preset_config(const Preset& p) {
+  Config c;
+  const std::string where = concat("model.preset ", p.name);
+  for (const auto& item : load_yaml(concat("{", p.fields, "}"), where)) {
+    const Field* f = find_field("model." + item.first.Scalar());
+    MPITRAIN_CHECK(f, concat(where, ": no key model.", item.first.Scalar()));
+    set_field(*f, item.second, c, where);
+  }
+  return c;
+}
+
+// Whether field `f` holds the same value in `a` and `b`, and the copy of it from `from`.
+bool same_value(const Field& f, Config& a, Config& b) {
+  switch (f.kind) {
+    case Kind::integer: return member<int64_t>(f, a) == member<int64_t>(f, b);
+    case Kind::unsigned_integer: return member<uint64_t>(f, a) == member<uint64_t>(f, b);
+    case Kind::number: return member<double>(f, a) == member<double>(f, b);
+    case Kind::boolean: return member<bool>(f, a) == member<bool>(f, b);
+    case Kind::string: return member<std::string>(f, a) == member<std::string>(f, b);
+    case Kind::string_list: return member<std::vector<std::string>>(f, a) == member<std::vector<std::string>>(f, b);
+  }
+  return false;
+}
+
+void copy_value(const Field& f, Config& from, Config& to) {
+  switch (f.kind) {
+    case Kind::integer: member<int64_t>(f, to) = member<int64_t>(f, from); break;
+    case Kind::unsigned_integer: member<uint64_t>(f, to) = member<uint64_t>(f, from); break;
+    case Kind::number: member<double>(f, to) = member<double>(f, from); break;
+    case Kind::boolean: member<bool>(f, to) = member<bool>(f, from); break;
+    case Kind::string: member<std::string>(f, to) = member<std::string>(f, from); break;
+    case Kind::string_list: member<std::vector<std::string>>(f, to) = member<std::vector<std::string>>(f, from); break;
+  }
+}
+
+// Fills the unset fields (0, "" or auto) from the preset's row, then from the family's and the
+// block's defaults; an explicit value wins. GPT-2 has none of Llama's keys: setting one is an
+// error naming it. A named model.family fixes its flags; without one (configs that say only
+// model.arch) the family is what the parts make (family_of_parts).
 void apply_preset(ModelConfig& m, const std::string& where) {
   const Preset* p = nullptr;
   for (const Preset& q : kPresets)
@@ -364,12 +407,24 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     for (const Preset& q : kPresets) names += concat(q.name, "|");
     throw UsageError(concat(where, ": model.preset must be one of ", names, "custom, got ", show(m.preset)));
   }
-  if (m.arch.empty()) m.arch = p ? p->arch : "gpt2";
+  Config preset;  // the row (a default Config when custom)
+  if (p) preset = preset_config(*p);
+  const Family* from_preset = p ? find_family(preset.model.family) : nullptr;
+  const bool named = !m.family.empty();
+  if (named && !find_family(m.family))
+    throw UsageError(concat(where, ": model.family must be one of ", family_names(), ", got ", show(m.family)));
+  const Family* family = named ? find_family(m.family) : from_preset;
+  if (m.arch.empty()) m.arch = family ? family->block : "gpt2";
   if (m.arch != "gpt2" && m.arch != "llama")
     throw UsageError(concat(where, ": model.arch must be one of gpt2|llama, got ", show(m.arch)));
-  if (p && m.arch != p->arch)
-    throw UsageError(concat(where, ": model.arch must be ", p->arch, " with model.preset ", p->name,
-                            " (or use model.preset: custom), got ", show(m.arch)));
+  if (from_preset && m.arch != from_preset->block)
+    throw UsageError(concat(where, ": model.", named ? "family" : "arch", " must be ",
+                            named ? concat("one of the ", from_preset->block, " families") : std::string(from_preset->block),
+                            " with model.preset ", p->name, " (or use model.preset: custom), got ",
+                            show(named ? m.family : m.arch)));
+  if (named && m.arch != family->block)
+    throw UsageError(concat(where, ": model.arch must be ", family->block, " with model.family ", family->name,
+                            " (or leave it unset), got ", show(m.arch)));
   if (!p) {
     for (const auto& [key, value] : {std::pair{"n_layer", m.n_layer}, std::pair{"n_head", m.n_head},
                                      std::pair{"n_embd", m.n_embd}, std::pair{"seq_len", m.seq_len}})
@@ -378,14 +433,21 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     if (m.arch == "llama" && m.intermediate_size == 0)
       throw UsageError(concat(where, ": model.intermediate_size must be set (> 0) for a custom llama model, got 0"));
   }
+  // The row's fields where this config leaves them unset. Llama 3's rope parameters come only with
+  // the row's rope_scaling (a config that sets another scaling sets its own).
+  Config here, unset;
+  here.model = m;
+  const bool own_scaling = !m.rope_scaling.empty() && m.rope_scaling != preset.model.rope_scaling;
+  for (const Field& f : kFields) {
+    const std::string key = f.key;
+    if (std::string(f.section) != "model" || key == "preset" || key == "family" || key == "arch") continue;
+    if (own_scaling && key.rfind("rope_", 0) == 0 && key != "rope_scaling" && key != "rope_theta") continue;
+    if (same_value(f, here, unset) && !same_value(f, preset, unset)) copy_value(f, preset, here);
+  }
+  m = here.model;
   auto fill = [](auto& field, auto value) {
     if (field == decltype(value){}) field = value;
   };
-  if (p)
-    for (auto [field, value] : {std::pair{&m.n_layer, p->n_layer}, std::pair{&m.n_head, p->n_head},
-                                std::pair{&m.n_embd, p->n_embd}, std::pair{&m.seq_len, p->seq_len},
-                                std::pair{&m.vocab_size, p->vocab_size}})
-      fill(*field, value);
   if (m.arch == "gpt2") {
     const std::pair<const char*, bool> llama_only[] = {
         {"n_kv_head", m.n_kv_head != 0 && m.n_kv_head != m.n_head},
@@ -407,26 +469,12 @@ void apply_preset(ModelConfig& m, const std::string& where) {
         throw UsageError(concat(where, ": model.", key, " applies to model.arch: llama only (this model is gpt2, ",
                                 "whose value is fixed)"));
     fill(m.norm_eps, 1e-5);
+    m.family = "gpt2";
     return;
   }
-  if (p) {
-    fill(m.n_kv_head, p->n_kv_head);
-    fill(m.intermediate_size, p->intermediate_size);
-    fill(m.max_position, p->max_position);
-    fill(m.rope_theta, p->rope_theta);
-    fill(m.norm_eps, p->norm_eps);
-    fill(m.rope_scaling, std::string(p->rope_scaling));
-    if (m.rope_scaling == p->rope_scaling) {
-      fill(m.rope_factor, p->rope_factor);
-      fill(m.rope_low_freq_factor, p->rope_low_freq_factor);
-      fill(m.rope_high_freq_factor, p->rope_high_freq_factor);
-      fill(m.rope_original_max_position, p->rope_original_max_position);
-    }
-    if (m.qkv_bias == "auto") m.qkv_bias = p->qkv_bias ? "true" : "false";
-    if (m.tie_embeddings == "auto") m.tie_embeddings = p->tie_embeddings ? "true" : "false";
-    fill(m.head_dim, p->head_dim);
-    if (m.qk_norm == "auto") m.qk_norm = p->qk_norm ? "true" : "false";
-    fill(m.sliding_window, p->sliding_window);
+  if (family) {  // the family's flags where unset
+    if (m.qkv_bias == "auto") m.qkv_bias = family->qkv_bias ? "true" : "false";
+    if (m.qk_norm == "auto") m.qk_norm = family->qk_norm ? "true" : "false";
   }
   fill(m.n_kv_head, m.n_head);
   fill(m.max_position, m.seq_len);
@@ -436,6 +484,18 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   if (m.qkv_bias == "auto") m.qkv_bias = "false";
   if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
   if (m.qk_norm == "auto") m.qk_norm = "false";
+  if (!named) {  // as before model.family: the parts say it (validate refuses parts no family has)
+    m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window).name;
+    return;
+  }
+  if (const char* conflict = family_conflict(*family, m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window)) {
+    const std::string key = conflict;
+    const bool window = key == "sliding_window";
+    const bool fixed = key == "qkv_bias" ? family->qkv_bias : family->qk_norm;
+    throw UsageError(concat(where, ": model.", key, " must be ", window ? "0" : fixed ? "true" : "false",
+                            " with model.family ", family->name, " (", family->about, "), got ",
+                            window ? show(m.sliding_window) : show(key == "qkv_bias" ? m.qkv_bias : m.qk_norm)));
+  }
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {

@@ -9,6 +9,7 @@
 
 #include "mpitrain/error.h"
 #include "mpitrain/files.h"
+#include "mpitrain/model_fields.h"
 
 namespace mpitrain {
 namespace {
@@ -80,14 +81,20 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     return c[key].get<bool>();
   };
 
+  // The family is the row whose model_type this is (model_fields.h); GPT-2's config.json is read
+  // by the safetensors importer, not here.
   const std::string type = c.value("model_type", std::string());
-  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "mistral")
-    throw bad("model_type", concat("'", type, "': mpitrain reads llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), ",
-                                   "qwen3 (Qwen3ForCausalLM) and mistral (MistralForCausalLM)"));
+  const Family* family = family_by_model_type(type);
+  if (!family || std::string(family->block) != "llama") {
+    std::string known;
+    for (const Family& f : families())
+      if (std::string(f.block) == "llama") known += concat(known.empty() ? "" : ", ", f.hf_model_type, " (", f.hf_architecture, ")");
+    throw bad("model_type", concat("'", type, "': mpitrain reads ", known));
+  }
   if (c.contains("hidden_act") && c["hidden_act"] != "silu")
     throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
   // Qwen2's q/k/v biases are qkv_bias; llama's and qwen3's attention_bias (o_proj too) and mlp_bias are not supported.
-  if (type != "qwen2" && (flag("attention_bias", false) || flag("mlp_bias", false)))
+  if (!family->qkv_bias && (flag("attention_bias", false) || flag("mlp_bias", false)))
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
               concat("true: mpitrain's ", type, " has no such biases"));
   if ((type == "qwen2" || type == "qwen3") && flag("use_sliding_window", false))
@@ -95,7 +102,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // Mistral's window (null: none). Qwen's configs carry a sliding_window too, unused without
   // use_sliding_window; Llama's have none. A window shorter than model.seq_len is refused by the
   // config's validation, naming model.sliding_window.
-  const int64_t window = type == "mistral" ? integer("sliding_window", false, 0) : 0;
+  const int64_t window = family->window ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
@@ -170,12 +177,13 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     *f.field = f.value;
   }
   struct Str { const char* key; std::string* field; std::string value; const char* unset; };
-  const Str strs[] = {{"arch", &m.arch, "llama", ""},
+  const Str strs[] = {{"family", &m.family, family->name, ""},
+                      {"arch", &m.arch, family->block, ""},
                       {"rope_scaling", &m.rope_scaling, scaling, ""},
-                      {"qkv_bias", &m.qkv_bias, type == "qwen2" ? "true" : "false", "auto"},
+                      {"qkv_bias", &m.qkv_bias, family->qkv_bias ? "true" : "false", "auto"},
                       {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false",
                        "auto"},
-                      {"qk_norm", &m.qk_norm, type == "qwen3" ? "true" : "false", "auto"}};
+                      {"qk_norm", &m.qk_norm, family->qk_norm ? "true" : "false", "auto"}};
   for (const Str& f : strs) {
     if (*f.field != f.unset && *f.field != f.value) throw disagree(f.key, *f.field, f.value);
     *f.field = f.value;

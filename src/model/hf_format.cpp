@@ -12,12 +12,14 @@
 #include <memory>
 #include <set>
 #include <sstream>
+#include <variant>
 #include <nlohmann/json.hpp>
 
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/files.h"
 #include "mpitrain/importers.h"
+#include "mpitrain/model_fields.h"
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
@@ -295,25 +297,18 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
     };
   // Qwen2's attention has q/k/v biases, Qwen3's q/k norms; Llama's neither (attention_bias would
   // add o_proj's bias too); Mistral is Llama's with an attention window.
-  const std::string arch = hf_architecture(d);
-  const bool qwen2 = arch == "Qwen2ForCausalLM", qwen3 = arch == "Qwen3ForCausalLM";
-  const bool mistral = arch == "MistralForCausalLM";
+  const Family& family = d.family_row();
+  const std::string type = family.hf_model_type;
+  const bool qwen2 = type == "qwen2", qwen3 = type == "qwen3", mistral = type == "mistral";
   json c = {
-      {"architectures", {arch}},
-      {"model_type", qwen2 ? "qwen2" : qwen3 ? "qwen3" : mistral ? "mistral" : "llama"},
+      {"architectures", {family.hf_architecture}},
+      {"model_type", type},
       {"vocab_size", d.classes()},
       {"hidden_size", d.n_embd},
-      {"intermediate_size", d.intermediate_size},
       {"num_hidden_layers", d.n_layer},
       {"num_attention_heads", d.n_head},
-      {"num_key_value_heads", d.n_kv_head},
-      {"head_dim", d.head_dim()},
       {"hidden_act", "silu"},
-      {"max_position_embeddings", d.max_position},
-      {"rms_norm_eps", d.norm_eps},
-      {"rope_theta", d.rope_theta},
       {"rope_scaling", nullptr},
-      {"tie_word_embeddings", d.tie_embeddings},
       {"attention_dropout", d.dropout},
       {"initializer_range", 0.02},
       {"use_cache", true},
@@ -321,8 +316,10 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"eos_token_id", eot_token},
       {"torch_dtype", torch_dtype},
   };
+  for (const ModelField& f : model_fields())  // the fields config.json has as they are
+    if (*f.hf_key) std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
   if (mistral) {
-    c["sliding_window"] = d.sliding_window;
+    c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);  // null: none
   } else if (qwen2 || qwen3) {
     if (qwen3) c["attention_bias"] = false;
     c["use_sliding_window"] = false;
@@ -375,14 +372,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 
 }  // namespace
 
-std::string hf_architecture(const GPTDims& d) {
-  MPITRAIN_CHECK(!(d.qkv_bias && d.qk_norm), "no Hugging Face class has both q/k/v biases and q/k norms");
-  MPITRAIN_CHECK(d.sliding_window == 0 || !(d.qkv_bias || d.qk_norm),
-                 "a sliding window is Mistral's: no q/k/v biases or q/k norms with it");
-  if (!d.llama()) return "GPT2LMHeadModel";
-  if (d.sliding_window > 0) return "MistralForCausalLM";
-  return d.qkv_bias ? "Qwen2ForCausalLM" : d.qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
-}
+std::string hf_architecture(const GPTDims& d) { return d.family_row().hf_architecture; }
 
 std::string hf_name(const std::string& name, const GPTDims& d) {
   return d.llama() ? llama_hf_name(name) : kPrefix + name;

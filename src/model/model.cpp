@@ -24,12 +24,7 @@ int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp) {
 }
 
 GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_multiple) {
-  GPTDims d;
-  d.n_layer = cfg.n_layer;
-  d.n_head = cfg.n_head;
-  d.n_embd = cfg.n_embd;
-  d.seq_len = cfg.seq_len;
-  d.dropout = cfg.dropout;
+  GPTDims d = dims_of_config(cfg);  // the architecture (model_fields.h)
   d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
   d.fused_kernels = cfg.fused_kernels == "on";  // likewise
   if (cfg.init_vocab > 0 && cfg.init_vocab < data_vocab_size)
@@ -44,28 +39,6 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
     const int64_t classes = cfg.init_vocab > 0 ? cfg.init_vocab : data_vocab_size;
     d.vocab_size = (classes + pad_multiple - 1) / pad_multiple * pad_multiple;
     if (d.vocab_size > classes) d.vocab_live = classes;
-  }
-  d.arch = cfg.arch.empty() ? "gpt2" : cfg.arch;  // a ModelConfig that parse_config did not resolve: GPT-2's
-  d.norm_eps = cfg.norm_eps > 0 ? cfg.norm_eps : 1e-5;
-  if (d.llama()) {
-    d.n_kv_head = cfg.n_kv_head;
-    d.intermediate_size = cfg.intermediate_size;
-    d.max_position = cfg.max_position;
-    d.rope_theta = cfg.rope_theta;
-    d.rope_scaling = cfg.rope_scaling;
-    d.rope_factor = cfg.rope_factor;
-    d.rope_low_freq_factor = cfg.rope_low_freq_factor;
-    d.rope_high_freq_factor = cfg.rope_high_freq_factor;
-    d.rope_original_max_position = cfg.rope_original_max_position;
-    d.qkv_bias = cfg.qkv_bias == "true";
-    d.tie_embeddings = cfg.tie_embeddings == "true";
-    d.head_size = cfg.head_dim;  // 0: n_embd / n_head
-    d.qk_norm = cfg.qk_norm == "true";
-    d.sliding_window = cfg.sliding_window;
-  } else {
-    d.n_kv_head = d.n_head;
-    d.intermediate_size = 4 * d.n_embd;
-    d.max_position = d.seq_len;
   }
   if (d.vocab_size < data_vocab_size)
     throw UsageError(concat("model.vocab_size must be >= the data's vocab_size ", data_vocab_size,

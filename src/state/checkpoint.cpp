@@ -21,11 +21,15 @@
 #include <functional>
 #include <memory>
 #include <sstream>
+#include <tuple>
+#include <type_traits>
+#include <variant>
 
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/log.h"
+#include "mpitrain/model_fields.h"
 #include "mpitrain/tensor_io.h"
 #include "mpitrain/tensor_parallel.h"
 
@@ -254,25 +258,18 @@ struct CheckpointFileHandles {
 
 namespace {
 
-// The architecture beyond GPT-2's five dimensions (absent in files before Llama: gpt2, eps 1e-5).
+// The architecture beyond GPT-2's five dimensions: the rows of model_fields() that apply to the
+// block (flags as 0/1 integers).
 void write_arch_attrs(hid_t root, const GPTDims& d) {
-  h5::set_attr(root, "arch", d.arch);
-  h5::set_attr(root, "norm_eps", d.norm_eps);
-  if (!d.llama()) return;
-  h5::set_attr(root, "n_kv_head", d.n_kv_head);
-  h5::set_attr(root, "intermediate_size", d.intermediate_size);
-  h5::set_attr(root, "max_position", d.max_position);
-  h5::set_attr(root, "rope_theta", d.rope_theta);
-  h5::set_attr(root, "rope_scaling", d.rope_scaling);
-  h5::set_attr(root, "rope_factor", d.rope_factor);
-  h5::set_attr(root, "rope_low_freq_factor", d.rope_low_freq_factor);
-  h5::set_attr(root, "rope_high_freq_factor", d.rope_high_freq_factor);
-  h5::set_attr(root, "rope_original_max_position", d.rope_original_max_position);
-  h5::set_attr(root, "qkv_bias", int64_t{d.qkv_bias});
-  h5::set_attr(root, "tie_embeddings", int64_t{d.tie_embeddings});
-  h5::set_attr(root, "head_dim", d.head_dim());
-  h5::set_attr(root, "qk_norm", int64_t{d.qk_norm});
-  h5::set_attr(root, "sliding_window", d.sliding_window);
+  for (const ModelField& f : model_fields()) {
+    if (f.llama_block && !d.llama()) continue;
+    std::visit(
+        [&](const auto& x) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(x)>, bool>) h5::set_attr(root, f.key, int64_t{x});
+          else h5::set_attr(root, f.key, x);
+        },
+        f.get(d));
+  }
 }
 
 UsageError write_failure(const std::string& tmp, const std::string& why) {
@@ -548,6 +545,46 @@ std::vector<std::string> resume_candidates(const CheckpointConfig& cfg) {
 
 namespace {
 
+// The rows of model_fields() that apply to the block (the arch row first says which), each checked
+// against its type and range; an absent optional one takes its fallback (files written before it
+// existed). A file without the family attribute (before model.family) has the family its parts say.
+void read_arch_attrs(hid_t root, const std::string& path, GPTDims& d) {
+  for (const ModelField& f : model_fields()) {
+    if (f.llama_block && !d.llama()) continue;
+    if (!h5::has_attr(root, f.key)) {
+      if (f.required) throw UsageError(concat(path, ": missing attribute '", f.key, "'"));
+      f.set(d, f.fallback);
+      continue;
+    }
+    switch (f.type) {
+      case ModelField::Type::integer:
+        f.set(d, require_int_in(root, path, f.key, f.key, f.lo, f.hi));
+        break;
+      case ModelField::Type::flag:
+        f.set(d, require_int_in(root, path, f.key, f.key, 0, 1) == 1);
+        break;
+      case ModelField::Type::number: {
+        const auto v = h5::get_attr_double(root, f.key);
+        if (!v || !std::isfinite(*v) || *v < static_cast<double>(f.lo))
+          throw UsageError(concat(path, ": attribute '", f.key, "' must be a number >= ", f.lo));
+        f.set(d, *v);
+        break;
+      }
+      case ModelField::Type::text: {
+        const std::string v = *optional_string(root, path, f.key);
+        const std::string allowed = *f.values ? std::string(f.values) : family_names();
+        if (("|" + allowed + "|").find("|" + v + "|") == std::string::npos)
+          throw UsageError(concat(path, ": attribute '", f.key, "' must be one of ", allowed, ", got '", v, "'"));
+        f.set(d, v);
+        break;
+      }
+    }
+  }
+  if (d.family.empty()) d.family = family_of_parts(d.arch, d.qkv_bias, d.qk_norm, d.sliding_window).name;
+  if (const char* key = family_conflict(d.family_row(), d.arch, d.qkv_bias, d.qk_norm, d.sliding_window))
+    throw UsageError(concat(path, ": attribute '", key, "' does not fit attribute 'family' (", d.family, ")"));
+}
+
 // The declared model dimensions of the open checkpoint `root` (file name `path`), checked against
 // its stored tensors.
 GPTDims declared_dims(hid_t root, const std::string& path) {
@@ -559,52 +596,17 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   d.vocab_size = require_int_in(root, path, "vocab_size", "vocab_size", 1);
   if (h5::has_attr(root, "vocab_live"))  // absent: every row a class
     d.vocab_live = require_int_in(root, path, "vocab_live", "vocab_live", 1, d.vocab_size);
-  d.arch = optional_string(root, path, "arch").value_or("gpt2");
-  if (d.arch != "gpt2" && d.arch != "llama")
-    throw UsageError(concat(path, ": attribute 'arch' must be gpt2 or llama, got '", d.arch, "'"));
-  // The head size: llama files since Qwen3 record it (and whether q/k are normalised); older
-  // files and gpt2 have n_embd / n_head.
-  if (d.llama() && h5::has_attr(root, "head_dim"))
-    d.head_size = require_int_in(root, path, "head_dim", "head_dim", 2, 1 << 16);
-  if (d.llama() && h5::has_attr(root, "qk_norm"))
-    d.qk_norm = require_int_in(root, path, "qk_norm", "qk_norm", 0, 1) == 1;
-  // Mistral's window (0: none; files before it have none); one shorter than seq_len is not a model
-  // mpitrain makes.
-  if (d.llama() && h5::has_attr(root, "sliding_window"))
-    d.sliding_window = require_int_in(root, path, "sliding_window", "sliding_window", 0, INT32_MAX);
+  read_arch_attrs(root, path, d);
+  if (d.n_embd % d.n_head != 0 && d.head_size == 0)
+    throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
+                            d.n_embd));
+  if (d.llama() && d.n_head % d.n_kv_head != 0)
+    throw UsageError(concat(path, ": attribute 'n_kv_head' must divide 'n_head' (", d.n_head, "), got ", d.n_kv_head));
+  // One shorter than seq_len is not a model mpitrain makes.
   if (d.sliding_window != 0 && d.sliding_window < d.seq_len)
     throw UsageError(concat(path, ": attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len, "), got ",
                             d.sliding_window));
-  if (d.head_size == 0 && d.n_embd % d.n_head != 0)
-    throw UsageError(concat(path, ": attribute 'n_embd' must be divisible by 'n_head' (", d.n_head, "), got ",
-                            d.n_embd));
-  auto positive_double = [&](const char* name, bool required, double fallback) {
-    if (!h5::has_attr(root, name)) {
-      if (required) throw UsageError(concat(path, ": missing attribute '", name, "'"));
-      return fallback;
-    }
-    const auto v = h5::get_attr_double(root, name);
-    if (!v || !std::isfinite(*v) || *v < 0) throw UsageError(concat(path, ": attribute '", name, "' must be a number >= 0"));
-    return *v;
-  };
-  d.norm_eps = positive_double("norm_eps", false, 1e-5);
-  if (d.llama()) {
-    d.n_kv_head = require_int_in(root, path, "n_kv_head", "n_kv_head", 1, d.n_head);
-    if (d.n_head % d.n_kv_head != 0)
-      throw UsageError(concat(path, ": attribute 'n_kv_head' must divide 'n_head' (", d.n_head, "), got ", d.n_kv_head));
-    d.intermediate_size = require_int_in(root, path, "intermediate_size", "intermediate_size", 1);
-    d.max_position = require_int_in(root, path, "max_position", "max_position", 1);
-    d.rope_theta = positive_double("rope_theta", true, 0);
-    d.rope_scaling = optional_string(root, path, "rope_scaling").value_or("none");
-    if (d.rope_scaling != "none" && d.rope_scaling != "llama3")
-      throw UsageError(concat(path, ": attribute 'rope_scaling' must be none or llama3, got '", d.rope_scaling, "'"));
-    d.rope_factor = positive_double("rope_factor", true, 0);
-    d.rope_low_freq_factor = positive_double("rope_low_freq_factor", true, 0);
-    d.rope_high_freq_factor = positive_double("rope_high_freq_factor", true, 0);
-    d.rope_original_max_position = require_int_in(root, path, "rope_original_max_position", "rope_original_max_position", 0);
-    d.qkv_bias = require_int_in(root, path, "qkv_bias", "qkv_bias", 0, 1) == 1;
-    d.tie_embeddings = require_int_in(root, path, "tie_embeddings", "tie_embeddings", 0, 1) == 1;
-  } else {
+  if (!d.llama()) {  // the gpt2 block's fixed values
     d.n_kv_head = d.n_head;
     d.intermediate_size = 4 * d.n_embd;
     d.max_position = d.seq_len;
@@ -664,26 +666,18 @@ int64_t read_checkpoint_header(hid_t root, const std::string& path, GPT& model, 
   // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
   {
     const GPTDims have = declared_dims(root, path), want = model->dims();
-    const std::pair<const char*, std::pair<std::string, std::string>> keys[] = {
-        {"arch", {have.arch, want.arch}},
-        {"n_layer", {concat(have.n_layer), concat(want.n_layer)}},
-        {"n_head", {concat(have.n_head), concat(want.n_head)}},
-        {"n_kv_head", {concat(have.n_kv_head), concat(want.n_kv_head)}},
-        {"n_embd", {concat(have.n_embd), concat(want.n_embd)}},
-        {"intermediate_size", {concat(have.intermediate_size), concat(want.intermediate_size)}},
-        {"seq_len", {concat(have.seq_len), concat(want.seq_len)}},
-        {"vocab_size", {concat(have.vocab_size), concat(want.vocab_size)}},
-        {"norm_eps", {concat(have.norm_eps), concat(want.norm_eps)}},
-        {"rope_theta", {concat(have.rope_theta), concat(want.rope_theta)}},
-        {"rope_scaling", {concat(have.rope_scaling, " ", have.rope_factor, " ", have.rope_low_freq_factor, " ",
-                                 have.rope_high_freq_factor, " ", have.rope_original_max_position),
-                          concat(want.rope_scaling, " ", want.rope_factor, " ", want.rope_low_freq_factor, " ",
-                                 want.rope_high_freq_factor, " ", want.rope_original_max_position)}},
-        {"qkv_bias", {concat(have.qkv_bias), concat(want.qkv_bias)}},
-        {"tie_embeddings", {concat(have.tie_embeddings), concat(want.tie_embeddings)}},
-        {"head_dim", {concat(have.head_dim()), concat(want.head_dim())}},
-        {"qk_norm", {concat(have.qk_norm), concat(want.qk_norm)}},
-        {"sliding_window", {concat(have.sliding_window), concat(want.sliding_window)}}};
+    std::vector<std::pair<std::string, std::pair<std::string, std::string>>> keys;
+    for (const ModelField& f : model_fields())  // arch first, then the five dimensions
+      if (!f.resume_may_change) {
+        keys.push_back({f.key, {field_text(f, have), field_text(f, want)}});
+        if (keys.size() == 1)
+          for (const auto& [key, h, w] : {std::tuple{"n_layer", have.n_layer, want.n_layer},
+                                          std::tuple{"n_head", have.n_head, want.n_head},
+                                          std::tuple{"n_embd", have.n_embd, want.n_embd},
+                                          std::tuple{"seq_len", have.seq_len, want.seq_len},
+                                          std::tuple{"vocab_size", have.vocab_size, want.vocab_size}})
+            keys.push_back({key, {concat(h), concat(w)}});
+      }
     for (const auto& [key, values] : keys)
       if (values.first != values.second)
         throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",

@@ -109,7 +109,9 @@ bool choose_fused_adamw(const Config& cfg, MPI_Comm mpi_comm, const torch::Devic
 }
 
 std::string describe_model(const GPTDims& dims, int64_t whole_params) {
-  return concat("model: ", dims.arch, ", ", whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
+  const std::string family = dims.family_row().name;
+  return concat("model: ", family, family != dims.arch ? concat(" (", dims.arch, " block)") : std::string(), ", ",
+                whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
                 " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
                 dims.n_embd,
                 dims.attn_width() != dims.n_embd ? concat(", head_dim ", dims.head_dim()) : std::string(),

@@ -1,0 +1,140 @@
+// The model's fields in one place: the families (a named row each: the block it is made of, the
+// flags it fixes, the Hugging Face class it is), the model's dimensions (GPTDims), and one row per
+// architecture field saying its key (model.<key> in the YAML, the checkpoint attribute, GPTDims'
+// member), its type, the families it applies to, what a file written before it existed means, its
+// allowed range and whether a resume may change it. Checkpoint attributes (write, read, compare on
+// resume), model_dims (config -> dims), the config's family rules, config.json in and out (family
+// rows) and the docs check (tests/test_config.cpp: every key and family is in docs/config.md) read
+// these tables. No libtorch here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "mpitrain/config.h"
+
+namespace mpitrain {
+
+class Communicator;
+
+// ---- families ------------------------------------------------------------------------------------
+// A family is one row: which of model.h's two blocks it is made of, the block flags it fixes (a
+// config may not set them otherwise), and the Hugging Face class and model_type it is read from and
+// written as.
+struct Family {
+  const char* name;             // model.family
+  const char* block;            // GPTDims::arch: gpt2 | llama (model.h's two configurations)
+  const char* hf_architecture;  // config.json "architectures"[0]
+  const char* hf_model_type;    // config.json "model_type"
+  bool qkv_bias;                // biases on q, k and v (Qwen2)
+  bool qk_norm;                 // RMSNorm over each head's q and k (Qwen3)
+  bool window;                  // may have an attention window, model.sliding_window (Mistral)
+  const char* about;            // for docs and messages
+};
+
+const std::vector<Family>& families();
+const Family* find_family(const std::string& name);
+const Family* family_by_model_type(const std::string& hf_model_type);
+// "gpt2|llama|qwen2|qwen3|mistral" (with `sep` between).
+std::string family_names(const char* sep = "|");
+// The family of a model that names none: configs with only model.arch (as before model.family)
+// and checkpoints written before the family attribute. The one place the flags say the family:
+// the gpt2 block is gpt2; a llama block with a window is mistral, with q/k/v biases qwen2, with q/k
+// norms qwen3, else llama.
+const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window);
+// The key whose value a model of family `f` may not have ("arch", "qkv_bias", "qk_norm",
+// "sliding_window"), or nullptr: the block must be the family's; a llama block's q/k/v biases and
+// q/k norms are the family's, and only a family with a window may have one.
+const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
+                            int64_t sliding_window);
+
+// ---- the model's dimensions ---------------------------------------------------------------------
+struct GPTDims {
+  int64_t n_layer = 0;
+  int64_t n_head = 0;
+  int64_t n_embd = 0;
+  int64_t seq_len = 0;
+  int64_t vocab_size = 0;         // rows of the token embedding and of the output layer
+  std::string family = "";        // a row of families(); "" = what the parts make (family_row())
+  std::string arch = "gpt2";      // the family's block, gpt2 | llama: which parts the block is made of (model.h)
+  int64_t n_kv_head = 0;          // llama: key/value heads (gpt2: n_head)
+  int64_t intermediate_size = 0;  // the MLP's hidden units (gpt2: 4 n_embd)
+  int64_t max_position = 0;       // llama: config.json's max_position_embeddings (gpt2: seq_len)
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  std::string rope_scaling = "none";  // none | llama3
+  double rope_factor = 0, rope_low_freq_factor = 0, rope_high_freq_factor = 0;
+  int64_t rope_original_max_position = 0;
+  bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
+  bool tie_embeddings = true;   // llama: false = an lm_head of its own
+  int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
+  bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
+  int64_t sliding_window = 0;   // llama: Mistral's attention window (0 none), >= seq_len, so the
+                                // attention is causal attention; kept for checkpoints and export
+  // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
+  // the rows after them are padding, initialised to zero, outside the loss and the logits, so
+  // they get no gradient and are never sampled. 0: every row is a class (an explicit
+  // model.vocab_size, as nanoGPT's 50304 and Hugging Face's padded checkpoints have it).
+  int64_t vocab_live = 0;
+  double dropout = 0.0;
+  bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
+  int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
+  bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
+  // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
+  // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
+  // backward; selective also keeps its linear layers' outputs and a fused attention kernel's
+  // graph, which the second run replays instead of computing again (checkpointing.h). The random
+  // state (dropout) and autocast of the first run are the second's, so gradients are bitwise
+  // those without it.
+  enum class Ac { none, full, selective } ac = Ac::none;
+  int64_t ac_every = 1;
+  // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
+  // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
+  // and vocab_size divide by tp.
+  int64_t tp = 1, tp_rank = 0;
+  Communicator* tp_comm = nullptr;
+
+  bool llama() const { return arch == "llama"; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
+  int64_t attn_width() const { return n_head * head_dim(); }  // q's and attention output's width
+  int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
+  // The row of `family`; unnamed (dims built by hand, as tests do), family_of_parts.
+  const Family& family_row() const;
+};
+
+// ---- the architecture fields ----------------------------------------------------------------------
+// One row per field of the architecture beyond the five dimensions every file has (n_layer,
+// n_head, n_embd, seq_len, vocab_size). `key` is the YAML key under model., the checkpoint
+// attribute and the name in messages.
+struct ModelField {
+  enum class Type { integer, number, flag, text };
+  using Value = std::variant<int64_t, double, bool, std::string>;
+  const char* key;
+  Type type;
+  bool llama_block;        // applies to the llama block's families only (gpt2 derives or fixes it)
+  bool required;           // a checkpoint must have it (else: files before it existed mean `fallback`)
+  Value fallback;          // what an absent attribute means
+  int64_t lo, hi;          // allowed range of an integer attribute (a number: >= lo)
+  const char* values;      // text: the allowed values, "a|b" ("" = the family table's names)
+  // The key in a llama-block family's config.json when it is the value as it is ("" = written and
+  // read by hand: the family row gives qkv_bias, qk_norm and the window, rope_scaling is an
+  // object). GPT-2's config.json has keys of its own (hf_format.cpp).
+  const char* hf_key;
+  bool resume_may_change;  // a checkpoint resumes into a config that differs in it
+  Value (*get)(const GPTDims&);
+  void (*set)(GPTDims&, const Value&);
+  void (*from_config)(GPTDims&, const ModelConfig&);  // the resolved config's value
+};
+
+const std::vector<ModelField>& model_fields();
+// The value as text, for messages and comparisons ("1e-05", "1" for a true flag, "llama3").
+std::string field_text(const ModelField& f, const GPTDims& d);
+
+// The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
+// five dimensions, the family and its block, every field of the table that applies to the block;
+// the gpt2 block's fixed values (n_kv_head = n_head, 4 n_embd MLP units, max_position = seq_len).
+GPTDims dims_of_config(const ModelConfig& cfg);
+
+}  // namespace mpitrain

@@ -1,0 +1,180 @@
+// The family rows and the architecture fields' table (model_fields.h).
+#include "mpitrain/model_fields.h"
+
+#include <climits>
+#include <type_traits>
+
+#include "mpitrain/error.h"
+
+namespace mpitrain {
+
+// ---- families ------------------------------------------------------------------------------------
+
+const std::vector<Family>& families() {
+  static const std::vector<Family> kFamilies = {
+      {"gpt2", "gpt2", "GPT2LMHeadModel", "gpt2", true, false, false,
+       "LayerNorm, learned positions, GELU MLP, biases everywhere, tied output"},
+      {"llama", "llama", "LlamaForCausalLM", "llama", false, false, false,
+       "RMSNorm, rotary, SwiGLU, grouped-query attention (Llama 3.x)"},
+      {"qwen2", "llama", "Qwen2ForCausalLM", "qwen2", true, false, false, "llama's block with q/k/v biases (Qwen2, Qwen2.5)"},
+      {"qwen3", "llama", "Qwen3ForCausalLM", "qwen3", false, true, false,
+       "llama's block with an RMSNorm over each head's q and k (Qwen3)"},
+      {"mistral", "llama", "MistralForCausalLM", "mistral", false, false, true,
+       "llama's block with an attention window (Mistral 7B), no shorter than seq_len"},
+  };
+  return kFamilies;
+}
+
+const Family* find_family(const std::string& name) {
+  for (const Family& f : families())
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
+const Family* family_by_model_type(const std::string& hf_model_type) {
+  for (const Family& f : families())
+    if (hf_model_type == f.hf_model_type) return &f;
+  return nullptr;
+}
+
+std::string family_names(const char* sep) {
+  std::string names;
+  for (const Family& f : families()) names += names.empty() ? f.name : concat(sep, f.name);
+  return names;
+}
+
+const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window) {
+  const char* name = block != "llama" ? "gpt2"
+                     : sliding_window > 0 ? "mistral"
+                     : qkv_bias          ? "qwen2"
+                     : qk_norm           ? "qwen3"
+                                         : "llama";
+  return *find_family(name);
+}
+
+const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
+                            int64_t sliding_window) {
+  if (block != f.block) return "arch";
+  if (block != "llama") return nullptr;
+  if (qkv_bias != f.qkv_bias) return "qkv_bias";
+  if (qk_norm != f.qk_norm) return "qk_norm";
+  if (sliding_window > 0 && !f.window) return "sliding_window";
+  return nullptr;
+}
+
+const Family& GPTDims::family_row() const {
+  if (family.empty()) return family_of_parts(arch, qkv_bias, qk_norm, sliding_window);
+  const Family* f = find_family(family);
+  MPITRAIN_CHECK(f, concat("GPTDims: unknown family '", family, "'"));
+  return *f;
+}
+
+// ---- the architecture fields ----------------------------------------------------------------------
+
+namespace {
+
+using Type = ModelField::Type;
+using Value = ModelField::Value;
+
+// The config's value into the dims': as it is, or a flag's "true".
+int64_t same_int(int64_t v) { return v; }
+double same_number(double v) { return v; }
+bool is_true(const std::string& flag) { return flag == "true"; }
+
+}  // namespace
+
+// A row whose GPTDims member and ModelConfig member are both named `key` (flags: "true"/"false"
+// in the config), with `convert` from the config's value.
+#define MPITRAIN_DIMS_FIELD(key, type, llama_block, required, fallback, lo, hi, values, hf_key, resume_may_change, \
+                            convert)                                                                               \
+  ModelField {                                                                                                     \
+    #key, type, llama_block, required, Value(fallback), lo, hi, values, hf_key, resume_may_change,                 \
+        [](const GPTDims& d) { return Value(d.key); },                                                             \
+        [](GPTDims& d, const Value& v) { d.key = std::get<std::decay_t<decltype(d.key)>>(v); },                    \
+        [](GPTDims& d, const ModelConfig& c) { d.key = convert(c.key); }                                           \
+  }
+
+const std::vector<ModelField>& model_fields() {
+  static const std::vector<ModelField> kFields = [] {
+    constexpr int64_t kBig = INT64_MAX, kInt32 = INT32_MAX;
+    constexpr bool llama = true, any = false, required = true, optional = false, may_change = true, fixed = false;
+    // clang-format off
+    std::vector<ModelField> rows = {
+        // key, type, block, in every file?, absent means, range, text values, config.json key, resume, from config
+        // The block (gpt2 | llama) comes first: whether the llama rows apply depends on it.
+        MPITRAIN_DIMS_FIELD(arch, Type::text, any, optional, std::string("gpt2"), 0, 0, "gpt2|llama", "", fixed,
+                            [](const std::string& a) { return a.empty() ? std::string("gpt2") : a; }),
+        MPITRAIN_DIMS_FIELD(norm_eps, Type::number, any, optional, 1e-5, 0, 0, "", "rms_norm_eps", fixed,
+                            [](double e) { return e > 0 ? e : 1e-5; }),
+        MPITRAIN_DIMS_FIELD(n_kv_head, Type::integer, llama, required, int64_t{0}, 1, kInt32, "", "num_key_value_heads",
+                            fixed, same_int),
+        MPITRAIN_DIMS_FIELD(intermediate_size, Type::integer, llama, required, int64_t{0}, 1, kBig, "",
+                            "intermediate_size", fixed, same_int),
+        // config.json's max_position_embeddings: metadata, not the weights' shape.
+        MPITRAIN_DIMS_FIELD(max_position, Type::integer, llama, required, int64_t{0}, 1, kBig, "",
+                            "max_position_embeddings", may_change, same_int),
+        MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, required, 0.0, 0, 0, "", "rope_theta", fixed, same_number),
+        // Llama 3.1's scaling: config.json's rope_scaling object (hf_format.cpp, hf_config.cpp).
+        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, optional, std::string("none"), 0, 0, "none|llama3", "",
+                            fixed, [](const std::string& v) { return v.empty() ? std::string("none") : v; }),
+        MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_high_freq_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed,
+                            same_number),
+        MPITRAIN_DIMS_FIELD(rope_original_max_position, Type::integer, llama, required, int64_t{0}, 0, kBig, "", "",
+                            fixed, same_int),
+        // The family's flag (family_conflict): config.json says it by model_type.
+        MPITRAIN_DIMS_FIELD(qkv_bias, Type::flag, llama, required, false, 0, 1, "", "", fixed, is_true),
+        MPITRAIN_DIMS_FIELD(tie_embeddings, Type::flag, llama, required, true, 0, 1, "", "tie_word_embeddings", fixed,
+                            is_true),
+        // The head size: files since Qwen3 record it; older files (and gpt2) have n_embd / n_head.
+        ModelField{"head_dim", Type::integer, llama, optional, Value(int64_t{0}), 2, 1 << 16, "", "head_dim", fixed,
+                   [](const GPTDims& d) { return Value(d.head_dim()); },
+                   [](GPTDims& d, const Value& v) { d.head_size = std::get<int64_t>(v); },
+                   [](GPTDims& d, const ModelConfig& c) { d.head_size = c.head_dim; }},
+        MPITRAIN_DIMS_FIELD(qk_norm, Type::flag, llama, optional, false, 0, 1, "", "", fixed, is_true),
+        // Mistral's window (0: none; files before it have none); only a family with a window has
+        // it in config.json.
+        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, optional, int64_t{0}, 0, kInt32, "", "", fixed,
+                            same_int),
+        // Last: what the flags above make is its fallback (files before model.family), and a resume
+        // names the differing flag before the family it makes.
+        ModelField{"family", Type::text, any, optional, Value(std::string()), 0, 0, "", "", fixed,
+                   [](const GPTDims& d) { return Value(std::string(d.family_row().name)); },
+                   [](GPTDims& d, const Value& v) { d.family = std::get<std::string>(v); },
+                   [](GPTDims& d, const ModelConfig& c) { d.family = c.family; }},
+    };
+    // clang-format on
+    return rows;
+  }();
+  return kFields;
+}
+#undef MPITRAIN_DIMS_FIELD
+
+std::string field_text(const ModelField& f, const GPTDims& d) {
+  return std::visit(
+      [](const auto& v) -> std::string {
+        return concat(v);  // flags as 1 and 0, as the checkpoint stores them
+      },
+      f.get(d));
+}
+
+GPTDims dims_of_config(const ModelConfig& cfg) {
+  GPTDims d;
+  d.n_layer = cfg.n_layer;
+  d.n_head = cfg.n_head;
+  d.n_embd = cfg.n_embd;
+  d.seq_len = cfg.seq_len;
+  d.dropout = cfg.dropout;
+  for (const ModelField& f : model_fields())  // arch first: it says whether the llama rows apply
+    if (!f.llama_block || d.llama()) f.from_config(d, cfg);
+  if (!d.llama()) {  // the gpt2 block's fixed values
+    d.n_kv_head = d.n_head;
+    d.intermediate_size = 4 * d.n_embd;
+    d.max_position = d.seq_len;
+  }
+  d.family = d.family_row().name;  // a config parse_config did not resolve names none: its parts say it
+  return d;
+}
+
+}  // namespace mpitrain
