@@ -807,15 +807,24 @@ TEST(PackHf, BadOptionsAndInputs) {
 
 // --special-tokens: the file's special tokens written in the text stay text (the default) or
 // become their ids.
+namespace {
+// pack's options for one input through the test tokenizer pairs.json, every window for training.
+PackOptions pairs_options(const std::string& input, const std::string& prefix) {
+  PackOptions o;
+  o.inputs = {input};
+  o.output_prefix = prefix;
+  o.tokenizer = "hf";
+  o.tokenizer_file = kHf + "/pairs.json";
+  o.val_fraction = 0;
+  return o;
+}
+}  // namespace
+
 TEST(PackHf, SpecialTokensOption) {
   SINGLETON_ONLY();
   TempDir dir;
   write_file(dir / "a.jsonl", "{\"text\": \"xyz<|endoftext|>\"}\n");
-  PackOptions o;
-  o.inputs = {dir / "a.jsonl"};
-  o.tokenizer = "hf";
-  o.tokenizer_file = kHf + "/pairs.json";
-  o.val_fraction = 0;
+  PackOptions o = pairs_options(dir / "a.jsonl", "");
   HfTokenizer tok(kHf + "/pairs.json");
   std::map<std::string, std::string> shards;
   for (const std::string mode : {"", "text", "match"}) {
@@ -840,12 +849,7 @@ TEST(PackHf, EotOverridesTheFilesSeparator) {
   SINGLETON_ONLY();
   TempDir dir;
   write_file(dir / "a.jsonl", "{\"text\": \"hello world\"}\n{\"text\": \"xyz\"}\n");
-  PackOptions o;
-  o.inputs = {dir / "a.jsonl"};
-  o.output_prefix = dir / "out/x";
-  o.tokenizer = "hf";
-  o.tokenizer_file = kHf + "/pairs.json";
-  o.val_fraction = 0;
+  PackOptions o = pairs_options(dir / "a.jsonl", dir / "out/x");
   PackResult r = pack_text(o);
   EXPECT_EQ(r.eot_token, kEot);
   EXPECT_EQ(read_shard_tokens(r.train_shards.at(0)),
