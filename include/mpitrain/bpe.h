@@ -32,6 +32,10 @@ struct InvalidUtf8 : UsageError {
   size_t offset;
 };
 
+// Throws InvalidUtf8 ("invalid UTF-8 at byte N") unless `text` is UTF-8: what the tokenizers'
+// encode() check first.
+void require_utf8(std::string_view text);
+
 class Gpt2Bpe {
  public:
   // Loads and validates both files. Malformed files are a UsageError naming the file (and the

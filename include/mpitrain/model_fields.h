@@ -133,8 +133,12 @@ const std::vector<ModelField>& model_fields();
 std::string field_text(const ModelField& f, const GPTDims& d);
 
 // The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
-// five dimensions, the family and its block, every field of the table that applies to the block;
-// the gpt2 block's fixed values (n_kv_head = n_head, 4 n_embd MLP units, max_position = seq_len).
+// five dimensions, the family and its block, every field of the table that applies to the block,
+// then complete_dims.
 GPTDims dims_of_config(const ModelConfig& cfg);
+// What no row of the table gives, once the rows are read (from a config or a checkpoint): the gpt2
+// block's fixed values (n_kv_head = n_head, 4 n_embd MLP units, max_position = seq_len), and the
+// family where none is named (what the parts make).
+void complete_dims(GPTDims& d);
 
 }  // namespace mpitrain

@@ -411,9 +411,9 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   if (p) preset = preset_config(*p);
   const Family* from_preset = p ? find_family(preset.model.family) : nullptr;
   const bool named = !m.family.empty();
-  if (named && !find_family(m.family))
-    throw UsageError(concat(where, ": model.family must be one of ", family_names(), ", got ", show(m.family)));
   const Family* family = named ? find_family(m.family) : from_preset;
+  if (named && !family)
+    throw UsageError(concat(where, ": model.family must be one of ", family_names(), ", got ", show(m.family)));
   if (m.arch.empty()) m.arch = family ? family->block : "gpt2";
   if (m.arch != "gpt2" && m.arch != "llama")
     throw UsageError(concat(where, ": model.arch must be one of gpt2|llama, got ", show(m.arch)));

@@ -168,13 +168,17 @@ GPTDims dims_of_config(const ModelConfig& cfg) {
   d.dropout = cfg.dropout;
   for (const ModelField& f : model_fields())  // arch first: it says whether the llama rows apply
     if (!f.llama_block || d.llama()) f.from_config(d, cfg);
-  if (!d.llama()) {  // the gpt2 block's fixed values
+  complete_dims(d);  // a config parse_config did not resolve names no family
+  return d;
+}
+
+void complete_dims(GPTDims& d) {
+  if (!d.llama()) {
     d.n_kv_head = d.n_head;
     d.intermediate_size = 4 * d.n_embd;
     d.max_position = d.seq_len;
   }
-  d.family = d.family_row().name;  // a config parse_config did not resolve names none: its parts say it
-  return d;
+  d.family = d.family_row().name;
 }
 
 }  // namespace mpitrain

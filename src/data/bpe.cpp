@@ -148,9 +148,13 @@ std::vector<uint32_t> Gpt2Bpe::encode(std::string_view text) {
   return out;
 }
 
-void Gpt2Bpe::encode(std::string_view text, std::vector<uint32_t>& out) {
+void require_utf8(std::string_view text) {
   if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
     throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+}
+
+void Gpt2Bpe::encode(std::string_view text, std::vector<uint32_t>& out) {
+  require_utf8(text);
   size_t begin = 0, end = 0;
   for (size_t pos = 0; pos < text.size(); pos = end) {
     // The alternatives cover every character, so there is always a non-empty match at pos.

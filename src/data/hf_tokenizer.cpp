@@ -149,7 +149,7 @@ constexpr const char* kMetaspace =
 
 // The byte a byte-fallback token stands for ("<0x0A>": 10; upper-case hex, as the `tokenizers`
 // library writes them), or -1.
-int byte_token(const std::string& t) {
+int byte_token(std::string_view t) {
   auto hex = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1; };
   if (t.size() != 6 || t.compare(0, 3, "<0x") != 0 || t[5] != '>' || hex(t[3]) < 0 || hex(t[4]) < 0) return -1;
   return hex(t[3]) * 16 + hex(t[4]);
@@ -654,8 +654,7 @@ void HfTokenizer::Impl::walk(std::string_view text, OnToken on_token, OnText on_
 }
 
 std::string HfTokenizer::normalize(std::string_view text) const {
-  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
-    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+  require_utf8(text);
   std::string out;
   impl_->walk(
       text, [&](uint32_t id) { out += impl_->token_bytes[id]; }, [&](std::string_view piece) { out += piece; });
@@ -738,7 +737,7 @@ void HfTokenizer::Impl::split(std::string_view text, const Step& s) {
 // (a run of them one, with fuse_unk); then the merges by (rank, position).
 void HfTokenizer::Impl::encode_sentencepiece(std::string_view text, std::vector<uint32_t>& out) {
   if (text.empty()) return;
-  if (ignore_merges && byte_token(std::string(text)) < 0)
+  if (ignore_merges && byte_token(text) < 0)
     if (auto it = ids.find(std::string(text)); it != ids.end()) {
       out.push_back(it->second);
       return;
@@ -802,8 +801,7 @@ void HfTokenizer::Impl::encode_normalized(std::string_view normal, std::vector<u
 }
 
 void HfTokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
-  if (const size_t bad = bpe::find_invalid_utf8(text); bad != std::string_view::npos)
-    throw InvalidUtf8(bad, concat("invalid UTF-8 at byte ", bad));
+  require_utf8(text);
   Impl& m = *impl_;
   m.walk(
       text, [&](uint32_t id) { out.push_back(id); }, [&](std::string_view piece) { m.encode_normalized(piece, out); });

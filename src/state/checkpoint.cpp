@@ -580,7 +580,7 @@ void read_arch_attrs(hid_t root, const std::string& path, GPTDims& d) {
       }
     }
   }
-  if (d.family.empty()) d.family = family_of_parts(d.arch, d.qkv_bias, d.qk_norm, d.sliding_window).name;
+  complete_dims(d);  // a file before model.family names none
   if (const char* key = family_conflict(d.family_row(), d.arch, d.qkv_bias, d.qk_norm, d.sliding_window))
     throw UsageError(concat(path, ": attribute '", key, "' does not fit attribute 'family' (", d.family, ")"));
 }
@@ -606,11 +606,6 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
   if (d.sliding_window != 0 && d.sliding_window < d.seq_len)
     throw UsageError(concat(path, ": attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len, "), got ",
                             d.sliding_window));
-  if (!d.llama()) {  // the gpt2 block's fixed values
-    d.n_kv_head = d.n_head;
-    d.intermediate_size = 4 * d.n_embd;
-    d.max_position = d.seq_len;
-  }
   // The declared dimensions must be those of the stored tensors: `sample` builds the model from
   // them before reading any tensor, so a damaged attribute must not make it allocate gigabytes.
   auto expect_stored = [&](const std::string& name, std::vector<int64_t> want, const char* declared_by) {
@@ -666,23 +661,22 @@ int64_t read_checkpoint_header(hid_t root, const std::string& path, GPT& model, 
   // no shape, and a model with fewer layers would silently take the first layers of a deeper one).
   {
     const GPTDims have = declared_dims(root, path), want = model->dims();
-    std::vector<std::pair<std::string, std::pair<std::string, std::string>>> keys;
-    for (const ModelField& f : model_fields())  // arch first, then the five dimensions
-      if (!f.resume_may_change) {
-        keys.push_back({f.key, {field_text(f, have), field_text(f, want)}});
-        if (keys.size() == 1)
-          for (const auto& [key, h, w] : {std::tuple{"n_layer", have.n_layer, want.n_layer},
-                                          std::tuple{"n_head", have.n_head, want.n_head},
-                                          std::tuple{"n_embd", have.n_embd, want.n_embd},
-                                          std::tuple{"seq_len", have.seq_len, want.seq_len},
-                                          std::tuple{"vocab_size", have.vocab_size, want.vocab_size}})
-            keys.push_back({key, {concat(h), concat(w)}});
-      }
-    for (const auto& [key, values] : keys)
-      if (values.first != values.second)
-        throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", values.first, ", the configured one ",
-                                values.second, " (model.", key, "); a checkpoint resumes only the architecture it was "
-                                "saved from"));
+    auto same = [&](const char* key, const std::string& h, const std::string& w) {
+      if (h != w)
+        throw ArchitectureMismatch(concat(path, ": the checkpoint's model has ", key, " ", h, ", the configured one ", w,
+                                          " (model.", key, "); a checkpoint resumes only the architecture it was "
+                                          "saved from"));
+    };
+    const std::vector<ModelField>& fields = model_fields();  // the block first: arch
+    same(fields.front().key, field_text(fields.front(), have), field_text(fields.front(), want));
+    for (const auto& [key, h, w] : {std::tuple{"n_layer", have.n_layer, want.n_layer},
+                                    std::tuple{"n_head", have.n_head, want.n_head},
+                                    std::tuple{"n_embd", have.n_embd, want.n_embd},
+                                    std::tuple{"seq_len", have.seq_len, want.seq_len},
+                                    std::tuple{"vocab_size", have.vocab_size, want.vocab_size}})
+      same(key, concat(h), concat(w));
+    for (auto f = fields.begin() + 1; f != fields.end(); ++f)
+      if (!f->resume_may_change) same(f->key, field_text(*f, have), field_text(*f, want));
   }
   // The training state's scalars first: nonsense there is refused before any tensor is read.
   // (Negative counts would resume the loop, the lr schedule and the data order at nonsense.)
