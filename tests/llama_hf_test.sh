@@ -3,11 +3,14 @@
 # (tests/llama_reference.py, written from transformers' modeling semantics, not from mpitrain's):
 #  - a Llama (grouped-query attention 4/2 heads, untied lm_head, rope_scaling llama3 with all three
 #    frequency bands in use), a Qwen2-shaped one (q/k/v biases, tied output), a Qwen3-shaped one
-#    (heads of 16 at width 32, q/k norms) and a Mistral-shaped one (a sliding window of seq_len
-#    tokens, untied) train under `mpirun -np 2`, are exported with `mpitrain export --format hf`,
-#    and the reference's logits on the exported weights equal mpitrain's (tests/hf_logits.cpp);
-#    the reference applies Mistral's window, and with a window shorter than the context its
-#    logits differ (the check can fail);
+#    (heads of 16 at width 32, q/k norms), a Mistral-shaped one (a sliding window of seq_len
+#    tokens, untied) and a Gemma 2 (model.family gemma2: GeGLU, four norms x (1 + w) per block,
+#    the embedding x sqrt(width), soft-capped scores and logits, a window of 8 < seq_len on layers
+#    0 and 2, its own query scale) train under `mpirun -np 2`, are exported with `mpitrain
+#    export --format hf`, and the reference's logits on the exported weights equal mpitrain's
+#    (tests/hf_logits.cpp); the reference applies Mistral's window, and with a window shorter
+#    than the context its logits differ (the check can fail), as they do with any one of Gemma's
+#    window, caps, query scale or norm names changed;
 #  - model.init_from: hf:DIR takes the shape from config.json and the weights from the
 #    safetensors: step-0 val loss = the exporting run's last; a sharded export
 #    (--max-shard-size, model.safetensors.index.json) loads the same;
@@ -51,11 +54,21 @@ printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n
   "$common" > qwen3.yaml
 printf '%s\n%s\n' 'model: {preset: custom, arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 64,
         seq_len: 32, sliding_window: 32, tie_embeddings: false}' "$common" > mistral.yaml
+# Gemma 2, named: three layers (windowed, global, windowed), a window of 8 < seq_len 32 that cuts,
+# caps small enough to bend this small model's scores and logits, a query scale other than the
+# head size's; lr 0.01 (below) moves the norms' weights (starting at 0) far enough from each
+# other that a norm read under another's name changes the logits.
+printf '%s\n%s\n' 'model: {preset: custom, family: gemma2, n_layer: 3, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
+        intermediate_size: 64, seq_len: 32, sliding_window: 8, attn_softcap: 0.1, final_softcap: 2,
+        query_pre_attn_scalar: 24, norm_eps: 1e-6, vocab_size: 258}' "$common" > gemma2.yaml
 
 # The configs above name no model.family (as before the key): the parts say it.
-declare -A family=([llama]='llama' [qwen]='qwen2 (llama block)' [qwen3]='qwen3 (llama block)' [mistral]='mistral (llama block)')
-for m in llama qwen qwen3 mistral; do
-  "$MPIRUN" -np 2 "$BIN" $m.yaml --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
+# gemma2 names its family (no flag makes one).
+declare -A family=([llama]='llama' [qwen]='qwen2 (llama block)' [qwen3]='qwen3 (llama block)' [mistral]='mistral (llama block)'
+                   [gemma2]='gemma2 (llama block)')
+for m in llama qwen qwen3 mistral gemma2; do
+  lr=(); [ $m = gemma2 ] && lr=(--set optim.lr=0.01)
+  "$MPIRUN" -np 2 "$BIN" $m.yaml "${lr[@]}" --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
   rc=$?
   check "$m: training (mpirun -np 2, 6 steps) exits 0 and names the family" \
     "[ $rc -eq 0 ] && [ -f ckpt_$m/ckpt-00000006.h5 ] && grep -qF 'model: ${family[$m]}, ' train_$m.out"
@@ -80,6 +93,39 @@ check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head
 check "config.json: MistralForCausalLM (model_type mistral) with sliding_window 32; the start-up line names the window" \
   "grep -q MistralForCausalLM hf_mistral/config.json && grep -q '\"model_type\": \"mistral\"' hf_mistral/config.json &&
    grep -q '\"sliding_window\": 32' hf_mistral/config.json && grep -q 'attention window 32' train_mistral.out"
+check "config.json: Gemma2ForCausalLM (model_type gemma2) with its caps, window, query scale and gelu_pytorch_tanh; the start-up line names them" \
+  "grep -q Gemma2ForCausalLM hf_gemma2/config.json && grep -q '\"model_type\": \"gemma2\"' hf_gemma2/config.json &&
+   grep -q '\"attn_logit_softcapping\": 0.1' hf_gemma2/config.json && grep -q '\"final_logit_softcapping\": 2.0' hf_gemma2/config.json &&
+   grep -q '\"sliding_window\": 8' hf_gemma2/config.json && grep -q '\"query_pre_attn_scalar\": 24.0' hf_gemma2/config.json &&
+   grep -q '\"hidden_activation\": \"gelu_pytorch_tanh\"' hf_gemma2/config.json &&
+   grep -q 'GeGLU 64, .*norms x (1 + w) before and after each sublayer, attention window 8 on every other layer, scores capped at 0.1, logits capped at 2' train_gemma2.out"
+# Each Gemma part is in force in the reference: another window, cap, query scale, or the norms
+# after the attention read as the ones before the MLP (names swapped), changes the logits.
+for change in 'sliding_window": 8/sliding_window": 32' 'attn_logit_softcapping": 0.1/attn_logit_softcapping": 50.0' \
+              'final_logit_softcapping": 2.0/final_logit_softcapping": 30.0' 'query_pre_attn_scalar": 24.0/query_pre_attn_scalar": 16.0' \
+              'post_attention_layernorm/pre_feedforward_layernorm'; do
+  rm -rf hf_gemma2_x && mkdir hf_gemma2_x
+  case "$change" in
+    post_*) cp hf_gemma2/config.json hf_gemma2_x/
+            "$PY" - hf_gemma2/model.safetensors hf_gemma2_x/model.safetensors <<'PYEOF'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+h = json.loads(raw[8:8 + n])
+swap = {k: k.replace("post_attention_layernorm", "@").replace("pre_feedforward_layernorm", "post_attention_layernorm")
+        .replace("@", "pre_feedforward_layernorm") for k in h}
+t = json.dumps({swap[k]: v for k, v in h.items()}).encode(); t += b" " * ((8 - len(t) % 8) % 8)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(t)) + t + raw[8 + n:])
+PYEOF
+            ;;
+    *) ln -sf "$PWD/hf_gemma2/model.safetensors" hf_gemma2_x/model.safetensors
+       sed "s/$change/" hf_gemma2/config.json > hf_gemma2_x/config.json ;;
+  esac
+  "${REF[@]}" logits hf_gemma2_x logits_gemma2/tokens.npy logits_gemma2/logits.npy > ref_gemma2_x.out 2>&1
+  rc=$?
+  check "gemma2: the reference with ${change%%/*} changed to ${change##*/} does not give mpitrain's logits (exit $rc: $(tail -1 ref_gemma2_x.out))" \
+    "[ $rc -ne 0 ] && grep -q 'logits differ' ref_gemma2_x.out"
+done
 # The window is in force in the reference: 8 tokens < the 32 of the logits' sequences change them.
 mkdir -p hf_mistral_w8
 ln -sf "$PWD/hf_mistral/model.safetensors" hf_mistral_w8/model.safetensors
@@ -121,6 +167,15 @@ rc=$?
 mi_val=$(val_loss 0 init_mi.out)
 check "init_from hf:hf_mistral: the window from config.json, step-0 val loss $mi_val = the exported run's last $mistral_last" \
   "[ $rc -eq 0 ] && [ -n '$mi_val' ] && [ '$mi_val' = '$mistral_last' ] && grep -q 'attention window 32' init_mi.out"
+# Gemma 2 in: the family, caps, window and query scale from config.json.
+gemma_last=$(val_loss 6 train_gemma2.out tail)
+"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_gemma2 --set train.out_dir=run_gi \
+  --set checkpoint.dir=ckpt_gi --set train.steps=1 --set optim.warmup_steps=0 > init_gi.out 2>&1
+rc=$?
+gi_val=$(val_loss 0 init_gi.out)
+check "init_from hf:hf_gemma2: gemma2 with its caps and window from config.json, step-0 val loss $gi_val = the exported run's last $gemma_last" \
+  "[ $rc -eq 0 ] && [ -n '$gi_val' ] && [ '$gi_val' = '$gemma_last' ] && grep -q 'model: gemma2 (llama block), .*window 8 on every other layer, scores capped at 0.1, logits capped at 2' init_gi.out"
+[ $rc -eq 0 ] || tail -3 init_gi.out
 "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set model.seq_len=64 \
   --set train.out_dir=run_mi64 > init_mi64.out 2>&1
 rc=$?
@@ -142,12 +197,13 @@ print(f"  20 steps: mpitrain {ours[0]:.6f} .. {ours[-1]:.6f}, reference {ref[0]:
 sys.exit(0 if len(ours) == len(ref) == 20 and d <= 1e-4 and ours[-1] < ours[0] - 0.1 else 1)
 PYEOF
 }
-cat > init3.yaml <<YAML
-model: {init_from: "hf:hf_qwen3", seq_len: 32}
-$common
-YAML
-for m in llama qwen3; do
-  if [ $m = llama ]; then cfg=init.yaml layout="data parallel" extra=(); else cfg=init3.yaml layout="tp 2, 2 micro-batches" extra=(--set parallel.tp=2 --set train.grad_accum=2); fi
+for m in qwen3 gemma2; do
+  printf 'model: {init_from: "hf:hf_%s", seq_len: 32}\n%s\n' $m "$common" > init_$m.yaml
+done
+# Gemma 2 tensor-parallel too: each rank half the heads and GeGLU units, the soft caps applied to
+# its slices (scores per head, logits per vocabulary slice), its four norms whole on both.
+for m in llama qwen3 gemma2; do
+  if [ $m = llama ]; then cfg=init.yaml layout="data parallel" extra=(); else cfg=init_$m.yaml layout="tp 2, 2 micro-batches" extra=(--set parallel.tp=2 --set train.grad_accum=2); fi
   "$MPIRUN" -np 2 "$BIN" $cfg "${extra[@]}" --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
     --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par_$m \
     --set checkpoint.dir=ckpt_par_$m > par_$m.out 2>&1

@@ -1,13 +1,18 @@
 #!/usr/bin/python3
-"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral directory checked without mpitrain's code.
+"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 directory checked without mpitrain's code.
 
 A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: RMSNorm in fp32 then cast, rotary in
 the half-split layout with rotate_half, Llama 3.1's rope_scaling "llama3", grouped-query attention
 by repeat_kv, SwiGLU, q/k/v biases for Qwen2, config.json's head_dim and the per-head q_norm /
 k_norm before rotary for Qwen3, Mistral's sliding_window in the attention mask (query i sees keys
-i - sliding_window + 1 .. i), tied or untied lm_head), reading only config.json and the
-safetensors files:
+i - sliding_window + 1 .. i), tied or untied lm_head, and Gemma2ForCausalLM's parts: RMSNorm
+times (1 + weight) in fp32, then cast; input_layernorm, post_attention_layernorm,
+pre_feedforward_layernorm, post_feedforward_layernorm around each sublayer; the embedding times
+sqrt(hidden_size) in its dtype; scores times query_pre_attn_scalar^-0.5, soft-capped by
+attn_logit_softcapping, the sliding window on layers 0, 2, 4, ...; the gelu_pytorch_tanh gate; the
+logits soft-capped by final_logit_softcapping), reading only config.json and the safetensors
+files:
 
   llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
       mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
@@ -129,6 +134,8 @@ class Llama(torch.nn.Module):
     def rms(self, x, name):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"])
+        if self.cfg["model_type"] == "gemma2":  # Gemma2RMSNorm: (1 + w) in fp32, then the input's dtype
+            return (h * (1.0 + self.w(name).float())).type_as(x)
         return self.w(name) * h.to(x.dtype)
 
     def linear(self, x, name):
@@ -148,13 +155,19 @@ class Llama(torch.nn.Module):
             x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
             return torch.cat((-x2, x1), dim=-1)
 
-        mask = torch.full((T, T), float("-inf")).triu(1)
-        window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
-        if window:  # Mistral: keys more than window - 1 positions back are masked too
-            mask = mask + torch.full((T, T), float("-inf")).tril(-window)
+        gemma = cfg["model_type"] == "gemma2"
+        causal = torch.full((T, T), float("-inf")).triu(1)
+        window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "gemma2") else None
+        # Mistral (every layer) and Gemma 2 (layers 0, 2, ...): keys more than window - 1 positions back are masked too
+        windowed = causal + torch.full((T, T), float("-inf")).tril(-window) if window else causal
+        scaling = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else 1 / math.sqrt(hd)
+        attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
         x = F.embedding(idx, self.w("model.embed_tokens.weight"))
+        if gemma:
+            x = x * torch.tensor(cfg["hidden_size"] ** 0.5, dtype=x.dtype)
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
+            mask = windowed if not gemma or i % 2 == 0 else causal
             h = self.rms(x, p + "input_layernorm.weight")
             q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd)
             k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd)
@@ -165,15 +178,31 @@ class Llama(torch.nn.Module):
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             k = k[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)  # repeat_kv
             v = v[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)
-            att = (q @ k.transpose(2, 3)) / math.sqrt(hd) + mask
+            if gemma:
+                att = (q @ k.transpose(2, 3)) * scaling
+                if attn_cap:
+                    att = torch.tanh(att / attn_cap) * attn_cap
+                att = att + mask
+            else:
+                att = (q @ k.transpose(2, 3)) / math.sqrt(hd) + mask
             y = (att.float().softmax(-1).to(q.dtype) @ v).transpose(1, 2).reshape(B, T, H * hd)
-            x = x + self.linear(y, p + "self_attn.o_proj")
-            h = self.rms(x, p + "post_attention_layernorm.weight")
-            x = x + self.linear(F.silu(self.linear(h, p + "mlp.gate_proj")) * self.linear(h, p + "mlp.up_proj"),
-                                p + "mlp.down_proj")
+            y = self.linear(y, p + "self_attn.o_proj")
+            if gemma:
+                y = self.rms(y, p + "post_attention_layernorm.weight")
+            x = x + y
+            h = self.rms(x, p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"))
+            gate = self.linear(h, p + "mlp.gate_proj")
+            gate = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
+            y = self.linear(gate * self.linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+            if gemma:
+                y = self.rms(y, p + "post_feedforward_layernorm.weight")
+            x = x + y
         x = self.rms(x, "model.norm.weight")
         head = self.w("lm_head.weight") if self.has("lm_head.weight") else self.w("model.embed_tokens.weight")
-        return F.linear(x, head)
+        logits = F.linear(x, head)
+        if gemma and final_cap:
+            logits = torch.tanh(logits / final_cap) * final_cap
+        return logits
 
 
 def main():
@@ -199,10 +228,11 @@ def main():
 
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
     arch = cfg["architectures"][0]
-    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+    types = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2"}
+    if arch not in types:
         fail(f"config.json architectures {arch}")
-    if cfg.get("model_type") != {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                                 "MistralForCausalLM": "mistral"}[arch]:
+    if cfg.get("model_type") != types[arch]:
         fail(f"config.json: {arch} with model_type {cfg.get('model_type')}")
     tensors = load_weights(args.hf_dir)
     tied = cfg.get("tie_word_embeddings", False)
@@ -217,7 +247,11 @@ def main():
     model = Llama(cfg, tensors)
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
           f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}"
-          + (f", sliding_window {cfg.get('sliding_window')}" if arch == "MistralForCausalLM" else ""))
+          + (f", sliding_window {cfg.get('sliding_window')}" if arch in ("MistralForCausalLM", "Gemma2ForCausalLM") else "")
+          + (f", soft caps {cfg.get('attn_logit_softcapping')} / {cfg.get('final_logit_softcapping')}, query_pre_attn_scalar "
+             f"{cfg.get('query_pre_attn_scalar')}, {cfg.get('hidden_activation')}" if arch == "Gemma2ForCausalLM" else ""))
+    if arch == "Gemma2ForCausalLM" and "model.layers.0.post_feedforward_layernorm.weight" not in tensors:
+        fail("Gemma2ForCausalLM without post_feedforward_layernorm")
 
     if args.mode == "logits":
         tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))

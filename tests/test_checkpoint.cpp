@@ -331,8 +331,57 @@ TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNor
   EXPECT_NE(dims_error(path).find("attribute 'qkv_bias' does not fit attribute 'family' (qwen2)"), std::string::npos)
       << dims_error(path);
   with_family("gemma");
-  EXPECT_NE(dims_error(path).find("attribute 'family' must be one of gpt2|llama|qwen2|qwen3|mistral, got 'gemma'"),
+  EXPECT_NE(dims_error(path).find("attribute 'family' must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2, got 'gemma'"),
             std::string::npos)
+      << dims_error(path);
+  // A family's own field in another family's file is refused by name.
+  with_family("qwen3");
+  {
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    h5::set_attr(f, "attn_softcap", 50.0);
+    H5Fclose(f);
+  }
+  EXPECT_NE(dims_error(path).find("attribute 'attn_softcap' (50) is gemma2's only, not family qwen3's"), std::string::npos)
+      << dims_error(path);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// Gemma 2 (a window shorter than seq_len, soft caps, its query scale, four norms) comes back
+// bitwise with its fields; a config with another cap is refused naming it; a gemma2 file with
+// q/k norms is refused naming the attribute.
+TEST(Checkpoint, Gemma2RoundTripsWithItsFields) {
+  const std::string dir = temp_dir();
+  GPTDims d = dims();
+  d.family = "gemma2", d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 8;
+  d.sliding_window = 3, d.attn_softcap = 50, d.final_softcap = 30, d.query_pre_attn_scalar = 12;
+  torch::manual_seed(6);
+  GPT a(d);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : a->named_params())
+      if (name.find("norm") != std::string::npos || name.find("ln_") != std::string::npos) p.uniform_(-0.5, 0.5);
+  }
+  AdamW opt(a->named_params(), OptimConfig{});
+  TrainState st;
+  st.step = 1;
+  const std::string path = save_checkpoint(dir, a, opt, st, 3);
+  const GPTDims stored = checkpoint_dims(path);
+  EXPECT_EQ(stored.family, "gemma2");
+  EXPECT_EQ(stored.sliding_window, 3);
+  EXPECT_EQ(stored.attn_softcap, 50.0);
+  EXPECT_EQ(stored.final_softcap, 30.0);
+  EXPECT_EQ(stored.query_pre_attn_scalar, 12.0);
+  expect_loads_bitwise(path, a);
+  GPTDims other_cap = d;
+  other_cap.final_softcap = 20;
+  EXPECT_NE(load_error(path, other_cap).find("has final_softcap 30, the configured one 20 (model.final_softcap)"),
+            std::string::npos)
+      << load_error(path, other_cap);
+  h5::silence_errors();
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  h5::set_attr(f, "qk_norm", int64_t{1});
+  H5Fclose(f);
+  EXPECT_NE(dims_error(path).find("attribute 'qk_norm' does not fit attribute 'family' (gemma2)"), std::string::npos)
       << dims_error(path);
   std::system(("rm -rf " + dir).c_str());
 }

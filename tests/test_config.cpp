@@ -298,7 +298,7 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
   const std::pair<const char*, const char*> presets[] = {
       {"tiny", "gpt2"},          {"gpt2", "gpt2"},         {"gpt2-xl", "gpt2"},          {"llama-debug", "llama"},
       {"llama3.2-1b", "llama"},  {"llama3.1-8b", "llama"}, {"qwen2.5-0.5b", "qwen2"},    {"qwen3-0.6b", "qwen3"},
-      {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}};
+      {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}, {"gemma2-2b", "gemma2"}};
   for (const auto& [preset, family] : presets) {
     const Config c = parse_config(kMinimal, "run.yaml", {concat("model.preset=", preset)});
     EXPECT_EQ(c.model.family, family) << preset;
@@ -333,6 +333,19 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
   EXPECT_EQ(over.model.family, "mistral");
   EXPECT_EQ(over.model.n_embd, 256);
   EXPECT_EQ(over.model.sliding_window, 256);
+  // Gemma 2 is named (no flag makes it), its caps and window taken or given; its query scale is
+  // the head size unless set.
+  const ModelConfig gemma = with({"model.family=gemma2", "model.intermediate_size=64", "model.sliding_window=8",
+                                  "model.attn_softcap=50", "model.final_softcap=30"});
+  EXPECT_EQ(gemma.arch, "llama");
+  EXPECT_EQ(gemma.family, "gemma2");
+  EXPECT_EQ(gemma.sliding_window, 8);  // shorter than seq_len 16: Gemma's windows cut
+  EXPECT_EQ(gemma.query_pre_attn_scalar, 8.0);  // 32 / 4 heads
+  EXPECT_EQ(dims_of_config(gemma).attn_softcap, 50.0);
+  const Config gemma_preset = parse_config(kMinimal, "run.yaml", {"model.preset=gemma2-2b", "model.final_softcap=20"});
+  EXPECT_EQ(gemma_preset.model.family, "gemma2");
+  EXPECT_EQ(gemma_preset.model.final_softcap, 20.0);
+  EXPECT_EQ(gemma_preset.model.attn_softcap, 50.0);
   std::set<std::string> classes;
   for (const Family& f : families()) {  // each family is read from and written as its own class
     EXPECT_EQ(family_by_model_type(f.hf_model_type), &f);
@@ -362,7 +375,7 @@ TEST(Config, DocsNameEveryModelKeyFamilyAndPreset) {
   for (const std::string& k : keys) EXPECT_NE(model.find("`" + k + "`"), std::string::npos) << "model." << k;
   for (const Family& f : families()) EXPECT_NE(model.find("`" + std::string(f.name) + "`"), std::string::npos) << f.name;
   for (const char* preset : {"tiny", "gpt2-medium", "llama-debug", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-1.7b",
-                             "qwen3-4b", "mistral-7b-v0.1"})
+                             "qwen3-4b", "mistral-7b-v0.1", "gemma2-2b"})
     EXPECT_NE(model.find(concat("`", preset, "`")), std::string::npos) << preset;
 }
 
@@ -634,7 +647,21 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"arch_vs_preset", {"model.preset=gpt2", "model.arch=llama"},
                 {"model.arch must be gpt2 with model.preset gpt2"}},
         Invalid{"family_unknown", {"model.family=gemma"},
-                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral, got 'gemma'"}},
+                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2, got 'gemma'"}},
+        Invalid{"gemma_field_on_llama", {"model.preset=llama-debug", "model.attn_softcap=50"},
+                {"model.attn_softcap applies to model.family gemma2 only (this model is llama), got 50"}},
+        Invalid{"gemma_field_on_gpt2", {"model.final_softcap=30"},
+                {"model.final_softcap applies to model.family gemma2 only (this model is gpt2), got 30"}},
+        Invalid{"gemma_field_on_mistral", {"model.preset=mistral-7b-v0.1", "model.query_pre_attn_scalar=256"},
+                {"model.query_pre_attn_scalar applies to model.family gemma2 only (this model is mistral)"}},
+        Invalid{"gemma_fused_kernels", {"model.preset=gemma2-2b", "model.fused_kernels=on"},
+                {"model.fused_kernels must be auto or off with model.family gemma2", "got 'on'"}},
+        Invalid{"gemma_fused_loss", {"model.preset=gemma2-2b", "model.fused_loss=on"},
+                {"model.fused_loss must be auto or off with model.final_softcap", "got 'on'"}},
+        Invalid{"gemma_negative_cap", {"model.preset=gemma2-2b", "model.attn_softcap=-1"},
+                {"model.attn_softcap must be >= 0 (0 = none), got -1"}},
+        Invalid{"gemma_fixes_qk_norm", {"model.preset=gemma2-2b", "model.qk_norm=true"},
+                {"model.qk_norm must be false with model.family gemma2", "got 'true'"}},
         Invalid{"family_vs_preset_block", {"model.preset=gpt2", "model.family=llama"},
                 {"model.family must be one of the gpt2 families with model.preset gpt2"}},
         Invalid{"arch_vs_family", {"model.preset=custom", "model.family=qwen3", "model.arch=gpt2", "model.n_layer=2",

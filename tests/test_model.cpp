@@ -84,6 +84,76 @@ TEST(Model, Qwen3AttentionHasWideHeadsAndQkNorms) {
   }
 }
 
+// Gemma 2's block: four norms x (1 + w) whose weights start at zero (the gain one), GeGLU, the
+// window on layers 0, 2, ..., Hugging Face's names for the four norms; Gemma 2 2B's size as
+// published (2,614,341,888 parameters; one block built here, with a small vocabulary).
+TEST(Model, Gemma2BlockHasFourNormsAndThePublishedSize) {
+  Config cfg = parse_config("model: {preset: gemma2-2b, n_layer: 1, vocab_size: 64}\ndata: {train: [x.h5], val: [y.h5]}\n",
+                            "t.yaml");
+  EXPECT_EQ(cfg.model.family, "gemma2");
+  EXPECT_EQ(cfg.model.attn_softcap, 50.0);
+  EXPECT_EQ(cfg.model.final_softcap, 30.0);
+  EXPECT_EQ(cfg.model.query_pre_attn_scalar, 256.0);
+  const GPTDims d = model_dims(cfg.model, 64);
+  GPT model(d);
+  // q 2048x2304 (8 heads of 256), k and v 1024x2304, o 2304x2048, gate/up/down 9216x2304, four
+  // RMSNorms of 2304
+  const int64_t block = 2 * 4718592 + 2 * 2359296 + 3 * 21233664 + 4 * 2304;
+  EXPECT_EQ(block, 77865984);
+  EXPECT_EQ(model->num_params(), 64 * 2304 + block + 2304);
+  EXPECT_EQ(26 * block + 256000 * 2304 + 2304, 2614341888);
+  const auto params = model->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  for (const char* norm : {"h.0.ln_1.weight", "h.0.ln_2.weight", "h.0.post_attn_norm.weight", "h.0.post_mlp_norm.weight",
+                           "ln_f.weight"}) {
+    ASSERT_TRUE(by_name.count(norm)) << norm;
+    EXPECT_TRUE(torch::equal(by_name[norm], torch::zeros({2304}))) << norm;
+  }
+  EXPECT_EQ(hf_name("h.3.ln_1.weight", d), "model.layers.3.input_layernorm.weight");
+  EXPECT_EQ(hf_name("h.3.post_attn_norm.weight", d), "model.layers.3.post_attention_layernorm.weight");
+  EXPECT_EQ(hf_name("h.3.ln_2.weight", d), "model.layers.3.pre_feedforward_layernorm.weight");
+  EXPECT_EQ(hf_name("h.3.post_mlp_norm.weight", d), "model.layers.3.post_feedforward_layernorm.weight");
+  EXPECT_EQ(hf_name("h.3.mlp.c_proj.weight", d), "model.layers.3.mlp.down_proj.weight");
+  EXPECT_EQ(hf_architecture(d), "Gemma2ForCausalLM");
+  EXPECT_EQ(d.window_of_layer(0), 4096);
+  EXPECT_EQ(d.window_of_layer(1), 0);
+  EXPECT_EQ(d.window_of_layer(24), 4096);
+}
+
+// Gemma 2's parts act: each of them changed alone changes the logits of a small model whose
+// norms are away from their initial zeros.
+TEST(Model, Gemma2PartsEachChangeTheLogits) {
+  GPTDims d;
+  d.family = "gemma2", d.arch = "llama";
+  d.n_layer = 2, d.n_head = 4, d.n_kv_head = 2, d.n_embd = 32, d.head_size = 16, d.intermediate_size = 48;
+  d.seq_len = 16, d.vocab_size = 70, d.max_position = 16, d.sliding_window = 4;
+  d.attn_softcap = 0.05, d.final_softcap = 0.5, d.query_pre_attn_scalar = 8;
+  torch::manual_seed(1);
+  GPT model(d);
+  const auto params = model->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : by_name)
+      if (name.find("norm") != std::string::npos || name.find("ln_") != std::string::npos) p.normal_(0.0, 0.5);
+  }
+  const auto x = torch::randint(0, 70, {2, 16}, torch::kLong);
+  const torch::Tensor ref = model->forward(x).detach();
+  EXPECT_LE(ref.abs().max().item<double>(), 0.5);  // the final cap bounds the logits
+  auto other = [&](const char* what, auto change) {
+    GPTDims e = d;
+    change(e);
+    GPT m(e);
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : m->named_params()) p.copy_(by_name.at(name));
+    EXPECT_FALSE(torch::allclose(m->forward(x), ref, 1e-4, 1e-5)) << what;
+  };
+  other("no window", [](GPTDims& e) { e.sliding_window = 0; });
+  other("no score cap", [](GPTDims& e) { e.attn_softcap = 0; });
+  other("no logit cap", [](GPTDims& e) { e.final_softcap = 0; });
+  other("the head size's query scale", [](GPTDims& e) { e.query_pre_attn_scalar = 16; });
+}
+
 // Qwen3 0.6B's blocks as published: 28 of 15,730,944 parameters, 0.44B without the embedding
 // (one block built here, with a small vocabulary: the whole model would take 2.4 GB).
 TEST(Model, Qwen3PresetBlockHasThePublishedSize) {

@@ -25,7 +25,7 @@ namespace mpitrain {
 struct ModelConfig {
   std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-debug |
                                 // llama3.2-1b | llama3.2-3b | llama3.1-8b | qwen2.5-0.5b | qwen3-0.6b |
-                                // qwen3-1.7b | qwen3-4b | qwen3-8b | mistral-7b-v0.1 | custom
+                                // qwen3-1.7b | qwen3-4b | qwen3-8b | mistral-7b-v0.1 | gemma2-2b | custom
   int64_t n_layer = 0;          // transformer blocks (0 = from preset)
   int64_t n_head = 0;           // attention heads (0 = from preset)
   int64_t n_embd = 0;           // model width (0 = from preset)
@@ -37,7 +37,7 @@ struct ModelConfig {
   // (automatic padding pads them as it pads the data's), and where it came from, for messages.
   int64_t init_vocab = 0;
   std::string init_vocab_source;
-  // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral ("" = the
+  // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral | gemma2 ("" = the
   // preset's; custom: from model.arch and the flags, as before the key existed). It gives the
   // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's only) and
   // the Hugging Face class it is read from and exported as.
@@ -59,8 +59,15 @@ struct ModelConfig {
   int64_t head_dim = 0;           // size of one attention head (0 = from preset, else n_embd / n_head; Qwen3: 128)
   std::string qk_norm = "auto";   // true | false: RMSNorm over each head's q and k before rotary (Qwen3)
                                   // (auto = the preset's, else false)
-  int64_t sliding_window = 0;     // Mistral's attention window in tokens (0 = none, or the preset's); must be
-                                  // >= seq_len: within it sliding-window attention is causal attention
+  int64_t sliding_window = 0;     // the attention window in tokens of the family's windowed layers (0 = none,
+                                  // or the preset's): Mistral's every layer (>= seq_len: within it
+                                  // sliding-window attention is causal attention), Gemma 2's layers 0, 2, 4, ...
+  // Gemma 2 only (0 = the preset's, else none): soft-capping of the attention scores and of the
+  // output logits, cap tanh(x / cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0 = the
+  // preset's, else the head size).
+  double attn_softcap = 0;
+  double final_softcap = 0;
+  double query_pre_attn_scalar = 0;
   double norm_eps = 0;            // LayerNorm / RMSNorm epsilon, > 0 (0 = from preset, else 1e-5); both archs
   double dropout = 0.0;         // dropout probability, [0, 1)
   std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]

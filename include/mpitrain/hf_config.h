@@ -1,13 +1,15 @@
 // A Hugging Face model directory's config.json as mpitrain's model keys (model.init_from: hf:DIR).
 //
-// LlamaForCausalLM (model_type llama: Llama 2/3.x), Qwen2ForCausalLM (qwen2: Qwen2/2.5, whose
-// q/k/v carry biases) and Qwen3ForCausalLM (qwen3: q/k norms, 128-wide heads) map onto
-// model.arch: llama. The keys read: hidden_size, num_hidden_layers, num_attention_heads,
+// The family is the row of model_fields.h whose model_type config.json names: LlamaForCausalLM
+// (llama: Llama 2/3.x), Qwen2ForCausalLM (qwen2: q/k/v biases), Qwen3ForCausalLM (qwen3: q/k norms,
+// 128-wide heads), MistralForCausalLM (mistral: sliding_window) and Gemma2ForCausalLM (gemma2:
+// sliding_window, attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar), all
+// the llama block. The keys read: hidden_size, num_hidden_layers, num_attention_heads,
 // num_key_value_heads, head_dim, intermediate_size, vocab_size, max_position_embeddings,
 // rms_norm_eps, tie_word_embeddings, rope_theta and rope_scaling (the older keys) or
-// rope_parameters (newer transformers), hidden_act (silu only), attention_bias and mlp_bias
-// (false only for llama and qwen3). Sliding-window attention and mixtures of experts are
-// refused, naming the key.
+// rope_parameters (newer transformers), hidden_act / hidden_activation (the family's: silu,
+// Gemma's gelu_pytorch_tanh), attention_bias and mlp_bias (false only for llama and qwen3).
+// Qwen's sliding windows and mixtures of experts are refused, naming the key.
 // Torch-free: parse_config uses it before any model exists.
 #pragma once
 

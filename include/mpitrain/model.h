@@ -8,8 +8,15 @@
 //                                                  |   width); with qk_norm an RMSNorm over each head's
 //                                                  |   q and k before rotary (Qwen3's q_norm, k_norm)
 //   MLP        c_fc -> GELU (tanh) -> c_proj,      | SwiGLU: c_proj(silu(gate_proj x) * up_proj x),
-//              4 n_embd units, biases              |   intermediate_size units, no biases
+//              4 n_embd units, biases              |   intermediate_size units, no biases (Gemma: GeGLU,
+//                                                  |   the GELU (tanh) for silu)
 //   output     tied to the token embedding         | tied, or its own lm_head (tie_embeddings false)
+// The llama block's Gemma 2 parts (Family::gemma_norms and GPTDims' soft caps, model_fields.h):
+// RMSNorm as x (1 + w) in fp32, a norm after the attention and after the MLP as well as before
+// them (post_attn_norm, post_mlp_norm), the embedding times sqrt(n_embd), the attention scores
+// and the output logits soft-capped (cap tanh(x / cap)), the query scaled by
+// 1 / sqrt(query_pre_attn_scalar), and an attention window on layers 0, 2, 4, ... (any length:
+// those layers mask keys more than sliding_window - 1 positions back).
 // Each module declares, where it makes a parameter, which part of it a tensor-parallel rank holds
 // (TpDeclared below; GPTImpl::tp_split answers by full name). Every other path (ZeRO-1,
 // checkpoints, export) reads the parameters by name; the names are GPT-2's where the role is the
@@ -78,9 +85,10 @@ class TpDeclared {
 // Hugging Face's LlamaRMSNorm.
 // `partial_grad` (tensor parallel, the q/k norms): every tp rank holds the whole weight but
 // normalises only its own heads, so the weight's gradient is summed over that group (tp_copy).
+// `unit_offset` (Gemma): RMSNorm times (1 + weight) in fp32, then cast; the weight starts at 0.
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(int64_t dim, bool rms, double eps, Communicator* partial_grad = nullptr);
+  NormImpl(int64_t dim, bool rms, double eps, Communicator* partial_grad = nullptr, bool unit_offset = false);
   torch::Tensor forward(const torch::Tensor& x);
   // dims.fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
   // add_rmsnorm, fused_ops.h): {x + delta (fp32), norm(x + delta) in out_dtype}; delta may be undefined.
@@ -90,6 +98,7 @@ class NormImpl : public torch::nn::Module {
   torch::Tensor weight, bias;  // bias: LayerNorm only
   const bool rms;
   const double eps;
+  const bool unit_offset;
 
  private:
   Communicator* partial_grad_;
@@ -116,7 +125,8 @@ class Rotary {
 
 class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
  public:
-  CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
+  // Block `layer`'s attention (its window: GPTDims::window_of_layer).
+  CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0);
   torch::Tensor forward(const torch::Tensor& x);
 
   // gpt2: c_attn ([q; k; v]); llama: q_proj, k_proj, v_proj. Both: c_proj, the output projection.
@@ -126,9 +136,18 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
  private:
   // q, k, v ([B, heads, T, head_dim]) to the attention output: the causal softmax and dropout p.
   torch::Tensor core(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, double p);
+  // Whether this attention is the plain causal one (scaled_dot_product_attention's): no soft cap,
+  // no window that cuts T tokens, the 1 / sqrt(head_dim) scale.
+  bool plain(int64_t T) const { return softcap_ == 0 && (window_ == 0 || window_ >= T) && scale_ == 0; }
+  // The other (Gemma 2's): scores q k^T scaled, soft-capped, masked (causal and window), softmax
+  // in fp32 and cast back, as Hugging Face's eager attention.
+  torch::Tensor capped_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p);
   Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)
   int64_t n_head_, n_kv_head_, head_dim_;  // this rank's heads (tensor parallel: its share)
   double dropout_;
+  int64_t window_;  // this layer's attention window (0: none)
+  double softcap_;  // the scores' soft cap (0: none)
+  double scale_;    // the scores' scale (0: 1 / sqrt(head_dim))
   std::shared_ptr<Rotary> rotary_;  // llama; null for gpt2
   torch::Tensor causal_mask_;  // cached [T, T] mask for the explicit path (not a parameter)
 };
@@ -146,13 +165,14 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
   torch::nn::Linear c_fc{nullptr}, gate_proj{nullptr}, up_proj{nullptr}, c_proj{nullptr};
 
  private:
+  bool geglu_;        // llama block: the gate's GELU (tanh) instead of silu (Gemma)
   Communicator* tp_;  // tensor parallel: c_fc / gate / up column-, c_proj row-parallel (null: tp = 1)
 };
 TORCH_MODULE(MLP);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary);
+  BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0);
   torch::Tensor forward(torch::Tensor x);
   // dims.fused_kernels: each norm absorbs the residual add before it. Takes the residual
   // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
@@ -162,6 +182,7 @@ class BlockImpl : public torch::nn::Module {
                                                         c10::ScalarType normed_dtype);
 
   Norm ln_1{nullptr}, ln_2{nullptr};
+  Norm post_attn_norm{nullptr}, post_mlp_norm{nullptr};  // Gemma: after the attention and after the MLP
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
 

@@ -20,9 +20,9 @@ namespace mpitrain {
 class Communicator;
 
 // ---- families ------------------------------------------------------------------------------------
-// A family is one row: which of model.h's two blocks it is made of, the block flags it fixes (a
-// config may not set them otherwise), and the Hugging Face class and model_type it is read from and
-// written as.
+// A family is one row: which of model.h's two blocks it is made of, the parts of that block it
+// has (some fixed, so that a config may not set them otherwise), and the Hugging Face class and
+// model_type it is read from and written as.
 struct Family {
   const char* name;             // model.family
   const char* block;            // GPTDims::arch: gpt2 | llama (model.h's two configurations)
@@ -30,10 +30,18 @@ struct Family {
   const char* hf_model_type;    // config.json "model_type"
   bool qkv_bias;                // biases on q, k and v (Qwen2)
   bool qk_norm;                 // RMSNorm over each head's q and k (Qwen3)
-  bool window;                  // may have an attention window, model.sliding_window (Mistral)
+  // Which layers an attention window (model.sliding_window) applies to: 0 none may have one, 1
+  // every layer (Mistral), 2 layers 0, 2, 4, ... (Gemma 2's local layers; the others are global).
+  int window_every;
+  // The llama block's gated MLP: config.json's hidden_act, silu (SwiGLU) | gelu_pytorch_tanh
+  // (GeGLU, Gemma); "" for the gpt2 block (its GELU MLP has no gate).
+  const char* mlp_act;
+  // Gemma's norms: RMSNorm as x (1 + w) in fp32 (the stored weight starts at 0), a second norm
+  // after each sublayer (post_attention, post_feedforward) besides the one before it, and the
+  // token embedding times sqrt(n_embd).
+  bool gemma_norms;
   const char* about;            // for docs and messages
 };
-
 const std::vector<Family>& families();
 const Family* find_family(const std::string& name);
 const Family* family_by_model_type(const std::string& hf_model_type);
@@ -46,7 +54,8 @@ std::string family_names(const char* sep = "|");
 const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window);
 // The key whose value a model of family `f` may not have ("arch", "qkv_bias", "qk_norm",
 // "sliding_window"), or nullptr: the block must be the family's; a llama block's q/k/v biases and
-// q/k norms are the family's, and only a family with a window may have one.
+// q/k norms are the family's, and only a family with a window may have one. (The fields of some
+// families only, such as Gemma 2's soft-capping: field_conflict.)
 const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
                             int64_t sliding_window);
 
@@ -71,8 +80,11 @@ struct GPTDims {
   bool tie_embeddings = true;   // llama: false = an lm_head of its own
   int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
   bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
-  int64_t sliding_window = 0;   // llama: Mistral's attention window (0 none), >= seq_len, so the
-                                // attention is causal attention; kept for checkpoints and export
+  int64_t sliding_window = 0;   // llama: the attention window (0 none) of the family's windowed
+                                // layers (Family::window_every): query i sees keys i - window + 1 .. i
+  // Gemma 2 (0 = none): attention scores and the output logits soft-capped, cap tanh(s / cap);
+  // the query scale 1 / sqrt(query_pre_attn_scalar) (0: 1 / sqrt(head_dim)).
+  double attn_softcap = 0, final_softcap = 0, query_pre_attn_scalar = 0;
   // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
   // the rows after them are padding, initialised to zero, outside the loss and the logits, so
   // they get no gradient and are never sampled. 0: every row is a class (an explicit
@@ -102,6 +114,8 @@ struct GPTDims {
   int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
   // The row of `family`; unnamed (dims built by hand, as tests do), family_of_parts.
   const Family& family_row() const;
+  // Layer `layer`'s attention window (0: none): sliding_window on the family's windowed layers.
+  int64_t window_of_layer(int64_t layer) const;
 };
 
 // ---- the architecture fields ----------------------------------------------------------------------
@@ -114,6 +128,9 @@ struct ModelField {
   const char* key;
   Type type;
   bool llama_block;        // applies to the llama block's families only (gpt2 derives or fixes it)
+  const char* families;    // "" = every family of its block; else the families that have it ("gemma2"):
+                           // checkpoints and config.json carry it only for them, and a config may
+                           // set it for no other (field_conflict)
   bool required;           // a checkpoint must have it (else: files before it existed mean `fallback`)
   Value fallback;          // what an absent attribute means
   int64_t lo, hi;          // allowed range of an integer attribute (a number: >= lo)
@@ -129,6 +146,11 @@ struct ModelField {
 };
 
 const std::vector<ModelField>& model_fields();
+// Whether field `f` is a field of family `fam` (its block and its families).
+bool field_applies(const ModelField& f, const Family& fam);
+// The first field of some families only that `d` sets (a value other than its fallback) although
+// its family `fam` has no such field, or nullptr.
+const ModelField* field_conflict(const Family& fam, const GPTDims& d);
 // The value as text, for messages and comparisons ("1e-05", "1" for a true flag, "llama3").
 std::string field_text(const ModelField& f, const GPTDims& d);
 

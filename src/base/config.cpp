@@ -67,7 +67,9 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, rope_original_max_position), MPITRAIN_FIELD(model, max_position),
     MPITRAIN_FIELD(model, qkv_bias),     MPITRAIN_FIELD(model, tie_embeddings),
     MPITRAIN_FIELD(model, head_dim),     MPITRAIN_FIELD(model, qk_norm),
-    MPITRAIN_FIELD(model, sliding_window), MPITRAIN_FIELD(model, norm_eps),
+    MPITRAIN_FIELD(model, sliding_window), MPITRAIN_FIELD(model, attn_softcap),
+    MPITRAIN_FIELD(model, final_softcap), MPITRAIN_FIELD(model, query_pre_attn_scalar),
+    MPITRAIN_FIELD(model, norm_eps),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
     MPITRAIN_FIELD(model, init_from),    MPITRAIN_FIELD(data, train),
@@ -354,6 +356,12 @@ const Preset kPresets[] = {
                         "intermediate_size: 14336, head_dim: 128, seq_len: 2048, vocab_size: 32000, "
                         "max_position: 32768, rope_theta: 10000, norm_eps: 1e-5, rope_scaling: none, "
                         "tie_embeddings: false, sliding_window: 4096"},
+    // Gemma 2 2B: 256-wide heads (8 x 256 = 2048 < 2304), a 4096-token window on every other layer,
+    // scores capped at 50 and logits at 30.
+    {"gemma2-2b", "family: gemma2, n_layer: 26, n_head: 8, n_kv_head: 4, n_embd: 2304, intermediate_size: 9216, "
+                  "head_dim: 256, seq_len: 2048, vocab_size: 256000, max_position: 8192, rope_theta: 10000, "
+                  "norm_eps: 1e-6, rope_scaling: none, tie_embeddings: true, sliding_window: 4096, "
+                  "attn_softcap: 50, final_softcap: 30, query_pre_attn_scalar: 256"},
 };
 #undef MPITRAIN_LLAMA3_ROPE
 #undef MPITRAIN_QWEN_ROPE
@@ -412,6 +420,10 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   const Family* from_preset = p ? find_family(preset.model.family) : nullptr;
   const bool named = !m.family.empty();
   const Family* family = named ? find_family(m.family) : from_preset;
+  // A preset's family that no flag says (gemma2: family_of_parts never makes it) fixes its parts
+  // as a named one does; the others' family is what the parts make, as before model.family.
+  const bool fixed = named || (from_preset && &family_of_parts(from_preset->block, from_preset->qkv_bias,
+                                                                from_preset->qk_norm, from_preset->window_every) != from_preset);
   if (named && !family)
     throw UsageError(concat(where, ": model.family must be one of ", family_names(), ", got ", show(m.family)));
   if (m.arch.empty()) m.arch = family ? family->block : "gpt2";
@@ -448,6 +460,17 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   auto fill = [](auto& field, auto value) {
     if (field == decltype(value){}) field = value;
   };
+  {  // the fields of some families only (Gemma 2's): none set for another family
+    GPTDims set;
+    const Family& fam = family ? *family : family_of_parts(m.arch, false, false, 0);  // (unnamed: no such family)
+    for (const ModelField& f : model_fields()) {
+      if (!*f.families) continue;
+      f.from_config(set, m);
+      if (!field_applies(f, fam) && f.get(set) != f.fallback)
+        throw UsageError(concat(where, ": model.", f.key, " applies to model.family ", f.families, " only (this model is ",
+                                fam.name, "), got ", field_text(f, set)));
+    }
+  }
   if (m.arch == "gpt2") {
     const std::pair<const char*, bool> llama_only[] = {
         {"n_kv_head", m.n_kv_head != 0 && m.n_kv_head != m.n_head},
@@ -484,10 +507,12 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   if (m.qkv_bias == "auto") m.qkv_bias = "false";
   if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
   if (m.qk_norm == "auto") m.qk_norm = "false";
-  if (!named) {  // as before model.family: the parts say it (validate refuses parts no family has)
+  if (family && family->gemma_norms) fill(m.query_pre_attn_scalar, static_cast<double>(m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head));
+  if (!fixed) {  // as before model.family: the parts say it (validate refuses parts no family has)
     m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window).name;
     return;
   }
+  m.family = family->name;
   if (const char* conflict = family_conflict(*family, m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window)) {
     const std::string key = conflict;
     const bool window = key == "sliding_window";
@@ -551,9 +576,12 @@ void validate(const Config& c, const std::string& where) {
     check(m.qk_norm == "false" || m.qkv_bias == "false", "model.qk_norm",
           "false with model.qkv_bias: true (no Hugging Face model has both: Qwen2 has the biases, Qwen3 the norms)",
           show(m.qk_norm));
-    // Only windows that never cut: within sliding_window tokens, sliding-window attention is causal.
+    // Mistral's windows only where they never cut: within sliding_window tokens, sliding-window
+    // attention is causal. Gemma 2's cut (its local layers attend within them).
     check(m.sliding_window >= 0, "model.sliding_window", ">= 0 (0 = none)", show(m.sliding_window));
-    if (m.sliding_window > 0) {
+    const Family* fam = find_family(m.family);
+    const bool gemma = fam && fam->gemma_norms;
+    if (m.sliding_window > 0 && !gemma) {
       check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
             "0 with model.qkv_bias or model.qk_norm (the window is Mistral's; Qwen's sliding windows are not "
             "supported)",
@@ -563,6 +591,18 @@ void validate(const Config& c, const std::string& where) {
                    ": attention windows shorter than the context are not implemented; lower model.seq_len)"),
             show(m.sliding_window));
     }
+    check(m.attn_softcap >= 0, "model.attn_softcap", ">= 0 (0 = none)", show(m.attn_softcap));
+    check(m.final_softcap >= 0, "model.final_softcap", ">= 0 (0 = none)", show(m.final_softcap));
+    check(m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar", ">= 0 (0 = the head size)",
+          show(m.query_pre_attn_scalar));
+    // Gemma's norms (x (1 + w), one after each sublayer too) have no fused op; nor has the fused
+    // loss a soft cap on the logits.
+    if (gemma)
+      check(m.fused_kernels != "on", "model.fused_kernels", concat("auto or off with model.family ", m.family,
+            " (its norms have no fused op)"), show(m.fused_kernels));
+    if (m.final_softcap > 0)
+      check(m.fused_loss != "on", "model.fused_loss", "auto or off with model.final_softcap (the fused loss has no soft cap)",
+            show(m.fused_loss));
     const bool llama3 = m.rope_scaling == "llama3";
     auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
       check(llama3 ? ok : got == "0", key, llama3 ? range : "unset (0) unless model.rope_scaling is llama3", got);

@@ -91,8 +91,10 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
       if (std::string(f.block) == "llama") known += concat(known.empty() ? "" : ", ", f.hf_model_type, " (", f.hf_architecture, ")");
     throw bad("model_type", concat("'", type, "': mpitrain reads ", known));
   }
-  if (c.contains("hidden_act") && c["hidden_act"] != "silu")
-    throw bad("hidden_act", concat(c["hidden_act"].dump(), ": mpitrain's llama MLP is SwiGLU (silu)"));
+  // The gated MLP's activation is the family's (Gemma's configs name it hidden_activation).
+  for (const char* act : {"hidden_act", "hidden_activation"})
+    if (c.contains(act) && !c[act].is_null() && c[act] != family->mlp_act)
+      throw bad(act, concat(c[act].dump(), ": mpitrain's ", type, " MLP is ", family->mlp_act));
   // Qwen2's q/k/v biases are qkv_bias; llama's and qwen3's attention_bias (o_proj too) and mlp_bias are not supported.
   if (!family->qkv_bias && (flag("attention_bias", false) || flag("mlp_bias", false)))
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
@@ -102,15 +104,15 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // Mistral's window (null: none). Qwen's configs carry a sliding_window too, unused without
   // use_sliding_window; Llama's have none. A window shorter than model.seq_len is refused by the
   // config's validation, naming model.sliding_window.
-  const int64_t window = family->window ? integer("sliding_window", false, 0) : 0;
+  const int64_t window = family->window_every > 0 ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
   // The head size: head_dim where given (Qwen3: 128 at any width), else hidden_size / num_attention_heads.
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
-  // transformers' Qwen3Config has head_dim 128 when config.json has none (Llama's, Qwen2's and
-  // Mistral's: hidden_size / num_attention_heads).
-  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : 0);
+  // transformers' Qwen3Config has head_dim 128 when config.json has none, Gemma2Config 256 (Llama's,
+  // Qwen2's and Mistral's: hidden_size / num_attention_heads).
+  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : type == "gemma2" ? 256 : 0);
   if (head_dim == 0 && n_embd % n_head != 0)
     throw bad("hidden_size",
               concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
@@ -167,7 +169,12 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   m.init_vocab = vocab;
   m.init_vocab_source = concat(path, "'s vocab_size");
   struct Num { const char* key; double* field; double value; };
-  const Num nums[] = {{"rope_theta", &m.rope_theta, theta},
+  // Gemma 2's soft caps (null: none) and query scale (Gemma2Config's defaults where absent).
+  const bool gemma = family->gemma_norms;
+  const Num nums[] = {{"attn_softcap", &m.attn_softcap, gemma ? number(c, "attn_logit_softcapping", 0) : 0},
+                      {"final_softcap", &m.final_softcap, gemma ? number(c, "final_logit_softcapping", 0) : 0},
+                      {"query_pre_attn_scalar", &m.query_pre_attn_scalar, gemma ? number(c, "query_pre_attn_scalar", 256) : 0},
+                      {"rope_theta", &m.rope_theta, theta},
                       {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},
                       {"rope_factor", &m.rope_factor, factor},
                       {"rope_low_freq_factor", &m.rope_low_freq_factor, low},

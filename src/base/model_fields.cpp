@@ -12,15 +12,20 @@ namespace mpitrain {
 
 const std::vector<Family>& families() {
   static const std::vector<Family> kFamilies = {
-      {"gpt2", "gpt2", "GPT2LMHeadModel", "gpt2", true, false, false,
+      // name, block, HF class, model_type, qkv_bias, qk_norm, window on every .. layer, MLP gate, Gemma norms
+      {"gpt2", "gpt2", "GPT2LMHeadModel", "gpt2", true, false, 0, "", false,
        "LayerNorm, learned positions, GELU MLP, biases everywhere, tied output"},
-      {"llama", "llama", "LlamaForCausalLM", "llama", false, false, false,
+      {"llama", "llama", "LlamaForCausalLM", "llama", false, false, 0, "silu", false,
        "RMSNorm, rotary, SwiGLU, grouped-query attention (Llama 3.x)"},
-      {"qwen2", "llama", "Qwen2ForCausalLM", "qwen2", true, false, false, "llama's block with q/k/v biases (Qwen2, Qwen2.5)"},
-      {"qwen3", "llama", "Qwen3ForCausalLM", "qwen3", false, true, false,
+      {"qwen2", "llama", "Qwen2ForCausalLM", "qwen2", true, false, 0, "silu", false,
+       "llama's block with q/k/v biases (Qwen2, Qwen2.5)"},
+      {"qwen3", "llama", "Qwen3ForCausalLM", "qwen3", false, true, 0, "silu", false,
        "llama's block with an RMSNorm over each head's q and k (Qwen3)"},
-      {"mistral", "llama", "MistralForCausalLM", "mistral", false, false, true,
+      {"mistral", "llama", "MistralForCausalLM", "mistral", false, false, 1, "silu", false,
        "llama's block with an attention window (Mistral 7B), no shorter than seq_len"},
+      {"gemma2", "llama", "Gemma2ForCausalLM", "gemma2", false, false, 2, "gelu_pytorch_tanh", true,
+       "llama's block with GeGLU, RMSNorm x (1 + w) before and after each sublayer, the embedding x sqrt(n_embd), "
+       "soft-capped attention scores and logits, a window on every other layer (Gemma 2)"},
   };
   return kFamilies;
 }
@@ -44,6 +49,7 @@ std::string family_names(const char* sep) {
 }
 
 const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window) {
+  // (Gemma 2 has parts no flag here says: a model is gemma2 only by name.)
   const char* name = block != "llama" ? "gpt2"
                      : sliding_window > 0 ? "mistral"
                      : qkv_bias          ? "qwen2"
@@ -58,8 +64,13 @@ const char* family_conflict(const Family& f, const std::string& block, bool qkv_
   if (block != "llama") return nullptr;
   if (qkv_bias != f.qkv_bias) return "qkv_bias";
   if (qk_norm != f.qk_norm) return "qk_norm";
-  if (sliding_window > 0 && !f.window) return "sliding_window";
+  if (sliding_window > 0 && f.window_every == 0) return "sliding_window";
   return nullptr;
+}
+
+int64_t GPTDims::window_of_layer(int64_t layer) const {
+  const int every = family_row().window_every;
+  return every > 0 && layer % every == 0 ? sliding_window : 0;
 }
 
 const Family& GPTDims::family_row() const {
@@ -85,10 +96,10 @@ bool is_true(const std::string& flag) { return flag == "true"; }
 
 // A row whose GPTDims member and ModelConfig member are both named `key` (flags: "true"/"false"
 // in the config), with `convert` from the config's value.
-#define MPITRAIN_DIMS_FIELD(key, type, llama_block, required, fallback, lo, hi, values, hf_key, resume_may_change, \
-                            convert)                                                                               \
+#define MPITRAIN_DIMS_FIELD(key, type, llama_block, families, required, fallback, lo, hi, values, hf_key,          \
+                            resume_may_change, convert)                                                            \
   ModelField {                                                                                                     \
-    #key, type, llama_block, required, Value(fallback), lo, hi, values, hf_key, resume_may_change,                 \
+    #key, type, llama_block, families, required, Value(fallback), lo, hi, values, hf_key, resume_may_change,       \
         [](const GPTDims& d) { return Value(d.key); },                                                             \
         [](GPTDims& d, const Value& v) { d.key = std::get<std::decay_t<decltype(d.key)>>(v); },                    \
         [](GPTDims& d, const ModelConfig& c) { d.key = convert(c.key); }                                           \
@@ -102,44 +113,50 @@ const std::vector<ModelField>& model_fields() {
     std::vector<ModelField> rows = {
         // key, type, block, in every file?, absent means, range, text values, config.json key, resume, from config
         // The block (gpt2 | llama) comes first: whether the llama rows apply depends on it.
-        MPITRAIN_DIMS_FIELD(arch, Type::text, any, optional, std::string("gpt2"), 0, 0, "gpt2|llama", "", fixed,
+        MPITRAIN_DIMS_FIELD(arch, Type::text, any, "", optional, std::string("gpt2"), 0, 0, "gpt2|llama", "", fixed,
                             [](const std::string& a) { return a.empty() ? std::string("gpt2") : a; }),
-        MPITRAIN_DIMS_FIELD(norm_eps, Type::number, any, optional, 1e-5, 0, 0, "", "rms_norm_eps", fixed,
+        MPITRAIN_DIMS_FIELD(norm_eps, Type::number, any, "", optional, 1e-5, 0, 0, "", "rms_norm_eps", fixed,
                             [](double e) { return e > 0 ? e : 1e-5; }),
-        MPITRAIN_DIMS_FIELD(n_kv_head, Type::integer, llama, required, int64_t{0}, 1, kInt32, "", "num_key_value_heads",
+        MPITRAIN_DIMS_FIELD(n_kv_head, Type::integer, llama, "", required, int64_t{0}, 1, kInt32, "", "num_key_value_heads",
                             fixed, same_int),
-        MPITRAIN_DIMS_FIELD(intermediate_size, Type::integer, llama, required, int64_t{0}, 1, kBig, "",
+        MPITRAIN_DIMS_FIELD(intermediate_size, Type::integer, llama, "", required, int64_t{0}, 1, kBig, "",
                             "intermediate_size", fixed, same_int),
         // config.json's max_position_embeddings: metadata, not the weights' shape.
-        MPITRAIN_DIMS_FIELD(max_position, Type::integer, llama, required, int64_t{0}, 1, kBig, "",
+        MPITRAIN_DIMS_FIELD(max_position, Type::integer, llama, "", required, int64_t{0}, 1, kBig, "",
                             "max_position_embeddings", may_change, same_int),
-        MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, required, 0.0, 0, 0, "", "rope_theta", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, "", required, 0.0, 0, 0, "", "rope_theta", fixed, same_number),
         // Llama 3.1's scaling: config.json's rope_scaling object (hf_format.cpp, hf_config.cpp).
-        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, optional, std::string("none"), 0, 0, "none|llama3", "",
+        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, "", optional, std::string("none"), 0, 0, "none|llama3", "",
                             fixed, [](const std::string& v) { return v.empty() ? std::string("none") : v; }),
-        MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(rope_high_freq_factor, Type::number, llama, required, 0.0, 0, 0, "", "", fixed,
+        MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_high_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed,
                             same_number),
-        MPITRAIN_DIMS_FIELD(rope_original_max_position, Type::integer, llama, required, int64_t{0}, 0, kBig, "", "",
+        MPITRAIN_DIMS_FIELD(rope_original_max_position, Type::integer, llama, "", required, int64_t{0}, 0, kBig, "", "",
                             fixed, same_int),
         // The family's flag (family_conflict): config.json says it by model_type.
-        MPITRAIN_DIMS_FIELD(qkv_bias, Type::flag, llama, required, false, 0, 1, "", "", fixed, is_true),
-        MPITRAIN_DIMS_FIELD(tie_embeddings, Type::flag, llama, required, true, 0, 1, "", "tie_word_embeddings", fixed,
+        MPITRAIN_DIMS_FIELD(qkv_bias, Type::flag, llama, "", required, false, 0, 1, "", "", fixed, is_true),
+        MPITRAIN_DIMS_FIELD(tie_embeddings, Type::flag, llama, "", required, true, 0, 1, "", "tie_word_embeddings", fixed,
                             is_true),
         // The head size: files since Qwen3 record it; older files (and gpt2) have n_embd / n_head.
-        ModelField{"head_dim", Type::integer, llama, optional, Value(int64_t{0}), 2, 1 << 16, "", "head_dim", fixed,
+        ModelField{"head_dim", Type::integer, llama, "", optional, Value(int64_t{0}), 2, 1 << 16, "", "head_dim", fixed,
                    [](const GPTDims& d) { return Value(d.head_dim()); },
                    [](GPTDims& d, const Value& v) { d.head_size = std::get<int64_t>(v); },
                    [](GPTDims& d, const ModelConfig& c) { d.head_size = c.head_dim; }},
-        MPITRAIN_DIMS_FIELD(qk_norm, Type::flag, llama, optional, false, 0, 1, "", "", fixed, is_true),
-        // Mistral's window (0: none; files before it have none); only a family with a window has
-        // it in config.json.
-        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, optional, int64_t{0}, 0, kInt32, "", "", fixed,
+        MPITRAIN_DIMS_FIELD(qk_norm, Type::flag, llama, "", optional, false, 0, 1, "", "", fixed, is_true),
+        // The window of the family's windowed layers (0: none; files before it have none); only a
+        // family with a window has it in config.json.
+        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "", optional, int64_t{0}, 0, kInt32, "", "", fixed,
                             same_int),
+        // Gemma 2's soft-capping (0: none; config.json null) and query scale (resolved: the head
+        // size where the config leaves it 0).
+        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(query_pre_attn_scalar, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "",
+                            "query_pre_attn_scalar", fixed, same_number),
         // Last: what the flags above make is its fallback (files before model.family), and a resume
         // names the differing flag before the family it makes.
-        ModelField{"family", Type::text, any, optional, Value(std::string()), 0, 0, "", "", fixed,
+        ModelField{"family", Type::text, any, "", optional, Value(std::string()), 0, 0, "", "", fixed,
                    [](const GPTDims& d) { return Value(std::string(d.family_row().name)); },
                    [](GPTDims& d, const Value& v) { d.family = std::get<std::string>(v); },
                    [](GPTDims& d, const ModelConfig& c) { d.family = c.family; }},
@@ -150,6 +167,17 @@ const std::vector<ModelField>& model_fields() {
   return kFields;
 }
 #undef MPITRAIN_DIMS_FIELD
+
+bool field_applies(const ModelField& f, const Family& fam) {
+  if (f.llama_block && std::string(fam.block) != "llama") return false;
+  return !*f.families || (concat("|", f.families, "|").find(concat("|", fam.name, "|")) != std::string::npos);
+}
+
+const ModelField* field_conflict(const Family& fam, const GPTDims& d) {
+  for (const ModelField& f : model_fields())
+    if (*f.families && !field_applies(f, fam) && f.get(d) != f.fallback) return &f;
+  return nullptr;
+}
 
 std::string field_text(const ModelField& f, const GPTDims& d) {
   return std::visit(

@@ -145,22 +145,28 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 // Llama: mpitrain's name -> HF's, piece by piece ("h.3.attn.c_proj.weight" ->
-// "model.layers.3.self_attn.o_proj.weight").
-std::string llama_hf_name(const std::string& name) {
+// "model.layers.3.self_attn.o_proj.weight"). Gemma's block has four norms: its norm before the MLP
+// is pre_feedforward_layernorm, and post_attention_layernorm is the one after the attention.
+std::string llama_hf_name(const std::string& name, bool gemma) {
   static const std::pair<const char*, const char*> whole[] = {
       {"wte.weight", "model.embed_tokens.weight"}, {"ln_f.weight", "model.norm.weight"}, {"lm_head.weight", "lm_head.weight"}};
   for (const auto& [ours, theirs] : whole)
     if (name == ours) return theirs;
-  static const std::pair<const char*, const char*> parts[] = {
+  using Parts = std::vector<std::pair<const char*, const char*>>;
+  static const Parts parts = {
       {".ln_1.", ".input_layernorm."},       {".ln_2.", ".post_attention_layernorm."},
       {".attn.c_proj.", ".self_attn.o_proj."}, {".attn.", ".self_attn."},
       {".mlp.c_proj.", ".mlp.down_proj."}};
+  static const Parts gemma_norms = {{".ln_2.", ".pre_feedforward_layernorm."},
+                                    {".post_attn_norm.", ".post_attention_layernorm."},
+                                    {".post_mlp_norm.", ".post_feedforward_layernorm."}};
   MPITRAIN_CHECK(name.rfind("h.", 0) == 0, concat("no Hugging Face name for '", name, "'"));
   std::string out = "model.layers." + name.substr(2);
-  for (const auto& [ours, theirs] : parts) {
-    const size_t at = out.find(ours);
-    if (at != std::string::npos) return out.replace(at, std::strlen(ours), theirs);
-  }
+  for (const Parts* table : {gemma ? &gemma_norms : nullptr, &parts})
+    for (const auto& [ours, theirs] : table ? *table : Parts{}) {
+      const size_t at = out.find(ours);
+      if (at != std::string::npos) return out.replace(at, std::strlen(ours), theirs);
+    }
   return out;  // mlp.gate_proj, mlp.up_proj
 }
 
@@ -307,7 +313,7 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"hidden_size", d.n_embd},
       {"num_hidden_layers", d.n_layer},
       {"num_attention_heads", d.n_head},
-      {"hidden_act", "silu"},
+      {"hidden_act", family.mlp_act},
       {"rope_scaling", nullptr},
       {"attention_dropout", d.dropout},
       {"initializer_range", 0.02},
@@ -317,8 +323,15 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"torch_dtype", torch_dtype},
   };
   for (const ModelField& f : model_fields())  // the fields config.json has as they are
-    if (*f.hf_key) std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
-  if (mistral) {
+    if (*f.hf_key && field_applies(f, family)) std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
+  if (family.gemma_norms) {  // Gemma 2's: its activation under its own key too, caps 0 = null (none)
+    c["hidden_activation"] = family.mlp_act;
+    c["attn_logit_softcapping"] = d.attn_softcap > 0 ? json(d.attn_softcap) : json(nullptr);
+    c["final_logit_softcapping"] = d.final_softcap > 0 ? json(d.final_softcap) : json(nullptr);
+    c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);
+    c["attention_bias"] = false;
+    c["cache_implementation"] = "hybrid";
+  } else if (mistral) {
     c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);  // null: none
   } else if (qwen2 || qwen3) {
     if (qwen3) c["attention_bias"] = false;
@@ -375,7 +388,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 std::string hf_architecture(const GPTDims& d) { return d.family_row().hf_architecture; }
 
 std::string hf_name(const std::string& name, const GPTDims& d) {
-  return d.llama() ? llama_hf_name(name) : kPrefix + name;
+  return d.llama() ? llama_hf_name(name, d.family_row().gemma_norms) : kPrefix + name;
 }
 
 bool hf_transposed(const std::string& name, const GPTDims& d) {

@@ -88,9 +88,9 @@ Communicator* tp_of(const GPTDims& d) {
 
 // ---- norm and rotary positions --------------------------------------------------------------
 
-NormImpl::NormImpl(int64_t dim, bool rms_, double eps_, Communicator* partial_grad)
-    : rms(rms_), eps(eps_), partial_grad_(partial_grad) {
-  weight = register_parameter("weight", torch::ones({dim}));
+NormImpl::NormImpl(int64_t dim, bool rms_, double eps_, Communicator* partial_grad, bool unit_offset_)
+    : rms(rms_), eps(eps_), unit_offset(unit_offset_), partial_grad_(partial_grad) {
+  weight = register_parameter("weight", unit_offset ? torch::zeros({dim}) : torch::ones({dim}));
   if (!rms) bias = register_parameter("bias", torch::zeros({dim}));
 }
 
@@ -98,11 +98,14 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
   if (!rms) return F::layer_norm(x, F::LayerNormFuncOptions({weight.size(0)}).weight(weight).bias(bias).eps(eps));
   torch::Tensor h = x.to(torch::kFloat32);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (partial_grad_ ? tp_copy(weight, *partial_grad_) : weight) * h.to(x.scalar_type());
+  const torch::Tensor w = partial_grad_ ? tp_copy(weight, *partial_grad_) : weight;
+  if (unit_offset) return (h * (w.to(torch::kFloat32) + 1.0)).to(x.scalar_type());  // Gemma's: in fp32, then cast
+  return w * h.to(x.scalar_type());
 }
 
 std::pair<torch::Tensor, torch::Tensor> NormImpl::add_forward(const torch::Tensor& x, const torch::Tensor& delta,
                                                               c10::ScalarType out_dtype) {
+  MPITRAIN_CHECK(!unit_offset, "the fused norms have no x (1 + w) form (Gemma's norms run unfused)");
   if (rms) return add_rmsnorm(x, delta, weight, eps, out_dtype);
   return add_layernorm(x, delta, weight, bias, eps, out_dtype);
 }
@@ -150,12 +153,19 @@ torch::Tensor Rotary::apply(const torch::Tensor& x) {
 // Tensor parallel: this rank holds n_head / tp query heads and n_kv_head / tp key/value heads
 // (c_attn: 3 E / tp rows; q/k/v_proj: their heads' rows), c_proj their input columns and the
 // whole bias (gpt2).
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary)
+// Gemma's attention scores are computed as Hugging Face's eager attention computes them (capped_core),
+// whatever their cap and scale, so that the two agree to the rounding.
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer)
     : tp_(tp_of(d)),
       n_head_(d.n_head / d.tp),
       n_kv_head_(d.n_kv_head / d.tp),
       head_dim_(d.head_dim()),
       dropout_(d.dropout),
+      window_(d.llama() ? d.window_of_layer(layer) : 0),
+      softcap_(d.attn_softcap),
+      scale_(d.query_pre_attn_scalar > 0 ? 1.0 / std::sqrt(d.query_pre_attn_scalar)
+             : d.llama() && d.family_row().gemma_norms ? 1.0 / std::sqrt(static_cast<double>(d.head_dim()))
+                                                       : 0.0),
       rotary_(std::move(rotary)) {
   const int64_t q_width = n_head_ * head_dim_, kv_width = n_kv_head_ * head_dim_;
   if (d.llama()) {
@@ -167,8 +177,9 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
   }
   c_proj = register_module("c_proj", linear(q_width, d.n_embd, !d.llama()));
   if (d.llama() && d.qk_norm) {  // after o_proj, as in Hugging Face's Qwen3Attention
-    q_norm = register_module("q_norm", Norm(head_dim_, true, d.norm_eps, tp_));
-    k_norm = register_module("k_norm", Norm(head_dim_, true, d.norm_eps, tp_));
+    const bool gemma = d.family_row().gemma_norms;
+    q_norm = register_module("q_norm", Norm(head_dim_, true, d.norm_eps, tp_, gemma));
+    k_norm = register_module("k_norm", Norm(head_dim_, true, d.norm_eps, tp_, gemma));
   }
   // Column-parallel by whole heads: [q; k; v] each in tp blocks (gpt2), or q and k/v (llama); the
   // output projection row-parallel (its input columns; its bias whole).
@@ -206,6 +217,7 @@ torch::Tensor CausalSelfAttentionImpl::core(const torch::Tensor& q, torch::Tenso
     k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
     v = v.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
   }
+  if (!plain(T)) return capped_core(q, k, v, p);
 #if TORCH_VERSION_MAJOR >= 2
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
 #else
@@ -219,6 +231,22 @@ torch::Tensor CausalSelfAttentionImpl::core(const torch::Tensor& q, torch::Tenso
   if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
   return torch::matmul(att, v);
 #endif
+}
+
+torch::Tensor CausalSelfAttentionImpl::capped_core(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, double p) {
+  const int64_t T = q.size(2);
+  torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (scale_ > 0 ? scale_ : 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  if (softcap_ > 0) att = torch::tanh(att / softcap_) * softcap_;
+  // Key j is hidden from query i after it (j > i) and, with a window, window or more positions
+  // before it (i - j >= window).
+  const auto opts = torch::dtype(torch::kLong).device(q.device());
+  const torch::Tensor i = torch::arange(T, opts).unsqueeze(1), j = torch::arange(T, opts).unsqueeze(0);
+  torch::Tensor masked = j > i;
+  if (window_ > 0) masked = masked.logical_or(i - j >= window_);
+  att = att.masked_fill(masked, -std::numeric_limits<float>::infinity()).softmax(-1, torch::kFloat32).to(q.scalar_type());
+  if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
+  return torch::matmul(att, v);
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
@@ -238,7 +266,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);  // [B, n, T, hd]
   const double p = is_training() ? dropout_ : 0.0;
   torch::Tensor y = tape_attention(
-      q, k, v, /*uses_rng=*/p > 0, [p](const torch::Tensor& qh) { return fused_attention(qh, p); },
+      q, k, v, /*uses_rng=*/p > 0,
+      [this, p](const torch::Tensor& qh) { return plain(qh.size(2)) && fused_attention(qh, p); },
       [this, p](const torch::Tensor& qh, const torch::Tensor& kh, const torch::Tensor& vh) { return core(qh, kh, vh, p); });
   y = y.transpose(1, 2).contiguous().view({B, T, n_head_ * hd});
   y = row_parallel(y, c_proj, tp_);
@@ -256,6 +285,15 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
                                 c10::ScalarType dtype) {
   const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
   const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal");
+  if (d.llama() && d.family_row().gemma_norms) {  // CausalSelfAttentionImpl::capped_core, whatever the device
+    if (choice != "auto" && choice != "math")
+      throw UsageError(concat("model.attention: ", choice, " cannot run Gemma's attention (soft-capped scores, a window on "
+                              "every other layer): use auto or math"));
+    (void)device;
+    return concat("masked softmax + matmul as Hugging Face's eager attention (", shapes,
+                  d.attn_softcap > 0 ? concat(", scores capped at ", d.attn_softcap) : std::string(),
+                  d.sliding_window > 0 ? concat(", window ", d.sliding_window, " on every other layer") : std::string(), ")");
+  }
 #if TORCH_VERSION_MAJOR >= 2
   if (choice != "auto") {
     auto& ctx = at::globalContext();
@@ -300,7 +338,8 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
 
 // Tensor parallel: c_fc (gate_proj, up_proj) holds intermediate_size / tp of the hidden units,
 // c_proj their input columns.
-MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
+MLPImpl::MLPImpl(const GPTDims& d)
+    : geglu_(d.llama() && std::string(d.family_row().mlp_act) == "gelu_pytorch_tanh"), tp_(tp_of(d)) {
   const int64_t hidden = d.intermediate_size / d.tp;
   if (d.llama()) {
     gate_proj = register_module("gate_proj", linear(d.n_embd, hidden, false));
@@ -316,11 +355,16 @@ MLPImpl::MLPImpl(const GPTDims& d) : tp_(tp_of(d)) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
-  if (gate_proj) return row_parallel(F::silu(apply_linear(gate_proj, in)) * apply_linear(up_proj, in), c_proj, tp_);
-  return row_parallel(F::gelu(apply_linear(c_fc, in), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
+  const auto gelu = F::GELUFuncOptions().approximate("tanh");
+  if (gate_proj) {
+    const torch::Tensor gate = apply_linear(gate_proj, in);
+    return row_parallel((geglu_ ? F::gelu(gate, gelu) : F::silu(gate)) * apply_linear(up_proj, in), c_proj, tp_);
+  }
+  return row_parallel(F::gelu(apply_linear(c_fc, in), gelu), c_proj, tp_);
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
+  MPITRAIN_CHECK(!geglu_, "GeGLU has no fused op (Gemma's blocks run unfused)");
   const torch::Tensor in = column_input(x, tp_);
   if (gate_proj) return row_parallel(swiglu(apply_linear(gate_proj, in), apply_linear(up_proj, in)), c_proj, tp_);
   // The matmul alone (autocast casts it as it would c_fc); the bias add joins the GELU.
@@ -328,16 +372,24 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   return row_parallel(bias_gelu(pre, c_fc->bias), c_proj, tp_);
 }
 
-BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary) : dropout_(d.dropout) {
-  ln_1 = register_module("ln_1", Norm(d.n_embd, d.llama(), d.norm_eps));
-  attn = register_module("attn", CausalSelfAttention(d, std::move(rotary)));
-  ln_2 = register_module("ln_2", Norm(d.n_embd, d.llama(), d.norm_eps));
+BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer) : dropout_(d.dropout) {
+  const bool gemma = d.llama() && d.family_row().gemma_norms;
+  ln_1 = register_module("ln_1", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
+  attn = register_module("attn", CausalSelfAttention(d, std::move(rotary), layer));
+  ln_2 = register_module("ln_2", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
   mlp = register_module("mlp", MLP(d));
+  if (gemma) {
+    post_attn_norm = register_module("post_attn_norm", Norm(d.n_embd, true, d.norm_eps, nullptr, true));
+    post_mlp_norm = register_module("post_mlp_norm", Norm(d.n_embd, true, d.norm_eps, nullptr, true));
+  }
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
-  x = x + attn(ln_1(x));
+  auto a = attn(ln_1(x));
+  if (post_attn_norm) a = post_attn_norm(a);
+  x = x + a;
   auto m = mlp(ln_2(x));
+  if (post_mlp_norm) m = post_mlp_norm(m);
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
   return x + m;
@@ -435,10 +487,11 @@ void drop_values(torch::nn::Module& m) {
 void draw_initial(const std::string& name, torch::Tensor p, const GPTDims& d,
                   const c10::optional<at::Generator>& gen) {
   const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(d.n_layer));
+  const bool unit_offset = d.llama() && d.family_row().gemma_norms;  // x (1 + w): w starts at 0
   const bool is_weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
   const bool is_norm = name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos;
   if (is_norm) {
-    is_weight ? p.fill_(1.0) : p.zero_();
+    is_weight && !unit_offset ? p.fill_(1.0) : p.zero_();
   } else if (name == "wte.weight" || name == "lm_head.weight") {
     // The tokens' rows are drawn as an unpadded model's (the same generator draws: padding
     // changes no other initial value); padding rows are zero.
@@ -463,9 +516,9 @@ at::Generator snapshot_of_default_generator() {
 GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
-  // A window that never cuts (every sequence is at most seq_len): the causal attention below is it.
-  MPITRAIN_CHECK(d.sliding_window == 0 || d.sliding_window >= d.seq_len,
-                 "model dims: a sliding window shorter than seq_len is not implemented");
+  MPITRAIN_CHECK(!(d.fused_kernels && d.llama() && d.family_row().gemma_norms),
+                 "model dims: Gemma's norms have no fused ops (fused_kernels off)");
+  MPITRAIN_CHECK(!(d.fused_loss && d.final_softcap > 0), "model dims: the fused loss has no soft cap (fused_loss off)");
   MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
                      d.vocab_size % d.tp == 0,
                  "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");
@@ -535,10 +588,10 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < d.n_layer; ++i) {
-    h->push_back(Block(d, rotary));
+    h->push_back(Block(d, rotary, i));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
-  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps));
+  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.llama() && d.family_row().gemma_norms));
   if (d.llama() && !d.tie_embeddings) {
     lm_head = register_module("lm_head", linear(d.n_embd, made, false));
     pad_rows(lm_head->weight);
@@ -554,6 +607,7 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
                                  : wte(idx);
   if (wpe) x = x + wpe(torch::arange(T, torch::dtype(torch::kLong).device(idx.device())));
+  if (dims_.llama() && dims_.family_row().gemma_norms) x = x * std::sqrt(static_cast<double>(dims_.n_embd));
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
@@ -608,7 +662,9 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows;
   // hidden() first: it makes the output layer whole under ZeRO-3.
   torch::Tensor x = column_input(hidden(idx), tp_of(dims_));
-  return F::linear(x, output_weight().narrow(0, 0, live_rows()));
+  torch::Tensor logits = F::linear(x, output_weight().narrow(0, 0, live_rows()));
+  const double cap = dims_.final_softcap;
+  return cap > 0 ? torch::tanh(logits / cap) * cap : logits;  // Gemma 2's soft cap
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {

@@ -259,10 +259,10 @@ struct CheckpointFileHandles {
 namespace {
 
 // The architecture beyond GPT-2's five dimensions: the rows of model_fields() that apply to the
-// block (flags as 0/1 integers).
+// family (flags as 0/1 integers).
 void write_arch_attrs(hid_t root, const GPTDims& d) {
   for (const ModelField& f : model_fields()) {
-    if (f.llama_block && !d.llama()) continue;
+    if (!field_applies(f, d.family_row())) continue;
     std::visit(
         [&](const auto& x) {
           if constexpr (std::is_same_v<std::decay_t<decltype(x)>, bool>) h5::set_attr(root, f.key, int64_t{x});
@@ -547,7 +547,8 @@ namespace {
 
 // The rows of model_fields() that apply to the block (the arch row first says which), each checked
 // against its type and range; an absent optional one takes its fallback (files written before it
-// existed). A file without the family attribute (before model.family) has the family its parts say.
+// existed, and a family's fields in the files of other families). A file without the family
+// attribute (before model.family) has the family its parts say.
 void read_arch_attrs(hid_t root, const std::string& path, GPTDims& d) {
   for (const ModelField& f : model_fields()) {
     if (f.llama_block && !d.llama()) continue;
@@ -583,6 +584,9 @@ void read_arch_attrs(hid_t root, const std::string& path, GPTDims& d) {
   complete_dims(d);  // a file before model.family names none
   if (const char* key = family_conflict(d.family_row(), d.arch, d.qkv_bias, d.qk_norm, d.sliding_window))
     throw UsageError(concat(path, ": attribute '", key, "' does not fit attribute 'family' (", d.family, ")"));
+  if (const ModelField* f = field_conflict(d.family_row(), d))
+    throw UsageError(concat(path, ": attribute '", f->key, "' (", field_text(*f, d), ") is ", f->families,
+                            "'s only, not family ", d.family, "'s"));
 }
 
 // The declared model dimensions of the open checkpoint `root` (file name `path`), checked against
@@ -602,8 +606,8 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
                             d.n_embd));
   if (d.llama() && d.n_head % d.n_kv_head != 0)
     throw UsageError(concat(path, ": attribute 'n_kv_head' must divide 'n_head' (", d.n_head, "), got ", d.n_kv_head));
-  // One shorter than seq_len is not a model mpitrain makes.
-  if (d.sliding_window != 0 && d.sliding_window < d.seq_len)
+  // A Mistral window shorter than seq_len is not a model mpitrain makes (Gemma 2's windows cut).
+  if (d.sliding_window != 0 && d.sliding_window < d.seq_len && d.family_row().window_every == 1)
     throw UsageError(concat(path, ": attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len, "), got ",
                             d.sliding_window));
   // The declared dimensions must be those of the stored tensors: `sample` builds the model from

@@ -221,10 +221,13 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
     dims = model_dims(cfg.model, train_data->vocab_size(), vocab_pad_multiple(cfg.model, device.is_cuda(), layout.tp));
     if (layout.tp > 1) check_tensor_parallel_dims(dims, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
-    if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda();
+    // (Not with soft-capped logits, which it has no cap for: Gemma 2.)
+    if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda() && dims.final_softcap == 0;
     // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
-    // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist.
-    if (cfg.model.fused_kernels == "auto") dims.fused_kernels = device.is_cuda() && fused_kernels_built();
+    // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist, and
+    // for the norms they have (not Gemma's).
+    if (cfg.model.fused_kernels == "auto")
+      dims.fused_kernels = device.is_cuda() && fused_kernels_built() && !dims.family_row().gemma_norms;
     const std::string& ac = cfg.train.activation_checkpointing;
     dims.ac = ac == "full" ? GPTDims::Ac::full : ac == "selective" ? GPTDims::Ac::selective : GPTDims::Ac::none;
     dims.ac_every = cfg.train.ac_every;
