@@ -176,6 +176,19 @@ gi_val=$(val_loss 0 init_gi.out)
 check "init_from hf:hf_gemma2: gemma2 with its caps and window from config.json, step-0 val loss $gi_val = the exported run's last $gemma_last" \
   "[ $rc -eq 0 ] && [ -n '$gi_val' ] && [ '$gi_val' = '$gemma_last' ] && grep -q 'model: gemma2 (llama block), .*window 8 on every other layer, scores capped at 0.1, logits capped at 2' init_gi.out"
 [ $rc -eq 0 ] || tail -3 init_gi.out
+# Gemma 2 under the memory layouts: activation checkpointing (full, selective) and ZeRO-3 train the
+# same losses as the plain data-parallel run, step by step (metrics.jsonl, 6 decimals).
+for v in "plain:" "ac_full:--set train.activation_checkpointing=full" "ac_selective:--set train.activation_checkpointing=selective" \
+         "zero3:--set optim.zero=3"; do
+  n=${v%%:*}; a=${v#*:}
+  "$MPIRUN" -np 2 "$BIN" gemma2.yaml $a --set train.out_dir=run_gl_$n --set checkpoint.dir=ckpt_gl_$n --set log.every=1 \
+    --set eval.every=0 > gl_$n.out 2>&1 || tail -3 gl_$n.out
+  grep -o '"loss": [0-9.]*' run_gl_$n/metrics.jsonl > gl_$n.losses
+done
+for n in ac_full ac_selective zero3; do
+  check "gemma2 with $n: the plain run's 6 losses ($(tr '\n' ' ' < gl_plain.losses | cut -c1-60)...)" \
+    "[ \$(wc -l < gl_plain.losses) -eq 6 ] && cmp -s gl_plain.losses gl_$n.losses"
+done
 "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set model.seq_len=64 \
   --set train.out_dir=run_mi64 > init_mi64.out 2>&1
 rc=$?
