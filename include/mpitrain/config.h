@@ -60,8 +60,8 @@ struct ModelConfig {
   std::string qk_norm = "auto";   // true | false: RMSNorm over each head's q and k before rotary (Qwen3)
                                   // (auto = the preset's, else false)
   int64_t sliding_window = 0;     // the attention window in tokens of the family's windowed layers (0 = none,
-                                  // or the preset's): Mistral's every layer (>= seq_len: within it
-                                  // sliding-window attention is causal attention), Gemma 2's layers 0, 2, 4, ...
+                                  // or the preset's): Mistral's every layer, Gemma 2's layers 0, 2, 4, ...;
+                                  // shorter than seq_len it cuts the context
   // Gemma 2 only (0 = the preset's, else none): soft-capping of the attention scores and of the
   // output logits, cap tanh(x / cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0 = the
   // preset's, else the head size).

@@ -82,6 +82,7 @@ struct GPTDims {
   bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
   int64_t sliding_window = 0;   // llama: the attention window (0 none) of the family's windowed
                                 // layers (Family::window_every): query i sees keys i - window + 1 .. i
+                                // (>= seq_len: causal attention)
   // Gemma 2 (0 = none): attention scores and the output logits soft-capped, cap tanh(s / cap);
   // the query scale 1 / sqrt(query_pre_attn_scalar) (0: 1 / sqrt(head_dim)).
   double attn_softcap = 0, final_softcap = 0, query_pre_attn_scalar = 0;

@@ -576,21 +576,15 @@ void validate(const Config& c, const std::string& where) {
     check(m.qk_norm == "false" || m.qkv_bias == "false", "model.qk_norm",
           "false with model.qkv_bias: true (no Hugging Face model has both: Qwen2 has the biases, Qwen3 the norms)",
           show(m.qk_norm));
-    // Mistral's windows only where they never cut: within sliding_window tokens, sliding-window
-    // attention is causal. Gemma 2's cut (its local layers attend within them).
+    // The window (Mistral's, Gemma 2's) of any length: shorter than seq_len it cuts.
     check(m.sliding_window >= 0, "model.sliding_window", ">= 0 (0 = none)", show(m.sliding_window));
+    if (m.sliding_window > 0)
+      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
+            "0 with model.qkv_bias or model.qk_norm (the window is Mistral's and Gemma 2's; Qwen's sliding windows are "
+            "not supported)",
+            show(m.sliding_window));
     const Family* fam = find_family(m.family);
     const bool gemma = fam && fam->gemma_norms;
-    if (m.sliding_window > 0 && !gemma) {
-      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
-            "0 with model.qkv_bias or model.qk_norm (the window is Mistral's; Qwen's sliding windows are not "
-            "supported)",
-            show(m.sliding_window));
-      check(m.sliding_window >= m.seq_len, "model.sliding_window",
-            concat(">= model.seq_len (", m.seq_len,
-                   ": attention windows shorter than the context are not implemented; lower model.seq_len)"),
-            show(m.sliding_window));
-    }
     check(m.attn_softcap >= 0, "model.attn_softcap", ">= 0 (0 = none)", show(m.attn_softcap));
     check(m.final_softcap >= 0, "model.final_softcap", ">= 0 (0 = none)", show(m.final_softcap));
     check(m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar", ">= 0 (0 = the head size)",

@@ -101,9 +101,8 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
               concat("true: mpitrain's ", type, " has no such biases"));
   if ((type == "qwen2" || type == "qwen3") && flag("use_sliding_window", false))
     throw bad("use_sliding_window", "true: Qwen's sliding-window attention is not supported");
-  // Mistral's window (null: none). Qwen's configs carry a sliding_window too, unused without
-  // use_sliding_window; Llama's have none. A window shorter than model.seq_len is refused by the
-  // config's validation, naming model.sliding_window.
+  // Mistral's and Gemma 2's window (null: none). Qwen's configs carry a sliding_window too, unused
+  // without use_sliding_window; Llama's have none.
   const int64_t window = family->window_every > 0 ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");

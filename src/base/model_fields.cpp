@@ -22,7 +22,7 @@ const std::vector<Family>& families() {
       {"qwen3", "llama", "Qwen3ForCausalLM", "qwen3", false, true, 0, "silu", false,
        "llama's block with an RMSNorm over each head's q and k (Qwen3)"},
       {"mistral", "llama", "MistralForCausalLM", "mistral", false, false, 1, "silu", false,
-       "llama's block with an attention window (Mistral 7B), no shorter than seq_len"},
+       "llama's block with an attention window on every layer (Mistral 7B)"},
       {"gemma2", "llama", "Gemma2ForCausalLM", "gemma2", false, false, 2, "gelu_pytorch_tanh", true,
        "llama's block with GeGLU, RMSNorm x (1 + w) before and after each sublayer, the embedding x sqrt(n_embd), "
        "soft-capped attention scores and logits, a window on every other layer (Gemma 2)"},

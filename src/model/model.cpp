@@ -150,6 +150,16 @@ torch::Tensor Rotary::apply(const torch::Tensor& x) {
 
 // ---- attention ---------------------------------------------------------------------------------
 
+namespace {
+// [T, T], true where query i may see key j: j <= i and, with a window, i - j < window.
+torch::Tensor window_mask(int64_t T, int64_t window, const torch::Device& device) {
+  const auto opts = torch::dtype(torch::kLong).device(device);
+  const torch::Tensor i = torch::arange(T, opts).unsqueeze(1), j = torch::arange(T, opts).unsqueeze(0);
+  torch::Tensor seen = j <= i;
+  return window > 0 ? seen.logical_and(i - j < window) : seen;
+}
+}  // namespace
+
 // Tensor parallel: this rank holds n_head / tp query heads and n_kv_head / tp key/value heads
 // (c_attn: 3 E / tp rows; q/k/v_proj: their heads' rows), c_proj their input columns and the
 // whole bias (gpt2).
@@ -217,6 +227,10 @@ torch::Tensor CausalSelfAttentionImpl::core(const torch::Tensor& q, torch::Tenso
     k = k.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
     v = v.unsqueeze(2).expand({B, n_kv_head_, rep, T, hd}).reshape({B, n_head_, T, hd});
   }
+#if TORCH_VERSION_MAJOR >= 2
+  if (!plain(T) && softcap_ == 0 && scale_ == 0)  // a window that cuts (Mistral): SDPA with the band as its mask
+    return at::scaled_dot_product_attention(q, k, v, window_mask(T, window_, q.device()), p, /*is_causal=*/false);
+#endif
   if (!plain(T)) return capped_core(q, k, v, p);
 #if TORCH_VERSION_MAJOR >= 2
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
@@ -238,13 +252,7 @@ torch::Tensor CausalSelfAttentionImpl::capped_core(const torch::Tensor& q, const
   const int64_t T = q.size(2);
   torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) * (scale_ > 0 ? scale_ : 1.0 / std::sqrt(static_cast<double>(head_dim_)));
   if (softcap_ > 0) att = torch::tanh(att / softcap_) * softcap_;
-  // Key j is hidden from query i after it (j > i) and, with a window, window or more positions
-  // before it (i - j >= window).
-  const auto opts = torch::dtype(torch::kLong).device(q.device());
-  const torch::Tensor i = torch::arange(T, opts).unsqueeze(1), j = torch::arange(T, opts).unsqueeze(0);
-  torch::Tensor masked = j > i;
-  if (window_ > 0) masked = masked.logical_or(i - j >= window_);
-  att = att.masked_fill(masked, -std::numeric_limits<float>::infinity()).softmax(-1, torch::kFloat32).to(q.scalar_type());
+  att = att.masked_fill(window_mask(T, window_, q.device()).logical_not(), -std::numeric_limits<float>::infinity()).softmax(-1, torch::kFloat32).to(q.scalar_type());
   if (p > 0) att = F::dropout(att, F::DropoutFuncOptions().p(p).training(true));
   return torch::matmul(att, v);
 }
@@ -284,7 +292,10 @@ std::string first_line_of(const std::string& text) { return text.substr(0, text.
 std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
                                 c10::ScalarType dtype) {
   const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
-  const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal");
+  // Mistral's window where it cuts the context: a banded mask instead of SDPA's causal flag.
+  const bool band = d.llama() && d.sliding_window > 0 && d.sliding_window < d.seq_len;
+  const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal",
+                                    band ? concat(" within a window of ", d.sliding_window) : std::string());
   if (d.llama() && d.family_row().gemma_norms) {  // CausalSelfAttentionImpl::capped_core, whatever the device
     if (choice != "auto" && choice != "math")
       throw UsageError(concat("model.attention: ", choice, " cannot run Gemma's attention (soft-capped scores, a window on "
@@ -312,7 +323,9 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
   auto q = torch::empty({1, heads, d.seq_len, head_dim}, torch::dtype(dtype).device(device).requires_grad(true));
   int64_t backend = -1;
   try {
-    backend = at::_fused_sdp_choice(q, q, q, /*attn_mask=*/{}, d.dropout, /*is_causal=*/true);
+    const c10::optional<torch::Tensor> mask =
+        band ? c10::optional<torch::Tensor>(window_mask(d.seq_len, d.sliding_window, device)) : c10::nullopt;
+    backend = at::_fused_sdp_choice(q, q, q, mask, d.dropout, /*is_causal=*/!band);
   } catch (const c10::Error& e) {
     if (choice == "auto") return concat("scaled_dot_product_attention (", shapes, "; ", libtorch_version(),
                                         " does not say which kernel)");

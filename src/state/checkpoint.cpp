@@ -606,10 +606,6 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
                             d.n_embd));
   if (d.llama() && d.n_head % d.n_kv_head != 0)
     throw UsageError(concat(path, ": attribute 'n_kv_head' must divide 'n_head' (", d.n_head, "), got ", d.n_kv_head));
-  // A Mistral window shorter than seq_len is not a model mpitrain makes (Gemma 2's windows cut).
-  if (d.sliding_window != 0 && d.sliding_window < d.seq_len && d.family_row().window_every == 1)
-    throw UsageError(concat(path, ": attribute 'sliding_window' must be 0 or >= 'seq_len' (", d.seq_len, "), got ",
-                            d.sliding_window));
   // The declared dimensions must be those of the stored tensors: `sample` builds the model from
   // them before reading any tensor, so a damaged attribute must not make it allocate gigabytes.
   auto expect_stored = [&](const std::string& name, std::vector<int64_t> want, const char* declared_by) {

@@ -122,8 +122,10 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
                                       dims.qkv_bias ? ", qkv bias" : "", dims.qk_norm ? ", q/k norms" : "",
                                       gemma ? ", norms x (1 + w) before and after each sublayer" : "",
                                       dims.sliding_window == 0 ? std::string()
-                                      : gemma ? concat(", attention window ", dims.sliding_window, " on every other layer")
-                                              : concat(", attention window ", dims.sliding_window, " (>= seq_len: causal)"),
+                                      : concat(", attention window ", dims.sliding_window,
+                                               gemma ? " on every other layer"
+                                               : dims.sliding_window >= dims.seq_len ? " (>= seq_len: causal)"
+                                                                                     : " (cuts the context)"),
                                       dims.attn_softcap > 0 ? concat(", scores capped at ", dims.attn_softcap) : "",
                                       dims.final_softcap > 0 ? concat(", logits capped at ", dims.final_softcap) : "")
                              : std::string(),
