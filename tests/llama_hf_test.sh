@@ -6,7 +6,8 @@
 #    (heads of 16 at width 32, q/k norms), a Mistral-shaped one (a sliding window of seq_len
 #    tokens, untied) and a Gemma 2 (model.family gemma2: GeGLU, four norms x (1 + w) per block,
 #    the embedding x sqrt(width), soft-capped scores and logits, a window of 8 < seq_len on layers
-#    0 and 2, its own query scale) train under `mpirun -np 2`, are exported with `mpitrain
+#    0 and 2, its own query scale) and a Gemma 3 (q/k norms x (1 + w), five windowed layers rotated
+#    by a base of their own, one global with linear rope scaling) train under `mpirun -np 2`, are exported with `mpitrain
 #    export --format hf`, and the reference's logits on the exported weights equal mpitrain's
 #    (tests/hf_logits.cpp); the reference applies Mistral's window, and with a window shorter
 #    than the context its logits differ (the check can fail), as they do with any one of Gemma's
@@ -63,13 +64,18 @@ sed 's/sliding_window: 32/sliding_window: 8/' mistral.yaml > mistral8.yaml
 printf '%s\n%s\n' 'model: {preset: custom, family: gemma2, n_layer: 3, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
         intermediate_size: 64, seq_len: 32, sliding_window: 8, attn_softcap: 0.1, final_softcap: 2,
         query_pre_attn_scalar: 24, norm_eps: 1e-6, vocab_size: 258}' "$common" > gemma2.yaml
+# Gemma 3, named: six layers (five windowed, rotated by a base of 100, then one global, by 1000 / 4:
+# rope_scaling linear), q/k norms x (1 + w), no caps.
+printf '%s\n%s\n' 'model: {preset: custom, family: gemma3, n_layer: 6, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
+        intermediate_size: 64, seq_len: 32, sliding_window: 8, query_pre_attn_scalar: 24, norm_eps: 1e-6,
+        rope_theta: 1000, rope_local_theta: 100, rope_scaling: linear, rope_factor: 4}' "$common" > gemma3.yaml
 
 # The configs above name no model.family (as before the key): the parts say it.
 # gemma2 names its family (no flag makes one).
 declare -A family=([llama]='llama' [qwen]='qwen2 (llama block)' [qwen3]='qwen3 (llama block)' [mistral]='mistral (llama block)'
-                   [mistral8]='mistral (llama block)' [gemma2]='gemma2 (llama block)')
-for m in llama qwen qwen3 mistral mistral8 gemma2; do
-  lr=(); [ $m = gemma2 ] && lr=(--set optim.lr=0.01)
+                   [mistral8]='mistral (llama block)' [gemma2]='gemma2 (llama block)' [gemma3]='gemma3 (llama block)')
+for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
+  lr=(); case $m in gemma*) lr=(--set optim.lr=0.01) ;; esac
   "$MPIRUN" -np 2 "$BIN" $m.yaml "${lr[@]}" --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
   rc=$?
   check "$m: training (mpirun -np 2, 6 steps) exits 0 and names the family" \
@@ -103,32 +109,42 @@ check "config.json: Gemma2ForCausalLM (model_type gemma2) with its caps, window,
    grep -q '\"sliding_window\": 8' hf_gemma2/config.json && grep -q '\"query_pre_attn_scalar\": 24.0' hf_gemma2/config.json &&
    grep -q '\"hidden_activation\": \"gelu_pytorch_tanh\"' hf_gemma2/config.json &&
    grep -q 'GeGLU 64, .*norms x (1 + w) before and after each sublayer, attention window 8 on every other layer, scores capped at 0.1, logits capped at 2' train_gemma2.out"
-# Each Gemma part is in force in the reference: another window, cap, query scale, or the norms
-# after the attention read as the ones before the MLP (names swapped), changes the logits.
-for change in 'sliding_window": 8/sliding_window": 32' 'attn_logit_softcapping": 0.1/attn_logit_softcapping": 50.0' \
-              'final_logit_softcapping": 2.0/final_logit_softcapping": 30.0' 'query_pre_attn_scalar": 24.0/query_pre_attn_scalar": 16.0' \
-              'post_attention_layernorm/pre_feedforward_layernorm'; do
-  rm -rf hf_gemma2_x && mkdir hf_gemma2_x
+check "config.json: Gemma3ForCausalLM (model_type gemma3_text) with rope_local_base_freq, linear rope_scaling and layer_types; the start-up line names them" \
+  "grep -q Gemma3ForCausalLM hf_gemma3/config.json && grep -q '\"model_type\": \"gemma3_text\"' hf_gemma3/config.json &&
+   grep -q '\"rope_local_base_freq\": 100.0' hf_gemma3/config.json && grep -q '\"rope_type\": \"linear\"' hf_gemma3/config.json &&
+   grep -q '\"sliding_window_pattern\": 6' hf_gemma3/config.json && [ \$(grep -c sliding_attention hf_gemma3/config.json) -eq 5 ] &&
+   grep -q 'q/k norms, norms x (1 + w) before and after each sublayer, attention window 8 on 5 of every 6 layers, local layers. rope theta 100, global rope / 4' train_gemma3.out"
+# Each Gemma part is in force in the reference: another window, cap, query scale, local rotary base,
+# rope factor or layer kind, or the norms after the attention read as the ones before the MLP (or
+# q's norm as k's; names swapped), changes the logits.
+for change in 'gemma2:sliding_window": 8/sliding_window": 32' 'gemma2:attn_logit_softcapping": 0.1/attn_logit_softcapping": 50.0' \
+              'gemma2:final_logit_softcapping": 2.0/final_logit_softcapping": 30.0' \
+              'gemma2:query_pre_attn_scalar": 24.0/query_pre_attn_scalar": 16.0' 'gemma2:post_attention_layernorm/pre_feedforward_layernorm' \
+              'gemma3:rope_local_base_freq": 100.0/rope_local_base_freq": 10000.0' 'gemma3:"factor": 4.0/"factor": 1.0' \
+              'gemma3:"full_attention"/"sliding_attention"' 'gemma3:sliding_window": 8/sliding_window": 32' \
+              'gemma3:q_norm/k_norm' 'gemma3:post_feedforward_layernorm/pre_feedforward_layernorm'; do
+  m=${change%%:*}; change=${change#*:}
+  rm -rf hf_x && mkdir hf_x
   case "$change" in
-    post_*) cp hf_gemma2/config.json hf_gemma2_x/
-            "$PY" - hf_gemma2/model.safetensors hf_gemma2_x/model.safetensors <<'PYEOF'
+    *norm/*) cp hf_$m/config.json hf_x/
+            "$PY" - hf_$m/model.safetensors hf_x/model.safetensors "${change%%/*}" "${change##*/}" <<'PYEOF'
 import json, struct, sys
 raw = open(sys.argv[1], "rb").read()
 (n,) = struct.unpack_from("<Q", raw, 0)
 h = json.loads(raw[8:8 + n])
-swap = {k: k.replace("post_attention_layernorm", "@").replace("pre_feedforward_layernorm", "post_attention_layernorm")
-        .replace("@", "pre_feedforward_layernorm") for k in h}
+a, b = sys.argv[3], sys.argv[4]
+swap = {k: k.replace(a, "@").replace(b, a).replace("@", b) for k in h}
 t = json.dumps({swap[k]: v for k, v in h.items()}).encode(); t += b" " * ((8 - len(t) % 8) % 8)
 open(sys.argv[2], "wb").write(struct.pack("<Q", len(t)) + t + raw[8 + n:])
 PYEOF
             ;;
-    *) ln -sf "$PWD/hf_gemma2/model.safetensors" hf_gemma2_x/model.safetensors
-       sed "s/$change/" hf_gemma2/config.json > hf_gemma2_x/config.json ;;
+    *) ln -sf "$PWD/hf_$m/model.safetensors" hf_x/model.safetensors
+       sed "s/$change/" hf_$m/config.json > hf_x/config.json ;;
   esac
-  "${REF[@]}" logits hf_gemma2_x logits_gemma2/tokens.npy logits_gemma2/logits.npy > ref_gemma2_x.out 2>&1
+  "${REF[@]}" logits hf_x logits_$m/tokens.npy logits_$m/logits.npy > ref_x.out 2>&1
   rc=$?
-  check "gemma2: the reference with ${change%%/*} changed to ${change##*/} does not give mpitrain's logits (exit $rc: $(tail -1 ref_gemma2_x.out))" \
-    "[ $rc -ne 0 ] && grep -q 'logits differ' ref_gemma2_x.out"
+  check "$m: the reference with ${change%%/*} changed to ${change##*/} does not give mpitrain's logits (exit $rc: $(tail -1 ref_x.out))" \
+    "[ $rc -ne 0 ] && grep -q 'logits differ' ref_x.out"
 done
 # The window is in force in the reference: 8 tokens < the 32 of the logits' sequences change them.
 mkdir -p hf_mistral_w8
@@ -180,6 +196,14 @@ gi_val=$(val_loss 0 init_gi.out)
 check "init_from hf:hf_gemma2: gemma2 with its caps and window from config.json, step-0 val loss $gi_val = the exported run's last $gemma_last" \
   "[ $rc -eq 0 ] && [ -n '$gi_val' ] && [ '$gi_val' = '$gemma_last' ] && grep -q 'model: gemma2 (llama block), .*window 8 on every other layer, scores capped at 0.1, logits capped at 2' init_gi.out"
 [ $rc -eq 0 ] || tail -3 init_gi.out
+gemma3_last=$(val_loss 6 train_gemma3.out tail)
+"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_gemma3 --set train.out_dir=run_gi3 \
+  --set checkpoint.dir=ckpt_gi3 --set train.steps=1 --set optim.warmup_steps=0 > init_gi3.out 2>&1
+rc=$?
+gi3_val=$(val_loss 0 init_gi3.out)
+check "init_from hf:hf_gemma3: gemma3 with its layers, rotary bases and scaling from config.json, step-0 val loss $gi3_val = the exported run's last $gemma3_last" \
+  "[ $rc -eq 0 ] && [ -n '$gi3_val' ] && [ '$gi3_val' = '$gemma3_last' ] && grep -q 'model: gemma3 (llama block), .*local layers. rope theta 100, global rope / 4' init_gi3.out"
+[ $rc -eq 0 ] || tail -3 init_gi3.out
 # Gemma 2 under the memory layouts: activation checkpointing (full, selective) and ZeRO-3 train the
 # same losses as the plain data-parallel run, step by step (metrics.jsonl, 6 decimals).
 for v in "plain:" "ac_full:--set train.activation_checkpointing=full" "ac_selective:--set train.activation_checkpointing=selective" \
@@ -215,12 +239,12 @@ print(f"  20 steps: mpitrain {ours[0]:.6f} .. {ours[-1]:.6f}, reference {ref[0]:
 sys.exit(0 if len(ours) == len(ref) == 20 and d <= 1e-4 and ours[-1] < ours[0] - 0.1 else 1)
 PYEOF
 }
-for m in qwen3 gemma2; do
+for m in qwen3 gemma2 gemma3; do
   printf 'model: {init_from: "hf:hf_%s", seq_len: 32}\n%s\n' $m "$common" > init_$m.yaml
 done
-# Gemma 2 tensor-parallel too: each rank half the heads and GeGLU units, the soft caps applied to
+# Gemma 2 and 3 tensor-parallel too: each rank half the heads and GeGLU units, the soft caps applied to
 # its slices (scores per head, logits per vocabulary slice), its four norms whole on both.
-for m in llama qwen3 gemma2; do
+for m in llama qwen3 gemma2 gemma3; do
   if [ $m = llama ]; then cfg=init.yaml layout="data parallel" extra=(); else cfg=init_$m.yaml layout="tp 2, 2 micro-batches" extra=(--set parallel.tp=2 --set train.grad_accum=2); fi
   "$MPIRUN" -np 2 "$BIN" $cfg "${extra[@]}" --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
     --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par_$m \

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 directory checked without mpitrain's code.
+"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 directory checked without mpitrain's code.
 
 A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: RMSNorm in fp32 then cast, rotary in
@@ -11,8 +11,10 @@ times (1 + weight) in fp32, then cast; input_layernorm, post_attention_layernorm
 pre_feedforward_layernorm, post_feedforward_layernorm around each sublayer; the embedding times
 sqrt(hidden_size) in its dtype; scores times query_pre_attn_scalar^-0.5, soft-capped by
 attn_logit_softcapping, the sliding window on layers 0, 2, 4, ...; the gelu_pytorch_tanh gate; the
-logits soft-capped by final_logit_softcapping), reading only config.json and the safetensors
-files:
+logits soft-capped by final_logit_softcapping; Gemma3ForCausalLM's: Gemma 2's parts, q_norm and
+k_norm times (1 + weight), the layers whose layer_types entry is sliding_attention windowed and
+rotated by rope_local_base_freq, the full_attention ones by rope_theta with rope_scaling
+"linear" (frequencies / factor)), reading only config.json and the safetensors files:
 
   llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
       mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
@@ -114,11 +116,15 @@ class Llama(torch.nn.Module):
     def has(self, name):
         return name.replace(".", "/") in self.params
 
-    def rope_inv_freq(self):
+    def rope_inv_freq(self, local=False):
         cfg, dim = self.cfg, self.hd
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         base = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if local:  # Gemma 3's sliding layers: their own base, no scaling
+            base, rope = cfg["rope_local_base_freq"], {}
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if rope.get("rope_type", rope.get("type")) == "linear":
+            inv_freq = inv_freq / rope["factor"]
         if rope.get("rope_type", rope.get("type")) == "llama3":
             factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
             old = rope["original_max_position_embeddings"]
@@ -134,7 +140,7 @@ class Llama(torch.nn.Module):
     def rms(self, x, name):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"])
-        if self.cfg["model_type"] == "gemma2":  # Gemma2RMSNorm: (1 + w) in fp32, then the input's dtype
+        if self.cfg["model_type"] in ("gemma2", "gemma3_text"):  # GemmaRMSNorm: (1 + w) in fp32, then the input's dtype
             return (h * (1.0 + self.w(name).float())).type_as(x)
         return self.w(name) * h.to(x.dtype)
 
@@ -147,17 +153,29 @@ class Llama(torch.nn.Module):
         B, T = idx.shape
         H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
         pos = torch.arange(T).float()
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+
+        def tables(inv_freq):
+            freqs = pos[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos(), emb.sin()
+
+        gemma3 = cfg["model_type"] == "gemma3_text"
+        global_rope = tables(self.inv_freq)
+        local_rope = tables(self.rope_inv_freq(local=True)) if gemma3 else global_rope
 
         def rotate_half(x):
             x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
             return torch.cat((-x2, x1), dim=-1)
 
-        gemma = cfg["model_type"] == "gemma2"
+        gemma = cfg["model_type"] in ("gemma2", "gemma3_text")
         causal = torch.full((T, T), float("-inf")).triu(1)
-        window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "gemma2") else None
+        window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "gemma2", "gemma3_text") else None
+        if gemma3:  # which layers slide: layer_types (transformers >= 4.53) or the pattern
+            types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
+                                               else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
+            sliding = [t == "sliding_attention" for t in types]
+        else:
+            sliding = [i % 2 == 0 for i in range(cfg["num_hidden_layers"])]  # Gemma 2: layers 0, 2, ...
         # Mistral (every layer) and Gemma 2 (layers 0, 2, ...): keys more than window - 1 positions back are masked too
         windowed = causal + torch.full((T, T), float("-inf")).tril(-window) if window else causal
         scaling = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else 1 / math.sqrt(hd)
@@ -167,11 +185,12 @@ class Llama(torch.nn.Module):
             x = x * torch.tensor(cfg["hidden_size"] ** 0.5, dtype=x.dtype)
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            mask = windowed if not gemma or i % 2 == 0 else causal
+            mask = windowed if not gemma or sliding[i] else causal
+            cos, sin = local_rope if gemma3 and sliding[i] else global_rope
             h = self.rms(x, p + "input_layernorm.weight")
             q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd)
             k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd)
-            if self.has(p + "self_attn.q_norm.weight"):  # Qwen3: each head normalised, then rotated
+            if self.has(p + "self_attn.q_norm.weight"):  # Qwen3, Gemma 3: each head normalised, then rotated
                 q, k = self.rms(q, p + "self_attn.q_norm.weight"), self.rms(k, p + "self_attn.k_norm.weight")
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self.linear(h, p + "self_attn.v_proj").view(B, T, KV, hd).transpose(1, 2)
@@ -229,7 +248,7 @@ def main():
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
     arch = cfg["architectures"][0]
     types = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2"}
+             "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
     if arch not in types:
         fail(f"config.json architectures {arch}")
     if cfg.get("model_type") != types[arch]:
@@ -242,16 +261,18 @@ def main():
     if qkv_bias != (arch == "Qwen2ForCausalLM"):
         fail(f"{arch} with q_proj.bias {'present' if qkv_bias else 'absent'}")
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
-    if qk_norm != (arch == "Qwen3ForCausalLM"):
+    if qk_norm != (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")):
         fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
           f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}"
-          + (f", sliding_window {cfg.get('sliding_window')}" if arch in ("MistralForCausalLM", "Gemma2ForCausalLM") else "")
+          + (f", sliding_window {cfg.get('sliding_window')}" if arch != "LlamaForCausalLM" and "Qwen" not in arch else "")
           + (f", soft caps {cfg.get('attn_logit_softcapping')} / {cfg.get('final_logit_softcapping')}, query_pre_attn_scalar "
-             f"{cfg.get('query_pre_attn_scalar')}, {cfg.get('hidden_activation')}" if arch == "Gemma2ForCausalLM" else ""))
-    if arch == "Gemma2ForCausalLM" and "model.layers.0.post_feedforward_layernorm.weight" not in tensors:
-        fail("Gemma2ForCausalLM without post_feedforward_layernorm")
+             f"{cfg.get('query_pre_attn_scalar')}, {cfg.get('hidden_activation')}" if "Gemma" in arch else "")
+          + (f", rope_local_base_freq {cfg.get('rope_local_base_freq')}, layer_types {cfg.get('layer_types')}"
+             if arch == "Gemma3ForCausalLM" else ""))
+    if "Gemma" in arch and "model.layers.0.post_feedforward_layernorm.weight" not in tensors:
+        fail(f"{arch} without post_feedforward_layernorm")
 
     if args.mode == "logits":
         tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))

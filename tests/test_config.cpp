@@ -73,6 +73,10 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.max_position, b.model.max_position);
   EXPECT_EQ(a.model.qkv_bias, b.model.qkv_bias);
   EXPECT_EQ(a.model.tie_embeddings, b.model.tie_embeddings);
+  EXPECT_EQ(a.model.attn_softcap, b.model.attn_softcap);
+  EXPECT_EQ(a.model.final_softcap, b.model.final_softcap);
+  EXPECT_EQ(a.model.query_pre_attn_scalar, b.model.query_pre_attn_scalar);
+  EXPECT_EQ(a.model.rope_local_theta, b.model.rope_local_theta);
   EXPECT_EQ(a.model.head_dim, b.model.head_dim);
   EXPECT_EQ(a.model.qk_norm, b.model.qk_norm);
   EXPECT_EQ(a.model.sliding_window, b.model.sliding_window);
@@ -298,7 +302,8 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
   const std::pair<const char*, const char*> presets[] = {
       {"tiny", "gpt2"},          {"gpt2", "gpt2"},         {"gpt2-xl", "gpt2"},          {"llama-debug", "llama"},
       {"llama3.2-1b", "llama"},  {"llama3.1-8b", "llama"}, {"qwen2.5-0.5b", "qwen2"},    {"qwen3-0.6b", "qwen3"},
-      {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}, {"gemma2-2b", "gemma2"}};
+      {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}, {"gemma2-2b", "gemma2"},
+      {"gemma3-1b", "gemma3"}};
   for (const auto& [preset, family] : presets) {
     const Config c = parse_config(kMinimal, "run.yaml", {concat("model.preset=", preset)});
     EXPECT_EQ(c.model.family, family) << preset;
@@ -346,6 +351,15 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
   EXPECT_EQ(gemma_preset.model.family, "gemma2");
   EXPECT_EQ(gemma_preset.model.final_softcap, 20.0);
   EXPECT_EQ(gemma_preset.model.attn_softcap, 50.0);
+  // Gemma 3: q/k norms fixed on, the local rotary base 10000 unless set, linear rope scaling.
+  const ModelConfig gemma3 = with({"model.family=gemma3", "model.intermediate_size=64", "model.rope_scaling=linear",
+                                   "model.rope_factor=8"});
+  EXPECT_EQ(gemma3.qk_norm, "true");
+  EXPECT_EQ(gemma3.rope_local_theta, 10000.0);
+  EXPECT_EQ(gemma3.rope_factor, 8.0);
+  const GPTDims g3 = dims_of_config(gemma3);
+  EXPECT_EQ(g3.local_layers(), "5 of every 6 layers");
+  EXPECT_TRUE(g3.local_layer(0) && g3.local_layer(4) && !g3.local_layer(5) && g3.local_layer(6) && !g3.local_layer(11));
   std::set<std::string> classes;
   for (const Family& f : families()) {  // each family is read from and written as its own class
     EXPECT_EQ(family_by_model_type(f.hf_model_type), &f);
@@ -375,7 +389,7 @@ TEST(Config, DocsNameEveryModelKeyFamilyAndPreset) {
   for (const std::string& k : keys) EXPECT_NE(model.find("`" + k + "`"), std::string::npos) << "model." << k;
   for (const Family& f : families()) EXPECT_NE(model.find("`" + std::string(f.name) + "`"), std::string::npos) << f.name;
   for (const char* preset : {"tiny", "gpt2-medium", "llama-debug", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-1.7b",
-                             "qwen3-4b", "mistral-7b-v0.1", "gemma2-2b"})
+                             "qwen3-4b", "mistral-7b-v0.1", "gemma2-2b", "gemma3-1b"})
     EXPECT_NE(model.find(concat("`", preset, "`")), std::string::npos) << preset;
 }
 
@@ -556,6 +570,53 @@ TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+// Gemma 2 2B's and Gemma 3 1B's published config.json give the presets' shapes (their caps,
+// windows, query scale, local rotary base); a layer_types that is not the family's pattern, or
+// another sliding_window_pattern, is refused naming the key.
+TEST(Config, GemmaConfigJsonGivesThePresetsShape) {
+  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string gemma2 = R"({"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+      "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+      "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+      "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+      "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+      "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4",
+      "use_cache": true, "vocab_size": 256000})";
+  const std::string gemma3 = R"({"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+      "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+      "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+      "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+      "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null,
+      "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+      "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144})";
+  std::ofstream(dir + "/run.yaml") << concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
+  for (const auto& [json, preset_name] : {std::pair{gemma2, "gemma2-2b"}, std::pair{gemma3, "gemma3-1b"}}) {
+    std::ofstream(dir + "/config.json") << json;
+    Config from_file = load_config(dir + "/run.yaml");
+    Config preset = parse_config(kMinimal, "run.yaml", {concat("model.preset=", preset_name)});
+    from_file.model.preset = preset.model.preset;
+    from_file.model.init_from = preset.model.init_from;
+    EXPECT_EQ(from_file.model.vocab_size, 0);
+    from_file.model.vocab_size = from_file.model.init_vocab;
+    expect_same(from_file, preset);
+  }
+  std::string other = gemma3;
+  other.replace(other.find("\"sliding_window_pattern\": 6"), 27, "\"sliding_window_pattern\": 4");
+  std::ofstream(dir + "/config.json") << other;
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"/config.json: sliding_window_pattern: 4: mpitrain's gemma3_text has 6"});
+  other = gemma3;
+  other.replace(other.find("\"sliding_window_pattern\": 6"), 27,
+                "\"layer_types\": [\"sliding_attention\", \"full_attention\"]");
+  std::ofstream(dir + "/config.json") << other;
+  expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
+                  {"/config.json: layer_types[1]: \"full_attention\": mpitrain's gemma3_text has a global layer every 6"});
+  std::system(("rm -rf " + dir).c_str());
+}
+
 // Mistral 7B v0.1's published config.json gives the preset's shape, its 4096-token window
 // included; a training context longer than the window is refused by name (the window would cut).
 // Qwen's configs name a sliding_window too, unused without use_sliding_window: it is not read.
@@ -648,13 +709,13 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"arch_vs_preset", {"model.preset=gpt2", "model.arch=llama"},
                 {"model.arch must be gpt2 with model.preset gpt2"}},
         Invalid{"family_unknown", {"model.family=gemma"},
-                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2, got 'gemma'"}},
+                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2|gemma3, got 'gemma'"}},
         Invalid{"gemma_field_on_llama", {"model.preset=llama-debug", "model.attn_softcap=50"},
-                {"model.attn_softcap applies to model.family gemma2 only (this model is llama), got 50"}},
+                {"model.attn_softcap applies to model.family gemma2|gemma3 only (this model is llama), got 50"}},
         Invalid{"gemma_field_on_gpt2", {"model.final_softcap=30"},
-                {"model.final_softcap applies to model.family gemma2 only (this model is gpt2), got 30"}},
+                {"model.final_softcap applies to model.family gemma2|gemma3 only (this model is gpt2), got 30"}},
         Invalid{"gemma_field_on_mistral", {"model.preset=mistral-7b-v0.1", "model.query_pre_attn_scalar=256"},
-                {"model.query_pre_attn_scalar applies to model.family gemma2 only (this model is mistral)"}},
+                {"model.query_pre_attn_scalar applies to model.family gemma2|gemma3 only (this model is mistral)"}},
         Invalid{"gemma_fused_kernels", {"model.preset=gemma2-2b", "model.fused_kernels=on"},
                 {"model.fused_kernels must be auto or off with model.family gemma2", "got 'on'"}},
         Invalid{"gemma_fused_loss", {"model.preset=gemma2-2b", "model.fused_loss=on"},
@@ -663,6 +724,15 @@ INSTANTIATE_TEST_SUITE_P(
                 {"model.attn_softcap must be >= 0 (0 = none), got -1"}},
         Invalid{"gemma_fixes_qk_norm", {"model.preset=gemma2-2b", "model.qk_norm=true"},
                 {"model.qk_norm must be false with model.family gemma2", "got 'true'"}},
+        Invalid{"gemma3_fixes_qk_norm", {"model.preset=gemma3-1b", "model.qk_norm=false"},
+                {"model.qk_norm must be true with model.family gemma3", "got 'false'"}},
+        Invalid{"gemma3_field_on_gemma2", {"model.preset=gemma2-2b", "model.rope_local_theta=10000"},
+                {"model.rope_local_theta applies to model.family gemma3 only (this model is gemma2), got 10000"}},
+        Invalid{"linear_without_factor", {"model.preset=gemma3-1b", "model.rope_scaling=linear"},
+                {"model.rope_factor must be >= 1, got 0"}},
+        Invalid{"linear_with_llama3_key", {"model.preset=gemma3-1b", "model.rope_scaling=linear", "model.rope_factor=8",
+                                           "model.rope_low_freq_factor=1"},
+                {"model.rope_low_freq_factor must be unset (0) unless model.rope_scaling is llama3, got 1"}},
         Invalid{"family_vs_preset_block", {"model.preset=gpt2", "model.family=llama"},
                 {"model.family must be one of the gpt2 families with model.preset gpt2"}},
         Invalid{"arch_vs_family", {"model.preset=custom", "model.family=qwen3", "model.arch=gpt2", "model.n_layer=2",
@@ -675,7 +745,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"family_window", {"model.preset=llama-debug", "model.family=llama", "model.sliding_window=256"},
                 {"model.sliding_window must be 0 with model.family llama", "got 256"}},
         Invalid{"rope_factor_without_llama3", {"model.preset=llama-debug", "model.rope_factor=2"},
-                {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3, got 2"}},
+                {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3 or linear, got 2"}},
         Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},
                 {"model.rope_high_freq_factor must be > model.rope_low_freq_factor (1), got 0.5"}},
         Invalid{"head_dim_on_gpt2", {"model.head_dim=64"}, {"model.head_dim applies to model.arch: llama only"}},

@@ -120,6 +120,27 @@ TEST(Model, Gemma2BlockHasFourNormsAndThePublishedSize) {
   EXPECT_EQ(d.window_of_layer(24), 4096);
 }
 
+// Gemma 3 1B as published: 999,885,952 parameters (one block built, a small vocabulary): q/k norms
+// of 256 whose weights start at zero, the local layers' own rotary table.
+TEST(Model, Gemma3BlockHasQkNormsAndThePublishedSize) {
+  Config cfg = parse_config("model: {preset: gemma3-1b, n_layer: 1, vocab_size: 64}\ndata: {train: [x.h5], val: [y.h5]}\n",
+                            "t.yaml");
+  EXPECT_EQ(cfg.model.family, "gemma3");
+  EXPECT_EQ(cfg.model.rope_local_theta, 10000.0);
+  GPT model(model_dims(cfg.model, 64));
+  // q 1024x1152 (4 heads of 256), k and v 256x1152, o 1152x1024, gate/up/down 6912x1152, four
+  // RMSNorms of 1152, q/k norms of 256
+  const int64_t block = 2 * 1179648 + 2 * 294912 + 3 * 7962624 + 4 * 1152 + 2 * 256;
+  EXPECT_EQ(block, 26842112);
+  EXPECT_EQ(model->num_params(), 64 * 1152 + block + 1152);
+  EXPECT_EQ(26 * block + 262144 * 1152 + 1152, 999885952);
+  const auto params = model->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  EXPECT_TRUE(torch::equal(by_name.at("h.0.attn.q_norm.weight"), torch::zeros({256})));
+  EXPECT_EQ(hf_name("h.0.attn.k_norm.weight", model->dims()), "model.layers.0.self_attn.k_norm.weight");
+  EXPECT_EQ(hf_architecture(model->dims()), "Gemma3ForCausalLM");
+}
+
 // Gemma 2's parts act: each of them changed alone changes the logits of a small model whose
 // norms are away from their initial zeros.
 TEST(Model, Gemma2PartsEachChangeTheLogits) {

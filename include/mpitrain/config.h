@@ -25,7 +25,7 @@ namespace mpitrain {
 struct ModelConfig {
   std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-debug |
                                 // llama3.2-1b | llama3.2-3b | llama3.1-8b | qwen2.5-0.5b | qwen3-0.6b |
-                                // qwen3-1.7b | qwen3-4b | qwen3-8b | mistral-7b-v0.1 | gemma2-2b | custom
+                                // qwen3-1.7b | qwen3-4b | qwen3-8b | mistral-7b-v0.1 | gemma2-2b | gemma3-1b | custom
   int64_t n_layer = 0;          // transformer blocks (0 = from preset)
   int64_t n_head = 0;           // attention heads (0 = from preset)
   int64_t n_embd = 0;           // model width (0 = from preset)
@@ -37,7 +37,7 @@ struct ModelConfig {
   // (automatic padding pads them as it pads the data's), and where it came from, for messages.
   int64_t init_vocab = 0;
   std::string init_vocab_source;
-  // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral | gemma2 ("" = the
+  // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 ("" = the
   // preset's; custom: from model.arch and the flags, as before the key existed). It gives the
   // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's only) and
   // the Hugging Face class it is read from and exported as.
@@ -48,8 +48,9 @@ struct ModelConfig {
   int64_t n_kv_head = 0;          // key/value heads, grouped-query attention; divides n_head (0 = n_head)
   int64_t intermediate_size = 0;  // SwiGLU hidden units (0 = from preset; custom llama: required)
   double rope_theta = 0;          // rotary base (0 = from preset, else 10000)
-  std::string rope_scaling = "";  // none | llama3 (Llama 3.1's frequency scaling; "" = from preset, else none)
-  double rope_factor = 0;             // llama3: factor (> 1)
+  std::string rope_scaling = "";  // none | llama3 (Llama 3.1's frequency scaling) | linear (the frequencies / rope_factor:
+                                  // Gemma 3's global layers) ("" = from preset, else none)
+  double rope_factor = 0;             // llama3, linear: factor (>= 1)
   double rope_low_freq_factor = 0;    // llama3: low_freq_factor (> 0)
   double rope_high_freq_factor = 0;   // llama3: high_freq_factor (> low_freq_factor)
   int64_t rope_original_max_position = 0;  // llama3: original_max_position_embeddings (> 0)
@@ -62,12 +63,13 @@ struct ModelConfig {
   int64_t sliding_window = 0;     // the attention window in tokens of the family's windowed layers (0 = none,
                                   // or the preset's): Mistral's every layer, Gemma 2's layers 0, 2, 4, ...;
                                   // shorter than seq_len it cuts the context
-  // Gemma 2 only (0 = the preset's, else none): soft-capping of the attention scores and of the
-  // output logits, cap tanh(x / cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0 = the
+  // Gemma 2 and 3 only (0 = the preset's, else none): soft-capping of the attention scores and of
+  // the output logits, cap tanh(x / cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0 = the
   // preset's, else the head size).
   double attn_softcap = 0;
   double final_softcap = 0;
   double query_pre_attn_scalar = 0;
+  double rope_local_theta = 0;  // Gemma 3 only: the windowed layers' rotary base (0 = the preset's, else 10000)
   double norm_eps = 0;            // LayerNorm / RMSNorm epsilon, > 0 (0 = from preset, else 1e-5); both archs
   double dropout = 0.0;         // dropout probability, [0, 1)
   std::string fused_loss = "auto";  // chunked classifier + cross-entropy (no [tokens x vocab]

@@ -16,7 +16,9 @@
 // them (post_attn_norm, post_mlp_norm), the embedding times sqrt(n_embd), the attention scores
 // and the output logits soft-capped (cap tanh(x / cap)), the query scaled by
 // 1 / sqrt(query_pre_attn_scalar), and an attention window on layers 0, 2, 4, ... (any length:
-// those layers mask keys more than sliding_window - 1 positions back).
+// those layers mask keys more than sliding_window - 1 positions back). Gemma 3's: the same norms
+// (its q/k norms x (1 + w) too), windows on five layers of six, which rotate by a base of their
+// own (rope_local_theta).
 // Each module declares, where it makes a parameter, which part of it a tensor-parallel rank holds
 // (TpDeclared below; GPTImpl::tp_split answers by full name). Every other path (ZeRO-1,
 // checkpoints, export) reads the parameters by name; the names are GPT-2's where the role is the
@@ -107,10 +109,12 @@ TORCH_MODULE(Norm);
 
 // Rotary position embedding tables (Llama): cos and sin [seq_len, head_dim] in fp32, each
 // frequency twice (the half-split layout: dimension i pairs with i + head_dim / 2), with Llama
-// 3.1's frequency scaling when dims.rope_scaling is llama3. Computed once per device.
+// 3.1's frequency scaling when dims.rope_scaling is llama3, each frequency / rope_factor when it is
+// linear. `local`: Gemma 3's windowed layers' table (base rope_local_theta, unscaled). Computed
+// once per device.
 class Rotary {
  public:
-  explicit Rotary(const GPTDims& d);
+  explicit Rotary(const GPTDims& d, bool local = false);
   // q or k [B, T, heads, head_dim] rotated by position: x cos + rotate_half(x) sin, with the
   // tables in x's dtype (Hugging Face's roundings); with dims.fused_kernels as the fused op
   // `rotary` (fused_ops.h), which rounds alike.

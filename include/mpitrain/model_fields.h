@@ -30,9 +30,11 @@ struct Family {
   const char* hf_model_type;    // config.json "model_type"
   bool qkv_bias;                // biases on q, k and v (Qwen2)
   bool qk_norm;                 // RMSNorm over each head's q and k (Qwen3)
-  // Which layers an attention window (model.sliding_window) applies to: 0 none may have one, 1
-  // every layer (Mistral), 2 layers 0, 2, 4, ... (Gemma 2's local layers; the others are global).
-  int window_every;
+  // Which layers are windowed (model.sliding_window; Gemma 3's rotary base rope_local_theta): 0
+  // none may have a window; 1 every layer (Mistral); P >= 2 every layer but each P-th, layer i
+  // global when (i + 1) % P == 0 (Gemma 2: P 2, layers 0, 2, 4, ... windowed; Gemma 3: P 6, five
+  // local layers to one global).
+  int window_pattern;
   // The llama block's gated MLP: config.json's hidden_act, silu (SwiGLU) | gelu_pytorch_tanh
   // (GeGLU, Gemma); "" for the gpt2 block (its GELU MLP has no gate).
   const char* mlp_act;
@@ -73,7 +75,7 @@ struct GPTDims {
   int64_t max_position = 0;       // llama: config.json's max_position_embeddings (gpt2: seq_len)
   double norm_eps = 1e-5;
   double rope_theta = 10000;
-  std::string rope_scaling = "none";  // none | llama3
+  std::string rope_scaling = "none";  // none | llama3 | linear (Gemma 3's global layers: inv_freq / rope_factor)
   double rope_factor = 0, rope_low_freq_factor = 0, rope_high_freq_factor = 0;
   int64_t rope_original_max_position = 0;
   bool qkv_bias = false;        // llama: biases on q/k/v (Qwen2)
@@ -81,11 +83,14 @@ struct GPTDims {
   int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
   bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
   int64_t sliding_window = 0;   // llama: the attention window (0 none) of the family's windowed
-                                // layers (Family::window_every): query i sees keys i - window + 1 .. i
+                                // layers (Family::window_pattern): query i sees keys i - window + 1 .. i
                                 // (>= seq_len: causal attention)
-  // Gemma 2 (0 = none): attention scores and the output logits soft-capped, cap tanh(s / cap);
-  // the query scale 1 / sqrt(query_pre_attn_scalar) (0: 1 / sqrt(head_dim)).
+  // Gemma 2 and 3 (0 = none): attention scores and the output logits soft-capped, cap tanh(s /
+  // cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0: 1 / sqrt(head_dim)).
   double attn_softcap = 0, final_softcap = 0, query_pre_attn_scalar = 0;
+  // Gemma 3: the rotary base of the windowed (local) layers (0: rope_theta everywhere); rope_theta
+  // and rope_scaling are the global layers'.
+  double rope_local_theta = 0;
   // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
   // the rows after them are padding, initialised to zero, outside the loss and the logits, so
   // they get no gradient and are never sampled. 0: every row is a class (an explicit
@@ -115,8 +120,12 @@ struct GPTDims {
   int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
   // The row of `family`; unnamed (dims built by hand, as tests do), family_of_parts.
   const Family& family_row() const;
-  // Layer `layer`'s attention window (0: none): sliding_window on the family's windowed layers.
-  int64_t window_of_layer(int64_t layer) const;
+  // Whether layer `layer` is one of the family's windowed (local) layers (Family::window_pattern),
+  // and its attention window (0: none): sliding_window on those layers.
+  bool local_layer(int64_t layer) const;
+  int64_t window_of_layer(int64_t layer) const { return local_layer(layer) ? sliding_window : 0; }
+  // Which layers are windowed, for messages: "every layer", "every other layer", "5 of every 6 layers".
+  std::string local_layers() const;
 };
 
 // ---- the architecture fields ----------------------------------------------------------------------
@@ -147,6 +156,8 @@ struct ModelField {
 };
 
 const std::vector<ModelField>& model_fields();
+// The row of `key` (nullptr: none).
+const ModelField* find_model_field(const std::string& key);
 // Whether field `f` is a field of family `fam` (its block and its families).
 bool field_applies(const ModelField& f, const Family& fam);
 // The first field of some families only that `d` sets (a value other than its fallback) although

@@ -69,6 +69,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, head_dim),     MPITRAIN_FIELD(model, qk_norm),
     MPITRAIN_FIELD(model, sliding_window), MPITRAIN_FIELD(model, attn_softcap),
     MPITRAIN_FIELD(model, final_softcap), MPITRAIN_FIELD(model, query_pre_attn_scalar),
+    MPITRAIN_FIELD(model, rope_local_theta),
     MPITRAIN_FIELD(model, norm_eps),
     MPITRAIN_FIELD(model, dropout),      MPITRAIN_FIELD(model, fused_loss),
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
@@ -362,6 +363,12 @@ const Preset kPresets[] = {
                   "head_dim: 256, seq_len: 2048, vocab_size: 256000, max_position: 8192, rope_theta: 10000, "
                   "norm_eps: 1e-6, rope_scaling: none, tie_embeddings: true, sliding_window: 4096, "
                   "attn_softcap: 50, final_softcap: 30, query_pre_attn_scalar: 256"},
+    // Gemma 3 1B (text only): 4 heads of 256 over 1 kv head at width 1152, windows of 512 on five
+    // layers of six with a rotary base of 10000, the global layers' 1000000.
+    {"gemma3-1b", "family: gemma3, n_layer: 26, n_head: 4, n_kv_head: 1, n_embd: 1152, intermediate_size: 6912, "
+                  "head_dim: 256, seq_len: 2048, vocab_size: 262144, max_position: 32768, rope_theta: 1000000, "
+                  "rope_local_theta: 10000, norm_eps: 1e-6, rope_scaling: none, tie_embeddings: true, "
+                  "sliding_window: 512, query_pre_attn_scalar: 256"},
 };
 #undef MPITRAIN_LLAMA3_ROPE
 #undef MPITRAIN_QWEN_ROPE
@@ -423,7 +430,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   // A preset's family that no flag says (gemma2: family_of_parts never makes it) fixes its parts
   // as a named one does; the others' family is what the parts make, as before model.family.
   const bool fixed = named || (from_preset && &family_of_parts(from_preset->block, from_preset->qkv_bias,
-                                                                from_preset->qk_norm, from_preset->window_every) != from_preset);
+                                                                from_preset->qk_norm, from_preset->window_pattern) != from_preset);
   if (named && !family)
     throw UsageError(concat(where, ": model.family must be one of ", family_names(), ", got ", show(m.family)));
   if (m.arch.empty()) m.arch = family ? family->block : "gpt2";
@@ -508,6 +515,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
   if (m.qk_norm == "auto") m.qk_norm = "false";
   if (family && family->gemma_norms) fill(m.query_pre_attn_scalar, static_cast<double>(m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head));
+  if (family && field_applies(*find_model_field("rope_local_theta"), *family)) fill(m.rope_local_theta, 10000.0);
   if (!fixed) {  // as before model.family: the parts say it (validate refuses parts no family has)
     m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window).name;
     return;
@@ -566,7 +574,8 @@ void validate(const Config& c, const std::string& where) {
       check((m.n_embd / m.n_head) % 2 == 0, "model.n_embd",
             concat("n_head x an even head size (rotary pairs; n_head ", m.n_head, ")"), show(m.n_embd));
     check(m.rope_theta > 0, "model.rope_theta", "> 0", show(m.rope_theta));
-    check(one_of(m.rope_scaling, {"none", "llama3"}), "model.rope_scaling", "one of none|llama3", show(m.rope_scaling));
+    check(one_of(m.rope_scaling, {"none", "llama3", "linear"}), "model.rope_scaling", "one of none|llama3|linear",
+          show(m.rope_scaling));
     check(m.max_position > 0, "model.max_position", "> 0", show(m.max_position));
     check(one_of(m.qkv_bias, {"true", "false"}), "model.qkv_bias", "true or false", show(m.qkv_bias));
     check(one_of(m.tie_embeddings, {"true", "false"}), "model.tie_embeddings", "true or false",
@@ -576,19 +585,21 @@ void validate(const Config& c, const std::string& where) {
     check(m.qk_norm == "false" || m.qkv_bias == "false", "model.qk_norm",
           "false with model.qkv_bias: true (no Hugging Face model has both: Qwen2 has the biases, Qwen3 the norms)",
           show(m.qk_norm));
-    // The window (Mistral's, Gemma 2's) of any length: shorter than seq_len it cuts.
+    // The window (Mistral's, Gemma's) of any length: shorter than seq_len it cuts. (Gemma 3's q/k
+    // norms are its family's; a window with Qwen's flags is none of the families.)
     check(m.sliding_window >= 0, "model.sliding_window", ">= 0 (0 = none)", show(m.sliding_window));
-    if (m.sliding_window > 0)
-      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
-            "0 with model.qkv_bias or model.qk_norm (the window is Mistral's and Gemma 2's; Qwen's sliding windows are "
-            "not supported)",
-            show(m.sliding_window));
     const Family* fam = find_family(m.family);
     const bool gemma = fam && fam->gemma_norms;
+    if (m.sliding_window > 0 && !gemma)
+      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
+            "0 with model.qkv_bias or model.qk_norm (the window is Mistral's and Gemma's; Qwen's sliding windows are "
+            "not supported)",
+            show(m.sliding_window));
     check(m.attn_softcap >= 0, "model.attn_softcap", ">= 0 (0 = none)", show(m.attn_softcap));
     check(m.final_softcap >= 0, "model.final_softcap", ">= 0 (0 = none)", show(m.final_softcap));
     check(m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar", ">= 0 (0 = the head size)",
           show(m.query_pre_attn_scalar));
+    check(m.rope_local_theta >= 0, "model.rope_local_theta", ">= 0", show(m.rope_local_theta));
     // Gemma's norms (x (1 + w), one after each sublayer too) have no fused op; nor has the fused
     // loss a soft cap on the logits.
     if (gemma)
@@ -597,11 +608,13 @@ void validate(const Config& c, const std::string& where) {
     if (m.final_softcap > 0)
       check(m.fused_loss != "on", "model.fused_loss", "auto or off with model.final_softcap (the fused loss has no soft cap)",
             show(m.fused_loss));
-    const bool llama3 = m.rope_scaling == "llama3";
+    // llama3's four parameters; linear's factor alone.
+    const bool llama3 = m.rope_scaling == "llama3", linear = m.rope_scaling == "linear";
     auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
       check(llama3 ? ok : got == "0", key, llama3 ? range : "unset (0) unless model.rope_scaling is llama3", got);
     };
-    scaling_key("model.rope_factor", m.rope_factor >= 1, ">= 1", show(m.rope_factor));
+    check(llama3 || linear ? m.rope_factor >= 1 : m.rope_factor == 0, "model.rope_factor",
+          llama3 || linear ? ">= 1" : "unset (0) unless model.rope_scaling is llama3 or linear", show(m.rope_factor));
     scaling_key("model.rope_low_freq_factor", m.rope_low_freq_factor > 0, "> 0", show(m.rope_low_freq_factor));
     scaling_key("model.rope_high_freq_factor", m.rope_high_freq_factor > m.rope_low_freq_factor,
                 concat("> model.rope_low_freq_factor (", show(m.rope_low_freq_factor), ")"),

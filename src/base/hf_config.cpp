@@ -103,7 +103,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     throw bad("use_sliding_window", "true: Qwen's sliding-window attention is not supported");
   // Mistral's and Gemma 2's window (null: none). Qwen's configs carry a sliding_window too, unused
   // without use_sliding_window; Llama's have none.
-  const int64_t window = family->window_every > 0 ? integer("sliding_window", false, 0) : 0;
+  const int64_t window = family->window_pattern > 0 ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
@@ -111,7 +111,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
   // transformers' Qwen3Config has head_dim 128 when config.json has none, Gemma2Config 256 (Llama's,
   // Qwen2's and Mistral's: hidden_size / num_attention_heads).
-  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : type == "gemma2" ? 256 : 0);
+  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : family->gemma_norms ? 256 : 0);
   if (head_dim == 0 && n_embd % n_head != 0)
     throw bad("hidden_size",
               concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
@@ -135,8 +135,12 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
         throw bad("rope_scaling.original_max_position_embeddings", "missing");
       original = r["original_max_position_embeddings"].get<int64_t>();
       if (factor == 0 || low == 0 || high == 0) throw bad("rope_scaling", "llama3 needs factor, low_freq_factor and high_freq_factor");
+    } else if (kind == "linear") {  // Gemma 3 4B and larger: every frequency / factor
+      scaling = "linear";
+      factor = number(r, "factor", 0);
+      if (factor < 1) throw bad("rope_scaling.factor", concat(r.value("factor", json()).dump(), ": linear needs a factor >= 1"));
     } else if (kind != "default" && !kind.empty()) {
-      throw bad("rope_scaling", concat("type '", kind, "': mpitrain knows llama3 (and none)"));
+      throw bad("rope_scaling", concat("type '", kind, "': mpitrain knows llama3 and linear (and none)"));
     }
   }
 
@@ -168,11 +172,28 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   m.init_vocab = vocab;
   m.init_vocab_source = concat(path, "'s vocab_size");
   struct Num { const char* key; double* field; double value; };
-  // Gemma 2's soft caps (null: none) and query scale (Gemma2Config's defaults where absent).
-  const bool gemma = family->gemma_norms;
+  // Gemma's soft caps (null: none) and query scale (Gemma2Config's and Gemma3TextConfig's defaults
+  // where absent); Gemma 3's local rotary base (default 10000) and its layers: five windowed to
+  // one global, said by sliding_window_pattern or layer_types, which must be the family's.
+  const bool gemma = family->gemma_norms, local_theta = field_applies(*find_model_field("rope_local_theta"), *family);
+  if (family->window_pattern >= 2 && c.contains("sliding_window_pattern") && !c["sliding_window_pattern"].is_null() &&
+      c["sliding_window_pattern"] != family->window_pattern)
+    throw bad("sliding_window_pattern", concat(c["sliding_window_pattern"].dump(), ": mpitrain's ", type, " has ",
+                                               family->window_pattern));
+  if (family->window_pattern >= 2 && c.contains("layer_types") && c["layer_types"].is_array()) {
+    GPTDims layers;
+    layers.family = family->name;
+    for (size_t i = 0; i < c["layer_types"].size(); ++i)
+      if (c["layer_types"][i] != (layers.local_layer(static_cast<int64_t>(i)) ? "sliding_attention" : "full_attention"))
+        throw bad(concat("layer_types[", i, "]"),
+                  concat(c["layer_types"][i].dump(), ": mpitrain's ", type, " has a global layer every ",
+                         family->window_pattern, " (layers ", family->window_pattern - 1, ", ",
+                         2 * family->window_pattern - 1, ", ...), the others sliding"));
+  }
   const Num nums[] = {{"attn_softcap", &m.attn_softcap, gemma ? number(c, "attn_logit_softcapping", 0) : 0},
                       {"final_softcap", &m.final_softcap, gemma ? number(c, "final_logit_softcapping", 0) : 0},
                       {"query_pre_attn_scalar", &m.query_pre_attn_scalar, gemma ? number(c, "query_pre_attn_scalar", 256) : 0},
+                      {"rope_local_theta", &m.rope_local_theta, local_theta ? number(c, "rope_local_base_freq", 10000) : 0},
                       {"rope_theta", &m.rope_theta, theta},
                       {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},
                       {"rope_factor", &m.rope_factor, factor},
@@ -187,7 +208,8 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
                       {"arch", &m.arch, family->block, ""},
                       {"rope_scaling", &m.rope_scaling, scaling, ""},
                       {"qkv_bias", &m.qkv_bias, family->qkv_bias ? "true" : "false", "auto"},
-                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", false) ? "true" : "false",
+                      // (absent: transformers' default, untied for Llama, Qwen and Mistral, tied for Gemma)
+                      {"tie_embeddings", &m.tie_embeddings, flag("tie_word_embeddings", family->gemma_norms) ? "true" : "false",
                        "auto"},
                       {"qk_norm", &m.qk_norm, family->qk_norm ? "true" : "false", "auto"}};
   for (const Str& f : strs) {

@@ -12,7 +12,7 @@ namespace mpitrain {
 
 const std::vector<Family>& families() {
   static const std::vector<Family> kFamilies = {
-      // name, block, HF class, model_type, qkv_bias, qk_norm, window on every .. layer, MLP gate, Gemma norms
+      // name, block, HF class, model_type, qkv_bias, qk_norm, windowed layers, MLP gate, Gemma norms
       {"gpt2", "gpt2", "GPT2LMHeadModel", "gpt2", true, false, 0, "", false,
        "LayerNorm, learned positions, GELU MLP, biases everywhere, tied output"},
       {"llama", "llama", "LlamaForCausalLM", "llama", false, false, 0, "silu", false,
@@ -26,6 +26,9 @@ const std::vector<Family>& families() {
       {"gemma2", "llama", "Gemma2ForCausalLM", "gemma2", false, false, 2, "gelu_pytorch_tanh", true,
        "llama's block with GeGLU, RMSNorm x (1 + w) before and after each sublayer, the embedding x sqrt(n_embd), "
        "soft-capped attention scores and logits, a window on every other layer (Gemma 2)"},
+      {"gemma3", "llama", "Gemma3ForCausalLM", "gemma3_text", false, true, 6, "gelu_pytorch_tanh", true,
+       "Gemma 2's block with q/k norms x (1 + w), five windowed layers with a rotary base of their own to one "
+       "global layer, no soft caps (Gemma 3, text)"},
   };
   return kFamilies;
 }
@@ -64,13 +67,18 @@ const char* family_conflict(const Family& f, const std::string& block, bool qkv_
   if (block != "llama") return nullptr;
   if (qkv_bias != f.qkv_bias) return "qkv_bias";
   if (qk_norm != f.qk_norm) return "qk_norm";
-  if (sliding_window > 0 && f.window_every == 0) return "sliding_window";
+  if (sliding_window > 0 && f.window_pattern == 0) return "sliding_window";
   return nullptr;
 }
 
-int64_t GPTDims::window_of_layer(int64_t layer) const {
-  const int every = family_row().window_every;
-  return every > 0 && layer % every == 0 ? sliding_window : 0;
+std::string GPTDims::local_layers() const {
+  const int p = family_row().window_pattern;
+  return p == 1 ? "every layer" : p == 2 ? "every other layer" : concat(p - 1, " of every ", p, " layers");
+}
+
+bool GPTDims::local_layer(int64_t layer) const {
+  const int p = family_row().window_pattern;
+  return p == 1 || (p >= 2 && (layer + 1) % p != 0);
 }
 
 const Family& GPTDims::family_row() const {
@@ -126,7 +134,7 @@ const std::vector<ModelField>& model_fields() {
                             "max_position_embeddings", may_change, same_int),
         MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, "", required, 0.0, 0, 0, "", "rope_theta", fixed, same_number),
         // Llama 3.1's scaling: config.json's rope_scaling object (hf_format.cpp, hf_config.cpp).
-        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, "", optional, std::string("none"), 0, 0, "none|llama3", "",
+        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, "", optional, std::string("none"), 0, 0, "none|llama3|linear", "",
                             fixed, [](const std::string& v) { return v.empty() ? std::string("none") : v; }),
         MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
         MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
@@ -148,12 +156,16 @@ const std::vector<ModelField>& model_fields() {
         // family with a window has it in config.json.
         MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "", optional, int64_t{0}, 0, kInt32, "", "", fixed,
                             same_int),
-        // Gemma 2's soft-capping (0: none; config.json null) and query scale (resolved: the head
-        // size where the config leaves it 0).
-        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(query_pre_attn_scalar, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "",
+        // Gemma's soft-capping (0: none; config.json null) and query scale (resolved: the head
+        // size where the config leaves it 0); Gemma 3's local layers' rotary base.
+        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "", "", fixed,
+                            same_number),
+        MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "", "", fixed,
+                            same_number),
+        MPITRAIN_DIMS_FIELD(query_pre_attn_scalar, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "",
                             "query_pre_attn_scalar", fixed, same_number),
+        MPITRAIN_DIMS_FIELD(rope_local_theta, Type::number, llama, "gemma3", optional, 0.0, 0, 0, "",
+                            "rope_local_base_freq", fixed, same_number),
         // Last: what the flags above make is its fallback (files before model.family), and a resume
         // names the differing flag before the family it makes.
         ModelField{"family", Type::text, any, "", optional, Value(std::string()), 0, 0, "", "", fixed,
@@ -167,6 +179,12 @@ const std::vector<ModelField>& model_fields() {
   return kFields;
 }
 #undef MPITRAIN_DIMS_FIELD
+
+const ModelField* find_model_field(const std::string& key) {
+  for (const ModelField& f : model_fields())
+    if (key == f.key) return &f;
+  return nullptr;
+}
 
 bool field_applies(const ModelField& f, const Family& fam) {
   if (f.llama_block && std::string(fam.block) != "llama") return false;

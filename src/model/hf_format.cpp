@@ -324,13 +324,17 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
   };
   for (const ModelField& f : model_fields())  // the fields config.json has as they are
     if (*f.hf_key && field_applies(f, family)) std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
-  if (family.gemma_norms) {  // Gemma 2's: its activation under its own key too, caps 0 = null (none)
+  if (family.gemma_norms) {  // Gemma's: its activation under its own key too, caps 0 = null (none), each layer's kind
     c["hidden_activation"] = family.mlp_act;
     c["attn_logit_softcapping"] = d.attn_softcap > 0 ? json(d.attn_softcap) : json(nullptr);
     c["final_logit_softcapping"] = d.final_softcap > 0 ? json(d.final_softcap) : json(nullptr);
     c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);
     c["attention_bias"] = false;
     c["cache_implementation"] = "hybrid";
+    if (type == "gemma3_text") c["sliding_window_pattern"] = family.window_pattern;
+    json layers = json::array();
+    for (int64_t i = 0; i < d.n_layer; ++i) layers.push_back(d.local_layer(i) ? "sliding_attention" : "full_attention");
+    c["layer_types"] = layers;
   } else if (mistral) {
     c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);  // null: none
   } else if (qwen2 || qwen3) {
@@ -343,6 +347,7 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
     c["mlp_bias"] = false;
     c["pretraining_tp"] = 1;
   }
+  if (d.rope_scaling == "linear") c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", d.rope_factor}};
   if (d.rope_scaling == "llama3")
     c["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", d.rope_factor},

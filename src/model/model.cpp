@@ -114,10 +114,15 @@ std::pair<torch::Tensor, torch::Tensor> NormImpl::add_forward(const torch::Tenso
 // for rope_scaling llama3 (Llama 3.1) wavelengths longer than original_max_position /
 // low_freq_factor divided by factor, shorter than original_max_position / high_freq_factor kept,
 // and those between interpolated smoothly.
-Rotary::Rotary(const GPTDims& d) : seq_len_(d.seq_len), fused_(d.fused_kernels) {
+// Gemma 3's local layers (`local`): rope_local_theta, unscaled; its global layers: rope_theta with
+// rope_scaling linear, every frequency divided by rope_factor.
+Rotary::Rotary(const GPTDims& d, bool local) : seq_len_(d.seq_len), fused_(d.fused_kernels) {
   const int64_t dim = d.head_dim();
-  inv_freq_ = 1.0 / torch::pow(torch::tensor(d.rope_theta, torch::kFloat32),
+  const double theta = local && d.rope_local_theta > 0 ? d.rope_local_theta : d.rope_theta;
+  inv_freq_ = 1.0 / torch::pow(torch::tensor(theta, torch::kFloat32),
                                torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim));
+  if (local) return;
+  if (d.rope_scaling == "linear") inv_freq_ = inv_freq_ / d.rope_factor;
   if (d.rope_scaling == "llama3") {
     const double factor = d.rope_factor, low = d.rope_low_freq_factor, high = d.rope_high_freq_factor;
     const double old_len = static_cast<double>(d.rope_original_max_position);
@@ -293,17 +298,18 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
                                 c10::ScalarType dtype) {
   const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
   // Mistral's window where it cuts the context: a banded mask instead of SDPA's causal flag.
-  const bool band = d.llama() && d.sliding_window > 0 && d.sliding_window < d.seq_len;
+  const bool gemma = d.llama() && d.family_row().gemma_norms;
+  const bool band = d.llama() && !gemma && d.sliding_window > 0 && d.sliding_window < d.seq_len;
   const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal",
                                     band ? concat(" within a window of ", d.sliding_window) : std::string());
-  if (d.llama() && d.family_row().gemma_norms) {  // CausalSelfAttentionImpl::capped_core, whatever the device
+  if (gemma) {  // CausalSelfAttentionImpl::capped_core, whatever the device
     if (choice != "auto" && choice != "math")
-      throw UsageError(concat("model.attention: ", choice, " cannot run Gemma's attention (soft-capped scores, a window on "
-                              "every other layer): use auto or math"));
+      throw UsageError(concat("model.attention: ", choice, " cannot run Gemma's attention (computed as Hugging Face's "
+                              "eager attention: its scale, soft cap and windows): use auto or math"));
     (void)device;
     return concat("masked softmax + matmul as Hugging Face's eager attention (", shapes,
                   d.attn_softcap > 0 ? concat(", scores capped at ", d.attn_softcap) : std::string(),
-                  d.sliding_window > 0 ? concat(", window ", d.sliding_window, " on every other layer") : std::string(), ")");
+                  d.sliding_window > 0 ? concat(", window ", d.sliding_window, " on ", d.local_layers()) : std::string(), ")");
   }
 #if TORCH_VERSION_MAJOR >= 2
   if (choice != "auto") {
@@ -599,9 +605,11 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   if (deferred) drop_values(*wte);
   if (!d.llama()) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
+  // Gemma 3's local (windowed) layers: a table of their own rotary base.
+  auto local_rotary = d.llama() && d.rope_local_theta > 0 ? std::make_shared<Rotary>(d, /*local=*/true) : rotary;
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < d.n_layer; ++i) {
-    h->push_back(Block(d, rotary, i));
+    h->push_back(Block(d, d.llama() && d.local_layer(i) ? local_rotary : rotary, i));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.llama() && d.family_row().gemma_norms));

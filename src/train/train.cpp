@@ -123,11 +123,14 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
                                       gemma ? ", norms x (1 + w) before and after each sublayer" : "",
                                       dims.sliding_window == 0 ? std::string()
                                       : concat(", attention window ", dims.sliding_window,
-                                               gemma ? " on every other layer"
+                                               gemma ? concat(" on ", dims.local_layers())
                                                : dims.sliding_window >= dims.seq_len ? " (>= seq_len: causal)"
                                                                                      : " (cuts the context)"),
                                       dims.attn_softcap > 0 ? concat(", scores capped at ", dims.attn_softcap) : "",
-                                      dims.final_softcap > 0 ? concat(", logits capped at ", dims.final_softcap) : "")
+                                      dims.final_softcap > 0 ? concat(", logits capped at ", dims.final_softcap) : "",
+                                      dims.rope_local_theta > 0 ? concat(", local layers' rope theta ", dims.rope_local_theta)
+                                                                : "",
+                                      dims.rope_scaling == "linear" ? concat(", global rope / ", dims.rope_factor) : "")
                              : std::string(),
                 ", seq_len ", dims.seq_len, ", vocab ", dims.vocab_size,
                 dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
