@@ -179,31 +179,25 @@ sh_val=$(val_loss 0 init_sh.out)
 check "init_from the sharded export loads the same weights ($sh_val)" "[ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ]"
 "${REF[@]}" logits hf_sharded logits_llama/tokens.npy logits_llama/logits.npy > ref_sharded.out 2>&1
 check "the reference reads the sharded export through its index: the same logits" "[ \$? -eq 0 ]"
-# Mistral in: the window comes from config.json; a context longer than it is refused by name.
-mistral_last=$(val_loss 6 train_mistral.out tail)
-"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_mistral --set train.out_dir=run_mi \
-  --set checkpoint.dir=ckpt_mi --set train.steps=1 --set optim.warmup_steps=0 > init_mi.out 2>&1
-rc=$?
-mi_val=$(val_loss 0 init_mi.out)
-check "init_from hf:hf_mistral: the window from config.json, step-0 val loss $mi_val = the exported run's last $mistral_last" \
-  "[ $rc -eq 0 ] && [ -n '$mi_val' ] && [ '$mi_val' = '$mistral_last' ] && grep -q 'attention window 32' init_mi.out"
-# Gemma 2 in: the family, caps, window and query scale from config.json.
-gemma_last=$(val_loss 6 train_gemma2.out tail)
-"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_gemma2 --set train.out_dir=run_gi \
-  --set checkpoint.dir=ckpt_gi --set train.steps=1 --set optim.warmup_steps=0 > init_gi.out 2>&1
-rc=$?
-gi_val=$(val_loss 0 init_gi.out)
-check "init_from hf:hf_gemma2: gemma2 with its caps and window from config.json, step-0 val loss $gi_val = the exported run's last $gemma_last" \
-  "[ $rc -eq 0 ] && [ -n '$gi_val' ] && [ '$gi_val' = '$gemma_last' ] && grep -q 'model: gemma2 (llama block), .*window 8 on every other layer, scores capped at 0.1, logits capped at 2' init_gi.out"
-[ $rc -eq 0 ] || tail -3 init_gi.out
-gemma3_last=$(val_loss 6 train_gemma3.out tail)
-"$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_gemma3 --set train.out_dir=run_gi3 \
-  --set checkpoint.dir=ckpt_gi3 --set train.steps=1 --set optim.warmup_steps=0 > init_gi3.out 2>&1
-rc=$?
-gi3_val=$(val_loss 0 init_gi3.out)
-check "init_from hf:hf_gemma3: gemma3 with its layers, rotary bases and scaling from config.json, step-0 val loss $gi3_val = the exported run's last $gemma3_last" \
-  "[ $rc -eq 0 ] && [ -n '$gi3_val' ] && [ '$gi3_val' = '$gemma3_last' ] && grep -q 'model: gemma3 (llama block), .*local layers. rope theta 100, global rope / 4' init_gi3.out"
-[ $rc -eq 0 ] || tail -3 init_gi3.out
+# Mistral, Gemma 2 and Gemma 3 in: the window, caps, rotary bases from config.json. One step from
+# the export of `m`: its step-0 val loss must be the exporting run's last, and the start-up line
+# must match `pattern`.
+init_from_export() {
+  local m=$1 pattern=$2 what=$3 last first rc
+  last=$(val_loss 6 train_$m.out tail)
+  "$MPIRUN" -np 2 "$BIN" init.yaml --set model.init_from=hf:hf_$m --set train.out_dir=run_in_$m \
+    --set checkpoint.dir=ckpt_in_$m --set train.steps=1 --set optim.warmup_steps=0 > init_$m.out 2>&1
+  rc=$?
+  first=$(val_loss 0 init_$m.out)
+  check "init_from hf:hf_$m: $what from config.json, step-0 val loss $first = the exported run's last $last" \
+    "[ $rc -eq 0 ] && [ -n '$first' ] && [ '$first' = '$last' ] && grep -q '$pattern' init_$m.out"
+  [ $rc -eq 0 ] || tail -3 init_$m.out
+}
+init_from_export mistral 'attention window 32' "the window"
+init_from_export gemma2 'model: gemma2 (llama block), .*window 8 on every other layer, scores capped at 0.1, logits capped at 2' \
+  "gemma2 with its caps and window"
+init_from_export gemma3 'model: gemma3 (llama block), .*local layers. rope theta 100, global rope / 4' \
+  "gemma3 with its layers, rotary bases and scaling"
 # Gemma 2 under the memory layouts: activation checkpointing (full, selective) and ZeRO-3 train the
 # same losses as the plain data-parallel run, step by step (metrics.jsonl, 6 decimals).
 for v in "plain:" "ac_full:--set train.activation_checkpointing=full" "ac_selective:--set train.activation_checkpointing=selective" \
