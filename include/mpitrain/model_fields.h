@@ -47,7 +47,7 @@ struct Family {
 const std::vector<Family>& families();
 const Family* find_family(const std::string& name);
 const Family* family_by_model_type(const std::string& hf_model_type);
-// "gpt2|llama|qwen2|qwen3|mistral" (with `sep` between).
+// "gpt2|llama|qwen2|qwen3|mistral|gemma2|gemma3" (with `sep` between).
 std::string family_names(const char* sep = "|");
 // The family of a model that names none: configs with only model.arch (as before model.family)
 // and checkpoints written before the family attribute. The one place the flags say the family:
