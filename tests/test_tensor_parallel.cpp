@@ -75,17 +75,21 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
     if (world % tp != 0) continue;
     TpGroup group(tp);
     const int64_t r = group.comm->rank();
-    for (int variant = 0; variant < 8; ++variant) {
+    for (int variant = 0; variant < 10; ++variant) {
       // 0: plain; 1: fused block ops; 2: the fused chunked loss (chunks of 7 rows here); 3: a Llama
       // (GQA with tp kv heads, SwiGLU, rotary with llama3 scaling, q/k/v biases, untied head); 4: that
       // Llama with the fused loss; 5: that Llama with the fused block ops (RMSNorm, SwiGLU, rotary);
       // 6: a Qwen3-shaped Llama (heads of 12 at width 32, q/k norms whose weights every tp rank
       // holds whole while normalising only its own heads, so their gradient is summed over the
-      // group; no biases, tied); 7: that with the fused block ops
+      // group; no biases, tied); 7: that with the fused block ops; 8: a Gemma 2 (a window of 5 that cuts,
+      // soft caps that bend these scores and logits, its query scale, four norms x (1 + w) whole on
+      // every rank); 9: a Gemma 3 (q/k norms x (1 + w), five local layers of six rotating by a base
+      // of their own, the global one with linear scaling)
       const bool fused = variant == 1 || variant == 5 || variant == 7, fused_loss = variant == 2 || variant == 4;
-      const bool llama = variant >= 3, qwen3 = variant >= 6;
+      const bool llama = variant >= 3, qwen3 = variant == 6 || variant == 7, gemma2 = variant == 8, gemma3 = variant == 9;
       SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss
-                                      << ", llama " << llama << ", qwen3 " << qwen3);
+                                      << ", llama " << llama << ", qwen3 " << qwen3 << ", gemma2 " << gemma2
+                                      << ", gemma3 " << gemma3);
       GPTDims dense_dims = small_dims(fused);
       dense_dims.fused_loss = fused_loss;
       if (llama) {
@@ -98,6 +102,18 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         if (qwen3) {
           dense_dims.qkv_bias = false, dense_dims.tie_embeddings = true;
           dense_dims.head_size = 12, dense_dims.qk_norm = true;
+        }
+        if (gemma2 || gemma3) {
+          dense_dims.family = gemma2 ? "gemma2" : "gemma3";
+          dense_dims.qkv_bias = false, dense_dims.tie_embeddings = true, dense_dims.rope_scaling = "none";
+          dense_dims.rope_factor = dense_dims.rope_low_freq_factor = dense_dims.rope_high_freq_factor = 0;
+          dense_dims.rope_original_max_position = 0;
+          dense_dims.head_size = 12, dense_dims.sliding_window = 5, dense_dims.query_pre_attn_scalar = 10;
+          if (gemma2) dense_dims.attn_softcap = 0.5, dense_dims.final_softcap = 1;
+          if (gemma3) {
+            dense_dims.n_layer = 6, dense_dims.qk_norm = true, dense_dims.rope_local_theta = 10;
+            dense_dims.rope_scaling = "linear", dense_dims.rope_factor = 4;
+          }
         }
       }
       GPTDims tp_dims = dense_dims;
@@ -146,9 +162,10 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         EXPECT_GT(rel_diff(got * 2, want), 100 * kTolerance) << whole[i].first;
       }
       if (world_rank() == 0)
-        std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d, qwen3 %d: loss %.7f vs dense %.7f, largest "
-                    "relative gradient difference %.2g\n",
-                    tp, fused, fused_loss, llama, qwen3, tp_loss.item<double>(), dense_loss.item<double>(), worst);
+        std::printf("[ info ] tp %d, fused ops %d, fused loss %d, llama %d, qwen3 %d, gemma %d: loss %.7f vs dense %.7f, "
+                    "largest relative gradient difference %.2g\n",
+                    tp, fused, fused_loss, llama, qwen3, gemma2 ? 2 : gemma3 ? 3 : 0, tp_loss.item<double>(),
+                    dense_loss.item<double>(), worst);
     }
   }
 }
