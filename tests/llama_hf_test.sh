@@ -240,9 +240,10 @@ done
 # its slices (scores per head, logits per vocabulary slice), its four norms whole on both. Gemma 3
 # in one micro-batch of 4, as the reference sums its batch: in two its losses drifted from the
 # reference's (3.4e-6 here at data parallel, 5e-4 on Debian 13 at tp 2; 9e-7 without a window that
-# cuts). Its windows leave gradient elements near AdamW's eps (1e-8), where g / (|g| + eps) turns
-# the rounding of another summation order into an update difference: after one step at lr 3e-3 the
-# parameters of 1 x 4 and 2 x 2 sequences differ by up to 7e-6 (mpitrain against itself).
+# cuts). The likely cause, not proven: AdamW's g / (|g| + eps) near its eps (1e-8; 12 gradient
+# elements below it with the window, 3 without) turns the rounding of another summation order into
+# an update difference: after one step at lr 3e-3 the parameters of 1 x 4 and 2 x 2 sequences
+# differ by up to 7e-6 (mpitrain against itself).
 for m in llama qwen3 gemma2 gemma3; do
   case $m in
     llama) cfg=init.yaml layout="data parallel" extra=() ;;
