@@ -39,7 +39,7 @@ struct ModelConfig {
   std::string init_vocab_source;
   // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 ("" = the
   // preset's; custom: from model.arch and the flags, as before the key existed). It gives the
-  // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's only) and
+  // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's and Gemma's only) and
   // the Hugging Face class it is read from and exported as.
   std::string family = "";
   std::string arch = "";        // the family's block, gpt2 | llama ("" = the family's; custom without family: gpt2)

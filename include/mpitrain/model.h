@@ -143,7 +143,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
   // Whether this attention is the plain causal one (scaled_dot_product_attention's): no soft cap,
   // no window that cuts T tokens, the 1 / sqrt(head_dim) scale.
   bool plain(int64_t T) const { return softcap_ == 0 && (window_ == 0 || window_ >= T) && scale_ == 0; }
-  // The other (Gemma 2's): scores q k^T scaled, soft-capped, masked (causal and window), softmax
+  // The other (Gemma's; Mistral's cutting window on libtorch 1.x): scores q k^T scaled, soft-capped, masked (causal and window), softmax
   // in fp32 and cast back, as Hugging Face's eager attention.
   torch::Tensor capped_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p);
   Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)

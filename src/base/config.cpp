@@ -427,7 +427,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   const Family* from_preset = p ? find_family(preset.model.family) : nullptr;
   const bool named = !m.family.empty();
   const Family* family = named ? find_family(m.family) : from_preset;
-  // A preset's family that no flag says (gemma2: family_of_parts never makes it) fixes its parts
+  // A preset's family that no flag says (gemma2, gemma3: family_of_parts never makes them) fixes its parts
   // as a named one does; the others' family is what the parts make, as before model.family.
   const bool fixed = named || (from_preset && &family_of_parts(from_preset->block, from_preset->qkv_bias,
                                                                 from_preset->qk_norm, from_preset->window_pattern) != from_preset);
@@ -467,7 +467,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   auto fill = [](auto& field, auto value) {
     if (field == decltype(value){}) field = value;
   };
-  {  // the fields of some families only (Gemma 2's): none set for another family
+  {  // the fields of some families only (Gemma's): none set for another family
     GPTDims set;
     const Family& fam = family ? *family : family_of_parts(m.arch, false, false, 0);  // (unnamed: no such family)
     for (const ModelField& f : model_fields()) {
@@ -514,8 +514,11 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   if (m.qkv_bias == "auto") m.qkv_bias = "false";
   if (m.tie_embeddings == "auto") m.tie_embeddings = "true";
   if (m.qk_norm == "auto") m.qk_norm = "false";
-  if (family && family->gemma_norms) fill(m.query_pre_attn_scalar, static_cast<double>(m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head));
-  if (family && field_applies(*find_model_field("rope_local_theta"), *family)) fill(m.rope_local_theta, 10000.0);
+  // The fields of some families: their defaults where the family has them.
+  auto has = [&](const char* key) { return family && field_applies(*find_model_field(key), *family); };
+  if (has("query_pre_attn_scalar"))
+    fill(m.query_pre_attn_scalar, static_cast<double>(m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head));
+  if (has("rope_local_theta")) fill(m.rope_local_theta, 10000.0);
   if (!fixed) {  // as before model.family: the parts say it (validate refuses parts no family has)
     m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window).name;
     return;

@@ -175,7 +175,10 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // Gemma's soft caps (null: none) and query scale (Gemma2Config's and Gemma3TextConfig's defaults
   // where absent); Gemma 3's local rotary base (default 10000) and its layers: five windowed to
   // one global, said by sliding_window_pattern or layer_types, which must be the family's.
-  const bool gemma = family->gemma_norms, local_theta = field_applies(*find_model_field("rope_local_theta"), *family);
+  // A field of some families only (model_fields.h) is read for those; the others' stay 0.
+  auto of_family = [&](const char* key, const char* hf_key, double fallback) {
+    return field_applies(*find_model_field(key), *family) ? number(c, hf_key, fallback) : 0.0;
+  };
   if (family->window_pattern >= 2 && c.contains("sliding_window_pattern") && !c["sliding_window_pattern"].is_null() &&
       c["sliding_window_pattern"] != family->window_pattern)
     throw bad("sliding_window_pattern", concat(c["sliding_window_pattern"].dump(), ": mpitrain's ", type, " has ",
@@ -190,10 +193,11 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
                          family->window_pattern, " (layers ", family->window_pattern - 1, ", ",
                          2 * family->window_pattern - 1, ", ...), the others sliding"));
   }
-  const Num nums[] = {{"attn_softcap", &m.attn_softcap, gemma ? number(c, "attn_logit_softcapping", 0) : 0},
-                      {"final_softcap", &m.final_softcap, gemma ? number(c, "final_logit_softcapping", 0) : 0},
-                      {"query_pre_attn_scalar", &m.query_pre_attn_scalar, gemma ? number(c, "query_pre_attn_scalar", 256) : 0},
-                      {"rope_local_theta", &m.rope_local_theta, local_theta ? number(c, "rope_local_base_freq", 10000) : 0},
+  const Num nums[] = {{"attn_softcap", &m.attn_softcap, of_family("attn_softcap", "attn_logit_softcapping", 0)},
+                      {"final_softcap", &m.final_softcap, of_family("final_softcap", "final_logit_softcapping", 0)},
+                      {"query_pre_attn_scalar", &m.query_pre_attn_scalar,
+                       of_family("query_pre_attn_scalar", "query_pre_attn_scalar", 256)},
+                      {"rope_local_theta", &m.rope_local_theta, of_family("rope_local_theta", "rope_local_base_freq", 10000)},
                       {"rope_theta", &m.rope_theta, theta},
                       {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},
                       {"rope_factor", &m.rope_factor, factor},

@@ -52,7 +52,7 @@ std::string family_names(const char* sep) {
 }
 
 const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window) {
-  // (Gemma 2 has parts no flag here says: a model is gemma2 only by name.)
+  // (Gemma 2 and 3 have parts no flag here says: a model is gemma2 or gemma3 only by name.)
   const char* name = block != "llama" ? "gpt2"
                      : sliding_window > 0 ? "mistral"
                      : qkv_bias          ? "qwen2"

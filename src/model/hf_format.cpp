@@ -162,12 +162,15 @@ std::string llama_hf_name(const std::string& name, bool gemma) {
                                     {".post_mlp_norm.", ".post_feedforward_layernorm."}};
   MPITRAIN_CHECK(name.rfind("h.", 0) == 0, concat("no Hugging Face name for '", name, "'"));
   std::string out = "model.layers." + name.substr(2);
-  for (const Parts* table : {gemma ? &gemma_norms : nullptr, &parts})
-    for (const auto& [ours, theirs] : table ? *table : Parts{}) {
+  auto rename = [&](const Parts& table) {  // the first piece of `table` in the name, replaced
+    for (const auto& [ours, theirs] : table) {
       const size_t at = out.find(ours);
-      if (at != std::string::npos) return out.replace(at, std::strlen(ours), theirs);
+      if (at != std::string::npos) return out.replace(at, std::strlen(ours), theirs), true;
     }
-  return out;  // mlp.gate_proj, mlp.up_proj
+    return false;
+  };
+  if (!(gemma && rename(gemma_norms))) rename(parts);
+  return out;  // (mlp.gate_proj, mlp.up_proj as they are)
 }
 
 // Buffers of older files that are no parameters.

@@ -176,10 +176,10 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
       n_kv_head_(d.n_kv_head / d.tp),
       head_dim_(d.head_dim()),
       dropout_(d.dropout),
-      window_(d.llama() ? d.window_of_layer(layer) : 0),
+      window_(d.window_of_layer(layer)),
       softcap_(d.attn_softcap),
       scale_(d.query_pre_attn_scalar > 0 ? 1.0 / std::sqrt(d.query_pre_attn_scalar)
-             : d.llama() && d.family_row().gemma_norms ? 1.0 / std::sqrt(static_cast<double>(d.head_dim()))
+             : d.family_row().gemma_norms ? 1.0 / std::sqrt(static_cast<double>(d.head_dim()))
                                                        : 0.0),
       rotary_(std::move(rotary)) {
   const int64_t q_width = n_head_ * head_dim_, kv_width = n_kv_head_ * head_dim_;
@@ -298,7 +298,7 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
                                 c10::ScalarType dtype) {
   const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
   // Mistral's window where it cuts the context: a banded mask instead of SDPA's causal flag.
-  const bool gemma = d.llama() && d.family_row().gemma_norms;
+  const bool gemma = d.family_row().gemma_norms;
   const bool band = d.llama() && !gemma && d.sliding_window > 0 && d.sliding_window < d.seq_len;
   const std::string shapes = concat(c10::toString(dtype), ", ", heads, " heads x ", head_dim, ", causal",
                                     band ? concat(" within a window of ", d.sliding_window) : std::string());
@@ -392,7 +392,7 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 }
 
 BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer) : dropout_(d.dropout) {
-  const bool gemma = d.llama() && d.family_row().gemma_norms;
+  const bool gemma = d.family_row().gemma_norms;
   ln_1 = register_module("ln_1", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
   attn = register_module("attn", CausalSelfAttention(d, std::move(rotary), layer));
   ln_2 = register_module("ln_2", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
@@ -506,7 +506,7 @@ void drop_values(torch::nn::Module& m) {
 void draw_initial(const std::string& name, torch::Tensor p, const GPTDims& d,
                   const c10::optional<at::Generator>& gen) {
   const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(d.n_layer));
-  const bool unit_offset = d.llama() && d.family_row().gemma_norms;  // x (1 + w): w starts at 0
+  const bool unit_offset = d.family_row().gemma_norms;  // x (1 + w): w starts at 0
   const bool is_weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
   const bool is_norm = name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos;
   if (is_norm) {
@@ -535,7 +535,7 @@ at::Generator snapshot_of_default_generator() {
 GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
-  MPITRAIN_CHECK(!(d.fused_kernels && d.llama() && d.family_row().gemma_norms),
+  MPITRAIN_CHECK(!(d.fused_kernels && d.family_row().gemma_norms),
                  "model dims: Gemma's norms have no fused ops (fused_kernels off)");
   MPITRAIN_CHECK(!(d.fused_loss && d.final_softcap > 0), "model dims: the fused loss has no soft cap (fused_loss off)");
   MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
@@ -609,10 +609,10 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   auto local_rotary = d.llama() && d.rope_local_theta > 0 ? std::make_shared<Rotary>(d, /*local=*/true) : rotary;
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < d.n_layer; ++i) {
-    h->push_back(Block(d, d.llama() && d.local_layer(i) ? local_rotary : rotary, i));
+    h->push_back(Block(d, d.local_layer(i) ? local_rotary : rotary, i));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
-  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.llama() && d.family_row().gemma_norms));
+  ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.family_row().gemma_norms));
   if (d.llama() && !d.tie_embeddings) {
     lm_head = register_module("lm_head", linear(d.n_embd, made, false));
     pad_rows(lm_head->weight);
@@ -628,7 +628,7 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
                                  : wte(idx);
   if (wpe) x = x + wpe(torch::arange(T, torch::dtype(torch::kLong).device(idx.device())));
-  if (dims_.llama() && dims_.family_row().gemma_norms) x = x * std::sqrt(static_cast<double>(dims_.n_embd));
+  if (dims_.family_row().gemma_norms) x = x * std::sqrt(static_cast<double>(dims_.n_embd));
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
   if (dims_.fused_kernels) return hidden_fused(x);
@@ -685,7 +685,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   torch::Tensor x = column_input(hidden(idx), tp_of(dims_));
   torch::Tensor logits = F::linear(x, output_weight().narrow(0, 0, live_rows()));
   const double cap = dims_.final_softcap;
-  return cap > 0 ? torch::tanh(logits / cap) * cap : logits;  // Gemma 2's soft cap
+  return cap > 0 ? torch::tanh(logits / cap) * cap : logits;  // Gemma's soft cap
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
