@@ -114,6 +114,47 @@ TEST(Layout, ALayoutThatDoesNotFitTheHostsIsRefusedNamingKeyAndHost) {
   EXPECT_NO_THROW(plan_layout(hosts_of({{"a", 4}, {"b", 2}}), 2));
 }
 
+TEST(Layout, IslandsAreRunsOfConsecutiveRanksWithTheirOwnDpGroups) {
+  const Topology topo = hosts_of({{"a", 4}, {"b", 4}});
+  const MeshLayout l = plan_layout(topo, 2, 2);  // 2 islands x dp 2 x tp 2
+  EXPECT_EQ(l.islands, 2);
+  EXPECT_EQ(l.dp, 2);
+  EXPECT_EQ(l.replicas(), 4);
+  EXPECT_EQ(l.island(5), 1);
+  EXPECT_EQ(l.dp_rank(5), 0);
+  EXPECT_EQ(l.replica(5), 2);
+  EXPECT_EQ(l.tp_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.dp_group(5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(l.replica_group(5), (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(l.island_group(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(l.describe(topo), "mesh: 8 ranks = 2 islands x dp 2 x tp 2; tp groups a[0-1] a[2-3] b[4-5] b[6-7]; "
+                              "islands a[0-3] b[4-7]");
+  const MeshLayout per_host = plan_layout(topo, 1, -1);  // parallel.islands: host
+  EXPECT_EQ(per_host.islands, 2);
+  EXPECT_EQ(per_host.dp, 4);
+  EXPECT_EQ(plan_layout(topo, 1, 4).describe(topo), "mesh: 8 ranks = 4 islands x dp 2; islands a[0-1] a[2-3] b[4-5] b[6-7]");
+  EXPECT_EQ(plan_layout(topo, 1, 1).dp_group(3).size(), 8u);  // one island: plain data parallelism
+}
+
+TEST(Layout, IslandsThatDoNotFitAreRefusedNamingTheKey) {
+  auto message = [](const Topology& t, int64_t tp, int64_t islands) {
+    try {
+      plan_layout(t, tp, islands);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  const std::string three = message(hosts_of({{"a", 4}, {"b", 4}}), 1, 3);
+  EXPECT_NE(three.find("parallel.islands: 3 does not divide the world size 8"), std::string::npos) << three;
+  const std::string split = message(hosts_of({{"a", 4}}), 4, 2);
+  EXPECT_NE(split.find("parallel.islands: 2 islands of 2 ranks would split a tp group of parallel.tp 4"),
+            std::string::npos) << split;
+  const std::string uneven = message(hosts_of({{"a", 4}, {"b", 2}}), 1, -1);
+  EXPECT_NE(uneven.find("parallel.islands: host needs every host to run as many consecutive ranks"), std::string::npos)
+      << uneven;
+}
+
 // ---- the pre-flight's rules (judge_preflight) on records of made-up ranks -----------------------
 namespace {
 PreflightRecord record(const std::map<std::string, std::string>& values) {

@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <map>
@@ -1314,6 +1314,231 @@ TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
           EXPECT_TRUE(run.params[i].second == plain.params[i].second) << what << ": " << plain.params[i].first;
       }
   }
+}
+
+// ---- DiLoCo between islands (diloco.h) --------------------------------------------------------
+
+namespace {
+// Plain SGD (optim.name: sgd), linear steps: rounding differences stay rounding (see sgd_like).
+Config sgd_config(const std::string& run, int64_t micro, int64_t steps) {
+  Config c = small_config(run, micro, steps);
+  c.optim.name = "sgd";
+  c.optim.lr = 0.2;
+  c.optim.min_lr = 0.02;
+  c.optim.weight_decay = 0.05;  // decoupled, as AdamW's: part of the relation below
+  c.optim.grad_clip = 0;        // a clip per island is not the clip of the whole batch
+  c.checkpoint.resume = "none";  // (every run here starts fresh; checkpoints at the end are written)
+  return c;
+}
+Config with_islands(Config c, int islands, int64_t inner_steps, double outer_lr, double momentum) {
+  c.parallel.islands = std::to_string(islands);
+  c.diloco.inner_steps = inner_steps;
+  c.diloco.outer_lr = outer_lr;
+  c.diloco.outer_momentum = momentum;
+  return c;
+}
+// The largest |a - b| over every parameter element, in units of u (|b| + n D) (u = 2^-24; D: the
+// largest displacement |b - theta0| in b's tensor; n: the islands): what one rounding of an
+// element, or of a sum of n pseudo-gradients of its tensor's displacement scale, can change.
+double worst_units(const TrainResult& a, const TrainResult& b, const std::vector<std::vector<float>>& theta0, int n,
+                   std::string* where) {
+  double worst = 0;
+  EXPECT_EQ(a.params.size(), b.params.size());
+  EXPECT_EQ(b.params.size(), theta0.size());
+  for (size_t i = 0; i < std::min({a.params.size(), b.params.size(), theta0.size()}); ++i) {
+    const auto &x = a.params[i].second, &y = b.params[i].second, &y0 = theta0[i];
+    EXPECT_EQ(x.size(), y.size()) << b.params[i].first;
+    if (x.size() != y.size() || y.size() != y0.size()) continue;
+    double moved = 0;
+    for (size_t k = 0; k < y.size(); ++k) moved = std::max(moved, std::abs(double(y[k]) - y0[k]));
+    for (size_t k = 0; k < y.size(); ++k) {
+      const double units = std::abs(double(x[k]) - y[k]) / (std::ldexp(1.0, -24) * (std::abs(double(y[k])) + n * moved));
+      if (units > worst) {
+        worst = units;
+        if (where) *where = concat(b.params[i].first, "[", k, "] = ", y[k]);
+      }
+    }
+  }
+  return worst;
+}
+bool same_params(const TrainResult& a, const TrainResult& b) {
+  if (a.params.size() != b.params.size()) return false;
+  for (size_t i = 0; i < a.params.size(); ++i)
+    if (a.params[i].second != b.params[i].second) return false;
+  return true;
+}
+}  // namespace
+
+// One island is plain training, bit for bit, whatever the diloco section says. With one inner
+// SGD step (H = 1), outer lr 1 and momentum 0, DiLoCo is data parallelism over all islands:
+// every island starts the step at theta; island i steps to theta_i = theta (1 - lr wd) - lr g_i
+// on its part of the batch (g_i: its dp group's mean gradient); the outer step averages
+// delta_i = theta - theta_i = theta lr wd + lr g_i over the equal-sized islands and sets
+// theta - mean delta_i = theta (1 - lr wd) - lr mean g_i, the data-parallel step on the whole
+// batch, since the mean of the islands' means is the mean over all replicas.
+// Equal to rounding, bounded in units of u (|theta| + n D) (worst_units): after one step from the
+// same theta, data parallelism rounds the decay, the mean gradient and the step; DiLoCo the decay,
+// the step to theta_i, the mean of the n deltas (each of the tensor's displacement scale D) and
+// theta - mean (delta_i = theta - theta_i itself is exact: Sterbenz); at most 6 units, allowed 8.
+// Over 6 steps the steps' differences add (6 x 8) and change the next gradients; allowed 2x for
+// that (measured: the same 8 units as one step). A missing average doubles the step, a wrong outer
+// lr scales it: lr |g| / (u |theta|) > 3000 units here. The first step's loss is computed at the
+// same theta on the same windows: bit for bit.
+TEST(Train, DilocoOneIslandIsPlainAndOneInnerSgdStepIsDataParallel) {
+  const int n = world_size();
+  const auto theta0 = initial_params(sgd_config("dl-dp", 2, 6));
+  for (const int64_t steps : {1, 6}) {
+    TrainHooks keep;
+    keep.keep_params = true;
+    keep.stop_after = steps;  // (the runs are 6 steps long: the same learning rates)
+    const double bound = steps == 1 ? 8 : 6 * 8 * 2;
+    const TrainResult dp = train(sgd_config("dl-dp", 2, 6), MPI_COMM_WORLD, keep);
+    const TrainResult one = train(with_islands(sgd_config("dl-one", 2, 6), 1, 2, 0.7, 0.9), MPI_COMM_WORLD, keep);
+    EXPECT_TRUE(same_params(one, dp)) << "parallel.islands: 1 is plain training";
+    EXPECT_EQ(one.outer_steps, 0);
+    if (steps == 6) {
+      EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.05) << "it learned";
+    }
+    std::vector<std::pair<std::string, Config>> layouts = {
+        {concat(n, " islands of 1 rank"), with_islands(sgd_config("dl-h1", 2, 6), n, 1, 1.0, 0.0)}};
+    if (n == 4) {
+      layouts.emplace_back("2 islands x dp 2", with_islands(sgd_config("dl-h1-dp2", 2, 6), 2, 1, 1.0, 0.0));
+      Config zero = with_islands(sgd_config("dl-h1-zero1", 2, 6), 2, 1, 1.0, 0.0);
+      zero.optim.zero = 1;
+      layouts.emplace_back("2 islands x dp 2, ZeRO-1", zero);
+    }
+    for (const auto& [what, cfg] : layouts) {
+      const TrainResult dl = train(cfg, MPI_COMM_WORLD, keep);
+      EXPECT_EQ(dl.outer_steps, steps) << what;
+      ASSERT_EQ(dl.losses.size(), dp.losses.size()) << what;
+      EXPECT_EQ(dl.losses.front().second, dp.losses.front().second) << what << ": step 1 at the same theta";
+      for (size_t i = 0; i < dp.losses.size(); ++i)
+        EXPECT_NEAR(dl.losses[i].second, dp.losses[i].second, kReorderTolerance * std::abs(dp.losses[i].second))
+            << what << ", step " << dp.losses[i].first;
+      std::string where;
+      const double ulps = worst_units(dl, dp, theta0, std::stoi(cfg.parallel.islands), &where);
+      if (world_rank() == 0)
+        std::printf("[ info ] DiLoCo H = 1 (%s), %lld steps, vs data parallelism: %.3g units (%s), "
+                    "bound %.0f\n", what.c_str(), static_cast<long long>(steps), ulps, where.c_str(), bound);
+      EXPECT_LE(ulps, bound) << what << ", " << steps << " steps: " << where;
+    }
+  }
+}
+
+// The same DiLoCo run (2 islands, H = 3, Nesterov 0.7 / 0.9: outer steps after steps 3, 6 and the
+// last, 7) under the layouts an island can have: each island one rank (the reference, on a pair
+// of ranks), dp 2 (each rank reduces half the model across the islands), ZeRO-1 and ZeRO-3 (each
+// its slices or shards), tp 2. The islands see the same windows in every layout, so the runs
+// differ in the order of fp32 additions only (kReorderTolerance). The bytes each rank hands to
+// the outer all-reduces: (outer steps) x (its part) x 4, bf16 half of it; a data-parallel run
+// hands the whole model every step.
+TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
+  const int n = world_size(), r = world_rank();
+  TrainHooks keep;
+  keep.keep_params = true;
+  auto dl = [](const std::string& run, int64_t micro) { return with_islands(sgd_config(run, micro, 7), 2, 3, 0.7, 0.9); };
+  const auto theta0 = initial_params(dl("dl-ref", 2));
+  MPI_Comm pair = MPI_COMM_NULL;  // ranks 2r' and 2r'+1: each pair runs the 2-rank reference
+  MPI_Comm_split(MPI_COMM_WORLD, r / 2, r, &pair);
+  const TrainResult ref = train(dl(concat("dl-ref-", r / 2), 2), pair, keep);
+  MPI_Comm_free(&pair);
+  EXPECT_EQ(ref.outer_steps, 3);
+  EXPECT_EQ(ref.island_bytes, static_cast<uint64_t>(3 * ref.num_params * 4)) << "the whole model, fp32, per outer step";
+  EXPECT_LT(ref.losses.back().second, ref.losses.front().second - 0.05) << "it learned";
+  if (n == 2) {
+    Config bf16 = dl("dl-bf16", 2);
+    bf16.diloco.dtype = "bf16";
+    const TrainResult half = train(bf16, MPI_COMM_WORLD, keep);
+    EXPECT_EQ(half.island_bytes, ref.island_bytes / 2);
+    ASSERT_EQ(half.losses.size(), ref.losses.size());
+    for (size_t i = 0; i < ref.losses.size(); ++i)  // bf16's rounding of the pseudo-gradient: 2^-9 of it
+      EXPECT_NEAR(half.losses[i].second, ref.losses[i].second, 0.02) << "bf16, step " << ref.losses[i].first;
+    return;
+  }
+  ASSERT_EQ(n, 4) << "run under mpirun -np 2 or 4";
+  Config dp2 = dl("dl-dp2", 1), zero1 = dl("dl-zero1", 1), zero3 = dl("dl-zero3", 1), tp2 = dl("dl-tp2", 2);
+  zero1.optim.zero = 1;
+  zero3.optim.zero = 3;
+  tp2.parallel.tp = 2;
+  tp2.model.n_head = 2;
+  for (const auto& [what, cfg] : std::vector<std::pair<std::string, Config>>{
+           {"2 islands x dp 2", dp2}, {"2 islands x dp 2, ZeRO-1", zero1}, {"2 islands x dp 2, ZeRO-3", zero3},
+           {"2 islands x tp 2", tp2}}) {
+    const TrainResult got = train(cfg, MPI_COMM_WORLD, keep);
+    EXPECT_EQ(got.outer_steps, 3) << what;
+    if (what == "2 islands x dp 2") {  // half the model each (the parts rounded up)
+      EXPECT_EQ(got.island_bytes, static_cast<uint64_t>(3 * ((got.num_params + 1) / 2) * 4)) << what;
+    }
+    ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
+    for (size_t i = 0; i < ref.losses.size(); ++i)
+      EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
+          << what << ", step " << ref.losses[i].first;
+    const Gap gap = worst_relative_gap(got, ref, theta0);
+    if (r == 0)
+      std::printf("[ info ] DiLoCo %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n",
+                  what.c_str(), gap.rel, gap.name.c_str(), kReorderTolerance);
+    EXPECT_LE(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+  }
+}
+
+// A DiLoCo run stopped mid-round (after step 4 of 8, H = 3: an outer step behind it, one ahead)
+// and resumed is the run that never stopped, bit for bit: losses, evaluations and parameters.
+// Each rank's theta_outer part, momentum, its island's parameters and AdamW moments come back
+// from ckpt-4.diloco/ (the file itself holds island 0's). Under the layouts an island can have:
+// one rank; with 4 ranks dp 2 without and with ZeRO-1. Then the same checkpoint under another
+// layout is refused by name, and a plain checkpoint starts a DiLoCo run (theta_outer = its weights).
+TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
+  const int n = world_size();
+  std::vector<int64_t> zeros = {0};
+  if (n == 4) zeros.push_back(1);
+  for (int64_t zero : zeros) {
+    auto cfg_for = [&](const std::string& run) {
+      Config c = with_islands(small_config(concat(run, "-z", zero), n == 4 ? 1 : 2, 8), 2, 3, 0.7, 0.9);
+      c.model.dropout = 0.1;  // the dropout streams resume too
+      c.optim.zero = zero;
+      c.eval.every = 3;
+      return c;
+    };
+    TrainHooks keep;
+    keep.keep_params = true;
+    const TrainResult straight = train(cfg_for("dl-straight"), MPI_COMM_WORLD, keep);
+    TrainHooks stop = keep;
+    stop.stop_after = 4;
+    const TrainResult first = train(cfg_for("dl-resumed"), MPI_COMM_WORLD, stop);
+    EXPECT_EQ(first.final_step, 4);
+    EXPECT_EQ(first.outer_steps, 1);
+    const TrainResult second = train(cfg_for("dl-resumed"), MPI_COMM_WORLD, keep);  // resume: auto
+    EXPECT_EQ(second.final_step, 8);
+    EXPECT_EQ(second.outer_steps, 3) << "the outer steps count on from the checkpoint's";
+    auto losses = first.losses;
+    losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+    ASSERT_EQ(losses.size(), straight.losses.size());
+    for (size_t i = 0; i < losses.size(); ++i)
+      EXPECT_EQ(losses[i].second, straight.losses[i].second) << "zero " << zero << " step " << losses[i].first;
+    auto vals = first.val_losses;
+    vals.insert(vals.end(), second.val_losses.begin(), second.val_losses.end());
+    EXPECT_EQ(vals, straight.val_losses) << "zero " << zero;
+    EXPECT_TRUE(same_params(second, straight)) << "zero " << zero << ": bitwise";
+    if (world_rank() == 0) {  // each rank's file beside the checkpoints kept (keep 2, one spare)
+      const std::string dir = shared_data_dir() + concat("/dl-resumed-z", zero, "-ckpt");
+      for (int r = 0; r < n; ++r) {
+        char name[64];
+        std::snprintf(name, sizeof name, "/ckpt-00000008.diloco/rank-%05d.h5", r);
+        EXPECT_TRUE(std::filesystem::exists(dir + name)) << dir + name;
+      }
+    }
+  }
+  // Another layout: the world split into other islands (or none) is refused, naming the key.
+  Config other = with_islands(small_config("dl-resumed-z0", n == 4 ? 1 : 2, 8), n == 4 ? 4 : 1, 3, 0.7, 0.9);
+  other.train.steps = 10;
+  EXPECT_THROW(train(other, MPI_COMM_WORLD), ReportedUsageError);
+  // A plain run's checkpoint starts a DiLoCo run: it trains on from it.
+  TrainHooks stop;
+  stop.stop_after = 4;
+  train(small_config("dl-from-plain", 2, 8), MPI_COMM_WORLD, stop);
+  const TrainResult on = train(with_islands(small_config("dl-from-plain", 2, 8), 2, 3, 0.7, 0.9), MPI_COMM_WORLD);
+  EXPECT_EQ(on.final_step, 8);
+  EXPECT_EQ(on.outer_steps, 2);  // after steps 6 and 8
 }
 
 TEST(Train, Cleanup) {

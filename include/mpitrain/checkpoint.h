@@ -32,6 +32,9 @@ struct TrainState {
   int64_t world_size = 1;      // world size of the run that wrote it
   int64_t dp = 1, tp = 1;      // that run's layout (world = dp x tp; version 1 files: dp = world_size)
   int64_t zero = 0;            // that run's optim.zero (informative: any layout loads any checkpoint)
+  // DiLoCo's islands of that run (1: none). With more, the file holds island 0's state and the
+  // run's other state lies in <file stem>.diloco/ (diloco.h): only the same layout resumes it.
+  int64_t islands = 1;
   std::string config_yaml;     // the resolved config of that run
   std::string tokenizer = "byte";
   std::string tokenizer_file, tokenizer_sha256;  // hf: the shards' tokenizer.json and its SHA-256

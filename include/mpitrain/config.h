@@ -118,6 +118,9 @@ struct OptimConfig {
   double beta2 = 0.95;         // [0, 1)
   double eps = 1e-8;           // > 0
   double grad_clip = 1.0;      // global-norm clip (0 = off)
+  // adamw | sgd (plain SGD with the same decoupled weight decay: the optimizer under which DiLoCo
+  // with one inner step equals data parallelism, docs/diloco.md)
+  std::string name = "adamw";
   std::string fused = "auto";  // PyTorch's fused AdamW kernel: auto | on | off (optim.h)
   int64_t zero = 0;            // 1 = ZeRO-1: AdamW state sharded over the data-parallel ranks
   bool reshard_after_forward = true;  // zero 3: drop a block's gathered parameters after its forward
@@ -163,9 +166,24 @@ struct CommConfig {
   int64_t powersgd_start = 10;      // PowerSGD: steps before this one all-reduce plainly, >= 0
 };
 
-// The layout of the ranks (mesh.h): world = dp x tp, tp groups consecutive ranks of one host.
+// The layout of the ranks (mesh.h): world = islands x dp x tp, tp groups consecutive ranks of one
+// host, islands consecutive ranks.
 struct ParallelConfig {
   int64_t tp = 1;  // tensor-parallel degree, >= 1
+  // DiLoCo's islands (diloco.h): 1 (none: plain training) | host (one per host) | N (N islands of
+  // consecutive ranks, each a whole number of tp groups). Between islands only the outer steps talk.
+  std::string islands = "1";
+};
+
+// parallel.islands as a number: N, -1 for host (one per host), 0 when it is neither (refused).
+int64_t islands_count(const std::string& spec);
+
+// DiLoCo between islands (diloco.h, docs/diloco.md); read only with parallel.islands > 1.
+struct DilocoConfig {
+  int64_t inner_steps = 100;      // H: optimizer steps between outer steps, >= 1
+  double outer_lr = 0.7;          // the outer Nesterov SGD's learning rate, > 0
+  double outer_momentum = 0.9;    // its momentum, [0, 1)
+  std::string dtype = "fp32";     // the pseudo-gradient on the wire: fp32 | bf16
 };
 
 struct FaultConfig {
@@ -190,6 +208,7 @@ struct Config {
   CheckpointConfig checkpoint;
   CommConfig comm;
   ParallelConfig parallel;
+  DilocoConfig diloco;
   FaultConfig fault;
   SampleConfig sample;
 
@@ -228,7 +247,7 @@ void naming_config_file(const Config& cfg, Fn&& fn) {
   } catch (const UsageError& e) {
     const std::string msg = e.what();
     for (const char* section : {"model.", "data.", "train.", "optim.", "eval.", "log.", "checkpoint.", "comm.", "parallel.",
-                                "fault.", "sample."})
+                                "diloco.", "fault.", "sample."})
       if (msg.rfind(section, 0) == 0) throw UsageError(concat(cfg.source, ": ", msg));
     throw;
   }

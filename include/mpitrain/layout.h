@@ -1,9 +1,10 @@
-// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = dp x tp. Rank r
-// has tensor-parallel coordinate r % tp and data-parallel coordinate r / tp, so a tp group is tp
-// consecutive ranks, and those must share a host (tensor parallelism talks every layer; it
-// belongs on NVLink, never on the network). The dp group of rank r is every rank with r's tp
-// coordinate. Torch- and MPI-free: the rules are unit-tested on hand-made topologies; mesh.h
-// builds the communicators.
+// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = islands x dp x tp.
+// Rank r has tensor-parallel coordinate r % tp, so a tp group is tp consecutive ranks, and those
+// must share a host (tensor parallelism talks every layer; it belongs on NVLink, never on the
+// network). Islands (DiLoCo, diloco.h; one without it) are runs of consecutive ranks; inside one,
+// rank r's data-parallel coordinate is (r mod island size) / tp and its dp group every rank of the
+// island with r's tp coordinate. Torch- and MPI-free: the rules are unit-tested on hand-made
+// topologies; mesh.h builds the communicators.
 #pragma once
 
 #include <string>
@@ -15,21 +16,34 @@ namespace mpitrain {
 
 struct MeshLayout {
   int world = 1;
-  int dp = 1;
+  int dp = 1;       // data-parallel ranks per island (the whole world's without islands)
   int tp = 1;
+  int islands = 1;  // DiLoCo's islands (diloco.h): world = islands x dp x tp, each island consecutive ranks
 
-  int dp_rank(int rank) const { return rank / tp; }
+  int island_size() const { return world / islands; }
+  int island(int rank) const { return rank / island_size(); }
+  int dp_rank(int rank) const { return (rank % island_size()) / tp; }  // within its island
   int tp_rank(int rank) const { return rank % tp; }
-  // The ranks of rank's tp group and of its dp group, ascending.
+  // Data replicas over all islands: each reads its own windows (rank's is island x dp + dp_rank).
+  int replicas() const { return islands * dp; }
+  int replica(int rank) const { return rank / tp; }
+  // The ranks of rank's tp group, of its dp group (its island's ranks with its tp coordinate), of
+  // its replica group (every island's: the data order, evaluation) and of its island group (the
+  // rank at its place in every island: DiLoCo's outer all-reduce), ascending.
   std::vector<int> tp_group(int rank) const;
   std::vector<int> dp_group(int rank) const;
+  std::vector<int> replica_group(int rank) const;
+  std::vector<int> island_group(int rank) const;
 
-  // "mesh: 4 ranks = dp 2 x tp 2; tp groups hostA[0-1] hostB[2-3]" (tp 1: "mesh: 4 ranks = dp 4")
+  // "mesh: 4 ranks = dp 2 x tp 2; tp groups hostA[0-1] hostB[2-3]" (tp 1: "mesh: 4 ranks = dp 4";
+  // islands: "mesh: 4 ranks = 2 islands x dp 2; islands hostA[0-1] hostB[2-3]")
   std::string describe(const Topology& topo) const;
 };
 
-// The layout for parallel.tp = `tp` on `topo`. UsageError naming parallel.tp, and the host where
-// it applies, when tp does not divide the world size or a tp group would span hosts.
-MeshLayout plan_layout(const Topology& topo, int64_t tp);
+// The layout for parallel.tp = `tp` and parallel.islands = `islands` (config.h's islands_count:
+// -1 = one per host) on `topo`. UsageError naming the key, and the host where it applies, when tp
+// does not divide the world size or a tp group would span hosts, or the islands do not divide the
+// world into equal runs of whole tp groups.
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1);
 
 }  // namespace mpitrain

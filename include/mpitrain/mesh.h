@@ -1,6 +1,7 @@
-// The device mesh: the one object that knows the job's layout (layout.h: world = dp x tp, this
-// rank's coordinates) and holds one Communicator per group: the world, this rank's dp group and
-// its tp group. MPI groups are sub-communicators of the world (MPI_Comm_split); an NCCL
+// The device mesh: the one object that knows the job's layout (layout.h: world = islands x dp x tp,
+// this rank's coordinates) and holds one Communicator per group: the world, this rank's dp group
+// and its tp group; with DiLoCo's islands also its replica group (every island's ranks of its tp
+// coordinate) and its island group (its place in every island). MPI groups are sub-communicators of the world (MPI_Comm_split); an NCCL
 // communicator per group is bootstrapped inside its group by an MPI_Bcast of its unique id
 // (comm_nccl.cpp), and the watchdog's abort path aborts every NCCL communicator that exists.
 // A group that is the whole world shares the world's communicator; a group of one rank is an MPI
@@ -32,10 +33,16 @@ class Mesh {
   int tp_rank() const { return layout_.tp_rank(rank_); }
   int dp_size() const { return layout_.dp; }
   int tp_size() const { return layout_.tp; }
+  // The data replica this rank computes (its windows, its dropout stream) of replicas() in all.
+  int replica() const { return layout_.replica(rank_); }
+  int replicas() const { return layout_.replicas(); }
 
   Communicator& world() { return *world_; }
-  Communicator& dp() { return dp_ ? *dp_ : *world_; }
+  Communicator& dp() { return dp_ ? *dp_ : *world_; }  // gradients: this rank's island
   Communicator& tp() { return *tp_; }
+  Communicator& replicas_comm() { return replicas_ ? *replicas_ : dp(); }  // losses, evaluation: every island
+  // The rank at this rank's place in every island (DiLoCo's outer all-reduce); null without islands.
+  Communicator* islands() { return islands_.get(); }
   MPI_Comm world_mpi() const { return world_mpi_; }
 
  private:
@@ -43,7 +50,9 @@ class Mesh {
   int rank_ = 0;
   MPI_Comm world_mpi_;
   MPI_Comm dp_mpi_ = MPI_COMM_NULL, tp_mpi_ = MPI_COMM_NULL;  // owned (MPI_Comm_split)
+  MPI_Comm replicas_mpi_ = MPI_COMM_NULL, islands_mpi_ = MPI_COMM_NULL;  // owned; islands only
   std::unique_ptr<Communicator> world_, dp_, tp_;             // dp_ null: the world is the dp group
+  std::unique_ptr<Communicator> replicas_, islands_;          // null without islands
 };
 
 }  // namespace mpitrain

@@ -80,8 +80,9 @@ class Parallelism {
   // shards (3); rank 0 logs the optimizer state per rank.
   void make_optimizer(bool fused);
   AdamW& optimizer() { return *opt_; }
-  // The state of the newest readable checkpoint of `candidates` (rank 0's list), any layout.
-  void resume(const std::vector<std::string>& candidates, TrainState& st);
+  // The state of the newest readable checkpoint of `candidates` (rank 0's list), any layout;
+  // returns the file loaded (rank 0; "" elsewhere).
+  std::string resume(const std::vector<std::string>& candidates, TrainState& st);
   // This rank's parameters, whole or tp shards (ZeRO-3: views of units, whole only when gathered).
   const std::vector<torch::Tensor>& params() const { return params_; }
 

@@ -124,8 +124,8 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 // falls back to the previous one, with a warning; an explicitly named checkpoint must load.
 // ZeRO-3 (`param_shards`: ParamShards::param_shards(), tp 1): rank 0 loads into a whole model in
 // host memory and each rank receives its parameter shards one unit at a time; `model`'s
-// parameters are not written (they need not be whole).
-void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
+// parameters are not written (they need not be whole). Returns the file loaded (rank 0; "" elsewhere).
+std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards = nullptr);
 

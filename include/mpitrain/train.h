@@ -32,6 +32,9 @@ struct TrainResult {
   // (initial weights, resume, evaluations and checkpoints included; the final sample not); 0
   // under the other stages.
   size_t max_units_whole = 0;
+  // DiLoCo (parallel.islands > 1): outer steps taken, bytes this rank handed to them
+  int64_t outer_steps = 0;
+  uint64_t island_bytes = 0;
   std::vector<std::pair<std::string, std::vector<float>>> params;  // when hooks.keep_params
 };
 

@@ -85,6 +85,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
     MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
+    MPITRAIN_FIELD(optim, name),
     MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(optim, reshard_after_forward),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
@@ -100,7 +101,9 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
     MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, param_dtype), MPITRAIN_FIELD(comm, compress),
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
-    MPITRAIN_FIELD(parallel, tp),
+    MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, islands),
+    MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
+    MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
     MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),
     MPITRAIN_FIELD(sample, tokens),
@@ -670,6 +673,9 @@ void validate(const Config& c, const std::string& where) {
   check(o.eps > 0, "optim.eps", "> 0", show(o.eps));
   check(one_of(o.fused, {"auto", "on", "off"}), "optim.fused", "one of auto|on|off", show(o.fused));
   check(o.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 = off)", show(o.grad_clip));
+  check(one_of(o.name, {"adamw", "sgd"}), "optim.name", "one of adamw|sgd", show(o.name));
+  check(o.name == "adamw" || o.fused != "on", "optim.fused", "auto or off with optim.name: sgd (the fused kernel is AdamW's)",
+        show(o.fused));
   check(o.zero >= 0 && o.zero <= 3, "optim.zero",
         "0 (off), 1 (ZeRO-1: optimizer state sharded), 2 (ZeRO-2: gradients too) or 3 (ZeRO-3: parameters too)",
         show(o.zero));
@@ -718,6 +724,14 @@ void validate(const Config& c, const std::string& where) {
           show(c.comm.compress));
   }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
+  const int64_t islands = islands_count(c.parallel.islands);
+  check(islands != 0, "parallel.islands", "1 (none), host (one island per host) or a number of islands >= 1",
+        show(c.parallel.islands));
+  const DilocoConfig& dl = c.diloco;
+  check(dl.inner_steps >= 1, "diloco.inner_steps", ">= 1 (optimizer steps between outer steps)", show(dl.inner_steps));
+  check(dl.outer_lr > 0, "diloco.outer_lr", "> 0", show(dl.outer_lr));
+  check(dl.outer_momentum >= 0 && dl.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", show(dl.outer_momentum));
+  check(one_of(dl.dtype, {"fp32", "bf16"}), "diloco.dtype", "one of fp32|bf16", show(dl.dtype));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));
   check(c.fault.first_collective_timeout_s > 0, "fault.first_collective_timeout_s", "> 0",
@@ -732,6 +746,13 @@ void validate(const Config& c, const std::string& where) {
 }  // namespace
 
 // ---- public API ---------------------------------------------------------------------------------
+
+int64_t islands_count(const std::string& spec) {
+  if (spec == "host") return -1;
+  if (spec.empty() || spec.size() > 7 || !std::all_of(spec.begin(), spec.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
+    return 0;
+  return std::stoll(spec);
+}
 
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides, bool read_hf_config) {

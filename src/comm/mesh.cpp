@@ -12,24 +12,35 @@ Mesh::Mesh(MPI_Comm world, const MeshLayout& layout, const std::string& backend,
   MPI_CHECK(MPI_Comm_size(world, &size));
   MPITRAIN_CHECK(size == layout_.world, concat("Mesh: layout for ", layout_.world, " ranks on a world of ", size));
   world_ = make_communicator(backend, world, device);
-  // Ranks of one tp group share rank / tp; ranks of one dp group share rank % tp. Both splits are
-  // collective over the world, so every rank makes both even when one is trivial.
-  MPI_CHECK(MPI_Comm_split(world, layout_.dp_rank(rank_), rank_, &tp_mpi_));
-  MPI_CHECK(MPI_Comm_split(world, layout_.tp_rank(rank_), rank_, &dp_mpi_));
+  // Ranks of one tp group share their replica (rank / tp); ranks of one dp group share their
+  // island and tp coordinate. Both splits are collective over the world, so every rank makes both
+  // even when one is trivial.
+  MPI_CHECK(MPI_Comm_split(world, layout_.replica(rank_), rank_, &tp_mpi_));
+  MPI_CHECK(MPI_Comm_split(world, layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_, &dp_mpi_));
+  if (layout_.tp > 1 || layout_.islands > 1) dp_ = make_communicator(backend, dp_mpi_, device);
   if (layout_.tp > 1) {
-    dp_ = make_communicator(backend, dp_mpi_, device);
     tp_ = make_communicator(backend, tp_mpi_, device);
   } else {
     tp_ = make_mpi_communicator(tp_mpi_);  // one rank: nothing to communicate
   }
+  if (layout_.islands > 1) {  // DiLoCo: every island's replicas (data, evaluation); the outer all-reduce
+    MPI_CHECK(MPI_Comm_split(world, layout_.tp_rank(rank_), rank_, &replicas_mpi_));
+    MPI_CHECK(MPI_Comm_split(world, rank_ % layout_.island_size(), rank_, &islands_mpi_));
+    replicas_ = make_communicator(backend, replicas_mpi_, device);
+    islands_ = make_communicator(backend, islands_mpi_, device);
+  }
 }
 
 Mesh::~Mesh() {
-  tp_.reset();  // communicators before the MPI communicators they use
+  islands_.reset();  // communicators before the MPI communicators they use
+  replicas_.reset();
+  tp_.reset();
   dp_.reset();
   world_.reset();
   if (tp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&tp_mpi_);
   if (dp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&dp_mpi_);
+  if (replicas_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&replicas_mpi_);
+  if (islands_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&islands_mpi_);
 }
 
 }  // namespace mpitrain

@@ -13,20 +13,45 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 std::vector<int> MeshLayout::dp_group(int rank) const {
   std::vector<int> ranks;
-  for (int d = 0; d < dp; ++d) ranks.push_back(d * tp + tp_rank(rank));
+  const int first = island(rank) * island_size();
+  for (int d = 0; d < dp; ++d) ranks.push_back(first + d * tp + tp_rank(rank));
+  return ranks;
+}
+
+std::vector<int> MeshLayout::replica_group(int rank) const {
+  std::vector<int> ranks;
+  for (int d = 0; d < replicas(); ++d) ranks.push_back(d * tp + tp_rank(rank));
+  return ranks;
+}
+
+std::vector<int> MeshLayout::island_group(int rank) const {
+  std::vector<int> ranks;
+  for (int i = 0; i < islands; ++i) ranks.push_back(i * island_size() + rank % island_size());
   return ranks;
 }
 
 std::string MeshLayout::describe(const Topology& topo) const {
-  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = dp ", dp);
-  if (tp == 1) return out;
-  out += concat(" x tp ", tp, "; tp groups");
-  for (int first = 0; first < world; first += tp)
-    out += concat(" ", topo.hosts[topo.host_of_rank[first]], "[", rank_ranges(tp_group(first)), "]");
+  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ",
+                           islands > 1 ? concat(islands, " islands x ") : std::string(), "dp ", dp);
+  if (tp > 1) {
+    out += concat(" x tp ", tp, "; tp groups");
+    for (int first = 0; first < world; first += tp)
+      out += concat(" ", topo.hosts[topo.host_of_rank[first]], "[", rank_ranges(tp_group(first)), "]");
+  }
+  if (islands > 1) {
+    out += "; islands";
+    for (int i = 0; i < islands; ++i) {
+      std::vector<int> ranks;
+      for (int r = i * island_size(); r < (i + 1) * island_size(); ++r) ranks.push_back(r);
+      const std::string& a = topo.hosts[topo.host_of_rank[ranks.front()]];
+      const std::string& b = topo.hosts[topo.host_of_rank[ranks.back()]];
+      out += concat(" ", a, a == b ? std::string() : "-" + b, "[", rank_ranges(ranks), "]");
+    }
+  }
   return out;
 }
 
-MeshLayout plan_layout(const Topology& topo, int64_t tp) {
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands) {
   if (tp < 1) throw UsageError(concat("parallel.tp must be >= 1, got ", tp));
   if (topo.size % tp != 0)
     throw UsageError(concat("parallel.tp: ", tp, " does not divide the world size ", topo.size,
@@ -43,7 +68,25 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp) {
   MeshLayout l;
   l.world = topo.size;
   l.tp = static_cast<int>(tp);
-  l.dp = topo.size / l.tp;
+  if (islands == -1) {  // one per host: each host's ranks consecutive, every host as many
+    islands = static_cast<int64_t>(topo.hosts.size());
+    const int per = topo.size / static_cast<int>(islands);
+    for (int r = 0; r < topo.size; ++r)
+      if (per * static_cast<int>(islands) != topo.size || topo.host_of_rank[r] != topo.host_of_rank[(r / per) * per])
+        throw UsageError(concat("parallel.islands: host needs every host to run as many consecutive ranks; rank ", r,
+                                " runs on host ", topo.hosts[topo.host_of_rank[r]], " (", topo.size, " ranks on ",
+                                topo.hosts.size(), " hosts): give every host the same number of slots, or a number "
+                                "of islands"));
+  }
+  if (islands < 1 || topo.size % islands != 0)
+    throw UsageError(concat("parallel.islands: ", islands, " does not divide the world size ", topo.size,
+                            " (world = islands x dp x tp; every island as many ranks)"));
+  if ((topo.size / islands) % tp != 0)
+    throw UsageError(concat("parallel.islands: ", islands, " islands of ", topo.size / islands,
+                            " ranks would split a tp group of parallel.tp ", tp,
+                            " (an island is a whole number of tp groups)"));
+  l.islands = static_cast<int>(islands);
+  l.dp = topo.size / l.tp / l.islands;
   return l;
 }
 

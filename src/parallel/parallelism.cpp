@@ -41,7 +41,10 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   const bool async_collectives = !cfg.checkpoint.async || mpi_thread_multiple();
   const bool zero = shards_optimizer();
   const bool spread = zero || tp_;  // state held in parts
-  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives;
+  // DiLoCo's islands hold different states: rank 0 writes island 0's (the others' lie beside it,
+  // diloco.h), which shares of every island's ranks would overwrite.
+  const bool islands = mesh.layout().islands > 1;
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands;
   writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (!spread || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
@@ -55,7 +58,8 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   log::info(shares_ ? concat("checkpoint: ", share, " (", writer_count_, " writers; checkpoint.dir '",
                              cfg.checkpoint.dir, "' is seen by every rank)")
                     : concat("checkpoint: rank 0 writes whole checkpoints (", state, " gathered to it): ",
-                             cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
+                             islands ? std::string("DiLoCo's islands (island 0's state; each rank's own beside it)")
+                             : cfg.checkpoint.writers == "rank0" ? std::string("checkpoint.writers: rank0")
                              : !async_collectives ? std::string("MPI without MPI_THREAD_MULTIPLE for async writes")
                              : blind > 0 ? concat("rank ", blind, " (host ", topo_.hosts[topo_.host_of_rank[blind]],
                                                   ") does not see checkpoint.dir '", cfg.checkpoint.dir,
@@ -188,10 +192,10 @@ void Parallelism::make_optimizer(bool fused) {
                          ")"));
 }
 
-void Parallelism::resume(const std::vector<std::string>& candidates, TrainState& st) {
+std::string Parallelism::resume(const std::vector<std::string>& candidates, TrainState& st) {
   // ZeRO-3: each rank keeps its part of each tensor (at tp 1 one unit's bucket at a time, under tp
   // its slices of its tp shard), with no unit made whole.
-  resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
+  return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
               units_ ? &units_->param_shards() : nullptr);
 }
 

@@ -57,22 +57,24 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
 
 // Bucket b of `shards`' padded layout, assembled on rank 0 from whole tensors (`whole_of(k)`:
 // parameter k's, called on rank 0 only) under agree() over `mpi_comm`, so that a read failing
-// there ends every rank instead of leaving them in the broadcast; then broadcast over the shards'
-// communicator, each rank keeping its part in `mine`.
+// there ends every rank instead of leaving them in the broadcast; then broadcast over the world,
+// each rank keeping its part (its place in the shards' communicator) in `mine`.
 template <class WholeOf>
 void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine,
-                    MPI_Comm mpi_comm) {
-  Communicator& comm = shards.communicator();
+                    Communicator& world, MPI_Comm mpi_comm) {
   torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
   agree(mpi_comm, [&] {
-    if (comm.rank() != 0) return;
+    if (world.rank() != 0) return;
     for (size_t k : shards.bucket_params(b)) {
       const torch::Tensor src = whole_of(k);
       bucket.narrow(0, shards.flat_offset(k), src.numel()).copy_(src.detach().reshape({-1}));
     }
   });
-  comm.broadcast(bucket, 0);
-  mine.copy_(bucket.narrow(0, comm.rank() * mine.numel(), mine.numel()));
+  // Over the world, not the shards' dp group: with DiLoCo's islands every island's dp group
+  // takes its parts of the one copy rank 0 read (without islands at tp 1 the two are the same).
+  world.broadcast(bucket, 0);
+  const int part = shards.communicator().rank();
+  mine.copy_(bucket.narrow(0, part * mine.numel(), mine.numel()));
 }
 
 // Sharded AdamW at tp 1 (ZeRO-1/2/3): rank 0 reads each bucket's moments (and under ZeRO-3,
@@ -81,7 +83,7 @@ void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const 
 // every rank, each keeping its part: rank 0 holds one bucket's buffer and one tensor, never the
 // whole model's state.
 void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>* param_shards, AdamW& opt,
-                       const GradSync& shards, MPI_Comm mpi_comm) {
+                       const GradSync& shards, Communicator& world, MPI_Comm mpi_comm) {
   using Part = CheckpointParams::Part;
   for (size_t b = 0; b < shards.num_buckets(); ++b)
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
@@ -89,7 +91,7 @@ void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>*
       const torch::Tensor& mine = part == Part::param     ? param_shards->at(b)
                                   : part == Part::exp_avg ? opt.bucket_exp_avg(b)
                                                           : opt.bucket_exp_avg_sq(b);
-      scatter_bucket(shards, b, [&](size_t k) { return file->read(k, part); }, mine, mpi_comm);
+      scatter_bucket(shards, b, [&](size_t k) { return file->read(k, part); }, mine, world, mpi_comm);
     }
 }
 
@@ -441,7 +443,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
   return all;
 }
 
-void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
+std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards) {
   std::string path;
@@ -493,7 +495,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
       for (size_t k = 0; k < params.size(); ++k) broadcast_from_file(from, k, Part::param, params[k].second, comm, mpi_comm);
     }
     if (opt.sharded()) {
-      scatter_from_file(from, param_shards, opt, *shards, mpi_comm);
+      scatter_from_file(from, param_shards, opt, *shards, comm, mpi_comm);
     } else {  // slot i is parameter i
       for (size_t i = 0; i < opt.size(); ++i) {
         broadcast_from_file(from, i, Part::exp_avg, opt.exp_avg(i), comm, mpi_comm);
@@ -503,7 +505,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   }
   const int64_t steps_taken = file ? file->steps_taken() : 0;
   torch::Tensor scalars = torch::tensor({st.step, st.tokens_seen, static_cast<int64_t>(st.data_cursor),
-                                         st.world_size, steps_taken, st.dp, st.tp, st.zero}, torch::kInt64);
+                                         st.world_size, steps_taken, st.dp, st.tp, st.zero, st.islands}, torch::kInt64);
   comm.broadcast(scalars, 0);
   auto s = scalars.accessor<int64_t, 1>();
   st.step = s[0];
@@ -514,6 +516,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   st.dp = s[5];
   st.tp = s[6];
   st.zero = s[7];
+  st.islands = s[8];
   torch::Tensor scale = torch::tensor({st.loss_scale, static_cast<double>(st.loss_scale_good_steps)}, torch::kFloat64);
   comm.broadcast(scale, 0);
   st.loss_scale = scale[0].item<double>();
@@ -553,6 +556,7 @@ void resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& 
   const int dp_rank = comm.rank() / static_cast<int>(model->dims().tp);
   if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(dp_rank + 1) + st.step);
   log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
+  return path;
 }
 
 

@@ -296,6 +296,7 @@ CheckpointFile::CheckpointFile(const std::string& dir, const GPTDims& d, int64_t
     h5::set_attr(root, "parallel_dp", st.dp);
     h5::set_attr(root, "parallel_tp", st.tp);
     h5::set_attr(root, "optim_zero", st.zero);
+    if (st.islands > 1) h5::set_attr(root, "parallel_islands", st.islands);
     h5::set_attr(root, "config", st.config_yaml);
     h5::set_attr(root, "tokenizer", st.tokenizer);
     if (!st.tokenizer_file.empty()) h5::set_attr(root, "tokenizer_file", st.tokenizer_file);
@@ -688,6 +689,9 @@ int64_t read_checkpoint_header(hid_t root, const std::string& path, GPT& model, 
                                             : st.world_size;
   st.tp = h5::has_attr(root, "parallel_tp") ? require_int_in(root, path, "parallel_tp", "parallel_tp", 1, INT32_MAX) : 1;
   st.zero = h5::has_attr(root, "optim_zero") ? require_int_in(root, path, "optim_zero", "optim_zero", 0, 3) : 0;
+  st.islands = h5::has_attr(root, "parallel_islands")
+                   ? require_int_in(root, path, "parallel_islands", "parallel_islands", 1, INT32_MAX)
+                   : 1;
   st.config_yaml = optional_string(root, path, "config").value_or("");
   st.tokenizer = optional_string(root, path, "tokenizer").value_or("byte");
   st.tokenizer_file = optional_string(root, path, "tokenizer_file").value_or("");

@@ -103,6 +103,11 @@ void AdamW::step(double lr) {
     }
     if (p.empty()) continue;
     const double wd = decay ? cfg_.weight_decay : 0.0;
+    if (cfg_.name == "sgd") {  // optim.name: sgd: p = p (1 - lr wd) - lr g (the moments stay zero)
+      if (wd > 0) at::_foreach_mul_(p, 1.0 - lr * wd);
+      at::_foreach_add_(p, g, -lr);
+      continue;
+    }
 #if TORCH_VERSION_MAJOR >= 2
     if (fused_) {  // one kernel for the whole group, as torch.optim.AdamW(fused=True)
       if (!step_tensor_.defined() || step_tensor_.device() != p.front().device())

@@ -151,12 +151,12 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
   Startup run;
   run.topo = Topology::discover(mpi_comm);
   const Topology& topo = run.topo;
-  // The layout: world = dp x tp. The batch arithmetic counts data-parallel ranks.
+  // The layout: world = islands x dp x tp. The batch arithmetic counts data replicas (all islands').
   MeshLayout& layout = run.layout;
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    layout = plan_layout(topo, cfg.parallel.tp);
+    layout = plan_layout(topo, cfg.parallel.tp, islands_count(cfg.parallel.islands));
   }); });
-  agree(mpi_comm, [&] { resolve_for_world(cfg, layout.dp); });
+  agree(mpi_comm, [&] { resolve_for_world(cfg, layout.replicas()); });
   log::set_level(log::parse_level(cfg.log.level));
   log::set_all_ranks(cfg.log.level == "debug");  // debug: every rank's lines, each with its rank
   if (cfg.log.rank_files && !plan_only) {  // every rank's lines in <out_dir>/logs/rank-<r>.log, also on hosts without rank 0

@@ -21,6 +21,7 @@
 #include "mpitrain/comm.h"
 #include "mpitrain/consistency.h"
 #include "mpitrain/device.h"
+#include "mpitrain/diloco.h"
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
@@ -93,6 +94,10 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
 bool choose_fused_adamw(const Config& cfg, MPI_Comm mpi_comm, const torch::Device& device, int rank) {
   bool fused = false;
+  if (cfg.optim.name == "sgd") {
+    if (rank == 0) log::info("optimizer: SGD with decoupled weight decay (optim.name: sgd)");
+    return false;
+  }
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     const bool available = fused_adamw_available(device.type());
     if (cfg.optim.fused == "on" && !available)
@@ -165,6 +170,7 @@ class Run {
   void micro_batches();
   void sync_gradients();
   void clip_and_update();
+  void outer_step();
   void log_step();
   void evaluate_if_due();
   bool checkpoint_if_due();  // false: stop here (a signal, --stop-after)
@@ -205,6 +211,10 @@ class Run {
   std::optional<AsyncCheckpointWriter> checkpoints_;
   std::optional<SpanTimer> comm_wait_;  // what backward did not hide of the gradient communication
   std::optional<StepProfiler> profiler_;
+  std::optional<Diloco> diloco_;  // parallel.islands > 1: the outer steps between islands
+  std::string resumed_from_;      // rank 0: the checkpoint resumed
+  std::vector<int64_t> resumed_layout_;  // its writer's world, islands, dp, tp, zero
+  void check_resumed_layout();
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
@@ -228,10 +238,10 @@ void Run::build_model() {
     const int64_t n = par_.initial_weights(cfg_.model.init_from);
     if (!cfg_.model.init_from.empty()) log_initial_weights(n);
   }
-  // Dropout streams differ per data-parallel rank (as in DDP); the ranks of a tp group share
+  // Dropout streams differ per data replica (as in DDP; every island's); the ranks of a tp group share
   // theirs, so the dropout of the activations they all hold (embeddings, residual stream) is the
   // same on each. The model above was drawn before this.
-  torch::manual_seed(cfg_.train.seed + 7919 * static_cast<uint64_t>(s_.mesh->dp_rank() + 1));
+  torch::manual_seed(cfg_.train.seed + 7919 * static_cast<uint64_t>(s_.mesh->replica() + 1));
   for (const auto& [name, p] : model_->named_params()) {
     int64_t n = 1;
     for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), dims_.tp)) n *= e;
@@ -272,7 +282,9 @@ void Run::warn_if_state_does_not_fit() const {
 void Run::describe() {
   const MeshLayout& layout = s_.layout;
   log::info(describe_model(dims_, whole_params_));
-  log::info(concat("batch: ", micro_, " micro x ", layout.dp, " ranks x ", accum_, " accum = ", cfg_.train.global_batch,
+  log::info(concat("batch: ", micro_, " micro x ", layout.replicas(), " ranks",
+                   layout.islands > 1 ? concat(" (", layout.islands, " islands x ", layout.dp, ")") : std::string(),
+                   " x ", accum_, " accum = ", cfg_.train.global_batch,
                    " sequences = ", tokens_per_step_, " tokens per step; ", par_.describe_buckets(), "; ", s_.threads,
                    " threads per rank; backend ", s_.mesh->dp().name()));
   if (const std::string traffic = par_.describe_gradient_traffic(accum_); !traffic.empty()) log::info(traffic);
@@ -292,14 +304,17 @@ void Run::resume_or_start() {
   st_.tokenizer_sha256 = train.tokenizer_sha256();
   st_.eot_token = train.eot_token();
   if (s_.has_resume) {
-    par_.resume(s_.resume, st_);
+    resumed_from_ = par_.resume(s_.resume, st_);
+    resumed_layout_ = {st_.world_size, st_.islands, st_.dp, st_.tp, st_.zero};
+    check_resumed_layout();
     scaler_.restore(st_.loss_scale, st_.loss_scale_good_steps);  // fp16: the scale continues
-    if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.dp);
+    if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.replicas());
   }
   st_.world_size = topo_.size;
   st_.dp = s_.layout.dp;
   st_.tp = s_.layout.tp;
   st_.zero = par_.zero_stage();
+  st_.islands = s_.layout.islands;
   st_.config_yaml = to_yaml(cfg_);
   // --stop-after N names an absolute step; a run resumed at or past it has nothing to do.
   if (hooks_.stop_after >= 0 && st_.step >= hooks_.stop_after)
@@ -316,6 +331,29 @@ void Run::resume_or_start() {
   result_.num_params = model_->num_params();
 }
 
+// A DiLoCo checkpoint (island 0's state in the file, each rank's own beside it) resumes only in
+// the layout that wrote it; a plain checkpoint in any, with islands too (theta_outer: its weights).
+void Run::check_resumed_layout() {
+  const std::vector<int64_t>& was = resumed_layout_;
+  const MeshLayout& l = s_.layout;
+  const std::vector<int64_t> now{topo_.size, l.islands, l.dp, l.tp, par_.zero_stage()};
+  if (was[1] <= 1 || was == now) return;
+  auto text = [](const std::vector<int64_t>& v) {
+    return concat(v[0], " ranks = ", v[1], v[1] == 1 ? " island" : " islands", " x dp ", v[2], " x tp ", v[3],
+                  ", optim.zero ", v[4]);
+  };
+  agree(mpi_comm_, [&] {
+    if (topo_.rank != 0) return;
+    naming_config_file(cfg_, [&] {
+      throw UsageError(concat("parallel.islands: checkpoint ", resumed_from_, " was written by a DiLoCo run of ",
+                              text(was), "; this run is ", text(now),
+                              ": a DiLoCo checkpoint resumes only in the layout that wrote it (each rank's state lies in ",
+                              Diloco::state_dir(resumed_from_), "/); resume it so, or start a new run from its weights ",
+                              "(mpitrain export, then model.init_from; or checkpoint.resume: none)"));
+    });
+  });
+}
+
 // Metrics (MFU, TensorBoard), the run's config.yaml, the batch prefetcher, the checkpoint writer
 // and its host buffers, the timers; then the untrained baseline evaluation of a fresh run.
 void Run::open_outputs() {
@@ -328,7 +366,7 @@ void Run::open_outputs() {
   const int64_t lookup_only =
       dims_.llama() ? (dims_.tie_embeddings ? 0 : dims_.vocab_size * dims_.n_embd) : dims_.seq_len * dims_.n_embd;
   facts.flops_per_token = model_flops_per_token(whole_params_, lookup_only, dims_.n_layer, dims_.attn_width(), T_);
-  facts.communicates = s_.layout.dp > 1;
+  facts.communicates = s_.layout.replicas() > 1;
   facts.loss_scaling = scaler_.enabled();
   facts.host = topo_.host;
   {  // MFU against log.peak_tflops, else the known peak of this GPU (rank 0's; one kind per job)
@@ -347,7 +385,7 @@ void Run::open_outputs() {
   }
   // The metrics file opens (or fails, naming log.metrics) before anything is written to out_dir.
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { progress_.emplace(cfg_, topo_.rank == 0, facts); }); });
-  prefetch_.emplace(*s_.train_data, s_.mesh->dp_rank(), micro_);
+  prefetch_.emplace(*s_.train_data, s_.mesh->replica(), micro_);
   result_.checkpoint_writers = par_.writers();
   checkpoints_.emplace(cfg_.checkpoint.dir, cfg_.checkpoint.keep, cfg_.checkpoint.async);
   par_.prepare_checkpoints(*checkpoints_, st_);
@@ -355,6 +393,15 @@ void Run::open_outputs() {
   profiler_.emplace(topo_.rank == 0 ? cfg_.log.profile_start : 0, cfg_.log.profile_steps,
                     cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
   model_->train();
+  if (s_.layout.islands > 1) {  // theta_outer from the weights the run starts from
+    diloco_.emplace(cfg_.diloco, *s_.mesh, par_.optimizer(), par_.zero_stage());
+    if (s_.has_resume && resumed_layout_[1] > 1) {  // a DiLoCo checkpoint: each rank's state beside it
+      const std::string dir = allgather_text(mpi_comm_, Diloco::state_dir(resumed_from_), 1 << 16)[0];  // rank 0's
+      diloco_->load(dir, st_.step);
+    }
+    par_.after_update();
+    if (topo_.rank == 0) log::info(diloco_->describe(whole_params_));
+  }
   if (cpu_allocations_counted()) {  // the steps' peak apart from start-up's (model, optimizer, resume)
     startup_cpu_peak_ = cpu_peak_allocated_bytes();
     reset_cpu_peak();
@@ -377,7 +424,7 @@ void Run::micro_batches() {
   // The step's micro-batches are read first. A bad window (a token outside the vocabulary) that
   // several ranks find at once is then one message, the lowest rank's, and every rank ends
   // (exit 2) before any collective of the step: one small all-reduce per step.
-  const uint64_t micro_stride = static_cast<uint64_t>(s_.layout.dp * micro_);
+  const uint64_t micro_stride = static_cast<uint64_t>(s_.layout.replicas() * micro_);
   batches_.clear();
   std::string bad_data;
   try {
@@ -386,7 +433,7 @@ void Run::micro_batches() {
       // The next micro-batch follows in the global order, also across the step boundary.
       batches_.push_back(to_tensors(prefetch_->take(start, start + micro_stride), micro_, T_));
       if (log::enabled(log::Level::debug)) {  // which samples this rank trains on (tests/cli_test.sh)
-        const uint64_t first = start + static_cast<uint64_t>(s_.mesh->dp_rank() * micro_);
+        const uint64_t first = start + static_cast<uint64_t>(s_.mesh->replica() * micro_);
         log::debug(concat("data: step ", step_number(), " micro ", m, " windows ", first, "-", first + micro_ - 1));
       }
     }
@@ -443,6 +490,20 @@ void Run::clip_and_update() {
   st_.step += 1;
   st_.data_cursor += static_cast<uint64_t>(cfg_.train.global_batch);
   st_.tokens_seen += tokens_per_step_;
+  if (diloco_ && diloco_->due(st_.step, cfg_.train.steps)) outer_step();
+}
+
+// DiLoCo: the islands' pseudo-gradients averaged, theta_outer's Nesterov step, every island on
+// from it (diloco.h); then what after_update does after any update (ZeRO's all-gathers).
+void Run::outer_step() {
+  comm_wait_->begin();
+  diloco_->outer_step();
+  par_.after_update();
+  comm_wait_->end();
+  if (topo_.rank == 0)
+    log::info(concat("diloco: outer step ", diloco_->outer_steps(), " after step ", st_.step, "; ",
+                     static_cast<double>(diloco_->bytes_sent()) / (1 << 20), " MiB sent between islands so far (rank 0), ",
+                     diloco_->seconds(), " s in outer steps"));
 }
 
 // Every log.every steps and at the last: the loss averaged over the ranks, the report (console,
@@ -450,7 +511,7 @@ void Run::clip_and_update() {
 void Run::log_step() {
   const int64_t step = st_.step;  // just completed
   if (!every(step, cfg_.log.every) && step != cfg_.train.steps) return;
-  s_.mesh->dp().all_reduce(loss_sum_, ReduceOp::avg);
+  s_.mesh->replicas_comm().all_reduce(loss_sum_, ReduceOp::avg);
   double loss = 0, grad_norm = 0;
   {
     Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
@@ -473,7 +534,7 @@ void Run::evaluate_if_due() {
 
 void Run::run_eval(int64_t at_step) {
   const double v = progress_->untimed(
-      [&] { return evaluate(model_, *s_.val_data, s_.mesh->dp(), cfg_, device_, precision_); });
+      [&] { return evaluate(model_, *s_.val_data, s_.mesh->replicas_comm(), cfg_, device_, precision_); });
   result_.val_losses.emplace_back(at_step, v);
   if (topo_.rank == 0) progress_->report_val(at_step, v);
 }
@@ -515,6 +576,10 @@ void Run::save() {
     write_file_durably(cfg_.train.out_dir + "/config.yaml", st_.config_yaml);
     config_recorded_ = true;
   }
+  if (diloco_) {  // every rank's DiLoCo state first, beside the checkpoint that names it (diloco.h)
+    const std::string dir = Diloco::state_dir(concat(cfg_.checkpoint.dir, "/", checkpoint_name(st_.step)));
+    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { diloco_->save(dir, st_.step, cfg_.checkpoint.keep); }); });
+  }
   auto rng = gather_rng_states(mesh.world(), device_);
   if (topo_.rank == 0) {
     st_.rng_states = std::move(rng);
@@ -545,6 +610,14 @@ TrainResult Run::finish() {
     s_.mesh->world().barrier();
   }
   result_.final_step = st_.step;
+  if (diloco_) {
+    result_.outer_steps = diloco_->outer_steps();
+    result_.island_bytes = diloco_->bytes_sent();
+    if (topo_.rank == 0)
+      log::info(concat("diloco: ", diloco_->outer_steps(), " outer steps; ",
+                       static_cast<double>(diloco_->bytes_sent()) / (1 << 20), " MiB sent between islands by rank 0; ",
+                       diloco_->seconds(), " s in outer steps"));
+  }
   if (device_.is_cuda() && topo_.rank == 0)
     log::info(concat("peak GPU memory (allocated by libtorch, rank 0): ",
                      static_cast<double>(cuda_peak_allocated_bytes(device_.index())) / (1 << 30), " GiB"));

@@ -9,7 +9,8 @@
 #     the gradient traffic G halves with 16-bit gradients while the rest F (launch over ssh, the
 #     start-up broadcast of the parameters, scalar reductions) stays, so the ratio (G/2+F)/(G+F)
 #     is at most 0.6 while F <= G/4; here G >= 14 steps x 3.2 MiB and F is about one 3.2 MiB
-#     broadcast plus the launch.
+#     broadcast plus the launch;
+#  4. DiLoCo with an island per host and 7 inner steps: at most 0.4x fp32's bytes (derived below).
 # Reported, not asserted: the plan's predicted communication share against the share the trainings
 # measured (metrics.jsonl, the median of the reports after the first), and the exposed
 # communication time per step. The prediction and the runs share this machine's 2 cores with
@@ -96,6 +97,24 @@ check "fp32 training sent ${wire_mib[fp32]} MiB: at least its gradients once per
 check "bf16 gradients halve the traffic: ${wire_mib[bf16]} MiB sent, at most 0.6x fp32's ${wire_mib[fp32]} MiB" \
   "awk -v b='${wire_mib[bf16]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && b <= 0.6 * f) }'"
 
+# DiLoCo (parallel.islands: host, one island per host): the same steps with an outer step every
+# H = 7 of them. The link carries the outer all-reduce twice (after steps 7 and 14) and one start-up
+# broadcast of theta_outer instead of 14 gradient all-reduces, so with F as above the bytes are
+# at most (3g + F) / (14g + F) <= 0.4 of fp32's (F <= 2g); a run that all-reduced every step
+# would send more than fp32's.
+before=$(tx_bytes)
+run_on_node1 train_diloco "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
+  --set "train.out_dir=$T/run_diloco" --set "checkpoint.dir=$T/ckpt_diloco" --set checkpoint.every=0 \
+  --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7
+rc=$?
+after=$(tx_bytes)
+wire_mib[diloco]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
+check "DiLoCo on 2 hosts (an island each, 7 inner steps) exits 0 after 2 outer steps" \
+  "[ $rc -eq 0 ] && grep -q 'diloco: 2 outer steps' train_diloco.out"
+[ $rc -eq 0 ] || show_tail train_diloco.out
+check "DiLoCo sent ${wire_mib[diloco]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
+  "awk -v d='${wire_mib[diloco]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+
 . "$ROOT/bench/table_lib.sh"
 echo "  plan against training (timings: reported, not asserted):"
 echo "  | grad_dtype | MiB sent | ms/step | exposed comm ms | vs fp32 | comm share predicted | measured | measured / predicted |"
@@ -104,3 +123,4 @@ for d in fp32 bf16; do
   p=$(predicted "$d")
   echo "  | $d | ${wire_mib[$d]} | $(num "${ms_step[$d]:-nan}") | $(num "${exposed_ms[$d]:-nan}") | $(ratio "${exposed_ms[$d]:-nan}" "${exposed_ms[fp32]:-nan}") | $(pct "${p:-nan}") | $(pct "${share[$d]:-nan}") | $(ratio "${share[$d]:-nan}" "${p:-nan}") |"
 done
+echo "  | DiLoCo, island per host, H = 7 | ${wire_mib[diloco]} | | | | | | |"

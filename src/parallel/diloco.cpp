@@ -1,0 +1,276 @@
+// DiLoCo's outer steps between islands (see diloco.h).
+#include "mpitrain/diloco.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "mpitrain/durable.h"
+#include "mpitrain/error.h"
+#include "mpitrain/h5.h"
+#include "mpitrain/mpi_env.h"
+#include "mpitrain/watchdog.h"
+
+namespace mpitrain {
+
+Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero)
+    : cfg_(cfg), mesh_(mesh), opt_(opt), zero_(zero), islands_(*mesh.islands()) {
+  const bool replicated = zero == 0;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < opt.size(); ++i) {
+    slots_.push_back(opt.param(i));
+    total_ += opt.param(i).numel();
+  }
+  const int dp = mesh_.dp_size();
+  chunked_ = replicated && dp > 1;
+  if (chunked_) {
+    chunk_ = (total_ + dp - 1) / dp;
+    begin_ = std::min<int64_t>(total_, chunk_ * mesh_.dp_rank());
+    length_ = std::min<int64_t>(total_, begin_ + chunk_) - begin_;
+  } else {
+    chunk_ = length_ = total_;
+  }
+  outer_ = flat().narrow(0, begin_, length_).clone();
+  momentum_ = torch::zeros_like(outer_);
+  {  // every island from island 0's start (the same seed or files give the same; this makes sure)
+    Watchdog::Scope watch("broadcast(diloco start)");
+    islands_.broadcast(outer_, 0);
+  }
+  write_back(outer_);
+}
+
+torch::Tensor Diloco::flat() const {
+  std::vector<torch::Tensor> parts;
+  parts.reserve(slots_.size());
+  for (const auto& s : slots_) parts.push_back(s.detach().reshape({-1}).to(torch::kFloat32));
+  if (parts.empty()) return torch::zeros({0}, torch::kFloat32);
+  return torch::cat(parts);
+}
+
+void Diloco::write_back(const torch::Tensor& part) {
+  torch::Tensor whole = part;
+  if (chunked_) {
+    torch::Tensor mine = torch::zeros({chunk_}, part.options());
+    mine.narrow(0, 0, length_).copy_(part);
+    torch::Tensor all = torch::empty({chunk_ * mesh_.dp_size()}, part.options());
+    Watchdog::Scope watch("all_gather(diloco)");
+    mesh_.dp().all_gather(mine, all);
+    whole = all.narrow(0, 0, total_);
+  }
+  int64_t at = 0;
+  for (auto& s : slots_) {
+    s.detach().copy_(whole.narrow(0, at, s.numel()).view(s.sizes()));
+    at += s.numel();
+  }
+}
+
+void Diloco::outer_step() {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  torch::Tensor delta = outer_ - flat().narrow(0, begin_, length_);  // the pseudo-gradient
+  {
+    Watchdog::Scope watch("all_reduce(diloco outer step)");
+    if (cfg_.dtype == "bf16") {
+      torch::Tensor wire = delta.to(torch::kBFloat16);
+      islands_.all_reduce(wire, ReduceOp::avg);
+      delta = wire.to(torch::kFloat32);
+    } else {
+      islands_.all_reduce(delta, ReduceOp::avg);
+    }
+  }
+  // Nesterov SGD as torch.optim.SGD(momentum=mu, nesterov=True): m = mu m + delta; step delta + mu m.
+  momentum_.mul_(cfg_.outer_momentum).add_(delta);
+  outer_.add_(delta.add(momentum_, cfg_.outer_momentum), -cfg_.outer_lr);
+  write_back(outer_);
+  ++outer_steps_;
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+uint64_t Diloco::bytes_sent() const { return islands_.reduced_bytes(); }
+
+std::string Diloco::describe(int64_t total_params) const {
+  const MeshLayout& l = mesh_.layout();
+  const double mib = static_cast<double>(length_) * (cfg_.dtype == "bf16" ? 2 : 4) / (1 << 20);
+  return concat("diloco: ", l.islands, " islands of ", l.island_size(), " ranks; an outer step every ",
+                cfg_.inner_steps, " steps and after the last (Nesterov SGD, lr ", cfg_.outer_lr, ", momentum ",
+                cfg_.outer_momentum, "); ", cfg_.dtype, " on the wire: ", mib, " MiB per rank per outer step (",
+                length_, " of the model's ", total_params, " values", chunked_ ? concat(", 1/", l.dp, " each") : "",
+                "); theta_outer and its momentum: ", 2.0 * static_cast<double>(length_) * 4 / (1 << 20),
+                " MiB per rank");
+}
+
+}  // namespace mpitrain
+
+// ---- checkpoints -------------------------------------------------------------------------------
+
+namespace mpitrain {
+namespace {
+
+constexpr const char* kStateFormat = "mpitrain-diloco";
+constexpr int64_t kStateVersion = 1;
+
+torch::Tensor cat_flat(const std::vector<torch::Tensor>& parts) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : parts) flat.push_back(p.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  return flat.empty() ? torch::zeros({0}, torch::kFloat32) : torch::cat(flat).contiguous();
+}
+
+void write_vector(hid_t root, const std::string& name, const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  h5::Dataset d = h5::write(root, name, H5T_NATIVE_FLOAT, {static_cast<hsize_t>(c.numel())}, c.data_ptr<float>());
+  h5::set_attr(d.get(), "crc32", static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), static_cast<size_t>(c.nbytes()))));
+}
+
+// Dataset `name` of `length` floats, its CRC checked; UsageError naming the file otherwise.
+torch::Tensor read_vector(hid_t root, const std::string& path, const std::string& name, int64_t length) {
+  if (!h5::exists(root, name)) throw UsageError(concat(path, ": no dataset '", name, "' (not a DiLoCo state file?)"));
+  h5::Dataset d(H5Dopen2(root, name.c_str(), H5P_DEFAULT), path + ": " + name);
+  const auto shape = h5::shape(d.get());
+  if (shape.size() != 1 || static_cast<int64_t>(shape[0]) != length)
+    throw UsageError(concat(path, ": dataset '", name, "' has ", shape.empty() ? 0 : shape[0], " values, this rank holds ",
+                            length, " (another model or layout)"));
+  torch::Tensor t = torch::empty({length}, torch::kFloat32);
+  h5::read(d.get(), H5T_NATIVE_FLOAT, t.data_ptr<float>());
+  const auto crc = h5::get_attr_int(d.get(), "crc32");
+  if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(t.data_ptr<float>(), static_cast<size_t>(t.nbytes())))
+    throw UsageError(concat(path, ": dataset '", name, "' fails its CRC32 check (the file is damaged)"));
+  return t;
+}
+
+}  // namespace
+
+std::string Diloco::state_dir(const std::string& checkpoint_path) {
+  const std::string stem = checkpoint_path.size() > 3 && checkpoint_path.compare(checkpoint_path.size() - 3, 3, ".h5") == 0
+                               ? checkpoint_path.substr(0, checkpoint_path.size() - 3)
+                               : checkpoint_path;
+  return stem + ".diloco";
+}
+
+std::string Diloco::file_of(const std::string& dir, int rank) const {
+  char name[32];
+  std::snprintf(name, sizeof name, "/rank-%05d.h5", rank);
+  return dir + name;
+}
+
+void Diloco::save(const std::string& dir, int64_t step, int64_t keep) const {
+  torch::NoGradGuard no_grad;
+  const MeshLayout& l = mesh_.layout();
+  const std::string path = file_of(dir, mesh_.rank()), tmp = path + ".tmp";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  try {
+    {
+      h5::File file = h5::create(tmp);
+      const hid_t root = file.get();
+      h5::set_attr(root, "format", std::string(kStateFormat));
+      h5::set_attr(root, "version", kStateVersion);
+      h5::set_attr(root, "step", step);
+      h5::set_attr(root, "rank", static_cast<int64_t>(mesh_.rank()));
+      h5::set_attr(root, "layout", concat(l.world, " ranks = ", l.islands, " islands x dp ", l.dp, " x tp ", l.tp,
+                                          ", optim.zero ", zero_));
+      h5::set_attr(root, "outer_steps", outer_steps_);
+      write_vector(root, "outer", outer_);
+      write_vector(root, "momentum", momentum_);
+      if (writes_inner()) {
+        h5::set_attr(root, "adamw_steps", opt_.steps_taken());
+        std::vector<torch::Tensor> m, v;
+        for (size_t i = 0; i < opt_.size(); ++i) {
+          m.push_back(opt_.exp_avg(i));
+          v.push_back(opt_.exp_avg_sq(i));
+        }
+        write_vector(root, "slots", cat_flat(slots_));
+        write_vector(root, "exp_avg", cat_flat(m));
+        write_vector(root, "exp_avg_sq", cat_flat(v));
+      }
+    }
+    fsync_path(tmp);
+    rename_durably(tmp, path, dir);
+  } catch (const std::exception& e) {
+    std::filesystem::remove(tmp, ec);
+    throw UsageError(concat(path, ": cannot write this rank's DiLoCo state (", e.what(), "); checkpoint.dir"));
+  }
+  // This rank's files of older state directories (each rank its own: without a shared filesystem
+  // each host has its ranks' files).
+  const std::filesystem::path parent = std::filesystem::path(dir).parent_path();
+  std::vector<std::string> dirs;
+  for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() == 19 && name.rfind("ckpt-", 0) == 0 && name.compare(13, 6, ".diloco") == 0) dirs.push_back(name);
+  }
+  std::sort(dirs.begin(), dirs.end());  // ckpt-<8 digits>: by step
+  for (size_t i = 0; i + static_cast<size_t>(keep) + 1 < dirs.size(); ++i) {
+    const std::string old = (parent / dirs[i]).string();
+    if (old == dir) continue;
+    std::filesystem::remove(file_of(old, mesh_.rank()), ec);
+    std::filesystem::remove(old, ec);  // only once empty: the last rank's removal takes it
+  }
+}
+
+void Diloco::load(const std::string& dir, int64_t step) {
+  torch::NoGradGuard no_grad;
+  const MeshLayout& l = mesh_.layout();
+  const std::string path = file_of(dir, mesh_.rank());
+  const std::string layout = concat(l.world, " ranks = ", l.islands, " islands x dp ", l.dp, " x tp ", l.tp,
+                                    ", optim.zero ", zero_);
+  torch::Tensor slots, m, v;
+  int64_t adamw_steps = 0;
+  // Every rank reads its file first and they agree (a missing or wrong file on any rank ends
+  // every rank, named once), before the broadcasts below.
+  agree(mesh_.world_mpi(), [&] {
+    if (!std::filesystem::exists(path))
+      throw UsageError(concat(path, ": missing: this rank's DiLoCo state for the checkpoint it resumes (rank ",
+                              mesh_.rank(), " writes it there; without a shared filesystem, on its own host)"));
+    h5::File file = h5::open_read(path);
+    const hid_t root = file.get();
+    if (h5::get_attr_string(root, "format").value_or("") != kStateFormat ||
+        h5::get_attr_int(root, "version").value_or(0) != kStateVersion)
+      throw UsageError(concat(path, ": not a DiLoCo state file of this version (format ", kStateFormat, " ",
+                              kStateVersion, ")"));
+    if (h5::get_attr_int(root, "step").value_or(-1) != step)
+      throw UsageError(concat(path, ": holds step ", h5::get_attr_int(root, "step").value_or(-1),
+                              ", the checkpoint resumed is of step ", step));
+    const std::string written = h5::get_attr_string(root, "layout").value_or("?");
+    if (written != layout)
+      throw UsageError(concat(path, ": written by a run of ", written, "; this run is ", layout,
+                              ": a DiLoCo checkpoint resumes in the layout that wrote it (parallel.islands, parallel.tp, "
+                              "optim.zero and the world size)"));
+    outer_.copy_(read_vector(root, path, "outer", length_));
+    momentum_.copy_(read_vector(root, path, "momentum", length_));
+    outer_steps_ = h5::get_attr_int(root, "outer_steps").value_or(0);
+    if (writes_inner()) {
+      adamw_steps = h5::get_attr_int(root, "adamw_steps").value_or(-1);
+      if (adamw_steps < 0) throw UsageError(concat(path, ": no attribute adamw_steps"));
+      slots = read_vector(root, path, "slots", total_);
+      m = read_vector(root, path, "exp_avg", total_);
+      v = read_vector(root, path, "exp_avg_sq", total_);
+    }
+  });
+  if (chunked_) {  // the first rank of the dp group read them: to the others
+    if (!writes_inner()) {
+      slots = torch::empty({total_}, torch::kFloat32);
+      m = torch::empty({total_}, torch::kFloat32);
+      v = torch::empty({total_}, torch::kFloat32);
+    }
+    torch::Tensor steps = torch::tensor({adamw_steps}, torch::kInt64);
+    const auto device = slots_.empty() ? torch::Device(torch::kCPU) : slots_.front().device();
+    for (torch::Tensor* t : {&slots, &m, &v}) {
+      torch::Tensor on = t->to(device);
+      mesh_.dp().broadcast(on, 0);
+      *t = on.to(torch::kCPU);
+    }
+    mesh_.dp().broadcast(steps, 0);
+    adamw_steps = steps.item<int64_t>();
+  }
+  int64_t at = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const int64_t n = slots_[i].numel();
+    slots_[i].detach().copy_(slots.narrow(0, at, n).view(slots_[i].sizes()));
+    opt_.exp_avg(i).copy_(m.narrow(0, at, n).view(opt_.exp_avg(i).sizes()));
+    opt_.exp_avg_sq(i).copy_(v.narrow(0, at, n).view(opt_.exp_avg_sq(i).sizes()));
+    at += n;
+  }
+  opt_.set_steps_taken(adamw_steps);
+}
+
+}  // namespace mpitrain
