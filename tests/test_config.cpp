@@ -702,7 +702,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"islands_zero", {"parallel.islands=0"}, {"parallel.islands must be", "got '0'"}},
         Invalid{"inner_steps_zero", {"diloco.inner_steps=0"}, {"diloco.inner_steps must be >= 1", "got 0"}},
         Invalid{"outer_momentum_one", {"diloco.outer_momentum=1"}, {"diloco.outer_momentum must be in [0, 1), got 1"}},
-        Invalid{"diloco_dtype", {"diloco.dtype=int4"}, {"diloco.dtype must be one of fp32|bf16, got 'int4'"}},
+        Invalid{"diloco_dtype", {"diloco.dtype=int4"}, {"diloco.dtype must be one of fp32|bf16|int8, got 'int4'"}},
         Invalid{"optim_name", {"optim.name=lion"}, {"optim.name must be one of adamw|sgd, got 'lion'"}},
         Invalid{"sgd_fused", {"optim.name=sgd", "optim.fused=on"}, {"optim.fused must be auto or off with optim.name: sgd"}},
         Invalid{"n_kv_head", {"model.preset=llama-debug", "model.n_kv_head=3"},

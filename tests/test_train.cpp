@@ -1453,6 +1453,16 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
     ASSERT_EQ(half.losses.size(), ref.losses.size());
     for (size_t i = 0; i < ref.losses.size(); ++i)  // bf16's rounding of the pseudo-gradient: 2^-9 of it
       EXPECT_NEAR(half.losses[i].second, ref.losses[i].second, 0.02) << "bf16, step " << ref.losses[i].first;
+    // int8: 256-value blocks of one byte each plus a 4-byte scale, all-gathered; rounding to 1/254
+    // of a block's largest value, its error fed back at the next outer step.
+    Config int8 = dl("dl-int8", 2);
+    int8.diloco.dtype = "int8";
+    const TrainResult q = train(int8, MPI_COMM_WORLD, keep);
+    const uint64_t blocks = static_cast<uint64_t>((ref.num_params + 255) / 256);
+    EXPECT_EQ(q.island_bytes, 3 * blocks * (256 + 4));
+    ASSERT_EQ(q.losses.size(), ref.losses.size());
+    for (size_t i = 0; i < ref.losses.size(); ++i)
+      EXPECT_NEAR(q.losses[i].second, ref.losses[i].second, 0.05) << "int8, step " << ref.losses[i].first;
     return;
   }
   ASSERT_EQ(n, 4) << "run under mpirun -np 2 or 4";
@@ -1489,13 +1499,15 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
 // layout is refused by name, and a plain checkpoint starts a DiLoCo run (theta_outer = its weights).
 TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
   const int n = world_size();
-  std::vector<int64_t> zeros = {0};
-  if (n == 4) zeros.push_back(1);
-  for (int64_t zero : zeros) {
-    auto cfg_for = [&](const std::string& run) {
-      Config c = with_islands(small_config(concat(run, "-z", zero), n == 4 ? 1 : 2, 8), 2, 3, 0.7, 0.9);
+  // (optim.zero, diloco.dtype): int8 also resumes its error feedback
+  std::vector<std::pair<int64_t, std::string>> variants = {{0, "fp32"}};
+  variants.emplace_back(n == 4 ? 1 : 0, n == 4 ? "fp32" : "int8");
+  for (const auto& [zero, dtype] : variants) {
+    auto cfg_for = [&, zero = zero, dtype = dtype](const std::string& run) {
+      Config c = with_islands(small_config(concat(run, "-z", zero, dtype), n == 4 ? 1 : 2, 8), 2, 3, 0.7, 0.9);
       c.model.dropout = 0.1;  // the dropout streams resume too
       c.optim.zero = zero;
+      c.diloco.dtype = dtype;
       c.eval.every = 3;
       return c;
     };
@@ -1520,7 +1532,7 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
     EXPECT_EQ(vals, straight.val_losses) << "zero " << zero;
     EXPECT_TRUE(same_params(second, straight)) << "zero " << zero << ": bitwise";
     if (world_rank() == 0) {  // each rank's file beside the checkpoints kept (keep 2, one spare)
-      const std::string dir = shared_data_dir() + concat("/dl-resumed-z", zero, "-ckpt");
+      const std::string dir = shared_data_dir() + concat("/dl-resumed-z", zero, dtype, "-ckpt");
       for (int r = 0; r < n; ++r) {
         char name[64];
         std::snprintf(name, sizeof name, "/ckpt-00000008.diloco/rank-%05d.h5", r);
@@ -1529,7 +1541,7 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
     }
   }
   // Another layout: the world split into other islands (or none) is refused, naming the key.
-  Config other = with_islands(small_config("dl-resumed-z0", n == 4 ? 1 : 2, 8), n == 4 ? 4 : 1, 3, 0.7, 0.9);
+  Config other = with_islands(small_config("dl-resumed-z0fp32", n == 4 ? 1 : 2, 8), n == 4 ? 4 : 1, 3, 0.7, 0.9);
   other.train.steps = 10;
   EXPECT_THROW(train(other, MPI_COMM_WORLD), ReportedUsageError);
   // A plain run's checkpoint starts a DiLoCo run: it trains on from it.

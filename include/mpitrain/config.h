@@ -183,7 +183,7 @@ struct DilocoConfig {
   int64_t inner_steps = 100;      // H: optimizer steps between outer steps, >= 1
   double outer_lr = 0.7;          // the outer Nesterov SGD's learning rate, > 0
   double outer_momentum = 0.9;    // its momentum, [0, 1)
-  std::string dtype = "fp32";     // the pseudo-gradient on the wire: fp32 | bf16
+  std::string dtype = "fp32";     // the pseudo-gradient on the wire: fp32 | bf16 | int8 (blocks + error feedback)
 };
 
 struct FaultConfig {

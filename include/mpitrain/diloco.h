@@ -3,7 +3,8 @@
 // (data parallelism, ZeRO, tensor parallelism); between islands nothing runs per step. Every
 // diloco.inner_steps (H) steps, and after the last, an outer step:
 //   delta = theta_outer - theta_island                      (the pseudo-gradient, fp32)
-//   delta = mean over the islands of delta                   (one all-reduce: diloco.dtype on the wire)
+//   delta = mean over the islands of delta                   (diloco.dtype on the wire: an fp32 or bf16
+//                                                             all-reduce, or int8 blocks with error feedback)
 //   m = mu m + delta;  theta_outer -= outer_lr (delta + mu m) (Nesterov SGD, PyTorch's, dampening 0)
 // and every island continues from theta_outer; its inner optimizer's state stays its own.
 //
@@ -40,7 +41,7 @@ class Diloco {
   void outer_step();
 
   int64_t outer_steps() const { return outer_steps_; }
-  uint64_t bytes_sent() const;   // this rank's bytes handed to the outer all-reduces so far
+  uint64_t bytes_sent() const { return bytes_; }  // this rank's bytes handed to the outer exchanges so far
   double seconds() const { return seconds_; }  // spent in outer steps so far (this rank)
   int64_t part_elements() const { return length_; }  // the elements this rank reduces across islands
 
@@ -66,6 +67,8 @@ class Diloco {
   void write_back(const torch::Tensor& part);   // this rank's part -> the whole (island all-gather) -> the slots
 
   std::string file_of(const std::string& dir, int rank) const;
+  torch::Tensor int8_mean(const torch::Tensor& delta);  // diloco.dtype: int8 (error feedback in error_)
+  static constexpr int64_t kInt8Block = 256;
   bool writes_inner() const { return !chunked_ || mesh_.dp_rank() == 0; }
 
   DilocoConfig cfg_;
@@ -77,6 +80,8 @@ class Diloco {
   bool chunked_ = false;          // replicated over an island dp group of > 1 ranks
   int64_t total_ = 0, begin_ = 0, length_ = 0, chunk_ = 0;
   torch::Tensor outer_, momentum_;  // this rank's part, fp32
+  torch::Tensor error_;             // int8: what rounding left out, sent at the next outer step
+  uint64_t bytes_ = 0;
   int64_t outer_steps_ = 0;
   double seconds_ = 0;
 };

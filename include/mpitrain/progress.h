@@ -50,6 +50,10 @@ class Progress {
   // share = exposed gradient communication / the interval's time.
   void report(const StepReport& r);
   void report_val(int64_t step, double val_loss);
+  // DiLoCo's outer step `outer` after step `step`: the MiB rank 0 has sent between islands and the
+  // seconds spent in outer steps so far, and that time's share of the training time so far (log
+  // line, metrics.jsonl, TensorBoard's diloco/ scalars).
+  void report_outer(int64_t step, int64_t outer, double mib, double seconds);
 
   // Runs fn without counting its time in the current interval (evaluation, checkpoints).
   template <class Fn>

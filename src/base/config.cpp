@@ -731,7 +731,7 @@ void validate(const Config& c, const std::string& where) {
   check(dl.inner_steps >= 1, "diloco.inner_steps", ">= 1 (optimizer steps between outer steps)", show(dl.inner_steps));
   check(dl.outer_lr > 0, "diloco.outer_lr", "> 0", show(dl.outer_lr));
   check(dl.outer_momentum >= 0 && dl.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", show(dl.outer_momentum));
-  check(one_of(dl.dtype, {"fp32", "bf16"}), "diloco.dtype", "one of fp32|bf16", show(dl.dtype));
+  check(one_of(dl.dtype, {"fp32", "bf16", "int8"}), "diloco.dtype", "one of fp32|bf16|int8", show(dl.dtype));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));
   check(c.fault.first_collective_timeout_s > 0, "fault.first_collective_timeout_s", "> 0",

@@ -33,6 +33,7 @@ Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero)
   }
   outer_ = flat().narrow(0, begin_, length_).clone();
   momentum_ = torch::zeros_like(outer_);
+  if (cfg_.dtype == "int8") error_ = torch::zeros_like(outer_);
   {  // every island from island 0's start (the same seed or files give the same; this makes sure)
     Watchdog::Scope watch("broadcast(diloco start)");
     islands_.broadcast(outer_, 0);
@@ -71,11 +72,15 @@ void Diloco::outer_step() {
   torch::Tensor delta = outer_ - flat().narrow(0, begin_, length_);  // the pseudo-gradient
   {
     Watchdog::Scope watch("all_reduce(diloco outer step)");
-    if (cfg_.dtype == "bf16") {
+    if (cfg_.dtype == "int8") {
+      delta = int8_mean(delta);
+    } else if (cfg_.dtype == "bf16") {
       torch::Tensor wire = delta.to(torch::kBFloat16);
+      bytes_ += static_cast<uint64_t>(wire.nbytes());
       islands_.all_reduce(wire, ReduceOp::avg);
       delta = wire.to(torch::kFloat32);
     } else {
+      bytes_ += static_cast<uint64_t>(delta.nbytes());
       islands_.all_reduce(delta, ReduceOp::avg);
     }
   }
@@ -87,11 +92,36 @@ void Diloco::outer_step() {
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-uint64_t Diloco::bytes_sent() const { return islands_.reduced_bytes(); }
+// int8 on the wire: x = delta + the error left over from the last outer step, in blocks of
+// kInt8Block values, each sent as int8 round(x / s) with its fp32 scale s = max |x| / 127; the error
+// feedback keeps x - s q for the next outer step, so what rounding drops is delayed, not lost. The
+// islands all-gather the blocks and scales and every rank adds the dequantised values in island
+// order: the same mean on every island. (An all-gather, not an all-reduce: int8 sums overflow.
+// Each rank receives (islands - 1) x ~1.02 bytes per value, a ring all-reduce of fp32 about 8.)
+torch::Tensor Diloco::int8_mean(const torch::Tensor& delta) {
+  const int64_t blocks = (length_ + kInt8Block - 1) / kInt8Block, islands = islands_.size();
+  torch::Tensor x = torch::zeros({blocks * kInt8Block}, delta.options());
+  x.narrow(0, 0, length_).copy_(delta + error_);
+  const torch::Tensor xb = x.view({blocks, kInt8Block});
+  torch::Tensor scale = xb.abs().amax(1).div(127.0);
+  const torch::Tensor divisor = torch::where(scale > 0, scale, torch::ones_like(scale)).unsqueeze(1);
+  torch::Tensor q = xb.div(divisor).round().clamp(-127, 127).to(torch::kInt8);
+  error_.copy_((xb - q.to(torch::kFloat32) * scale.unsqueeze(1)).view({-1}).narrow(0, 0, length_));
+  torch::Tensor all_q = torch::empty({islands * blocks * kInt8Block}, q.options());
+  torch::Tensor all_scale = torch::empty({islands * blocks}, scale.options());
+  bytes_ += static_cast<uint64_t>(q.nbytes() + scale.nbytes());
+  islands_.all_gather(q.view({-1}), all_q);
+  islands_.all_gather(scale, all_scale);
+  torch::Tensor sum = torch::zeros({blocks, kInt8Block}, delta.options());
+  const torch::Tensor qs = all_q.view({islands, blocks, kInt8Block}), ss = all_scale.view({islands, blocks, 1});
+  for (int64_t i = 0; i < islands; ++i) sum.add_(qs[i].to(torch::kFloat32) * ss[i]);  // island order
+  return sum.div_(static_cast<double>(islands)).view({-1}).narrow(0, 0, length_);
+}
 
 std::string Diloco::describe(int64_t total_params) const {
   const MeshLayout& l = mesh_.layout();
-  const double mib = static_cast<double>(length_) * (cfg_.dtype == "bf16" ? 2 : 4) / (1 << 20);
+  const double per_value = cfg_.dtype == "int8" ? 1.0 + 4.0 / kInt8Block : cfg_.dtype == "bf16" ? 2 : 4;
+  const double mib = static_cast<double>(length_) * per_value / (1 << 20);
   return concat("diloco: ", l.islands, " islands of ", l.island_size(), " ranks; an outer step every ",
                 cfg_.inner_steps, " steps and after the last (Nesterov SGD, lr ", cfg_.outer_lr, ", momentum ",
                 cfg_.outer_momentum, "); ", cfg_.dtype, " on the wire: ", mib, " MiB per rank per outer step (",
@@ -172,6 +202,7 @@ void Diloco::save(const std::string& dir, int64_t step, int64_t keep) const {
       h5::set_attr(root, "outer_steps", outer_steps_);
       write_vector(root, "outer", outer_);
       write_vector(root, "momentum", momentum_);
+      if (error_.defined()) write_vector(root, "int8_error", error_);
       if (writes_inner()) {
         h5::set_attr(root, "adamw_steps", opt_.steps_taken());
         std::vector<torch::Tensor> m, v;
@@ -237,6 +268,7 @@ void Diloco::load(const std::string& dir, int64_t step) {
                               "optim.zero and the world size)"));
     outer_.copy_(read_vector(root, path, "outer", length_));
     momentum_.copy_(read_vector(root, path, "momentum", length_));
+    if (error_.defined()) error_.copy_(read_vector(root, path, "int8_error", length_));
     outer_steps_ = h5::get_attr_int(root, "outer_steps").value_or(0);
     if (writes_inner()) {
       adamw_steps = h5::get_attr_int(root, "adamw_steps").value_or(-1);

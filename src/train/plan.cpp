@@ -79,6 +79,35 @@ CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator
   return t;
 }
 
+double exposed(double comm, double last, double backward, bool overlap);
+
+// DiLoCo with an island per host (docs/diloco.md): a step is one host's data-parallel step (fp32
+// gradients within the host, overlapped as measured there), and every H steps the outer step adds
+// one exchange of the model between the hosts: the measured all-reduce over all ranks for fp32 and
+// bf16 (an upper bound: it also crosses the hosts' own ranks), int8 by its bytes, an all-gather of
+// (islands - 1) x 1.02 bytes per value against a ring all-reduce's 2 (islands - 1) / islands x 4.
+std::string diloco_table(const CommTimes& all, const CommTimes& local, double t_micro, double t_backward,
+                         double t_optimizer, int64_t tokens_per_rank, int ranks, int per_host, int islands) {
+  const double step = t_micro + t_optimizer + exposed(local.fp32, local.last_fp32, t_backward, true);
+  const double tok_1 = static_cast<double>(tokens_per_rank * per_host) / step;
+  std::string out = concat("DiLoCo, parallel.islands: host (", islands, " islands; micro-batch as above, grad_accum 1, ",
+                           "fp32 within each host):\n",
+                           "| diloco.inner_steps | diloco.dtype | outer step ms | step ms | outer share | tokens/s | vs one host |\n",
+                           "|---:|---|---:|---:|---:|---:|---:|\n");
+  char line[200];
+  for (int64_t h : {10, 50, 100, 500})
+    for (const char* wire : {"fp32", "bf16", "int8"}) {
+      const std::string w = wire;
+      const double outer = w == "bf16" ? all.bf16 : w == "int8" ? all.fp32 * 1.02 * islands / 8.0 : all.fp32;
+      const double per_step = step + outer / static_cast<double>(h);
+      const double tok_s = static_cast<double>(tokens_per_rank * ranks) / per_step;
+      std::snprintf(line, sizeof line, "| %lld | %s | %.1f | %.1f | %.1f%% | %.0f | %.2fx |\n", static_cast<long long>(h), wire,
+                    outer * 1e3, per_step * 1e3, 100 * outer / static_cast<double>(h) / per_step, tok_s, tok_s / tok_1);
+      out += line;
+    }
+  return out;
+}
+
 double exposed(double comm, double last, double backward, bool overlap) {
   return overlap ? std::max(last, comm - backward) : comm;
 }
@@ -232,7 +261,8 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   });
 
   // ---- communication: over all ranks, and within one host ----
-  const CommTimes all = time_all_reduce(params, run.mesh->dp(), mpi_comm, cfg, options.iters, device);
+  // (over every replica: with parallel.islands the dp group is one island's)
+  const CommTimes all = time_all_reduce(params, run.mesh->replicas_comm(), mpi_comm, cfg, options.iters, device);
   MPI_Comm host_mpi = MPI_COMM_NULL;
   MPI_CHECK(MPI_Comm_split_type(mpi_comm, MPI_COMM_TYPE_SHARED, topo.rank, MPI_INFO_NULL, &host_mpi));
   CommTimes local;
@@ -321,6 +351,8 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   if (topo.hosts.size() > 1 && pick->speedup < 1.1)
     out += concat("\nwarning: the other hosts add little (", pick->speedup,
                   "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");
+  if (topo.hosts.size() > 1) out += "\n" + diloco_table(all, local, t_micro, t_backward, t_optimizer, micro * T, n, per_host,
+                                                        static_cast<int>(topo.hosts.size()));
   out += "\n" + memory;
   std::printf("%s\n", out.c_str());
   std::fflush(stdout);

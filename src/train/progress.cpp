@@ -97,6 +97,18 @@ void Progress::report(const StepReport& r) {
   if (tensorboard_) tensorboard_->scalars(step, scalars);
 }
 
+void Progress::report_outer(int64_t step, int64_t outer, double mib, double seconds) {
+  const double wall = elapsed_ + std::chrono::duration<double>(Clock::now() - interval_start_).count();
+  const double share = wall > 0 ? seconds / wall : 0.0;
+  log::info(concat("diloco: outer step ", outer, " after step ", step, "; ", mib, " MiB sent between islands so far (rank 0), ",
+                   seconds, " s in outer steps = ", format("%.1f", 100 * share), "% of the training time"));
+  if (metrics_.is_open())
+    metrics_ << format("{\"step\": %lld, \"outer_step\": %lld, \"island_mib\": %.3f, \"outer_s\": %.4f, \"outer_share\": %.4f}",
+                       static_cast<long long>(step), static_cast<long long>(outer), mib, seconds, share)
+             << "\n" << std::flush;
+  if (tensorboard_) tensorboard_->scalars(step, {{"diloco/island_mib", mib}, {"diloco/outer_share", share}});
+}
+
 void Progress::report_val(int64_t step, double val_loss) {
   log::info(concat("step ", step, " | val loss ", val_loss));
   if (metrics_.is_open())

@@ -501,9 +501,8 @@ void Run::outer_step() {
   par_.after_update();
   comm_wait_->end();
   if (topo_.rank == 0)
-    log::info(concat("diloco: outer step ", diloco_->outer_steps(), " after step ", st_.step, "; ",
-                     static_cast<double>(diloco_->bytes_sent()) / (1 << 20), " MiB sent between islands so far (rank 0), ",
-                     diloco_->seconds(), " s in outer steps"));
+    progress_->report_outer(st_.step, diloco_->outer_steps(), static_cast<double>(diloco_->bytes_sent()) / (1 << 20),
+                            diloco_->seconds());
 }
 
 // Every log.every steps and at the last: the loss averaged over the ranks, the report (console,

@@ -59,6 +59,9 @@ check "mpitrain plan on 2 hosts over $NETNS_RATE links exits 0 and recommends a 
   "[ $rc -eq 0 ] && grep -q '^recommendation: ' plan.out"
 [ $rc -eq 0 ] || show_tail plan.out
 sed -n '/^plan: /,/^recommendation/p' plan.out | sed 's/^/  /'
+check "mpitrain plan on 2 hosts predicts DiLoCo with an island per host (H 10-500, fp32/bf16/int8)" \
+  "grep -q '^DiLoCo, parallel.islands: host' plan.out && grep -q '^| 500 | int8 |' plan.out"
+sed -n '/^DiLoCo, parallel/,/^| 500 | int8/p' plan.out | sed 's/^/  /'
 # the predicted share with overlap (5th column) of the row "| 1 | <dtype> | ..."
 predicted() { awk -F'|' -v d="$1" '$2 ~ /^ *1 *$/ && $3 ~ d { gsub(/[ %]/, "", $6); print $6 / 100; exit }' plan.out; }
 # the fp32 gradients' size, from "gradient all-reduce of 3.21436 MiB over all ranks"
