@@ -320,6 +320,13 @@ expect_usage "model.init_from: missing and extra .npy files" \
 # The layout (parallel.tp) and ZeRO (optim.zero) keys.
 expect_usage "parallel.tp that does not divide the world" "cfg.yaml: parallel.tp: 2 does not divide the world size 3" \
   "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.tp=2
+expect_usage "parallel.islands that do not divide the world" \
+  "cfg.yaml: parallel.islands: 2 does not divide the world size 3 (world = islands x dp x tp; every island as many ranks)" \
+  "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.islands=2
+expect_usage "parallel.islands that would split a tp group" \
+  "cfg.yaml: parallel.islands: 2 islands of 1 ranks would split a tp group of parallel.tp 2 (an island is a whole number of tp groups)" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.islands=2 --set parallel.tp=2
+expect_usage "diloco.inner_steps 0" "cfg.yaml: diloco.inner_steps must be >= 1" "$BIN" cfg.yaml --set diloco.inner_steps=0
 expect_usage "parallel.tp: an explicit vocabulary the tp ranks cannot split (the data's 257 bytes + end-of-text)" \
   "cfg.yaml: model.vocab_size: 257 must be a multiple of parallel.tp (2): the vocabulary is split over the tp ranks; set a padded size such as 258, or leave model.vocab_size unset (automatic padding)" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.tp=2 --set model.vocab_size=257
@@ -346,6 +353,20 @@ check "tensor parallel: its checkpoint holds whole tensors (mpitrain sample load
 rc=$?
 check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 rows (exit $rc)" \
   "[ $rc -eq 0 ] && grep -q 'resumed from ckpt-tp/ckpt-00000006.h5 at step 6' tp1.out && grep -q 'step *8/8' tp1.out && grep -q 'vocabulary rows 258 as the checkpoint has them' tp1.out"
+# DiLoCo: 2 islands of one rank, an outer step every 2 steps, stopped after step 3 (mid-round) and
+# resumed: each rank's state lies beside the checkpoint, the outer steps count on, metrics.jsonl
+# carries them.
+dl=(--set parallel.islands=2 --set diloco.inner_steps=2 --set checkpoint.dir=ckpt-dl --set train.out_dir=run-dl)
+"$MPIRUN" -np 2 "$BIN" cfg.yaml "${dl[@]}" --set checkpoint.resume=none --stop-after 3 > dl1.out 2>&1
+rc1=$?
+"$MPIRUN" -np 2 "$BIN" cfg.yaml "${dl[@]}" > dl2.out 2>&1
+rc2=$?
+check "DiLoCo: 2 islands train to step 3 (exit $rc1) with each rank's state beside the checkpoint, then resume to 6 (exit $rc2)" \
+  "[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q 'mesh: 2 ranks = 2 islands x dp 1; islands' dl1.out \
+   && [ -f ckpt-dl/ckpt-00000003.diloco/rank-00000.h5 ] && [ -f ckpt-dl/ckpt-00000003.diloco/rank-00001.h5 ] \
+   && grep -q 'resumed from ckpt-dl/ckpt-00000003.h5 at step 3' dl2.out && grep -q 'diloco: 3 outer steps' dl2.out \
+   && [ \$(grep -c '\"outer_step\"' run-dl/metrics.jsonl) -eq 3 ]"
+[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] || tail -n 20 dl1.out dl2.out
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off), 1 (ZeRO-1" "$BIN" cfg.yaml --set optim.zero=4
 expect_usage "optim.zero 3 with PowerSGD: refused by name" \
   "cfg.yaml: comm.compress must be none with optim.zero: 3" "$BIN" cfg.yaml --set optim.zero=3 --set comm.compress=powersgd
