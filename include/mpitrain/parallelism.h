@@ -13,6 +13,8 @@
 //        no rank holding the whole gradient (ZeRO-2);
 //     3  the parameters sharded too, one unit per block, gathered around their use (ZeRO-3).
 //   With one dp rank every stage is 0: there is nothing to shard.
+// With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
+// optimizer's slots and then ask after_update() as an update does.
 //
 // Applied to a built model as torchtitan applies apply_tp / apply_fsdp: make_model() (the modules,
 // deferred under ZeRO-3), apply() (the gradient hooks, the units), initial_weights(),
