@@ -57,30 +57,13 @@ netns_mpi_env "$REPO" >&2
 echo "${ADDRS[0]} slots=1" > "$T/hosts-1"
 printf "%s slots=1\n" "${ADDRS[@]}" > "$T/hosts-2"
 
-set_rate() {  # every node's link (its eth0 and its switch port) to RATE
-  NETNS_RATE=$1
-  local i burst
-  burst=$(netns_burst "$1")
-  for i in "${!NODE_NS[@]}"; do
-    tc -n "${NODE_NS[$i]}" qdisc replace dev eth0 root tbf rate "$1" burst "$burst" latency 50ms
-    tc -n "$SWITCH_NS" qdisc replace dev "p$((i + 1))" root tbf rate "$1" burst "$burst" latency 50ms
-  done
-}
-tx_bytes() {
-  local i sum=0 b
-  for i in "${!NODE_NS[@]}"; do
-    b=$(ip netns exec "${NODE_NS[$i]}" cat /sys/class/net/eth0/statistics/tx_bytes) || return 1
-    sum=$((sum + b))
-  done
-  echo "$sum"
-}
 
 warmup=$((STEPS / 10))
 train() {  # name hostfile np extra-args... -> "tok_s mib val" in $T/name.row
   local name=$1 hosts=$2 np=$3 rc before after
   shift 3
   echo "training $name..." >&2
-  before=$(tx_bytes)
+  before=$(netns_tx_bytes)
   bounded "$LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
     mpirun --hostfile "$hosts" -np "$np" --bind-to none "$BIN" "$REPO/configs/demo.yaml" \
     --set "data.train=[$T/data/f-train-*.h5]" --set "data.val=[$T/data/f-val-*.h5]" \
@@ -91,7 +74,7 @@ train() {  # name hostfile np extra-args... -> "tok_s mib val" in $T/name.row
     --set "checkpoint.dir=$T/ckpt-$name" --set checkpoint.every=0 --set checkpoint.at_end=false \
     --set checkpoint.resume=none --set sample.tokens=0 "$@" > "$T/$name.out" 2>&1
   rc=$?
-  after=$(tx_bytes)
+  after=$(netns_tx_bytes)
   if [ $rc -ne 0 ]; then
     echo "  $name failed (exit $rc)" >&2
     show_tail "$T/$name.out" >&2
@@ -114,7 +97,7 @@ for run in $RUNS; do
   case $run in diloco) for h in $HS; do KEYS+=("diloco$h"); done ;; *) KEYS+=("$run") ;; esac
 done
 for rate in $RATES; do
-  set_rate "$rate" >&2
+  netns_set_rate "$rate" >&2
   for k in "${KEYS[@]}"; do
     case $k in
       dp) train "$k-$rate" "$T/hosts-2" 2 ;;

@@ -28,6 +28,10 @@
 
 namespace mpitrain {
 
+// "4 ranks = 2 islands x dp 2 x tp 1, optim.zero 0": a DiLoCo run's layout, as its state files
+// record it and as a resume in another layout is refused.
+std::string diloco_layout(int64_t world, int64_t islands, int64_t dp, int64_t tp, int64_t zero);
+
 class Diloco {
  public:
   // `opt`'s slots as they are now are theta_outer's start, made the same on every island (island
@@ -43,7 +47,6 @@ class Diloco {
   int64_t outer_steps() const { return outer_steps_; }
   uint64_t bytes_sent() const { return bytes_; }  // this rank's bytes handed to the outer exchanges so far
   double seconds() const { return seconds_; }  // spent in outer steps so far (this rank)
-  int64_t part_elements() const { return length_; }  // the elements this rank reduces across islands
 
   // ---- checkpoints (docs/diloco.md) ----
   // A checkpoint ckpt-N.h5 of a DiLoCo run holds island 0's state (any tool reads it as a plain
@@ -59,11 +62,11 @@ class Diloco {
   // naming the file and what differs otherwise). The caller then runs after_update(). Collective
   // over the island's dp groups (ZeRO off: the first rank's slots and moments broadcast).
   void load(const std::string& dir, int64_t step);
-  // "diloco: 2 islands, outer step every 100 steps (Nesterov lr 0.7, momentum 0.9), fp32 on the wire, ..."
+  // "diloco: 2 islands of 1 ranks; an outer step every 100 steps and after the last (...); ..."
   std::string describe(int64_t total_params) const;
 
  private:
-  torch::Tensor flat() const;                    // the slots, concatenated (fp32)
+  torch::Tensor flat() const;                    // the slots, concatenated (fp32, on their device)
   void write_back(const torch::Tensor& part);   // this rank's part -> the whole (island all-gather) -> the slots
 
   std::string file_of(const std::string& dir, int rank) const;

@@ -1,7 +1,8 @@
 // The device mesh: the one object that knows the job's layout (layout.h: world = islands x dp x tp,
 // this rank's coordinates) and holds one Communicator per group: the world, this rank's dp group
 // and its tp group; with DiLoCo's islands also its replica group (every island's ranks of its tp
-// coordinate) and its island group (its place in every island). MPI groups are sub-communicators of the world (MPI_Comm_split); an NCCL
+// coordinate) and its island group (its place in every island). MPI groups are sub-communicators
+// of the world (MPI_Comm_split); an NCCL
 // communicator per group is bootstrapped inside its group by an MPI_Bcast of its unique id
 // (comm_nccl.cpp), and the watchdog's abort path aborts every NCCL communicator that exists.
 // A group that is the whole world shares the world's communicator; a group of one rank is an MPI

@@ -13,6 +13,47 @@
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
+namespace {
+
+constexpr const char* kStateFormat = "mpitrain-diloco";  // the per-rank state files (checkpoints below)
+constexpr int64_t kStateVersion = 1;
+
+// `parts` flattened and concatenated, fp32, on their device (the slots, the AdamW moments).
+torch::Tensor flat_of(const std::vector<torch::Tensor>& parts) {
+  std::vector<torch::Tensor> flat;
+  flat.reserve(parts.size());
+  for (const auto& p : parts) flat.push_back(p.detach().reshape({-1}).to(torch::kFloat32));
+  return flat.empty() ? torch::zeros({0}, torch::kFloat32) : torch::cat(flat);
+}
+
+void write_vector(hid_t root, const std::string& name, const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  h5::Dataset d = h5::write(root, name, H5T_NATIVE_FLOAT, {static_cast<hsize_t>(c.numel())}, c.data_ptr<float>());
+  h5::set_attr(d.get(), "crc32", static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), static_cast<size_t>(c.nbytes()))));
+}
+
+// Dataset `name` of `length` floats, its CRC checked; UsageError naming the file otherwise.
+torch::Tensor read_vector(hid_t root, const std::string& path, const std::string& name, int64_t length) {
+  if (!h5::exists(root, name)) throw UsageError(concat(path, ": no dataset '", name, "' (not a DiLoCo state file?)"));
+  h5::Dataset d(H5Dopen2(root, name.c_str(), H5P_DEFAULT), path + ": " + name);
+  const auto shape = h5::shape(d.get());
+  if (shape.size() != 1 || static_cast<int64_t>(shape[0]) != length)
+    throw UsageError(concat(path, ": dataset '", name, "' has ", shape.empty() ? 0 : shape[0], " values, this rank holds ",
+                            length, " (another model or layout)"));
+  torch::Tensor t = torch::empty({length}, torch::kFloat32);
+  h5::read(d.get(), H5T_NATIVE_FLOAT, t.data_ptr<float>());
+  const auto crc = h5::get_attr_int(d.get(), "crc32");
+  if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(t.data_ptr<float>(), static_cast<size_t>(t.nbytes())))
+    throw UsageError(concat(path, ": dataset '", name, "' fails its CRC32 check (the file is damaged)"));
+  return t;
+}
+
+}  // namespace
+
+std::string diloco_layout(int64_t world, int64_t islands, int64_t dp, int64_t tp, int64_t zero) {
+  return concat(world, " ranks = ", islands, islands == 1 ? " island" : " islands", " x dp ", dp, " x tp ", tp,
+                ", optim.zero ", zero);
+}
 
 Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero)
     : cfg_(cfg), mesh_(mesh), opt_(opt), zero_(zero), islands_(*mesh.islands()) {
@@ -41,13 +82,7 @@ Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero)
   write_back(outer_);
 }
 
-torch::Tensor Diloco::flat() const {
-  std::vector<torch::Tensor> parts;
-  parts.reserve(slots_.size());
-  for (const auto& s : slots_) parts.push_back(s.detach().reshape({-1}).to(torch::kFloat32));
-  if (parts.empty()) return torch::zeros({0}, torch::kFloat32);
-  return torch::cat(parts);
-}
+torch::Tensor Diloco::flat() const { return flat_of(slots_); }
 
 void Diloco::write_back(const torch::Tensor& part) {
   torch::Tensor whole = part;
@@ -130,45 +165,8 @@ std::string Diloco::describe(int64_t total_params) const {
                 " MiB per rank");
 }
 
-}  // namespace mpitrain
 
 // ---- checkpoints -------------------------------------------------------------------------------
-
-namespace mpitrain {
-namespace {
-
-constexpr const char* kStateFormat = "mpitrain-diloco";
-constexpr int64_t kStateVersion = 1;
-
-torch::Tensor cat_flat(const std::vector<torch::Tensor>& parts) {
-  std::vector<torch::Tensor> flat;
-  for (const auto& p : parts) flat.push_back(p.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
-  return flat.empty() ? torch::zeros({0}, torch::kFloat32) : torch::cat(flat).contiguous();
-}
-
-void write_vector(hid_t root, const std::string& name, const torch::Tensor& t) {
-  const torch::Tensor c = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
-  h5::Dataset d = h5::write(root, name, H5T_NATIVE_FLOAT, {static_cast<hsize_t>(c.numel())}, c.data_ptr<float>());
-  h5::set_attr(d.get(), "crc32", static_cast<int64_t>(h5::crc32(c.data_ptr<float>(), static_cast<size_t>(c.nbytes()))));
-}
-
-// Dataset `name` of `length` floats, its CRC checked; UsageError naming the file otherwise.
-torch::Tensor read_vector(hid_t root, const std::string& path, const std::string& name, int64_t length) {
-  if (!h5::exists(root, name)) throw UsageError(concat(path, ": no dataset '", name, "' (not a DiLoCo state file?)"));
-  h5::Dataset d(H5Dopen2(root, name.c_str(), H5P_DEFAULT), path + ": " + name);
-  const auto shape = h5::shape(d.get());
-  if (shape.size() != 1 || static_cast<int64_t>(shape[0]) != length)
-    throw UsageError(concat(path, ": dataset '", name, "' has ", shape.empty() ? 0 : shape[0], " values, this rank holds ",
-                            length, " (another model or layout)"));
-  torch::Tensor t = torch::empty({length}, torch::kFloat32);
-  h5::read(d.get(), H5T_NATIVE_FLOAT, t.data_ptr<float>());
-  const auto crc = h5::get_attr_int(d.get(), "crc32");
-  if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(t.data_ptr<float>(), static_cast<size_t>(t.nbytes())))
-    throw UsageError(concat(path, ": dataset '", name, "' fails its CRC32 check (the file is damaged)"));
-  return t;
-}
-
-}  // namespace
 
 std::string Diloco::state_dir(const std::string& checkpoint_path) {
   const std::string stem = checkpoint_path.size() > 3 && checkpoint_path.compare(checkpoint_path.size() - 3, 3, ".h5") == 0
@@ -197,8 +195,7 @@ void Diloco::save(const std::string& dir, int64_t step, int64_t keep) const {
       h5::set_attr(root, "version", kStateVersion);
       h5::set_attr(root, "step", step);
       h5::set_attr(root, "rank", static_cast<int64_t>(mesh_.rank()));
-      h5::set_attr(root, "layout", concat(l.world, " ranks = ", l.islands, " islands x dp ", l.dp, " x tp ", l.tp,
-                                          ", optim.zero ", zero_));
+      h5::set_attr(root, "layout", diloco_layout(l.world, l.islands, l.dp, l.tp, zero_));
       h5::set_attr(root, "outer_steps", outer_steps_);
       write_vector(root, "outer", outer_);
       write_vector(root, "momentum", momentum_);
@@ -210,9 +207,9 @@ void Diloco::save(const std::string& dir, int64_t step, int64_t keep) const {
           m.push_back(opt_.exp_avg(i));
           v.push_back(opt_.exp_avg_sq(i));
         }
-        write_vector(root, "slots", cat_flat(slots_));
-        write_vector(root, "exp_avg", cat_flat(m));
-        write_vector(root, "exp_avg_sq", cat_flat(v));
+        write_vector(root, "slots", flat());
+        write_vector(root, "exp_avg", flat_of(m));
+        write_vector(root, "exp_avg_sq", flat_of(v));
       }
     }
     fsync_path(tmp);
@@ -242,8 +239,7 @@ void Diloco::load(const std::string& dir, int64_t step) {
   torch::NoGradGuard no_grad;
   const MeshLayout& l = mesh_.layout();
   const std::string path = file_of(dir, mesh_.rank());
-  const std::string layout = concat(l.world, " ranks = ", l.islands, " islands x dp ", l.dp, " x tp ", l.tp,
-                                    ", optim.zero ", zero_);
+  const std::string layout = diloco_layout(l.world, l.islands, l.dp, l.tp, zero_);
   torch::Tensor slots, m, v;
   int64_t adamw_steps = 0;
   // Every rank reads its file first and they agree (a missing or wrong file on any rank ends

@@ -79,7 +79,9 @@ CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator
   return t;
 }
 
-double exposed(double comm, double last, double backward, bool overlap);
+double exposed(double comm, double last, double backward, bool overlap) {
+  return overlap ? std::max(last, comm - backward) : comm;
+}
 
 // DiLoCo with an island per host (docs/diloco.md): a step is one host's data-parallel step (fp32
 // gradients within the host, overlapped as measured there), and every H steps the outer step adds
@@ -106,10 +108,6 @@ std::string diloco_table(const CommTimes& all, const CommTimes& local, double t_
       out += line;
     }
   return out;
-}
-
-double exposed(double comm, double last, double backward, bool overlap) {
-  return overlap ? std::max(last, comm - backward) : comm;
 }
 
 // Bytes this process holds now: on a GPU what libtorch's caching allocator has handed out; on

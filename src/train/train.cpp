@@ -213,8 +213,8 @@ class Run {
   std::optional<StepProfiler> profiler_;
   std::optional<Diloco> diloco_;  // parallel.islands > 1: the outer steps between islands
   std::string resumed_from_;      // rank 0: the checkpoint resumed
-  std::vector<int64_t> resumed_layout_;  // its writer's world, islands, dp, tp, zero
-  void check_resumed_layout();
+  bool resumed_diloco_ = false;   // it was a DiLoCo run's: each rank's state lies beside it
+  void check_resumed_layout();    // (st_ still the checkpoint's)
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
@@ -305,7 +305,7 @@ void Run::resume_or_start() {
   st_.eot_token = train.eot_token();
   if (s_.has_resume) {
     resumed_from_ = par_.resume(s_.resume, st_);
-    resumed_layout_ = {st_.world_size, st_.islands, st_.dp, st_.tp, st_.zero};
+    resumed_diloco_ = st_.islands > 1;
     check_resumed_layout();
     scaler_.restore(st_.loss_scale, st_.loss_scale_good_steps);  // fp16: the scale continues
     if (topo_.rank == 0) log_batch_change(st_, cfg_, s_.layout.replicas());
@@ -334,19 +334,15 @@ void Run::resume_or_start() {
 // A DiLoCo checkpoint (island 0's state in the file, each rank's own beside it) resumes only in
 // the layout that wrote it; a plain checkpoint in any, with islands too (theta_outer: its weights).
 void Run::check_resumed_layout() {
-  const std::vector<int64_t>& was = resumed_layout_;
   const MeshLayout& l = s_.layout;
-  const std::vector<int64_t> now{topo_.size, l.islands, l.dp, l.tp, par_.zero_stage()};
-  if (was[1] <= 1 || was == now) return;
-  auto text = [](const std::vector<int64_t>& v) {
-    return concat(v[0], " ranks = ", v[1], v[1] == 1 ? " island" : " islands", " x dp ", v[2], " x tp ", v[3],
-                  ", optim.zero ", v[4]);
-  };
+  const std::string was = diloco_layout(st_.world_size, st_.islands, st_.dp, st_.tp, st_.zero);
+  const std::string now = diloco_layout(topo_.size, l.islands, l.dp, l.tp, par_.zero_stage());
+  if (!resumed_diloco_ || was == now) return;
   agree(mpi_comm_, [&] {
     if (topo_.rank != 0) return;
     naming_config_file(cfg_, [&] {
       throw UsageError(concat("parallel.islands: checkpoint ", resumed_from_, " was written by a DiLoCo run of ",
-                              text(was), "; this run is ", text(now),
+                              was, "; this run is ", now,
                               ": a DiLoCo checkpoint resumes only in the layout that wrote it (each rank's state lies in ",
                               Diloco::state_dir(resumed_from_), "/); resume it so, or start a new run from its weights ",
                               "(mpitrain export, then model.init_from; or checkpoint.resume: none)"));
@@ -395,7 +391,7 @@ void Run::open_outputs() {
   model_->train();
   if (s_.layout.islands > 1) {  // theta_outer from the weights the run starts from
     diloco_.emplace(cfg_.diloco, *s_.mesh, par_.optimizer(), par_.zero_stage());
-    if (s_.has_resume && resumed_layout_[1] > 1) {  // a DiLoCo checkpoint: each rank's state beside it
+    if (resumed_diloco_) {  // each rank's state beside the checkpoint
       const std::string dir = allgather_text(mpi_comm_, Diloco::state_dir(resumed_from_), 1 << 16)[0];  // rank 0's
       diloco_->load(dir, st_.step);
     }

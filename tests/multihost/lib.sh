@@ -275,11 +275,26 @@ netns_burst() {  # rate -> bytes of the token bucket; fails on a rate it cannot 
     print b }'
 }
 
-netns_limit_link() {  # node namespace, its switch port
+netns_limit_link() {  # node namespace, its switch port (replace: sets the rate anew on a shaped link)
   local burst
   burst=$(netns_burst "$NETNS_RATE")
-  run_quiet tc -n "$1" qdisc add dev eth0 root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
-  run_quiet tc -n "$SWITCH_NS" qdisc add dev "$2" root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
+  run_quiet tc -n "$1" qdisc replace dev eth0 root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
+  run_quiet tc -n "$SWITCH_NS" qdisc replace dev "$2" root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
+}
+
+netns_set_rate() {  # rate: every node's link shaped anew to it (after netns_setup; bench/diloco.sh)
+  NETNS_RATE=$1
+  local i
+  for i in "${!NODE_NS[@]}"; do netns_limit_link "${NODE_NS[$i]}" "p$((i + 1))"; done
+}
+
+netns_tx_bytes() {  # the bytes all nodes' eth0 have sent so far (their transmit counters)
+  local i sum=0 b
+  for i in "${!NODE_NS[@]}"; do
+    b=$(ip netns exec "${NODE_NS[$i]}" cat /sys/class/net/eth0/statistics/tx_bytes) || return 1
+    sum=$((sum + b))
+  done
+  echo "$sum"
 }
 
 # An sshd's host key and configuration in directory d: key-only root logins from $T's client key.

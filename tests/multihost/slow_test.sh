@@ -66,24 +66,16 @@ sed -n '/^DiLoCo, parallel/,/^| 500 | int8/p' plan.out | sed 's/^/  /'
 predicted() { awk -F'|' -v d="$1" '$2 ~ /^ *1 *$/ && $3 ~ d { gsub(/[ %]/, "", $6); print $6 / 100; exit }' plan.out; }
 # the fp32 gradients' size, from "gradient all-reduce of 3.21436 MiB over all ranks"
 grad_mib=$(sed -n 's/.*gradient all-reduce of \([0-9.]*\) MiB.*/\1/p' plan.out | head -n 1)
-tx_bytes() {  # the bytes both hosts' eth0 have sent
-  local i sum=0 b
-  for i in "${!NODE_NS[@]}"; do
-    b=$(ip netns exec "${NODE_NS[$i]}" cat /sys/class/net/eth0/statistics/tx_bytes) || return 1
-    sum=$((sum + b))
-  done
-  echo "$sum"
-}
 
 STEPS=14
 declare -A share exposed_ms ms_step wire_mib
 for d in fp32 bf16; do
-  before=$(tx_bytes)
+  before=$(netns_tx_bytes)
   run_on_node1 "train_$d" "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
     --set "train.out_dir=$T/run_$d" --set "checkpoint.dir=$T/ckpt_$d" --set checkpoint.keep=1 \
     --set checkpoint.resume=none --set "comm.grad_dtype=$d"
   rc=$?
-  after=$(tx_bytes)
+  after=$(netns_tx_bytes)
   check "training on 2 hosts, comm.grad_dtype $d, exits 0" "[ $rc -eq 0 ]"
   [ $rc -eq 0 ] || show_tail "train_$d.out"
   wire_mib[$d]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
@@ -105,12 +97,12 @@ check "bf16 gradients halve the traffic: ${wire_mib[bf16]} MiB sent, at most 0.6
 # broadcast of theta_outer instead of 14 gradient all-reduces, so with F as above the bytes are
 # at most (3g + F) / (14g + F) <= 0.4 of fp32's (F <= 2g); a run that all-reduced every step
 # would send more than fp32's.
-before=$(tx_bytes)
+before=$(netns_tx_bytes)
 run_on_node1 train_diloco "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
   --set "train.out_dir=$T/run_diloco" --set "checkpoint.dir=$T/ckpt_diloco" --set checkpoint.every=0 \
   --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7
 rc=$?
-after=$(tx_bytes)
+after=$(netns_tx_bytes)
 wire_mib[diloco]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
 check "DiLoCo on 2 hosts (an island each, 7 inner steps) exits 0 after 2 outer steps" \
   "[ $rc -eq 0 ] && grep -q 'diloco: 2 outer steps' train_diloco.out"
