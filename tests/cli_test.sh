@@ -367,6 +367,21 @@ check "DiLoCo: 2 islands train to step 3 (exit $rc1) with each rank's state besi
    && grep -q 'resumed from ckpt-dl/ckpt-00000003.h5 at step 3' dl2.out && grep -q 'diloco: 3 outer steps' dl2.out \
    && [ \$(grep -c '\"outer_step\"' run-dl/metrics.jsonl) -eq 3 ]"
 [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] || tail -n 20 dl1.out dl2.out
+# Streaming DiLoCo on a 2-block model: 2 fragments, each exchange applied a step after it starts;
+# stopped after step 2 with fragment 0's exchange in flight (due after step 3) and resumed.
+ds=(--set parallel.islands=2 --set diloco.inner_steps=2 --set diloco.fragments=2 --set diloco.overlap=1
+    --set model.n_layer=2 --set checkpoint.dir=ckpt-ds --set train.out_dir=run-ds)
+"$MPIRUN" -np 2 "$BIN" cfg.yaml "${ds[@]}" --set checkpoint.resume=none --stop-after 2 > ds1.out 2>&1
+rc1=$?
+"$MPIRUN" -np 2 "$BIN" cfg.yaml "${ds[@]}" > ds2.out 2>&1
+rc2=$?
+check "streaming DiLoCo: 2 fragments, overlap 1: stopped after step 2 (exit $rc1) and resumed to 6 (exit $rc2), 7 exchanges" \
+  "[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q 'streaming: 2 fragments (blocks L mod 2), one synced every 1 steps, each applied 1 steps after it starts' ds1.out \
+   && grep -q 'resumed from ckpt-ds/ckpt-00000002.h5 at step 2' ds2.out && grep -q 'diloco: 7 outer steps' ds2.out"
+[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] || tail -n 20 ds1.out ds2.out
+expect_usage "diloco.fragments over the model's blocks" \
+  "cfg.yaml: diloco.fragments must be <= the model's 1 blocks" \
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml --set parallel.islands=2 --set diloco.fragments=2
 expect_usage "optim.zero out of range" "cfg.yaml: optim.zero must be 0 (off), 1 (ZeRO-1" "$BIN" cfg.yaml --set optim.zero=4
 expect_usage "optim.zero 3 with PowerSGD: refused by name" \
   "cfg.yaml: comm.compress must be none with optim.zero: 3" "$BIN" cfg.yaml --set optim.zero=3 --set comm.compress=powersgd

@@ -1553,6 +1553,136 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
   EXPECT_EQ(on.outer_steps, 2);  // after steps 6 and 8
 }
 
+namespace {
+// Island 1's parameters at `comm`'s rank 0 (islands of one rank: comm rank 1 is island 1), in
+// TrainResult::params' layout.
+std::vector<std::vector<float>> island_1_params(const TrainResult& r, MPI_Comm comm) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  std::vector<std::vector<float>> out;
+  for (const auto& [name, values] : r.params) {
+    std::vector<float> theirs(values.size());
+    if (rank == 1) MPI_Send(values.data(), static_cast<int>(values.size()), MPI_FLOAT, 0, 7, comm);
+    if (rank == 0) MPI_Recv(theirs.data(), static_cast<int>(theirs.size()), MPI_FLOAT, 1, 7, comm, MPI_STATUS_IGNORE);
+    out.push_back(std::move(theirs));
+  }
+  return out;
+}
+}  // namespace
+
+// Streaming DiLoCo (diloco.fragments F, diloco.overlap tau). H = 4, F = 2 on a 2-block model:
+// fragment 1 (block h.1) syncs after steps 2 and 6, fragment 0 (block h.0 and everything outside
+// the blocks) after steps 4 and 8; each exchange applied tau steps after it starts; after the
+// last step (9) everything.
+// 1. Where each fragment stands, seen by comparing the two islands (pairs of ranks, each an
+//    island): stopped after step 6 with tau = 0, fragment 1 was just set to theta_outer on both
+//    islands (bit for bit equal) while fragment 0 trained two steps apart since step 4 (it
+//    differs); with tau = 1 and mix 0, stopped after step 7, the same (its exchange started after
+//    step 6 lands after 7); stopped after step 6 with tau = 1, nothing landed yet; after the whole
+//    run every value is equal (the last step's sync).
+// 2. Exchanges and bytes: 2 per round plus 2 at the end, 6 in all; every value 3 times, fp32.
+// 3. The layouts of an island give the same run (4 ranks: dp 2, each rank its 1/2 of the model's
+//    values of a fragment and an all-gather per fragment; ZeRO-1 and ZeRO-3, each its slices of
+//    a fragment's parameters), to the order of fp32 additions.
+// 4. Stopped after step 4 (fragment 0's exchange in flight, due after step 5) and resumed: the
+//    run that never stopped, bit for bit (the checkpoint holds the exchange's mean).
+TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
+  const int n = world_size(), r = world_rank();
+  auto cfg = [](const std::string& run, int64_t micro, int64_t overlap, double mix) {
+    Config c = with_islands(sgd_config(run, micro, 9), 2, 4, 0.7, 0.9);
+    c.diloco.fragments = 2;
+    c.diloco.overlap = overlap;
+    c.diloco.mix = mix;
+    return c;
+  };
+  MPI_Comm pair = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, r / 2, r, &pair);
+  struct Case {
+    int64_t overlap;
+    double mix;
+    int64_t stop;  // 0: the whole run
+    bool frag0_equal, frag1_equal;
+  };
+  for (const Case& c : {Case{0, 0.5, 6, false, true}, Case{1, 0.0, 7, false, true}, Case{1, 0.0, 6, false, false},
+                        Case{1, 0.5, 0, true, true}}) {
+    TrainHooks hooks;
+    hooks.keep_params = true;
+    if (c.stop > 0) hooks.stop_after = c.stop;
+    const TrainResult got = train(cfg(concat("dls-", r / 2, "-", c.overlap, "-", c.stop), 2, c.overlap, c.mix), pair, hooks);
+    const auto other = island_1_params(got, pair);
+    if (r % 2 != 0) continue;
+    size_t differ[2] = {0, 0}, size[2] = {0, 0};
+    for (size_t i = 0; i < got.params.size(); ++i) {
+      const auto& [name, mine] = got.params[i];
+      const int f = name.rfind("h.1.", 0) == 0 ? 1 : 0;
+      size[f] += mine.size();
+      for (size_t k = 0; k < mine.size(); ++k) differ[f] += mine[k] != other[i][k];
+    }
+    const std::string what = concat("overlap ", c.overlap, ", mix ", c.mix, ", stopped after step ", c.stop);
+    if (r == 0)
+      std::printf("[ info ] streaming DiLoCo, %s: values that differ between the islands: fragment 0 %zu of %zu, "
+                  "fragment 1 %zu of %zu\n", what.c_str(), differ[0], size[0], differ[1], size[1]);
+    // Trained apart, nearly every value differs (not all: rows of bytes the steps never saw only
+    // decay, alike on both islands); at least half, well clear of 0.
+    if (c.frag0_equal) EXPECT_EQ(differ[0], 0u) << what; else EXPECT_GT(differ[0], size[0] / 2) << what;
+    if (c.frag1_equal) EXPECT_EQ(differ[1], 0u) << what; else EXPECT_GT(differ[1], size[1] / 2) << what;
+    if (c.stop == 0) {
+      EXPECT_EQ(got.outer_steps, 6) << what;
+      EXPECT_EQ(got.island_bytes, static_cast<uint64_t>(3 * got.num_params * 4)) << what;
+      EXPECT_LT(got.losses.back().second, got.losses.front().second - 0.05) << what << ": it learned";
+    }
+  }
+  // 3 and 4: 2 ranks: islands of one rank; 4 ranks: dp 2 in each island (and ZeRO-1, ZeRO-3 for 3).
+  TrainHooks keep;
+  keep.keep_params = true;
+  const int64_t micro = n == 4 ? 1 : 2;
+  const TrainResult straight = train(cfg("dls-straight", micro, 1, 0.5), MPI_COMM_WORLD, keep);
+  if (n == 4) {
+    const auto theta0 = initial_params(cfg("dls-ref", 2, 1, 0.5));
+    const TrainResult ref = train(cfg(concat("dls-ref-", r / 2), 2, 1, 0.5), pair, keep);
+    Config zero1 = cfg("dls-zero1", 1, 1, 0.5), zero3 = cfg("dls-zero3", 1, 1, 0.5);
+    zero1.optim.zero = 1;
+    zero3.optim.zero = 3;
+    for (const auto& [what, got] : {std::pair<std::string, TrainResult>{"2 islands x dp 2", straight},
+                                    {"2 islands x dp 2, ZeRO-1", train(zero1, MPI_COMM_WORLD, keep)},
+                                    {"2 islands x dp 2, ZeRO-3", train(zero3, MPI_COMM_WORLD, keep)}}) {
+      EXPECT_EQ(got.outer_steps, 6) << what;
+      ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
+      for (size_t i = 0; i < ref.losses.size(); ++i)
+        EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
+            << what << ", step " << ref.losses[i].first;
+      const Gap gap = worst_relative_gap(got, ref, theta0);
+      if (r == 0)
+        std::printf("[ info ] streaming DiLoCo %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n",
+                    what.c_str(), gap.rel, gap.name.c_str(), kReorderTolerance);
+      EXPECT_LE(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+    }
+  }
+  MPI_Comm_free(&pair);
+  TrainHooks stop = keep;
+  stop.stop_after = 4;
+  const TrainResult first = train(cfg("dls-resumed", micro, 1, 0.5), MPI_COMM_WORLD, stop);
+  EXPECT_EQ(first.outer_steps, 1) << "fragment 1's exchange of step 2 applied after step 3; fragment 0's in flight";
+  Config again = cfg("dls-resumed", micro, 1, 0.5);
+  again.checkpoint.resume = "auto";
+  const TrainResult second = train(again, MPI_COMM_WORLD, keep);
+  EXPECT_EQ(second.final_step, 9);
+  EXPECT_EQ(second.outer_steps, 6);
+  auto losses = first.losses;
+  losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+  ASSERT_EQ(losses.size(), straight.losses.size());
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i].second, straight.losses[i].second) << "step " << i + 1;
+  EXPECT_TRUE(same_params(second, straight)) << "resumed with an exchange in flight: bitwise";
+  // Resumed with another number of fragments while an exchange is in flight: refused, naming the key.
+  TrainHooks stop_again;
+  stop_again.stop_after = 4;
+  train(cfg("dls-refused", micro, 1, 0.5), MPI_COMM_WORLD, stop_again);
+  Config other = cfg("dls-refused", micro, 1, 0.5);
+  other.checkpoint.resume = "auto";
+  other.diloco.fragments = 4;
+  EXPECT_THROW(train(other, MPI_COMM_WORLD), ReportedUsageError);
+}
+
 TEST(Train, Cleanup) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());

@@ -25,6 +25,10 @@ class Work {
  public:
   virtual ~Work() = default;
   virtual void wait() = 0;
+  // Lets the collective advance without waiting for it (MPI: MPI_Testall, since MPI moves a
+  // non-blocking collective on only inside MPI calls); a no-op where the backend moves it itself.
+  // Not concurrent with wait() on the same Work.
+  virtual void progress() {}
 };
 
 class Communicator {

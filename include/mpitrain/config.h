@@ -184,6 +184,11 @@ struct DilocoConfig {
   double outer_lr = 0.7;          // the outer Nesterov SGD's learning rate, > 0
   double outer_momentum = 0.9;    // its momentum, [0, 1)
   std::string dtype = "fp32";     // the pseudo-gradient on the wire: fp32 | bf16 | int8 (blocks + error feedback)
+  // Streaming DiLoCo (arXiv 2501.18512): each rank's part in F fragments, each synced every
+  // inner_steps steps, fragment p after steps p * inner_steps / F (mod inner_steps); 1 <= F <= inner_steps.
+  int64_t fragments = 1;
+  int64_t overlap = 0;            // tau: an exchange started after step t is applied after step t + tau, [0, inner_steps)
+  double mix = 0.5;               // with overlap > 0: the island goes on from mix * its own + (1 - mix) * theta_outer, [0, 1)
 };
 
 struct FaultConfig {

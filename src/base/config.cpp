@@ -104,6 +104,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, islands),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
+    MPITRAIN_FIELD(diloco, fragments),   MPITRAIN_FIELD(diloco, overlap),
+    MPITRAIN_FIELD(diloco, mix),
     MPITRAIN_FIELD(fault, collective_timeout_s),
     MPITRAIN_FIELD(fault, first_collective_timeout_s),
     MPITRAIN_FIELD(sample, tokens),
@@ -732,6 +734,13 @@ void validate(const Config& c, const std::string& where) {
   check(dl.outer_lr > 0, "diloco.outer_lr", "> 0", show(dl.outer_lr));
   check(dl.outer_momentum >= 0 && dl.outer_momentum < 1, "diloco.outer_momentum", "in [0, 1)", show(dl.outer_momentum));
   check(one_of(dl.dtype, {"fp32", "bf16", "int8"}), "diloco.dtype", "one of fp32|bf16|int8", show(dl.dtype));
+  check(dl.fragments >= 1 && dl.fragments <= std::max<int64_t>(dl.inner_steps, 1), "diloco.fragments",
+        concat("in [1, diloco.inner_steps = ", dl.inner_steps, "] (each fragment syncs at its own step of a round)"),
+        show(dl.fragments));
+  check(dl.overlap >= 0 && dl.overlap < std::max<int64_t>(dl.inner_steps, 1), "diloco.overlap",
+        concat("in [0, diloco.inner_steps = ", dl.inner_steps, ") (an exchange completes before its fragment's next)"),
+        show(dl.overlap));
+  check(dl.mix >= 0 && dl.mix < 1, "diloco.mix", "in [0, 1)", show(dl.mix));
   check(c.fault.collective_timeout_s > 0, "fault.collective_timeout_s", "> 0",
         show(c.fault.collective_timeout_s));
   check(c.fault.first_collective_timeout_s > 0, "fault.first_collective_timeout_s", "> 0",

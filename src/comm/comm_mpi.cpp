@@ -114,6 +114,12 @@ class MpiWork final : public Work {
   }
   std::vector<MPI_Request>& requests() { return requests_; }
 
+  void progress() override {
+    if (done_) return;
+    int flag = 0;  // completed requests become MPI_REQUEST_NULL, which wait()'s MPI_Waitall skips
+    MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+  }
+
   void wait() override {
     if (done_) return;
     done_ = true;

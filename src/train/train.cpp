@@ -390,7 +390,15 @@ void Run::open_outputs() {
                     cfg_.train.out_dir + "/profile/rank-0.json", device_.is_cuda() ? device_.index() : -1);
   model_->train();
   if (s_.layout.islands > 1) {  // theta_outer from the weights the run starts from
-    diloco_.emplace(cfg_.diloco, *s_.mesh, par_.optimizer(), par_.zero_stage());
+    agree(mpi_comm_, [&] {
+      naming_config_file(cfg_, [&] {
+        if (cfg_.diloco.fragments > dims_.n_layer)
+          throw UsageError(concat("diloco.fragments must be <= the model's ", dims_.n_layer,
+                                  " blocks (a fragment is a set of whole blocks, L mod fragments), got ",
+                                  cfg_.diloco.fragments));
+      });
+    });
+    diloco_.emplace(cfg_.diloco, *s_.mesh, par_.optimizer(), par_.zero_stage(), dims_.n_layer);
     if (resumed_diloco_) {  // each rank's state beside the checkpoint
       const std::string dir = allgather_text(mpi_comm_, Diloco::state_dir(resumed_from_), 1 << 16)[0];  // rank 0's
       diloco_->load(dir, st_.step);
@@ -486,17 +494,18 @@ void Run::clip_and_update() {
   st_.step += 1;
   st_.data_cursor += static_cast<uint64_t>(cfg_.train.global_batch);
   st_.tokens_seen += tokens_per_step_;
-  if (diloco_ && diloco_->due(st_.step, cfg_.train.steps)) outer_step();
+  if (diloco_) outer_step();
 }
 
-// DiLoCo: the islands' pseudo-gradients averaged, theta_outer's Nesterov step, every island on
-// from it (diloco.h); then what after_update does after any update (ZeRO's all-gathers).
+// DiLoCo: the exchanges due (the islands' pseudo-gradients averaged, theta_outer's Nesterov step,
+// every island on from it; streaming: per fragment) and those whose turn it is started (diloco.h);
+// when the slots changed, what after_update does after any update (ZeRO's all-gathers).
 void Run::outer_step() {
   comm_wait_->begin();
-  diloco_->outer_step();
-  par_.after_update();
+  const bool changed = diloco_->after_step(st_.step, cfg_.train.steps);
+  if (changed) par_.after_update();
   comm_wait_->end();
-  if (topo_.rank == 0)
+  if (changed && topo_.rank == 0)
     progress_->report_outer(st_.step, diloco_->outer_steps(), static_cast<double>(diloco_->bytes_sent()) / (1 << 20),
                             diloco_->seconds());
 }
