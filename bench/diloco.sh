@@ -18,16 +18,18 @@
 # the one host's.
 #
 # Columns:
-#   run           what trains; "DiLoCo H" = parallel.islands: host, diloco.inner_steps H, WIRE on the wire
+#   run           what trains; "DiLoCo H" = parallel.islands: host, diloco.inner_steps H, WIRE on the wire;
+#                 "streaming" adds diloco.fragments FRAGS and diloco.overlap OVERLAP (diloco.mix 0.5)
 #   tok/s         tokens per second: tokens per step / the mean step time over every logged interval
 #                 but the first (start-up), outer steps included (they run inside their step)
 #   vs 1 host     tok/s ÷ the one host's
 #   MiB sent      what the two hosts' eth0 sent during the run (tx counters), launch included
 #   val loss      at the last step; "gap vs DP" = val loss - data parallelism's at the same rate
 # (DiLoCo H below: parallel.islands: host, diloco.inner_steps H.)
-# Environment: RATES ("1gbit 100mbit"), RUNS ("dp psgd diloco"), HS (inner steps, "50": a DiLoCo run
-# for each), WIRE (diloco.dtype, fp32), STEPS (300), MICRO (8), LAYERS (4), EMBD (256), LIMIT
-# (seconds per mpirun, 1800). Needs root, iproute2, openssh, util-linux, openmpi-bin, the
+# Environment: RATES ("1gbit 100mbit"), RUNS ("dp psgd diloco"; "stream": streaming DiLoCo), HS
+# (inner steps, "50": a DiLoCo run for each), FRAGS (3) and OVERLAP (5) for the streaming runs, WIRE
+# (diloco.dtype, fp32), STEPS (300), MICRO (8), LAYERS (4), EMBD (256), LIMIT (seconds per mpirun,
+# 1800). Needs root, iproute2, openssh, util-linux, openmpi-bin, the
 # fortunes package. About 15 minutes on a 2-core VM at the defaults. The table goes to stdout, the
 # harness's progress to stderr. Everything is removed on exit, also on failure or Ctrl-C (lib.sh).
 set -u
@@ -38,6 +40,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$REPO/bench/table_lib.sh"
 BIN=$(realpath -e "${1:-$REPO/build/mpitrain}" 2>/dev/null) || { echo "$0: no such file: ${1:-build/mpitrain}" >&2; exit 2; }
 RATES=${RATES:-"1gbit 100mbit"} RUNS=${RUNS:-"dp psgd diloco"} HS=${HS:-50} WIRE=${WIRE:-fp32} STEPS=${STEPS:-300}
+FRAGS=${FRAGS:-3} OVERLAP=${OVERLAP:-5}
 MICRO=${MICRO:-8} LAYERS=${LAYERS:-4} EMBD=${EMBD:-256}
 LIMIT=${LIMIT:-1800}
 [ -d /usr/share/games/fortunes ] || { echo "$0: no /usr/share/games/fortunes (Debian package fortunes)" >&2; exit 2; }
@@ -94,7 +97,7 @@ train one "$T/hosts-1" 1
 read -r "TOK[one]" "MIB[one]" "VAL[one]" < "$T/one.row"
 KEYS=()
 for run in $RUNS; do
-  case $run in diloco) for h in $HS; do KEYS+=("diloco$h"); done ;; *) KEYS+=("$run") ;; esac
+  case $run in diloco | stream) for h in $HS; do KEYS+=("$run$h"); done ;; *) KEYS+=("$run") ;; esac
 done
 for rate in $RATES; do
   netns_set_rate "$rate" >&2
@@ -104,6 +107,8 @@ for rate in $RATES; do
       psgd) train "$k-$rate" "$T/hosts-2" 2 --set comm.compress=powersgd --set comm.powersgd_start=0 ;;
       diloco*) train "$k-$rate" "$T/hosts-2" 2 --set parallel.islands=host --set "diloco.inner_steps=${k#diloco}" \
                  --set "diloco.dtype=$WIRE" ;;
+      stream*) train "$k-$rate" "$T/hosts-2" 2 --set parallel.islands=host --set "diloco.inner_steps=${k#stream}" \
+                 --set "diloco.dtype=$WIRE" --set "diloco.fragments=$FRAGS" --set "diloco.overlap=$OVERLAP" ;;
     esac
     read -r "TOK[$k-$rate]" "MIB[$k-$rate]" "VAL[$k-$rate]" < "$T/$k-$rate.row"
   done
@@ -117,7 +122,8 @@ echo "|---|---|---:|---:|---:|---:|---:|"
 printf '| - | 1 host (half the tokens) | %s | 1.00 | %s | %s | - |\n' "$(num "${TOK[one]}")" "$(num "${MIB[one]}" '%.1f')" "$(num "${VAL[one]}" '%.4f')"
 for rate in $RATES; do
   for k in "${KEYS[@]}"; do
-    case $k in dp) what="data parallel, fp32 every step" ;; psgd) what="PowerSGD rank 4 every step" ;; diloco*) what="DiLoCo H ${k#diloco}, $WIRE outer steps" ;; esac
+    case $k in dp) what="data parallel, fp32 every step" ;; psgd) what="PowerSGD rank 4 every step" ;; diloco*) what="DiLoCo H ${k#diloco}, $WIRE outer steps" ;;
+      stream*) what="streaming DiLoCo H ${k#stream}, $FRAGS fragments, overlap $OVERLAP" ;; esac
     printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$rate" "$what" "$(num "${TOK[$k-$rate]}")" \
       "$(ratio "${TOK[$k-$rate]}" "${TOK[one]}")" "$(num "${MIB[$k-$rate]}" '%.1f')" "$(num "${VAL[$k-$rate]}" '%.4f')" \
       "$(awk -v a="${VAL[$k-$rate]}" -v b="${VAL[dp-$rate]:-nan}" 'BEGIN { if (a == "nan" || b == "nan" || a == "" || b == "") print "-"; else printf "%+.4f", a - b }')"

@@ -155,6 +155,44 @@ TEST(Layout, IslandsThatDoNotFitAreRefusedNamingTheKey) {
       << uneven;
 }
 
+// parallel.islands: auto on made-up measurements (Gbit/s between hosts): a link is slow below
+// parallel.slow_link_gbit or a quarter of the fastest; hosts joined by other links are one group.
+TEST(Layout, AutoIslandsGroupHostsJoinedByFastLinks) {
+  const double X = 0;  // (the diagonal is not read)
+  // a-b on 100 Gbit/s, c and d each reached at 1 Gbit/s, c-d at 100: {a, b} {c, d}
+  const std::vector<std::vector<double>> two_sites = {
+      {X, 100, 1, 1}, {100, X, 1, 1}, {1, 1, X, 100}, {1, 1, 100, X}};
+  EXPECT_EQ(group_hosts(two_sites, 10), (std::vector<int>{0, 0, 1, 1}));
+  // the quarter rule alone: 40 and 8 Gbit/s against a floor of 1: 8 < 40 / 4 parts them
+  EXPECT_EQ(group_hosts({{X, 40, 8}, {40, X, 8}, {8, 8, X}}, 1), (std::vector<int>{0, 0, 1}));
+  // the floor alone: every link alike at 1 Gbit/s (two machines on Ethernet): an island each
+  EXPECT_EQ(group_hosts({{X, 1, 1}, {1, X, 1}, {1, 1, X}}, 10), (std::vector<int>{0, 1, 2}));
+  // a chain of fast links joins hosts that are not directly fast: a-b and b-c fast, a-c slow
+  EXPECT_EQ(group_hosts({{X, 50, 1}, {50, X, 50}, {1, 50, X}}, 10), (std::vector<int>{0, 0, 0}));
+  // groups number in the order of their first hosts
+  EXPECT_EQ(group_hosts({{X, 1, 100}, {1, X, 1}, {100, 1, X}}, 10), (std::vector<int>{0, 1, 0}));
+
+  const Topology four = hosts_of({{"a", 1}, {"b", 1}, {"c", 2}});
+  EXPECT_EQ(islands_of_groups(four, {0, 0, 1}), 2);  // {a, b}: ranks 0-1, {c}: ranks 2-3
+  EXPECT_EQ(plan_layout(four, 1, islands_of_groups(four, {0, 0, 1})).describe(four),
+            "mesh: 4 ranks = 2 islands x dp 2; islands a-b[0-1] c[2-3]");
+  EXPECT_EQ(islands_of_groups(four, {0, 0, 0}), 1);  // one group: plain training
+  auto refusal = [](const Topology& t, const std::vector<int>& g) {
+    try {
+      islands_of_groups(t, g);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  const std::string uneven = refusal(hosts_of({{"a", 1}, {"b", 1}, {"c", 1}}), {0, 0, 1});
+  EXPECT_NE(uneven.find("parallel.islands: auto: the links make 2 groups of hosts, which do not divide the world of 3"),
+            std::string::npos) << uneven;
+  const std::string apart = refusal(hosts_of({{"a", 1}, {"b", 1}, {"c", 1}, {"d", 1}}), {0, 1, 0, 1});
+  EXPECT_NE(apart.find("parallel.islands: auto: the links make 2 groups of hosts, but rank 1 (host b)"),
+            std::string::npos) << apart;
+}
+
 // ---- the pre-flight's rules (judge_preflight) on records of made-up ranks -----------------------
 namespace {
 PreflightRecord record(const std::map<std::string, std::string>& values) {

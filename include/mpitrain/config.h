@@ -171,11 +171,14 @@ struct CommConfig {
 struct ParallelConfig {
   int64_t tp = 1;  // tensor-parallel degree, >= 1
   // DiLoCo's islands (diloco.h): 1 (none: plain training) | host (one per host) | N (N islands of
-  // consecutive ranks, each a whole number of tp groups). Between islands only the outer steps talk.
+  // consecutive ranks, each a whole number of tp groups) | auto (the hosts' measured links decide:
+  // layout.h's group_hosts). Between islands only the outer steps talk.
   std::string islands = "1";
+  double slow_link_gbit = 10;  // islands: auto: a link below this (or a quarter of the fastest) parts islands, > 0
 };
 
-// parallel.islands as a number: N, -1 for host (one per host), 0 when it is neither (refused).
+// parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of
+// them (refused).
 int64_t islands_count(const std::string& spec);
 
 // DiLoCo between islands (diloco.h, docs/diloco.md); read only with parallel.islands > 1.

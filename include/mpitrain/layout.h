@@ -46,4 +46,17 @@ struct MeshLayout {
 // world into equal runs of whole tp groups.
 MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1);
 
+// parallel.islands: auto (docs/diloco.md). `gbit[i][j]`: the measured bandwidth between hosts i and
+// j in Gbit/s (symmetric; the diagonal is not read). A link is slow when it is below `slow_gbit`
+// (parallel.slow_link_gbit) or below a quarter of the fastest link; hosts joined by links that are
+// not slow, directly or through other hosts, form a group. Returns each host's group, numbered in
+// the order of the groups' first hosts.
+std::vector<int> group_hosts(const std::vector<std::vector<double>>& gbit, double slow_gbit);
+// The islands the groups make: every group's ranks one run of consecutive ranks, every group as
+// many ranks. UsageError naming parallel.islands: auto and the groups otherwise.
+int64_t islands_of_groups(const Topology& topo, const std::vector<int>& group);
+// "slow-node1-slow-node2 9.6, slow-node1-slow-node3 0.1 (slow), ...; 2 islands: slow-node1 slow-node2 | slow-node3"
+std::string describe_groups(const Topology& topo, const std::vector<std::vector<double>>& gbit,
+                            const std::vector<int>& group, double slow_gbit);
+
 }  // namespace mpitrain

@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "mpitrain/mpi_env.h"
 #include "mpitrain/preflight.h"
 
 namespace mpitrain {
@@ -29,6 +31,11 @@ struct NetcheckOptions {
 // interface names (exact match). Returns the value now in force ("" = NCCL's own
 // choice).
 std::string follow_mpi_interface_for_nccl();
+
+// parallel.islands: auto: the bandwidth in Gbit/s between every pair of hosts, on every rank: the
+// hosts' first ranks ping-pong `bytes` twice after a small warm-up, disjoint pairs at once (a
+// round-robin of hosts - 1 rounds). Collective over `comm`.
+std::vector<std::vector<double>> host_bandwidths(MPI_Comm comm, const Topology& topo, int64_t bytes);
 
 // Collective over `comm`; rank 0 prints. `local_gpus` is the number of GPUs this rank sees;
 // `torch_version` and `gpu_facts` (of a device index, -1 = none) fill the pre-flight record,

@@ -102,6 +102,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, param_dtype), MPITRAIN_FIELD(comm, compress),
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, islands),
+    MPITRAIN_FIELD(parallel, slow_link_gbit),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
     MPITRAIN_FIELD(diloco, fragments),   MPITRAIN_FIELD(diloco, overlap),
@@ -727,8 +728,10 @@ void validate(const Config& c, const std::string& where) {
   }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   const int64_t islands = islands_count(c.parallel.islands);
-  check(islands != 0, "parallel.islands", "1 (none), host (one island per host) or a number of islands >= 1",
+  check(islands != 0, "parallel.islands",
+        "1 (none), host (one island per host), auto (from the links' bandwidth) or a number of islands >= 1",
         show(c.parallel.islands));
+  check(c.parallel.slow_link_gbit > 0, "parallel.slow_link_gbit", "> 0", show(c.parallel.slow_link_gbit));
   const DilocoConfig& dl = c.diloco;
   check(dl.inner_steps >= 1, "diloco.inner_steps", ">= 1 (optimizer steps between outer steps)", show(dl.inner_steps));
   check(dl.outer_lr > 0, "diloco.outer_lr", "> 0", show(dl.outer_lr));
@@ -758,6 +761,7 @@ void validate(const Config& c, const std::string& where) {
 
 int64_t islands_count(const std::string& spec) {
   if (spec == "host") return -1;
+  if (spec == "auto") return -2;
   if (spec.empty() || spec.size() > 7 || !std::all_of(spec.begin(), spec.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
     return 0;
   return std::stoll(spec);

@@ -1,6 +1,9 @@
 // The dp x tp layout rules (see layout.h).
 #include "mpitrain/layout.h"
 
+#include <algorithm>
+#include <cstdio>
+
 #include "mpitrain/error.h"
 
 namespace mpitrain {
@@ -88,6 +91,78 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands) {
   l.islands = static_cast<int>(islands);
   l.dp = topo.size / l.tp / l.islands;
   return l;
+}
+
+namespace {
+bool slow_link(const std::vector<std::vector<double>>& gbit, size_t i, size_t j, double slow_gbit) {
+  double fastest = 0;
+  for (size_t a = 0; a < gbit.size(); ++a)
+    for (size_t b = 0; b < gbit.size(); ++b)
+      if (a != b) fastest = std::max(fastest, gbit[a][b]);
+  return gbit[i][j] < slow_gbit || gbit[i][j] < 0.25 * fastest;
+}
+}  // namespace
+
+std::vector<int> group_hosts(const std::vector<std::vector<double>>& gbit, double slow_gbit) {
+  const size_t H = gbit.size();
+  std::vector<int> group(H, -1);
+  int next = 0;
+  for (size_t first = 0; first < H; ++first) {  // each ungrouped host starts a group: all it reaches
+    if (group[first] >= 0) continue;
+    std::vector<size_t> todo = {first};
+    group[first] = next;
+    while (!todo.empty()) {
+      const size_t i = todo.back();
+      todo.pop_back();
+      for (size_t j = 0; j < H; ++j)
+        if (group[j] < 0 && !slow_link(gbit, i, j, slow_gbit)) {
+          group[j] = next;
+          todo.push_back(j);
+        }
+    }
+    ++next;
+  }
+  return group;
+}
+
+std::string describe_groups(const Topology& topo, const std::vector<std::vector<double>>& gbit,
+                            const std::vector<int>& group, double slow_gbit) {
+  std::string links;
+  for (size_t i = 0; i < gbit.size(); ++i)
+    for (size_t j = i + 1; j < gbit.size(); ++j) {
+      char value[32];
+      std::snprintf(value, sizeof value, "%.3g", gbit[i][j]);
+      links += concat(links.empty() ? "" : ", ", topo.hosts[i], "-", topo.hosts[j], " ", value,
+                      slow_link(gbit, i, j, slow_gbit) ? " (slow)" : "");
+    }
+  const int groups = group.empty() ? 0 : *std::max_element(group.begin(), group.end()) + 1;
+  std::string members;
+  for (int g = 0; g < groups; ++g) {
+    if (g > 0) members += " |";
+    for (size_t h = 0; h < group.size(); ++h)
+      if (group[h] == g) members += " " + topo.hosts[h];
+  }
+  return concat("links between hosts (Gbit/s): ", links.empty() ? std::string("none") : links, "; ", groups,
+                groups == 1 ? " group:" : " groups:", members);
+}
+
+int64_t islands_of_groups(const Topology& topo, const std::vector<int>& group) {
+  const int groups = *std::max_element(group.begin(), group.end()) + 1;
+  if (groups == 1) return 1;
+  if (topo.size % groups != 0)
+    throw UsageError(concat("parallel.islands: auto: the links make ", groups, " groups of hosts, which do not divide the "
+                            "world of ", topo.size, " ranks into islands of as many ranks; give every group as many "
+                            "ranks, or set parallel.islands to host or a number"));
+  const int per = topo.size / groups;
+  for (int r = 0; r < topo.size; ++r)
+    if (group[static_cast<size_t>(topo.host_of_rank[r])] != group[static_cast<size_t>(topo.host_of_rank[(r / per) * per])] ||
+        (r % per == 0 && r > 0 &&
+         group[static_cast<size_t>(topo.host_of_rank[r])] == group[static_cast<size_t>(topo.host_of_rank[r - 1])]))
+      throw UsageError(concat("parallel.islands: auto: the links make ", groups, " groups of hosts, but rank ", r, " (host ",
+                              topo.hosts[topo.host_of_rank[r]], ") does not fall in its group's run of ", per,
+                              " consecutive ranks: every group needs as many ranks, its hosts' ranks consecutive "
+                              "(hostfile order); or set parallel.islands to host or a number"));
+  return groups;
 }
 
 }  // namespace mpitrain

@@ -101,6 +101,57 @@ Link measure_link(MPI_Comm comm, int rank, int a, int b, const NetcheckOptions& 
   return {a, b, out[0], out[1]};
 }
 
+}  // namespace
+
+std::vector<std::vector<double>> host_bandwidths(MPI_Comm comm, const Topology& topo, int64_t bytes) {
+  const int H = static_cast<int>(topo.hosts.size());
+  std::vector<int> leaders(static_cast<size_t>(H), -1);
+  for (int r = topo.size - 1; r >= 0; --r) leaders[static_cast<size_t>(topo.host_of_rank[r])] = r;
+  std::vector<double> mine(static_cast<size_t>(H * H), 0.0), all(mine.size(), 0.0);
+  std::vector<char> buf(static_cast<size_t>(bytes));
+  // The circle method: host 0 stays, the others rotate; position i meets position n - 1 - i.
+  const int n = H + H % 2;  // an odd count gets a bye (-1)
+  std::vector<int> ring(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) ring[static_cast<size_t>(i)] = i < H ? i : -1;
+  for (int round = 0; round + 1 < n; ++round) {
+    MPI_CHECK(MPI_Barrier(comm));
+    for (int i = 0; i < n / 2; ++i) {
+      const int a = ring[static_cast<size_t>(i)], b = ring[static_cast<size_t>(n - 1 - i)];
+      if (a < 0 || b < 0) continue;
+      const int ra = leaders[static_cast<size_t>(std::min(a, b))], rb = leaders[static_cast<size_t>(std::max(a, b))];
+      if (topo.rank != ra && topo.rank != rb) continue;
+      const int peer = topo.rank == ra ? rb : ra;
+      auto pingpong = [&](int count, int iters) {
+        const double t0 = MPI_Wtime();
+        for (int k = 0; k < iters; ++k) {
+          if (topo.rank == ra) {
+            MPI_CHECK(MPI_Send(buf.data(), count, MPI_CHAR, peer, 11, comm));
+            MPI_CHECK(MPI_Recv(buf.data(), count, MPI_CHAR, peer, 11, comm, MPI_STATUS_IGNORE));
+          } else {
+            MPI_CHECK(MPI_Recv(buf.data(), count, MPI_CHAR, peer, 11, comm, MPI_STATUS_IGNORE));
+            MPI_CHECK(MPI_Send(buf.data(), count, MPI_CHAR, peer, 11, comm));
+          }
+        }
+        return MPI_Wtime() - t0;
+      };
+      pingpong(8, 3);  // the connection set up
+      const double t = pingpong(static_cast<int>(bytes), 2);
+      if (topo.rank == ra) {
+        const double gbit = 4.0 * static_cast<double>(bytes) * 8 / std::max(t, 1e-9) / 1e9;
+        mine[static_cast<size_t>(a * H + b)] = mine[static_cast<size_t>(b * H + a)] = gbit;
+      }
+    }
+    std::rotate(ring.begin() + 1, ring.end() - 1, ring.end());
+  }
+  MPI_CHECK(MPI_Allreduce(mine.data(), all.data(), H * H, MPI_DOUBLE, MPI_MAX, comm));
+  std::vector<std::vector<double>> out(static_cast<size_t>(H), std::vector<double>(static_cast<size_t>(H), 0.0));
+  for (int i = 0; i < H; ++i)
+    for (int j = 0; j < H; ++j) out[static_cast<size_t>(i)][static_cast<size_t>(j)] = all[static_cast<size_t>(i * H + j)];
+  return out;
+}
+
+namespace {
+
 // Mean time of an in-place float sum all-reduce of `bytes`, the slowest rank's.
 double time_allreduce(MPI_Comm comm, int64_t bytes, int iters) {
   std::vector<float> v(static_cast<size_t>(std::max<int64_t>(1, bytes / 4)), 1.0f);

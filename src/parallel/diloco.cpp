@@ -176,7 +176,7 @@ void Diloco::put(torch::Tensor& part, int64_t p, const torch::Tensor& values) co
 torch::Tensor Diloco::take_slots(int64_t p) const {
   std::vector<torch::Tensor> pieces;
   for (const auto& [a, b] : ranges(p, begin_, begin_ + length_)) pieces.push_back(slots_range(a, b - a));
-  return pieces.empty() ? torch::zeros({0}, torch::kFloat32) : torch::cat(pieces);
+  return pieces.empty() ? torch::zeros({0}, outer_.options()) : torch::cat(pieces);
 }
 
 // Fragment p of this rank's part to the slots. ZeRO off with dp > 1 (each dp rank reduced its own

@@ -88,23 +88,33 @@ double exposed(double comm, double last, double backward, bool overlap) {
 // one exchange of the model between the hosts: the measured all-reduce over all ranks for fp32 and
 // bf16 (an upper bound: it also crosses the hosts' own ranks), int8 by its bytes, an all-gather of
 // (islands - 1) x 1.02 bytes per value against a ring all-reduce's 2 (islands - 1) / islands x 4.
+// Streaming (F fragments, overlap tau): each fragment's exchange, 1/F of the model, has tau steps
+// to cross while training goes on, so a step waits max(0, outer - F tau step) / H on average.
 std::string diloco_table(const CommTimes& all, const CommTimes& local, double t_micro, double t_backward,
-                         double t_optimizer, int64_t tokens_per_rank, int ranks, int per_host, int islands) {
+                         double t_optimizer, int64_t tokens_per_rank, int ranks, int per_host, int islands,
+                         int64_t n_layer) {
   const double step = t_micro + t_optimizer + exposed(local.fp32, local.last_fp32, t_backward, true);
   const double tok_1 = static_cast<double>(tokens_per_rank * per_host) / step;
+  const int64_t F = std::min<int64_t>(4, n_layer), tau = 5;
   std::string out = concat("DiLoCo, parallel.islands: host (", islands, " islands; micro-batch as above, grad_accum 1, ",
-                           "fp32 within each host):\n",
-                           "| diloco.inner_steps | diloco.dtype | outer step ms | step ms | outer share | tokens/s | vs one host |\n",
-                           "|---:|---|---:|---:|---:|---:|---:|\n");
-  char line[200];
+                           "fp32 within each host; streaming: diloco.fragments ", F, ", diloco.overlap ", tau, "):\n",
+                           "| diloco.inner_steps | diloco.dtype | outer step ms | step ms | outer share | tokens/s | vs one host "
+                           "| streaming step ms | streaming vs one host |\n",
+                           "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  char line[256];
   for (int64_t h : {10, 50, 100, 500})
     for (const char* wire : {"fp32", "bf16", "int8"}) {
       const std::string w = wire;
       const double outer = w == "bf16" ? all.bf16 : w == "int8" ? all.fp32 * 1.02 * islands / 8.0 : all.fp32;
       const double per_step = step + outer / static_cast<double>(h);
       const double tok_s = static_cast<double>(tokens_per_rank * ranks) / per_step;
-      std::snprintf(line, sizeof line, "| %lld | %s | %.1f | %.1f | %.1f%% | %.0f | %.2fx |\n", static_cast<long long>(h), wire,
-                    outer * 1e3, per_step * 1e3, 100 * outer / static_cast<double>(h) / per_step, tok_s, tok_s / tok_1);
+      const int64_t t = std::min<int64_t>(tau, h - 1), f = std::min<int64_t>(F, h);
+      const double streaming = step + std::max(0.0, outer - static_cast<double>(f * t) * step) / static_cast<double>(h);
+      const double tok_streaming = static_cast<double>(tokens_per_rank * ranks) / streaming;
+      std::snprintf(line, sizeof line, "| %lld | %s | %.1f | %.1f | %.1f%% | %.0f | %.2fx | %.1f | %.2fx |\n",
+                    static_cast<long long>(h), wire, outer * 1e3, per_step * 1e3,
+                    100 * outer / static_cast<double>(h) / per_step, tok_s, tok_s / tok_1, streaming * 1e3,
+                    tok_streaming / tok_1);
       out += line;
     }
   return out;
@@ -350,7 +360,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     out += concat("\nwarning: the other hosts add little (", pick->speedup,
                   "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");
   if (topo.hosts.size() > 1) out += "\n" + diloco_table(all, local, t_micro, t_backward, t_optimizer, micro * T, n, per_host,
-                                                        static_cast<int>(topo.hosts.size()));
+                                                        static_cast<int>(topo.hosts.size()), dims.n_layer);
   out += "\n" + memory;
   std::printf("%s\n", out.c_str());
   std::fflush(stdout);

@@ -153,8 +153,19 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
   const Topology& topo = run.topo;
   // The layout: world = islands x dp x tp. The batch arithmetic counts data replicas (all islands').
   MeshLayout& layout = run.layout;
+  int64_t islands = islands_count(cfg.parallel.islands);
+  std::vector<std::vector<double>> gbit;
+  if (islands == -2 && topo.hosts.size() > 1) gbit = host_bandwidths(mpi_comm, topo, 4 << 20);  // collective
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-    layout = plan_layout(topo, cfg.parallel.tp, islands_count(cfg.parallel.islands));
+    if (islands == -2) {  // auto: hosts joined by slow links in separate islands (layout.h)
+      const std::vector<int> group = gbit.empty() ? std::vector<int>{0} : group_hosts(gbit, cfg.parallel.slow_link_gbit);
+      if (topo.rank == 0 && !gbit.empty())
+        log::info(concat("parallel.islands: auto: ", describe_groups(topo, gbit, group, cfg.parallel.slow_link_gbit),
+                         " (slow: below parallel.slow_link_gbit ", cfg.parallel.slow_link_gbit,
+                         " or a quarter of the fastest link)"));
+      islands = islands_of_groups(topo, group);
+    }
+    layout = plan_layout(topo, cfg.parallel.tp, islands);
   }); });
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.replicas()); });
   log::set_level(log::parse_level(cfg.log.level));

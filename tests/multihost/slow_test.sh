@@ -10,7 +10,11 @@
 #     start-up broadcast of the parameters, scalar reductions) stays, so the ratio (G/2+F)/(G+F)
 #     is at most 0.6 while F <= G/4; here G >= 14 steps x 3.2 MiB and F is about one 3.2 MiB
 #     broadcast plus the launch;
-#  4. DiLoCo with an island per host and 7 inner steps: at most 0.4x fp32's bytes (derived below).
+#  4. DiLoCo with an island per host and 7 inner steps, blocking and streaming: at most 0.4x
+#     fp32's bytes (derived below);
+#  5. parallel.islands: auto: on the 2 hosts an island each (the link is below the floor); on 3
+#     hosts, one behind a slow link, 2 islands; refused by name when the groups cannot make equal
+#     islands.
 # Reported, not asserted: the plan's predicted communication share against the share the trainings
 # measured (metrics.jsonl, the median of the reports after the first), and the exposed
 # communication time per step. The prediction and the runs share this machine's 2 cores with
@@ -29,7 +33,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 BIN=$(realpath -e "$1" 2>/dev/null) || { echo "$0: no such file: $1" >&2; exit 2; }
 
 NET=10.213.11
-HOSTS=(slow-node1 slow-node2)
+HOSTS=(slow-node1 slow-node2 slow-node3)  # node3 only in the last part (parallel.islands: auto)
 ID=slw$$
 NETNS_TMP=/tmp/mpt-slow-XXXXXX
 NETNS_TOOLS=(mpirun tc)
@@ -109,6 +113,66 @@ check "DiLoCo on 2 hosts (an island each, 7 inner steps) exits 0 after 2 outer s
 [ $rc -eq 0 ] || show_tail train_diloco.out
 check "DiLoCo sent ${wire_mib[diloco]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
   "awk -v d='${wire_mib[diloco]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+# Streaming DiLoCo over the same link (the demo's 4 blocks in 2 fragments, each exchange a
+# non-blocking all-reduce applied 2 steps after it starts): fragment 1 after steps 3 and 10,
+# fragment 0 after step 7, both after the last: 2.5 models instead of 2, so the bound above holds
+# (the 2.5 models and the start-up broadcast: (3.5g + F) / (14g + F) <= 0.4 while F <= 3.5g; F <= 2g, above).
+before=$(netns_tx_bytes)
+run_on_node1 train_streaming "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
+  --set "train.out_dir=$T/run_streaming" --set "checkpoint.dir=$T/ckpt_streaming" --set checkpoint.every=0 \
+  --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7 \
+  --set diloco.fragments=2 --set diloco.overlap=2
+rc=$?
+after=$(netns_tx_bytes)
+wire_mib[streaming]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
+check "streaming DiLoCo on 2 hosts (2 fragments, overlap 2) exits 0 after 5 exchanges" \
+  "[ $rc -eq 0 ] && grep -q 'diloco: 5 outer steps' train_streaming.out"
+[ $rc -eq 0 ] || show_tail train_streaming.out
+check "streaming DiLoCo sent ${wire_mib[streaming]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
+  "awk -v d='${wire_mib[streaming]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+# parallel.islands: auto: the one link between the hosts (100 Mbit/s) is below
+# parallel.slow_link_gbit's 10: an island each (a 2-step run of a small model).
+run_on_node1 auto2 "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=2 --set model.n_layer=1 \
+  --set model.n_embd=32 --set model.n_head=2 --set train.micro_batch=2 --set "train.out_dir=$T/run_auto2" \
+  --set "checkpoint.dir=$T/ckpt_auto2" --set checkpoint.every=0 --set checkpoint.at_end=false \
+  --set checkpoint.resume=none --set parallel.islands=auto --set diloco.inner_steps=2
+rc=$?
+check "parallel.islands: auto on 2 hosts over one $NETNS_RATE link: the link is slow, an island per host (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'parallel.islands: auto: links between hosts (Gbit/s): slow-node1-slow-node2 [0-9.e-]* (slow); 2 groups: slow-node1 | slow-node2' auto2.out \
+   && grep -q 'mesh: 2 ranks = 2 islands x dp 1' auto2.out"
+[ $rc -eq 0 ] || show_tail auto2.out
+
+# parallel.islands: auto among 3 hosts: node1 and node2 now on 10 Gbit/s links, node3 still on
+# $NETNS_RATE: node3's links are slow by both rules (parallel.slow_link_gbit 1 here, so the
+# namespaces' veth pair between node1 and node2 counts as fast whatever this machine's speed).
+# With 1 + 1 + 2 ranks: 2 islands of 2 ranks; with 1 + 1 + 1: refused by name (exit 2).
+saved_rate=$NETNS_RATE
+NETNS_RATE=10gbit
+netns_limit_link "${NODE_NS[0]}" p1
+netns_limit_link "${NODE_NS[1]}" p2
+NETNS_RATE=$saved_rate
+printf '%s slots=1\n%s slots=1\n%s slots=2\n' "${ADDRS[@]}" > "$T/hosts3"
+printf '%s slots=1\n' "${ADDRS[@]}" > "$T/hosts3-uneven"
+for h in hosts3 hosts3-uneven; do
+  np=4
+  [ $h = hosts3-uneven ] && np=3
+  bounded "$LIMIT" nsenter --target "${SSHD_PIDS[0]}" --net --uts -- \
+    mpirun --hostfile "$T/$h" -np $np --bind-to none "$BIN" "$ROOT/configs/demo.yaml" "${common[@]}" \
+    --set train.steps=4 --set log.every=2 --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2 \
+    --set train.micro_batch=2 --set "train.out_dir=$T/run_$h" --set "checkpoint.dir=$T/ckpt_$h" \
+    --set checkpoint.every=0 --set checkpoint.at_end=false --set checkpoint.resume=none \
+    --set parallel.islands=auto --set parallel.slow_link_gbit=1 --set diloco.inner_steps=2 > "$T/auto_$h.out" 2>&1
+  rcs[$np]=$?
+done
+check "parallel.islands: auto on 3 hosts, node3 behind a slow link: 2 islands, {node1, node2} and {node3}, exit ${rcs[4]}" \
+  "[ ${rcs[4]} -eq 0 ] && grep -q '2 groups: slow-node1 slow-node2 | slow-node3' auto_hosts3.out \
+   && grep -q 'slow-node1-slow-node2 [0-9.e+]*, slow-node1-slow-node3 [0-9.e-]* (slow), slow-node2-slow-node3 [0-9.e-]* (slow)' auto_hosts3.out \
+   && grep -q 'mesh: 4 ranks = 2 islands x dp 2' auto_hosts3.out && grep -q 'diloco: 2 outer steps' auto_hosts3.out"
+[ "${rcs[4]}" -eq 0 ] || show_tail auto_hosts3.out
+check "parallel.islands: auto whose groups cannot be equal islands (1 + 1 | 1 ranks): one line naming the key, exit ${rcs[3]}" \
+  "[ ${rcs[3]} -eq 2 ] && [ \$(grep -c 'mpitrain: ' auto_hosts3-uneven.out) -eq 1 ] \
+   && grep -q 'parallel.islands: auto: the links make 2 groups of hosts, which do not divide the world of 3 ranks' auto_hosts3-uneven.out"
+[ "${rcs[3]}" -eq 2 ] || show_tail auto_hosts3-uneven.out
 
 . "$ROOT/bench/table_lib.sh"
 echo "  plan against training (timings: reported, not asserted):"
@@ -119,3 +183,4 @@ for d in fp32 bf16; do
   echo "  | $d | ${wire_mib[$d]} | $(num "${ms_step[$d]:-nan}") | $(num "${exposed_ms[$d]:-nan}") | $(ratio "${exposed_ms[$d]:-nan}" "${exposed_ms[fp32]:-nan}") | $(pct "${p:-nan}") | $(pct "${share[$d]:-nan}") | $(ratio "${share[$d]:-nan}" "${p:-nan}") |"
 done
 echo "  | DiLoCo, island per host, H = 7 | ${wire_mib[diloco]} | | | | | | |"
+echo "  | streaming DiLoCo, H = 7, 2 fragments, overlap 2 | ${wire_mib[streaming]} | | | | | | |"
