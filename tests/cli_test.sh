@@ -356,11 +356,15 @@ check "tensor parallel: a tp 1 run resumes the tp 2 checkpoint, keeping its 258 
 # DiLoCo: 2 islands of one rank, an outer step every 2 steps, stopped after step 3 (mid-round) and
 # resumed: each rank's state lies beside the checkpoint, the outer steps count on, metrics.jsonl
 # carries them.
-dl=(--set parallel.islands=2 --set diloco.inner_steps=2 --set checkpoint.dir=ckpt-dl --set train.out_dir=run-dl)
-"$MPIRUN" -np 2 "$BIN" cfg.yaml "${dl[@]}" --set checkpoint.resume=none --stop-after 3 > dl1.out 2>&1
-rc1=$?
-"$MPIRUN" -np 2 "$BIN" cfg.yaml "${dl[@]}" > dl2.out 2>&1
-rc2=$?
+stop_and_resume() {  # name, stop step, mpitrain arguments...: <name>1.out, <name>2.out, rc1, rc2
+  local name=$1 stop=$2
+  shift 2
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml "$@" --set checkpoint.resume=none --stop-after "$stop" > "${name}1.out" 2>&1
+  rc1=$?
+  "$MPIRUN" -np 2 "$BIN" cfg.yaml "$@" > "${name}2.out" 2>&1
+  rc2=$?
+}
+stop_and_resume dl 3 --set parallel.islands=2 --set diloco.inner_steps=2 --set checkpoint.dir=ckpt-dl --set train.out_dir=run-dl
 check "DiLoCo: 2 islands train to step 3 (exit $rc1) with each rank's state beside the checkpoint, then resume to 6 (exit $rc2)" \
   "[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q 'mesh: 2 ranks = 2 islands x dp 1; islands' dl1.out \
    && [ -f ckpt-dl/ckpt-00000003.diloco/rank-00000.h5 ] && [ -f ckpt-dl/ckpt-00000003.diloco/rank-00001.h5 ] \
@@ -369,12 +373,8 @@ check "DiLoCo: 2 islands train to step 3 (exit $rc1) with each rank's state besi
 [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] || tail -n 20 dl1.out dl2.out
 # Streaming DiLoCo on a 2-block model: 2 fragments, each exchange applied a step after it starts;
 # stopped after step 2 with fragment 0's exchange in flight (due after step 3) and resumed.
-ds=(--set parallel.islands=2 --set diloco.inner_steps=2 --set diloco.fragments=2 --set diloco.overlap=1
-    --set model.n_layer=2 --set checkpoint.dir=ckpt-ds --set train.out_dir=run-ds)
-"$MPIRUN" -np 2 "$BIN" cfg.yaml "${ds[@]}" --set checkpoint.resume=none --stop-after 2 > ds1.out 2>&1
-rc1=$?
-"$MPIRUN" -np 2 "$BIN" cfg.yaml "${ds[@]}" > ds2.out 2>&1
-rc2=$?
+stop_and_resume ds 2 --set parallel.islands=2 --set diloco.inner_steps=2 --set diloco.fragments=2 \
+  --set diloco.overlap=1 --set model.n_layer=2 --set checkpoint.dir=ckpt-ds --set train.out_dir=run-ds
 check "streaming DiLoCo: 2 fragments, overlap 1: stopped after step 2 (exit $rc1) and resumed to 6 (exit $rc2), 7 exchanges" \
   "[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q 'streaming: 2 fragments (blocks L mod 2), one synced every 1 steps, each applied 1 steps after it starts' ds1.out \
    && grep -q 'resumed from ckpt-ds/ckpt-00000002.h5 at step 2' ds2.out && grep -q 'diloco: 7 outer steps' ds2.out"

@@ -1367,6 +1367,20 @@ bool same_params(const TrainResult& a, const TrainResult& b) {
     if (a.params[i].second != b.params[i].second) return false;
   return true;
 }
+// `got` is the run `ref` (2 islands of 1 rank) under another layout of an island: the same losses
+// and parameters to the order of fp32 additions (kReorderTolerance).
+void expect_same_run(const TrainResult& got, const TrainResult& ref, const std::vector<std::vector<float>>& theta0,
+                     const std::string& what) {
+  ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
+  for (size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
+        << what << ", step " << ref.losses[i].first;
+  const Gap gap = worst_relative_gap(got, ref, theta0);
+  if (world_rank() == 0)
+    std::printf("[ info ] %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n", what.c_str(),
+                gap.rel, gap.name.c_str(), kReorderTolerance);
+  EXPECT_LE(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+}
 }  // namespace
 
 // One island is plain training, bit for bit, whatever the diloco section says. With one inner
@@ -1479,15 +1493,7 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
     if (what == "2 islands x dp 2") {  // half the model each (the parts rounded up)
       EXPECT_EQ(got.island_bytes, static_cast<uint64_t>(3 * ((got.num_params + 1) / 2) * 4)) << what;
     }
-    ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
-    for (size_t i = 0; i < ref.losses.size(); ++i)
-      EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
-          << what << ", step " << ref.losses[i].first;
-    const Gap gap = worst_relative_gap(got, ref, theta0);
-    if (r == 0)
-      std::printf("[ info ] DiLoCo %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n",
-                  what.c_str(), gap.rel, gap.name.c_str(), kReorderTolerance);
-    EXPECT_LE(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+    expect_same_run(got, ref, theta0, "DiLoCo " + what);
   }
 }
 
@@ -1647,15 +1653,7 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
                                     {"2 islands x dp 2, ZeRO-1", train(zero1, MPI_COMM_WORLD, keep)},
                                     {"2 islands x dp 2, ZeRO-3", train(zero3, MPI_COMM_WORLD, keep)}}) {
       EXPECT_EQ(got.outer_steps, 6) << what;
-      ASSERT_EQ(got.losses.size(), ref.losses.size()) << what;
-      for (size_t i = 0; i < ref.losses.size(); ++i)
-        EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
-            << what << ", step " << ref.losses[i].first;
-      const Gap gap = worst_relative_gap(got, ref, theta0);
-      if (r == 0)
-        std::printf("[ info ] streaming DiLoCo %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n",
-                    what.c_str(), gap.rel, gap.name.c_str(), kReorderTolerance);
-      EXPECT_LE(gap.rel, kReorderTolerance) << what << ": " << gap.name;
+      expect_same_run(got, ref, theta0, "streaming DiLoCo " + what);
     }
   }
   MPI_Comm_free(&pair);

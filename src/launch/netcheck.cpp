@@ -65,6 +65,22 @@ struct Link {
   double bandwidth;    // GB/s, one direction
 };
 
+// `iters` round trips of `bytes` between this rank and `peer` (`first`: this rank sends first);
+// the seconds they took.
+double round_trips(MPI_Comm comm, bool first, int peer, std::vector<char>& buf, int bytes, int iters) {
+  const double t0 = MPI_Wtime();
+  for (int i = 0; i < iters; ++i) {
+    if (first) {
+      MPI_CHECK(MPI_Send(buf.data(), bytes, MPI_CHAR, peer, 7, comm));
+      MPI_CHECK(MPI_Recv(buf.data(), bytes, MPI_CHAR, peer, 7, comm, MPI_STATUS_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(buf.data(), bytes, MPI_CHAR, peer, 7, comm, MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Send(buf.data(), bytes, MPI_CHAR, peer, 7, comm));
+    }
+  }
+  return MPI_Wtime() - t0;
+}
+
 // Ping-pong between ranks a and b; everyone calls, the others just wait at the barriers.
 Link measure_link(MPI_Comm comm, int rank, int a, int b, const NetcheckOptions& o) {
   std::vector<char> buf(static_cast<size_t>(o.p2p_bytes));
@@ -72,20 +88,7 @@ Link measure_link(MPI_Comm comm, int rank, int a, int b, const NetcheckOptions& 
   MPI_CHECK(MPI_Barrier(comm));
   if (rank == a || rank == b) {
     const int peer = rank == a ? b : a;
-    auto pingpong = [&](int bytes, int iters) {
-      MPI_Barrier(MPI_COMM_SELF);
-      const double t0 = MPI_Wtime();
-      for (int i = 0; i < iters; ++i) {
-        if (rank == a) {
-          MPI_CHECK(MPI_Send(buf.data(), bytes, MPI_CHAR, peer, 7, comm));
-          MPI_CHECK(MPI_Recv(buf.data(), bytes, MPI_CHAR, peer, 7, comm, MPI_STATUS_IGNORE));
-        } else {
-          MPI_CHECK(MPI_Recv(buf.data(), bytes, MPI_CHAR, peer, 7, comm, MPI_STATUS_IGNORE));
-          MPI_CHECK(MPI_Send(buf.data(), bytes, MPI_CHAR, peer, 7, comm));
-        }
-      }
-      return MPI_Wtime() - t0;
-    };
+    auto pingpong = [&](int bytes, int iters) { return round_trips(comm, rank == a, peer, buf, bytes, iters); };
     pingpong(8, 10);  // warm-up: connection set-up is not latency
     const int lat_iters = 20 * o.iters;
     const double lat = pingpong(8, lat_iters) / (2.0 * lat_iters);
@@ -121,21 +124,8 @@ std::vector<std::vector<double>> host_bandwidths(MPI_Comm comm, const Topology& 
       const int ra = leaders[static_cast<size_t>(std::min(a, b))], rb = leaders[static_cast<size_t>(std::max(a, b))];
       if (topo.rank != ra && topo.rank != rb) continue;
       const int peer = topo.rank == ra ? rb : ra;
-      auto pingpong = [&](int count, int iters) {
-        const double t0 = MPI_Wtime();
-        for (int k = 0; k < iters; ++k) {
-          if (topo.rank == ra) {
-            MPI_CHECK(MPI_Send(buf.data(), count, MPI_CHAR, peer, 11, comm));
-            MPI_CHECK(MPI_Recv(buf.data(), count, MPI_CHAR, peer, 11, comm, MPI_STATUS_IGNORE));
-          } else {
-            MPI_CHECK(MPI_Recv(buf.data(), count, MPI_CHAR, peer, 11, comm, MPI_STATUS_IGNORE));
-            MPI_CHECK(MPI_Send(buf.data(), count, MPI_CHAR, peer, 11, comm));
-          }
-        }
-        return MPI_Wtime() - t0;
-      };
-      pingpong(8, 3);  // the connection set up
-      const double t = pingpong(static_cast<int>(bytes), 2);
+      round_trips(comm, topo.rank == ra, peer, buf, 8, 3);  // the connection set up
+      const double t = round_trips(comm, topo.rank == ra, peer, buf, static_cast<int>(bytes), 2);
       if (topo.rank == ra) {
         const double gbit = 4.0 * static_cast<double>(bytes) * 8 / std::max(t, 1e-9) / 1e9;
         mine[static_cast<size_t>(a * H + b)] = mine[static_cast<size_t>(b * H + a)] = gbit;

@@ -101,35 +101,28 @@ check "bf16 gradients halve the traffic: ${wire_mib[bf16]} MiB sent, at most 0.6
 # broadcast of theta_outer instead of 14 gradient all-reduces, so with F as above the bytes are
 # at most (3g + F) / (14g + F) <= 0.4 of fp32's (F <= 2g); a run that all-reduced every step
 # would send more than fp32's.
-before=$(netns_tx_bytes)
-run_on_node1 train_diloco "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
-  --set "train.out_dir=$T/run_diloco" --set "checkpoint.dir=$T/ckpt_diloco" --set checkpoint.every=0 \
-  --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7
-rc=$?
-after=$(netns_tx_bytes)
-wire_mib[diloco]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
-check "DiLoCo on 2 hosts (an island each, 7 inner steps) exits 0 after 2 outer steps" \
-  "[ $rc -eq 0 ] && grep -q 'diloco: 2 outer steps' train_diloco.out"
-[ $rc -eq 0 ] || show_tail train_diloco.out
-check "DiLoCo sent ${wire_mib[diloco]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
-  "awk -v d='${wire_mib[diloco]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+diloco_run() {  # name, what, exchanges, extra mpitrain arguments...: trains, checks, the bytes in wire_mib[name]
+  local name=$1 what=$2 exchanges=$3 rc before after
+  shift 3
+  before=$(netns_tx_bytes)
+  run_on_node1 "train_$name" "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
+    --set "train.out_dir=$T/run_$name" --set "checkpoint.dir=$T/ckpt_$name" --set checkpoint.every=0 \
+    --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7 "$@"
+  rc=$?
+  after=$(netns_tx_bytes)
+  wire_mib[$name]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
+  check "$what on 2 hosts (an island each, 7 inner steps) exits 0 after $exchanges exchanges" \
+    "[ $rc -eq 0 ] && grep -q 'diloco: $exchanges outer steps' train_$name.out"
+  [ $rc -eq 0 ] || show_tail "train_$name.out"
+  check "$what sent ${wire_mib[$name]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
+    "awk -v d='${wire_mib[$name]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+}
+diloco_run diloco DiLoCo 2
 # Streaming DiLoCo over the same link (the demo's 4 blocks in 2 fragments, each exchange a
 # non-blocking all-reduce applied 2 steps after it starts): fragment 1 after steps 3 and 10,
 # fragment 0 after step 7, both after the last: 2.5 models instead of 2, so the bound above holds
 # (the 2.5 models and the start-up broadcast: (3.5g + F) / (14g + F) <= 0.4 while F <= 3.5g; F <= 2g, above).
-before=$(netns_tx_bytes)
-run_on_node1 train_streaming "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=$STEPS --set log.every=2 \
-  --set "train.out_dir=$T/run_streaming" --set "checkpoint.dir=$T/ckpt_streaming" --set checkpoint.every=0 \
-  --set checkpoint.at_end=false --set checkpoint.resume=none --set parallel.islands=host --set diloco.inner_steps=7 \
-  --set diloco.fragments=2 --set diloco.overlap=2
-rc=$?
-after=$(netns_tx_bytes)
-wire_mib[streaming]=$(awk -v a="${after:-0}" -v b="${before:-0}" 'BEGIN { printf "%.2f", (a - b) / 1048576 }')
-check "streaming DiLoCo on 2 hosts (2 fragments, overlap 2) exits 0 after 5 exchanges" \
-  "[ $rc -eq 0 ] && grep -q 'diloco: 5 outer steps' train_streaming.out"
-[ $rc -eq 0 ] || show_tail train_streaming.out
-check "streaming DiLoCo sent ${wire_mib[streaming]} MiB: at most 0.4x the fp32 data-parallel run's ${wire_mib[fp32]} MiB" \
-  "awk -v d='${wire_mib[streaming]}' -v f='${wire_mib[fp32]}' 'BEGIN { exit !(f > 0 && d <= 0.4 * f) }'"
+diloco_run streaming "streaming DiLoCo (2 fragments, overlap 2)" 5 --set diloco.fragments=2 --set diloco.overlap=2
 # parallel.islands: auto: the one link between the hosts (100 Mbit/s) is below
 # parallel.slow_link_gbit's 10: an island each (a 2-step run of a small model).
 run_on_node1 auto2 "$ROOT/configs/demo.yaml" "${common[@]}" --set train.steps=2 --set model.n_layer=1 \
