@@ -58,6 +58,10 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
 // the CPU (padding buys nothing there); either times the tp degree, which splits the rows.
 int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp);
 
+// The block of a named_params() name: L for "h.<L>.<...>", -1 for the parameters outside the
+// blocks (embeddings, final norm, head).
+int64_t block_of(const std::string& name);
+
 // model.attention: restricts libtorch's scaled_dot_product_attention to the chosen kernel (auto:
 // libtorch's own choice, unchanged) and returns which kernel runs for this model's attention on
 // `device` with q/k/v in `dtype`, for the start-up line "attention: ...". A kernel that cannot run
@@ -238,7 +242,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   const GPTDims& dims() const { return dims_; }
   // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).
   void set_unit_hooks(UnitHooks* units) { units_ = units; }
-  // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...).
+  // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...;
+  // block_of() reads a name's block).
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;
   // Which part of the whole parameter `name` (a named_params() name) a tensor-parallel rank

@@ -19,6 +19,11 @@ namespace mpitrain {
 
 namespace F = torch::nn::functional;
 
+int64_t block_of(const std::string& name) {
+  if (name.rfind("h.", 0) != 0) return -1;
+  return std::stoll(name.substr(2, name.find('.', 2) - 2));
+}
+
 int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp) {
   return (cfg.vocab_multiple > 0 ? cfg.vocab_multiple : cuda ? 64 : 1) * tp;
 }

@@ -9,6 +9,7 @@
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
+#include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/watchdog.h"
 
@@ -51,15 +52,8 @@ torch::Tensor read_vector(hid_t root, const std::string& path, const std::string
 }  // namespace
 
 int64_t fragment_of(const std::string& name, int64_t fragments) {
-  // "h.<L>.<...>": block L; anything else lies outside the blocks.
-  if (name.rfind("h.", 0) != 0) return 0;
-  const size_t dot = name.find('.', 2);
-  int64_t layer = 0;
-  for (size_t i = 2; i < std::min(dot, name.size()); ++i) {
-    if (name[i] < '0' || name[i] > '9') return 0;
-    layer = layer * 10 + (name[i] - '0');
-  }
-  return layer % fragments;
+  const int64_t block = block_of(name);
+  return block < 0 ? 0 : block % fragments;
 }
 
 std::string diloco_layout(int64_t world, int64_t islands, int64_t dp, int64_t tp, int64_t zero) {

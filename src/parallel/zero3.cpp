@@ -38,9 +38,7 @@ Units model_units(const std::vector<std::string>& names, int64_t n_layer) {
   u.outside = static_cast<size_t>(n_layer);
   for (size_t k = 0; k < names.size(); ++k) {
     size_t group = u.outside;
-    if (names[k].rfind("h.", 0) == 0) {
-      const size_t dot = names[k].find('.', 2);
-      const int64_t block = std::stoll(names[k].substr(2, dot - 2));
+    if (const int64_t block = block_of(names[k]); block >= 0) {
       MPITRAIN_CHECK(block >= 0 && block < n_layer, concat("ZeRO-3: parameter ", names[k], " of no block"));
       group = u.block_unit[static_cast<size_t>(block)];
     }
