@@ -254,11 +254,13 @@ stop_case() {  # stop_case NAME SIGNAL EXIT-CODE TIMES CHECKED launcher words...
   # CHECKED: "launcher" asserts the launcher's exit code; "ranks" the code rank 0 exited with
   # (MPITRAIN_EXIT_FILE), for plain hydra, whose mpiexec (MPICH 4.0.2) may return 0 after the ranks
   # exited 75 (pmodels/mpich#7057; mpitrain-run and the sbatch wrapper read the file instead).
+  # STOP_ARGS: more mpitrain arguments (unquoted words).
   local name=$1 sig=$2 want=$3 times=$4 checked=$5 pid rc at got
   shift 5
+  # shellcheck disable=SC2086
   MPITRAIN_EXIT_FILE=$WORK/exit-$name env --default-signal=INT "$@" -np 2 "$BIN" cfg.yaml \
     --set checkpoint.dir=ckpt-$name --set train.out_dir=run-$name --set train.steps=100000 \
-    --set eval.every=0 --set 'data.val=[]' > run-$name.out 2>&1 &
+    --set eval.every=0 --set 'data.val=[]' ${STOP_ARGS:-} > run-$name.out 2>&1 &
   pid=$!
   for _ in $(seq 1 600); do grep -q 'step    10/' run-$name.out 2>/dev/null && break; sleep 0.1; done
   for _ in $(seq 1 "$times"); do kill -$sig $pid; done
@@ -273,6 +275,11 @@ stop_case() {  # stop_case NAME SIGNAL EXIT-CODE TIMES CHECKED launcher words...
 for sig_rc in TERM:75 HUP:75 INT:130; do
   stop_case "mpitrain-run-${sig_rc%:*}" "${sig_rc%:*}" "${sig_rc#*:}" 1 launcher env MPITRAIN_MPIRUN="$MPIRUN" bash "$RUNNER"
 done
+# With DiLoCo's islands the ranks agree on a signal a step later (no world all-reduce per step):
+# still one step for all, its checkpoint written (a rank stopping a step apart would leave the
+# others in the checkpoint's collectives: no exit 75, no checkpoint).
+STOP_ARGS="--set parallel.islands=2 --set diloco.inner_steps=3 --set diloco.fragments=1" \
+  stop_case "islands-TERM" TERM 75 1 launcher env MPITRAIN_MPIRUN="$MPIRUN" bash "$RUNNER"
 if [ $FAMILY = mpich ]; then
   stop_case hydra-TERM TERM 75 1 ranks "$MPIRUN"
   stop_case hydra-TERM-twice TERM 75 2 ranks "$MPIRUN"
@@ -450,6 +457,25 @@ expect_usage "bad data on both ranks: printed once" \
   "bad/b-train-00000.h5: token 300 at position [0-9]* of dataset 'tokens' is outside the vocabulary" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml --set "data.train=[bad/b-train-*.h5]" --set train.out_dir=runOOV --set checkpoint.dir=ckptOOV
 check "the failed run left out_dir/config.yaml as it was" "[ \"\$(cat runOOV/config.yaml)\" = kept ]"
+# Bad data in one island only, its window read at step 3 (data.shuffle false: window w is tokens
+# 32w..32w+32; step s reads windows (s-1)*2*ranks onwards, micro_batch 2 per rank): with islands
+# the island agrees at once and the world a step later, so the failing island stops before its
+# step and the other after its own. Printed once, by the failing rank, exit 2, well before the
+# 60 s timeout. -np 2: window 10 is rank 1's (island 1); -np 4, 2 islands of 2: window 22 is
+# rank 3's (island 1's second rank).
+for case in 2:10 4:22; do
+  cp data/c-train-00000.h5 "bad/i${case%:*}-train-00000.h5"
+  /usr/bin/python3 -c "
+import h5py
+with h5py.File('bad/i${case%:*}-train-00000.h5', 'r+') as f:
+    f['tokens'][${case#*:} * 32 + 1] = 300
+"
+  expect_usage "bad data in one island (-np ${case%:*}, window ${case#*:}): printed once, every rank ends" \
+    "bad/i${case%:*}-train-00000.h5: token 300 at position $((${case#*:} * 32 + 1)) of dataset 'tokens' is outside the vocabulary" \
+    timeout 60 "$MPIRUN" -np "${case%:*}" "$BIN" cfg.yaml --set "data.train=[bad/i${case%:*}-train-*.h5]" --set data.shuffle=false \
+    --set parallel.islands=2 --set diloco.inner_steps=2 --set train.out_dir=runI --set checkpoint.dir=ckptI
+done
+check "bad data in one island: no checkpoint written (it fails at step 3, checkpoints every 3)" "! ls ckptI/ckpt-*.h5 >/dev/null 2>&1"
 mkfifo cfg.fifo
 t0=$(date +%s)
 expect_usage "config path that is a FIFO: fails at once" "cfg.fifo: cannot read config file (not a regular file)" \
@@ -470,6 +496,30 @@ expect_usage "diverged run: caught before a checkpoint between log steps" \
   --set checkpoint.dir=ckptM --set train.out_dir=runM --set log.every=6 --set checkpoint.every=1 --set eval.every=0
 check "diverged run: the newest checkpoint is the last finite one" \
   "grep -qx ckpt-00000001.h5 ckptM/latest && ! ls ckptM/ckpt-00000002.h5 >/dev/null 2>&1"
+# The divergence verdict is every rank's. A step that fp16 skipped (an overflow: its gradient norm
+# is not finite by definition) is no divergence; a non-finite norm on one island's rank only
+# (DiLoCo: the norm is the island's) ends every rank at that step, printed once, instead of one
+# island stopping while the other waits for it until the watchdog; so does a NaN parameter in one
+# island found before a checkpoint. fp16 runs only on a GPU, so the test fault
+# MPITRAIN_TEST_NONFINITE=STEP:RANK|all:skipped|norm|param makes them.
+MPITRAIN_TEST_NONFINITE=2:all:skipped timeout 60 "$MPIRUN" -np 2 "$BIN" cfg.yaml \
+  --set checkpoint.dir=ckptSkip --set train.out_dir=runSkip > skipped.out 2>&1
+rc=$?
+check "a skipped step (fp16 overflow, non-finite gradient norm) is no divergence: the run ends 0" \
+  "[ $rc -eq 0 ] && grep -q 'step 2: fp16 gradients overflowed' skipped.out && ! grep -q diverged skipped.out \
+   && [ \$(grep -c '\"loss\"' runSkip/metrics.jsonl) -eq 6 ]"
+check "metrics.jsonl stays JSON: the skipped step's gradient norm is null" \
+  "/usr/bin/python3 -c 'import json, sys; r = [json.loads(l, parse_constant=sys.exit) for l in open(\"runSkip/metrics.jsonl\")]; assert [x[\"grad_norm\"] for x in r if x[\"step\"] == 2 and \"loss\" in x] == [None]'"
+[ $rc -eq 0 ] || tail -n 5 skipped.out
+expect_usage "a non-finite gradient norm in one island only: every rank ends at that step, printed once" \
+  "step 3: the loss is .* and the gradient norm .* here, not finite on another rank (fp32): training diverged" \
+  timeout 60 env MPITRAIN_TEST_NONFINITE=3:1:norm "$MPIRUN" -np 2 "$BIN" cfg.yaml \
+  --set parallel.islands=2 --set diloco.inner_steps=2 --set checkpoint.dir=ckptD --set train.out_dir=runD
+expect_usage "a NaN parameter in one island only (between outer steps): every rank ends before the checkpoint" \
+  "step 2: a parameter is NaN or infinite (fp32): training diverged; this state is not saved, the newest checkpoint stays ckptP/ckpt-00000001.h5" \
+  timeout 60 env MPITRAIN_TEST_NONFINITE=2:1:param "$MPIRUN" -np 2 "$BIN" cfg.yaml \
+  --set parallel.islands=2 --set diloco.inner_steps=4 --set checkpoint.dir=ckptP --set train.out_dir=runP \
+  --set log.every=6 --set checkpoint.every=1 --set eval.every=0
 
 # sample prints the prompt once: greedy decoding of P for 6 tokens = P + c1..c6, and decoding
 # P + c1 for 5 tokens must give the same text (a prompt printed twice would not).

@@ -451,6 +451,52 @@ TEST(Mesh, GroupCommunicatorsFollowTheLayout) {
   }
 }
 
+// The island communicator holds every rank of the rank's island; the per-step checks of a run with
+// islands (mpi_env.h's LaggedAgreement over it): a stop signal posted by one rank is every rank's
+// after complete(); a bad-input error in the last island alone ends every rank with
+// ReportedUsageError, that island's ranks at post() (before their step), the others at complete()
+// (after theirs); nothing posted completes to 0.
+TEST(LaggedAgreement, SignalsAndFailuresReachEveryRankOneStepLate) {
+  const Topology topo = Topology::discover(MPI_COMM_WORLD);
+  ASSERT_EQ(topo.size % 2, 0) << "run under mpirun -np 2 or 4";
+  Mesh mesh(MPI_COMM_WORLD, plan_layout(topo, 1, 2), "mpi", torch::Device(torch::kCPU));
+  const MeshLayout& l = mesh.layout();
+  const int island = l.island(topo.rank), last = topo.size - 1;
+  auto members = torch::tensor({static_cast<int64_t>(topo.rank)});
+  mesh.island().all_reduce(members, ReduceOp::sum);
+  int64_t want = 0;
+  for (int r = island * l.island_size(); r < (island + 1) * l.island_size(); ++r) want += r;
+  EXPECT_EQ(members.item<int64_t>(), want);
+
+  LaggedAgreement checks(MPI_COMM_WORLD, mesh.island_mpi());
+  EXPECT_EQ(checks.complete(), 0);  // nothing posted
+  checks.post([] {}, topo.rank == last ? 15 : 0);
+  EXPECT_EQ(checks.complete(), 15);
+  checks.post([] {}, topo.rank == 0 ? 10 : 0);
+  EXPECT_EQ(checks.complete(), 10);
+  checks.post([] {}, 0);
+  EXPECT_EQ(checks.complete(), 0);
+
+  int thrown_at_post = 0, thrown_at_complete = 0;
+  try {
+    checks.post([&] { if (topo.rank == last) throw UsageError("test: bad data on the last rank"); }, 0);
+  } catch (const ReportedUsageError& e) {
+    EXPECT_EQ(e.exit_code, 2);
+    ++thrown_at_post;
+  }
+  if (!thrown_at_post) {
+    try {
+      checks.complete();
+    } catch (const ReportedUsageError&) {
+      ++thrown_at_complete;
+    }
+  }
+  const bool last_island = island == l.islands - 1;
+  EXPECT_EQ(thrown_at_post, last_island ? 1 : 0) << "rank " << topo.rank;
+  EXPECT_EQ(thrown_at_complete, last_island ? 0 : 1) << "rank " << topo.rank;
+  mesh.world().barrier();
+}
+
 // ZeRO-3's parameter shards (zero3.h) on a real model: the gradient shards of one forward and
 // backward equal ZeRO-2's over the same units (the same GradSync groups) bit for bit, while at most
 // the outside unit, the block running and the next one (prefetched) are whole at once, and none

@@ -1,10 +1,10 @@
 // The device mesh: the one object that knows the job's layout (layout.h: world = islands x dp x tp,
 // this rank's coordinates) and holds one Communicator per group: the world, this rank's dp group
 // and its tp group; with DiLoCo's islands also its replica group (every island's ranks of its tp
-// coordinate) and its island group (its place in every island). MPI groups are sub-communicators
-// of the world (MPI_Comm_split); an NCCL
-// communicator per group is bootstrapped inside its group by an MPI_Bcast of its unique id
-// (comm_nccl.cpp), and the watchdog's abort path aborts every NCCL communicator that exists.
+// coordinate), its island group (its place in every island) and its island (every rank of it).
+// MPI groups are sub-communicators of the world (MPI_Comm_split); an NCCL communicator per group
+// is bootstrapped inside its group by an MPI_Bcast of its unique id (comm_nccl.cpp), and the
+// watchdog's abort path aborts every NCCL communicator that exists.
 // A group that is the whole world shares the world's communicator; a group of one rank is an MPI
 // communicator of one (its collectives return at once).
 #pragma once
@@ -44,7 +44,10 @@ class Mesh {
   Communicator& replicas_comm() { return replicas_ ? *replicas_ : dp(); }  // losses, evaluation: every island
   // The rank at this rank's place in every island (DiLoCo's outer all-reduce); null without islands.
   Communicator* islands() { return islands_.get(); }
+  // Every rank of this rank's island (the world without islands).
+  Communicator& island() { return island_ ? *island_ : *world_; }
   MPI_Comm world_mpi() const { return world_mpi_; }
+  MPI_Comm island_mpi() const { return island_mpi_ != MPI_COMM_NULL ? island_mpi_ : world_mpi_; }
 
  private:
   MeshLayout layout_;
@@ -52,8 +55,9 @@ class Mesh {
   MPI_Comm world_mpi_;
   MPI_Comm dp_mpi_ = MPI_COMM_NULL, tp_mpi_ = MPI_COMM_NULL;  // owned (MPI_Comm_split)
   MPI_Comm replicas_mpi_ = MPI_COMM_NULL, islands_mpi_ = MPI_COMM_NULL;  // owned; islands only
+  MPI_Comm island_mpi_ = MPI_COMM_NULL;                                   // owned; islands only
   std::unique_ptr<Communicator> world_, dp_, tp_;             // dp_ null: the world is the dp group
-  std::unique_ptr<Communicator> replicas_, islands_;          // null without islands
+  std::unique_ptr<Communicator> replicas_, islands_, island_;  // null without islands
 };
 
 }  // namespace mpitrain

@@ -59,6 +59,41 @@ struct ReportedUsageError {
 };
 void agree(MPI_Comm comm, const std::function<void()>& phase);
 
+// The per-step agreement of a world whose groups are joined by slow links (DiLoCo's islands,
+// diloco.h), where a blocking world all-reduce per step would cost a round trip on the slow link,
+// and on a shaped one queue behind the outer exchanges' bytes. Each step's verdict (a rank's bad
+// input, the highest stop signal) is agreed at once inside the group (fast links) and over the
+// world one step's compute later: post() starts a nonblocking all-reduce before the step's work,
+// complete() finishes it after, before any collective that crosses the groups. A group that
+// failed waits for the world's verdict at once and ends there; the others end one step later.
+// Either way every rank throws ReportedUsageError with the lowest failing rank's message printed
+// once by that rank, and no rank is left waiting in a collective the failed ones never reach.
+class LaggedAgreement {
+ public:
+  // Collective over `world` (duplicates it: the verdicts are ordered apart from other traffic).
+  // `group`: this rank's group, a sub-communicator of `world`.
+  LaggedAgreement(MPI_Comm world, MPI_Comm group);
+  ~LaggedAgreement();
+  LaggedAgreement(const LaggedAgreement&) = delete;
+  LaggedAgreement& operator=(const LaggedAgreement&) = delete;
+
+  // Runs `check` and agrees on it inside the group (a UsageError it throws is this rank's
+  // failure), then posts this step's verdict with this rank's pending `signal` (0: none). A
+  // verdict still posted is completed first. A failed group completes it at once: throws.
+  void post(const std::function<void()>& check, int signal);
+  // Completes the posted verdict (none posted: returns 0). Throws ReportedUsageError when any
+  // rank failed, else returns the highest signal posted by any rank.
+  int complete();
+
+ private:
+  MPI_Comm world_ = MPI_COMM_NULL;  // owned duplicate
+  MPI_Comm group_;
+  int rank_ = 0;                    // in world
+  std::string message_;             // this rank's failure, if any
+  int send_[2] = {0, 0}, recv_[2] = {0, 0};  // {lowest failing rank, -signal}, reduced by MIN
+  MPI_Request request_ = MPI_REQUEST_NULL;
+};
+
 // The singleton guard: a launcher that started several tasks while MPI made a world of one
 // (each task alone: a binary of one MPI family under another family's launcher, or srun without
 // the PMI plugin this MPI speaks) is a UsageError naming the variable that says so and the

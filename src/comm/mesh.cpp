@@ -26,13 +26,16 @@ Mesh::Mesh(MPI_Comm world, const MeshLayout& layout, const std::string& backend,
   if (layout_.islands > 1) {  // DiLoCo: every island's replicas (data, evaluation); the outer all-reduce
     MPI_CHECK(MPI_Comm_split(world, layout_.tp_rank(rank_), rank_, &replicas_mpi_));
     MPI_CHECK(MPI_Comm_split(world, rank_ % layout_.island_size(), rank_, &islands_mpi_));
+    MPI_CHECK(MPI_Comm_split(world, layout_.island(rank_), rank_, &island_mpi_));
     replicas_ = make_communicator(backend, replicas_mpi_, device);
     islands_ = make_communicator(backend, islands_mpi_, device);
+    island_ = make_communicator(backend, island_mpi_, device);
   }
 }
 
 Mesh::~Mesh() {
-  islands_.reset();  // communicators before the MPI communicators they use
+  island_.reset();  // communicators before the MPI communicators they use
+  islands_.reset();
   replicas_.reset();
   tp_.reset();
   dp_.reset();
@@ -41,6 +44,7 @@ Mesh::~Mesh() {
   if (dp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&dp_mpi_);
   if (replicas_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&replicas_mpi_);
   if (islands_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&islands_mpi_);
+  if (island_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&island_mpi_);
 }
 
 }  // namespace mpitrain

@@ -220,4 +220,53 @@ void agree(MPI_Comm comm, const std::function<void()>& phase) {
   throw ReportedUsageError{2};
 }
 
+// ---- LaggedAgreement ---------------------------------------------------------------------------
+
+LaggedAgreement::LaggedAgreement(MPI_Comm world, MPI_Comm group) : group_(group) {
+  MPI_CHECK(MPI_Comm_dup(world, &world_));
+  MPI_Comm_rank(world_, &rank_);
+}
+
+LaggedAgreement::~LaggedAgreement() {
+  // A verdict still posted (an exception left the step between post and complete) is completed:
+  // every rank posted it, so this returns; freeing the communicator under it would be erroneous.
+  if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  MPI_Comm_free(&world_);
+}
+
+void LaggedAgreement::post(const std::function<void()>& check, int signal) {
+  complete();  // (the caller completes each step's; this keeps the order if it did not)
+  message_.clear();
+  try {
+    check();
+  } catch (const UsageError& e) {
+    message_ = e.what();
+    if (message_.empty()) message_ = "usage error";
+  }
+  const int mine = message_.empty() ? INT_MAX : rank_;
+  int group_first = INT_MAX;
+  {
+    Watchdog::Scope watch("all_reduce(step check, island)");
+    MPI_CHECK(MPI_Allreduce(&mine, &group_first, 1, MPI_INT, MPI_MIN, group_));
+  }
+  send_[0] = group_first;
+  send_[1] = -signal;
+  MPI_CHECK(MPI_Iallreduce(send_, recv_, 2, MPI_INT, MPI_MIN, world_, &request_));
+  if (group_first != INT_MAX) complete();  // throws
+}
+
+int LaggedAgreement::complete() {
+  if (request_ == MPI_REQUEST_NULL) return 0;
+  {
+    Watchdog::Scope watch("all_reduce(step check, world)");
+    MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+  }
+  if (recv_[0] != INT_MAX) {
+    if (rank_ == recv_[0]) std::fprintf(stderr, "mpitrain: %s\n", message_.c_str());
+    std::fflush(stderr);
+    throw ReportedUsageError{2};
+  }
+  return -recv_[1];
+}
+
 }  // namespace mpitrain

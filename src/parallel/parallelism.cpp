@@ -250,12 +250,13 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
     return {finite, clip_grad_norm_(params_, max_norm)};
   }
   // Each rank holds a part of the gradients: the verdict and the norm are agreed over the ranks
-  // that hold the others (sharded optimizer: the dp group; tensor parallel: the world).
+  // that hold the others (sharded optimizer: the dp group; tensor parallel: the island, which is
+  // the world without DiLoCo's islands: each island trains, and skips steps, on its own).
   Communicator& dp = mesh_.dp();
   AdamW& opt = *opt_;
   std::vector<torch::Tensor> grads;
   for (size_t i = 0; i < opt.size(); ++i) grads.push_back(opt.grad(i));
-  const bool finite = scaler.unscale_and_check(grads, tp_ ? mesh_.world() : dp, device_);
+  const bool finite = scaler.unscale_and_check(grads, tp_ ? mesh_.island() : dp, device_);
   return {finite, tp_ ? clip_tp_grad_norm_(opt, model_, max_norm, mesh_.tp(), dp)
                       : clip_sharded_grad_norm_(opt, max_norm, dp)};
 }
@@ -285,7 +286,9 @@ bool Parallelism::params_finite() {
     Watchdog::Scope watch("device synchronize (parameter check)");
     finite = all_finite.item<bool>() ? 1 : 0;
   }
-  if (tp_ || units_) {  // each rank checked its shards: agree
+  // Each rank checked its shards, or its island's parameters (DiLoCo: they differ between outer
+  // steps): agree.
+  if (tp_ || units_ || mesh_.layout().islands > 1) {
     Watchdog::Scope watch("all_reduce(parameter check)");
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite, 1, MPI_INT, MPI_MIN, mpi_comm_));
   }

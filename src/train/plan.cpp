@@ -88,14 +88,17 @@ double exposed(double comm, double last, double backward, bool overlap) {
 // one exchange of the model between the hosts: the measured all-reduce over all ranks for fp32 and
 // bf16 (an upper bound: it also crosses the hosts' own ranks), int8 by its bytes, an all-gather of
 // (islands - 1) x 1.02 bytes per value against a ring all-reduce's 2 (islands - 1) / islands x 4.
-// Streaming (F fragments, overlap tau): each fragment's exchange, 1/F of the model, has tau steps
-// to cross while training goes on, so a step waits max(0, outer - F tau step) / H on average.
+// Streaming (F fragments, overlap tau: the config's diloco.fragments and diloco.overlap when it
+// streams, else 4 fragments (at most the blocks) and overlap 5): each fragment's exchange, 1/F of
+// the model, has tau steps to cross while training goes on, so a step waits
+// max(0, outer - F tau step) / H on average.
 std::string diloco_table(const CommTimes& all, const CommTimes& local, double t_micro, double t_backward,
                          double t_optimizer, int64_t tokens_per_rank, int ranks, int per_host, int islands,
-                         int64_t n_layer) {
+                         int64_t n_layer, const DilocoConfig& diloco) {
   const double step = t_micro + t_optimizer + exposed(local.fp32, local.last_fp32, t_backward, true);
   const double tok_1 = static_cast<double>(tokens_per_rank * per_host) / step;
-  const int64_t F = std::min<int64_t>(4, n_layer), tau = 5;
+  const int64_t F = diloco.fragments > 1 ? diloco.fragments : std::min<int64_t>(4, n_layer);
+  const int64_t tau = diloco.fragments > 1 ? diloco.overlap : 5;
   std::string out = concat("DiLoCo, parallel.islands: host (", islands, " islands; micro-batch as above, grad_accum 1, ",
                            "fp32 within each host; streaming: diloco.fragments ", F, ", diloco.overlap ", tau, "):\n",
                            "| diloco.inner_steps | diloco.dtype | outer step ms | step ms | outer share | tokens/s | vs one host "
@@ -360,7 +363,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
     out += concat("\nwarning: the other hosts add little (", pick->speedup,
                   "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");
   if (topo.hosts.size() > 1) out += "\n" + diloco_table(all, local, t_micro, t_backward, t_optimizer, micro * T, n, per_host,
-                                                        static_cast<int>(topo.hosts.size()), dims.n_layer);
+                                                        static_cast<int>(topo.hosts.size()), dims.n_layer, cfg.diloco);
   out += "\n" + memory;
   std::printf("%s\n", out.c_str());
   std::fflush(stdout);

@@ -1,6 +1,7 @@
 // The progress line and the JSONL metrics (see progress.h).
 #include "mpitrain/progress.h"
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -78,9 +79,11 @@ void Progress::report(const StepReport& r) {
   std::vector<std::pair<std::string, double>> scalars{{"loss/train", r.loss},         {"optim/lr", r.lr},
                                                        {"optim/grad_norm", r.grad_norm}, {"perf/tokens_per_s", tok_s},
                                                        {"perf/ms_per_step", dt * 1e3}};
-  std::string json = format("{\"step\": %lld, \"loss\": %.6f, \"lr\": %.6e, \"grad_norm\": %.6f, "
+  // (A step that fp16 skipped has an infinite gradient norm: JSON has no inf, so null.)
+  const std::string grad_norm = std::isfinite(r.grad_norm) ? format("%.6f", r.grad_norm) : std::string("null");
+  std::string json = format("{\"step\": %lld, \"loss\": %.6f, \"lr\": %.6e, \"grad_norm\": %s, "
                             "\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f",
-                            step, r.loss, r.lr, r.grad_norm, tok_s, dt * 1e3);
+                            step, r.loss, r.lr, grad_norm.c_str(), tok_s, dt * 1e3);
   if (mfu >= 0) {
     json += format(", \"mfu\": %.5f", mfu);
     scalars.emplace_back("perf/mfu", mfu);

@@ -12,8 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mpitrain/amp.h"
@@ -49,6 +53,21 @@ namespace mpitrain {
 namespace {
 
 bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
+
+// Test fault (tests/cli_test.sh): MPITRAIN_TEST_NONFINITE=STEP:RANK:WHAT makes something of step
+// STEP not finite on RANK (or "all" ranks): "norm" its gradient norm (the update applied),
+// "skipped" its gradient norm with the update skipped as after an fp16 overflow (which only the
+// fp16 loss scaler does, on a GPU), "param" a parameter after the update. "" when none.
+std::string nonfinite_for_test(int64_t step, int rank) {
+  const char* spec = std::getenv("MPITRAIN_TEST_NONFINITE");
+  if (!spec) return "";
+  long long at = -1;
+  char who[16] = {0}, what[16] = {0};
+  if (std::sscanf(spec, "%lld:%15[^:]:%15s", &at, who, what) != 3 || at != step) return "";
+  if (std::string(who) != "all" && std::atoi(who) != rank) return "";
+  log::any_rank(log::Level::warn, concat("test fault MPITRAIN_TEST_NONFINITE: ", what, " at step ", step));
+  return what;
+}
 
 // Inputs [rows, T] (int32: the embedding takes them as they are) and targets [rows, T] (int64:
 // cross_entropy in libtorch 1.13 wants Long; the conversion is the copy clone() made anyway)
@@ -212,6 +231,10 @@ class Run {
   std::optional<SpanTimer> comm_wait_;  // what backward did not hide of the gradient communication
   std::optional<StepProfiler> profiler_;
   std::optional<Diloco> diloco_;  // parallel.islands > 1: the outer steps between islands
+  // With islands: the per-step checks (bad data, stop signals) agreed inside the island at once and
+  // over the world a step's compute later (mpi_env.h), so that no step waits on the slow links.
+  std::optional<LaggedAgreement> step_checks_;
+  int agreed_signal_ = 0;  // the world's highest stop signal as of the step's start (step_checks_)
   std::string resumed_from_;      // rank 0: the checkpoint resumed
   bool resumed_diloco_ = false;   // it was a DiLoCo run's: each rank's state lies beside it
   void check_resumed_layout();    // (st_ still the checkpoint's)
@@ -219,6 +242,7 @@ class Run {
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
   torch::Tensor loss_sum_, norm_;
+  bool applied_ = true;  // the step's update was applied (false: fp16 overflowed, skipped)
   double lr_ = 0;
 };
 
@@ -399,6 +423,7 @@ void Run::open_outputs() {
       });
     });
     diloco_.emplace(cfg_.diloco, *s_.mesh, par_.optimizer(), par_.zero_stage(), dims_.n_layer);
+    step_checks_.emplace(mpi_comm_, s_.mesh->island_mpi());
     if (resumed_diloco_) {  // each rank's state beside the checkpoint
       const std::string dir = allgather_text(mpi_comm_, Diloco::state_dir(resumed_from_), 1 << 16)[0];  // rank 0's
       diloco_->load(dir, st_.step);
@@ -427,7 +452,10 @@ void Run::begin_step() {
 void Run::micro_batches() {
   // The step's micro-batches are read first. A bad window (a token outside the vocabulary) that
   // several ranks find at once is then one message, the lowest rank's, and every rank ends
-  // (exit 2) before any collective of the step: one small all-reduce per step.
+  // (exit 2) before any collective of the step: one small all-reduce per step. With islands that
+  // all-reduce is the island's, and the world's verdict (with the stop signals) completes after
+  // the step's compute (step_checks_): an island with bad data ends before its step, the others
+  // after theirs, before any collective that crosses islands.
   const uint64_t micro_stride = static_cast<uint64_t>(s_.layout.replicas() * micro_);
   batches_.clear();
   std::string bad_data;
@@ -444,11 +472,14 @@ void Run::micro_batches() {
   } catch (const UsageError& e) {
     bad_data = e.what();
   }
-  {
+  const auto check = [&] {
+    if (!bad_data.empty()) throw UsageError(bad_data);
+  };
+  if (step_checks_) {
+    step_checks_->post(check, pending_stop_signal());
+  } else {
     Watchdog::Scope watch("all_reduce(data check)");
-    agree(mpi_comm_, [&] {
-      if (!bad_data.empty()) throw UsageError(bad_data);
-    });
+    agree(mpi_comm_, check);
   }
   loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   for (int64_t m = 0; m < accum_; ++m) {
@@ -477,7 +508,11 @@ void Run::sync_gradients() {
 // the updated slices); the step's counters advance either way.
 void Run::clip_and_update() {
   auto [finite, norm] = par_.unscale_and_clip(scaler_, cfg_.optim.grad_clip);  // the same verdict on every rank
+  const std::string fault = nonfinite_for_test(step_number(), topo_.rank);
+  if (fault == "norm" || fault == "skipped") norm = torch::full_like(norm, std::numeric_limits<double>::infinity());
+  if (fault == "skipped") finite = false;
   norm_ = norm;
+  applied_ = finite;
   lr_ = lr_at(cfg_.optim, cfg_.train.steps, st_.step);
   if (finite) {
     par_.optimizer().step(lr_);
@@ -488,12 +523,18 @@ void Run::clip_and_update() {
     log::warn(concat("step ", step_number(), ": fp16 gradients overflowed at loss scale ", scaler_.scale(),
                      "; step skipped"));
   }
+  if (fault == "param") {
+    torch::NoGradGuard no_grad;
+    model_->parameters().front().fill_(std::numeric_limits<double>::quiet_NaN());
+  }
   scaler_.update(finite);
   par_.optimizer().zero_grad();
   profiler_->end_step(step_number());
   st_.step += 1;
   st_.data_cursor += static_cast<uint64_t>(cfg_.train.global_batch);
   st_.tokens_seen += tokens_per_step_;
+  // The world's verdict on this step's checks, before the outer step crosses islands.
+  if (step_checks_) agreed_signal_ = step_checks_->complete();
   if (diloco_) outer_step();
 }
 
@@ -511,20 +552,32 @@ void Run::outer_step() {
 }
 
 // Every log.every steps and at the last: the loss averaged over the ranks, the report (console,
-// metrics.jsonl, TensorBoard), and the divergence check.
+// metrics.jsonl, TensorBoard), and the divergence check. The verdict must be every rank's (it
+// ends them all): the loss is averaged, and so is a flag for a non-finite gradient norm of an
+// applied step, because the norm is only its island's (DiLoCo) and a step that fp16 skipped
+// (overflow) has a non-finite norm without anything having diverged.
 void Run::log_step() {
   const int64_t step = st_.step;  // just completed
   if (!every(step, cfg_.log.every) && step != cfg_.train.steps) return;
-  s_.mesh->replicas_comm().all_reduce(loss_sum_, ReduceOp::avg);
-  double loss = 0, grad_norm = 0;
+  double grad_norm = 0;
   {
-    Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
-    loss = loss_sum_.item<double>() / static_cast<double>(accum_);
+    Watchdog::Scope watch("device synchronize (gradient norm)");
     grad_norm = norm_.item<double>();
   }
+  const bool bad_norm = applied_ && !std::isfinite(grad_norm);
+  auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options())});
+  s_.mesh->replicas_comm().all_reduce(reduced, ReduceOp::avg);
+  double loss = 0, any_bad_norm = 0;
+  {
+    Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
+    const auto host = reduced.cpu();
+    loss = host[0].item<double>() / static_cast<double>(accum_);
+    any_bad_norm = host[1].item<double>();
+  }
   result_.losses.emplace_back(step, loss);
-  if (!std::isfinite(loss) || !std::isfinite(grad_norm))  // the same values on every rank
-    diverged(step, concat("the loss is ", loss, " and the gradient norm ", grad_norm));
+  if (!std::isfinite(loss) || any_bad_norm > 0)  // the same values on every rank
+    diverged(step, concat("the loss is ", loss, " and the gradient norm ", grad_norm,
+                          any_bad_norm > 0 && !bad_norm ? " here, not finite on another rank" : ""));
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
                     scaler_.enabled() ? scaler_.scale() : 0.0};
   if (topo_.rank == 0) progress_->report(report);
@@ -543,14 +596,17 @@ void Run::run_eval(int64_t at_step) {
   if (topo_.rank == 0) progress_->report_val(at_step, v);
 }
 
-// A stop signal on any rank stops every rank after this step, with a checkpoint; so does
-// --stop-after. Checkpoints every checkpoint.every steps and at the last (unless checkpoint.at_end
-// is false), never of a diverged state. Returns whether training goes on.
+// A stop signal on any rank stops every rank after this step, with a checkpoint (with islands: a
+// signal that came before the step's start; one during it, after the next); so does
+// --stop-after. Checkpoints every checkpoint.every steps and at the last (unless
+// checkpoint.at_end is false), never of a diverged state. Returns whether training goes on.
 bool Run::checkpoint_if_due() {
   const int64_t step = st_.step;
   const bool last = step == cfg_.train.steps;
-  int signal = pending_stop_signal(), any_signal = 0;
-  {
+  // With islands: a signal pending at the step's start (step_checks_).
+  int any_signal = agreed_signal_;
+  if (!step_checks_) {
+    int signal = pending_stop_signal();
     Watchdog::Scope watch("all_reduce(stop signal)");
     MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm_));
   }

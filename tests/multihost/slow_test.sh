@@ -57,14 +57,16 @@ run_on_node1() {  # name, mpitrain arguments...
     mpirun --hostfile "$T/hosts" -np 2 --bind-to none "$BIN" "$@" > "$T/$name.out" 2>&1
 }
 
-run_on_node1 plan plan "$ROOT/configs/demo.yaml" "${common[@]}" --iters 3
+# (the config streams: the DiLoCo table's streaming columns are its 3 fragments and overlap 2)
+run_on_node1 plan plan "$ROOT/configs/demo.yaml" "${common[@]}" --iters 3 \
+  --set diloco.fragments=3 --set diloco.overlap=2
 rc=$?
 check "mpitrain plan on 2 hosts over $NETNS_RATE links exits 0 and recommends a setting" \
   "[ $rc -eq 0 ] && grep -q '^recommendation: ' plan.out"
 [ $rc -eq 0 ] || show_tail plan.out
 sed -n '/^plan: /,/^recommendation/p' plan.out | sed 's/^/  /'
-check "mpitrain plan on 2 hosts predicts DiLoCo with an island per host (H 10-500, fp32/bf16/int8)" \
-  "grep -q '^DiLoCo, parallel.islands: host' plan.out && grep -q '^| 500 | int8 |' plan.out"
+check "mpitrain plan on 2 hosts predicts DiLoCo with an island per host (H 10-500, fp32/bf16/int8; streaming as configured)" \
+  "grep -q '^DiLoCo, parallel.islands: host.*streaming: diloco.fragments 3, diloco.overlap 2)' plan.out && grep -q '^| 500 | int8 |' plan.out"
 sed -n '/^DiLoCo, parallel/,/^| 500 | int8/p' plan.out | sed 's/^/  /'
 # the predicted share with overlap (5th column) of the row "| 1 | <dtype> | ..."
 predicted() { awk -F'|' -v d="$1" '$2 ~ /^ *1 *$/ && $3 ~ d { gsub(/[ %]/, "", $6); print $6 / 100; exit }' plan.out; }
