@@ -10,14 +10,22 @@
 # scratch. Proc, sys, dev and a private /dev/shm are mounted in a mount namespace of this script's
 # own: they vanish with it, even if it is killed.
 #
-# Inside, every CTest test runs (the netns and fleet multi-host tests too, under OpenMPI 5) except
-# the Docker swarm and Slurm kits, which need this host's daemons, the slow-links timing test and
-# the fuzz test: those run in the Debian 12 leg (scripts/test.sh); MPITRAIN_DEBIAN13_CTEST_ARGS
-# replaces that selection.
+# Inside, every CTest test runs (the netns multi-host test too, under OpenMPI 5) except these,
+# which run in the Debian 12 leg only (scripts/test.sh), MPITRAIN_DEBIAN13_CTEST_ARGS replacing
+# the selection:
+#  - the Docker swarm and Slurm kits, which need this host's daemons;
+#  - what tests no difference between the releases that the tests run here do not, and would
+#    lengthen CI by some 17 minutes on a 2-core machine: the slow-links timing test, the fleet kit
+#    (pdsh/pdcp, then the same mpirun over ssh as netns), fuzzing (its own clang build of the
+#    parsers), grad_comm (five 200-step trainings: 16-bit and PowerSGD communication against fp32;
+#    the arithmetic it rests on, test_comm and test_powersgd, runs here), gpu_check_rehearsal (the
+#    lease script's flow; the training it drives is test_train's and cli's) and kernel_paths (the
+#    numerical tests again under other OpenBLAS/ATen kernels; here they run on the default ones).
 # When this machine has a CUDA toolkit with nccl.h in /usr/local/cuda (as the CI machine has),
 # it is mounted read-only into the root, so the GPU sources and CUDA kernels are compile-checked
-# against libtorch 2.6's headers with trixie's GCC as well. ROCm's are compile-checked always here
-# (cmake/rocm-compile-check): trixie has hipcc (ROCm 5.7) and RCCL, installed in this leg only
+# against libtorch 2.6's headers with trixie's GCC (only here: the Debian 12 leg's libtorch 1.13 is
+# no GPU machine's, CMakeLists.txt); the leg fails if the build did not run that check. ROCm's are
+# compile-checked always here (cmake/rocm-compile-check): trixie has hipcc (ROCm 5.7) and RCCL, installed in this leg only
 # (182 MB download, 631 MB installed); the leg fails if the build did not run that check.
 #
 #   scripts/test-debian13.sh            (root; about 15 min the first time, then ~10)
@@ -30,9 +38,8 @@ if [ "${1:-}" = --prepare ]; then PREPARE=1; fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 ROOT=$CACHE/debian13-root
-# multihost_slow (rate-limited links), multihost_slurm, multihost_swarm and fuzz run once, in the
-# Debian 12 leg: they test no difference between the releases and would lengthen CI.
-CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|multihost_slow|fuzz)$}
+# Run once, in the Debian 12 leg (above).
+CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|multihost_slow|multihost_fleet|fuzz|grad_comm|gpu_check_rehearsal|kernel_paths)$}
 
 say() { echo "debian13: $*"; }
 [ "$(id -u)" -eq 0 ] || { say "needs root (debootstrap, chroot, mounts)"; exit 1; }
@@ -101,6 +108,10 @@ rc=0
 scripts/test.sh $CTEST_ARGS || rc=$?
 if ! grep -h "mpitrain: ROCm compile check: HIP kernels .* and the RCCL backend" build.log; then
   echo "debian13: the build did not run the ROCm compile check (build.log)"
+  rc=1
+fi
+if [ -x /usr/local/cuda/bin/nvcc ] && ! grep -q "mpitrain: compiling the GPU sources as a check" build.log; then
+  echo "debian13: the build did not run the GPU compile check (build.log)"
   rc=1
 fi
 echo "debian13: packages: libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev), openmpi-bin $(dpkg-query -W -f='${Version}' openmpi-bin), libhdf5-dev $(dpkg-query -W -f='${Version}' libhdf5-dev), libspdlog-dev $(dpkg-query -W -f='${Version}' libspdlog-dev), libyaml-cpp-dev $(dpkg-query -W -f='${Version}' libyaml-cpp-dev), libcli11-dev $(dpkg-query -W -f='${Version}' libcli11-dev), hipcc $(dpkg-query -W -f='${Version}' hipcc), librccl-dev $(dpkg-query -W -f='${Version}' librccl-dev)"

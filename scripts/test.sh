@@ -7,8 +7,9 @@
 #
 # Then, when no CTEST ARGS narrowed the run (or MPITRAIN_TEST_MPICH=1; =0 never), the MPICH-ABI
 # build in build-mpich/ (-DMPITRAIN_MPI=mpich: Debian's libmpich-dev, hydra's mpiexec) runs the
-# tests labelled "mpi" once more: every mpirun test, the CLI's launches, signals and guards, the
-# multi-host namespaces under hydra and the Slurm kit with srun --mpi=pmi2.
+# tests labelled "mpi" once more: every mpirun test (but test_fused_emu_tp_np2 and test_train_np4,
+# below), the CLI's launches, signals and guards, the multi-host namespaces under hydra and the
+# Slurm kit with srun --mpi=pmi2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages_only=0
@@ -52,16 +53,13 @@ ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" "$@"
 cd ..
 [ "$mpich" = 1 ] || exit 0
 # ---- the MPICH-ABI build: the tests labelled "mpi" once more (docs/operations.md, MPI families) ----
+# After the tests, not beside them: on 2 cores anything running beside the tests, even under
+# SCHED_IDLE, made them slower by more than it saved (measured: lock 20 -> 25 s, h5py 9 -> 17 s
+# beside one compiler at idle priority).
 start=$(date +%s)
-echo "test.sh: MPICH-ABI build in build-mpich/ (build-mpich.log)"
-ccache=OFF
-command -v ccache > /dev/null && ccache=ON
-cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPITRAIN_CCACHE=$ccache \
-  -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 || { cat build-mpich.log; exit 1; }
-. scripts/build-progress.sh
-build_with_progress test.sh build-mpich build-mpich.log --target mpitrain test_shards_mpi test_pack_mpi \
-  test_hf_tokenizer_mpi test_comm test_powersgd test_train test_tensor_parallel test_fused_emu || exit 1
-echo "test.sh: MPICH-ABI build took $(( $(date +%s) - start )) s; $(readelf -d build-mpich/mpitrain | grep -o 'libmpi[^]]*' | tr '\n' ' ')"
+echo "test.sh: MPICH-ABI build in build-mpich/ (scripts/build-mpich.sh; build-mpich.log)"
+scripts/build-mpich.sh
 cd build-mpich
-ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" -L '^mpi$'
+# Not test_fused_emu_tp_np2 and test_train_np4: scripts/build-mpich.sh says why.
+ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" -L '^mpi$' -E '^(test_fused_emu_tp_np2|test_train_np4)$'
 echo "test.sh: MPICH-ABI build and tests took $(( $(date +%s) - start )) s"

@@ -7,7 +7,8 @@
 # clang (-DMPITRAIN_FUZZ=ON: libFuzzer + AddressSanitizer; -O1 and line tables only, which builds
 # faster than RelWithDebInfo and still gives file:line in sanitizer reports), builds fuzz_config,
 # fuzz_shard, fuzz_checkpoint, fuzz_safetensors, fuzz_hf_tokenizer, fuzz_hf_config, fuzz_jsonl,
-# fuzz_token_files, fuzz_safetensors_index and fuzz_launch_env (-j2), then for each target:
+# fuzz_token_files, fuzz_safetensors_index and fuzz_launch_env (-j2), then for each target, two
+# targets at a time (FUZZ_JOBS=N: N at a time):
 #   1. replays every input committed under fuzz/regressions/<target>/ (crashes found earlier);
 #   2. fuzzes for the given time with fuzz/dict/<target>.dict, starting from a temporary copy of
 #      fuzz/corpus/<target>/ (what scripts/fuzz-campaign.sh grew; this short run does not write
@@ -65,24 +66,24 @@ echo "   built in $((SECONDS - build_start)) s"
 [ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # ---- run -------------------------------------------------------------------------------------------
-passed=0
-failed=0
-pass() { echo "PASS: $*"; passed=$((passed + 1)); }
-fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
-
-# The harnesses write their HDF5 files below FUZZ_SCRATCH; a crash skips their own clean-up, the
+# Two targets at a time (FUZZ_JOBS; each libFuzzer process is single-threaded); each target's lines
+# are printed whole, in the targets' order, at the end. The harnesses write their HDF5 files in a
+# directory of their own below FUZZ_SCRATCH (fuzz/harness.h); a crash skips their own clean-up, the
 # trap above does not.
 export FUZZ_SCRATCH="$work/scratch"
 mkdir -p "$FUZZ_SCRATCH"
 common=(-rss_limit_mb=2048 -timeout=60)
+jobs=${FUZZ_JOBS:-2}
 
-for target in "${targets[@]}"; do
-  bin="$build/$target"
-  artifacts="$build/fuzz-artifacts/$target"
+# run_target TARGET: its regressions, then its fuzzing; prints PASS:/FAIL: lines.
+run_target() {
+  local target=$1
+  local bin="$build/$target"
+  local artifacts="$build/fuzz-artifacts/$target"
   mkdir -p "$artifacts"
 
   # 1. Regressions: every input that once crashed must now run clean.
-  regressions=()
+  local regressions=() input log bad f
   if [[ -d $root/fuzz/regressions/$target ]]; then
     while IFS= read -r -d '' f; do regressions+=("$f"); done \
       < <(find "$root/fuzz/regressions/$target" -type f -print0 | sort -z)
@@ -99,35 +100,58 @@ for target in "${targets[@]}"; do
       fi
     done
     if ((bad)); then
-      fail "$target regressions ($bad of ${#regressions[@]} inputs fail)"
+      echo "FAIL: $target regressions ($bad of ${#regressions[@]} inputs fail)"
     else
-      pass "$target regressions (${#regressions[@]} inputs)"
+      echo "PASS: $target regressions (${#regressions[@]} inputs)"
     fi
   fi
 
   # 2. Fuzzing from a throw-away copy of the seed corpus.
-  corpus="$work/corpus/$target"
+  local corpus="$work/corpus/$target"
   mkdir -p "$corpus"
   if [[ -d $root/fuzz/corpus/$target ]]; then cp -R "$root/fuzz/corpus/$target/." "$corpus/"; fi
   log="$build/fuzz-artifacts/$target.log"
-  dict=()
+  local dict=()
   [[ -f $root/fuzz/dict/$target.dict ]] && dict=(-dict="$root/fuzz/dict/$target.dict")
   "$bin" "${common[@]}" "${dict[@]}" -max_total_time="$seconds" -print_final_stats=1 \
     -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1
-  rc=$?
+  local rc=$?
+  local execs
   execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
   echo "  $target: execs ${execs:-?} in ${seconds}s (log: $log)"
   if ((rc == 0)); then
-    pass "$target fuzzing ${seconds}s"
+    echo "PASS: $target fuzzing ${seconds}s"
   else
+    local crash
     crash=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n 1)
     grep -E "PROPERTY VIOLATED|ERROR: |SUMMARY: " "$log" | head -n 3 | sed 's/^/    /'
     if [[ -n $crash ]]; then
       echo "    crash input kept: $crash"
       echo "    replay: FUZZ_VERBOSE=1 $bin $crash   (then commit it under fuzz/regressions/$target/)"
     fi
-    fail "$target fuzzing ${seconds}s (exit status $rc)"
+    echo "FAIL: $target fuzzing ${seconds}s (exit status $rc)"
   fi
+}
+
+mkdir -p "$work/results"
+running=0
+for target in "${targets[@]}"; do
+  if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
+  run_target "$target" >"$work/results/$target" 2>&1 &
+  running=$((running + 1))
+done
+wait
+passed=0
+failed=0
+for target in "${targets[@]}"; do
+  cat "$work/results/$target"
+  passed=$((passed + $(grep -c '^PASS: ' "$work/results/$target")))
+  failed=$((failed + $(grep -c '^FAIL: ' "$work/results/$target")))
+done
+# A target whose job died before printing its verdict counts as failed.
+for target in "${targets[@]}"; do
+  grep -q "^[A-Z]*: $target fuzzing" "$work/results/$target" ||
+    { echo "FAIL: $target: no verdict"; failed=$((failed + 1)); }
 done
 
 echo "$passed passed, $failed failed"

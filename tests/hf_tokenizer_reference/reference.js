@@ -46,8 +46,11 @@ const { Tokenizer } = require(require.resolve('@huggingface/tokenizers', { paths
 
 const out = process.argv[2];
 const minBytes = Number(process.argv[3] || 1200000);
+// NAMES (comma-separated): only those tokenizers' ids; two such processes share the work, each
+// writing the same corpus files (renamed into place whole).
+const only = process.argv[4] ? process.argv[4].split(',') : null;
 if (!out) {
-  console.error('usage: node reference.js OUT_DIR [MIN_BYTES]');
+  console.error('usage: node reference.js OUT_DIR [MIN_BYTES [NAMES]]');
   process.exit(2);
 }
 fs.mkdirSync(out, { recursive: true });
@@ -185,8 +188,11 @@ while (bytes < minBytes) {
   bytes += Buffer.byteLength(doc, 'utf-8');
 }
 const gpt2Docs = docs.map((d) => d.replace(/[\u0085\uFEFF]/g, ''));
-const writeLines = (file, rows) =>
-  fs.writeFileSync(path.join(out, file), rows.map((x) => JSON.stringify(x)).join('\n') + '\n');
+const writeLines = (file, rows) => {
+  const tmp = path.join(out, `${file}.${process.pid}`);
+  fs.writeFileSync(tmp, rows.map((x) => JSON.stringify(x)).join('\n') + '\n');
+  fs.renameSync(tmp, path.join(out, file));
+};
 writeLines('corpus.jsonl', docs.map((text) => ({ text })));
 writeLines('corpus-gpt2.jsonl', gpt2Docs.map((text) => ({ text })));
 
@@ -217,7 +223,10 @@ function overlap(a, b) {
     if (a.endsWith(b.slice(0, k)) || b.endsWith(a.slice(0, k))) return true;
   return false;
 }
+for (const name of only || [])
+  if (!(name in tokenizers)) throw new Error(`no tokenizer named ${name}`);
 for (const [name, [pkg, texts, special]] of Object.entries(tokenizers)) {
+  if (only && !only.includes(name)) continue;
   const file = path.join(modules, pkg, 'models', 'tokenizer.json');
   const json = JSON.parse(fs.readFileSync(file, 'utf-8'));
   const kept = json.added_tokens.filter((t) => special === 'match' || !t.special);
