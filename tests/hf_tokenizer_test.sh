@@ -46,8 +46,9 @@ fi
 # ---- reference ids, then mpitrain's ---------------------------------------------------------------
 work=$(mktemp -d "${TMPDIR:-/tmp}/mpitrain-hf-tokenizer.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-# Two processes at a time (CTest gives this test one core, but it often runs alone): tokenizers.js
-# in two halves of the list, then mpitrain's checks, each printed whole in the list's order.
+# Two processes at a time (CTest gives this test both cores: PROCESSORS 2): tokenizers.js in two
+# halves of the list, each writing the same corpus, then mpitrain's checks, each printed whole in
+# the list's order.
 start=$SECONDS
 NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" 1200000 llama3,gpt2,gemma,gemini,llama2-match \
   > "$work/ref1.log" 2>&1 &
