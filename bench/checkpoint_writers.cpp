@@ -7,7 +7,7 @@
 // rank 0 alone. bench/checkpoint_writers.sh runs it for 2 and 4 ranks.
 //
 //   mpirun -np N bench_checkpoint_writers [--dir D] [--runs 5] [--warmup 2] [--layers 12] [--embd 768] [--vocab 50304]
-#include <mpi.h>
+#include "mpitrain/mpi_native.h"
 
 #include <algorithm>
 #include <chrono>
@@ -72,7 +72,7 @@ void run(int argc, char** argv) {
   GPT model(d);
   std::vector<torch::Tensor> params;
   for (auto& [name, p] : model->named_params()) params.push_back(p);
-  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  auto comm = make_mpi_communicator(mpi::world());
   GradSync shards(params, *comm, 25.0, /*overlap=*/false, /*shard=*/true);
   OptimConfig ocfg;
   AdamW opt(model->named_params(), shards.grad_shards(), ocfg);
@@ -90,7 +90,7 @@ void run(int argc, char** argv) {
   st.zero = 1;
   if (rank == 0) std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "'").c_str());
   MPI_Barrier(MPI_COMM_WORLD);
-  CommDup writer_comm(MPI_COMM_WORLD);
+  CommDup writer_comm(mpi::world());
 
   // One save of each kind, as train.cpp does it.
   FullOptimState gathered;  // rank 0 alone: the whole moments, kept between saves

@@ -6,7 +6,7 @@
 //
 //   bench_data_reader [--tokens N] [--seq-len T] [--rows B] [--seconds S] [--dir D]
 #include <fcntl.h>
-#include <mpi.h>
+#include "mpitrain/mpi_native.h"
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>

@@ -9,7 +9,7 @@
 // Prints, on rank 0, the median time per all-reduce over `iters` after 3 warm-ups, and each
 // method's ratio to fp32 (below 1.0 is faster). On one machine the "network" is shared memory;
 // over a real link the byte counts decide more (bench/RESULTS-comm.md).
-#include <mpi.h>
+#include "mpitrain/mpi_native.h"
 
 #include <cstdio>
 #include <string>
@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   {
     using namespace mpitrain;
-    auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+    auto comm = make_mpi_communicator(mpi::world());
     const int n = comm->size(), rank = comm->rank();
     const int iters = static_cast<int>(bench::arg(argc, argv, "--iters", 20));
     const double max_mib = bench::arg(argc, argv, "--max-mib", 64);

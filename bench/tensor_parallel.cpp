@@ -7,7 +7,7 @@
 //
 //   mpirun -np N bench_tensor_parallel --tp T [--layers 4] [--embd 256] [--heads 8] [--vocab 8192]
 //                                      [--seq 128] [--batch 16] [--steps 8] [--warmup 2]
-#include <mpi.h>
+#include "mpitrain/mpi_native.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -72,7 +72,7 @@ void run(int argc, char** argv) {
   MPI_Comm_split(MPI_COMM_WORLD, rank / tp, rank, &tp_mpi);
   MPI_Comm_split(MPI_COMM_WORLD, rank % tp, rank, &dp_mpi);
   {
-    auto tp_comm = make_mpi_communicator(tp_mpi), dp_comm = make_mpi_communicator(dp_mpi);
+    auto tp_comm = make_mpi_communicator(from_mpi(tp_mpi)), dp_comm = make_mpi_communicator(from_mpi(dp_mpi));
     d.tp = tp;
     d.tp_rank = tp_comm->rank();
     d.tp_comm = tp_comm.get();

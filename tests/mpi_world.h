@@ -1,17 +1,9 @@
 // This process's rank in MPI_COMM_WORLD and the world's size, for the tests that run under mpirun
-// (tests/mpi_main.cpp initialises MPI for every test binary).
+// (tests/mpi_main.cpp initialises MPI for every test binary). Through mpi_ops.h: no <mpi.h>.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
-inline int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+inline int world_rank() { return mpitrain::mpi::rank(mpitrain::mpi::world()); }
 
-inline int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+inline int world_size() { return mpitrain::mpi::size(mpitrain::mpi::world()); }

@@ -19,7 +19,7 @@
 using namespace mpitrain;
 
 namespace {
-std::unique_ptr<Communicator> world() { return make_mpi_communicator(MPI_COMM_WORLD); }
+std::unique_ptr<Communicator> world() { return make_mpi_communicator(mpi::world()); }
 }  // namespace
 
 TEST(MpiComm, AllReduceSumAvgMax) {
@@ -428,10 +428,10 @@ TEST(GradSync, ZeroTwoHoldsAtMostThreeBucketsDuringBackward) {
 // The mesh's groups are the layout's: a sum over the tp group adds the tp-group ranks, a sum over
 // the dp group the ranks that share this rank's tp coordinate (tp 2 on one host's 2 or 4 ranks).
 TEST(Mesh, GroupCommunicatorsFollowTheLayout) {
-  const Topology topo = Topology::discover(MPI_COMM_WORLD);
+  const Topology topo = Topology::discover(mpi::world());
   for (int tp : {1, 2}) {
     if (topo.size % tp != 0) continue;
-    Mesh mesh(MPI_COMM_WORLD, plan_layout(topo, tp), "mpi", torch::Device(torch::kCPU));
+    Mesh mesh(mpi::world(), plan_layout(topo, tp), "mpi", torch::Device(torch::kCPU));
     const MeshLayout& l = mesh.layout();
     EXPECT_EQ(mesh.tp().size(), tp);
     EXPECT_EQ(mesh.dp().size(), topo.size / tp);
@@ -457,9 +457,9 @@ TEST(Mesh, GroupCommunicatorsFollowTheLayout) {
 // ReportedUsageError, that island's ranks at post() (before their step), the others at complete()
 // (after theirs); nothing posted completes to 0.
 TEST(LaggedAgreement, SignalsAndFailuresReachEveryRankOneStepLate) {
-  const Topology topo = Topology::discover(MPI_COMM_WORLD);
+  const Topology topo = Topology::discover(mpi::world());
   ASSERT_EQ(topo.size % 2, 0) << "run under mpirun -np 2 or 4";
-  Mesh mesh(MPI_COMM_WORLD, plan_layout(topo, 1, 2), "mpi", torch::Device(torch::kCPU));
+  Mesh mesh(mpi::world(), plan_layout(topo, 1, 2), "mpi", torch::Device(torch::kCPU));
   const MeshLayout& l = mesh.layout();
   const int island = l.island(topo.rank), last = topo.size - 1;
   auto members = torch::tensor({static_cast<int64_t>(topo.rank)});
@@ -468,7 +468,7 @@ TEST(LaggedAgreement, SignalsAndFailuresReachEveryRankOneStepLate) {
   for (int r = island * l.island_size(); r < (island + 1) * l.island_size(); ++r) want += r;
   EXPECT_EQ(members.item<int64_t>(), want);
 
-  LaggedAgreement checks(MPI_COMM_WORLD, mesh.island_mpi());
+  LaggedAgreement checks(mpi::world(), mesh.island_mpi());
   EXPECT_EQ(checks.complete(), 0);  // nothing posted
   checks.post([] {}, topo.rank == last ? 15 : 0);
   EXPECT_EQ(checks.complete(), 15);

@@ -451,7 +451,7 @@ TEST(FusedEmu, TheFusedLlamaMatchesTheUnfusedLlama) {
 // in every gradient's shard, as the fused dense model does above.
 TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
   ASSERT_EQ(world_size(), 2) << "runs under mpirun -np 2";
-  auto tp = make_mpi_communicator(MPI_COMM_WORLD);
+  auto tp = make_mpi_communicator(mpi::world());
   GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
   torch::manual_seed(24);
   GPT plain(d);
@@ -481,7 +481,7 @@ TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
 // TheFusedLlamaMatchesTheUnfusedLlama.
 TEST(FusedEmuTensorParallel, TheFusedTpLlamaMatchesTheUnfusedDenseLlama) {
   ASSERT_EQ(world_size(), 2) << "runs under mpirun -np 2";
-  auto tp = make_mpi_communicator(MPI_COMM_WORLD);
+  auto tp = make_mpi_communicator(mpi::world());
   GPTDims d = llama_test_dims();
   torch::manual_seed(29);
   GPT plain(d);

@@ -4,7 +4,6 @@
 // skipped, with a message, where no CUDA device is visible (CTest then shows "Skipped").
 // On a GPU machine: mpirun -np 1 build/tests/test_gpu
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,7 +50,7 @@ std::string temp_dir() {
 TEST(Gpu, NcclCommunicator) {
   REQUIRE_CUDA();
   if (!have_nccl()) GTEST_SKIP() << "this build has no NCCL backend: skipped";
-  auto c = make_communicator("nccl", MPI_COMM_WORLD, kGpu);
+  auto c = make_communicator("nccl", mpi::world(), kGpu);
   ASSERT_EQ(c->name(), "nccl");
   const int n = c->size(), r = c->rank();
   auto t = torch::full({1000}, static_cast<float>(r + 1), kGpu);
@@ -564,7 +563,7 @@ TEST(Gpu, SumOfSquaresKernelMatchesTheReference) {
 // and no unit stays whole after backward.
 TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
   REQUIRE_CUDA();
-  auto c = make_communicator(have_nccl() ? "nccl" : "mpi", MPI_COMM_SELF, kGpu);
+  auto c = make_communicator(have_nccl() ? "nccl" : "mpi", mpi::self(), kGpu);
   for (const char* arch : {"gpt2", "llama"})
     for (bool checkpointing : {false, true})
       for (Precision precision : {Precision::fp32, Precision::bf16}) {

@@ -719,10 +719,10 @@ TEST(PackHf, JsonlSameShardsAsOneRank) {
   o.shard_tokens = 997;
   o.val_fraction = 0.1;
   o.output_prefix = dir / "world/c";
-  PackResult w = pack(o, MPI_COMM_WORLD);
+  PackResult w = pack(o, mpi::world());
   if (world_rank() == 0) {
     o.output_prefix = dir / "self/c";
-    PackResult s = pack(o, MPI_COMM_SELF);
+    PackResult s = pack(o, mpi::self());
     EXPECT_EQ(w.vocab_size, 70001);
     EXPECT_EQ(w.eot_token, 70000);
     EXPECT_EQ(w.documents, s.documents);

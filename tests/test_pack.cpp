@@ -467,10 +467,10 @@ namespace {
 // compares every shard: tokens, doc_offsets and attributes, bit for bit.
 void expect_same_as_single_rank(PackOptions o, const TempDir& dir, const std::string& name) {
   o.output_prefix = dir / ("world/" + name);
-  PackResult w = pack(o, MPI_COMM_WORLD);
+  PackResult w = pack(o, mpi::world());
   if (world_rank() != 0) return;
   o.output_prefix = dir / ("self/" + name);
-  PackResult s = pack(o, MPI_COMM_SELF);
+  PackResult s = pack(o, mpi::self());
   EXPECT_EQ(w.documents, s.documents);
   EXPECT_EQ(w.train_tokens, s.train_tokens);
   EXPECT_EQ(w.val_tokens, s.val_tokens);
@@ -550,7 +550,7 @@ TEST(PackParallel, SameShardsAsOneRank) {
   }
   MPI_Barrier(MPI_COMM_WORLD);
   PackOptions b = options({dir / "bad.bin"}, dir / "world/bad", 1000);
-  expect_usage([&] { pack(b, MPI_COMM_WORLD); },
+  expect_usage([&] { pack(b, mpi::world()); },
                dir / "bad.bin: ", "token 60000 at position 19990 is >= vocab_size 50257");
   MPI_Barrier(MPI_COMM_WORLD);  // rank 0 removes the directory only after everyone is done
 }

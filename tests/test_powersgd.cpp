@@ -16,7 +16,7 @@ using namespace mpitrain;
 
 namespace {
 
-std::unique_ptr<Communicator> world() { return make_mpi_communicator(MPI_COMM_WORLD); }
+std::unique_ptr<Communicator> world() { return make_mpi_communicator(mpi::world()); }
 
 // A tensor drawn from a seed (the same on every rank for the same seed).
 torch::Tensor draw(std::vector<int64_t> shape, uint64_t seed) {

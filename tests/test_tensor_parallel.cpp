@@ -14,7 +14,6 @@
 // partial sums: 1e-5 relative to the tensor's scale, far below the 1e-2 that a wrong shard, a
 // missing or doubled all-reduce, or a gradient counted tp times would give (checked below too).
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
@@ -36,15 +35,14 @@ namespace {
 
 // The tp group of this rank: `tp` consecutive ranks of the world.
 struct TpGroup {
-  MPI_Comm mpi = MPI_COMM_NULL;
+  MpiComm group;
   std::unique_ptr<Communicator> comm;
-  explicit TpGroup(int tp) {
-    MPI_Comm_split(MPI_COMM_WORLD, world_rank() / tp, world_rank(), &mpi);
-    comm = make_mpi_communicator(mpi);
+  explicit TpGroup(int tp) : group(mpi::split(mpi::world(), world_rank() / tp, world_rank())) {
+    comm = make_mpi_communicator(group);
   }
   ~TpGroup() {
     comm.reset();
-    MPI_Comm_free(&mpi);
+    mpi::free(group);
   }
 };
 
@@ -316,7 +314,7 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
     char tmpl[] = "/tmp/mpitrain-tp-init-XXXXXX";
     std::snprintf(buf, sizeof buf, "%s", mkdtemp(tmpl));
   }
-  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  mpi::broadcast(buf, sizeof buf, 0, mpi::world());
   const std::string root = buf;
   for (bool llama : {false, true}) {
     GPTDims dense_dims = small_dims(false);
@@ -337,7 +335,7 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
       fs::create_directories(npy);
       for (const auto& [name, p] : dense->named_params()) npy_test::write_npy_tensor(npy + "/" + name + ".npy", p);
     }
-    MPI_Barrier(MPI_COMM_WORLD);
+    mpi::barrier(mpi::world());
     ASSERT_TRUE(fs::exists(sharded_hf + "/model.safetensors.index.json"));
     for (int tp : {2, 4}) {
       if (world % tp != 0) continue;
@@ -375,6 +373,6 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
       EXPECT_EQ(seen, whole.size());
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   if (world_rank() == 0) fs::remove_all(root);
 }

@@ -1,7 +1,7 @@
 // Whole training runs under a real mpirun (-np 2 and -np 4):
 //  - DP equivalence: N ranks x micro_batch b give the parameters of one rank with micro_batch
 //    N*b after 10 steps, up to the rounding of summing in another order (each rank recomputes
-//    the single-rank run on MPI_COMM_SELF; see sgd_like() and tests/README.md);
+//    the single-rank run on mpi::self(); see sgd_like() and tests/README.md);
 //  - exact resume: 20 steps straight vs 10 steps, stop, resume, 10 more: bitwise identical
 //    parameters and identical logged train and val losses (with dropout and accumulation on, so
 //    RNG state, optimizer moments and the data cursor all have to come back exactly);
@@ -11,7 +11,6 @@
 //  - model.fused_kernels=on (the fused ops' ATen reference on the CPU) trains like off.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +27,7 @@
 #include <tuple>
 
 #include "mpitrain/checkpoint.h"
+#include "mpitrain/comm.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/host_memory.h"
 #include "mpitrain/config.h"
@@ -64,7 +64,7 @@ std::string shared_data_dir() {
       write_shard(std::string(buf) + "/d-" + split + "-00000.h5", tokens, {}, meta);
     }
   }
-  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  mpi::broadcast(buf, sizeof buf, 0, mpi::world());
   dir = buf;
   return dir;
 }
@@ -184,21 +184,23 @@ bool reduce_scatter_sums_as_all_reduce() {
     std::normal_distribution<float> normal;
     for (auto& x : in) x = normal(gen);
     sum = in;
-    MPI_Request q;
-    MPI_Iallreduce(MPI_IN_PLACE, sum.data(), n * per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &q);
-    MPI_Wait(&q, MPI_STATUS_IGNORE);
-    MPI_Ireduce_scatter_block(in.data(), part.data(), per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &q);
-    MPI_Wait(&q, MPI_STATUS_IGNORE);
+    // Through the MPI communicator, whose fp32 host collectives are MPI_Iallreduce and
+    // MPI_Ireduce_scatter_block.
+    auto world = make_mpi_communicator(mpi::world());
+    torch::Tensor sum_t = torch::from_blob(sum.data(), {n * per}), in_t = torch::from_blob(in.data(), {n * per});
+    torch::Tensor part_t = torch::from_blob(part.data(), {per});
+    world->all_reduce_async(sum_t, ReduceOp::sum)->wait();
+    world->reduce_scatter_async(in_t, part_t, ReduceOp::sum)->wait();
     if (!std::equal(part.begin(), part.end(), sum.begin() + static_cast<std::ptrdiff_t>(r) * per)) same = 0;
   }
-  MPI_Allreduce(MPI_IN_PLACE, &same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  mpi::all_reduce(&same, 1, ReduceOp::min, mpi::world());
   return same == 1;
 }
 
 }  // namespace
 
 // N ranks x micro_batch b against one rank with micro_batch N*b (each rank recomputes the
-// single-rank run on MPI_COMM_SELF): the same sum of per-row gradients in another order, so
+// single-rank run on mpi::self()): the same sum of per-row gradients in another order, so
 // equal only to rounding. Compared with linear (SGD-like) steps, where rounding stays rounding,
 // then once more with the global-norm clip active on every step and weight decay on; and the
 // real AdamW run, whose parameters rounding can move (see sgd_like), by its losses.
@@ -225,8 +227,8 @@ TEST(Train, DataParallelEqualsOneRankWithTheWholeBatch) {
        }},
   };
   for (const auto& v : variants) {
-    TrainResult dp = train(v.set(small_config(dp_run(v.name), b, 10)), MPI_COMM_WORLD, keep);
-    TrainResult one = train(v.set(small_config(concat("single-", v.name, "-", r), b * n, 10)), MPI_COMM_SELF, keep);
+    TrainResult dp = train(v.set(small_config(dp_run(v.name), b, 10)), mpi::world(), keep);
+    TrainResult one = train(v.set(small_config(concat("single-", v.name, "-", r), b * n, 10)), mpi::self(), keep);
     EXPECT_EQ(dp.final_step, 10);
     EXPECT_EQ(one.final_step, 10);
     const Gap gap = worst_relative_gap(dp, one, theta0);
@@ -247,8 +249,8 @@ TEST(Train, DataParallelEqualsOneRankWithTheWholeBatch) {
 
   // The real optimizer: a few elements whose gradients are rounding noise may step differently
   // by up to lr (3e-3) each, which moves the mean loss over 32-64 tokens by far less than 1e-3.
-  TrainResult dp = train(small_config("dp", b, 10), MPI_COMM_WORLD, keep);
-  TrainResult one = train(small_config(concat("single-", r), b * n, 10), MPI_COMM_SELF, keep);
+  TrainResult dp = train(small_config("dp", b, 10), mpi::world(), keep);
+  TrainResult one = train(small_config(concat("single-", r), b * n, 10), mpi::self(), keep);
   ASSERT_EQ(dp.losses.size(), one.losses.size());
   for (size_t i = 0; i < dp.losses.size(); ++i)
     EXPECT_NEAR(dp.losses[i].second, one.losses[i].second, 1e-3) << "adamw step " << one.losses[i].first;
@@ -269,14 +271,14 @@ TEST(Train, ResumeIsBitwiseExact) {
     };
     TrainHooks keep;
     keep.keep_params = true;
-    TrainResult straight = train(cfg_for("straight"), MPI_COMM_WORLD, keep);
+    TrainResult straight = train(cfg_for("straight"), mpi::world(), keep);
 
     TrainHooks stop = keep;
     stop.stop_after = 10;
-    TrainResult first = train(cfg_for("resumed"), MPI_COMM_WORLD, stop);
+    TrainResult first = train(cfg_for("resumed"), mpi::world(), stop);
     EXPECT_EQ(first.final_step, 10);
     EXPECT_FALSE(first.last_checkpoint.empty() && world_rank() == 0);
-    TrainResult second = train(cfg_for("resumed"), MPI_COMM_WORLD, keep);  // resume: auto
+    TrainResult second = train(cfg_for("resumed"), mpi::world(), keep);  // resume: auto
     EXPECT_EQ(second.final_step, 20);
 
     auto losses = first.losses;
@@ -300,7 +302,7 @@ TEST(Train, ResumeIsBitwiseExact) {
 TEST(Train, BadDataIsAUsageErrorOnEveryRank) {
   Config c = small_config("bad", 2, 5);
   c.data.train = {shared_data_dir() + "/nothing-*.h5"};
-  EXPECT_THROW(train(c, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(c, mpi::world()), ReportedUsageError);
 }
 
 // Overlapping the bucket all-reduces with backward changes when they run, not what they compute.
@@ -314,8 +316,8 @@ TEST(Train, OverlappedAllReduceGivesBitwiseTheSameRun) {
   };
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult after = train(cfg_for("no-overlap", false), MPI_COMM_WORLD, keep);
-  TrainResult during = train(cfg_for("overlap", true), MPI_COMM_WORLD, keep);
+  TrainResult after = train(cfg_for("no-overlap", false), mpi::world(), keep);
+  TrainResult during = train(cfg_for("overlap", true), mpi::world(), keep);
   ASSERT_EQ(after.params.size(), during.params.size());
   for (size_t i = 0; i < after.params.size(); ++i)
     EXPECT_EQ(after.params[i].second, during.params[i].second) << after.params[i].first;
@@ -326,10 +328,10 @@ TEST(Train, OverlappedAllReduceGivesBitwiseTheSameRun) {
 TEST(Train, Bf16AutocastTracksFp32) {
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult fp32 = train(small_config("fp32", 2, 10), MPI_COMM_WORLD, keep);
+  TrainResult fp32 = train(small_config("fp32", 2, 10), mpi::world(), keep);
   Config c = small_config("bf16", 2, 10);
   c.train.precision = "bf16";
-  TrainResult bf16 = train(c, MPI_COMM_WORLD, keep);
+  TrainResult bf16 = train(c, mpi::world(), keep);
   ASSERT_EQ(fp32.losses.size(), bf16.losses.size());
   for (size_t i = 0; i < fp32.losses.size(); ++i)
     EXPECT_NEAR(bf16.losses[i].second, fp32.losses[i].second, 0.05) << "step " << fp32.losses[i].first;
@@ -340,7 +342,7 @@ TEST(Train, Bf16AutocastTracksFp32) {
 
   Config fp16 = small_config("fp16", 2, 5);
   fp16.train.precision = "fp16";
-  EXPECT_THROW(train(fp16, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(fp16, mpi::world()), ReportedUsageError);
 }
 
 // model.init_from: the weights a run with train.seed 42 draws, saved as .npy (rank 0 writes them;
@@ -356,14 +358,14 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
     EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0);
     for (const auto& [name, p] : drawn->named_params()) npy_test::write_npy_tensor(dir + "/" + name + ".npy", p);
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult drawn = train(small_config("init-drawn", 2, 4), MPI_COMM_WORLD, keep);
+  TrainResult drawn = train(small_config("init-drawn", 2, 4), mpi::world(), keep);
   Config c = small_config("init-npy", 2, 4);
   c.model.init_from = dir;
   c.train.seed = 7;  // would draw other weights
-  TrainResult loaded = train(c, MPI_COMM_WORLD, keep);
+  TrainResult loaded = train(c, mpi::world(), keep);
   ASSERT_EQ(loaded.losses.size(), drawn.losses.size());
   for (size_t i = 0; i < drawn.losses.size(); ++i) EXPECT_EQ(loaded.losses[i], drawn.losses[i]);  // exact
   ASSERT_EQ(loaded.params.size(), drawn.params.size());
@@ -374,12 +376,12 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
   // weights (no whole copy on rank 0): bitwise the tp 2 run that drew them.
   Config drawn_tp = small_config("init-drawn-tp2", 2, 4);
   drawn_tp.parallel.tp = 2;
-  TrainResult drawn2 = train(drawn_tp, MPI_COMM_WORLD, keep);
+  TrainResult drawn2 = train(drawn_tp, mpi::world(), keep);
   Config loaded_tp = small_config("init-npy-tp2", 2, 4);
   loaded_tp.parallel.tp = 2;
   loaded_tp.model.init_from = dir;
   loaded_tp.train.seed = 7;
-  TrainResult loaded2 = train(loaded_tp, MPI_COMM_WORLD, keep);
+  TrainResult loaded2 = train(loaded_tp, mpi::world(), keep);
   ASSERT_EQ(loaded2.losses.size(), drawn2.losses.size());
   for (size_t i = 0; i < drawn2.losses.size(); ++i) EXPECT_EQ(loaded2.losses[i], drawn2.losses[i]) << "tp 2";
   ASSERT_EQ(loaded2.params.size(), drawn2.params.size());
@@ -397,7 +399,7 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
     loaded3.optim.zero = 3, loaded3.parallel.tp = tp;
     loaded3.model.init_from = dir;
     loaded3.train.seed = 7;
-    const TrainResult a = train(drawn3, MPI_COMM_WORLD, keep), b = train(loaded3, MPI_COMM_WORLD, keep);
+    const TrainResult a = train(drawn3, mpi::world(), keep), b = train(loaded3, mpi::world(), keep);
     ASSERT_EQ(a.losses.size(), b.losses.size());
     for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(b.losses[i], a.losses[i]) << "zero 3, tp " << tp;
     ASSERT_EQ(a.params.size(), b.params.size());
@@ -416,20 +418,20 @@ TEST(Train, InitFromNpyGivesBitwiseTheRunThatDrewThoseWeights) {
     const auto last = g->named_params().back();
     npy_test::write_npy_tensor(nan_dir + "/" + last.first + ".npy", torch::full_like(last.second, NAN));
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   Config nan3 = small_config("init-nan-z3", 2, 4);
   nan3.optim.zero = 3;
   nan3.model.init_from = nan_dir;
-  EXPECT_THROW(train(nan3, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(nan3, mpi::world()), ReportedUsageError);
 
   Config bad = small_config("init-bad", 2, 4);
   bad.model.init_from = dir + "/nowhere";
-  EXPECT_THROW(train(bad, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(bad, mpi::world()), ReportedUsageError);
   bad.parallel.tp = 2;  // every rank of the reading tp group finds it missing; all end, once
-  EXPECT_THROW(train(bad, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(bad, mpi::world()), ReportedUsageError);
   c.model.init_from = dir + "/nowhere";  // not read: "init-npy" resumes from its step-4 checkpoint
   c.train.steps = 5;
-  EXPECT_EQ(train(c, MPI_COMM_WORLD).final_step, 5);
+  EXPECT_EQ(train(c, mpi::world()).final_step, 5);
 }
 
 // model.fused_kernels: on (on the CPU: the fused ops' ATen reference) trains like the default
@@ -439,10 +441,10 @@ TEST(Train, FusedKernelsTrackTheUnfusedRun) {
   TrainHooks keep;
   keep.keep_params = true;
   const auto theta0 = initial_params(small_config("unfused", 2, 6));
-  TrainResult plain = train(sgd_like(small_config("unfused", 2, 6)), MPI_COMM_WORLD, keep);
+  TrainResult plain = train(sgd_like(small_config("unfused", 2, 6)), mpi::world(), keep);
   Config c = sgd_like(small_config("fused", 2, 6));
   c.model.fused_kernels = "on";
-  TrainResult fused = train(c, MPI_COMM_WORLD, keep);
+  TrainResult fused = train(c, mpi::world(), keep);
   ASSERT_EQ(fused.losses.size(), plain.losses.size());
   for (size_t i = 0; i < plain.losses.size(); ++i) {
     EXPECT_TRUE(std::isfinite(fused.losses[i].second));
@@ -487,10 +489,10 @@ TEST(Train, LossesEqualTheStoredReferenceOnEveryStack) {
       npy_test::write_npy_tensor(dir + "/" + name + ".npy", w);
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   Config c = base;
   c.model.init_from = dir;
-  TrainResult run = train(c, MPI_COMM_WORLD);
+  TrainResult run = train(c, mpi::world());
   ASSERT_EQ(run.losses.size(), 10u);
 
   const std::string path = std::string(MPITRAIN_TEST_DATA) + "/reference_losses.txt";
@@ -542,7 +544,7 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
   };
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult plain = train(cfg_for("zero0", 0, true), MPI_COMM_WORLD, keep);
+  TrainResult plain = train(cfg_for("zero0", 0, true), mpi::world(), keep);
   if (world_rank() == 0) {  // the clip really acted on some steps (the norm is summed in fp64 either way)
     const auto norms = logged_grad_norms(shared_data_dir() + "/zero0-out");
     EXPECT_TRUE(std::any_of(norms.begin(), norms.end(), [](double g) { return g > 0.5; }));
@@ -553,7 +555,7 @@ TEST(Train, ZeroOneEqualsPlainDataParallel) {
     std::printf("[ info ] this MPI's reduce-scatter %s its all-reduce's order: tolerance %.3g\n",
                 same_order ? "adds in" : "does not add in", tolerance);
   for (bool overlap : {true, false}) {
-    TrainResult zero = train(cfg_for(concat("zero1-", overlap), 1, overlap), MPI_COMM_WORLD, keep);
+    TrainResult zero = train(cfg_for(concat("zero1-", overlap), 1, overlap), mpi::world(), keep);
     ASSERT_EQ(zero.losses.size(), plain.losses.size());
     double worst_loss = 0, worst_param = 0;
     for (size_t i = 0; i < plain.losses.size(); ++i) {
@@ -602,8 +604,8 @@ TEST(Train, ZeroTwoEqualsZeroOneAndPlainDataParallel) {
   TrainHooks keep;
   keep.keep_params = true;
   for (bool overlap : {true, false}) {
-    const TrainResult one = train(cfg_for(concat("z2-one-", overlap), 1, overlap, 1), MPI_COMM_WORLD, keep);
-    const TrainResult two = train(cfg_for(concat("z2-two-", overlap), 2, overlap, 1), MPI_COMM_WORLD, keep);
+    const TrainResult one = train(cfg_for(concat("z2-one-", overlap), 1, overlap, 1), mpi::world(), keep);
+    const TrainResult two = train(cfg_for(concat("z2-two-", overlap), 2, overlap, 1), mpi::world(), keep);
     ASSERT_EQ(two.losses.size(), one.losses.size());
     for (size_t i = 0; i < one.losses.size(); ++i) EXPECT_EQ(two.losses[i].second, one.losses[i].second) << i;
     for (size_t i = 0; i < one.params.size(); ++i)
@@ -612,8 +614,8 @@ TEST(Train, ZeroTwoEqualsZeroOneAndPlainDataParallel) {
   // Summing averages instead of averaging sums reorders the additions whatever the MPI does:
   // kReorderTolerance (its derivation above covers any order of the same terms).
   const double tolerance = kReorderTolerance;
-  const TrainResult plain = train(cfg_for("z2-plain", 0, true, 2), MPI_COMM_WORLD, keep);
-  const TrainResult two = train(cfg_for("z2-accum", 2, true, 2), MPI_COMM_WORLD, keep);
+  const TrainResult plain = train(cfg_for("z2-plain", 0, true, 2), mpi::world(), keep);
+  const TrainResult two = train(cfg_for("z2-accum", 2, true, 2), mpi::world(), keep);
   ASSERT_EQ(two.losses.size(), plain.losses.size());
   double worst = 0;
   for (size_t i = 0; i < plain.losses.size(); ++i)
@@ -634,8 +636,8 @@ TEST(Train, ZeroTwoEqualsZeroOneAndPlainDataParallel) {
   Config first = cfg_for("z2-resume", 2, true, 2);
   TrainHooks stop = keep;
   stop.stop_after = 6;
-  train(first, MPI_COMM_WORLD, stop);
-  const TrainResult resumed = train(cfg_for("z2-resume", 2, true, 2), MPI_COMM_WORLD, keep);
+  train(first, mpi::world(), stop);
+  const TrainResult resumed = train(cfg_for("z2-resume", 2, true, 2), mpi::world(), keep);
   for (size_t i = 0; i < two.params.size(); ++i)
     EXPECT_TRUE(resumed.params[i].second == two.params[i].second) << "resumed: " << two.params[i].first;
 }
@@ -670,9 +672,9 @@ TEST(Train, RanksWriteTheirSharesOfOneCheckpoint) {
   for (const Layout& l : layouts) {
     const std::string tag = concat("-z", l.zero, "-tp", l.tp, "-b", l.bucket_mb);
     SCOPED_TRACE(tag);
-    TrainResult by0 = train(cfg_for("writers-rank0" + tag, "rank0", false, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
-    TrainResult all = train(cfg_for("writers-all" + tag, "auto", false, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
-    TrainResult all_async = train(cfg_for("writers-async" + tag, "auto", true, l.zero, l.tp, l.bucket_mb), MPI_COMM_WORLD);
+    TrainResult by0 = train(cfg_for("writers-rank0" + tag, "rank0", false, l.zero, l.tp, l.bucket_mb), mpi::world());
+    TrainResult all = train(cfg_for("writers-all" + tag, "auto", false, l.zero, l.tp, l.bucket_mb), mpi::world());
+    TrainResult all_async = train(cfg_for("writers-async" + tag, "auto", true, l.zero, l.tp, l.bucket_mb), mpi::world());
     EXPECT_EQ(by0.checkpoint_writers, 1);
     EXPECT_EQ(all.checkpoint_writers, l.writers);
     EXPECT_EQ(all_async.checkpoint_writers, l.writers);
@@ -770,8 +772,8 @@ TEST(Train, TensorParallelEqualsDataParallel) {
   TrainHooks keep;
   keep.keep_params = true;
   // Global batch 4 n sequences throughout: micro 4 per data-parallel rank.
-  TrainResult dp = train(tp_config("tp-ref", 1, 4), MPI_COMM_WORLD, keep);
-  expect_same_run(train(tp_config("tp2", 2, 4 * 2), MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2));
+  TrainResult dp = train(tp_config("tp-ref", 1, 4), mpi::world(), keep);
+  expect_same_run(train(tp_config("tp2", 2, 4 * 2), mpi::world(), keep), dp, concat("tp 2 x dp ", n / 2));
   if (world_rank() == 0) {  // the logged global norm is the whole model's, and the clip acted on some steps
     const auto want = logged_grad_norms(shared_data_dir() + "/tp-ref-out");
     const auto got = logged_grad_norms(shared_data_dir() + "/tp2-out");
@@ -780,21 +782,21 @@ TEST(Train, TensorParallelEqualsDataParallel) {
     EXPECT_TRUE(std::any_of(want.begin(), want.end(), [](double g) { return g > 0.5; }));
   }
   if (n > 2) {
-    expect_same_run(train(tp_config("tpn", n, 4 * n), MPI_COMM_WORLD, keep), dp, concat("tp ", n, " x dp 1"));
+    expect_same_run(train(tp_config("tpn", n, 4 * n), mpi::world(), keep), dp, concat("tp ", n, " x dp 1"));
     Config zero = tp_config("tp2-zero", 2, 4 * 2);
     zero.optim.zero = 1;
-    expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-1"));
+    expect_same_run(train(zero, mpi::world(), keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-1"));
     zero.optim.zero = 3;  // each tp rank's shards of the blocks sharded again over its dp group
     zero.train.out_dir += "3", zero.checkpoint.dir += "3";
-    expect_same_run(train(zero, MPI_COMM_WORLD, keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-3"));
+    expect_same_run(train(zero, mpi::world(), keep), dp, concat("tp 2 x dp ", n / 2, " with ZeRO-3"));
   }
-  expect_same_run(train(tp_config("tp2-accum", 2, 4, 2), MPI_COMM_WORLD, keep), dp,
+  expect_same_run(train(tp_config("tp2-accum", 2, 4, 2), mpi::world(), keep), dp,
                   concat("tp 2 x dp ", n / 2, " with grad_accum 2"));
   // bf16 autocast: the tp partial sums are added in fp32 and rounded once, so tp 2 tracks the
   // fp32 run as closely as bf16 data parallelism does (Bf16AutocastTracksFp32's bound).
   Config bf16 = tp_config("tp2-bf16", 2, 4 * 2);
   bf16.train.precision = "bf16";
-  TrainResult tp_bf16 = train(bf16, MPI_COMM_WORLD);
+  TrainResult tp_bf16 = train(bf16, mpi::world());
   ASSERT_EQ(tp_bf16.losses.size(), dp.losses.size());
   for (size_t i = 0; i < dp.losses.size(); ++i)
     EXPECT_NEAR(tp_bf16.losses[i].second, dp.losses[i].second, 0.05) << "bf16, step " << dp.losses[i].first;
@@ -814,7 +816,7 @@ TEST(Train, ResumeAcrossTensorParallelDegrees) {
   };
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult straight = train(tp_config("tp-straight", 1, 4), MPI_COMM_WORLD, keep);
+  TrainResult straight = train(tp_config("tp-straight", 1, 4), mpi::world(), keep);
   std::vector<std::pair<int64_t, double>> losses;
   int64_t at = 0;
   const int64_t zero = n == 4 ? 3 : 0;
@@ -822,7 +824,7 @@ TEST(Train, ResumeAcrossTensorParallelDegrees) {
        std::vector<std::tuple<int64_t, int64_t, int64_t>>{{2, 7, 0}, {1, 14, 0}, {2, 17, zero}, {n, 20, 0}}) {
     TrainHooks hooks = keep;
     hooks.stop_after = stop;
-    TrainResult part = train(cfg_for(concat("tp-resume-", tp, "-", z, "-", stop), tp, z), MPI_COMM_WORLD, hooks);
+    TrainResult part = train(cfg_for(concat("tp-resume-", tp, "-", z, "-", stop), tp, z), mpi::world(), hooks);
     EXPECT_EQ(part.final_step, stop);
     EXPECT_EQ(part.losses.front().first, at + 1) << "tp " << tp << " resumed where the last run stopped";
     losses.insert(losses.end(), part.losses.begin(), part.losses.end());
@@ -863,8 +865,8 @@ void expect_llama_layout_equals_dp(const LayoutRun& run, const std::string& tag,
   keep.keep_params = true;
   static std::map<int, std::pair<TrainResult, TrainResult>> reference;  // data parallel: AdamW, linear
   if (!reference.count(world_size()))
-    reference[world_size()] = {train(llama_config("llama-dp", 1, 4), MPI_COMM_WORLD, keep),
-                               train(sgd_like(llama_config("llama-dp-sgd", 1, 4)), MPI_COMM_WORLD, keep)};
+    reference[world_size()] = {train(llama_config("llama-dp", 1, 4), mpi::world(), keep),
+                               train(sgd_like(llama_config("llama-dp-sgd", 1, 4)), mpi::world(), keep)};
   const auto& [dp, dp_linear] = reference[world_size()];
   TrainResult adamw = run(tag, false);
   ASSERT_EQ(adamw.losses.size(), dp.losses.size()) << what;
@@ -888,7 +890,7 @@ LayoutRun llama_layout(int64_t tp, int64_t zero) {
     c.optim.zero = zero;
     TrainHooks keep;
     keep.keep_params = true;
-    return train(linear ? sgd_like(c) : c, MPI_COMM_WORLD, keep);
+    return train(linear ? sgd_like(c) : c, mpi::world(), keep);
   };
 }
 
@@ -896,7 +898,7 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
   const int n = world_size();
   TrainHooks keep;
   keep.keep_params = true;
-  TrainResult dp = train(llama_config("llama-dp0", 1, 4), MPI_COMM_WORLD, keep);  // global batch 4 n throughout
+  TrainResult dp = train(llama_config("llama-dp0", 1, 4), mpi::world(), keep);  // global batch 4 n throughout
   // wte, ln_f, lm_head; per layer 2 norms, q/k/v weights and biases, o_proj, gate, up, down
   ASSERT_EQ(dp.params.size(), 3u + 2u * 12u);
   EXPECT_LT(dp.losses.back().second, dp.losses.front().second - 0.2) << "the llama learns";
@@ -908,7 +910,7 @@ TEST(Train, LlamaLayoutsEqualDataParallel) {
   const double tolerance = reduce_scatter_sums_as_all_reduce() ? kZeroTolerance : kReorderTolerance;
   Config zero = llama_config("llama-zero", 1, 4);
   zero.optim.zero = 1;
-  TrainResult z = train(zero, MPI_COMM_WORLD, keep);
+  TrainResult z = train(zero, mpi::world(), keep);
   ASSERT_EQ(z.params.size(), dp.params.size());
   for (size_t i = 0; i < dp.losses.size(); ++i) EXPECT_NEAR(z.losses[i].second, dp.losses[i].second, tolerance);
   for (size_t i = 0; i < dp.params.size(); ++i)
@@ -964,8 +966,8 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
   TrainHooks keep;
   keep.keep_params = true;
   for (bool overlap : {true, false}) {
-    const TrainResult two = train(cfg_for(concat("z3-two-", overlap), 2, overlap, 1, "none"), MPI_COMM_WORLD, keep);
-    const TrainResult three = train(cfg_for(concat("z3-three-", overlap), 3, overlap, 1, "none"), MPI_COMM_WORLD, keep);
+    const TrainResult two = train(cfg_for(concat("z3-two-", overlap), 2, overlap, 1, "none"), mpi::world(), keep);
+    const TrainResult three = train(cfg_for(concat("z3-three-", overlap), 3, overlap, 1, "none"), mpi::world(), keep);
     expect_same(three, two, concat("zero 3, overlap ", overlap));
     EXPECT_FALSE(three.val_losses.empty());
     if (world_rank() == 0) {
@@ -974,17 +976,17 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     if (!overlap) continue;
     Config kept = cfg_for("z3-kept", 3, overlap, 1, "none");
     kept.optim.reshard_after_forward = false;  // blocks whole from forward to their backward
-    expect_same(train(kept, MPI_COMM_WORLD, keep), two, "zero 3 without resharding after forward");
+    expect_same(train(kept, mpi::world(), keep), two, "zero 3 without resharding after forward");
   }
-  const TrainResult two = train(cfg_for("z3-two-ac", 2, true, 2, "full"), MPI_COMM_WORLD, keep);
-  const TrainResult three = train(cfg_for("z3-three-ac", 3, true, 2, "full"), MPI_COMM_WORLD, keep);
+  const TrainResult two = train(cfg_for("z3-two-ac", 2, true, 2, "full"), mpi::world(), keep);
+  const TrainResult three = train(cfg_for("z3-three-ac", 3, true, 2, "full"), mpi::world(), keep);
   expect_same(three, two, "zero 3 with grad_accum 2 and full checkpointing");
   // bf16 autocast (its weight casts made from the gathered blocks) and bf16 reduce-scatters.
   auto bf16 = [&](const std::string& run, int64_t zero) {
     Config c = cfg_for(run, zero, true, 1, "none");
     c.train.precision = "bf16";
     c.comm.grad_dtype = "bf16";
-    return train(c, MPI_COMM_WORLD, keep);
+    return train(c, mpi::world(), keep);
   };
   expect_same(bf16("z3-three-bf16", 3), bf16("z3-two-bf16", 2), "zero 3 in bf16 with bf16 gradients");
 
@@ -1000,16 +1002,16 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     c.train.ac_every = 2;  // block 1 checkpointed, block 0 not
     return c;
   };
-  expect_same(train(llama_for("z3-llama-three", 3), MPI_COMM_WORLD, keep),
-              train(llama_for("z3-llama-two", 2), MPI_COMM_WORLD, keep), "llama, fused ops, zero 3");
+  expect_same(train(llama_for("z3-llama-three", 3), mpi::world(), keep),
+              train(llama_for("z3-llama-two", 2), mpi::world(), keep), "llama, fused ops, zero 3");
 
   // Resume: 6 steps, stop, 6 more under zero 3 = the 12-step zero 3 run, bitwise (each rank writes
   // its shards' share, and reads its shards back one unit at a time); a checkpoint that rank 0
   // wrote alone from gathered parameters, resumed under zero 2, continues as the zero 2 run does.
   TrainHooks stop = keep;
   stop.stop_after = 6;
-  train(cfg_for("z3-resume", 3, true, 2, "full"), MPI_COMM_WORLD, stop);
-  const TrainResult resumed = train(cfg_for("z3-resume", 3, true, 2, "full"), MPI_COMM_WORLD, keep);
+  train(cfg_for("z3-resume", 3, true, 2, "full"), mpi::world(), stop);
+  const TrainResult resumed = train(cfg_for("z3-resume", 3, true, 2, "full"), mpi::world(), keep);
   ASSERT_EQ(resumed.final_step, 12);
   for (size_t i = 0; i < three.params.size(); ++i)
     EXPECT_TRUE(resumed.params[i].second == three.params[i].second) << "resumed: " << three.params[i].first;
@@ -1021,8 +1023,8 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     const Config fallback = cfg_for("z3-fallback", 3, true, 2, "full");
     TrainHooks stop3 = keep;
     stop3.stop_after = 3;
-    train(fallback, MPI_COMM_WORLD, stop3);
-    train(fallback, MPI_COMM_WORLD, stop);
+    train(fallback, mpi::world(), stop3);
+    train(fallback, mpi::world(), stop);
     if (world_rank() == 0) {
       const std::string newest = fallback.checkpoint.dir + "/ckpt-00000006.h5";
       h5::silence_errors();
@@ -1035,16 +1037,16 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
       H5Dclose(ds);
       H5Fclose(f);
     }
-    MPI_Barrier(MPI_COMM_WORLD);
-    const TrainResult fell_back = train(fallback, MPI_COMM_WORLD, keep);
+    mpi::barrier(mpi::world());
+    const TrainResult fell_back = train(fallback, mpi::world(), keep);
     ASSERT_EQ(fell_back.final_step, 12);
     for (size_t i = 0; i < three.params.size(); ++i)
       EXPECT_TRUE(fell_back.params[i].second == three.params[i].second) << "fell back: " << three.params[i].first;
   }
   Config rank0 = cfg_for("z3-to-two", 3, true, 2, "full");
   rank0.checkpoint.writers = "rank0";  // the parameters gathered whole for rank 0 (the resume above: each rank its shares)
-  train(rank0, MPI_COMM_WORLD, stop);
-  TrainResult as_two = train(cfg_for("z3-to-two", 2, true, 2, "full"), MPI_COMM_WORLD, keep);
+  train(rank0, mpi::world(), stop);
+  TrainResult as_two = train(cfg_for("z3-to-two", 2, true, 2, "full"), mpi::world(), keep);
   ASSERT_EQ(as_two.final_step, 12);
   for (size_t i = 0; i < two.params.size(); ++i) {
     const auto &a = as_two.params[i].second, &b = two.params[i].second;
@@ -1067,7 +1069,7 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
     c.checkpoint.writers = "rank0";
     return c;
   };
-  const TrainResult bf16_straight = train(bf16_gathers("z3-bf16-straight"), MPI_COMM_WORLD, keep);
+  const TrainResult bf16_straight = train(bf16_gathers("z3-bf16-straight"), mpi::world(), keep);
   size_t not_bf16 = 0, total = 0;
   for (const auto& [name, values] : bf16_straight.params)
     for (float v : values) {
@@ -1075,8 +1077,8 @@ TEST(Train, ZeroThreeEqualsZeroTwo) {
       not_bf16 += torch::tensor(v).to(torch::kBFloat16).to(torch::kFloat32).item<float>() != v;
     }
   EXPECT_GT(not_bf16, total / 2) << "the master weights are fp32";
-  train(bf16_gathers("z3-bf16-resume"), MPI_COMM_WORLD, stop);
-  const TrainResult bf16_resumed = train(bf16_gathers("z3-bf16-resume"), MPI_COMM_WORLD, keep);
+  train(bf16_gathers("z3-bf16-resume"), mpi::world(), stop);
+  const TrainResult bf16_resumed = train(bf16_gathers("z3-bf16-resume"), mpi::world(), keep);
   ASSERT_EQ(bf16_resumed.final_step, 12);
   for (size_t i = 0; i < bf16_straight.params.size(); ++i)
     EXPECT_TRUE(bf16_resumed.params[i].second == bf16_straight.params[i].second)
@@ -1109,12 +1111,12 @@ TEST(Train, ZeroThreeRankZeroWriterGathersOneUnitAtATime) {
       c.checkpoint.every = 3;
       return c;
     };
-    const TrainResult straight = train(cfg_for("z3-rank0-straight"), MPI_COMM_WORLD, keep);
+    const TrainResult straight = train(cfg_for("z3-rank0-straight"), mpi::world(), keep);
     ASSERT_EQ(straight.checkpoint_writers, 1);
     EXPECT_GE(straight.max_units_whole, 1u);
     EXPECT_LE(straight.max_units_whole, 3u) << "async " << async << ", tp " << tp << ": units whole at once, of 6";
-    train(cfg_for("z3-rank0-resume"), MPI_COMM_WORLD, stop);
-    const TrainResult resumed = train(cfg_for("z3-rank0-resume"), MPI_COMM_WORLD, keep);
+    train(cfg_for("z3-rank0-resume"), mpi::world(), stop);
+    const TrainResult resumed = train(cfg_for("z3-rank0-resume"), mpi::world(), keep);
     ASSERT_EQ(resumed.final_step, 12);
     EXPECT_LE(resumed.max_units_whole, 3u);
     ASSERT_EQ(resumed.params.size(), straight.params.size());
@@ -1137,11 +1139,11 @@ TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
       c.comm.bucket_mb = 0.01;
       return c;
     };
-    TrainResult straight = train(cfg_for("llama-straight"), MPI_COMM_WORLD, keep);
+    TrainResult straight = train(cfg_for("llama-straight"), mpi::world(), keep);
     TrainHooks stop = keep;
     stop.stop_after = 10;
-    TrainResult first = train(cfg_for("llama-resumed"), MPI_COMM_WORLD, stop);
-    TrainResult second = train(cfg_for("llama-resumed"), MPI_COMM_WORLD, keep);
+    TrainResult first = train(cfg_for("llama-resumed"), mpi::world(), stop);
+    TrainResult second = train(cfg_for("llama-resumed"), mpi::world(), keep);
     ASSERT_EQ(second.final_step, 20);
     auto losses = first.losses;
     losses.insert(losses.end(), second.losses.begin(), second.losses.end());
@@ -1163,8 +1165,8 @@ TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
       c.checkpoint.dir = shared_data_dir() + "/" + tag + "-ckpt";
       return linear ? sgd_like(c) : c;
     };
-    TrainResult first = train(cfg(2), MPI_COMM_WORLD, stop);
-    TrainResult second = train(cfg(1), MPI_COMM_WORLD, keep);
+    TrainResult first = train(cfg(2), mpi::world(), stop);
+    TrainResult second = train(cfg(1), mpi::world(), keep);
     EXPECT_EQ(second.losses.front().first, 9) << "tp 1 resumed where tp 2 stopped";
     second.losses.insert(second.losses.begin(), first.losses.begin(), first.losses.end());
     return second;
@@ -1187,7 +1189,7 @@ TEST(Train, LlamaResumeIsBitwiseAndCrossesTensorParallelDegrees) {
 TEST(Train, LlamaSixteenBitGradientsPowerSgdAndBf16TrackFp32) {
   TrainHooks keep;
   keep.keep_params = true;
-  const TrainResult fp32 = train(llama_config("llama-wire-fp32", 1, 4), MPI_COMM_WORLD, keep);
+  const TrainResult fp32 = train(llama_config("llama-wire-fp32", 1, 4), mpi::world(), keep);
   const double fp32_fall = fp32.losses.front().second - fp32.losses.back().second;
   EXPECT_GT(fp32_fall, 0.2) << "the llama learns";
   struct Variant {
@@ -1209,7 +1211,7 @@ TEST(Train, LlamaSixteenBitGradientsPowerSgdAndBf16TrackFp32) {
   for (const Variant& v : variants) {
     Config c = llama_config("llama-wire-" + v.tag, 1, 4);
     v.set(c);
-    const TrainResult r = train(c, MPI_COMM_WORLD, keep);
+    const TrainResult r = train(c, mpi::world(), keep);
     ASSERT_EQ(r.losses.size(), fp32.losses.size()) << v.tag;
     double worst = 0;
     for (size_t i = 0; i < fp32.losses.size(); ++i) {
@@ -1287,7 +1289,7 @@ TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
        }, 4},
   };
   for (const Case& k : cases) {
-    const TrainResult plain = train(k.make(k.tag + "-none"), MPI_COMM_WORLD, keep);
+    const TrainResult plain = train(k.make(k.tag + "-none"), mpi::world(), keep);
     for (const std::string ac : {"full", "selective"})
       for (int64_t every : {1, 2}) {
         Config c = k.make(concat(k.tag, "-", ac, every));
@@ -1295,7 +1297,7 @@ TEST(Train, ActivationCheckpointingGivesBitwiseTheSameRun) {
         c.train.ac_every = every;
         const int64_t blocks_before = recomputed_blocks(), linear_before = replayed_linear_layers(),
                       attention_before = replayed_attention();
-        const TrainResult run = train(c, MPI_COMM_WORLD, keep);
+        const TrainResult run = train(c, mpi::world(), keep);
         const std::string what = concat(k.tag, ", ", ac, ", every ", every, " block(s)");
         // 2 blocks: 2 (every block) or 1 (every 2nd) per micro-step's backward
         const int64_t recomputed = (every == 1 ? 2 : 1) * c.train.steps * std::max<int64_t>(1, c.train.grad_accum);
@@ -1406,8 +1408,8 @@ TEST(Train, DilocoOneIslandIsPlainAndOneInnerSgdStepIsDataParallel) {
     keep.keep_params = true;
     keep.stop_after = steps;  // (the runs are 6 steps long: the same learning rates)
     const double bound = steps == 1 ? 8 : 6 * 8 * 2;
-    const TrainResult dp = train(sgd_config("dl-dp", 2, 6), MPI_COMM_WORLD, keep);
-    const TrainResult one = train(with_islands(sgd_config("dl-one", 2, 6), 1, 2, 0.7, 0.9), MPI_COMM_WORLD, keep);
+    const TrainResult dp = train(sgd_config("dl-dp", 2, 6), mpi::world(), keep);
+    const TrainResult one = train(with_islands(sgd_config("dl-one", 2, 6), 1, 2, 0.7, 0.9), mpi::world(), keep);
     EXPECT_TRUE(same_params(one, dp)) << "parallel.islands: 1 is plain training";
     EXPECT_EQ(one.outer_steps, 0);
     if (steps == 6) {
@@ -1422,7 +1424,7 @@ TEST(Train, DilocoOneIslandIsPlainAndOneInnerSgdStepIsDataParallel) {
       layouts.emplace_back("2 islands x dp 2, ZeRO-1", zero);
     }
     for (const auto& [what, cfg] : layouts) {
-      const TrainResult dl = train(cfg, MPI_COMM_WORLD, keep);
+      const TrainResult dl = train(cfg, mpi::world(), keep);
       EXPECT_EQ(dl.outer_steps, steps) << what;
       ASSERT_EQ(dl.losses.size(), dp.losses.size()) << what;
       EXPECT_EQ(dl.losses.front().second, dp.losses.front().second) << what << ": step 1 at the same theta";
@@ -1452,17 +1454,16 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
   keep.keep_params = true;
   auto dl = [](const std::string& run, int64_t micro) { return with_islands(sgd_config(run, micro, 7), 2, 3, 0.7, 0.9); };
   const auto theta0 = initial_params(dl("dl-ref", 2));
-  MPI_Comm pair = MPI_COMM_NULL;  // ranks 2r' and 2r'+1: each pair runs the 2-rank reference
-  MPI_Comm_split(MPI_COMM_WORLD, r / 2, r, &pair);
+  MpiComm pair = mpi::split(mpi::world(), r / 2, r);  // ranks 2r' and 2r'+1: each pair runs the 2-rank reference
   const TrainResult ref = train(dl(concat("dl-ref-", r / 2), 2), pair, keep);
-  MPI_Comm_free(&pair);
+  mpi::free(pair);
   EXPECT_EQ(ref.outer_steps, 3);
   EXPECT_EQ(ref.island_bytes, static_cast<uint64_t>(3 * ref.num_params * 4)) << "the whole model, fp32, per outer step";
   EXPECT_LT(ref.losses.back().second, ref.losses.front().second - 0.05) << "it learned";
   if (n == 2) {
     Config bf16 = dl("dl-bf16", 2);
     bf16.diloco.dtype = "bf16";
-    const TrainResult half = train(bf16, MPI_COMM_WORLD, keep);
+    const TrainResult half = train(bf16, mpi::world(), keep);
     EXPECT_EQ(half.island_bytes, ref.island_bytes / 2);
     ASSERT_EQ(half.losses.size(), ref.losses.size());
     for (size_t i = 0; i < ref.losses.size(); ++i)  // bf16's rounding of the pseudo-gradient: 2^-9 of it
@@ -1471,7 +1472,7 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
     // of a block's largest value, its error fed back at the next outer step.
     Config int8 = dl("dl-int8", 2);
     int8.diloco.dtype = "int8";
-    const TrainResult q = train(int8, MPI_COMM_WORLD, keep);
+    const TrainResult q = train(int8, mpi::world(), keep);
     const uint64_t blocks = static_cast<uint64_t>((ref.num_params + 255) / 256);
     EXPECT_EQ(q.island_bytes, 3 * blocks * (256 + 4));
     ASSERT_EQ(q.losses.size(), ref.losses.size());
@@ -1488,7 +1489,7 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
   for (const auto& [what, cfg] : std::vector<std::pair<std::string, Config>>{
            {"2 islands x dp 2", dp2}, {"2 islands x dp 2, ZeRO-1", zero1}, {"2 islands x dp 2, ZeRO-3", zero3},
            {"2 islands x tp 2", tp2}}) {
-    const TrainResult got = train(cfg, MPI_COMM_WORLD, keep);
+    const TrainResult got = train(cfg, mpi::world(), keep);
     EXPECT_EQ(got.outer_steps, 3) << what;
     if (what == "2 islands x dp 2") {  // half the model each (the parts rounded up)
       EXPECT_EQ(got.island_bytes, static_cast<uint64_t>(3 * ((got.num_params + 1) / 2) * 4)) << what;
@@ -1519,13 +1520,13 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
     };
     TrainHooks keep;
     keep.keep_params = true;
-    const TrainResult straight = train(cfg_for("dl-straight"), MPI_COMM_WORLD, keep);
+    const TrainResult straight = train(cfg_for("dl-straight"), mpi::world(), keep);
     TrainHooks stop = keep;
     stop.stop_after = 4;
-    const TrainResult first = train(cfg_for("dl-resumed"), MPI_COMM_WORLD, stop);
+    const TrainResult first = train(cfg_for("dl-resumed"), mpi::world(), stop);
     EXPECT_EQ(first.final_step, 4);
     EXPECT_EQ(first.outer_steps, 1);
-    const TrainResult second = train(cfg_for("dl-resumed"), MPI_COMM_WORLD, keep);  // resume: auto
+    const TrainResult second = train(cfg_for("dl-resumed"), mpi::world(), keep);  // resume: auto
     EXPECT_EQ(second.final_step, 8);
     EXPECT_EQ(second.outer_steps, 3) << "the outer steps count on from the checkpoint's";
     auto losses = first.losses;
@@ -1549,12 +1550,12 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
   // Another layout: the world split into other islands (or none) is refused, naming the key.
   Config other = with_islands(small_config("dl-resumed-z0fp32", n == 4 ? 1 : 2, 8), n == 4 ? 4 : 1, 3, 0.7, 0.9);
   other.train.steps = 10;
-  EXPECT_THROW(train(other, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(other, mpi::world()), ReportedUsageError);
   // A plain run's checkpoint starts a DiLoCo run: it trains on from it.
   TrainHooks stop;
   stop.stop_after = 4;
-  train(small_config("dl-from-plain", 2, 8), MPI_COMM_WORLD, stop);
-  const TrainResult on = train(with_islands(small_config("dl-from-plain", 2, 8), 2, 3, 0.7, 0.9), MPI_COMM_WORLD);
+  train(small_config("dl-from-plain", 2, 8), mpi::world(), stop);
+  const TrainResult on = train(with_islands(small_config("dl-from-plain", 2, 8), 2, 3, 0.7, 0.9), mpi::world());
   EXPECT_EQ(on.final_step, 8);
   EXPECT_EQ(on.outer_steps, 2);  // after steps 6 and 8
 }
@@ -1562,15 +1563,13 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
 namespace {
 // Island 1's parameters at `comm`'s rank 0 (islands of one rank: comm rank 1 is island 1), in
 // TrainResult::params' layout.
-std::vector<std::vector<float>> island_1_params(const TrainResult& r, MPI_Comm comm) {
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
+std::vector<std::vector<float>> island_1_params(const TrainResult& r, MpiComm comm) {
   std::vector<std::vector<float>> out;
   for (const auto& [name, values] : r.params) {
-    std::vector<float> theirs(values.size());
-    if (rank == 1) MPI_Send(values.data(), static_cast<int>(values.size()), MPI_FLOAT, 0, 7, comm);
-    if (rank == 0) MPI_Recv(theirs.data(), static_cast<int>(theirs.size()), MPI_FLOAT, 1, 7, comm, MPI_STATUS_IGNORE);
-    out.push_back(std::move(theirs));
+    // Both ranks' values gathered on rank 0 (the same model: the same sizes); rank 1's kept.
+    std::vector<float> both(2 * values.size());
+    mpi::gather(values.data(), both.data(), values.size() * sizeof(float), 0, comm);
+    out.emplace_back(both.begin() + static_cast<std::ptrdiff_t>(values.size()), both.end());
   }
   return out;
 }
@@ -1601,8 +1600,7 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
     c.diloco.mix = mix;
     return c;
   };
-  MPI_Comm pair = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, r / 2, r, &pair);
+  MpiComm pair = mpi::split(mpi::world(), r / 2, r);
   struct Case {
     int64_t overlap;
     double mix;
@@ -1642,7 +1640,7 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
   TrainHooks keep;
   keep.keep_params = true;
   const int64_t micro = n == 4 ? 1 : 2;
-  const TrainResult straight = train(cfg("dls-straight", micro, 1, 0.5), MPI_COMM_WORLD, keep);
+  const TrainResult straight = train(cfg("dls-straight", micro, 1, 0.5), mpi::world(), keep);
   if (n == 4) {
     const auto theta0 = initial_params(cfg("dls-ref", 2, 1, 0.5));
     const TrainResult ref = train(cfg(concat("dls-ref-", r / 2), 2, 1, 0.5), pair, keep);
@@ -1650,20 +1648,20 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
     zero1.optim.zero = 1;
     zero3.optim.zero = 3;
     for (const auto& [what, got] : {std::pair<std::string, TrainResult>{"2 islands x dp 2", straight},
-                                    {"2 islands x dp 2, ZeRO-1", train(zero1, MPI_COMM_WORLD, keep)},
-                                    {"2 islands x dp 2, ZeRO-3", train(zero3, MPI_COMM_WORLD, keep)}}) {
+                                    {"2 islands x dp 2, ZeRO-1", train(zero1, mpi::world(), keep)},
+                                    {"2 islands x dp 2, ZeRO-3", train(zero3, mpi::world(), keep)}}) {
       EXPECT_EQ(got.outer_steps, 6) << what;
       expect_same_run(got, ref, theta0, "streaming DiLoCo " + what);
     }
   }
-  MPI_Comm_free(&pair);
+  mpi::free(pair);
   TrainHooks stop = keep;
   stop.stop_after = 4;
-  const TrainResult first = train(cfg("dls-resumed", micro, 1, 0.5), MPI_COMM_WORLD, stop);
+  const TrainResult first = train(cfg("dls-resumed", micro, 1, 0.5), mpi::world(), stop);
   EXPECT_EQ(first.outer_steps, 1) << "fragment 1's exchange of step 2 applied after step 3; fragment 0's in flight";
   Config again = cfg("dls-resumed", micro, 1, 0.5);
   again.checkpoint.resume = "auto";
-  const TrainResult second = train(again, MPI_COMM_WORLD, keep);
+  const TrainResult second = train(again, mpi::world(), keep);
   EXPECT_EQ(second.final_step, 9);
   EXPECT_EQ(second.outer_steps, 6);
   auto losses = first.losses;
@@ -1674,15 +1672,15 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
   // Resumed with another number of fragments while an exchange is in flight: refused, naming the key.
   TrainHooks stop_again;
   stop_again.stop_after = 4;
-  train(cfg("dls-refused", micro, 1, 0.5), MPI_COMM_WORLD, stop_again);
+  train(cfg("dls-refused", micro, 1, 0.5), mpi::world(), stop_again);
   Config other = cfg("dls-refused", micro, 1, 0.5);
   other.checkpoint.resume = "auto";
   other.diloco.fragments = 4;
-  EXPECT_THROW(train(other, MPI_COMM_WORLD), ReportedUsageError);
+  EXPECT_THROW(train(other, mpi::world()), ReportedUsageError);
 }
 
 TEST(Train, Cleanup) {
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   if (world_rank() == 0) std::system(("rm -rf " + shared_data_dir()).c_str());
 }
 

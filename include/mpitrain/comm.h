@@ -8,15 +8,13 @@
 // builds, NCCL (bootstrapped over MPI: rank 0's unique id travels by MPI_Bcast).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 #include <torch/torch.h>
 
 #include <memory>
 #include <string>
 
 namespace mpitrain {
-
-enum class ReduceOp { sum, avg, max, min };
 
 // A collective in flight (Communicator::all_reduce_async). wait() makes its result visible to
 // the work that follows: MPI waits for the request on the host; NCCL makes the caller's current
@@ -76,14 +74,14 @@ void check_gather_sizes(const char* op, const char* whole_name, const torch::Ten
                         const torch::Tensor& part, int size);
 
 // The MPI backend over `comm` (not owned; it must outlive the communicator).
-std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
+std::unique_ptr<Communicator> make_mpi_communicator(MpiComm comm);
 
 // True in builds with the NCCL backend (CMake found CUDA libtorch and NCCL).
 bool have_nccl();
 
 // The backend the config asks for: "mpi", "nccl", or "auto" (NCCL on CUDA devices when built
 // with NCCL, else MPI). Throws UsageError for "nccl" in a build without it or on a CPU device.
-std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
+std::unique_ptr<Communicator> make_communicator(const std::string& backend, MpiComm comm,
                                                 const torch::Device& device);
 
 }  // namespace mpitrain

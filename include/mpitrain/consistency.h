@@ -3,7 +3,7 @@
 // is the classic "code not synced on node 2": an error naming the odd hosts and ranks.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <string>
@@ -28,9 +28,9 @@ struct Fingerprints {
 
 // Collective over `comm`. Returns one line per mismatch ("mpitrain binary differs on host nodeB
 // (ranks 2-3) from rank 0's on nodeA"), empty when every rank agrees with rank 0.
-std::vector<std::string> compare_fingerprints(MPI_Comm comm, const Topology& topo, const Fingerprints& mine);
+std::vector<std::string> compare_fingerprints(MpiComm comm, const Topology& topo, const Fingerprints& mine);
 
 // compare_fingerprints, throwing UsageError (identically on every rank) on any mismatch.
-void check_consistency(MPI_Comm comm, const Topology& topo, const Fingerprints& mine);
+void check_consistency(MpiComm comm, const Topology& topo, const Fingerprints& mine);
 
 }  // namespace mpitrain

@@ -9,7 +9,7 @@
 // communicator of one (its collectives return at once).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 #include <torch/torch.h>
 
 #include <memory>
@@ -23,7 +23,7 @@ namespace mpitrain {
 class Mesh {
  public:
   // Collective over `world` (every rank calls it). `backend` and `device` as make_communicator.
-  Mesh(MPI_Comm world, const MeshLayout& layout, const std::string& backend, const torch::Device& device);
+  Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, const torch::Device& device);
   ~Mesh();
   Mesh(const Mesh&) = delete;
   Mesh& operator=(const Mesh&) = delete;
@@ -46,16 +46,16 @@ class Mesh {
   Communicator* islands() { return islands_.get(); }
   // Every rank of this rank's island (the world without islands).
   Communicator& island() { return island_ ? *island_ : *world_; }
-  MPI_Comm world_mpi() const { return world_mpi_; }
-  MPI_Comm island_mpi() const { return island_mpi_ != MPI_COMM_NULL ? island_mpi_ : world_mpi_; }
+  MpiComm world_mpi() const { return world_mpi_; }
+  MpiComm island_mpi() const { return island_mpi_ != MpiComm{} ? island_mpi_ : world_mpi_; }
 
  private:
   MeshLayout layout_;
   int rank_ = 0;
-  MPI_Comm world_mpi_;
-  MPI_Comm dp_mpi_ = MPI_COMM_NULL, tp_mpi_ = MPI_COMM_NULL;  // owned (MPI_Comm_split)
-  MPI_Comm replicas_mpi_ = MPI_COMM_NULL, islands_mpi_ = MPI_COMM_NULL;  // owned; islands only
-  MPI_Comm island_mpi_ = MPI_COMM_NULL;                                   // owned; islands only
+  MpiComm world_mpi_;
+  MpiComm dp_mpi_ = MpiComm{}, tp_mpi_ = MpiComm{};  // owned (MPI_Comm_split)
+  MpiComm replicas_mpi_ = MpiComm{}, islands_mpi_ = MpiComm{};  // owned; islands only
+  MpiComm island_mpi_ = MpiComm{};                                   // owned; islands only
   std::unique_ptr<Communicator> world_, dp_, tp_;             // dp_ null: the world is the dp group
   std::unique_ptr<Communicator> replicas_, islands_, island_;  // null without islands
 };

@@ -2,9 +2,10 @@
 // No rendezvous server, no environment variables: MPI_Init_thread and MPI_Comm_split_type.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,7 @@ struct Topology {
   std::vector<std::string> hosts;  // distinct host names in order of their lowest rank
   std::vector<int> host_of_rank;   // host index of every rank
 
-  static Topology discover(MPI_Comm comm);
+  static Topology discover(MpiComm comm);
   // "4 ranks on 2 hosts: hostA[0-1] hostB[2-3]"
   std::string host_map() const;
 };
@@ -57,7 +58,7 @@ struct Topology {
 struct ReportedUsageError {
   int exit_code = 2;
 };
-void agree(MPI_Comm comm, const std::function<void()>& phase);
+void agree(MpiComm comm, const std::function<void()>& phase);
 
 // The per-step agreement of a world whose groups are joined by slow links (DiLoCo's islands,
 // diloco.h), where a blocking world all-reduce per step would cost a round trip on the slow link,
@@ -72,7 +73,7 @@ class LaggedAgreement {
  public:
   // Collective over `world` (duplicates it: the verdicts are ordered apart from other traffic).
   // `group`: this rank's group, a sub-communicator of `world`.
-  LaggedAgreement(MPI_Comm world, MPI_Comm group);
+  LaggedAgreement(MpiComm world, MpiComm group);
   ~LaggedAgreement();
   LaggedAgreement(const LaggedAgreement&) = delete;
   LaggedAgreement& operator=(const LaggedAgreement&) = delete;
@@ -86,12 +87,12 @@ class LaggedAgreement {
   int complete();
 
  private:
-  MPI_Comm world_ = MPI_COMM_NULL;  // owned duplicate
-  MPI_Comm group_;
+  struct Posted;                    // the verdict in flight: its MPI request and buffers
+  MpiComm world_ = MpiComm{};       // owned duplicate
+  MpiComm group_;
   int rank_ = 0;                    // in world
   std::string message_;             // this rank's failure, if any
-  int send_[2] = {0, 0}, recv_[2] = {0, 0};  // {lowest failing rank, -signal}, reduced by MIN
-  MPI_Request request_ = MPI_REQUEST_NULL;
+  std::unique_ptr<Posted> posted_;
 };
 
 // The singleton guard: a launcher that started several tasks while MPI made a world of one
@@ -111,7 +112,7 @@ std::string mpi_build();
 
 // Every rank's `mine` in rank order, each cut to `max_bytes` - 1 bytes: one fixed-size
 // MPI_Allgather over `comm` (collective).
-std::vector<std::string> allgather_text(MPI_Comm comm, const std::string& mine, size_t max_bytes);
+std::vector<std::string> allgather_text(MpiComm comm, const std::string& mine, size_t max_bytes);
 
 // Compact rank ranges: {0,1,2,5} -> "0-2,5".
 std::string rank_ranges(const std::vector<int>& ranks);

@@ -6,7 +6,7 @@
 // median. Exit code 1 on inconsistency (different binaries, a pre-flight error), else 0. It replaces the hand-run network scripts users write today.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <functional>
@@ -35,12 +35,12 @@ std::string follow_mpi_interface_for_nccl();
 // parallel.islands: auto: the bandwidth in Gbit/s between every pair of hosts, on every rank: the
 // hosts' first ranks ping-pong `bytes` twice after a small warm-up, disjoint pairs at once (a
 // round-robin of hosts - 1 rounds). Collective over `comm`.
-std::vector<std::vector<double>> host_bandwidths(MPI_Comm comm, const Topology& topo, int64_t bytes);
+std::vector<std::vector<double>> host_bandwidths(MpiComm comm, const Topology& topo, int64_t bytes);
 
 // Collective over `comm`; rank 0 prints. `local_gpus` is the number of GPUs this rank sees;
 // `torch_version` and `gpu_facts` (of a device index, -1 = none) fill the pre-flight record,
 // printed as a table of every distinct value with its ranks.
-int run_netcheck(const NetcheckOptions& opts, MPI_Comm comm, int local_gpus, const std::string& torch_version,
+int run_netcheck(const NetcheckOptions& opts, MpiComm comm, int local_gpus, const std::string& torch_version,
                  const std::function<GpuFacts(int)>& gpu_facts);
 
 }  // namespace mpitrain

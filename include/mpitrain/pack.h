@@ -4,7 +4,7 @@
 // (docs/pack.md).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <string>
@@ -61,7 +61,7 @@ constexpr int64_t kGpt2Eot = 50256;
 // documents start at their EOTs); /doc_offsets records each EOT. A document goes to val when
 // hash(seed, global document index) < val_fraction. Bad input is a UsageError naming the file,
 // thrown on every rank with the same message.
-PackResult pack(const PackOptions& opts, MPI_Comm comm);
+PackResult pack(const PackOptions& opts, MpiComm comm);
 
 // pack(opts, MPI_COMM_SELF).
 PackResult pack_text(const PackOptions& opts);

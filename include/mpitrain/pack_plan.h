@@ -3,7 +3,7 @@
 // share of the input from the plan alone, so all ranks agree without further messages.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <optional>
@@ -54,7 +54,7 @@ inline bool is_text_like(InputFormat f) { return f == InputFormat::text || f == 
 PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok);
 
 // Rank 0's plan to every rank of `comm` (collective).
-void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm);
+void broadcast_pack_plan(PackPlan& plan, MpiComm comm);
 
 // One rank's share of one input file: a whole text file, or tokens [begin, end) of a token array.
 struct PackRange {

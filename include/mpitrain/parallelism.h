@@ -23,7 +23,7 @@
 // save, resume) without knowing which stage is on.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -52,7 +52,7 @@ class Parallelism {
   // `mesh`: the dp and tp groups; `checkpoint_dir_blind_rank`: the lowest rank that does not see
   // checkpoint.dir, or -1 (startup.h).
   Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims, torch::Device device,
-              int checkpoint_dir_blind_rank, MPI_Comm mpi_comm);
+              int checkpoint_dir_blind_rank, MpiComm mpi_comm);
   Parallelism(const Parallelism&) = delete;
   Parallelism& operator=(const Parallelism&) = delete;
 
@@ -135,7 +135,7 @@ class Parallelism {
   Mesh& mesh_;
   const Topology& topo_;
   const GPTDims dims_;
-  MPI_Comm mpi_comm_;
+  MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;
   const int stage_;

@@ -16,7 +16,7 @@
 // the fastest layout that fits --memory GiB (on a GPU by default its memory).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 
@@ -31,6 +31,6 @@ struct PlanOptions {
 };
 
 // Collective. UsageError (agreed, printed once) for a bad config or parallel.tp > 1.
-void run_plan(Config cfg, MPI_Comm comm, const PlanOptions& opt);
+void run_plan(Config cfg, MpiComm comm, const PlanOptions& opt);
 
 }  // namespace mpitrain

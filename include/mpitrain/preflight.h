@@ -12,7 +12,7 @@
 // the whole record as a table of every distinct value with its ranks. Torch-free: the GPU fields come from the caller (cuda_stats.cpp in GPU builds).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <string>
 #include <vector>
@@ -69,12 +69,12 @@ struct PreflightVerdict {
 PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const Topology& topo, bool nccl_backend);
 
 // Collective over `comm`: collects, allgathers and judges; prints nothing, throws nothing.
-PreflightVerdict gather_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,
+PreflightVerdict gather_preflight(MpiComm comm, const Topology& topo, const std::string& torch_version,
                                   const GpuFacts& gpu, bool nccl_backend);
 
 // gather_preflight for a run: rank 0 logs the summary line and every warning once; an error is a UsageError on every rank (use
 // it inside agree(), which prints it once).
-PreflightVerdict run_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,
+PreflightVerdict run_preflight(MpiComm comm, const Topology& topo, const std::string& torch_version,
                                const GpuFacts& gpu, bool nccl_backend);
 
 // The launcher's own idea of this process's local rank, when it says: the first set of

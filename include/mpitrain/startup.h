@@ -5,7 +5,7 @@
 // bad value ends every rank with one message naming the file and key (exit 2).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 #include <torch/torch.h>
 
 #include <memory>
@@ -46,7 +46,7 @@ struct Startup {
 // Rank 0 locks checkpoint.dir before it looks for a checkpoint to resume (dir_lock.h); a job
 // holding it already is exit 2 on every rank. force_unlock: --force-unlock.
 // plan_only (`mpitrain plan`): no rank log files, and checkpoint.dir is neither locked nor read.
-Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock = false, bool plan_only = false);
+Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock = false, bool plan_only = false);
 
 // A resumed run may use another global batch (another world size, micro-batch or accumulation):
 // allowed, and said, with what it changes. The checkpoint's own run is known from the resolved

@@ -12,7 +12,7 @@
 // Parameters are whole on every rank in every layout and are broadcast from rank 0.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -90,7 +90,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
 // file (fsync, rename, `latest`, keep). A failure on any rank (disk full, not writable) removes the
 // .tmp and ends the save on every rank: rank 0 throws the UsageError naming the first failing rank,
 // the others ReportedUsageError (one message, exit 2). Returns the checkpoint's path.
-std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MPI_Comm comm);
+std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MpiComm comm);
 
 // One save through `writer` with every rank writing its share (every rank calls it at the same
 // step). Async: the loop stalls for share_checkpoint's copies into `buffers` (kept by the caller
@@ -98,20 +98,20 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 // writer's thread, so `comm` must be a communicator no other thread uses (CommDup) and MPI must
 // provide MPI_THREAD_MULTIPLE. `shards` and `holds_unsharded` as share_checkpoint.
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MPI_Comm comm);
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm);
 
 // A communicator of its own for one purpose (the checkpoint writer's collectives on a background
 // thread never meet the training loop's): MPI_Comm_dup, freed with the object. Collective.
 class CommDup {
  public:
-  explicit CommDup(MPI_Comm comm);
+  explicit CommDup(MpiComm comm);
   ~CommDup();
   CommDup(const CommDup&) = delete;
   CommDup& operator=(const CommDup&) = delete;
-  MPI_Comm get() const { return comm_; }
+  MpiComm get() const { return comm_; }
 
  private:
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MpiComm comm_ = MpiComm{};
 };
 
 // Every rank's RNG state, gathered (all ranks call; rank 0 keeps them for the checkpoint).
@@ -126,7 +126,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 // host memory and each rank receives its parameter shards one unit at a time; `model`'s
 // parameters are not written (they need not be whole). Returns the file loaded (rank 0; "" elsewhere).
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
-                 TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
+                 TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards = nullptr);
 
 }  // namespace mpitrain

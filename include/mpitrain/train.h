@@ -2,7 +2,7 @@
 // Torch-free header so the CLI and tests can call it without the heavy includes.
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <string>
@@ -40,7 +40,7 @@ struct TrainResult {
 
 // Trains per `cfg` on the ranks of `comm` (every rank calls it). Bad input throws UsageError
 // (already agreed across ranks: see agree() in mpi_env.h); anything else throws Error.
-TrainResult train(Config cfg, MPI_Comm comm, const TrainHooks& hooks = {});
+TrainResult train(Config cfg, MpiComm comm, const TrainHooks& hooks = {});
 
 // GPUs this process can use (0 in CPU builds or without devices).
 int local_gpu_count();

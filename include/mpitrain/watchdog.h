@@ -17,7 +17,7 @@
 // Exit code of a watchdog abort: kExitWatchdog (signals.h documents all codes).
 #pragma once
 
-#include <mpi.h>
+#include "mpitrain/mpi_ops.h"
 
 #include <cstdint>
 #include <functional>
@@ -35,7 +35,7 @@ class Watchdog {
   // `world`): with more than one rank and `thread_multiple`, duplicates `world`, gathers every
   // rank's host name and starts the thread that answers queries. Otherwise it does nothing and an
   // expiry reports only this rank's view.
-  static void attach(MPI_Comm world, bool thread_multiple);
+  static void attach(MpiComm world, bool thread_multiple);
   // Stops and joins the thread and frees the duplicate communicator; call before MPI_Finalize.
   static void detach();
 

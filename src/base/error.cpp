@@ -1,7 +1,5 @@
-// fail() and MPI error text.
+// fail() and text helpers (MPI's error text: src/comm/mpi_ops.cpp).
 #include "mpitrain/error.h"
-
-#include <mpi.h>
 
 #include "mpitrain/log.h"
 
@@ -11,13 +9,6 @@ void fail(std::string_view lib, std::string_view what, const char* file, int lin
   std::string_view f(file);
   if (auto slash = f.rfind('/'); slash != std::string_view::npos) f.remove_prefix(slash + 1);
   throw Error(concat(log::identity(), " ", lib, " error at ", f, ":", line, ": ", what));
-}
-
-std::string mpi_error_string(int rc) {
-  char buf[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
-  return std::string(buf, static_cast<size_t>(len));
 }
 
 std::vector<std::string> split_list(const std::string& list, char sep) {

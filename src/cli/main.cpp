@@ -62,8 +62,8 @@ void check_command_word(const std::vector<std::string>& args) {
 
 int run_cli(int argc, char** argv, MpiSession& mpi) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  agree(MPI_COMM_WORLD, [&] { check_not_a_singleton(mpi.size()); });
-  agree(MPI_COMM_WORLD, [&] { check_command_word(args); });
+  agree(mpi::world(), [&] { check_not_a_singleton(mpi.size()); });
+  agree(mpi::world(), [&] { check_command_word(args); });
   if (!args.empty() && !is_command(args[0]) && args[0][0] != '-') args.insert(args.begin(), "train");
   if (args.size() == 1 && (args[0] == "--version" || args[0] == "-V")) {
     if (mpi.rank() == 0)
@@ -181,7 +181,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
   // Every rank parses the same arguments and finds the same error: agree() prints it once.
   bool help = false;
-  agree(MPI_COMM_WORLD, [&] {
+  agree(mpi::world(), [&] {
     try {
       app.parse(args);
     } catch (const CLI::ParseError& e) {
@@ -194,7 +194,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     return 0;
   }
   // Numeric options: a value out of range is an error naming the option, never ignored or wrapped.
-  agree(MPI_COMM_WORLD, [&] {
+  agree(mpi::world(), [&] {
     auto need = [](bool ok, const char* option, const std::string& range, const std::string& got) {
       if (!ok) throw UsageError(concat("command line: ", option, " must be ", range, ", got ", got));
     };
@@ -229,22 +229,22 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
 
   if (*train_cmd) {
     Config cfg;
-    agree(MPI_COMM_WORLD, [&] { cfg = load_config(config_path, overrides); });
+    agree(mpi::world(), [&] { cfg = load_config(config_path, overrides); });
     TrainHooks hooks;
     hooks.stop_after = stop_after;
     hooks.force_unlock = force_unlock;
-    return train(cfg, MPI_COMM_WORLD, hooks).exit_code;
+    return train(cfg, mpi::world(), hooks).exit_code;
   }
   if (*plan_cmd) {
     Config cfg;
-    agree(MPI_COMM_WORLD, [&] { cfg = load_config(plan_config, plan_overrides); });
-    run_plan(cfg, MPI_COMM_WORLD, plan);
+    agree(mpi::world(), [&] { cfg = load_config(plan_config, plan_overrides); });
+    run_plan(cfg, mpi::world(), plan);
     return 0;
   }
   if (*pack_cmd) {
     // Collective: the ranks share the input; the shards are the same on any number of ranks.
     PackResult r;
-    agree(MPI_COMM_WORLD, [&] { r = mpitrain::pack(pack, MPI_COMM_WORLD); });
+    agree(mpi::world(), [&] { r = mpitrain::pack(pack, mpi::world()); });
     if (mpi.rank() == 0) {
       std::printf("packed %llu documents (%s tokenizer, vocab %lld): %llu train tokens in %zu shards, "
                   "%llu val tokens in %zu shards\n",
@@ -259,22 +259,22 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
     return 0;
   }
   if (*inspect_cmd) {
-    agree(MPI_COMM_WORLD, [&] {
+    agree(mpi::world(), [&] {
       if (mpi.rank() != 0) return;
       for (const auto& f : inspect_files) std::printf("%s", h5::describe(f).c_str());
     });
     return 0;
   }
-  if (*netcheck_cmd) return run_netcheck(netcheck, MPI_COMM_WORLD, local_gpu_count(), libtorch_release(), gpu_facts);
+  if (*netcheck_cmd) return run_netcheck(netcheck, mpi::world(), local_gpu_count(), libtorch_release(), gpu_facts);
   if (*sample_cmd) {
-    agree(MPI_COMM_WORLD, [&] {
+    agree(mpi::world(), [&] {
       if (mpi.rank() != 0) return;
       std::printf("%s\n", run_sample(sample).c_str());  // the prompt and its continuation
     });
     return 0;
   }
   if (*export_cmd) {
-    agree(MPI_COMM_WORLD, [&] {
+    agree(mpi::world(), [&] {
       if (mpi.rank() != 0) return;
       std::printf("%s", run_export(export_args).c_str());
     });

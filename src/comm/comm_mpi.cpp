@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "mpitrain/comm.h"
+#include "mpitrain/mpi_native.h"
 #include "mpitrain/device.h"
 #include "mpitrain/error.h"
 #include "mpitrain/watchdog.h"
@@ -295,8 +296,8 @@ void check_gather_sizes(const char* op, const char* whole_name, const torch::Ten
                        part.scalar_type()));
 }
 
-std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
-  return std::make_unique<MpiCommunicator>(comm);
+std::unique_ptr<Communicator> make_mpi_communicator(MpiComm comm) {
+  return std::make_unique<MpiCommunicator>(to_mpi(comm));
 }
 
 #ifdef MPITRAIN_WITH_NCCL
@@ -306,13 +307,13 @@ bool have_nccl() { return true; }
 bool have_nccl() { return false; }
 #endif
 
-std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_Comm comm,
+std::unique_ptr<Communicator> make_communicator(const std::string& backend, MpiComm comm,
                                                 const torch::Device& device) {
   (void)device;  // CPU builds: only the MPI backend exists
   if (backend == "mpi") return make_mpi_communicator(comm);
   if (backend == "auto") {
 #ifdef MPITRAIN_WITH_NCCL
-    if (device.is_cuda()) return make_nccl_communicator(comm, device);
+    if (device.is_cuda()) return make_nccl_communicator(to_mpi(comm), device);
 #endif
     return make_mpi_communicator(comm);
   }
@@ -320,7 +321,7 @@ std::unique_ptr<Communicator> make_communicator(const std::string& backend, MPI_
 #ifdef MPITRAIN_WITH_NCCL
     if (!device.is_cuda())
       throw UsageError("comm.backend: 'nccl' needs CUDA devices, but this run trains on the CPU (train.device)");
-    return make_nccl_communicator(comm, device);
+    return make_nccl_communicator(to_mpi(comm), device);
 #else
     throw UsageError("comm.backend: 'nccl' needs a GPU build of mpitrain (this build has no NCCL)");
 #endif

@@ -27,6 +27,7 @@
 #include "mpitrain/comm.h"
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/mpi_native.h"
 #include "mpitrain/torch_gpu.h"  // CUDA, or ROCm under CUDA's names
 #include "mpitrain/watchdog.h"
 
@@ -143,7 +144,7 @@ class NcclWork final : public Work {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(MPI_Comm mpi, const torch::Device& device)
-      : mpi_(mpi), device_(device.index()), host_(make_mpi_communicator(mpi)) {
+      : mpi_(mpi), device_(device.index()), host_(make_mpi_communicator(from_mpi(mpi))) {
     rank_ = host_->rank();
     size_ = host_->size();
     gpu::DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));

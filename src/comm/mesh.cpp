@@ -5,18 +5,18 @@
 
 namespace mpitrain {
 
-Mesh::Mesh(MPI_Comm world, const MeshLayout& layout, const std::string& backend, const torch::Device& device)
+// Through mpi_ops.h only: compiled once for every MPI family.
+Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, const torch::Device& device)
     : layout_(layout), world_mpi_(world) {
-  MPI_CHECK(MPI_Comm_rank(world, &rank_));
-  int size = 0;
-  MPI_CHECK(MPI_Comm_size(world, &size));
+  rank_ = mpi::rank(world);
+  const int size = mpi::size(world);
   MPITRAIN_CHECK(size == layout_.world, concat("Mesh: layout for ", layout_.world, " ranks on a world of ", size));
   world_ = make_communicator(backend, world, device);
   // Ranks of one tp group share their replica (rank / tp); ranks of one dp group share their
   // island and tp coordinate. Both splits are collective over the world, so every rank makes both
   // even when one is trivial.
-  MPI_CHECK(MPI_Comm_split(world, layout_.replica(rank_), rank_, &tp_mpi_));
-  MPI_CHECK(MPI_Comm_split(world, layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_, &dp_mpi_));
+  tp_mpi_ = mpi::split(world, layout_.replica(rank_), rank_);
+  dp_mpi_ = mpi::split(world, layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
   if (layout_.tp > 1 || layout_.islands > 1) dp_ = make_communicator(backend, dp_mpi_, device);
   if (layout_.tp > 1) {
     tp_ = make_communicator(backend, tp_mpi_, device);
@@ -24,9 +24,9 @@ Mesh::Mesh(MPI_Comm world, const MeshLayout& layout, const std::string& backend,
     tp_ = make_mpi_communicator(tp_mpi_);  // one rank: nothing to communicate
   }
   if (layout_.islands > 1) {  // DiLoCo: every island's replicas (data, evaluation); the outer all-reduce
-    MPI_CHECK(MPI_Comm_split(world, layout_.tp_rank(rank_), rank_, &replicas_mpi_));
-    MPI_CHECK(MPI_Comm_split(world, rank_ % layout_.island_size(), rank_, &islands_mpi_));
-    MPI_CHECK(MPI_Comm_split(world, layout_.island(rank_), rank_, &island_mpi_));
+    replicas_mpi_ = mpi::split(world, layout_.tp_rank(rank_), rank_);
+    islands_mpi_ = mpi::split(world, rank_ % layout_.island_size(), rank_);
+    island_mpi_ = mpi::split(world, layout_.island(rank_), rank_);
     replicas_ = make_communicator(backend, replicas_mpi_, device);
     islands_ = make_communicator(backend, islands_mpi_, device);
     island_ = make_communicator(backend, island_mpi_, device);
@@ -40,11 +40,11 @@ Mesh::~Mesh() {
   tp_.reset();
   dp_.reset();
   world_.reset();
-  if (tp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&tp_mpi_);
-  if (dp_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&dp_mpi_);
-  if (replicas_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&replicas_mpi_);
-  if (islands_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&islands_mpi_);
-  if (island_mpi_ != MPI_COMM_NULL) MPI_Comm_free(&island_mpi_);
+  mpi::free(tp_mpi_);
+  mpi::free(dp_mpi_);
+  mpi::free(replicas_mpi_);
+  mpi::free(islands_mpi_);
+  mpi::free(island_mpi_);
 }
 
 }  // namespace mpitrain

@@ -4,6 +4,7 @@
 // shard — cut at fixed positions of the global token order — is written by exactly one rank, so
 // the output is the same on any number of ranks.
 #include "mpitrain/pack.h"
+#include "mpitrain/mpi_native.h"
 
 #include <algorithm>
 #include <array>
@@ -292,7 +293,8 @@ class SplitWriter {
 
 // ---- pack --------------------------------------------------------------------------------------
 
-PackResult pack(const PackOptions& opts, MPI_Comm comm) {
+PackResult pack(const PackOptions& opts, MpiComm comm_handle) {
+  const MPI_Comm comm = to_mpi(comm_handle);
   int rank = 0, world = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &world));
@@ -307,7 +309,7 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
       throw UsageError("pack: --special-tokens is read by --tokenizer hf only");
     plan = make_pack_plan(opts, tok);
   });
-  broadcast_pack_plan(plan, comm);
+  broadcast_pack_plan(plan, comm_handle);
   const ShardMeta& meta = plan.meta;
 
   // ---- tokenize this rank's share ----
@@ -430,6 +432,6 @@ PackResult pack(const PackOptions& opts, MPI_Comm comm) {
   return r;
 }
 
-PackResult pack_text(const PackOptions& opts) { return pack(opts, MPI_COMM_SELF); }
+PackResult pack_text(const PackOptions& opts) { return pack(opts, mpi::self()); }
 
 }  // namespace mpitrain

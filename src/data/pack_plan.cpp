@@ -1,5 +1,6 @@
 // The plan of `mpitrain pack` (rank 0, then broadcast) and each rank's share of the input.
 #include "mpitrain/pack_plan.h"
+#include "mpitrain/mpi_native.h"
 
 #include <algorithm>
 #include <array>
@@ -186,7 +187,8 @@ PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok) {
 // ---- broadcast ---------------------------------------------------------------------------------
 
 // The plan as bytes: rank 0 serializes, the others parse.
-void broadcast_pack_plan(PackPlan& plan, MPI_Comm comm) {
+void broadcast_pack_plan(PackPlan& plan, MpiComm comm_handle) {
+  const MPI_Comm comm = to_mpi(comm_handle);
   int rank = 0;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   std::string buf;

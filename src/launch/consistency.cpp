@@ -1,5 +1,6 @@
 // Start-up consistency check across ranks (see consistency.h).
 #include "mpitrain/consistency.h"
+#include "mpitrain/mpi_native.h"
 
 #include <sys/stat.h>
 
@@ -33,7 +34,8 @@ uint32_t shard_list_fingerprint(const std::vector<std::string>& paths) {
   return h5::crc32(desc.data(), desc.size());
 }
 
-std::vector<std::string> compare_fingerprints(MPI_Comm comm, const Topology& topo, const Fingerprints& mine) {
+std::vector<std::string> compare_fingerprints(MpiComm comm_handle, const Topology& topo, const Fingerprints& mine) {
+  const MPI_Comm comm = to_mpi(comm_handle);
   std::array<uint32_t, 3> local{mine.binary, mine.config, mine.shards};
   std::vector<uint32_t> all(static_cast<size_t>(topo.size) * 3);
   MPI_CHECK(MPI_Allgather(local.data(), 3, MPI_UINT32_T, all.data(), 3, MPI_UINT32_T, comm));
@@ -51,7 +53,7 @@ std::vector<std::string> compare_fingerprints(MPI_Comm comm, const Topology& top
   return problems;
 }
 
-void check_consistency(MPI_Comm comm, const Topology& topo, const Fingerprints& mine) {
+void check_consistency(MpiComm comm, const Topology& topo, const Fingerprints& mine) {
   auto problems = compare_fingerprints(comm, topo, mine);
   if (problems.empty()) return;
   std::string msg = "consistency check failed: " + problems.front();

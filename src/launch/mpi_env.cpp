@@ -13,6 +13,7 @@
 
 #include "mpitrain/error.h"
 #include "mpitrain/log.h"
+#include "mpitrain/mpi_native.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
@@ -34,7 +35,7 @@ MpiSession::MpiSession(int& argc, char**& argv) {
   int len = 0;
   MPI_Get_processor_name(name, &len);
   log::init(rank_, size_, std::string(name, static_cast<size_t>(len)));
-  Watchdog::attach(MPI_COMM_WORLD, provided >= MPI_THREAD_MULTIPLE);  // collective
+  Watchdog::attach(from_mpi(MPI_COMM_WORLD), provided >= MPI_THREAD_MULTIPLE);  // collective
 }
 
 MpiSession::~MpiSession() {
@@ -124,7 +125,8 @@ void check_not_a_singleton(int world_size) {
 
 // ---- Topology ----------------------------------------------------------------------------------
 
-Topology Topology::discover(MPI_Comm comm) {
+Topology Topology::discover(MpiComm handle) {
+  const MPI_Comm comm = to_mpi(handle);
   Topology t;
   MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
   MPI_CHECK(MPI_Comm_size(comm, &t.size));
@@ -163,7 +165,8 @@ Topology Topology::discover(MPI_Comm comm) {
   return t;
 }
 
-std::vector<std::string> allgather_text(MPI_Comm comm, const std::string& mine, size_t max_bytes) {
+std::vector<std::string> allgather_text(MpiComm handle, const std::string& mine, size_t max_bytes) {
+  const MPI_Comm comm = to_mpi(handle);
   int size = 1;
   MPI_CHECK(MPI_Comm_size(comm, &size));
   std::vector<char> buf(max_bytes, '\0'), all(max_bytes * static_cast<size_t>(size));
@@ -202,7 +205,8 @@ std::string Topology::host_map() const {
 
 // ---- agree -------------------------------------------------------------------------------------
 
-void agree(MPI_Comm comm, const std::function<void()>& phase) {
+void agree(MpiComm handle, const std::function<void()>& phase) {
+  const MPI_Comm comm = to_mpi(handle);
   std::string message;
   try {
     phase();
@@ -222,16 +226,19 @@ void agree(MPI_Comm comm, const std::function<void()>& phase) {
 
 // ---- LaggedAgreement ---------------------------------------------------------------------------
 
-LaggedAgreement::LaggedAgreement(MPI_Comm world, MPI_Comm group) : group_(group) {
-  MPI_CHECK(MPI_Comm_dup(world, &world_));
-  MPI_Comm_rank(world_, &rank_);
-}
+struct LaggedAgreement::Posted {
+  MPI_Request request = MPI_REQUEST_NULL;
+  int send[2] = {0, 0}, recv[2] = {0, 0};  // {lowest failing rank, -signal}, reduced by MIN
+};
+
+LaggedAgreement::LaggedAgreement(MpiComm world, MpiComm group)
+    : world_(mpi::dup(world)), group_(group), rank_(mpi::rank(world_)), posted_(std::make_unique<Posted>()) {}
 
 LaggedAgreement::~LaggedAgreement() {
   // A verdict still posted (an exception left the step between post and complete) is completed:
   // every rank posted it, so this returns; freeing the communicator under it would be erroneous.
-  if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
-  MPI_Comm_free(&world_);
+  if (posted_->request != MPI_REQUEST_NULL) MPI_Wait(&posted_->request, MPI_STATUS_IGNORE);
+  mpi::free(world_);
 }
 
 void LaggedAgreement::post(const std::function<void()>& check, int signal) {
@@ -247,26 +254,28 @@ void LaggedAgreement::post(const std::function<void()>& check, int signal) {
   int group_first = INT_MAX;
   {
     Watchdog::Scope watch("all_reduce(step check, island)");
-    MPI_CHECK(MPI_Allreduce(&mine, &group_first, 1, MPI_INT, MPI_MIN, group_));
+    MPI_CHECK(MPI_Allreduce(&mine, &group_first, 1, MPI_INT, MPI_MIN, to_mpi(group_)));
   }
-  send_[0] = group_first;
-  send_[1] = -signal;
-  MPI_CHECK(MPI_Iallreduce(send_, recv_, 2, MPI_INT, MPI_MIN, world_, &request_));
+  Posted& p = *posted_;
+  p.send[0] = group_first;
+  p.send[1] = -signal;
+  MPI_CHECK(MPI_Iallreduce(p.send, p.recv, 2, MPI_INT, MPI_MIN, to_mpi(world_), &p.request));
   if (group_first != INT_MAX) complete();  // throws
 }
 
 int LaggedAgreement::complete() {
-  if (request_ == MPI_REQUEST_NULL) return 0;
+  Posted& p = *posted_;
+  if (p.request == MPI_REQUEST_NULL) return 0;
   {
     Watchdog::Scope watch("all_reduce(step check, world)");
-    MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    MPI_CHECK(MPI_Wait(&p.request, MPI_STATUS_IGNORE));
   }
-  if (recv_[0] != INT_MAX) {
-    if (rank_ == recv_[0]) std::fprintf(stderr, "mpitrain: %s\n", message_.c_str());
+  if (p.recv[0] != INT_MAX) {
+    if (rank_ == p.recv[0]) std::fprintf(stderr, "mpitrain: %s\n", message_.c_str());
     std::fflush(stderr);
     throw ReportedUsageError{2};
   }
-  return -recv_[1];
+  return -p.recv[1];
 }
 
 }  // namespace mpitrain

@@ -1,5 +1,6 @@
 // `mpitrain netcheck` (see netcheck.h).
 #include "mpitrain/netcheck.h"
+#include "mpitrain/mpi_native.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -106,7 +107,8 @@ Link measure_link(MPI_Comm comm, int rank, int a, int b, const NetcheckOptions& 
 
 }  // namespace
 
-std::vector<std::vector<double>> host_bandwidths(MPI_Comm comm, const Topology& topo, int64_t bytes) {
+std::vector<std::vector<double>> host_bandwidths(MpiComm comm_handle, const Topology& topo, int64_t bytes) {
+  const MPI_Comm comm = to_mpi(comm_handle);
   const int H = static_cast<int>(topo.hosts.size());
   std::vector<int> leaders(static_cast<size_t>(H), -1);
   for (int r = topo.size - 1; r >= 0; --r) leaders[static_cast<size_t>(topo.host_of_rank[r])] = r;
@@ -213,9 +215,10 @@ std::string follow_mpi_interface_for_nccl() {
   return value;
 }
 
-int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus, const std::string& torch_version,
+int run_netcheck(const NetcheckOptions& o, MpiComm comm_handle, int local_gpus, const std::string& torch_version,
                  const std::function<GpuFacts(int)>& gpu_facts) {
-  const Topology topo = Topology::discover(comm);
+  const MPI_Comm comm = to_mpi(comm_handle);
+  const Topology topo = Topology::discover(comm_handle);
   const bool root = topo.rank == 0;
   auto say = [&](const std::string& line) {
     if (root) std::printf("%s\n", line.c_str());
@@ -225,8 +228,8 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus, const 
   // ---- hosts: ranks, GPUs, interfaces, binary ----
   Fingerprints fp;
   fp.binary = binary_fingerprint();
-  auto problems = compare_fingerprints(comm, topo, fp);
-  const auto ifaces = allgather_text(comm, topo.local_rank == 0 ? local_interfaces() : "", kTextLen);
+  auto problems = compare_fingerprints(comm_handle, topo, fp);
+  const auto ifaces = allgather_text(comm_handle, topo.local_rank == 0 ? local_interfaces() : "", kTextLen);
   std::vector<int> gpus(topo.size);
   MPI_CHECK(MPI_Allgather(&local_gpus, 1, MPI_INT, gpus.data(), 1, MPI_INT, comm));
   std::vector<uint32_t> bins(topo.size);
@@ -256,7 +259,7 @@ int run_netcheck(const NetcheckOptions& o, MPI_Comm comm, int local_gpus, const 
 
   // ---- the pre-flight record: what every rank runs, each distinct value with its ranks ----
   const PreflightVerdict preflight =
-      gather_preflight(comm, topo, torch_version, gpu_facts(local_gpus > 0 ? topo.local_rank % local_gpus : -1),
+      gather_preflight(comm_handle, topo, torch_version, gpu_facts(local_gpus > 0 ? topo.local_rank % local_gpus : -1),
                        local_gpus > 0);
   for (const auto& e : preflight.errors) problems.push_back(e);
   say("\npreflight (every rank's record; a value's ranks):");

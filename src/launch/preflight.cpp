@@ -1,5 +1,6 @@
 // Pre-flight record and its rules (see preflight.h).
 #include "mpitrain/preflight.h"
+#include "mpitrain/mpi_native.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -298,7 +299,7 @@ PreflightVerdict judge_preflight(const std::vector<PreflightRecord>& all, const 
   return v;
 }
 
-PreflightVerdict gather_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,
+PreflightVerdict gather_preflight(MpiComm comm, const Topology& topo, const std::string& torch_version,
                                   const GpuFacts& gpu, bool nccl_backend) {
   const PreflightRecord mine = collect_preflight(topo, torch_version, gpu);
   std::string packed;
@@ -312,7 +313,7 @@ PreflightVerdict gather_preflight(MPI_Comm comm, const Topology& topo, const std
   return judge_preflight(records, topo, nccl_backend);
 }
 
-PreflightVerdict run_preflight(MPI_Comm comm, const Topology& topo, const std::string& torch_version,
+PreflightVerdict run_preflight(MpiComm comm, const Topology& topo, const std::string& torch_version,
                                const GpuFacts& gpu, bool nccl_backend) {
   PreflightVerdict verdict = gather_preflight(comm, topo, torch_version, gpu, nccl_backend);
   if (topo.rank == 0) {

@@ -4,6 +4,7 @@
 // every 10 ms it answers queries that arrived on the duplicate communicator and checks the
 // deadline of the collective in progress. The main thread only touches atomics (Scope).
 #include "mpitrain/watchdog.h"
+#include "mpitrain/mpi_native.h"
 
 #include <mpi.h>
 #include <unistd.h>
@@ -343,7 +344,8 @@ void ensure_thread() {
 
 }  // namespace
 
-void Watchdog::attach(MPI_Comm world, bool thread_multiple) {
+void Watchdog::attach(MpiComm world_handle, bool thread_multiple) {
+  const MPI_Comm world = to_mpi(world_handle);
   auto& s = state();
   s.seen_since_ns = now_ns();
   MPI_Comm_rank(world, &s.rank);

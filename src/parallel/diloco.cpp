@@ -92,9 +92,7 @@ Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero, int64_
   // MPI moves a non-blocking collective on only inside MPI calls: with overlap, a thread calls
   // MPI_Testall on the exchanges in flight every millisecond (MPI_THREAD_MULTIPLE only; else the
   // steps' own MPI calls and one test per step move them).
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
-  poll_ = cfg_.overlap > 0 && islands_.name() == "mpi" && provided == MPI_THREAD_MULTIPLE;
+  poll_ = cfg_.overlap > 0 && islands_.name() == "mpi" && mpi::thread_multiple();
 }
 
 Diloco::~Diloco() { progress_stop(); }

@@ -21,9 +21,7 @@ namespace {
 
 // Whether MPI runs with MPI_THREAD_MULTIPLE (collectives from more than one thread).
 bool mpi_thread_multiple() {
-  int mpi_threads = MPI_THREAD_SINGLE;
-  MPI_CHECK(MPI_Query_thread(&mpi_threads));
-  return mpi_threads >= MPI_THREAD_MULTIPLE;
+  return mpi::thread_multiple();
 }
 
 torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(parse_precision(name)); }
@@ -31,7 +29,7 @@ torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(
 }  // namespace
 
 Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims,
-                         torch::Device device, int checkpoint_dir_blind_rank, MPI_Comm mpi_comm)
+                         torch::Device device, int checkpoint_dir_blind_rank, MpiComm mpi_comm)
     : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), mpi_comm_(mpi_comm), device_(device),
       tp_(mesh.layout().tp > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
   // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
@@ -290,7 +288,7 @@ bool Parallelism::params_finite() {
   // steps): agree.
   if (tp_ || units_ || mesh_.layout().islands > 1) {
     Watchdog::Scope watch("all_reduce(parameter check)");
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &finite, 1, MPI_INT, MPI_MIN, mpi_comm_));
+    mpi::all_reduce(&finite, 1, ReduceOp::min, mpi_comm_);
   }
   return finite != 0;
 }

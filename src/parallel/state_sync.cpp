@@ -61,7 +61,7 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
 // each rank keeping its part (its place in the shards' communicator) in `mine`.
 template <class WholeOf>
 void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine,
-                    Communicator& world, MPI_Comm mpi_comm) {
+                    Communicator& world, MpiComm mpi_comm) {
   torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
   agree(mpi_comm, [&] {
     if (world.rank() != 0) return;
@@ -83,7 +83,7 @@ void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const 
 // every rank, each keeping its part: rank 0 holds one bucket's buffer and one tensor, never the
 // whole model's state.
 void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>* param_shards, AdamW& opt,
-                       const GradSync& shards, Communicator& world, MPI_Comm mpi_comm) {
+                       const GradSync& shards, Communicator& world, MpiComm mpi_comm) {
   using Part = CheckpointParams::Part;
   for (size_t b = 0; b < shards.num_buckets(); ++b)
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
@@ -97,7 +97,7 @@ void scatter_from_file(CheckpointParams* file, const std::vector<torch::Tensor>*
 
 // Rank 0's value of `dest` from the checkpoint (`file`, null elsewhere), then on every rank.
 void broadcast_from_file(CheckpointParams* file, size_t k, CheckpointParams::Part part, torch::Tensor dest,
-                         Communicator& comm, MPI_Comm mpi_comm) {
+                         Communicator& comm, MpiComm mpi_comm) {
   agree(mpi_comm, [&] {
     if (file) dest.copy_(file->read(k, part));
   });
@@ -111,7 +111,7 @@ void broadcast_from_file(CheckpointParams* file, size_t k, CheckpointParams::Par
 // (ZeRO-3's units): each rank keeps its owned slices of the parameter's tp shard too, through
 // AdamW's slots (views of its parameter shards), as of the moments.
 void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
-                    MPI_Comm mpi_comm, bool zero3) {
+                    MpiComm mpi_comm, bool zero3) {
   using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -187,10 +187,8 @@ FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model
 
 // ---- ranks writing one checkpoint together ----
 
-CommDup::CommDup(MPI_Comm comm) { MPI_CHECK(MPI_Comm_dup(comm, &comm_)); }
-CommDup::~CommDup() {
-  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-}
+CommDup::CommDup(MpiComm comm) : comm_(mpi::dup(comm)) {}
+CommDup::~CommDup() { mpi::free(comm_); }
 
 void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
                       const TrainState& st, bool copy) {
@@ -283,22 +281,17 @@ std::vector<uint32_t> combine_crcs(std::vector<PieceRecord> records, const std::
 }
 
 // Rank 0's verdict (empty: success) to every rank; a failure is thrown, printed once.
-void share_verdict(std::string verdict, MPI_Comm comm, int rank) {
-  int64_t n = static_cast<int64_t>(verdict.size());
-  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, 0, comm));
-  if (n == 0) return;
-  verdict.resize(static_cast<size_t>(n));
-  MPI_CHECK(MPI_Bcast(verdict.data(), static_cast<int>(n), MPI_CHAR, 0, comm));
+void share_verdict(std::string verdict, MpiComm comm, int rank) {
+  mpi::broadcast(verdict, 0, comm);
+  if (verdict.empty()) return;
   if (rank == 0) throw UsageError(verdict);
   throw ReportedUsageError{2};
 }
 
 }  // namespace
 
-std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MPI_Comm comm) {
-  int rank = 0, size = 1;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  MPI_CHECK(MPI_Comm_size(comm, &size));
+std::string write_checkpoint_shares(const std::string& dir, const CheckpointShare& share, int64_t keep, MpiComm comm) {
+  const int rank = mpi::rank(comm), size = mpi::size(comm);
   const size_t n_tensors = share.tensors.size();
 
   // Rank 0 creates the file; every rank learns where each tensor's bytes go.
@@ -314,7 +307,7 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
     }
   }
   share_verdict(failure, comm, rank);
-  MPI_CHECK(MPI_Bcast(offsets.data(), static_cast<int>(n_tensors), MPI_UINT64_T, 0, comm));
+  mpi::broadcast(offsets.data(), offsets.size() * sizeof(uint64_t), 0, comm);
 
   // This rank's pieces, in file order.
   std::vector<size_t> order(share.pieces.size());
@@ -347,10 +340,7 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
     // (shared) filesystem first.
     if (rank != 0 && !writes.empty()) fsync_path(tmp);
   } catch (const std::exception& e) {
-    char host[MPI_MAX_PROCESSOR_NAME] = {};
-    int len = 0;
-    MPI_Get_processor_name(host, &len);
-    failure = concat("rank ", rank, " (host ", std::string(host, static_cast<size_t>(len)), "): ", e.what());
+    failure = concat("rank ", rank, " (host ", mpi::processor_name(), "): ", e.what());
   }
 
   // Rank 0 learns every rank's outcome and its pieces' checksums.
@@ -358,18 +348,16 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
   std::vector<char> message(kMessage, '\0');
   std::copy_n(failure.begin(), std::min<size_t>(failure.size(), kMessage - 1), message.begin());
   std::vector<char> messages(rank == 0 ? static_cast<size_t>(size) * kMessage : 0);
-  MPI_CHECK(MPI_Gather(message.data(), kMessage, MPI_CHAR, messages.data(), kMessage, MPI_CHAR, 0, comm));
-  int count = failure.empty() ? static_cast<int>(mine.size() * 4) : 0;
-  std::vector<int> counts(rank == 0 ? size : 0), displs(rank == 0 ? size : 0);
-  MPI_CHECK(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm));
+  mpi::gather(message.data(), messages.data(), kMessage, 0, comm);
+  // The records as words (PieceRecord: 4 x uint64_t), none from a rank that failed.
+  std::vector<uint64_t> words(failure.empty() ? mine.size() * 4 : 0);
+  if (!words.empty()) std::memcpy(words.data(), mine.data(), words.size() * sizeof(uint64_t));
   std::vector<PieceRecord> all;
-  if (rank == 0) {
-    int total = 0;
-    for (int r = 0; r < size; ++r) displs[r] = total, total += counts[r];
-    all.resize(static_cast<size_t>(total) / 4);
+  for (const auto& list : mpi::gather_lists(words, 0, comm)) {
+    const size_t at = all.size();
+    all.resize(at + list.size() / 4);
+    if (!list.empty()) std::memcpy(&all[at], list.data(), list.size() * sizeof(uint64_t));
   }
-  MPI_CHECK(MPI_Gatherv(mine.data(), count, MPI_UINT64_T, all.data(), counts.data(), displs.data(), MPI_UINT64_T, 0,
-                        comm));
 
   std::string path = dir + "/" + checkpoint_name(share.state.step), verdict;
   if (rank == 0) {
@@ -389,7 +377,7 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 }
 
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MPI_Comm comm) {
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm) {
   if (!writer.async())
     return writer.save_with(st.step, [] {}, [&] {
       CheckpointShare share;
@@ -444,7 +432,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 }
 
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
-                 TrainState& st, Communicator& comm, MPI_Comm mpi_comm, uint64_t seed, const torch::Device& device,
+                 TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards) {
   std::string path;
   // Rank 0 reads and verifies every tensor of the file (a damaged one falls back to the next
@@ -542,7 +530,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
     int all_restored = restored ? 1 : 0;  // one kind of device for all ranks, but be sure
     {
       Watchdog::Scope watch("all_reduce(rng restored)");
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_restored, 1, MPI_INT, MPI_MIN, mpi_comm));
+      mpi::all_reduce(&all_restored, 1, ReduceOp::min, mpi_comm);
     }
     if (!all_restored && comm.rank() == 0)
       log::warn("checkpoint's RNG states come from another kind of device (CPU/GPU): RNG streams are reseeded "

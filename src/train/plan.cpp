@@ -29,15 +29,15 @@ namespace {
 
 // The median over `iters` runs (after 2 warm-ups) of the slowest rank's time of fn.
 template <class Fn>
-double timed(MPI_Comm comm, int64_t iters, const torch::Device& device, Fn&& fn) {
+double timed(MpiComm comm, int64_t iters, const torch::Device& device, Fn&& fn) {
   std::vector<double> t;
   for (int64_t i = 0; i < iters + 2; ++i) {
-    MPI_CHECK(MPI_Barrier(comm));
+    mpi::barrier(comm);
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), slowest = 0;
-    MPI_CHECK(MPI_Allreduce(&s, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double slowest = mpi::all_reduced(s, ReduceOp::max, comm);
     if (i >= 2) t.push_back(slowest);
   }
   std::sort(t.begin(), t.end());
@@ -51,7 +51,7 @@ struct CommTimes {
 };
 
 // GradSync over `comm` on the model's gradients, fp32 and bf16, without overlap.
-CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator& comm, MPI_Comm mpi,
+CommTimes time_all_reduce(const std::vector<torch::Tensor>& params, Communicator& comm, MpiComm mpi,
                           const Config& cfg, int64_t iters, const torch::Device& device) {
   CommTimes t;
   if (comm.size() == 1) return t;
@@ -177,7 +177,7 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
 
 }  // namespace
 
-void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
+void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   Startup run = start_up(cfg, mpi_comm, /*force_unlock=*/false, /*plan_only=*/true);
   const Topology& topo = run.topo;
   // Under parallel.tp every rank holds its tp shards (N below is rank 0's), and the activation
@@ -274,8 +274,7 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   // ---- communication: over all ranks, and within one host ----
   // (over every replica: with parallel.islands the dp group is one island's)
   const CommTimes all = time_all_reduce(params, run.mesh->replicas_comm(), mpi_comm, cfg, options.iters, device);
-  MPI_Comm host_mpi = MPI_COMM_NULL;
-  MPI_CHECK(MPI_Comm_split_type(mpi_comm, MPI_COMM_TYPE_SHARED, topo.rank, MPI_INFO_NULL, &host_mpi));
+  MpiComm host_mpi = mpi::split_host(mpi_comm, topo.rank);
   CommTimes local;
   {
     auto host_comm = make_communicator(cfg.comm.backend, host_mpi, device);
@@ -283,8 +282,8 @@ void run_plan(Config cfg, MPI_Comm mpi_comm, const PlanOptions& options) {
   }
   // The single-host baseline runs on every host at once; its figures are the slowest host's.
   for (double* v : {&local.fp32, &local.bf16, &local.last_fp32, &local.last_bf16, &local.powersgd})
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 1, MPI_DOUBLE, MPI_MAX, mpi_comm));
-  MPI_CHECK(MPI_Comm_free(&host_mpi));
+    mpi::all_reduce(v, 1, ReduceOp::max, mpi_comm);
+  mpi::free(host_mpi);
   if (topo.rank != 0) return;
   const std::string memory = memory_table();
 

@@ -71,20 +71,15 @@ std::optional<std::string> read_text(const std::string& path) {
 // Each rank reads the lock file there and compares it with what rank 0 wrote into it (host, pid,
 // start time: no other job's file reads the same). The lowest rank that does not, or -1 when all
 // do; rank 0 (as if nobody else saw it) when it holds no lock to compare with.
-int first_rank_not_seeing_lock(const std::string& dir, const DirLock* lock, MPI_Comm comm) {
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
+int first_rank_not_seeing_lock(const std::string& dir, const DirLock* lock, MpiComm comm) {
+  const int rank = mpi::rank(comm);
   std::string expected;
   if (rank == 0 && lock && lock->held()) expected = read_text(lock->path()).value_or("");
-  int64_t n = static_cast<int64_t>(expected.size());
-  MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, 0, comm));
-  if (n == 0) return 0;
-  expected.resize(static_cast<size_t>(n));
-  MPI_CHECK(MPI_Bcast(expected.data(), static_cast<int>(n), MPI_CHAR, 0, comm));
+  mpi::broadcast(expected, 0, comm);
+  if (expected.empty()) return 0;
   const bool sees = rank == 0 || (read_text(dir + "/" + DirLock::kFileName) == expected &&
                                   ::access(dir.c_str(), W_OK) == 0);
-  int mine = sees ? INT_MAX : rank, first = INT_MAX;
-  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
+  const int first = mpi::all_reduced(sees ? INT_MAX : rank, ReduceOp::min, comm);
   return first == INT_MAX ? -1 : first;
 }
 
@@ -110,7 +105,7 @@ void check_tensor_parallel_dims(const GPTDims& d, int tp) {
 // Automatic vocabulary padding depends on the device and the tp degree; a resumed run keeps the
 // rows its checkpoint has (rank 0 reads the newest candidate's dimensions). A checkpoint that
 // cannot be read here is left to the loader, which tries the older ones and says why.
-void keep_checkpoint_vocab(Startup& run, const Config& cfg, MPI_Comm comm) {
+void keep_checkpoint_vocab(Startup& run, const Config& cfg, MpiComm comm) {
   int64_t stored = 0;
   if (run.topo.rank == 0) {
     try {
@@ -119,7 +114,7 @@ void keep_checkpoint_vocab(Startup& run, const Config& cfg, MPI_Comm comm) {
       stored = 0;
     }
   }
-  MPI_CHECK(MPI_Bcast(&stored, 1, MPI_INT64_T, 0, comm));
+  mpi::broadcast_value(stored, 0, comm);
   GPTDims& d = run.dims;
   if (stored == 0 || stored == d.vocab_size) return;
   // The classes: the initial weights' (model.init_from: hf:, whose config.json gives them), else the data's.
@@ -145,7 +140,7 @@ std::string libtorch_release() { return TORCH_VERSION; }
 
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
 
-Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_only) {
+Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_only) {
   install_stop_signals();
   follow_mpi_interface_for_nccl();  // before any NCCL communicator exists
   Startup run;
@@ -285,7 +280,7 @@ Startup start_up(Config& cfg, MPI_Comm mpi_comm, bool force_unlock, bool plan_on
     resume = resume_candidates(cfg.checkpoint);
   }); });
   int has_resume = resume.empty() ? 0 : 1;
-  MPI_CHECK(MPI_Bcast(&has_resume, 1, MPI_INT, 0, mpi_comm));
+  mpi::broadcast_value(has_resume, 0, mpi_comm);
   run.has_resume = has_resume != 0;
   if (run.has_resume && cfg.model.vocab_size == 0) keep_checkpoint_vocab(run, cfg, mpi_comm);
   run.checkpoint_dir_blind_rank = first_rank_not_seeing_lock(cfg.checkpoint.dir, run.checkpoint_lock.get(), mpi_comm);

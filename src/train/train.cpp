@@ -111,7 +111,7 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 }
 
 // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
-bool choose_fused_adamw(const Config& cfg, MPI_Comm mpi_comm, const torch::Device& device, int rank) {
+bool choose_fused_adamw(const Config& cfg, MpiComm mpi_comm, const torch::Device& device, int rank) {
   bool fused = false;
   if (cfg.optim.name == "sgd") {
     if (rank == 0) log::info("optimizer: SGD with decoupled weight decay (optim.name: sgd)");
@@ -166,7 +166,7 @@ std::string describe_model(const GPTDims& dims, int64_t whole_params) {
 // One training run: the state that lives from start-up to the end, and the steps as members.
 class Run {
  public:
-  Run(Config& cfg, Startup& startup, MPI_Comm mpi_comm, const TrainHooks& hooks)
+  Run(Config& cfg, Startup& startup, MpiComm mpi_comm, const TrainHooks& hooks)
       : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
         device_(startup.device), precision_(startup.precision), par_(cfg, *startup.mesh, startup.topo, startup.dims, startup.device,
                                                          startup.checkpoint_dir_blind_rank, mpi_comm),
@@ -207,7 +207,7 @@ class Run {
 
   Config& cfg_;
   Startup& s_;
-  MPI_Comm mpi_comm_;
+  MpiComm mpi_comm_;
   const TrainHooks& hooks_;
   const Topology& topo_;
   const GPTDims& dims_;
@@ -606,9 +606,8 @@ bool Run::checkpoint_if_due() {
   // With islands: a signal pending at the step's start (step_checks_).
   int any_signal = agreed_signal_;
   if (!step_checks_) {
-    int signal = pending_stop_signal();
     Watchdog::Scope watch("all_reduce(stop signal)");
-    MPI_CHECK(MPI_Allreduce(&signal, &any_signal, 1, MPI_INT, MPI_MAX, mpi_comm_));
+    any_signal = mpi::all_reduced(pending_stop_signal(), ReduceOp::max, mpi_comm_);
   }
   const bool stop_here = (hooks_.stop_after >= 0 && step == hooks_.stop_after) || any_signal != 0;
   if (every(step, cfg_.checkpoint.every) || (last && cfg_.checkpoint.at_end) || stop_here) {
@@ -717,7 +716,7 @@ TrainResult Run::finish() {
 // 0: every rank's up to 16 ranks, else the extremes.
 void Run::report_cpu_peaks(const char* what, int64_t mine) const {
   std::vector<int64_t> peaks(static_cast<size_t>(topo_.rank == 0 ? topo_.size : 1));
-  MPI_CHECK(MPI_Gather(&mine, 1, MPI_INT64_T, peaks.data(), 1, MPI_INT64_T, 0, mpi_comm_));
+  mpi::gather(&mine, peaks.data(), sizeof mine, 0, mpi_comm_);
   if (topo_.rank != 0) return;
   auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
   std::string list;
@@ -731,7 +730,7 @@ void Run::report_cpu_peaks(const char* what, int64_t mine) const {
   log::info(concat(what, " (allocated by libtorch, MiB): ", list));
 }
 
-TrainResult train(Config cfg, MPI_Comm mpi_comm, const TrainHooks& hooks) {
+TrainResult train(Config cfg, MpiComm mpi_comm, const TrainHooks& hooks) {
   Startup startup = start_up(cfg, mpi_comm, hooks.force_unlock);  // MPI, layout, device, data, mesh; exit 2 on bad input
   Run run(cfg, startup, mpi_comm, hooks);
   run.build_model();
