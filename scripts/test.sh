@@ -3,7 +3,14 @@
 # the CLI end-to-end tests) with CTest.
 #
 #   scripts/test.sh [CTEST ARGS]   e.g. -R llama to run some tests only
+#   scripts/test.sh --quick        the quick tier while working: the tests labelled "quick" in
+#                                  tests/CMakeLists.txt (the unit tests and one end-to-end run per
+#                                  room: training, data, checkpoints, export, launch), no MPICH
+#                                  build; under 10 minutes on 2 cores after a build
 #   scripts/test.sh --packages-only   installs what the build and the tests need, builds nothing
+#
+# Every CTest run ends with its slowest tests, their time budgets (TIMEOUT) and the share used
+# (scripts/slowest-tests.sh).
 #
 # Then, when no CTEST ARGS narrowed the run (or MPITRAIN_TEST_MPICH=1; =0 never), the MPICH-ABI
 # build in build-mpich/ (-DMPITRAIN_MPI=mpich: Debian's libmpich-dev, hydra's mpiexec) runs the
@@ -12,8 +19,9 @@
 # Slurm kit with srun --mpi=pmi2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-packages_only=0
+packages_only=0 quick=0
 if [ "${1:-}" = --packages-only ]; then packages_only=1; shift; fi
+if [ "${1:-}" = --quick ]; then quick=1; shift; set -- -L quick "$@"; fi
 if [ $packages_only = 1 ]; then scripts/setup.sh --packages-only; else scripts/setup.sh; fi
 # What the fault and multi-host tests use beyond the build (Slurm, munge, docker.io and
 # debootstrap are installed by their own tests), and the fuzz test's clang with its libFuzzer
@@ -45,12 +53,23 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ $packages_only = 1 ] && exit 0
 mpich=${MPITRAIN_TEST_MPICH:-auto}
-[ "$mpich" = auto ] && { [ $# -eq 0 ] && mpich=1 || mpich=0; }
-cd build
-# Two at a time: a single-process test (one torch thread) beside another; a test that declares
-# PROCESSORS 2 (the mpirun ones) or RUN_SERIAL runs alone. MPITRAIN_TEST_JOBS=1: one at a time.
-ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" "$@"
-cd ..
+[ "$mpich" = auto ] && { [ $# -eq 0 ] && [ $quick = 0 ] && mpich=1 || mpich=0; }
+# run_ctest BUILD_DIR [CTEST ARGS]: CTest two at a time (a single-process test, one torch thread,
+# beside another; a test that declares PROCESSORS 2, the mpirun ones, or RUN_SERIAL runs alone;
+# MPITRAIN_TEST_JOBS=1: one at a time), then its slowest tests; returns CTest's exit status.
+run_ctest() {
+  local dir=$1 out rc
+  shift
+  out=$(mktemp "${TMPDIR:-/tmp}/mpitrain-ctest.XXXXXX")
+  set +e
+  (cd "$dir" && ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" "$@") 2>&1 | tee "$out"
+  rc=${PIPESTATUS[0]}
+  set -e
+  scripts/slowest-tests.sh "$dir" "$out" 10
+  rm -f "$out"
+  return "$rc"
+}
+run_ctest build "$@"
 [ "$mpich" = 1 ] || exit 0
 # ---- the MPICH-ABI build: the tests labelled "mpi" once more (docs/operations.md, MPI families) ----
 # After the tests, not beside them: on 2 cores anything running beside the tests, even under
@@ -59,7 +78,6 @@ cd ..
 start=$(date +%s)
 echo "test.sh: MPICH-ABI build in build-mpich/ (scripts/build-mpich.sh; build-mpich.log)"
 scripts/build-mpich.sh
-cd build-mpich
 # Not test_fused_emu_tp_np2 and test_train_np4: scripts/build-mpich.sh says why.
-ctest --output-on-failure -j "${MPITRAIN_TEST_JOBS:-2}" -L '^mpi$' -E '^(test_fused_emu_tp_np2|test_train_np4)$'
+run_ctest build-mpich -L '^mpi$' -E '^(test_fused_emu_tp_np2|test_train_np4)$'
 echo "test.sh: MPICH-ABI build and tests took $(( $(date +%s) - start )) s"

@@ -24,6 +24,8 @@ if ! [[ $seconds =~ ^[0-9]+$ ]] || ((seconds < 1)); then
   exit 2
 fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=jobs_lib.sh
+. "$root/tests/jobs_lib.sh"
 build="${FUZZ_BUILD_DIR:-$root/build-fuzz}"
 read -r -a targets <<<"${FUZZ_TARGETS:-fuzz_config fuzz_shard fuzz_checkpoint fuzz_safetensors fuzz_hf_tokenizer fuzz_hf_config fuzz_jsonl fuzz_token_files fuzz_safetensors_index fuzz_launch_env}"
 
@@ -66,10 +68,10 @@ echo "   built in $((SECONDS - build_start)) s"
 [ "${FUZZ_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # ---- run -------------------------------------------------------------------------------------------
-# Two targets at a time (FUZZ_JOBS; each libFuzzer process is single-threaded); each target's lines
-# are printed whole, in the targets' order, at the end. The harnesses write their HDF5 files in a
-# directory of their own below FUZZ_SCRATCH (fuzz/harness.h); a crash skips their own clean-up, the
-# trap above does not.
+# Two targets at a time (FUZZ_JOBS; each libFuzzer process is single-threaded; tests/jobs_lib.sh);
+# each target's lines are printed whole, in the targets' order, at the end. The harnesses write
+# their HDF5 files in a directory of their own below FUZZ_SCRATCH (fuzz/harness.h); a crash skips
+# their own clean-up, the trap above does not.
 export FUZZ_SCRATCH="$work/scratch"
 mkdir -p "$FUZZ_SCRATCH"
 common=(-rss_limit_mb=2048 -timeout=60)
@@ -133,24 +135,20 @@ run_target() {
   fi
 }
 
-mkdir -p "$work/results"
-running=0
 for target in "${targets[@]}"; do
-  if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
-  run_target "$target" >"$work/results/$target" 2>&1 &
-  running=$((running + 1))
+  jobs_run "$jobs" "$work/results" "$target" run_target "$target"
 done
-wait
+jobs_wait
 passed=0
 failed=0
+jobs_print "$work/results" "${targets[@]}" || true  # counted from the PASS:/FAIL: lines below
 for target in "${targets[@]}"; do
-  cat "$work/results/$target"
-  passed=$((passed + $(grep -c '^PASS: ' "$work/results/$target")))
-  failed=$((failed + $(grep -c '^FAIL: ' "$work/results/$target")))
+  passed=$((passed + $(grep -c '^PASS: ' "$work/results/$target.log")))
+  failed=$((failed + $(grep -c '^FAIL: ' "$work/results/$target.log")))
 done
 # A target whose job died before printing its verdict counts as failed.
 for target in "${targets[@]}"; do
-  grep -q "^[A-Z]*: $target fuzzing" "$work/results/$target" ||
+  grep -q "^[A-Z]*: $target fuzzing" "$work/results/$target.log" ||
     { echo "FAIL: $target: no verdict"; failed=$((failed + 1)); }
 done
 

@@ -18,6 +18,8 @@ set -euo pipefail
 
 exact=${1:?usage: hf_tokenizer_test.sh HF_TOKENIZER_EXACT | --installed}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=jobs_lib.sh
+. "$root/tests/jobs_lib.sh"
 ref="$root/tests/hf_tokenizer_reference"
 cache="${MPITRAIN_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpitrain-npm}"
 fail() {
@@ -46,22 +48,19 @@ fi
 # ---- reference ids, then mpitrain's ---------------------------------------------------------------
 work=$(mktemp -d "${TMPDIR:-/tmp}/mpitrain-hf-tokenizer.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-# Two processes at a time (CTest gives this test both cores: PROCESSORS 2): tokenizers.js in two
-# halves of the list, each writing the same corpus, then mpitrain's checks, each printed whole in
-# the list's order.
+# Two processes at a time (CTest gives this test both cores: PROCESSORS 2; tests/jobs_lib.sh):
+# tokenizers.js in two halves of the list, each writing the same corpus, then mpitrain's checks,
+# each printed whole in the list's order.
 start=$SECONDS
-NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" 1200000 llama3,gpt2,gemma,gemini,llama2-match \
-  > "$work/ref1.log" 2>&1 &
-ref1=$!
-rc2=0
-NODE_PATH="$modules/node_modules" node "$ref/reference.js" "$work" 1200000 qwen3,llama2,gemma3,qwen3-match,gemma3-match \
-  > "$work/ref2.log" 2>&1 || rc2=$?
-rc1=0
-wait $ref1 || rc1=$?
-cat "$work/ref1.log" "$work/ref2.log"
-[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] || fail "reference.js"
+jobs_run 2 "$work" ref1 env NODE_PATH="$modules/node_modules" \
+  node "$ref/reference.js" "$work" 1200000 llama3,gpt2,gemma,gemini,llama2-match
+jobs_run 2 "$work" ref2 env NODE_PATH="$modules/node_modules" \
+  node "$ref/reference.js" "$work" 1200000 qwen3,llama2,gemma3,qwen3-match,gemma3-match
+jobs_wait
+jobs_print "$work" ref1 ref2 || fail "reference.js"
 echo "reference ids: $((SECONDS - start)) s"
 names=(llama3 qwen3 gpt2 llama2 gemma gemma3 gemini qwen3-match llama2-match gemma3-match)
+# shellcheck disable=SC2317  # run through jobs_run
 check_one() {  # check_one NAME: mpitrain's ids against the reference's; prints PASS:/FAIL:
   local name=$1 tokenizer special corpus
   tokenizer=$(node -p "require('$work/$name.json').tokenizer")
@@ -74,16 +73,13 @@ check_one() {  # check_one NAME: mpitrain's ids against the reference's; prints 
     echo "FAIL: $name"
   fi
 }
-running=0
 for name in "${names[@]}"; do
-  if [ $running -ge 2 ]; then wait -n || true; running=$((running - 1)); fi
-  check_one "$name" > "$work/check-$name.log" 2>&1 &
-  running=$((running + 1))
+  jobs_run 2 "$work" "check-$name" check_one "$name"
 done
-wait || true
+jobs_wait
 failed=0
 for name in "${names[@]}"; do
-  cat "$work/check-$name.log"
+  jobs_print "$work" "check-$name" || failed=1
   grep -q "^PASS: $name\$" "$work/check-$name.log" || failed=1
 done
 exit $failed

@@ -9,6 +9,8 @@
 #
 # single: runs the binary alone; np2: under `mpiexec -np 2 --oversubscribe`.
 set -uo pipefail
+# shellcheck source=jobs_lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/jobs_lib.sh"
 
 mpiexec=$1
 shift
@@ -39,19 +41,16 @@ paths=(
 log=$(mktemp -d /tmp/mpitrain-kernel-paths-XXXXXX)
 trap 'rm -rf "$log"' EXIT
 passed=0 failed=0 not_tried=()
-# run_one MODE:BINARY NAME ENVS: one binary under one path; its output in $log/<binary>-<path>.log,
-# its exit status in that file's .rc.
+# run_one MODE:BINARY ENVS: one binary under one path (run as the job <binary>-<path> of
+# tests/jobs_lib.sh: its output in $log/<binary>-<path>.log, its exit status in .rc).
 run_one() {
-  local mode=${1%%:*} bin=${1#*:} out rc
-  out="$log/$(basename "$bin")-${2//[=+]/_}.log"
+  local mode=${1%%:*} bin=${1#*:}
   # shellcheck disable=SC2086
   if [ "$mode" = np2 ]; then
-    env $3 OPENBLAS_VERBOSE=2 "$mpiexec" -np 2 --oversubscribe "$bin" >"$out" 2>&1
+    env $2 OPENBLAS_VERBOSE=2 "$mpiexec" -np 2 --oversubscribe "$bin"
   else
-    env $3 OPENBLAS_VERBOSE=2 "$bin" >"$out" 2>&1
+    env $2 OPENBLAS_VERBOSE=2 "$bin"
   fi
-  rc=$?
-  echo $rc >"$out.rc"
 }
 printf '%-36s %s\n' "kernel path" "result"
 for entry in "${paths[@]}"; do
@@ -78,26 +77,23 @@ for entry in "${paths[@]}"; do
   # The single-process binaries two at a time (one torch thread each; CTest gives this test both
   # cores), the np2 ones alone.
   bad=()
-  running=0
   path_start=$SECONDS
   for t in "${tests[@]}"; do
-    mode=${t%%:*}
-    if [ "$mode" = np2 ] || [ $running -ge 2 ]; then
-      if [ "$mode" = np2 ]; then wait; running=0; else wait -n; running=$((running - 1)); fi
-    fi
-    if [ "$mode" = np2 ]; then
-      run_one "$t" "$name" "$envs"
+    job="$(basename "${t#*:}")-${name//[=+]/_}"
+    if [ "${t%%:*}" = np2 ]; then
+      jobs_wait
+      jobs_run 1 "$log" "$job" run_one "$t" "$envs"
+      jobs_wait
     else
-      run_one "$t" "$name" "$envs" &
-      running=$((running + 1))
+      jobs_run 2 "$log" "$job" run_one "$t" "$envs"
     fi
   done
-  wait
+  jobs_wait
   for t in "${tests[@]}"; do
     bin=${t#*:}
-    out="$log/$(basename "$bin")-${name//[=+]/_}.log"
-    rc=$(cat "$out.rc" 2>/dev/null)
-    rc=${rc:-99}  # no status written: the run did not end normally
+    job="$(basename "$bin")-${name//[=+]/_}"
+    out="$log/$job.log"
+    rc=$(jobs_rc "$log" "$job")  # 99: no status written, the run did not end normally
     if [[ $envs == *OPENBLAS_CORETYPE=* ]] && ! grep -q "^Core: $core\$" "$out"; then
       echo "FAIL: $name: OpenBLAS did not run its $core kernels for $(basename "$bin"):" \
            "$(grep -m1 '^Core:' "$out" || echo 'no Core line')"
