@@ -28,6 +28,11 @@ LINKED=openmpi
 ldd "$BIN" | grep -q 'libmpich' && LINKED=mpich
 check "--version names the MPI family the binary links ($LINKED) and the library it loaded" \
   "[ $FAMILY = $LINKED ] && grep -Eq '^mpi: [a-z]+ \\(built against (Open MPI|MPICH) [0-9]+\\.[0-9]+.*; loaded: (Open MPI v|MPICH )[0-9]' <<< \"\$VERSION_TEXT\""
+# ATen's CPU kernels as its dispatch reports them (tests/kernel_paths_test.sh reads the line):
+# ATEN_CPU_CAPABILITY=default must turn them to "NO AVX", so the line is no constant.
+check "--version names libtorch and its CPU kernels, and ATEN_CPU_CAPABILITY=default changes them to NO AVX" \
+  "grep -Eq '^torch: [0-9]+\\.[0-9]+.* \\(CPU kernels: [A-Z0-9 ]+\\)\$' <<< \"\$VERSION_TEXT\" &&
+   ATEN_CPU_CAPABILITY=default \"\$BIN\" --version | grep -q '^torch: .*(CPU kernels: NO AVX)\$'"
 
 # ---- a small corpus ----
 mkdir corpus

@@ -23,7 +23,12 @@ has() {  # has FLAG...: every flag is in /proc/cpuinfo
 }
 model=$(grep -m1 '^model name' /proc/cpuinfo | sed 's/.*: //')
 native=$(OPENBLAS_VERBOSE=2 "${tests[0]#*:}" --gtest_list_tests 2>&1 | sed -n 's/^Core: //p' | head -1)
-echo "CPU: ${model:-unknown}; OpenBLAS picks '${native:-?}' by itself; BLAS library: $(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null || echo '?')"
+# ATen's own default kernels on this CPU, as `mpitrain --version` reports them (MPITRAIN_BINARY,
+# set by CTest): libtorch 1.13 keeps AVX2 on an AVX-512 CPU, so its avx2 path is the default run's
+# there. Unknown: every ATen path is run.
+aten_native=$(env -u ATEN_CPU_CAPABILITY "${MPITRAIN_BINARY:-/nonexistent}" --version 2>/dev/null |
+  sed -n 's/^torch: .*(CPU kernels: \(.*\))$/\1/p')
+echo "CPU: ${model:-unknown}; OpenBLAS picks '${native:-?}' by itself, ATen '${aten_native:-?}'; BLAS library: $(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null || echo '?')"
 
 # name | environment | cpuinfo flags the path needs
 paths=(
@@ -60,11 +65,14 @@ for entry in "${paths[@]}"; do
     not_tried+=("$name (needs ${needs})")
     continue
   fi
-  # ATen picks AVX-512 by itself where the CPU has it, else AVX2: without AVX-512, aten=avx2 is
-  # what the default run covers.
-  if [ "$name" = aten=avx2 ] && ! has avx512f avx512bw avx512vl avx512dq; then
-    not_tried+=("$name (the default path on this CPU: no AVX-512)")
-    continue
+  # The ATen kernels this libtorch picks by itself are what the default run covers.
+  if [[ $name == aten=* && $name != *+* && -n $aten_native ]]; then
+    cap=${envs#ATEN_CPU_CAPABILITY=}
+    [ "$cap" = default ] && cap="no avx"
+    if [[ ${cap,,} == "${aten_native,,}" ]]; then
+      not_tried+=("$name (ATen's default on this CPU)")
+      continue
+    fi
   fi
   core=${envs#*OPENBLAS_CORETYPE=}
   if [[ $envs == *OPENBLAS_CORETYPE=* ]]; then

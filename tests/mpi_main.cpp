@@ -7,6 +7,10 @@
 #include <cstdio>
 
 #include "mpitrain/mpi_env.h"
+#include "test_data.h"
+
+// tests/test_data.h: the one translation unit with the checkout's absolute path.
+const char* const kTestDataDir = MPITRAIN_TEST_DATA;
 
 namespace {
 class FailurePrinter : public ::testing::EmptyTestEventListener {

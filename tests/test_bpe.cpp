@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include "temp_dir.h"
+#include "test_data.h"
 #include "mpitrain/bpe.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
@@ -26,20 +28,7 @@ namespace {
 
 // ---- helpers -----------------------------------------------------------------------------------
 
-const std::string kGpt2Dir = std::string(MPITRAIN_TEST_DATA) + "/gpt2";
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/mpitrain-bpe-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
+const std::string kGpt2Dir = std::string(kTestDataDir) + "/gpt2";
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
@@ -138,8 +127,8 @@ std::vector<uint32_t> join(std::initializer_list<std::vector<uint32_t>> parts) {
 // ---- the reference corpus ----------------------------------------------------------------------
 
 TEST(Gpt2Bpe, MatchesJavaScriptReferences) {
-  auto corpus = nlohmann::json::parse(slurp(std::string(MPITRAIN_TEST_DATA) + "/bpe_corpus.json"));
-  auto ids = nlohmann::json::parse(slurp(std::string(MPITRAIN_TEST_DATA) + "/bpe_ids.json"));
+  auto corpus = nlohmann::json::parse(slurp(std::string(kTestDataDir) + "/bpe_corpus.json"));
+  auto ids = nlohmann::json::parse(slurp(std::string(kTestDataDir) + "/bpe_ids.json"));
   ASSERT_EQ(corpus.size(), ids.size());
   ASSERT_GE(corpus.size(), 40u);
   EXPECT_EQ(gpt2().vocab_size(), 50257);
@@ -306,8 +295,8 @@ TEST(Gpt2Bpe, BadFiles) {
 // One document per corpus string: the shards hold EOT + the reference ids of each, in file order.
 TEST(Gpt2Pack, ShardsHoldReferenceIds) {
   TempDir dir;
-  auto corpus = nlohmann::json::parse(slurp(std::string(MPITRAIN_TEST_DATA) + "/bpe_corpus.json"));
-  auto ids = nlohmann::json::parse(slurp(std::string(MPITRAIN_TEST_DATA) + "/bpe_ids.json"));
+  auto corpus = nlohmann::json::parse(slurp(std::string(kTestDataDir) + "/bpe_corpus.json"));
+  auto ids = nlohmann::json::parse(slurp(std::string(kTestDataDir) + "/bpe_ids.json"));
   fs::create_directories(dir / "docs");
   std::vector<uint32_t> want;
   std::vector<uint64_t> offsets;

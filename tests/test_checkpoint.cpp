@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 
+#include "temp_dir.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/error.h"
 #include "mpitrain/export.h"
@@ -29,11 +30,6 @@
 using namespace mpitrain;
 
 namespace {
-
-std::string temp_dir() {
-  char tmpl[] = "/tmp/mpitrain-ckpt-XXXXXX";
-  return mkdtemp(tmpl);
-}
 
 GPTDims dims() {
   GPTDims d;
@@ -69,7 +65,8 @@ bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
 }  // namespace
 
 TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 3;
@@ -142,7 +139,8 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
 // `sample --stream` holds one block at a time and generates the text the loaded model does.
 TEST(Checkpoint, ExportAndSampleStreamOneTensorAtATimeAndADamagedCheckpointWritesNothing) {
   count_cpu_allocations();
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   GPTDims d = dims();
   d.n_layer = 8;
   d.n_embd = 32;
@@ -224,7 +222,8 @@ TEST(Checkpoint, ExportAndSampleStreamOneTensorAtATimeAndADamagedCheckpointWrite
 }
 
 TEST(Checkpoint, LatestNamesNewestAndKeepLastK) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   for (int step : {10, 20, 30, 40}) {
@@ -289,7 +288,8 @@ void set_int_attr(const std::string& path, const std::string& obj, const std::st
 // A Qwen3-shaped Llama (heads of 16 at width 16, q/k norms) comes back bitwise with its shape;
 // a model without the norms or with other heads is refused by name before a tensor is read.
 TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNorms) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   GPTDims d = dims();
   d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 8;
   d.head_size = 16, d.qk_norm = true;
@@ -351,7 +351,8 @@ TEST(Checkpoint, Qwen3ShapeRoundTripsAndIsRefusedByAnotherHeadSizeOrWithoutQkNor
 // bitwise with its fields; a config with another cap is refused naming it; a gemma2 file with
 // q/k norms is refused naming the attribute.
 TEST(Checkpoint, Gemma2RoundTripsWithItsFields) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   GPTDims d = dims();
   d.family = "gemma2", d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 8;
   d.sliding_window = 3, d.attn_softcap = 50, d.final_softcap = 30, d.query_pre_attn_scalar = 12;
@@ -385,7 +386,8 @@ TEST(Checkpoint, Gemma2RoundTripsWithItsFields) {
 }
 
 TEST(Checkpoint, BadCheckpointsAreUsageErrorsNamingFileAndDataset) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 1;
@@ -495,7 +497,8 @@ std::string dims_error(const std::string& path) {
 }  // namespace
 
 TEST(Checkpoint, DeclaredDimsMustMatchTheStoredTensorsBeforeAnythingIsAllocated) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 1;
@@ -526,7 +529,8 @@ TEST(Checkpoint, DeclaredDimsMustMatchTheStoredTensorsBeforeAnythingIsAllocated)
 // without it is refused by name; a window shorter than seq_len (it cuts the context) also comes
 // back bitwise.
 TEST(Checkpoint, MistralWindowRoundTripsAndIsPartOfTheArchitecture) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   GPTDims d = dims();
   d.arch = "llama", d.n_kv_head = 1, d.intermediate_size = 24, d.max_position = 64;
   d.sliding_window = d.seq_len;  // the whole context
@@ -555,7 +559,8 @@ TEST(Checkpoint, MistralWindowRoundTripsAndIsPartOfTheArchitecture) {
 }
 
 TEST(Checkpoint, OutOfRangeStateAttributesAreUsageErrorsNamingFileAndAttribute) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 5;
@@ -670,7 +675,8 @@ Contents read_contents(const std::string& path) {
 }  // namespace
 
 TEST(Checkpoint, AsyncSaveWritesTheSameCheckpointAsSyncAndSnapshotsBeforeReturning) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 4;
@@ -731,7 +737,8 @@ TEST(Checkpoint, AsyncSaveWritesTheSameCheckpointAsSyncAndSnapshotsBeforeReturni
 }
 
 TEST(Checkpoint, AsyncWriteFailureIsRethrownAtTheNextSaveOrWait) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 1;
@@ -764,7 +771,8 @@ TEST(Checkpoint, AsyncWriteFailureIsRethrownAtTheNextSaveOrWait) {
 }
 
 TEST(Checkpoint, SyncWriterWritesOnTheCallingThread) {
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   Trained a(1);
   TrainState st;
   st.step = 3;
@@ -780,8 +788,10 @@ TEST(Checkpoint, SyncWriterWritesOnTheCallingThread) {
 
 namespace {
 // One <name>.npy per parameter of `m`, in `descr` ('<f4' or '<f8').
+// A new directory of `m`'s parameters as .npy files; the caller removes it.
 std::string write_npy_dir(GPT& m, const std::string& descr = "<f4") {
-  const std::string dir = temp_dir();
+  char tmpl[] = "/tmp/mpitrain-npy-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
   for (const auto& [name, p] : m->named_params())
     npy_test::write_npy_tensor(dir + "/" + name + ".npy", p, descr);
   return dir;
@@ -801,7 +811,8 @@ bool same_params(GPT& a, GPT& b) {
 // a few blocks, several 16 MiB bounce buffers), and its CRC32 is that of its bytes. The CRC32s of
 // consecutive runs combine into the CRC32 of the whole.
 TEST(TensorIo, RunsAtAnyOffsetLandExactlyWithTheirCrc) {
-  const std::string path = temp_dir() + "/runs.bin";
+  const TempDir tmp;
+  const std::string path = tmp / "runs.bin";
   // Consecutive runs (offset, bytes): unaligned and aligned starts, under a block to 40 MB.
   std::vector<std::pair<uint64_t, uint64_t>> runs;
   for (uint64_t n : {100, 4000, 8192, 3, 4089, 4096, 12345, 40000005, 4093, 65536})

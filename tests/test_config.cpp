@@ -1,5 +1,7 @@
 // Tests of the configuration: parsing, presets, overrides, every validation message,
 // world-size resolution of the batch sizes and the to_yaml round trip.
+#include "temp_dir.h"
+#include "test_data.h"
 #include "mpitrain/config.h"
 
 #include <gtest/gtest.h>
@@ -370,7 +372,7 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
 // docs/config.md's model table is checked against the tables: every model.* key (to_yaml writes
 // them all), every architecture field, every family and every preset is in it.
 TEST(Config, DocsNameEveryModelKeyFamilyAndPreset) {
-  std::ifstream in(std::string(MPITRAIN_TEST_DATA) + "/../../docs/config.md");
+  std::ifstream in(std::string(kTestDataDir) + "/../../docs/config.md");
   ASSERT_TRUE(in) << "docs/config.md";
   const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t begin = doc.find("## model"), end = doc.find("\n## ", begin + 1);
@@ -464,8 +466,8 @@ TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
 }
 
 TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
-  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   std::ofstream(dir + "/config.json")
       << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
              "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 160,
@@ -547,8 +549,8 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
 
 // Qwen3 0.6B's published config.json (the keys transformers 4.51 writes) gives the preset's shape.
 TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
-  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   std::ofstream(dir + "/config.json")
       << R"({"architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
              "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
@@ -574,8 +576,8 @@ TEST(Config, Qwen3ConfigJsonGivesThePresetsShape) {
 // windows, query scale, local rotary base); a layer_types that is not the family's pattern, or
 // another sliding_window_pattern, is refused naming the key.
 TEST(Config, GemmaConfigJsonGivesThePresetsShape) {
-  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   const std::string gemma2 = R"({"architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
       "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
       "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
@@ -621,8 +623,8 @@ TEST(Config, GemmaConfigJsonGivesThePresetsShape) {
 // included; a training context longer than the window is refused by name (the window would cut).
 // Qwen's configs name a sliding_window too, unused without use_sliding_window: it is not read.
 TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) {
-  char dir_template[] = "/tmp/mpitrain-hfcfg-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
              "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
              "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,

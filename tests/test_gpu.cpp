@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "temp_dir.h"
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
@@ -38,11 +39,6 @@ GPTDims tiny_dims() {
   d.seq_len = 32;
   d.vocab_size = 96;
   return d;
-}
-
-std::string temp_dir() {
-  char tmpl[] = "/tmp/mpitrain-gpu-XXXXXX";
-  return mkdtemp(tmpl);
 }
 
 }  // namespace
@@ -141,7 +137,8 @@ TEST(Gpu, FusedAdamWMatchesTheCpuPath) {
 
 TEST(Gpu, CheckpointsMoveBetweenGpuAndCpu) {
   REQUIRE_CUDA();
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   torch::manual_seed(4);
   GPT on_gpu(tiny_dims());
   on_gpu->to(kGpu);
@@ -174,12 +171,12 @@ TEST(Gpu, CheckpointsMoveBetweenGpuAndCpu) {
     EXPECT_TRUE(c[i].second.is_cuda());
     EXPECT_TRUE(torch::equal(c[i].second.cpu(), b[i].second)) << c[i].first;
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Gpu, AsyncCheckpointOfAGpuModelEqualsTheSyncOne) {
   REQUIRE_CUDA();
-  const std::string dir = temp_dir();
+  const TempDir tmp;
+  const std::string dir = tmp.path;
   torch::manual_seed(6);
   GPT model(tiny_dims());
   model->to(kGpu);
@@ -202,7 +199,6 @@ TEST(Gpu, AsyncCheckpointOfAGpuModelEqualsTheSyncOne) {
   auto a = model->named_params(), b = loaded->named_params();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second.cpu(), b[i].second)) << a[i].first;
   for (size_t i = 0; i < opt.size(); ++i) EXPECT_TRUE(torch::equal(opt.exp_avg_sq(i).cpu(), loaded_opt.exp_avg_sq(i)));
-  std::filesystem::remove_all(dir);
 }
 
 // ---- fused block kernels (src/model/kernels/fused_kernels.cu) against the ATen reference ------------

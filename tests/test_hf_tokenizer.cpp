@@ -8,7 +8,6 @@
 // alone. Exactness on real tokenizer files against Hugging Face's code: tests/hf_tokenizer_test.sh.
 #include <gtest/gtest.h>
 #include <unistd.h>
-#include <mpi.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -17,6 +16,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "temp_dir.h"
+#include "test_data.h"
 #include "mpi_world.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
@@ -32,30 +33,10 @@ using nlohmann::json;
 
 namespace {
 
-const std::string kHf = std::string(MPITRAIN_TEST_DATA) + "/hf";
+const std::string kHf = std::string(kTestDataDir) + "/hf";
 
 #define SINGLETON_ONLY() \
   if (world_size() > 1) GTEST_SKIP() << "single-process test"
-
-// A temporary directory; `shared` makes rank 0's directory everyone's.
-struct TempDir {
-  std::string path;
-  bool owner;
-  explicit TempDir(bool shared = false) {
-    char tmpl[] = "/tmp/mpitrain-hf-XXXXXX";
-    if (!shared || world_rank() == 0) path = ::mkdtemp(tmpl);
-    if (shared) {
-      path.resize(sizeof tmpl - 1);
-      MPI_Bcast(path.data(), static_cast<int>(path.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
-    }
-    owner = !shared || world_rank() == 0;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (owner) fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
 
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
@@ -711,7 +692,7 @@ TEST(PackHf, JsonlSameShardsAsOneRank) {
   TempDir dir(/*shared=*/true);
   std::vector<std::string> files;
   if (world_rank() == 0) files = write_corpus(dir);
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   PackOptions o;
   for (int f = 0; f < 3; ++f) o.inputs.push_back(dir / concat("part-", f, ".jsonl"));
   o.tokenizer = "hf";
@@ -766,7 +747,7 @@ TEST(PackHf, JsonlSameShardsAsOneRank) {
     EXPECT_NE(expected.find(train.substr(0, 200)), std::string::npos);
     EXPECT_GT(train.size(), expected.size() / 2);
   }
-  MPI_Barrier(MPI_COMM_WORLD);  // rank 0 removes the directory only after everyone is done
+  mpi::barrier(mpi::world());  // rank 0 removes the directory only after everyone is done
 }
 
 TEST(PackHf, BadOptionsAndInputs) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 
+#include "temp_dir.h"
 #include "mpitrain/amp.h"
 #include "mpitrain/config.h"
 #include "mpitrain/error.h"
@@ -207,8 +208,8 @@ TEST(Model, LlamaHuggingFaceFilesRoundTripBitwise) {
       for (const auto& [name, p] : a->named_params())
         if (name.find("_norm.") != std::string::npos) p.uniform_(0.5, 1.5);
     }
-    char tmpl[] = "/tmp/mpitrain-hf-XXXXXX";
-    const std::string dir = mkdtemp(tmpl);
+    const TempDir tmp;
+    const std::string dir = tmp.path;
     for (uint64_t shard_bytes : {uint64_t{5'000'000'000}, uint64_t{8000}}) {
       HfWriteOptions opts;
       opts.max_shard_bytes = shard_bytes;
@@ -225,7 +226,6 @@ TEST(Model, LlamaHuggingFaceFilesRoundTripBitwise) {
       EXPECT_EQ(hf_name("h.0.mlp.c_proj.weight", d), "model.layers.0.mlp.down_proj.weight");
       EXPECT_EQ(hf_name("h.0.ln_2.weight", d), "model.layers.0.post_attention_layernorm.weight");
     }
-    std::filesystem::remove_all(dir);
   }
 }
 

@@ -3,7 +3,6 @@
 // mpirun -np 2/4) packing over MPI_COMM_WORLD equal to packing alone, shard for shard. GPT-2 text
 // packing is tested with the tokenizer, in test_bpe.cpp.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <stdlib.h>
 
 #include <cstring>
@@ -12,6 +11,8 @@
 #include <functional>
 #include <random>
 
+#include "temp_dir.h"
+#include "test_data.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/importers.h"
@@ -27,32 +28,12 @@ namespace {
 
 // ---- helpers -----------------------------------------------------------------------------------
 
-const std::string kData = MPITRAIN_TEST_DATA;
+const std::string kData = kTestDataDir;
 
 
 // The tests of one process run only in the singleton binary; under mpirun only the MPI ones do.
 #define SINGLETON_ONLY() \
   if (world_size() > 1) GTEST_SKIP() << "single-process test"
-
-// A temporary directory; `shared` makes rank 0's directory everyone's.
-struct TempDir {
-  std::string path;
-  explicit TempDir(bool shared = false) {
-    char tmpl[] = "/tmp/mpitrain-pack-XXXXXX";
-    if (!shared || world_rank() == 0) path = ::mkdtemp(tmpl);
-    if (shared) {
-      path.resize(sizeof tmpl - 1);
-      MPI_Bcast(path.data(), static_cast<int>(path.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
-    }
-    owner = !shared || world_rank() == 0;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (owner) fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-  bool owner;
-};
 
 void write_text(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
@@ -520,7 +501,7 @@ TEST(PackParallel, SameShardsAsOneRank) {
     write_npy<int64_t>(dir / "tok/c.npy", "<i8", token_corpus(900, 50257, 50256, 60, 10));
     write_nanogpt(dir / "tok/d_tiny.bin", {50256});
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
 
   PackOptions text = options({dir / "text"}, "", 97, 0.2);
   text.doc_separator = "%";
@@ -548,9 +529,9 @@ TEST(PackParallel, SameShardsAsOneRank) {
     bad[19990] = 60000;
     write_nanogpt(dir / "bad.bin", bad);
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  mpi::barrier(mpi::world());
   PackOptions b = options({dir / "bad.bin"}, dir / "world/bad", 1000);
   expect_usage([&] { pack(b, mpi::world()); },
                dir / "bad.bin: ", "token 60000 at position 19990 is >= vocab_size 50257");
-  MPI_Barrier(MPI_COMM_WORLD);  // rank 0 removes the directory only after everyone is done
+  mpi::barrier(mpi::world());  // rank 0 removes the directory only after everyone is done
 }

@@ -13,6 +13,7 @@
 #include <numeric>
 #include <set>
 
+#include "temp_dir.h"
 #include "mpitrain/error.h"
 #include "mpitrain/h5.h"
 #include "mpitrain/pack.h"
@@ -24,19 +25,6 @@ namespace fs = std::filesystem;
 namespace {
 
 // ---- helpers -----------------------------------------------------------------------------------
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/mpitrain-shards-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
 
 ShardMeta meta(int64_t vocab, int64_t eot = -1) {
   ShardMeta m;

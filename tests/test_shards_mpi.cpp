@@ -2,7 +2,6 @@
 // global window order a single reader sees (so the order does not depend on the world size), and
 // a fresh reader resumed from a cursor continues exactly where the old one was.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -51,7 +50,7 @@ class ShardsMpi : public ::testing::Test {
         buf[0] = '\0';  // the other ranks must still get past the broadcast
       }
     }
-    MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+    mpi::broadcast(buf, sizeof buf, 0, mpi::world());
     dir_ = buf;
     ASSERT_FALSE(dir_.empty());
     paths_ = expand_shard_paths({dir_}, "data.train");
@@ -59,7 +58,7 @@ class ShardsMpi : public ::testing::Test {
   }
 
   void TearDown() override {
-    MPI_Barrier(MPI_COMM_WORLD);  // nobody may still be opening a shard
+    mpi::barrier(mpi::world());  // nobody may still be opening a shard
     std::error_code ec;
     if (rank_ == 0 && !dir_.empty()) fs::remove_all(dir_, ec);
   }
@@ -70,8 +69,7 @@ class ShardsMpi : public ::testing::Test {
     std::vector<int32_t> mine(static_cast<size_t>(per_rank));
     ds.batch(start, rank_, kRows, mine.data());
     std::vector<int32_t> all(static_cast<size_t>(per_rank * world_));
-    MPI_Allgather(mine.data(), static_cast<int>(per_rank), MPI_INT32_T, all.data(),
-                  static_cast<int>(per_rank), MPI_INT32_T, MPI_COMM_WORLD);
+    mpi::all_gather(mine.data(), all.data(), mine.size() * sizeof(int32_t), mpi::world());
     return all;
   }
 
@@ -98,8 +96,7 @@ TEST_F(ShardsMpi, SlicesPartitionTheGlobalOrder) {
     std::vector<uint64_t> mine(kRows), all_idx(step);
     for (int64_t i = 0; i < kRows; ++i)
       mine[static_cast<size_t>(i)] = start + static_cast<uint64_t>(rank_ * kRows + i);
-    MPI_Allgather(mine.data(), kRows, MPI_UINT64_T, all_idx.data(), kRows, MPI_UINT64_T,
-                  MPI_COMM_WORLD);
+    mpi::all_gather(mine.data(), all_idx.data(), mine.size() * sizeof(uint64_t), mpi::world());
     for (uint64_t i = 0; i < step; ++i) mismatches += all_idx[i] != start + i;
 
     // The ranks' slices, concatenated, are what one reader with rows*world rows gets.
@@ -125,10 +122,10 @@ TEST_F(ShardsMpi, SlicesPartitionTheGlobalOrder) {
   // The order itself is the same on every rank (and so under any world size): compare a digest.
   uint64_t digest = 1469598103934665603ull;
   for (int64_t t : first_token) digest = (digest ^ static_cast<uint64_t>(t)) * 1099511628211ull;
-  uint64_t lo = 0, hi = 0;
-  MPI_Allreduce(&digest, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(&digest, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  EXPECT_EQ(lo, hi);
+  std::vector<uint64_t> digests(static_cast<size_t>(world_));
+  mpi::all_gather(&digest, digests.data(), sizeof digest, mpi::world());
+  const auto [lo, hi] = std::minmax_element(digests.begin(), digests.end());
+  EXPECT_EQ(*lo, *hi);
 }
 
 TEST_F(ShardsMpi, ResumeFromCursorContinuesExactly) {

@@ -26,6 +26,7 @@
 #include <random>
 #include <tuple>
 
+#include "test_data.h"
 #include "mpitrain/checkpoint.h"
 #include "mpitrain/comm.h"
 #include "mpitrain/h5.h"
@@ -495,7 +496,7 @@ TEST(Train, LossesEqualTheStoredReferenceOnEveryStack) {
   TrainResult run = train(c, mpi::world());
   ASSERT_EQ(run.losses.size(), 10u);
 
-  const std::string path = std::string(MPITRAIN_TEST_DATA) + "/reference_losses.txt";
+  const std::string path = std::string(kTestDataDir) + "/reference_losses.txt";
   const char* write = std::getenv("MPITRAIN_WRITE_REFERENCE_LOSSES");
   if (write && std::string(write) == "1") {
     if (world_rank() == 0) {

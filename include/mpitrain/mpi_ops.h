@@ -51,6 +51,8 @@ void broadcast_value(T& value, int root, MpiComm comm) {
 // Every rank's `bytes` bytes at `mine` on `root`, in rank order, at `all` (size() * bytes there;
 // unused elsewhere).
 void gather(const void* mine, void* all, size_t bytes, int root, MpiComm comm);
+// Every rank's `bytes` bytes at `mine` on every rank, in rank order, at `all` (size() * bytes).
+void all_gather(const void* mine, void* all, size_t bytes, MpiComm comm);
 // Every rank's list on `root` in rank order (elsewhere: empty).
 std::vector<std::vector<uint64_t>> gather_lists(const std::vector<uint64_t>& mine, int root, MpiComm comm);
 

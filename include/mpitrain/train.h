@@ -46,5 +46,8 @@ TrainResult train(Config cfg, MpiComm comm, const TrainHooks& hooks = {});
 int local_gpu_count();
 // The libtorch this binary was built against ("2.6.0"), for the pre-flight record.
 std::string libtorch_release();
+// The vectorised CPU kernels ATen dispatches to in this process ("AVX2", "AVX512", "NO AVX"):
+// its default on this CPU, or ATEN_CPU_CAPABILITY's (tests/kernel_paths_test.sh reads it).
+std::string cpu_kernels();
 
 }  // namespace mpitrain

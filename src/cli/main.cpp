@@ -67,7 +67,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   if (!args.empty() && !is_command(args[0]) && args[0][0] != '-') args.insert(args.begin(), "train");
   if (args.size() == 1 && (args[0] == "--version" || args[0] == "-V")) {
     if (mpi.rank() == 0)
-      std::printf("mpitrain %s\nmpi: %s; loaded: %s\n", MPITRAIN_VERSION, mpi_build().c_str(), mpi_library().c_str());
+      std::printf("mpitrain %s\nmpi: %s; loaded: %s\ntorch: %s (CPU kernels: %s)\n", MPITRAIN_VERSION,
+                  mpi_build().c_str(), mpi_library().c_str(), libtorch_release().c_str(), cpu_kernels().c_str());
     return 0;
   }
 

@@ -85,6 +85,11 @@ void gather(const void* mine, void* all, size_t bytes, int root, MpiComm comm) {
   MPI_CHECK(MPI_Gather(mine, n, MPI_BYTE, all, n, MPI_BYTE, root, to_mpi(comm)));
 }
 
+void all_gather(const void* mine, void* all, size_t bytes, MpiComm comm) {
+  const int n = byte_count(bytes);
+  MPI_CHECK(MPI_Allgather(mine, n, MPI_BYTE, all, n, MPI_BYTE, to_mpi(comm)));
+}
+
 std::vector<std::vector<uint64_t>> gather_lists(const std::vector<uint64_t>& mine, int root, MpiComm comm) {
   const int me = rank(comm), n = size(comm);
   MPITRAIN_CHECK(mine.size() <= static_cast<size_t>(INT32_MAX), "mpi::gather_lists: a list over 2^31 elements");

@@ -138,6 +138,15 @@ void keep_checkpoint_vocab(Startup& run, const Config& cfg, MpiComm comm) {
 
 std::string libtorch_release() { return TORCH_VERSION; }
 
+std::string cpu_kernels() {
+  // ATen's own account: "  - CPU capability usage: AVX2" in its build configuration text.
+  const std::string config = at::show_config(), key = "CPU capability usage: ";
+  const size_t at = config.find(key);
+  if (at == std::string::npos) return "unknown";
+  const size_t begin = at + key.size(), end = config.find('\n', begin);
+  return config.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+
 int local_gpu_count() { return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0; }
 
 Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_only) {
