@@ -55,10 +55,7 @@ void all_or_none(MPI_Comm comm, const std::function<void()>& phase) {
   int mine = failed ? rank : INT_MAX, first = INT_MAX;
   MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
   if (first == INT_MAX) return;
-  uint64_t len = message.size();
-  MPI_CHECK(MPI_Bcast(&len, 1, MPI_UINT64_T, first, comm));
-  message.resize(len);
-  MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(len), MPI_CHAR, first, comm));
+  mpi::broadcast(message, first, from_mpi(comm));
   throw UsageError(message);
 }
 

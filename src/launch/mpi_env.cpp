@@ -166,13 +166,10 @@ Topology Topology::discover(MpiComm handle) {
 }
 
 std::vector<std::string> allgather_text(MpiComm handle, const std::string& mine, size_t max_bytes) {
-  const MPI_Comm comm = to_mpi(handle);
-  int size = 1;
-  MPI_CHECK(MPI_Comm_size(comm, &size));
+  const int size = mpi::size(handle);
   std::vector<char> buf(max_bytes, '\0'), all(max_bytes * static_cast<size_t>(size));
   std::copy_n(mine.data(), std::min(mine.size(), max_bytes - 1), buf.data());
-  const int n = static_cast<int>(max_bytes);
-  MPI_CHECK(MPI_Allgather(buf.data(), n, MPI_CHAR, all.data(), n, MPI_CHAR, comm));
+  mpi::all_gather(buf.data(), all.data(), max_bytes, handle);
   std::vector<std::string> out;
   for (int r = 0; r < size; ++r) out.emplace_back(&all[static_cast<size_t>(r) * max_bytes]);
   return out;
