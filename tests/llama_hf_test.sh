@@ -74,6 +74,14 @@ printf '%s\n%s\n' 'model: {preset: custom, family: gemma3, n_layer: 6, n_head: 4
 # gemma2 names its family (no flag makes one).
 declare -A family=([llama]='llama' [qwen]='qwen2 (llama block)' [qwen3]='qwen3 (llama block)' [mistral]='mistral (llama block)'
                    [mistral8]='mistral (llama block)' [gemma2]='gemma2 (llama block)' [gemma3]='gemma3 (llama block)')
+# The reference's runs, queued and run by one Python process (each process importing torch took
+# 2-4 s): ref_logits NAME HF_DIR LOGITS_DIR queues a logits comparison, ref_queue NAME ARGS... any
+# run, ref_run runs the queue; each run's output is refs/NAME.out and its exit status refs/NAME.rc.
+: > refs.list
+ref_queue() { echo "$*" >> refs.list; }
+ref_logits() { ref_queue "$1" logits "$2" "$3/tokens.npy" "$3/logits.npy"; }
+ref_run() { "${REF[@]}" list refs.list refs > refs.log 2>&1 || cat refs.log; : > refs.list; }
+ref_rc() { cat refs/$1.rc 2>/dev/null || echo none; }
 for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
   lr=(); case $m in gemma*) lr=(--set optim.lr=0.01) ;; esac
   "$MPIRUN" -np 2 "$BIN" $m.yaml "${lr[@]}" --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
@@ -88,10 +96,7 @@ for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
   [ $rc -eq 0 ] || cat export_$m.out
   mkdir -p logits_$m
   "$LOGITS" ckpt_$m/ckpt-00000006.h5 logits_$m > logits_$m.out 2>&1 || { cat logits_$m.out; bad "hf_logits $m"; }
-  "${REF[@]}" logits hf_$m logits_$m/tokens.npy logits_$m/logits.npy > ref_$m.out 2>&1
-  rc=$?
-  sed 's/^/  /' ref_$m.out
-  check "$m: the reference Llama on the exported weights gives mpitrain's logits (exit $rc)" "[ $rc -eq 0 ]"
+  ref_logits $m hf_$m logits_$m
 done
 check "config.json: LlamaForCausalLM with llama3 rope_scaling and an untied head; Qwen2ForCausalLM tied; Qwen3ForCausalLM with head_dim 16" \
   "grep -q LlamaForCausalLM hf_llama/config.json && grep -q '\"rope_type\": \"llama3\"' hf_llama/config.json &&
@@ -117,6 +122,7 @@ check "config.json: Gemma3ForCausalLM (model_type gemma3_text) with rope_local_b
 # Each Gemma part is in force in the reference: another window, cap, query scale, local rotary base,
 # rope factor or layer kind, or the norms after the attention read as the ones before the MLP (or
 # q's norm as k's; names swapped), changes the logits.
+i=0 changed=()
 for change in 'gemma2:sliding_window": 8/sliding_window": 32' 'gemma2:attn_logit_softcapping": 0.1/attn_logit_softcapping": 50.0' \
               'gemma2:final_logit_softcapping": 2.0/final_logit_softcapping": 30.0' \
               'gemma2:query_pre_attn_scalar": 24.0/query_pre_attn_scalar": 16.0' 'gemma2:post_attention_layernorm/pre_feedforward_layernorm' \
@@ -124,10 +130,11 @@ for change in 'gemma2:sliding_window": 8/sliding_window": 32' 'gemma2:attn_logit
               'gemma3:"full_attention"/"sliding_attention"' 'gemma3:sliding_window": 8/sliding_window": 32' \
               'gemma3:q_norm/k_norm' 'gemma3:post_feedforward_layernorm/pre_feedforward_layernorm'; do
   m=${change%%:*}; change=${change#*:}
-  rm -rf hf_x && mkdir hf_x
+  i=$((i + 1))
+  rm -rf hf_x$i && mkdir hf_x$i
   case "$change" in
-    *norm/*) cp hf_$m/config.json hf_x/
-            "$PY" - hf_$m/model.safetensors hf_x/model.safetensors "${change%%/*}" "${change##*/}" <<'PYEOF'
+    *norm/*) cp hf_$m/config.json hf_x$i/
+            "$PY" - hf_$m/model.safetensors hf_x$i/model.safetensors "${change%%/*}" "${change##*/}" <<'PYEOF'
 import json, struct, sys
 raw = open(sys.argv[1], "rb").read()
 (n,) = struct.unpack_from("<Q", raw, 0)
@@ -138,23 +145,29 @@ t = json.dumps({swap[k]: v for k, v in h.items()}).encode(); t += b" " * ((8 - l
 open(sys.argv[2], "wb").write(struct.pack("<Q", len(t)) + t + raw[8 + n:])
 PYEOF
             ;;
-    *) ln -sf "$PWD/hf_$m/model.safetensors" hf_x/model.safetensors
-       sed "s/$change/" hf_$m/config.json > hf_x/config.json ;;
+    *) ln -sf "$PWD/hf_$m/model.safetensors" hf_x$i/model.safetensors
+       sed "s/$change/" hf_$m/config.json > hf_x$i/config.json ;;
   esac
-  "${REF[@]}" logits hf_x logits_$m/tokens.npy logits_$m/logits.npy > ref_x.out 2>&1
-  rc=$?
-  check "$m: the reference with ${change%%/*} changed to ${change##*/} does not give mpitrain's logits (exit $rc: $(tail -1 ref_x.out))" \
-    "[ $rc -ne 0 ] && grep -q 'logits differ' ref_x.out"
+  ref_logits x$i hf_x$i logits_$m
+  changed[$i]="$m: the reference with ${change%%/*} changed to ${change##*/}"
 done
 # The window is in force in the reference: 8 tokens < the 32 of the logits' sequences change them.
 mkdir -p hf_mistral_w8
 ln -sf "$PWD/hf_mistral/model.safetensors" hf_mistral_w8/model.safetensors
 sed 's/"sliding_window": 32/"sliding_window": 8/' hf_mistral/config.json > hf_mistral_w8/config.json
-"${REF[@]}" logits hf_mistral_w8 logits_mistral/tokens.npy logits_mistral/logits.npy > ref_mistral_w8.out 2>&1
-rc=$?
-sed 's/^/  (meant to differ) /' ref_mistral_w8.out
-check "the reference with a window of 8 (shorter than the 32-token sequences) does not give mpitrain's logits (exit $rc)" \
-  "[ $rc -ne 0 ] && grep -q 'logits differ' ref_mistral_w8.out"
+ref_logits mistral_w8 hf_mistral_w8 logits_mistral
+ref_run
+for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
+  sed 's/^/  /' refs/$m.out 2>/dev/null
+  check "$m: the reference Llama on the exported weights gives mpitrain's logits (exit $(ref_rc $m))" "[ $(ref_rc $m) = 0 ]"
+done
+for i in "${!changed[@]}"; do
+  check "${changed[$i]} does not give mpitrain's logits (exit $(ref_rc x$i): $(tail -1 refs/x$i.out 2>/dev/null))" \
+    "[ $(ref_rc x$i) != 0 ] && grep -q 'logits differ' refs/x$i.out"
+done
+sed 's/^/  (meant to differ) /' refs/mistral_w8.out 2>/dev/null
+check "the reference with a window of 8 (shorter than the 32-token sequences) does not give mpitrain's logits (exit $(ref_rc mistral_w8))" \
+  "[ $(ref_rc mistral_w8) != 0 ] && grep -q 'logits differ' refs/mistral_w8.out"
 
 # ---- Hugging Face in: hf:DIR, one file and sharded ----
 last_val=$(val_loss 6 train_llama.out tail)
@@ -177,8 +190,7 @@ check "--max-shard-size 0.02 (20 kB): $nshards shards + model.safetensors.index.
   --set checkpoint.dir=ckpt_sh --set train.steps=1 --set optim.warmup_steps=0 > init_sh.out 2>&1
 sh_val=$(val_loss 0 init_sh.out)
 check "init_from the sharded export loads the same weights ($sh_val)" "[ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ]"
-"${REF[@]}" logits hf_sharded logits_llama/tokens.npy logits_llama/logits.npy > ref_sharded.out 2>&1
-check "the reference reads the sharded export through its index: the same logits" "[ \$? -eq 0 ]"
+ref_logits sharded hf_sharded logits_llama  # run and checked with the padded exports' (below)
 # Mistral, Gemma 2 and Gemma 3 in: the window, caps, rotary bases from config.json. One step from
 # the export of `m`: its step-0 val loss must be the exporting run's last, and the start-up line
 # must match `pattern`.
@@ -245,6 +257,7 @@ done
 # differences: after one step at lr 3e-3 the parameters of 1 x 4 and 2 x 2 sequences differ by up
 # to 7e-6 (mpitrain against itself). Its sharded gradients equal the dense model's
 # (test_tensor_parallel).
+declare -A par_rc par_layout
 for m in llama qwen3 gemma2 gemma3; do
   case $m in
     llama) cfg=init.yaml layout="data parallel" extra=() ;;
@@ -254,16 +267,19 @@ for m in llama qwen3 gemma2 gemma3; do
   "$MPIRUN" -np 2 "$BIN" $cfg "${extra[@]}" --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
     --set eval.every=0 --set log.every=1 --set train.steps=20 --set optim.lr=0.003 --set train.out_dir=run_par_$m \
     --set checkpoint.dir=ckpt_par_$m > par_$m.out 2>&1
-  rc=$?
-  "${REF[@]}" train hf_$m tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 > ref_train_$m.out 2>&1
-  rrc=$?
-  parity run_par_$m/metrics.jsonl ref_train_$m.out > parity_$m.out 2>&1
+  par_rc[$m]=$? par_layout[$m]=$layout
+  ref_queue train_$m train hf_$m tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2
+done
+ref_run
+for m in llama qwen3 gemma2 gemma3; do
+  rc=${par_rc[$m]} rrc=$(ref_rc train_$m)
+  parity run_par_$m/metrics.jsonl refs/train_$m.out > parity_$m.out 2>&1
   prc=$?
   cat parity_$m.out
-  check "$m: 20 AdamW steps from the exported weights ($layout; 2 ranks): losses within 1e-4 of the reference's, and learning" \
-    "[ $rc -eq 0 ] && [ $rrc -eq 0 ] && [ $prc -eq 0 ]"
+  check "$m: 20 AdamW steps from the exported weights (${par_layout[$m]}; 2 ranks): losses within 1e-4 of the reference's, and learning" \
+    "[ $rc -eq 0 ] && [ $rrc = 0 ] && [ $prc -eq 0 ]"
   [ $rc -eq 0 ] || tail -5 par_$m.out
-  [ $rrc -eq 0 ] || tail -5 ref_train_$m.out
+  [ $rrc = 0 ] || tail -5 refs/train_$m.out
 done
 
 # ---- a Hugging Face tokenizer.json: recorded in the shards, carried by the checkpoint ----
@@ -325,11 +341,7 @@ PYEOF
     "[ $rc -eq 0 ] && case '$shapes' in '257 257 257'|'257 257 tied') true ;; *) false ;; esac"
   mkdir -p logits_pad_$v
   "$LOGITS" ckpt_pad_$v/ckpt-00000006.h5 logits_pad_$v > logits_pad_$v.out 2>&1 || cat logits_pad_$v.out
-  "${REF[@]}" logits hf_pad_$v logits_pad_$v/tokens.npy logits_pad_$v/logits.npy > ref_pad_$v.out 2>&1
-  rc=$?
-  sed 's/^/  /' ref_pad_$v.out
-  check "$v: Hugging Face's model of the export computes mpitrain's logits over the same 257 classes, so its loss is mpitrain's (exit $rc)" \
-    "[ $rc -eq 0 ]"
+  ref_logits pad_$v hf_pad_$v logits_pad_$v  # run and checked after this loop
   last=$(val_loss 6 pad_$v.out tail)
   for tp in 1 2; do
     "$MPIRUN" -np $tp "$BIN" init.yaml --set model.init_from=hf:hf_pad_$v --set parallel.tp=$tp \
@@ -342,6 +354,14 @@ PYEOF
       "[ $rc -eq 0 ] && [ -n '$first' ] && [ '$first' = '$last' ]"
     [ $rc -eq 0 ] || tail -3 padin_${v}_$tp.out
   done
+done
+
+ref_run
+check "the reference reads the sharded export through its index: the same logits (exit $(ref_rc sharded))" "[ $(ref_rc sharded) = 0 ]"
+for v in tp2 m64; do
+  sed 's/^/  /' refs/pad_$v.out 2>/dev/null
+  check "$v: Hugging Face's model of the export computes mpitrain's logits over the same 257 classes, so its loss is mpitrain's (exit $(ref_rc pad_$v))" \
+    "[ $(ref_rc pad_$v) = 0 ]"
 done
 
 # ---- export into a directory holding another model: refused unless --overwrite ----

@@ -224,9 +224,12 @@ class Llama(torch.nn.Module):
         return logits
 
 
-def main():
+def parser():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["logits", "train"])
+    ap.add_argument("mode", choices=["logits", "train", "list"],
+                    help="list: hf_dir is a file of lines 'NAME MODE HF_DIR TOKENS ...' (this command's arguments "
+                         "after the name), tokens an output directory: each line's run has its output in NAME.out "
+                         "and its exit status in NAME.rc, all in this one process (importing torch once)")
     ap.add_argument("hf_dir")
     ap.add_argument("tokens")
     ap.add_argument("logits", nargs="?")
@@ -241,7 +244,35 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast")
     ap.add_argument("--timing-warmup", type=int, default=0,
                     help="train: also print the median ms/step of the steps after this many (bench/cpu_vs_pytorch.sh)")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = parser().parse_args()
+    if args.mode != "list":
+        run(args)
+        return
+    import contextlib, io, shlex
+    os.makedirs(args.tokens, exist_ok=True)
+    for line in open(args.hf_dir):
+        if not line.strip():
+            continue
+        name, *words = shlex.split(line)
+        out, rc = io.StringIO(), 0
+        with contextlib.redirect_stdout(out):
+            try:
+                run(parser().parse_args(words))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+            except Exception:  # this line's failure, not the others'
+                import traceback
+                traceback.print_exc(file=out)
+                rc = 1
+        open(os.path.join(args.tokens, name + ".out"), "w").write(out.getvalue())
+        open(os.path.join(args.tokens, name + ".rc"), "w").write(f"{rc}\n")
+
+
+def run(args):
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as mpitrain does for fp32 on the CPU
 

@@ -20,7 +20,25 @@ namespace mpitrain {
 
 // ---- MpiSession --------------------------------------------------------------------------------
 
+namespace {
+// Open MPI 4 starts a singleton (a process that no launcher started: `mpitrain pack`, `inspect`,
+// a one-rank run) by forking a daemon (orted) that it then waits for: about a second of every such
+// command, for the MPI_Comm_spawn support mpitrain never uses. Where no launcher's variables are
+// set, the singleton is made isolated (no daemon), unless the user set the parameter. Under a
+// launcher nothing changes. (Open MPI 5 starts singletons without a daemon.)
+void isolate_openmpi_singleton() {
+#if defined(OPEN_MPI) && OPEN_MPI && defined(OMPI_MAJOR_VERSION) && OMPI_MAJOR_VERSION < 5
+  static const char* const kLauncherVars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_NAMESPACE", "PMI_RANK",
+                                              "PMI_FD",               "PMI_SIZE",  "SLURM_STEP_NUM_TASKS"};
+  for (const char* v : kLauncherVars)
+    if (std::getenv(v)) return;
+  setenv("OMPI_MCA_ess_singleton_isolated", "1", /*overwrite=*/0);
+#endif
+}
+}  // namespace
+
 MpiSession::MpiSession(int& argc, char**& argv) {
+  isolate_openmpi_singleton();
   // MPI_THREAD_MULTIPLE lets the watchdog thread answer and ask other ranks while the main thread
   // is inside a collective (watchdog.h). MPITRAIN_WATCHDOG_PEERS=0 asks for MPI_THREAD_FUNNELED.
   const char* peers = std::getenv("MPITRAIN_WATCHDOG_PEERS");
