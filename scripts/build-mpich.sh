@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 ccache=OFF
 command -v ccache > /dev/null && ccache=ON
+rm -f build-mpich/compile-times.tsv
 cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPITRAIN_CCACHE=$ccache \
-  -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 ||
+  -DMPITRAIN_TIME_COMPILES=ON -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 ||
   { grep -A12 'CMake Error' build-mpich.log || tail -n 30 build-mpich.log; echo "build-mpich: configure failed (build-mpich.log)"; exit 1; }
 . scripts/build-progress.sh
 # Not built or run against MPICH (they run against Open MPI): test_fused_emu (six more torch
@@ -20,3 +21,4 @@ cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPIT
 build_with_progress build-mpich build-mpich build-mpich.log --target mpitrain test_shards_mpi test_pack_mpi \
   test_hf_tokenizer_mpi test_comm test_powersgd test_train test_tensor_parallel || exit 1
 echo "build-mpich: built in $(( $(date +%s) - start )) s; $(readelf -d build-mpich/mpitrain | grep -o 'libmpi[^]]*' | tr '\n' ' ')"
+scripts/compile-times.sh build-mpich 5

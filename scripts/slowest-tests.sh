@@ -11,7 +11,12 @@ build=$1 log=$2 n=${3:-10}
 [ -f "$log" ] || { echo "slowest-tests: no CTest output at $log"; exit 0; }
 budgets=$(mktemp "${TMPDIR:-/tmp}/mpitrain-budgets.XXXXXX")
 trap 'rm -f "$budgets"' EXIT
-# Each test's TIMEOUT from CTest's own description of the tests (name<TAB>seconds).
+# Each test's TIMEOUT from CTest's own description of the tests (name<TAB>seconds). That ctest call
+# rewrites Testing/Temporary/LastTest.log (the run's whole output, which the README points to):
+# it is kept aside and put back.
+last=$build/Testing/Temporary/LastTest.log kept=
+if [ -f "$last" ]; then kept=$(mktemp "${TMPDIR:-/tmp}/mpitrain-lasttest.XXXXXX") && cp -p "$last" "$kept"; fi
+trap 'rm -f "$budgets"; [ -z "$kept" ] || mv -f "$kept" "$last"' EXIT
 (cd "$build" && ctest --show-only=json-v1 2>/dev/null) | python3 -c '
 import json, sys
 try:

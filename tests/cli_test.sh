@@ -14,14 +14,10 @@ case $FAMILY in
   openmpi|mpich) echo "binary: $FAMILY build, launcher $MPIRUN" ;;
   *) echo "FAIL: '$BIN --version' names no MPI family (openmpi or mpich): $VERSION_TEXT"; exit 1 ;;
 esac
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-WORK=$(mktemp -d /tmp/mpitrain-cli-XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-cd "$WORK"
-passed=0 failed=0
-ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
-bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
-check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
+E2E_NAME=cli
+E2E_NO_CORPUS=1  # its own corpus: pack is among what it tests
+# shellcheck source=e2e_lib.sh
+. "$HERE/e2e_lib.sh"
 
 # ---- which MPI: --version against the libraries the binary links (ldd) ----
 LINKED=openmpi
@@ -293,16 +289,7 @@ if [ $FAMILY = mpich ]; then
 fi
 
 # ---- bad input: exit 2, one line naming file and key, printed once, nothing overwritten ----
-expect_usage() {  # name, expected substring, command...
-  local name=$1 want=$2
-  shift 2
-  "$@" > err.out 2>&1
-  local rc=$?
-  local n
-  n=$(grep -c "mpitrain: " err.out)
-  if [ $rc -eq 2 ] && [ "$n" -eq 1 ] && grep -q -- "$want" err.out; then ok "$name"
-  else bad "$name (rc=$rc, lines=$n)"; cat err.out; fi
-}
+# (expect_usage NAME WANT COMMAND...: tests/e2e_lib.sh)
 printf 'train: {micro_bach: 2}\n' > typo.yaml
 expect_usage "unknown key under mpirun -np 2" "typo.yaml: unknown key 'train.micro_bach' (did you mean 'train.micro_batch'?)" \
   "$MPIRUN" -np 2 "$BIN" typo.yaml
@@ -580,5 +567,4 @@ check "checkpoint.at_end false: step 4's checkpoint, none at the end" \
   "[ $rc -eq 0 ] && [ -f ckptD/ckpt-00000004.h5 ] && [ ! -e ckptD/ckpt-00000006.h5 ] && grep -qx ckpt-00000004.h5 ckptD/latest && grep -q 'step     6/6' noend.out"
 # ==== END checkpoint.async ===================================================================
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

@@ -1,20 +1,37 @@
 # shellcheck shell=bash
-# Shared start of the end-to-end script tests (observe_test.sh, hf_export_test.sh; sourced):
-# mpirun as root and oversubscribed, a work directory removed on exit (KEEP=1 keeps it), the
-# PASS/FAIL counters, val_loss (a run's printed validation loss), and (unless E2E_NO_CORPUS is
-# set) a small corpus packed into byte-level shards data/c-{train,val}-*.h5.
+# Shared start of the end-to-end script tests (cli, fault, lock, observe, hf_export, h5py,
+# llama_hf, grad_comm, gpu_check_rehearsal; sourced): mpirun as root and oversubscribed, a work
+# directory removed on exit (KEEP=1 keeps it; a function e2e_on_exit, if the test defines one, runs
+# first: its own processes and mounts), the PASS/FAIL counters, expect_usage (a refused command),
+# val_loss (a run's printed validation loss), and (unless E2E_NO_CORPUS is set) a small corpus
+# packed into byte-level shards data/c-{train,val}-*.h5.
 # Needs BIN (the mpitrain binary) set by the caller; ends with `cd $WORK`.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
        PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 PY=/usr/bin/python3
 WORK=$(mktemp -d "/tmp/mpitrain-${E2E_NAME:-e2e}-XXXXXX")
-trap '[ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
+e2e_exit() {
+  if declare -F e2e_on_exit > /dev/null; then e2e_on_exit; fi
+  [ -n "${KEEP:-}" ] || rm -rf "$WORK"
+}
+trap e2e_exit EXIT
 cd "$WORK" || exit 1
 passed=0 failed=0
 ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
 bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
 check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
 summary() { echo "$passed passed, $failed failed"; [ "$failed" -eq 0 ]; }
+# expect_usage NAME WANT COMMAND...: the command is refused as bad input must be: exit 2 and
+# exactly one "mpitrain: " line, holding WANT (its output, indented, when not).
+expect_usage() {
+  local name=$1 want=$2 rc n
+  shift 2
+  "$@" > err.out 2>&1
+  rc=$?
+  n=$(grep -c "mpitrain: " err.out)
+  if [ $rc -eq 2 ] && [ "$n" -eq 1 ] && grep -q -- "$want" err.out; then ok "$name"
+  else bad "$name (rc=$rc, error lines=$n)"; sed 's/^/  | /' err.out; fi
+}
 
 # The validation loss a run printed at step STEP (its first such line; `tail` for the last).
 val_loss() {  # STEP FILE [head|tail]

@@ -23,12 +23,14 @@ mpirun() {
   fi
   command "$MPIRUN" "${forward[@]}" "$@"
 }
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-WORK=$(mktemp -d /tmp/mpitrain-fault-XXXXXX)
-trap 'pkill -9 -f "$WORK" 2>/dev/null; umount "$WORK/full" 2>/dev/null; [ -n "${KEEP:-}" ] || rm -rf "$WORK"' EXIT
-cd "$WORK"
-passed=0 failed=0
-check() { if eval "$2"; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi; }
+e2e_on_exit() {  # its ranks and the small tmpfs of the disk-full case
+  pkill -9 -f "$WORK" 2>/dev/null
+  umount "$WORK/full" 2>/dev/null
+}
+E2E_NAME=fault
+E2E_NO_CORPUS=1  # its own corpus: 200 documents
+# shellcheck source=e2e_lib.sh
+. "$(dirname "$0")/e2e_lib.sh"
 
 mkdir corpus
 for i in $(seq 1 200); do printf 'Line %d of a small corpus for fault tests.\n%%\n' $i >> corpus/a.txt; done
@@ -193,5 +195,4 @@ else
   echo "SKIP (not counted): disk-full check needs root to mount a tmpfs"
 fi
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

@@ -11,10 +11,10 @@ BIN=$(realpath "$1")
 MPIRUN=${2:-mpirun}
 PY=/usr/bin/python3
 $PY -c 'import h5py, numpy' 2>/dev/null || { echo "SKIP: no h5py for $PY (Debian: python3-h5py)"; exit 77; }
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-WORK=$(mktemp -d /tmp/mpitrain-h5py-XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
-cd "$WORK" || exit 1
+E2E_NAME=h5py
+E2E_NO_CORPUS=1  # its own corpus: shards of 3000 tokens
+# shellcheck source=e2e_lib.sh
+. "$(dirname "$0")/e2e_lib.sh"
 mkdir corpus
 for i in $(seq 1 60); do printf 'The quick brown fox %d jumps over the lazy dog.\n%%\n' $i >> corpus/a.txt; done
 "$BIN" pack corpus -o data/c --doc-separator % --shard-tokens 3000 > pack.out 2>&1 || { cat pack.out; exit 1; }

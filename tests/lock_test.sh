@@ -11,30 +11,15 @@
 set -u
 BIN=$(realpath "$1")
 MPIRUN=${2:-mpirun}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-WORK=$(mktemp -d /tmp/mpitrain-lock-XXXXXX)
 BG=()  # background processes this test started, killed on exit whatever happens
-cleanup() {
+e2e_on_exit() {
   for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null; done
   wait 2>/dev/null
-  rm -rf "$WORK"
 }
-trap cleanup EXIT
-cd "$WORK" || exit 1
-passed=0 failed=0
-ok()   { echo "PASS: $1"; passed=$((passed + 1)); }
-bad()  { echo "FAIL: $1"; failed=$((failed + 1)); }
-check() { if eval "$2"; then ok "$1"; else bad "$1"; fi; }
-# name, expected substring, command...: exit 2 and the substring in exactly one "mpitrain:" line
-expect_refused() {
-  local name=$1 want=$2
-  shift 2
-  "$@" > err.out 2>&1
-  local rc=$? n
-  n=$(grep -c "mpitrain: " err.out)
-  if [ $rc -eq 2 ] && [ "$n" -eq 1 ] && grep -q -- "$want" err.out; then ok "$name"
-  else bad "$name (rc=$rc, error lines=$n)"; sed 's/^/  | /' err.out; fi
-}
+E2E_NAME=lock
+E2E_NO_CORPUS=1  # its own corpus: shards of 3000 tokens
+# shellcheck source=e2e_lib.sh
+. "$(dirname "$0")/e2e_lib.sh"
 
 mkdir corpus
 for i in $(seq 1 60); do
@@ -64,16 +49,16 @@ check "the lock file names the holder: host, pid, start time" \
 
 # ---- a second job on the same directory ----
 before=$(ls -l --time-style=+%s.%N ckpt/*.h5 | wc -l)
-expect_refused "second job (mpirun -np 2) refused: exit 2, one line naming the directory and the holder" \
+expect_usage "second job (mpirun -np 2) refused: exit 2, one line naming the directory and the holder" \
   "cfg.yaml: checkpoint.dir: 'ckpt' is in use by another job (host $host, pid $A, started 20" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml
 check "the refused job resumed nothing and wrote nothing (no 'resumed', no training)" \
   "! grep -q 'resumed from' err.out && ! grep -q 'step ' err.out"
 check "the holder is still running" "kill -0 $A"
-expect_refused "--force-unlock does not override a live holder on this host" \
+expect_usage "--force-unlock does not override a live holder on this host" \
   "is locked by pid $A, which is alive on this host" "$BIN" cfg.yaml --force-unlock
 check "the holder is still running after the refused --force-unlock" "kill -0 $A"
-expect_refused "singleton second job refused too" "is in use by another job" "$BIN" cfg.yaml
+expect_usage "singleton second job refused too" "is in use by another job" "$BIN" cfg.yaml
 
 # ---- the holder killed with -9: the next job starts and resumes its checkpoint ----
 kill -9 $A
@@ -92,7 +77,7 @@ printf 'host=mpt-gone-node\npid=4242\nslurm_job=777\nstarted=2026-01-01T00:00:00
 F=$!
 BG+=("$F")
 sleep 0.5
-expect_refused "a lock kept for a gone holder on another host is refused, naming it with its Slurm job" \
+expect_usage "a lock kept for a gone holder on another host is refused, naming it with its Slurm job" \
   "in use by another job (host mpt-gone-node, pid 4242, Slurm job 777, started 2026-01-01T00:00:00Z" \
   "$MPIRUN" -np 2 "$BIN" cfg.yaml
 "$MPIRUN" -np 2 "$BIN" cfg.yaml --force-unlock --stop-after $((at + 4)) > force.out 2>&1
@@ -123,5 +108,4 @@ check "a checkpoint.dir not seen by every rank: rank 0 writes whole checkpoints 
 check "... its checkpoint is complete and loads, and nothing was written on rank 1's side" \
   "'$BIN' sample split-0/ckpt/ckpt-00000004.h5 --tokens 2 >/dev/null 2>&1 && ! ls split-1/ckpt/ckpt-* >/dev/null 2>&1"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary
