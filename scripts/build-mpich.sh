@@ -21,4 +21,4 @@ cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPIT
 build_with_progress build-mpich build-mpich build-mpich.log --target mpitrain test_shards_mpi test_pack_mpi \
   test_hf_tokenizer_mpi test_comm test_powersgd test_train test_tensor_parallel || exit 1
 echo "build-mpich: built in $(( $(date +%s) - start )) s; $(readelf -d build-mpich/mpitrain | grep -o 'libmpi[^]]*' | tr '\n' ' ')"
-scripts/compile-times.sh build-mpich 5
+scripts/compile-times.sh build-mpich 5 || true  # a report: never what fails the build

@@ -21,4 +21,6 @@ awk -F'\t' -v n="$n" '
     for (i = 1; i <= m && i <= n; i++) printf "  %-28s %9.1f %8d %6.0f%%\n", k[i], s[k[i]] / 1000, c[k[i]], 100 * s[k[i]] / (all > 0 ? all : 1)
   }' "$f"
 echo "the slowest objects:"
-sort -t$'\t' -k1,1 -rn "$f" | head -n 5 | awk -F'\t' '{ o = $2; sub(/.*CMakeFiles\//, "", o); printf "  %7.1f s  %s\n", $1 / 1000, o }'
+# (awk takes the first 5 and reads on: a `head` would end the pipe early, and sort's SIGPIPE fail
+# this script under pipefail)
+sort -t$'\t' -k1,1 -rn "$f" | awk -F'\t' 'NR <= 5 { o = $2; sub(/.*CMakeFiles\//, "", o); printf "  %7.1f s  %s\n", $1 / 1000, o }'

@@ -41,4 +41,4 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_CCACHE=ON -DMPITRAIN_T
   { grep -A12 'CMake Error' build.log || tail -n 30 build.log; echo "setup: configure failed (build.log)"; exit 1; }
 build_with_progress setup build build.log || exit 1
 echo "setup: built build/mpitrain in $(( $(date +%s) - build_start )) s$(command -v ccache > /dev/null && ccache --print-stats 2>/dev/null | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" { h += $2 } $1 == "cache_miss" { m = $2 } END { if (h + m > 0) printf " (ccache: %d objects reused, %d compiled)", h, m }')"
-scripts/compile-times.sh build 10
+scripts/compile-times.sh build 10 || true  # a report: never what fails the build
