@@ -10,8 +10,7 @@ n=${2:-10}
 [ -s "$f" ] || { echo "compile times: no $f (built without -DMPITRAIN_TIME_COMPILES=ON, or nothing compiled)"; exit 0; }
 awk -F'\t' -v n="$n" '
   { t = $2; if (match(t, /CMakeFiles\/[^\/]+\.dir\//)) t = substr(t, RSTART + 11, RLENGTH - 16); else t = "(other)"
-    s[t] += $1; c[t]++; all += $1; objs++
-    o = $2; sub(/.*CMakeFiles\/[^\/]+\.dir\//, "", o); obj[NR] = $1 "\t" t ": " o }
+    s[t] += $1; c[t]++; all += $1; objs++ }
   END {
     printf "compile time per target (%d objects, %.0f s of compiler time in all; the %d slowest):\n", objs, all / 1000, n
     printf "  %-28s %9s %8s %7s\n", "target", "seconds", "objects", "share"

@@ -10,7 +10,6 @@ set -uo pipefail
 build=$1 log=$2 n=${3:-10}
 [ -f "$log" ] || { echo "slowest-tests: no CTest output at $log"; exit 0; }
 budgets=$(mktemp "${TMPDIR:-/tmp}/mpitrain-budgets.XXXXXX")
-trap 'rm -f "$budgets"' EXIT
 # Each test's TIMEOUT from CTest's own description of the tests (name<TAB>seconds). That ctest call
 # rewrites Testing/Temporary/LastTest.log (the run's whole output, which the README points to):
 # it is kept aside and put back.

@@ -82,6 +82,16 @@ ref_queue() { echo "$*" >> refs.list; }
 ref_logits() { ref_queue "$1" logits "$2" "$3/tokens.npy" "$3/logits.npy"; }
 ref_run() { "${REF[@]}" list refs.list refs > refs.log 2>&1 || cat refs.log; : > refs.list; }
 ref_rc() { cat refs/$1.rc 2>/dev/null || echo none; }
+# ref_same NAME WHAT: run NAME passed (its output shown); ref_differs NAME WHAT: it failed because
+# the logits differ (a check that must be able to fail).
+ref_same() {
+  sed 's/^/  /' refs/$1.out 2>/dev/null
+  check "$2 (exit $(ref_rc $1))" "[ $(ref_rc $1) = 0 ]"
+}
+ref_differs() {
+  check "$2 does not give mpitrain's logits (exit $(ref_rc $1): $(tail -1 refs/$1.out 2>/dev/null))" \
+    "[ $(ref_rc $1) != 0 ] && grep -q 'logits differ' refs/$1.out"
+}
 for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
   lr=(); case $m in gemma*) lr=(--set optim.lr=0.01) ;; esac
   "$MPIRUN" -np 2 "$BIN" $m.yaml "${lr[@]}" --set train.out_dir=run_$m --set checkpoint.dir=ckpt_$m > train_$m.out 2>&1
@@ -158,16 +168,10 @@ sed 's/"sliding_window": 32/"sliding_window": 8/' hf_mistral/config.json > hf_mi
 ref_logits mistral_w8 hf_mistral_w8 logits_mistral
 ref_run
 for m in llama qwen qwen3 mistral mistral8 gemma2 gemma3; do
-  sed 's/^/  /' refs/$m.out 2>/dev/null
-  check "$m: the reference Llama on the exported weights gives mpitrain's logits (exit $(ref_rc $m))" "[ $(ref_rc $m) = 0 ]"
+  ref_same $m "$m: the reference Llama on the exported weights gives mpitrain's logits"
 done
-for i in "${!changed[@]}"; do
-  check "${changed[$i]} does not give mpitrain's logits (exit $(ref_rc x$i): $(tail -1 refs/x$i.out 2>/dev/null))" \
-    "[ $(ref_rc x$i) != 0 ] && grep -q 'logits differ' refs/x$i.out"
-done
-sed 's/^/  (meant to differ) /' refs/mistral_w8.out 2>/dev/null
-check "the reference with a window of 8 (shorter than the 32-token sequences) does not give mpitrain's logits (exit $(ref_rc mistral_w8))" \
-  "[ $(ref_rc mistral_w8) != 0 ] && grep -q 'logits differ' refs/mistral_w8.out"
+for i in "${!changed[@]}"; do ref_differs x$i "${changed[$i]}"; done
+ref_differs mistral_w8 "the reference with a window of 8 (shorter than the 32-token sequences)"
 
 # ---- Hugging Face in: hf:DIR, one file and sharded ----
 last_val=$(val_loss 6 train_llama.out tail)
@@ -357,11 +361,9 @@ PYEOF
 done
 
 ref_run
-check "the reference reads the sharded export through its index: the same logits (exit $(ref_rc sharded))" "[ $(ref_rc sharded) = 0 ]"
+ref_same sharded "the reference reads the sharded export through its index: the same logits"
 for v in tp2 m64; do
-  sed 's/^/  /' refs/pad_$v.out 2>/dev/null
-  check "$v: Hugging Face's model of the export computes mpitrain's logits over the same 257 classes, so its loss is mpitrain's (exit $(ref_rc pad_$v))" \
-    "[ $(ref_rc pad_$v) = 0 ]"
+  ref_same pad_$v "$v: Hugging Face's model of the export computes mpitrain's logits over the same 257 classes, so its loss is mpitrain's"
 done
 
 # ---- export into a directory holding another model: refused unless --overwrite ----
