@@ -25,7 +25,7 @@ log=${1:-/tmp/ci-from-scratch.log}
 say() { echo "ci-from-scratch: $*"; }
 
 # The package lists are the scripts' own, read from them (not repeated here).
-packages=$(sed -n '/^PACKAGES=(/,/^)/p' "$REPO/scripts/setup.sh" | sed 's/#.*//; s/PACKAGES=(//; s/)//' | tr -s ' \n' ' ')
+packages=$(sed 's/#.*//' "$REPO/scripts/packages.txt" | tr -s ' \t\n' ' ')
 test_packages=$(grep -A1 '^for p in openssh-server' "$REPO/scripts/test.sh" | sed 's/for p in//; s/; do.*//; s/\\//' | tr -s ' \n' ' ')
 # What a plain Debian 12 machine has anyway, and what this one needs to stay reachable and usable.
 KEEP=" build-essential cmake pkg-config openssh-server openssh-client iproute2 bc procps libssl-dev "

@@ -5,19 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(
-  build-essential cmake pkg-config
-  libtorch-dev libopenblas0-openmp       # libtorch; OpenBLAS (else the reference BLAS: ~60x slower)
-  libopenmpi-dev openmpi-bin             # MPI: launch, bootstrap and the CPU all-reduce
-  libhdf5-dev hdf5-tools                 # token shards and checkpoints
-  libyaml-cpp-dev libspdlog-dev libcli11-dev libgtest-dev zlib1g-dev
-  libpcre2-dev nlohmann-json3-dev        # pack: the GPT-2 BPE pre-tokenizer regex, vocab.json
-  libisal-dev                            # CRC32C of TensorBoard event records
-  libutf8proc-dev libssl-dev             # pack --tokenizer hf: tokenizer.json's NFC, its SHA-256
-  ccache                                 # rebuilds (another checkout, CI's fresh clone) reuse objects
-  gnuplot-nox                            # the demo's loss curve picture
-  fortunes                               # the demo's English text corpus
-)
+# The package list: scripts/packages.txt (words after '#' are comments).
+mapfile -t PACKAGES < <(sed 's/#.*//' scripts/packages.txt | tr -s ' \t' '\n' | grep -v '^$')
+[ ${#PACKAGES[@]} -gt 0 ] || { echo "setup: no packages in scripts/packages.txt"; exit 1; }
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,7 +25,7 @@ fi
 build_start=$(date +%s)
 if command -v ccache > /dev/null; then ccache -z > /dev/null 2>&1 || true; fi
 . scripts/build-progress.sh
-echo "setup: configuring and building build/ with ${JOBS:-2} jobs (about 16 minutes on 2 cores the first time; the whole log: build.log)"
+echo "setup: configuring and building build/ with ${JOBS:-2} jobs (about 10 minutes on 2 cores the first time; the whole log: build.log)"
 rm -f build/compile-times.tsv
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_CCACHE=ON -DMPITRAIN_TIME_COMPILES=ON > build.log 2>&1 ||
   { grep -A12 'CMake Error' build.log || tail -n 30 build.log; echo "setup: configure failed (build.log)"; exit 1; }
