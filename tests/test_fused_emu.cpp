@@ -1,7 +1,8 @@
-// The GPU code path of the fused ops, run on the CPU: src/model/fused_ops.cpp and src/model/model.cpp are
-// compiled here with MPITRAIN_FUSED_KERNELS (their CUDA branches) and MPITRAIN_FUSED_EMULATION
-// (CPU tensors go to the kernels), and linked with src/model/kernels/fused_kernels.cu compiled for CPU
-// threads (tests/cuda_emu.h). So the dispatch, the buffers handed to the kernels, the partial-sum
+// The GPU code path of the fused ops, run on the CPU: src/model/fused_ops.cpp is compiled here with
+// MPITRAIN_FUSED_KERNELS (its CUDA branches) and MPITRAIN_FUSED_EMULATION (CPU tensors go to the
+// kernels), linked with the rest of the model as mpitrain_model builds it (mpitrain_model_objs:
+// model.cpp's calls into the fused ops reach this build of them) and with
+// src/model/kernels/fused_kernels.cu compiled for CPU threads (tests/cuda_emu.h). So the dispatch, the buffers handed to the kernels, the partial-sum
 // reductions and the in-place loss gradient run as they would on a GPU, and the results are
 // compared with the ATen reference (FusedImpl::reference) and with the unfused model. What stays
 // unrun without a GPU: streams, device guards, and the nvcc-compiled kernels themselves.
