@@ -10,10 +10,12 @@ start=$(date +%s)
 ccache=OFF
 command -v ccache > /dev/null && ccache=ON
 rm -f build-mpich/compile-times.tsv
-cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich -DMPITRAIN_CCACHE=$ccache \
-  -DMPITRAIN_TIME_COMPILES=ON -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF > build-mpich.log 2>&1 ||
-  { grep -A12 'CMake Error' build-mpich.log || tail -n 30 build-mpich.log; echo "build-mpich: configure failed (build-mpich.log)"; exit 1; }
 . scripts/build-progress.sh
+# shellcheck disable=SC2046  # "-G Ninja" is two words on purpose (or none)
+cmake $(cmake_generator_args build-mpich) -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_MPI=mpich \
+  -DMPITRAIN_CCACHE=$ccache -DMPITRAIN_TIME_COMPILES=ON -DMPITRAIN_BUILD_BENCH=OFF -DMPITRAIN_GPU_COMPILE_CHECK=OFF \
+  > build-mpich.log 2>&1 ||
+  { grep -A12 'CMake Error' build-mpich.log || tail -n 30 build-mpich.log; echo "build-mpich: configure failed (build-mpich.log)"; exit 1; }
 # Not built or run against MPICH (they run against Open MPI): test_fused_emu (its own build of
 # fused_ops.cpp and the emulated kernels, whose two-rank test goes through the same
 # communicator as test_tensor_parallel's) and test_train at -np 4 (the layouts of -np 2 and 4 are

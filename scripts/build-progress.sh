@@ -1,4 +1,13 @@
-# Sourced by scripts/setup.sh and scripts/test.sh: a CMake build that says how far it is.
+# Sourced by scripts/setup.sh, scripts/build-mpich.sh and tests/fuzz_test.sh: a CMake build that
+# says how far it is, and the generator a new build directory gets.
+#
+#   cmake_generator_args BUILD_DIR   prints "-G Ninja" for a directory CMake has not configured
+#       yet when ninja is installed (scripts/packages.txt has ninja-build), nothing otherwise (a
+#       configured directory keeps its generator: CMake refuses to switch one). Ninja schedules
+#       compiles across targets (a target's objects wait only for the headers they need, not for
+#       the libraries it links to be linked, as with Makefiles), so the 2 cores stay busy where the
+#       Makefiles left one idle: fused_ops.cpp beside the model's batches, the tests beside the
+#       libraries.
 #
 #   build_with_progress NAME BUILD_DIR LOG [cmake --build args...]
 #
@@ -6,10 +15,15 @@
 # it runs prints a line at every 10% of the compile steps, or after 30 s without one:
 #   setup: build 40% (57 of 142 objects compiled), 6m12s, log build.log
 # (the objects to compile are the entries of BUILD_DIR/compile_commands.json, the compiled ones the
-# "Building ..." lines in LOG, the percentage theirs: CMake's own [ NN%] went 100% then 91% under
-# -j2, each target counting its own). Safe under set -euo pipefail.
+# "Building ..." lines in LOG, Makefiles' "[ NN%] Building" or Ninja's "[n/N] Building", the
+# percentage theirs: CMake's own [ NN%] went 100% then 91% under -j2, each target counting its own,
+# and Ninja's N counts links and custom steps too). Safe under set -euo pipefail.
 # When the build fails it prints the first compiler or linker error with its context, not the
 # last lines of make, and returns 1.
+cmake_generator_args() {
+  if [ ! -f "$1/CMakeCache.txt" ] && command -v ninja > /dev/null 2>&1; then echo "-G Ninja"; fi
+}
+
 build_with_progress() {
   local name=$1 dir=$2 log=$3
   shift 3
@@ -23,7 +37,7 @@ build_with_progress() {
   while kill -0 "$pid" 2>/dev/null; do
     sleep 2
     # The objects compiled of all (monotonic; CMake's own [ NN%] jumps between targets under -j).
-    compiled=$(grep -c '^\[ *[0-9]*%\] Building' "$log" || true)
+    compiled=$(grep -c -E '^\[( *[0-9]+%|[0-9]+/[0-9]+)\] Building' "$log" || true)
     compiled=${compiled:-0}
     if [ "$total" != "?" ] && [ "$total" -gt 0 ]; then pct=$((compiled * 100 / total)); else pct=0; fi
     [ "$pct" -le 100 ] || pct=100

@@ -27,7 +27,8 @@ if command -v ccache > /dev/null; then ccache -z > /dev/null 2>&1 || true; fi
 . scripts/build-progress.sh
 echo "setup: configuring and building build/ with ${JOBS:-2} jobs (about 10 minutes on 2 cores the first time; the whole log: build.log)"
 rm -f build/compile-times.tsv
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_CCACHE=ON -DMPITRAIN_TIME_COMPILES=ON > build.log 2>&1 ||
+# shellcheck disable=SC2046  # "-G Ninja" is two words on purpose (or none)
+cmake $(cmake_generator_args build) -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPITRAIN_CCACHE=ON -DMPITRAIN_TIME_COMPILES=ON > build.log 2>&1 ||
   { grep -A12 'CMake Error' build.log || tail -n 30 build.log; echo "setup: configure failed (build.log)"; exit 1; }
 build_with_progress setup build build.log || exit 1
 echo "setup: built build/mpitrain in $(( $(date +%s) - build_start )) s$(command -v ccache > /dev/null && ccache --print-stats 2>/dev/null | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" { h += $2 } $1 == "cache_miss" { m = $2 } END { if (h + m > 0) printf " (ccache: %d objects reused, %d compiled)", h, m }')"

@@ -48,7 +48,10 @@ clang++ -fsanitize=fuzzer,address "$work/probe.cpp" -o "$work/probe" >/dev/null 
 # ---- build -----------------------------------------------------------------------------------------
 echo "== configuring and building $build (clang, libFuzzer + ASan)"
 build_start=$SECONDS
-if ! CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DMPITRAIN_FUZZ=ON -DMPITRAIN_CCACHE=ON \
+# shellcheck source=../scripts/build-progress.sh
+. "$root/scripts/build-progress.sh"
+# shellcheck disable=SC2046  # "-G Ninja" is two words on purpose (or none)
+if ! CC=clang CXX=clang++ cmake $(cmake_generator_args "$build") -S "$root" -B "$build" -DMPITRAIN_FUZZ=ON -DMPITRAIN_CCACHE=ON \
     -DMPITRAIN_BUILD_TESTS=OFF -DMPITRAIN_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Fuzz \
     -DCMAKE_C_FLAGS_FUZZ="-O1 -gline-tables-only" -DCMAKE_CXX_FLAGS_FUZZ="-O1 -gline-tables-only" \
     >"$work/configure.log" 2>&1; then

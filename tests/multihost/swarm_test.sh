@@ -4,7 +4,15 @@
 # `mpirun -np 4 -hostfile hosts mpitrain config.yaml` started inside one container trains a small
 # model across all three containers over ssh and the overlay network.
 #
-#   bash tests/multihost/swarm_test.sh          # from the repository root, as root
+#   bash tests/multihost/swarm_test.sh [BINARY]            # from the repository root, as root
+#   bash tests/multihost/swarm_test.sh --prepare [BINARY]  # only deps, base, dockerd, import and
+#       build (into MPITRAIN_SWARM_DATA_ROOT, which it needs), then the cleanup: .ci/run starts it
+#       beside the Debian 12 leg's tests, so that the test itself finds the image in the build
+#       cache (from nothing, its apt-get and debootstrap are some 6 minutes, mostly waiting on the
+#       mirror and the disk). It makes no link, swarm or rule: what the other tests do beside it
+#       cannot disturb it or be disturbed.
+# One run at a time on a machine ($MPITRAIN_TEST_CACHE/swarm-test.lock, flock): the test waits for
+# a preparation (or another run) to end, at most 20 minutes.
 #
 # What it does, each phase timed and bounded:
 #   deps     apt-get installs docker.io, debootstrap, nftables when missing (never starting
@@ -42,6 +50,8 @@
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PREPARE=0
+if [ "${1:-}" = --prepare ]; then PREPARE=1; shift; fi
 CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 SWARM_PORT=${MPITRAIN_SWARM_PORT:-2377}
 SUBNET=${MPITRAIN_SWARM_SUBNET:-10.77.0.0/16}
@@ -261,6 +271,20 @@ phase deps "packages and what the kernel allows"
 [ -f "$REPO/containers/Dockerfile" ] && [ -f "$REPO/containers/stack.yml" ] \
   || abort "run from the mpitrain repository (containers/ not found under $REPO)"
 
+# One run at a time (the build cache and dockerd's data-root are one per machine): a preparation
+# started beside the other tests holds the lock until its image is built.
+mkdir -p "$CACHE"
+exec 9> "$CACHE/swarm-test.lock"
+if ! flock -n 9; then
+  info "waiting for another run of this test (or its preparation) to end: $CACHE/swarm-test.lock"
+  t_lock=$(now)
+  flock -w 1200 9 || abort "another swarm test held $CACHE/swarm-test.lock for 20 minutes"
+  info "waited $(elapsed "$t_lock")s for it"
+fi
+if [ $PREPARE = 1 ] && [ -z "${MPITRAIN_SWARM_DATA_ROOT:-}" ]; then
+  abort "--prepare needs MPITRAIN_SWARM_DATA_ROOT (a data-root kept for the test: otherwise it prepares nothing)"
+fi
+
 need=()
 for p in docker.io debootstrap nftables iproute2 openssh-client; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
@@ -334,7 +358,7 @@ DOCKER_SERVICE_PREFER_OFFLINE_IMAGE=1 "$DOCKERD" \
   --config-file "$WORK/daemon.json" -H "unix://$WORK/docker.sock" \
   --data-root "$data_root" --exec-root "$WORK/exec" --pidfile "$WORK/dockerd.pid" \
   --iptables=false --ip-masq=false --ip-forward=false --bridge=none \
-  --log-level warn > "$WORK/dockerd.log" 2>&1 &
+  --log-level warn > "$WORK/dockerd.log" 2>&1 9>&- &
 DOCKERD_PID=$!
 up=0
 for _ in $(seq 60); do
@@ -379,8 +403,13 @@ info "context: $(du -sh "$WORK/context" | cut -f1), $(find "$WORK/context" -type
 prebuilt=()
 if [ "${MPITRAIN_SWARM_SOURCE_BUILD:-0}" != 1 ] && [ -n "${1:-}" ] && [ -x "${1:-}" ]; then
   mkdir -p "$WORK/context/.prebuilt" && cp "$1" "$WORK/context/.prebuilt/mpitrain"
-  prebuilt=(--build-arg MPITRAIN_PREBUILT=.prebuilt/mpitrain)
-  info "mpitrain: the tested binary $1 (MPITRAIN_SWARM_SOURCE_BUILD=1 compiles it in the image instead)"
+  # The packages it loads, learned here where it runs (the image's build stage then installs none
+  # of the build packages: from nothing that was half of this phase).
+  "$REPO/containers/runtime-packages.sh" "$1" > "$WORK/context/.prebuilt/packages.txt" \
+    || abort "build: containers/runtime-packages.sh $1"
+  prebuilt=(--build-arg MPITRAIN_PREBUILT=.prebuilt/mpitrain
+            --build-arg MPITRAIN_PREBUILT_PACKAGES=.prebuilt/packages.txt)
+  info "mpitrain: the tested binary $1 and its $(wc -l < "$WORK/context/.prebuilt/packages.txt") runtime packages (MPITRAIN_SWARM_SOURCE_BUILD=1 compiles it in the image instead)"
 fi
 # Host network for the build's RUN steps: the mirror is reached as the host reaches it, with no
 # docker0, NAT or ip_forward.
@@ -395,6 +424,11 @@ fi
 baked=$(dk run --rm --network none --entrypoint /bin/sh "$IMAGE" -c \
   'ls /etc/ssh/ssh_host_* /root/.ssh/* /etc/mpitrain/ssh/* 2>/dev/null; true')
 check "image: no ssh host keys or user keys baked in${baked:+: $(echo $baked)}" test -z "$baked"
+if [ $PREPARE = 1 ]; then
+  end_phase
+  info "prepared: $IMAGE in $MPITRAIN_SWARM_DATA_ROOT's build cache (--prepare stops here)"
+  exit 0
+fi
 
 # ==== swarm ========================================================================================
 phase swarm "swarm init, overlay network, secret, stack deploy"
