@@ -45,10 +45,10 @@ GPTDims dims() {
 struct Trained {
   GPT model{dims()};
   AdamW opt{model->named_params(), OptimConfig{}};
-  explicit Trained(int seed) {
+  explicit Trained(int seed, const OptimConfig& oc = OptimConfig{}) {
     torch::manual_seed(seed);
     model = GPT(dims());
-    opt = AdamW(model->named_params(), OptimConfig{});
+    opt = AdamW(model->named_params(), oc);
     auto x = torch::randint(0, 32, {2, 8}, torch::kInt64);
     for (int i = 0; i < 3; ++i) {
       model->loss(x, x).backward();
@@ -129,6 +129,33 @@ TEST(Checkpoint, RoundTripRestoresEveryTensorBitwise) {
   EXPECT_EQ(got.loss_scale, 8192.0);
   EXPECT_EQ(got.loss_scale_good_steps, 17);
   std::system(("rm -rf " + dir).c_str());
+}
+
+// optim.state_dtype: bf16: the file holds the moments as fp32 (exactly their bf16 values, the format
+// unchanged), which load back bitwise into bf16 moments, and into an fp32 run's as those values.
+TEST(Checkpoint, Bf16MomentsRoundTripBitwiseAndLoadIntoFp32Moments) {
+  const TempDir tmp;
+  OptimConfig bf16;
+  bf16.state_dtype = "bf16";
+  Trained a(1, bf16);
+  TrainState st;
+  st.step = 3;
+  st.world_size = 1;
+  st.dp = 1;
+  st.config_yaml = "model:\n  preset: tiny\n";
+  st.eot_token = 31;
+  const std::string path = save_checkpoint(tmp.path, a.model, a.opt, st, 3);
+  Trained b(2, bf16), c(3);
+  TrainState got;
+  load_checkpoint(path, b.model, &b.opt, got);
+  load_checkpoint(path, c.model, &c.opt, got);
+  for (size_t i = 0; i < a.opt.size(); ++i) {
+    ASSERT_EQ(b.opt.exp_avg(i).scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(bitwise_equal(a.opt.exp_avg(i), b.opt.exp_avg(i))) << a.opt.name(i);
+    EXPECT_TRUE(bitwise_equal(a.opt.exp_avg_sq(i), b.opt.exp_avg_sq(i))) << a.opt.name(i);
+    EXPECT_TRUE(bitwise_equal(a.opt.exp_avg(i).to(torch::kFloat32), c.opt.exp_avg(i))) << a.opt.name(i);
+    EXPECT_TRUE(bitwise_equal(a.opt.exp_avg_sq(i).to(torch::kFloat32), c.opt.exp_avg_sq(i))) << a.opt.name(i);
+  }
 }
 
 // `mpitrain export` streams the checkpoint: the model is made without values (GPT deferred) and

@@ -122,6 +122,8 @@ struct OptimConfig {
   // with one inner step equals data parallelism, docs/diloco.md)
   std::string name = "adamw";
   std::string fused = "auto";  // PyTorch's fused AdamW kernel: auto | on | off (optim.h)
+  // AdamW's moments: fp32 | bf16 (stochastically rounded, 4 bytes per parameter less; optim.h)
+  std::string state_dtype = "fp32";
   int64_t zero = 0;            // 1 = ZeRO-1: AdamW state sharded over the data-parallel ranks
   bool reshard_after_forward = true;  // zero 3: drop a block's gathered parameters after its forward
 };

@@ -15,7 +15,8 @@
 //               step); zero 2: the buckets in flight, at most 2 x comm.bucket_mb; zero 3: the
 //               outside unit's gradient (filled through the whole backward) and three blocks' (two
 //               reduce-scatters in flight and the one filling)
-//   optimizer   AdamW's two fp32 moments: 8N, over d with zero >= 1
+//   optimizer   AdamW's two moments: 8N in fp32, 4N with optim.state_dtype: bf16; over d with
+//               zero >= 1
 //   activations n_layer x the per-block bytes + the rest (embeddings, final norm, loss), measured;
 //               full checkpointing: each checkpointed block keeps its input only; selective: its
 //               input, its linear layers' outputs and attention's (checkpointing.h), measured
@@ -42,6 +43,7 @@ struct MemoryInputs {
   int64_t dp = 1;             // data-parallel ranks the zero stages shard over
   double bucket_mb = 25;      // comm.bucket_mb
   int64_t ac_every = 1;       // train.ac_every
+  int64_t moment_bytes = 4;   // bytes per element of each AdamW moment: 4, or 2 (optim.state_dtype: bf16)
   // Measured by plan for one micro-batch (bytes): what the forward keeps for backward per block
   // without checkpointing, with selective and with full checkpointing, and everything outside the
   // blocks.

@@ -38,6 +38,17 @@ struct GradShards {
   std::vector<torch::Tensor> grads;  // per bucket; padding elements are zero
 };
 
+// x (fp32) rounded to bf16 stochastically: up with probability equal to the fraction of the bf16
+// step that x lies above the bf16 value below it (in magnitude), so E[result] = x and a moment
+// updated by a small amount each step keeps those amounts on average, where round-to-nearest
+// would drop every one smaller than half a bf16 step. The random bits are a hash of (seed, key,
+// begin + element index): the same element of the same tensor gets the same bits however the
+// tensor is cut (ZeRO's slices pass their offset as `begin`), so the optim.zero stages stay the
+// same run bit for bit, as with fp32 moments.
+// `chunk`: elements hashed at a time (the 64-bit temporaries of a large tensor stay small).
+torch::Tensor round_bf16_stochastic(const torch::Tensor& x, int64_t seed, int64_t key, int64_t begin,
+                                    int64_t chunk = int64_t{1} << 22);
+
 class AdamW {
  public:
   // fused: update with PyTorch's fused AdamW kernel (fused_adamw_available() must hold for the
@@ -75,6 +86,10 @@ class AdamW {
   torch::Tensor& bucket_exp_avg_sq(size_t b) { return bucket_exp_avg_sq_[b]; }
   // Bytes of AdamW state this rank holds (both moments).
   int64_t state_bytes() const;
+  // optim.state_dtype: bf16: the moments are bf16 (else the parameters' dtype); the step computes
+  // them in fp32 from the stored values and stores them back stochastically rounded
+  // (round_bf16_stochastic).
+  bool bf16_state() const { return bf16_state_; }
   // The gradient of slot i: its parameter's .grad(), or (sharded) its view of the gradient shard.
   torch::Tensor grad(size_t i) const { return grads_.empty() ? params_[i].grad() : grads_[i]; }
 
@@ -85,6 +100,10 @@ class AdamW {
   std::vector<torch::Tensor> grads_;  // sharded only
   std::vector<torch::Tensor> bucket_exp_avg_, bucket_exp_avg_sq_;  // sharded only
   std::vector<bool> decay_;
+  // Per slot: its parameter's index and the slot's first element in it (the stochastic rounding's
+  // key and offset: the same for an element whatever the sharding).
+  std::vector<int64_t> key_, begin_;
+  bool bf16_state_ = false;
   int64_t t_ = 0;
   bool fused_ = false;
   torch::Tensor step_tensor_;  // the step count on the parameters' device (fused kernel)

@@ -86,7 +86,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
     MPITRAIN_FIELD(optim, eps),          MPITRAIN_FIELD(optim, grad_clip),
     MPITRAIN_FIELD(optim, name),
-    MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, zero),
+    MPITRAIN_FIELD(optim, fused),        MPITRAIN_FIELD(optim, state_dtype),
+    MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(optim, reshard_after_forward),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
@@ -679,6 +680,9 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(o.name, {"adamw", "sgd"}), "optim.name", "one of adamw|sgd", show(o.name));
   check(o.name == "adamw" || o.fused != "on", "optim.fused", "auto or off with optim.name: sgd (the fused kernel is AdamW's)",
         show(o.fused));
+  check(one_of(o.state_dtype, {"fp32", "bf16"}), "optim.state_dtype", "one of fp32|bf16", show(o.state_dtype));
+  check(o.state_dtype == "fp32" || o.fused != "on", "optim.fused",
+        "auto or off with optim.state_dtype: bf16 (the fused kernel keeps fp32 moments)", show(o.fused));
   check(o.zero >= 0 && o.zero <= 3, "optim.zero",
         "0 (off), 1 (ZeRO-1: optimizer state sharded), 2 (ZeRO-2: gradients too) or 3 (ZeRO-3: parameters too)",
         show(o.zero));

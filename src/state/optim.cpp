@@ -1,6 +1,7 @@
 // AdamW, gradient clipping and the learning-rate schedule (see optim.h).
 #include "mpitrain/optim.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "mpitrain/error.h"
@@ -32,15 +33,69 @@ bool fused_adamw_available(torch::DeviceType device) {
   return false;
 }
 
+namespace {
+
+bool bf16_state_of(const OptimConfig& cfg) {
+  MPITRAIN_CHECK(cfg.state_dtype == "fp32" || cfg.state_dtype == "bf16",
+                 concat("AdamW: optim.state_dtype '", cfg.state_dtype, "' (fp32 or bf16)"));
+  return cfg.state_dtype == "bf16";
+}
+
+// splitmix64's constants (as int64 for torch's signed integer tensors, whose products wrap modulo
+// 2^64 on every kernel path)
+constexpr uint64_t kGoldenU = 0x9E3779B97F4A7C15ULL, kMix1U = 0xBF58476D1CE4E5B9ULL, kMix2U = 0x94D049BB133111EBULL;
+constexpr int64_t kGolden = static_cast<int64_t>(kGoldenU);
+constexpr int64_t kMix1 = static_cast<int64_t>(kMix1U);
+constexpr int64_t kMix2 = static_cast<int64_t>(kMix2U);
+
+// h ^ (h >>> s): a logical shift (torch's >> on int64 copies the sign bit, masked off here)
+torch::Tensor xorshift(const torch::Tensor& h, int s) {
+  const int64_t low = static_cast<int64_t>((~0ULL) >> s);
+  return torch::bitwise_xor(h, torch::bitwise_and(h.__rshift__(s), low));
+}
+
+}  // namespace
+
+torch::Tensor round_bf16_stochastic(const torch::Tensor& x, int64_t seed, int64_t key, int64_t begin,
+                                    int64_t chunk) {
+  MPITRAIN_CHECK(x.scalar_type() == torch::kFloat32, "round_bf16_stochastic: an fp32 tensor");
+  torch::NoGradGuard no_grad;
+  const torch::Tensor flat = x.detach().contiguous().view({-1});
+  torch::Tensor out = torch::empty({flat.numel()}, flat.options().dtype(torch::kBFloat16));
+  MPITRAIN_CHECK(chunk > 0, "round_bf16_stochastic: chunk > 0");
+  const int64_t salt = static_cast<int64_t>((static_cast<uint64_t>(seed) * kGoldenU) ^
+                                            ((static_cast<uint64_t>(key) + 1) * kMix2U));
+  for (int64_t at = 0; at < flat.numel(); at += chunk) {
+    const int64_t n = std::min(chunk, flat.numel() - at);
+    torch::Tensor h = torch::arange(begin + at, begin + at + n, flat.options().dtype(torch::kInt64));
+    h = torch::bitwise_xor(h.mul(kGolden), salt);  // splitmix64's finaliser over (index, salt)
+    h = xorshift(h, 30).mul_(kMix1);
+    h = xorshift(h, 27).mul_(kMix2);
+    h = xorshift(h, 31);
+    const torch::Tensor r = torch::bitwise_and(h, 0xFFFF).to(torch::kInt32);
+    // fp32's bit pattern plus 16 random bits, the low 16 bits cleared: a carry out of them (with
+    // probability = the dropped fraction) rounds the magnitude up, which is exact in bf16.
+    const torch::Tensor bits = flat.narrow(0, at, n).view(torch::kInt32);
+    const torch::Tensor rounded = torch::bitwise_and(bits.add(r), static_cast<int32_t>(0xFFFF0000u));
+    out.narrow(0, at, n).copy_(rounded.view(torch::kFloat32));
+  }
+  return out.view(x.sizes());
+}
+
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const OptimConfig& cfg, bool fused)
-    : cfg_(cfg), fused_(fused) {
+    : cfg_(cfg), bf16_state_(bf16_state_of(cfg)), fused_(fused) {
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
                  concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
+  MPITRAIN_CHECK(!fused_ || !bf16_state_, "AdamW: the fused kernel keeps fp32 moments");
   for (auto& [name, p] : named_params) {
+    key_.push_back(static_cast<int64_t>(names_.size()));
+    begin_.push_back(0);
     names_.push_back(name);
     params_.push_back(p);
-    exp_avg_.push_back(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-    exp_avg_sq_.push_back(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+    // The moments in the parameters' dtype (fp32 master weights), or bf16.
+    const auto moment = bf16_state_ ? p.options().dtype(torch::kBFloat16) : p.options();
+    exp_avg_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
     // Decay matrices (linear weights, embeddings); biases and LayerNorm gains are 1-D.
     decay_.push_back(p.dim() >= 2);
   }
@@ -48,17 +103,21 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
 
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
              const OptimConfig& cfg, bool fused, const std::vector<torch::Tensor>* param_shards)
-    : cfg_(cfg), fused_(fused) {
+    : cfg_(cfg), bf16_state_(bf16_state_of(cfg)), fused_(fused) {
   MPITRAIN_CHECK(!shards.grads.empty() || named_params.empty(), "AdamW: ZeRO-1 needs a sharded GradSync's shards");
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
                  concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
+  MPITRAIN_CHECK(!fused_ || !bf16_state_, "AdamW: the fused kernel keeps fp32 moments");
   torch::NoGradGuard no_grad;
   for (const torch::Tensor& g : shards.grads) {
-    bucket_exp_avg_.push_back(torch::zeros_like(g));
-    bucket_exp_avg_sq_.push_back(torch::zeros_like(g));
+    const auto moment = bf16_state_ ? g.options().dtype(torch::kBFloat16) : g.options();
+    bucket_exp_avg_.push_back(torch::zeros_like(g, moment));
+    bucket_exp_avg_sq_.push_back(torch::zeros_like(g, moment));
   }
   for (const OwnedSlice& s : shards.slices) {
     const auto& [name, p] = named_params.at(s.param);
+    key_.push_back(static_cast<int64_t>(s.param));
+    begin_.push_back(s.begin);
     names_.push_back(name);
     params_.push_back(param_shards ? param_shards->at(s.bucket).narrow(0, s.shard_offset, s.length)
                                    : p.detach().view({-1}).narrow(0, s.begin, s.length));
@@ -106,6 +165,27 @@ void AdamW::step(double lr) {
     if (cfg_.name == "sgd") {  // optim.name: sgd: p = p (1 - lr wd) - lr g (the moments stay zero)
       if (wd > 0) at::_foreach_mul_(p, 1.0 - lr * wd);
       at::_foreach_add_(p, g, -lr);
+      continue;
+    }
+    if (bf16_state_) {
+      // bf16 moments: each slot's computed in fp32 from the stored values by the foreach path's
+      // kernels in its order (one tensor at a time: the fp32 copies of one slot at once), the
+      // update made with those fp32 moments, which are then stored stochastically rounded.
+      const double denom_eps = cfg_.eps;
+      size_t j = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (decay_[i] != decay || !grad(i).defined()) continue;
+        torch::Tensor mi = m[j].to(torch::kFloat32), vi = v[j].to(torch::kFloat32);
+        if (wd > 0) p[j].mul_(1.0 - lr * wd);
+        mi.mul_(cfg_.beta1).add_(g[j], 1.0 - cfg_.beta1);
+        vi.mul_(cfg_.beta2).addcmul_(g[j], g[j], 1.0 - cfg_.beta2);
+        torch::Tensor denom = vi.sqrt();
+        denom.div_(bc2_sqrt).add_(denom_eps);
+        p[j].addcdiv_(mi, denom, -step_size);
+        m[j].copy_(round_bf16_stochastic(mi, 2 * t_, key_[i], begin_[i]).view(m[j].sizes()));
+        v[j].copy_(round_bf16_stochastic(vi, 2 * t_ + 1, key_[i], begin_[i]).view(v[j].sizes()));
+        ++j;
+      }
       continue;
     }
 #if TORCH_VERSION_MAJOR >= 2

@@ -36,7 +36,8 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
         else if (zero == 2) r.buffers = std::min(4 * n, 2 * in.bucket_mb * 1024 * 1024);  // buckets in flight
         else r.buffers = outside + 3 * block;  // the outside unit's gradient, three blocks'
       }
-      r.optimizer = zero >= 1 && shards ? 8 * n / d : 8 * n;
+      const double moments = 2.0 * static_cast<double>(in.moment_bytes) * n;
+      r.optimizer = zero >= 1 && shards ? moments / d : moments;
       const int64_t kept = r.ac == "none" ? 0 : checkpointed;
       const double per_kept = r.ac == "full" ? in.block_full : in.block_selective;
       r.activations = static_cast<double>(in.n_layer - kept) * in.block_none + static_cast<double>(kept) * per_kept +

@@ -217,6 +217,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     mem.dp = run.layout.dp;
     mem.bucket_mb = cfg.comm.bucket_mb;
     mem.ac_every = cfg.train.ac_every;
+    mem.moment_bytes = cfg.optim.state_dtype == "bf16" ? 2 : 4;
     const bool measured = activation_probe(dims, run.precision, device, micro, mem);
     double memory_gib = options.memory_gib;
     std::string memory_source = "--memory";
@@ -264,7 +265,8 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   });
   const double t_backward = std::max(0.0, t_micro - t_forward);
   // The optimizer step (gradient clipping and AdamW), once per step whatever the accumulation.
-  AdamW opt(model->named_params(), cfg.optim, cfg.optim.fused != "off" && fused_adamw_available(device.type()));
+  AdamW opt(model->named_params(), cfg.optim,
+            cfg.optim.fused != "off" && cfg.optim.state_dtype == "fp32" && fused_adamw_available(device.type()));
   for (auto& p : params) p.mutable_grad() = torch::ones_like(p);
   const double t_optimizer = timed(mpi_comm, options.iters, device, [&] {  // as a step: clip, then update
     clip_grad_norm_(params, cfg.optim.grad_clip);

@@ -123,12 +123,14 @@ bool choose_fused_adamw(const Config& cfg, MpiComm mpi_comm, const torch::Device
       throw UsageError(concat("optim.fused: on, but ", libtorch_version(), " has no fused AdamW kernel for ",
                               device.is_cuda() ? "CUDA" : "the CPU",
                               " (it has one for the CPU from libtorch 2.4, for CUDA from 2.0); use auto or off"));
-    fused = cfg.optim.fused != "off" && available;
+    fused = cfg.optim.fused != "off" && available && cfg.optim.state_dtype == "fp32";
   }); });
+  const bool bf16_state = cfg.optim.state_dtype == "bf16";
   if (rank == 0)
     log::info(concat("optimizer: AdamW with ", fused ? "the fused kernel" : "multi-tensor (foreach) kernels", " (",
                      libtorch_version(), cfg.optim.fused == "off" ? ", optim.fused: off" : "",
-                     !fused && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
+                     bf16_state ? ", optim.state_dtype: bf16: moments stored stochastically rounded, updated per tensor"
+                     : !fused && cfg.optim.fused != "off" ? ": no fused AdamW kernel for this device" : "", ")"));
   return fused;
 }
 
@@ -292,6 +294,7 @@ void Run::warn_if_state_does_not_fit() const {
   for (const auto& p : par_.params()) in.params += p.numel();
   in.dp = s_.layout.dp;
   in.bucket_mb = cfg_.comm.bucket_mb;
+  in.moment_bytes = cfg_.optim.state_dtype == "bf16" ? 2 : 4;
   const int zero = par_.zero_stage();
   const double state = memory_row(in, zero, "none").peak();  // no activations given: the state alone
   const double total = static_cast<double>(cuda_total_memory_bytes(device_.index()));
