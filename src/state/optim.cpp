@@ -152,9 +152,11 @@ void AdamW::step(double lr) {
   // per-parameter loop bit for bit.
   for (bool decay : {true, false}) {
     std::vector<torch::Tensor> p, g, m, v;
+    std::vector<size_t> slot;  // the slot of each entry of p, g, m, v
     for (size_t i = 0; i < params_.size(); ++i) {
       torch::Tensor gi = grad(i);
       if (decay_[i] != decay || !gi.defined()) continue;
+      slot.push_back(i);
       p.push_back(params_[i]);
       g.push_back(gi);
       m.push_back(exp_avg_[i]);
@@ -171,20 +173,17 @@ void AdamW::step(double lr) {
       // bf16 moments: each slot's computed in fp32 from the stored values by the foreach path's
       // kernels in its order (one tensor at a time: the fp32 copies of one slot at once), the
       // update made with those fp32 moments, which are then stored stochastically rounded.
-      const double denom_eps = cfg_.eps;
-      size_t j = 0;
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (decay_[i] != decay || !grad(i).defined()) continue;
+      for (size_t j = 0; j < p.size(); ++j) {
+        const size_t i = slot[j];
         torch::Tensor mi = m[j].to(torch::kFloat32), vi = v[j].to(torch::kFloat32);
         if (wd > 0) p[j].mul_(1.0 - lr * wd);
         mi.mul_(cfg_.beta1).add_(g[j], 1.0 - cfg_.beta1);
         vi.mul_(cfg_.beta2).addcmul_(g[j], g[j], 1.0 - cfg_.beta2);
         torch::Tensor denom = vi.sqrt();
-        denom.div_(bc2_sqrt).add_(denom_eps);
+        denom.div_(bc2_sqrt).add_(cfg_.eps);
         p[j].addcdiv_(mi, denom, -step_size);
         m[j].copy_(round_bf16_stochastic(mi, 2 * t_, key_[i], begin_[i]).view(m[j].sizes()));
         v[j].copy_(round_bf16_stochastic(vi, 2 * t_ + 1, key_[i], begin_[i]).view(v[j].sizes()));
-        ++j;
       }
       continue;
     }

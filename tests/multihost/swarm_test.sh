@@ -8,9 +8,9 @@
 #   bash tests/multihost/swarm_test.sh --prepare [BINARY]  # only deps, base, dockerd, import and
 #       build (into MPITRAIN_SWARM_DATA_ROOT, which it needs), then the cleanup: .ci/run starts it
 #       beside the Debian 12 leg's tests, so that the test itself finds the image in the build
-#       cache (from nothing, its apt-get and debootstrap are some 6 minutes, mostly waiting on the
-#       mirror and the disk). It makes no link, swarm or rule: what the other tests do beside it
-#       cannot disturb it or be disturbed.
+#       cache (from nothing its debootstrap and apt-get took 448 s beside those tests, which they
+#       slowed: dpkg's unpacking is CPU work). It makes no link, swarm or rule, so the tests beside
+#       it and it do not see each other's network state.
 # One run at a time on a machine ($MPITRAIN_TEST_CACHE/swarm-test.lock, flock): the test waits for
 # a preparation (or another run) to end, at most 20 minutes.
 #
