@@ -21,6 +21,9 @@
 #    the arithmetic it rests on, test_comm and test_powersgd, runs here), gpu_check_rehearsal (the
 #    lease script's flow; the training it drives is test_train's and cli's) and kernel_paths (the
 #    numerical tests again under other OpenBLAS/ATen kernels; here they run on the default ones).
+# And within the script tests, the refusals of bad input that mpitrain's own checks make alike on
+# every rank (tests/e2e_lib.sh, expect_own_usage: MPITRAIN_TEST_OWN_CHECKS=elsewhere); those that
+# pass through Open MPI 5, yaml-cpp 0.8, HDF5 1.14 or libtorch 2.6 run here.
 # When this machine has a CUDA toolkit with nccl.h in /usr/local/cuda (as the CI machine has),
 # it is mounted read-only into the root, so the GPU sources and CUDA kernels are compile-checked
 # against libtorch 2.6's headers with trixie's GCC (only here: the Debian 12 leg's libtorch 1.13 is
@@ -40,6 +43,10 @@ CACHE=${MPITRAIN_TEST_CACHE:-/var/cache/mpitrain-test}
 ROOT=$CACHE/debian13-root
 # Run once, in the Debian 12 leg (above).
 CTEST_ARGS=${MPITRAIN_DEBIAN13_CTEST_ARGS:--E ^(multihost_slurm|multihost_swarm|multihost_slow|multihost_fleet|fuzz|grad_comm|gpu_check_rehearsal|kernel_paths)$}
+# With that selection (and with a CTest selection, no MPICH-ABI build), the root needs not the
+# packages of fuzz, the fleet kit and the MPICH-ABI build (scripts/test.sh, MPITRAIN_TEST_PACKAGES).
+TEST_PACKAGES=release
+[ -n "${MPITRAIN_DEBIAN13_CTEST_ARGS+x}" ] && TEST_PACKAGES=all
 
 say() { echo "debian13: $*"; }
 [ "$(id -u)" -eq 0 ] || { say "needs root (debootstrap, chroot, mounts)"; exit 1; }
@@ -130,7 +137,7 @@ else
   rm -f "$ROOT/usr/local/cuda"
   say "no CUDA toolkit with nccl.h in /usr/local/cuda: no GPU compile check in this leg"
 fi
-unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" NODE_CA="$NODE_CA" PREPARE="$PREPARE" \
+unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARGS" CUDA_DIR="$CUDA_DIR" NODE_CA="$NODE_CA" PREPARE="$PREPARE" TEST_PACKAGES="$TEST_PACKAGES" \
   MPITRAIN_DEBIAN13_SHELL="${MPITRAIN_DEBIAN13_SHELL:-0}" INNER="$inner" bash -c '
   set -euo pipefail
   mount --bind "$ROOT" "$ROOT"   # the root a mount point of its own (ip netns needs that)
@@ -145,5 +152,6 @@ unshare --mount --propagation private -- env ROOT="$ROOT" CTEST_ARGS="$CTEST_ARG
     ln -sfn "$CUDA_DIR" "$ROOT/usr/local/cuda"
   fi
   exec chroot "$ROOT" /usr/bin/env -i CTEST_ARGS="$CTEST_ARGS" CI="${CI:-}" NODE_EXTRA_CA_CERTS="$NODE_CA" PREPARE="$PREPARE" \
+    MPITRAIN_TEST_OWN_CHECKS=elsewhere MPITRAIN_TEST_PACKAGES="$TEST_PACKAGES" \
     MPITRAIN_DEBIAN13_SHELL="$MPITRAIN_DEBIAN13_SHELL" bash -c "$INNER"
 '
