@@ -127,6 +127,12 @@ class ParamShards : public UnitHooks {
   bool reshard_after_forward_ = true;
   bool autocast_cache_was_ = true;  // autocast's weight cache, off while this object lives
   size_t max_whole_ = 0;
+  // Released units' memory kept for the next unit of the same size (at most kSpare buffers): the
+  // blocks' buffers are then the same few allocations step after step. Freed and allocated anew
+  // each time, they interleaved with the activations in glibc's heap, which keeps what is freed
+  // (keep_freed_memory): ZeRO-3's peak RSS sat 449 MiB above its tensors, ZeRO-2's 290.
+  static constexpr size_t kSpare = 2;
+  std::vector<std::pair<size_t, c10::DataPtr>> spare_;  // (bytes, memory)
 };
 
 // Every unit whole for this object's lifetime (null: nothing to do), released after.

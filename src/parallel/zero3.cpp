@@ -12,19 +12,23 @@ namespace mpitrain {
 
 namespace {
 
-// The memory of `t`'s storage, dropped or made again (the storage object, and with it every
-// view of it, autograd's saved tensors included, stays).
-void drop_memory(const torch::Tensor& t) {
+// The memory of `t`'s storage, taken away (returned) or given again (the storage object, and
+// with it every view of it, autograd's saved tensors included, stays).
+c10::DataPtr take_memory(const torch::Tensor& t) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  c10::DataPtr old = impl->set_data_ptr(c10::DataPtr(nullptr, t.device()));
   impl->set_nbytes(0);
+  return old;
 }
 
-void make_memory(const torch::Tensor& t, size_t nbytes) {
+void give_memory(const torch::Tensor& t, c10::DataPtr memory, size_t nbytes) {
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  c10::Allocator* allocator = impl->allocator();
-  if (!allocator) allocator = c10::GetAllocator(t.device().type());
-  impl->set_data_ptr_noswap(allocator->allocate(nbytes));
+  if (!memory) {
+    c10::Allocator* allocator = impl->allocator();
+    if (!allocator) allocator = c10::GetAllocator(t.device().type());
+    memory = allocator->allocate(nbytes);
+  }
+  impl->set_data_ptr_noswap(std::move(memory));
   impl->set_nbytes(nbytes);
 }
 
@@ -79,6 +83,7 @@ ParamShards::ParamShards(std::vector<torch::Tensor> params, GradSync& sync, Unit
     shards_[u] = whole_[u].narrow(0, comm.rank() * part, part).clone();
     release(u);
   }
+  spare_.clear();  // nothing kept from the start-up: its peak stays the shards and one unit whole
   max_whole_ = 0;
   sync_.on_bucket_filled([this](size_t u) { release(u); });
   // Autocast keeps the 16-bit copy of every weight it cast until the autocast region ends (the
@@ -130,7 +135,14 @@ void ParamShards::start_gather(size_t u, c10::ScalarType wire) {
 }
 
 void ParamShards::make_whole(size_t u) {
-  make_memory(whole_[u], static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size());
+  const size_t nbytes = static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size();
+  c10::DataPtr memory;
+  auto same = std::find_if(spare_.begin(), spare_.end(), [&](const auto& s) { return s.first == nbytes; });
+  if (same != spare_.end()) {
+    memory = std::move(same->second);
+    spare_.erase(same);
+  }
+  give_memory(whole_[u], std::move(memory), nbytes);
   is_whole_[u] = true;
   max_whole_ = std::max(max_whole_, units_whole());
 }
@@ -162,7 +174,9 @@ void ParamShards::prefetch(size_t u) {
 void ParamShards::release(size_t u) {
   if (held_ || !is_whole_.at(u)) return;
   finish_prefetch(u);  // a prefetch nobody used (a forward that stopped early) completes first
-  drop_memory(whole_[u]);
+  const size_t nbytes = static_cast<size_t>(whole_[u].numel()) * whole_[u].element_size();
+  c10::DataPtr memory = take_memory(whole_[u]);
+  if (spare_.size() < kSpare) spare_.emplace_back(nbytes, std::move(memory));
   is_whole_[u] = false;
 }
 
