@@ -121,7 +121,7 @@ check "config.json: MistralForCausalLM (model_type mistral) with sliding_window 
 check "config.json: Gemma2ForCausalLM (model_type gemma2) with its caps, window, query scale and gelu_pytorch_tanh; the start-up line names them" \
   "grep -q Gemma2ForCausalLM hf_gemma2/config.json && grep -q '\"model_type\": \"gemma2\"' hf_gemma2/config.json &&
    grep -q '\"attn_logit_softcapping\": 0.1' hf_gemma2/config.json && grep -q '\"final_logit_softcapping\": 2.0' hf_gemma2/config.json &&
-   grep -q '\"sliding_window\": 8' hf_gemma2/config.json && grep -q '\"query_pre_attn_scalar\": 24.0' hf_gemma2/config.json &&
+   grep -q '\"sliding_window\": 8' hf_gemma2/config.json && grep -q '\"query_pre_attn_scalar\": 24,' hf_gemma2/config.json &&
    grep -q '\"hidden_activation\": \"gelu_pytorch_tanh\"' hf_gemma2/config.json &&
    grep -q 'GeGLU 64, .*norms x (1 + w) before and after each sublayer, attention window 8 on every other layer, scores capped at 0.1, logits capped at 2' train_gemma2.out"
 check "config.json: Gemma3ForCausalLM (model_type gemma3_text) with rope_local_base_freq, linear rope_scaling and layer_types; the start-up line names them" \
@@ -135,7 +135,7 @@ check "config.json: Gemma3ForCausalLM (model_type gemma3_text) with rope_local_b
 i=0 changed=()
 for change in 'gemma2:sliding_window": 8/sliding_window": 32' 'gemma2:attn_logit_softcapping": 0.1/attn_logit_softcapping": 50.0' \
               'gemma2:final_logit_softcapping": 2.0/final_logit_softcapping": 30.0' \
-              'gemma2:query_pre_attn_scalar": 24.0/query_pre_attn_scalar": 16.0' 'gemma2:post_attention_layernorm/pre_feedforward_layernorm' \
+              'gemma2:query_pre_attn_scalar": 24,/query_pre_attn_scalar": 16,' 'gemma2:post_attention_layernorm/pre_feedforward_layernorm' \
               'gemma3:rope_local_base_freq": 100.0/rope_local_base_freq": 10000.0' 'gemma3:"factor": 4.0/"factor": 1.0' \
               'gemma3:"full_attention"/"sliding_attention"' 'gemma3:sliding_window": 8/sliding_window": 32' \
               'gemma3:q_norm/k_norm' 'gemma3:post_feedforward_layernorm/pre_feedforward_layernorm'; do

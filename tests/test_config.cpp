@@ -619,6 +619,107 @@ TEST(Config, GemmaConfigJsonGivesThePresetsShape) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+// transformers 5's form of Gemma 3's config.json (rope_parameters per layer type, no rope_theta or
+// rope_local_base_freq at the top) gives what the older form gives, the linear scaling of the
+// global layers included; keys absent from config.json take the transformers class's defaults
+// (Gemma 2's caps 50 and 30, Gemma 3's rope_theta 1e6, LlamaConfig's shape), null means none; what
+// mpitrain cannot run as written is refused naming the key.
+TEST(Config, HfConfigTransformers5FormsAndClassDefaults) {
+  const TempDir tmp;
+  const std::string dir = tmp.path;
+  std::ofstream(dir + "/run.yaml") << concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
+  auto load = [&](const std::string& json) {
+    std::ofstream(dir + "/config.json") << json;
+    return load_config(dir + "/run.yaml").model;
+  };
+  auto refused = [&](const std::string& json) {
+    std::ofstream(dir + "/config.json") << json;
+    return usage_error([&] { load_config(dir + "/run.yaml"); });
+  };
+  const std::string gemma3_shape = R"("model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912,
+      "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "head_dim": 256,
+      "max_position_embeddings": 32768, "sliding_window": 512, "vocab_size": 262144, "tie_word_embeddings": true)";
+  const ModelConfig v4 = load(concat("{", gemma3_shape, R"(, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}})"));
+  const std::string nested = concat("{", gemma3_shape, R"(, "rope_parameters": {
+      "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})");
+  const ModelConfig v5 = load(nested);
+  EXPECT_EQ(v4.rope_theta, 1e6);
+  EXPECT_EQ(v4.rope_scaling, "linear");
+  EXPECT_EQ(v4.rope_factor, 8.0);
+  EXPECT_EQ(v4.rope_local_theta, 1e4);
+  EXPECT_EQ(v5.rope_theta, v4.rope_theta);
+  EXPECT_EQ(v5.rope_scaling, v4.rope_scaling);
+  EXPECT_EQ(v5.rope_factor, v4.rope_factor);
+  EXPECT_EQ(v5.rope_local_theta, v4.rope_local_theta);
+  // A local base that differs is read as such (not a default), and the nested form without
+  // scaling is none.
+  std::string other = nested;
+  other.replace(other.find("\"rope_theta\": 10000.0"), 21, "\"rope_theta\": 20000.0");
+  other.replace(other.find("\"rope_type\": \"linear\", \"factor\": 8.0, "), 38, "");
+  EXPECT_EQ(load(other).rope_local_theta, 2e4);
+  EXPECT_EQ(load(other).rope_scaling, "none");
+  // Refused by name: scaling on the local layers; a layer type mpitrain does not know; the older
+  // key disagreeing with the nested one; a Gemma 3 score cap.
+  other = nested;
+  other.replace(other.find("\"rope_type\": \"default\""), 22, "\"rope_type\": \"linear\", \"factor\": 2.0");
+  expect_contains(refused(other), {"/config.json: rope_parameters.sliding_attention.rope_type: 'linear': mpitrain's "
+                                   "gemma3 scales the global layers' rotary only"});
+  other = nested;
+  other.replace(other.find("\"sliding_attention\""), 19, "\"chunked_attention\"");
+  expect_contains(refused(other), {"/config.json: rope_parameters.chunked_attention: "});
+  expect_contains(refused(concat(nested.substr(0, nested.size() - 1), ", \"rope_local_base_freq\": 100.0}")),
+                  {"/config.json: rope_local_base_freq: 100 disagrees with rope_parameters.sliding_attention.rope_theta 10000"});
+  expect_contains(refused(concat(nested.substr(0, nested.size() - 1), ", \"attn_logit_softcapping\": 50.0}")),
+                  {"/config.json: attn_logit_softcapping: 50.0: transformers' Gemma 3 attention applies no score cap"});
+  // Another family with one rotary for every layer: both layer types the same, or refused.
+  const std::string llama_nested = R"({"model_type": "llama", "rope_parameters": {
+      "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}})";
+  EXPECT_EQ(load(llama_nested).rope_theta, 5e5);
+  other = llama_nested;
+  other.replace(other.rfind("500000.0"), 8, "10000.0");
+  expect_contains(refused(other), {"/config.json: rope_parameters.sliding_attention: ",
+                                   "differs from full_attention's", "mpitrain's llama has one rotary for every layer"});
+
+  // Absent keys: the classes' defaults. Gemma 3 without rope_theta: 1e6 (not 10000); Gemma 2 without
+  // its caps: 50 and 30 (null: none); a window of 4096 where the class has one.
+  const ModelConfig g3 = load(concat("{", gemma3_shape, "}"));
+  EXPECT_EQ(g3.rope_theta, 1e6);
+  EXPECT_EQ(g3.rope_local_theta, 1e4);
+  EXPECT_EQ(g3.attn_softcap, 0.0);
+  const std::string gemma2_shape = R"("model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
+      "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "vocab_size": 256000)";
+  const ModelConfig g2 = load(concat("{", gemma2_shape, "}"));
+  EXPECT_EQ(g2.attn_softcap, 50.0);
+  EXPECT_EQ(g2.final_softcap, 30.0);
+  EXPECT_EQ(g2.sliding_window, 4096);
+  EXPECT_EQ(g2.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(g2.head_dim, 256);
+  EXPECT_EQ(g2.max_position, 8192);
+  EXPECT_EQ(g2.tie_embeddings, "true");
+  const ModelConfig g2_none = load(concat("{", gemma2_shape,
+                                          R"(, "attn_logit_softcapping": null, "final_logit_softcapping": null, "sliding_window": null})"));
+  EXPECT_EQ(g2_none.attn_softcap, 0.0);
+  EXPECT_EQ(g2_none.final_softcap, 0.0);
+  EXPECT_EQ(g2_none.sliding_window, 0);
+  EXPECT_EQ(load(R"({"model_type": "mistral"})").sliding_window, 4096);
+  // Nothing but the model_type: LlamaConfig's defaults (the 7B shape of Llama 2), kv heads = heads.
+  const ModelConfig llama = load(R"({"model_type": "llama"})");
+  EXPECT_EQ(llama.n_layer, 32);
+  EXPECT_EQ(llama.n_embd, 4096);
+  EXPECT_EQ(llama.n_head, 32);
+  EXPECT_EQ(llama.n_kv_head, 32);
+  EXPECT_EQ(llama.intermediate_size, 11008);
+  EXPECT_EQ(llama.init_vocab, 32000);
+  EXPECT_EQ(llama.max_position, 2048);
+  EXPECT_EQ(llama.rope_theta, 1e4);
+  EXPECT_EQ(llama.tie_embeddings, "false");
+  EXPECT_EQ(load(R"({"model_type": "qwen3"})").head_dim, 128);
+  EXPECT_EQ(load(R"({"model_type": "qwen3"})").n_kv_head, 32);
+}
+
 // Mistral 7B v0.1's published config.json gives the preset's shape, its 4096-token window
 // included; a training context longer than the window is refused by name (the window would cut).
 // Qwen's configs name a sliding_window too, unused without use_sliding_window: it is not read.
@@ -729,7 +830,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"family_unknown", {"model.family=gemma"},
                 {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2|gemma3, got 'gemma'"}},
         Invalid{"gemma_field_on_llama", {"model.preset=llama-debug", "model.attn_softcap=50"},
-                {"model.attn_softcap applies to model.family gemma2|gemma3 only (this model is llama), got 50"}},
+                {"model.attn_softcap applies to model.family gemma2 only (this model is llama), got 50"}},
         Invalid{"gemma_field_on_gpt2", {"model.final_softcap=30"},
                 {"model.final_softcap applies to model.family gemma2|gemma3 only (this model is gpt2), got 30"}},
         Invalid{"gemma_field_on_mistral", {"model.preset=mistral-7b-v0.1", "model.query_pre_attn_scalar=256"},

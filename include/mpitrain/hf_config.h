@@ -11,11 +11,19 @@
 // rope_parameters (newer transformers), hidden_act / hidden_activation (the family's: silu,
 // Gemma's gelu_pytorch_tanh), attention_bias and mlp_bias (false only for llama and qwen3).
 // Qwen's sliding windows and mixtures of experts are refused, naming the key.
+// A key absent from config.json means its transformers config class's default (Gemma 2's caps
+// 50 and 30, Gemma 3's rope_theta 1e6, a window of 4096, LlamaConfig's 7B shape, ...); null means
+// none where the class allows it (caps, windows, num_key_value_heads, head_dim). transformers 5's
+// rope_parameters nested per layer type ({full_attention: {...}, sliding_attention: {...}}) is read:
+// full_attention is the global layers', sliding_attention Gemma 3's local base (another family's
+// must equal full_attention's). Gemma 3 with a non-null attn_logit_softcapping is refused
+// (transformers' Gemma 3 attention applies none).
 // Torch-free: parse_config uses it before any model exists.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "mpitrain/config.h"
 
@@ -38,5 +46,9 @@ void apply_hf_config(ModelConfig& m, const std::string& dir, const std::string& 
 
 // The same with config.json's text given (`path` names it in errors; the fuzz target's entry).
 void apply_hf_config_text(ModelConfig& m, const std::string& text, const std::string& path, const std::string& where);
+
+// The keys whose transformers class default stands for an absent key, for `model_type` (the
+// exporter writes every one of them).
+std::vector<std::string> hf_class_default_keys(const std::string& model_type);
 
 }  // namespace mpitrain

@@ -30,7 +30,50 @@ json parse_json(const std::string& text, const std::string& path, const std::str
 
 void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const std::string& at, const std::string& where);
 
+// What a key absent from config.json means: its transformers config class's default (the
+// __init__ argument from_pretrained then uses; null where that is None), per model_type, for
+// every key mpitrain reads. The exporter writes each of them (hf_format.cpp checks it), so a
+// file mpitrain wrote never depends on this table.
+const json& class_defaults(const std::string& model_type) {
+  static const json table = json::parse(R"({
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": null, "head_dim": null,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": false},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": null,
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": false},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": false},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": null,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "tie_word_embeddings": false, "sliding_window": 4096},
+    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": true, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0, "tie_word_embeddings": true, "sliding_window": 4096,
+                    "query_pre_attn_scalar": 256, "attn_logit_softcapping": null, "final_logit_softcapping": null}
+  })");
+  static const json none = json::object();
+  return table.contains(model_type) ? table[model_type] : none;
+}
+
 }  // namespace
+
+std::vector<std::string> hf_class_default_keys(const std::string& model_type) {
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : class_defaults(model_type).items()) keys.push_back(key);
+  return keys;
+}
 
 std::string hf_model_dir(const std::string& init_from) {
   return init_from.rfind("hf:", 0) == 0 ? init_from.substr(3) : std::string();
@@ -61,29 +104,42 @@ namespace {
 
 void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const std::string& at, const std::string& where) {
   auto bad = [&](const std::string& key, const std::string& what) { return UsageError(concat(at, ": ", key, ": ", what)); };
-  auto integer = [&](const char* key, bool required, int64_t fallback) -> int64_t {
-    if (!c.contains(key) || c[key].is_null()) {
-      if (required) throw bad(key, "missing");
-      return fallback;
-    }
-    if (!c[key].is_number_integer() || c[key].get<int64_t>() <= 0) throw bad(key, concat("must be a positive integer, got ", c[key].dump()));
-    return c[key].get<int64_t>();
-  };
-  auto number = [&](const json& obj, const char* key, double fallback) -> double {
-    if (!obj.contains(key) || obj[key].is_null()) return fallback;
-    if (!obj[key].is_number() || !(obj[key].get<double>() > 0) || !std::isfinite(obj[key].get<double>()))
-      throw bad(key, concat("must be a positive number, got ", obj[key].dump()));
-    return obj[key].get<double>();
-  };
-  auto flag = [&](const char* key, bool fallback) -> bool {
-    if (!c.contains(key) || c[key].is_null()) return fallback;
-    if (!c[key].is_boolean()) throw bad(key, concat("must be true or false, got ", c[key].dump()));
-    return c[key].get<bool>();
-  };
-
   // The family is the row whose model_type this is (model_fields.h); GPT-2's config.json is read
   // by the safetensors importer, not here.
   const std::string type = c.value("model_type", std::string());
+  // A key's value: the file's (null included), else the class's default (class_defaults), else
+  // none (nullptr).
+  const json& defaults = class_defaults(type);
+  auto value_of = [&](const json& obj, const char* key, const char* default_key) -> const json* {
+    if (obj.contains(key)) return &obj[key];
+    return default_key && defaults.contains(default_key) ? &defaults[default_key] : nullptr;
+  };
+  auto integer = [&](const char* key, bool required, int64_t fallback) -> int64_t {
+    const json* v = value_of(c, key, key);
+    if (!v || v->is_null()) {
+      if (required) throw bad(key, "missing");
+      return fallback;
+    }
+    if (!v->is_number_integer() || v->get<int64_t>() <= 0) throw bad(key, concat("must be a positive integer, got ", v->dump()));
+    return v->get<int64_t>();
+  };
+  // A positive number; null (and absent without a default) is `fallback`. `default_key`: the key
+  // whose class default an absent one takes (the same key, or none inside a rope object).
+  auto number_in = [&](const json& obj, const char* key, const char* default_key, double fallback) -> double {
+    const json* v = value_of(obj, key, default_key);
+    if (!v || v->is_null()) return fallback;
+    if (!v->is_number() || !(v->get<double>() > 0) || !std::isfinite(v->get<double>()))
+      throw bad(key, concat("must be a positive number, got ", v->dump()));
+    return v->get<double>();
+  };
+  auto number = [&](const char* key, double fallback) { return number_in(c, key, key, fallback); };
+  auto flag = [&](const char* key, bool fallback) -> bool {
+    const json* v = value_of(c, key, key);
+    if (!v || v->is_null()) return fallback;
+    if (!v->is_boolean()) throw bad(key, concat("must be true or false, got ", v->dump()));
+    return v->get<bool>();
+  };
+
   const Family* family = family_by_model_type(type);
   if (!family || std::string(family->block) != "llama") {
     std::string known;
@@ -109,19 +165,38 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
 
   // The head size: head_dim where given (Qwen3: 128 at any width), else hidden_size / num_attention_heads.
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
-  // transformers' Qwen3Config has head_dim 128 when config.json has none, Gemma2Config 256 (Llama's,
-  // Qwen2's and Mistral's: hidden_size / num_attention_heads).
-  const int64_t head_dim = integer("head_dim", false, type == "qwen3" ? 128 : family->gemma_norms ? 256 : 0);
+  // Absent: transformers' Qwen3Config has head_dim 128, Gemma's 256 (class_defaults); Llama's,
+  // Qwen2's and Mistral's None: hidden_size / num_attention_heads.
+  const int64_t head_dim = integer("head_dim", false, 0);
   if (head_dim == 0 && n_embd % n_head != 0)
     throw bad("hidden_size",
               concat(n_embd, " is not a multiple of num_attention_heads ", n_head, " (and no head_dim)"));
   if (head_dim % 2 != 0) throw bad("head_dim", concat(head_dim, ": rotary needs an even head size"));
 
-  // rope: rope_theta + rope_scaling (transformers < 4.56) or rope_parameters (newer)
+  // rope: rope_theta + rope_scaling (transformers < 4.56) or rope_parameters (newer), which
+  // transformers 5 nests per layer type where the layers differ (Gemma 3: {full_attention: {...},
+  // sliding_attention: {...}}): full_attention is the global layers' rotary; sliding_attention
+  // gemma3's local layers' base (no scaling there), and any other family's must be the same.
   const json* rope = nullptr;
-  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) rope = &c["rope_parameters"];
+  const json* local_rope = nullptr;
+  const char* rope_key = "rope_scaling";
+  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) rope = &c["rope_parameters"], rope_key = "rope_parameters";
   else if (c.contains("rope_scaling") && c["rope_scaling"].is_object()) rope = &c["rope_scaling"];
-  const double theta = number(rope && rope->contains("rope_theta") ? *rope : c, "rope_theta", 10000.0);
+  if (rope && (rope->contains("full_attention") || rope->contains("sliding_attention"))) {
+    for (const auto& [kind, params] : rope->items())
+      if ((kind != "full_attention" && kind != "sliding_attention") || !params.is_object())
+        throw bad(concat(rope_key, ".", kind), concat(params.dump(), ": mpitrain reads one object per layer type, full_attention and sliding_attention"));
+    if (!rope->contains("full_attention")) throw bad(rope_key, "per layer type without full_attention");
+    if (rope->contains("sliding_attention")) local_rope = &(*rope)["sliding_attention"];
+    rope = &(*rope)["full_attention"];
+    if (local_rope && type != "gemma3_text" && *local_rope != *rope)
+      throw bad(concat(rope_key, ".sliding_attention"),
+                concat(local_rope->dump(), " differs from full_attention's ", rope->dump(), ": mpitrain's ", type,
+                       " has one rotary for every layer"));
+  }
+  const double class_theta = defaults.value("rope_theta", 10000.0);
+  const double theta = rope && rope->contains("rope_theta") ? number_in(*rope, "rope_theta", nullptr, class_theta)
+                                                            : number("rope_theta", class_theta);
   std::string scaling = "none";
   double factor = 0, low = 0, high = 0;
   int64_t original = 0;
@@ -130,14 +205,15 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     const std::string kind = r.contains("rope_type") ? r.value("rope_type", std::string()) : r.value("type", std::string());
     if (kind == "llama3") {
       scaling = "llama3";
-      factor = number(r, "factor", 0), low = number(r, "low_freq_factor", 0), high = number(r, "high_freq_factor", 0);
+      factor = number_in(r, "factor", nullptr, 0), low = number_in(r, "low_freq_factor", nullptr, 0),
+      high = number_in(r, "high_freq_factor", nullptr, 0);
       if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer())
         throw bad("rope_scaling.original_max_position_embeddings", "missing");
       original = r["original_max_position_embeddings"].get<int64_t>();
       if (factor == 0 || low == 0 || high == 0) throw bad("rope_scaling", "llama3 needs factor, low_freq_factor and high_freq_factor");
     } else if (kind == "linear") {  // Gemma 3 4B and larger: every frequency / factor
       scaling = "linear";
-      factor = number(r, "factor", 0);
+      factor = number_in(r, "factor", nullptr, 0);
       if (factor < 1) throw bad("rope_scaling.factor", concat(r.value("factor", json()).dump(), ": linear needs a factor >= 1"));
     } else if (kind != "default" && !kind.empty()) {
       throw bad("rope_scaling", concat("type '", kind, "': mpitrain knows llama3 and linear (and none)"));
@@ -177,8 +253,27 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // one global, said by sliding_window_pattern or layer_types, which must be the family's.
   // A field of some families only (model_fields.h) is read for those; the others' stay 0.
   auto of_family = [&](const char* key, const char* hf_key, double fallback) {
-    return field_applies(*find_model_field(key), *family) ? number(c, hf_key, fallback) : 0.0;
+    return field_applies(*find_model_field(key), *family) ? number(hf_key, fallback) : 0.0;
   };
+  // transformers' Gemma 3 attention applies no score cap, whatever attn_logit_softcapping says;
+  // mpitrain's gemma3 has none either (model.attn_softcap is gemma2's): refused, not ignored.
+  if (type == "gemma3_text" && c.contains("attn_logit_softcapping") && !c["attn_logit_softcapping"].is_null())
+    throw bad("attn_logit_softcapping", concat(c["attn_logit_softcapping"].dump(),
+                                               ": transformers' Gemma 3 attention applies no score cap, nor does "
+                                               "mpitrain's gemma3 (null: none)"));
+  // Gemma 3's local rotary base: the nested form's sliding_attention (its rope_type must be plain),
+  // else rope_local_base_freq; both given, they must agree.
+  double local_theta = of_family("rope_local_theta", "rope_local_base_freq", 10000);
+  if (local_rope && type == "gemma3_text") {
+    const std::string kind = local_rope->value("rope_type", std::string("default"));
+    if (kind != "default")
+      throw bad(concat(rope_key, ".sliding_attention.rope_type"),
+                concat("'", kind, "': mpitrain's gemma3 scales the global layers' rotary only"));
+    const double nested = number_in(*local_rope, "rope_theta", nullptr, defaults.value("rope_local_base_freq", 10000.0));
+    if (c.contains("rope_local_base_freq") && !c["rope_local_base_freq"].is_null() && nested != local_theta)
+      throw bad("rope_local_base_freq", concat(local_theta, " disagrees with ", rope_key, ".sliding_attention.rope_theta ", nested));
+    local_theta = nested;
+  }
   if (family->window_pattern >= 2 && c.contains("sliding_window_pattern") && !c["sliding_window_pattern"].is_null() &&
       c["sliding_window_pattern"] != family->window_pattern)
     throw bad("sliding_window_pattern", concat(c["sliding_window_pattern"].dump(), ": mpitrain's ", type, " has ",
@@ -197,9 +292,9 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
                       {"final_softcap", &m.final_softcap, of_family("final_softcap", "final_logit_softcapping", 0)},
                       {"query_pre_attn_scalar", &m.query_pre_attn_scalar,
                        of_family("query_pre_attn_scalar", "query_pre_attn_scalar", 256)},
-                      {"rope_local_theta", &m.rope_local_theta, of_family("rope_local_theta", "rope_local_base_freq", 10000)},
+                      {"rope_local_theta", &m.rope_local_theta, local_theta},
                       {"rope_theta", &m.rope_theta, theta},
-                      {"norm_eps", &m.norm_eps, number(c, "rms_norm_eps", 1e-6)},
+                      {"norm_eps", &m.norm_eps, number("rms_norm_eps", 1e-6)},
                       {"rope_factor", &m.rope_factor, factor},
                       {"rope_low_freq_factor", &m.rope_low_freq_factor, low},
                       {"rope_high_freq_factor", &m.rope_high_freq_factor, high}};

@@ -156,9 +156,10 @@ const std::vector<ModelField>& model_fields() {
         // family with a window has it in config.json.
         MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "", optional, int64_t{0}, 0, kInt32, "", "", fixed,
                             same_int),
-        // Gemma's soft-capping (0: none; config.json null) and query scale (resolved: the head
-        // size where the config leaves it 0); Gemma 3's local layers' rotary base.
-        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "", "", fixed,
+        // Gemma's soft-capping (0: none; config.json null; Gemma 3's attention has no score cap, as
+        // in transformers) and query scale (resolved: the head size where the config leaves it 0);
+        // Gemma 3's local layers' rotary base.
+        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed,
                             same_number),
         MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "", "", fixed,
                             same_number),

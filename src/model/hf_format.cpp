@@ -3,6 +3,7 @@
 #include "mpitrain/hf_format.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "mpitrain/durable.h"
 #include "mpitrain/error.h"
 #include "mpitrain/files.h"
+#include "mpitrain/hf_config.h"
 #include "mpitrain/importers.h"
 #include "mpitrain/model_fields.h"
 #include "mpitrain/tensor_parallel.h"
@@ -350,6 +352,9 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
     c["mlp_bias"] = false;
     c["pretraining_tp"] = 1;
   }
+  // transformers' Gemma configs declare query_pre_attn_scalar an int: written as one when it is.
+  if (c.contains("query_pre_attn_scalar") && d.query_pre_attn_scalar == std::floor(d.query_pre_attn_scalar))
+    c["query_pre_attn_scalar"] = static_cast<int64_t>(d.query_pre_attn_scalar);
   if (d.rope_scaling == "linear") c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", d.rope_factor}};
   if (d.rope_scaling == "llama3")
     c["rope_scaling"] = {{"rope_type", "llama3"},
@@ -357,6 +362,10 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
                          {"low_freq_factor", d.rope_low_freq_factor},
                          {"high_freq_factor", d.rope_high_freq_factor},
                          {"original_max_position_embeddings", d.rope_original_max_position}};
+  // Every key whose absence would mean the transformers class's default is written (hf_config.h).
+  for (const std::string& key : hf_class_default_keys(type))
+    MPITRAIN_CHECK(c.contains(key), concat("config.json for ", type, ": ", key, " not written (absent, it would mean ",
+                                           family.hf_architecture, "'s default)"));
   return c;
 }
 
