@@ -689,18 +689,18 @@ TEST(Config, HfConfigTransformers5FormsAndClassDefaults) {
   EXPECT_EQ(g3.rope_theta, 1e6);
   EXPECT_EQ(g3.rope_local_theta, 1e4);
   EXPECT_EQ(g3.attn_softcap, 0.0);
-  const std::string gemma2_shape = R"("model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
-      "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "vocab_size": 256000)";
-  const ModelConfig g2 = load(concat("{", gemma2_shape, "}"));
-  EXPECT_EQ(g2.attn_softcap, 50.0);
-  EXPECT_EQ(g2.final_softcap, 30.0);
-  EXPECT_EQ(g2.sliding_window, 4096);
-  EXPECT_EQ(g2.query_pre_attn_scalar, 256.0);
-  EXPECT_EQ(g2.head_dim, 256);
-  EXPECT_EQ(g2.max_position, 8192);
-  EXPECT_EQ(g2.tie_embeddings, "true");
-  const ModelConfig g2_none = load(concat("{", gemma2_shape,
-                                          R"(, "attn_logit_softcapping": null, "final_logit_softcapping": null, "sliding_window": null})"));
+  // Nothing but Gemma 2's model_type: Gemma2Config's defaults are Gemma 2 2B, every field of the
+  // preset (caps 50 and 30, window 4096, query scale 256, head_dim 256, 8192 positions, tied).
+  std::ofstream(dir + "/config.json") << R"({"model_type": "gemma2"})";
+  Config g2 = load_config(dir + "/run.yaml");
+  const Config g2_preset = parse_config(kMinimal, "run.yaml", {"model.preset=gemma2-2b"});
+  g2.model.preset = g2_preset.model.preset;
+  g2.model.init_from = g2_preset.model.init_from;
+  EXPECT_EQ(g2.model.vocab_size, 0);
+  g2.model.vocab_size = g2.model.init_vocab;
+  expect_same(g2, g2_preset);
+  const ModelConfig g2_none = load(
+      R"({"model_type": "gemma2", "attn_logit_softcapping": null, "final_logit_softcapping": null, "sliding_window": null})");
   EXPECT_EQ(g2_none.attn_softcap, 0.0);
   EXPECT_EQ(g2_none.final_softcap, 0.0);
   EXPECT_EQ(g2_none.sliding_window, 0);
