@@ -391,6 +391,18 @@ EOF
   else
     row train "$d bf16" FAIL "exit status, see train/gpu-bf16.log"
   fi
+  # optim.state_dtype bf16 (AdamW's moments stored stochastically rounded to bf16, issue 57): learns
+  # like fp32 moments in the same precision, bf16 on the GPU (fp32 in a rehearsal, whose CPU bf16
+  # may be too slow to train); the state's bytes are the memory stage's ":bf16" rows.
+  local sp=bf16 against=gpu-bf16
+  [ "$rehearse" = 1 ] && sp=fp32 against=gpu-fp32
+  if train_run gpu-state-bf16 1 --set train.device=$d --set comm.backend=$b --set train.precision=$sp \
+       --set optim.state_dtype=bf16; then
+    detail=$(compare learns-like "$work/gpu-state-bf16" "$work/$against")
+    check train "$d $sp, AdamW moments in bf16 train like fp32 moments" "$detail" test $? -eq 0
+  else
+    row train "$d $sp, AdamW moments in bf16" FAIL "exit status, see train/gpu-state-bf16.log"
+  fi
   if [ "$rehearse" = 1 ]; then
     row train "cuda fp16 with loss scaling" SKIP "rehearsal: fp16 needs CUDA"
   elif train_run gpu-fp16 1 --set train.device=$d --set comm.backend=$b --set train.precision=fp16; then
@@ -456,32 +468,36 @@ stage_memory() {
     "$bin" pack "$work/tokens.npy" -o "$work/shards/tok" --format npy --vocab-size $vocab --eot 0 --val-fraction 0 \
       >"$work/pack.log" 2>&1 || { row memory "pack random tokens" FAIL "$(tail -n 1 "$work/pack.log")"; return; }
   fi
-  local base="" zero ac peak rc planned row_spec
-  for row_spec in ${MEMORY_ROWS:-0:none 3:full 2:full 3:selective 0:selective 3:none 0:full 2:none 1:none 1:full}; do
-    zero=${row_spec%:*} ac=${row_spec#*:}
+  local base="" zero ac state peak rc planned row_spec
+  for row_spec in ${MEMORY_ROWS:-0:none 3:full 0:none:bf16 2:full 3:selective 0:selective 3:none 0:full 2:none 1:none 1:full}; do
+    # zero:checkpointing[:bf16]: a third field bf16 stores AdamW's moments in bf16 (optim.state_dtype)
+    IFS=: read -r zero ac state <<<"$row_spec"
+    state=${state:-fp32}
     rm -rf "$work/run"
     cat >"$work/m.yaml" <<YAML
 model: {preset: $preset}
 data: {train: ["$work/shards/tok-train-*.h5"]}
 train: {micro_batch: $micro, steps: $steps, device: $gpu, precision: $precision, out_dir: "$work/run", activation_checkpointing: $ac}
-optim: {warmup_steps: 2, zero: $zero}
+optim: {warmup_steps: 2, zero: $zero, state_dtype: $state}
 eval: {every: 0}
 log: {every: 1}
 checkpoint: {dir: "$work/run/ckpt", resume: none, every: 0, at_end: false}
 comm: {backend: mpi}
 sample: {tokens: 0}
 YAML
-    # mpitrain plan's prediction for every row, once (the same model, world and micro-batch).
-    if [ ! -f "$work/plan.log" ]; then
-      timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --memory-only >"$work/plan.log" 2>&1 \
-        || row memory "mpitrain plan (memory per rank)" FAIL "exit $?: $(tail -n 1 "$work/plan.log")"
+    # mpitrain plan's prediction for every row, once per state dtype (the same model, world and micro-batch).
+    local plan_log=$work/plan.log tag=zero$zero-$ac what="zero $zero, checkpointing $ac"
+    if [ "$state" != fp32 ]; then plan_log=$work/plan-$state.log tag=$tag-$state what="$what, $state moments"; fi
+    if [ ! -f "$plan_log" ]; then
+      timeout 120 mpirun -np 2 --bind-to none "$bin" plan "$work/m.yaml" --memory-only >"$plan_log" 2>&1 \
+        || row memory "mpitrain plan (memory per rank, $state moments)" FAIL "exit $?: $(tail -n 1 "$plan_log")"
     fi
-    planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); printf "%.2f", $9 / 1024; exit }' "$work/plan.log")
-    timeout 300 mpirun -np 2 --bind-to none "$bin" "$work/m.yaml" >"$work/zero$zero-$ac.log" 2>&1
+    planned=$(awk -F'|' -v z=" $zero " -v a=" $ac" '$2 == z && index($3, a) == 1 { gsub(/ /, "", $9); printf "%.2f", $9 / 1024; exit }' "$plan_log")
+    timeout 300 mpirun -np 2 --bind-to none "$bin" "$work/m.yaml" >"$work/$tag.log" 2>&1
     rc=$?
-    peak=$(sed -n 's/.*peak GPU memory (allocated by libtorch, rank 0): \([0-9.]*\) GiB.*/\1/p' "$work/zero$zero-$ac.log" | tail -n 1)
+    peak=$(sed -n 's/.*peak GPU memory (allocated by libtorch, rank 0): \([0-9.]*\) GiB.*/\1/p' "$work/$tag.log" | tail -n 1)
     [ -z "$base" ] && base=$peak
-    check memory "zero $zero, checkpointing $ac" \
+    check memory "$what" \
       "peak ${peak:-n/a} GiB$([ -n "$peak" ] && [ -n "$base" ] && awk -v a="$peak" -v b="$base" 'BEGIN { printf " (%.2fx zero 0, none)", a / b }'); plan ${planned:-n/a} GiB (exit $rc)" \
       test "$rc" -eq 0
   done

@@ -11,8 +11,9 @@ E2E_NAME=gpu-check E2E_NO_CORPUS=1 BIN=$build/mpitrain source "$root/tests/e2e_l
 
 # 40 steps (the lease runs 200): a checkpoint at 20 and 30 for the resume chain, enough for bf16 and
 # fp32 to part and for the runs to learn. The memory stage's rows: the six zero 0/1/2 x none/full
-# checked below and one of ZeRO-3 (the lease runs ten; on the CPU each is a run that must end).
-REHEARSE=1 BUILD=$build TRAIN_STEPS=40 MEMORY_STEPS=2 MEMORY_ROWS="0:none 3:full 2:full 0:full 1:none 1:full 2:none" \
+# checked below, one of ZeRO-3 and one with AdamW's moments in bf16 (the lease runs eleven; on the
+# CPU each is a run that must end).
+REHEARSE=1 BUILD=$build TRAIN_STEPS=40 MEMORY_STEPS=2 MEMORY_ROWS="0:none 3:full 2:full 0:full 1:none 1:full 2:none 0:none:bf16" \
   PYTHON=$PY bash "$root/bench/gpu_check.sh" out env build test train llama memory profile > check.out 2>&1
 rc=$?
 sed -n '/^mpitrain gpu_check/,$p' check.out
@@ -30,6 +31,12 @@ check "the memory stage runs zero 0/1/2 x checkpointing none/full (6 rows, each 
   "[ \$(grep -c -P '^memory\tzero [012], checkpointing (none|full)\tPASS\t' $tsv) -eq 6 ]"
 check "each memory row carries mpitrain plan's prediction for it (6 rows with 'plan N GiB')" \
   "[ \$(grep -c -P '^memory\tzero [012], checkpointing (none|full)\tPASS\t.*; plan [0-9.]+ GiB' $tsv) -eq 6 ]"
+check "the train stage compares AdamW's moments in bf16 with fp32 moments" "has train 'AdamW moments in bf16' PASS"
+# plan's prediction for the bf16-moments row (MiB, from plan's table): AdamW's state is half.
+planned() { awk -F'|' '$2 == " 0 " && index($3, " none") == 1 { gsub(/ /, "", $9); print $9; exit }' "$1" 2>/dev/null; }
+plan_fp32=$(planned out/memory/plan.log) plan_bf16=$(planned out/memory/plan-bf16.log)
+check "the memory stage's bf16-moments row ends, plan's peak for it below fp32 moments' (${plan_bf16:-none} < ${plan_fp32:-none} MiB)" \
+  "has memory 'zero 0, checkpointing none, bf16 moments' PASS && [ -n '$plan_bf16' ] && [ -n '$plan_fp32' ] && awk 'BEGIN { exit !($plan_bf16 < $plan_fp32) }'"
 check "the mid-run checkpoint and the shards are handed off" \
   "[ -f out/handoff/ckpt-00000020.h5 ] && ls out/handoff/shards/py-train-*.h5 >/dev/null"
 check "the profile stage summarises mpitrain's trace" \

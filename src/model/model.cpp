@@ -762,6 +762,36 @@ ChunkResult softmax_cross_entropy(torch::Tensor logits, const torch::Tensor& t, 
   return {loss_sum, g};
 }
 
+// The weight as the chunks' products use it: under 16-bit autocast its 16-bit copy, made once.
+// Autocast caches the copies of leaf parameters only, and the output layer reaches the loss as a
+// view (narrowed to the live rows, or ZeRO-3's gathered buffer), so autocast cast it again for
+// each of a chunk's two products with it: 2 x chunks casts of [vocab x C] per step, 14 for GPT-2
+// 124M at 16 x 1024 tokens (the profile's 62 weight casts per step: 48 blocks' + these 14). The
+// copy holds the values autocast's casts made, so the products are bitwise the same.
+torch::Tensor weight_as_autocast_uses_it(const torch::Tensor& w) {
+  const c10::ScalarType low = autocast_dtype_or(w.device().type(), w.scalar_type());
+  return w.scalar_type() == torch::kFloat32 && low != torch::kFloat32 ? w.to(low) : w;
+}
+
+// grad_w += a b (grad_w starts at zero; `first`: the first product). Under 16-bit autocast on
+// CUDA, where libtorch has addmm's out_dtype overload (2.8 and later; CMake looks for it in
+// ATen/ops/addmm.h), one GEMM adds the fp32-accumulated product into the fp32 sum as cuBLAS's
+// C = A B + C (the first as C = A B): the product is neither rounded to 16 bits nor written out
+// and read back (for GPT-2 124M seven [50304 x 768] products per step, each a 16-bit write, then a
+// read of it and of the sum and a write of the sum). Elsewhere the product as autocast makes it
+// (16-bit there) is added.
+void add_product_(torch::Tensor& grad_w, const torch::Tensor& a, const torch::Tensor& b, bool first) {
+#ifdef MPITRAIN_ADDMM_OUT_DTYPE
+  const c10::ScalarType low = autocast_dtype_or(grad_w.device().type(), torch::kFloat32);
+  if (grad_w.is_cuda() && low != torch::kFloat32) {
+    at::addmm_out(grad_w, grad_w, a.to(low), b.to(low), torch::kFloat32, first ? 0 : 1, 1);
+    return;
+  }
+#endif
+  (void)first;
+  grad_w.add_(torch::matmul(a, b));
+}
+
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& h,
@@ -772,15 +802,16 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     torch::Tensor grad_h = torch::empty(h.sizes(), h.options().dtype(torch::kFloat32));
     torch::Tensor grad_w = torch::zeros(w.sizes(), w.options().dtype(torch::kFloat32));
     torch::Tensor total = torch::zeros({}, h.options().dtype(torch::kFloat32));
+    const torch::Tensor wu = weight_as_autocast_uses_it(w);
     for (int64_t start = 0; start < n; start += rows) {
       const int64_t len = std::min(rows, n - start);
       auto hc = h.narrow(0, start, len), tc = t.narrow(0, start, len);
       // d(mean loss)/d(logits) = (softmax - onehot) / n, computed over the chunk's logits.
-      auto [loss_sum, g] = softmax_cross_entropy(torch::matmul(hc, w.t()), tc, inv_n, static_cast<FusedImpl>(impl),
+      auto [loss_sum, g] = softmax_cross_entropy(torch::matmul(hc, wu.t()), tc, inv_n, static_cast<FusedImpl>(impl),
                                                  tp ? &comm_from_handle(tp) : nullptr, vocab_start);
       total += loss_sum;
-      grad_h.narrow(0, start, len).copy_(torch::matmul(g, w));
-      grad_w.add_(torch::matmul(g.t(), hc));
+      grad_h.narrow(0, start, len).copy_(torch::matmul(g, wu));
+      add_product_(grad_w, g.t(), hc, start == 0);
     }
     ctx->save_for_backward({grad_h, grad_w});
     ctx->saved_data["h_dtype"] = static_cast<int64_t>(h.scalar_type());
@@ -811,10 +842,11 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
   // No gradients wanted (evaluation): the loss alone, chunk by chunk.
   const int64_t n = hidden.size(0), rows = chunk_rows(hidden, weight.size(0), rows_override, impl);
   torch::Tensor total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
+  const torch::Tensor wu = weight_as_autocast_uses_it(weight);
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t len = std::min(rows, n - start);
     auto hc = hidden.narrow(0, start, len);
-    total += softmax_cross_entropy(torch::matmul(hc, weight.t()), targets.narrow(0, start, len), std::nullopt, impl,
+    total += softmax_cross_entropy(torch::matmul(hc, wu.t()), targets.narrow(0, start, len), std::nullopt, impl,
                                    tp, vocab_start)
                  .loss_sum;
   }
