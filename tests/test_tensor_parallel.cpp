@@ -168,7 +168,7 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
   }
 }
 
-// Automatic vocabulary padding (GPTDims::vocab_live): 37 tokens in 64 rows. The padded model
+// Automatic vocabulary padding (ModelArgs::vocab_live): 37 tokens in 64 rows. The padded model
 // draws the tokens' rows as the unpadded one does and zeroes the rest, so every parameter is the
 // unpadded model's (plus zero rows); its loss is the unpadded loss and its gradients are the
 // unpadded gradients (plus zero rows): the padding is outside the loss. Sharded over tp 2 (rank 1

@@ -11,12 +11,12 @@
 //              4 n_embd units, biases              |   intermediate_size units, no biases (Gemma: GeGLU,
 //                                                  |   the GELU (tanh) for silu)
 //   output     tied to the token embedding         | tied, or its own lm_head (tie_embeddings false)
-// The llama block's Gemma 2 parts (Family::gemma_norms and GPTDims' soft caps, model_fields.h):
+// The llama block's Gemma 2 parts (Family::gemma_norms and ModelArgs' soft caps, model_fields.h):
 // RMSNorm as x (1 + w) in fp32, a norm after the attention and after the MLP as well as before
 // them (post_attn_norm, post_mlp_norm), the embedding times sqrt(n_embd), the attention scores
 // and the output logits soft-capped (cap tanh(x / cap)), the query scaled by
 // 1 / sqrt(query_pre_attn_scalar), and an attention window on layers 0, 2, 4, ... (any length:
-// those layers mask keys more than sliding_window - 1 positions back). Gemma 3's: the same norms
+// those layers mask keys more than the window - 1 positions back). Gemma 3's: the same norms
 // (its q/k norms x (1 + w) too), windows on five layers of six, which rotate by a base of their
 // own (rope_local_theta).
 // Each module declares, where it makes a parameter, which part of it a tensor-parallel rank holds
@@ -133,7 +133,7 @@ class Rotary {
 
 class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
  public:
-  // Block `layer`'s attention (its window: GPTDims::window_of_layer).
+  // Block `layer`'s attention (its window: ModelArgs::window_of_layer).
   CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0);
   torch::Tensor forward(const torch::Tensor& x);
 

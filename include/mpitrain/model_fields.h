@@ -1,11 +1,12 @@
 // The model's fields in one place: the families (a named row each: the block it is made of, the
-// flags it fixes, the Hugging Face class it is), the model's dimensions (GPTDims), and one row per
-// architecture field saying its key (model.<key> in the YAML, the checkpoint attribute, GPTDims'
-// member), its type, the families it applies to, what a file written before it existed means, its
-// allowed range and whether a resume may change it. Checkpoint attributes (write, read, compare on
-// resume), model_dims (config -> dims), the config's family rules, config.json in and out (family
-// rows) and the docs check (tests/test_config.cpp: every key and family is in docs/config.md) read
-// these tables. No libtorch here.
+// flags it fixes, the Hugging Face class it is), the model's architecture (ModelArgs; GPTDims adds
+// a run's options), and one row per architecture field saying its key (model.<key> in the YAML,
+// the checkpoint attribute, ModelArgs' member), its type, the families it applies to, what a file
+// written before it existed means, its allowed range, whether a resume may change it and what the
+// start-up line says of it. Checkpoint attributes (write, read, compare on resume), model_dims
+// (config -> dims), the config's family rules, config.json in and out (family rows), the start-up
+// description and the docs check (tests/test_config.cpp: every key and family is in
+// docs/config.md) read these tables. No libtorch here.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,7 @@ class Communicator;
 // model_type it is read from and written as.
 struct Family {
   const char* name;             // model.family
-  const char* block;            // GPTDims::arch: gpt2 | llama (model.h's two configurations)
+  const char* block;            // ModelArgs::arch: gpt2 | llama (model.h's two configurations)
   const char* hf_architecture;  // config.json "architectures"[0]
   const char* hf_model_type;    // config.json "model_type"
   bool qkv_bias;                // biases on q, k and v (Qwen2)
@@ -61,8 +62,12 @@ const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_n
 const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
                             int64_t sliding_window);
 
-// ---- the model's dimensions ---------------------------------------------------------------------
-struct GPTDims {
+// ---- the model's architecture and the run's options ----------------------------------------------
+// ModelArgs: what the model is (what a checkpoint and config.json record; one row of the table
+// below per field beyond the five dimensions). GPTDims: a ModelArgs and the options one run builds
+// it with (dropout, the fused paths, activation checkpointing, tensor parallelism), which no file
+// of the model records.
+struct ModelArgs {
   int64_t n_layer = 0;
   int64_t n_head = 0;
   int64_t n_embd = 0;
@@ -82,9 +87,9 @@ struct GPTDims {
   bool tie_embeddings = true;   // llama: false = an lm_head of its own
   int64_t head_size = 0;        // llama: model.head_dim; 0 = n_embd / n_head (see head_dim())
   bool qk_norm = false;         // llama: RMSNorm over each head's q and k before rotary (Qwen3)
-  int64_t sliding_window = 0;   // llama: the attention window (0 none) of the family's windowed
-                                // layers (Family::window_pattern): query i sees keys i - window + 1 .. i
-                                // (>= seq_len: causal attention)
+  // The attention window (0 none) of the family's windowed layers (Family::window_pattern):
+  // query i sees keys i - window + 1 .. i (>= seq_len: causal attention).
+  int64_t sliding_window = 0;
   // Gemma 2 and 3 (0 = none): attention scores and the output logits soft-capped, cap tanh(s /
   // cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0: 1 / sqrt(head_dim)).
   double attn_softcap = 0, final_softcap = 0, query_pre_attn_scalar = 0;
@@ -96,6 +101,22 @@ struct GPTDims {
   // they get no gradient and are never sampled. 0: every row is a class (an explicit
   // model.vocab_size, as nanoGPT's 50304 and Hugging Face's padded checkpoints have it).
   int64_t vocab_live = 0;
+
+  bool llama() const { return arch == "llama"; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
+  int64_t attn_width() const { return n_head * head_dim(); }  // q's and attention output's width
+  int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
+  // The row of `family`; unnamed (dims built by hand, as tests do), family_of_parts.
+  const Family& family_row() const;
+  // Whether layer `layer` is one of the family's windowed (local) layers (Family::window_pattern),
+  // and its attention window (0: none): the window on those layers.
+  bool local_layer(int64_t layer) const;
+  int64_t window_of_layer(int64_t layer) const;
+  // Which layers are windowed, for messages: "every layer", "every other layer", "5 of every 6 layers".
+  std::string local_layers() const;
+};
+
+struct GPTDims : ModelArgs {
   double dropout = 0.0;
   bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
   int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
@@ -113,20 +134,10 @@ struct GPTDims {
   // and vocab_size divide by tp.
   int64_t tp = 1, tp_rank = 0;
   Communicator* tp_comm = nullptr;
-
-  bool llama() const { return arch == "llama"; }
-  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
-  int64_t attn_width() const { return n_head * head_dim(); }  // q's and attention output's width
-  int64_t classes() const { return vocab_live > 0 ? vocab_live : vocab_size; }  // the loss's and logits' columns
-  // The row of `family`; unnamed (dims built by hand, as tests do), family_of_parts.
-  const Family& family_row() const;
-  // Whether layer `layer` is one of the family's windowed (local) layers (Family::window_pattern),
-  // and its attention window (0: none): sliding_window on those layers.
-  bool local_layer(int64_t layer) const;
-  int64_t window_of_layer(int64_t layer) const { return local_layer(layer) ? sliding_window : 0; }
-  // Which layers are windowed, for messages: "every layer", "every other layer", "5 of every 6 layers".
-  std::string local_layers() const;
 };
+
+// The family whose rules `a` breaks, as family_conflict says for its block and flags (nullptr: none).
+const char* family_conflict(const Family& f, const ModelArgs& a);
 
 // ---- the architecture fields ----------------------------------------------------------------------
 // One row per field of the architecture beyond the five dimensions every file has (n_layer,
@@ -146,13 +157,21 @@ struct ModelField {
   int64_t lo, hi;          // allowed range of an integer attribute (a number: >= lo)
   const char* values;      // text: the allowed values, "a|b" ("" = the family table's names)
   // The key in a llama-block family's config.json when it is the value as it is ("" = written and
-  // read by hand: the family row gives qkv_bias, qk_norm and the window, rope_scaling is an
-  // object). GPT-2's config.json has keys of its own (hf_format.cpp).
+  // read by hand: the family row gives qkv_bias and qk_norm, rope_scaling is an object). GPT-2's
+  // config.json has keys of its own (hf_format.cpp).
   const char* hf_key;
+  // config.json's null is `fallback` (none: a window, a cap): read so, and `fallback` written as
+  // null. Such a field is read from config.json generically (hf_config.cpp), for the families
+  // that have it, a key absent from the file being its transformers class's default.
+  bool hf_null;
   bool resume_may_change;  // a checkpoint resumes into a config that differs in it
-  Value (*get)(const GPTDims&);
-  void (*set)(GPTDims&, const Value&);
-  void (*from_config)(GPTDims&, const ModelConfig&);  // the resolved config's value
+  Value (*get)(const ModelArgs&);
+  void (*set)(ModelArgs&, const Value&);
+  void (*from_config)(ModelArgs&, const ModelConfig&);  // the resolved config's value
+  void (*to_config)(ModelConfig&, const Value&);        // a value into the config (config.json's)
+  // Its part of the start-up line's description of the model (", attention window 4096 on every
+  // other layer"; "" when it says nothing there), after the five dimensions, in row order.
+  std::string (*describe)(const ModelArgs&);
 };
 
 const std::vector<ModelField>& model_fields();
@@ -162,9 +181,12 @@ const ModelField* find_model_field(const std::string& key);
 bool field_applies(const ModelField& f, const Family& fam);
 // The first field of some families only that `d` sets (a value other than its fallback) although
 // its family `fam` has no such field, or nullptr.
-const ModelField* field_conflict(const Family& fam, const GPTDims& d);
+const ModelField* field_conflict(const Family& fam, const ModelArgs& d);
 // The value as text, for messages and comparisons ("1e-05", "1" for a true flag, "llama3").
-std::string field_text(const ModelField& f, const GPTDims& d);
+std::string field_text(const ModelField& f, const ModelArgs& d);
+// The start-up line's description of the model: its family and block, `whole_params` parameters,
+// the dimensions, then each row's describe.
+std::string describe_model(const ModelArgs& d, int64_t whole_params);
 
 // The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
 // five dimensions, the family and its block, every field of the table that applies to the block,
@@ -173,6 +195,6 @@ GPTDims dims_of_config(const ModelConfig& cfg);
 // What no row of the table gives, once the rows are read (from a config or a checkpoint): the gpt2
 // block's fixed values (n_kv_head = n_head, 4 n_embd MLP units, max_position = seq_len), and the
 // family where none is named (what the parts make).
-void complete_dims(GPTDims& d);
+void complete_dims(ModelArgs& d);
 
 }  // namespace mpitrain

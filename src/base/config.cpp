@@ -476,7 +476,8 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   };
   {  // the fields of some families only (Gemma's): none set for another family
     GPTDims set;
-    const Family& fam = family ? *family : family_of_parts(m.arch, false, false, 0);  // (unnamed: no such family)
+    const Family& fam = family ? *family  // unnamed: what the parts make
+                               : family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window);
     for (const ModelField& f : model_fields()) {
       if (!*f.families) continue;
       f.from_config(set, m);

@@ -155,11 +155,9 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   if (!family->qkv_bias && (flag("attention_bias", false) || flag("mlp_bias", false)))
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
               concat("true: mpitrain's ", type, " has no such biases"));
+  // (Qwen's configs carry a window too, unused without use_sliding_window: not read.)
   if ((type == "qwen2" || type == "qwen3") && flag("use_sliding_window", false))
     throw bad("use_sliding_window", "true: Qwen's sliding-window attention is not supported");
-  // Mistral's and Gemma 2's window (null: none). Qwen's configs carry a sliding_window too, unused
-  // without use_sliding_window; Llama's have none.
-  const int64_t window = family->window_pattern > 0 ? integer("sliding_window", false, 0) : 0;
   for (const char* moe : {"num_experts", "num_local_experts"})
     if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
 
@@ -231,7 +229,6 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
       {"max_position", &m.max_position, max_position},
       {"rope_original_max_position", &m.rope_original_max_position, original},
       {"head_dim", &m.head_dim, head_dim > 0 ? head_dim : n_embd / n_head},
-      {"sliding_window", &m.sliding_window, window},
   };
   auto disagree = [&](const char* key, const std::string& have, const std::string& file) {
     return UsageError(concat(where, ": model.", key, ": ", have, " disagrees with ", path, "'s ", file,
@@ -288,9 +285,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
                          family->window_pattern, " (layers ", family->window_pattern - 1, ", ",
                          2 * family->window_pattern - 1, ", ...), the others sliding"));
   }
-  const Num nums[] = {{"attn_softcap", &m.attn_softcap, of_family("attn_softcap", "attn_logit_softcapping", 0)},
-                      {"final_softcap", &m.final_softcap, of_family("final_softcap", "final_logit_softcapping", 0)},
-                      {"query_pre_attn_scalar", &m.query_pre_attn_scalar,
+  const Num nums[] = {{"query_pre_attn_scalar", &m.query_pre_attn_scalar,
                        of_family("query_pre_attn_scalar", "query_pre_attn_scalar", 256)},
                       {"rope_local_theta", &m.rope_local_theta, local_theta},
                       {"rope_theta", &m.rope_theta, theta},
@@ -301,6 +296,19 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   for (const Num& f : nums) {
     if (*f.field != 0 && *f.field != f.value) throw disagree(f.key, concat(*f.field), concat(f.value));
     *f.field = f.value;
+  }
+  // The fields config.json holds as they are with null for none (ModelField::hf_null: Mistral's and
+  // Gemma's windows, Gemma's caps), for the families that have them; absent, the class's default.
+  for (const ModelField& f : model_fields()) {
+    if (!f.hf_null || !field_applies(f, *family)) continue;
+    ModelArgs file, have;
+    const bool whole = f.type == ModelField::Type::integer;
+    f.set(file, whole ? ModelField::Value(integer(f.hf_key, false, std::get<int64_t>(f.fallback)))
+                      : ModelField::Value(number(f.hf_key, std::get<double>(f.fallback))));
+    f.from_config(have, m);
+    if (f.get(have) != f.fallback && f.get(have) != f.get(file))
+      throw disagree(f.key, field_text(f, have), field_text(f, file));
+    f.to_config(m, f.get(file));
   }
   struct Str { const char* key; std::string* field; std::string value; const char* unset; };
   const Str strs[] = {{"family", &m.family, family->name, ""},

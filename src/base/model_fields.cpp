@@ -71,20 +71,26 @@ const char* family_conflict(const Family& f, const std::string& block, bool qkv_
   return nullptr;
 }
 
-std::string GPTDims::local_layers() const {
+const char* family_conflict(const Family& f, const ModelArgs& a) {
+  return family_conflict(f, a.arch, a.qkv_bias, a.qk_norm, a.sliding_window);
+}
+
+std::string ModelArgs::local_layers() const {
   const int p = family_row().window_pattern;
   return p == 1 ? "every layer" : p == 2 ? "every other layer" : concat(p - 1, " of every ", p, " layers");
 }
 
-bool GPTDims::local_layer(int64_t layer) const {
+bool ModelArgs::local_layer(int64_t layer) const {
   const int p = family_row().window_pattern;
   return p == 1 || (p >= 2 && (layer + 1) % p != 0);
 }
 
-const Family& GPTDims::family_row() const {
+int64_t ModelArgs::window_of_layer(int64_t layer) const { return local_layer(layer) ? sliding_window : 0; }
+
+const Family& ModelArgs::family_row() const {
   if (family.empty()) return family_of_parts(arch, qkv_bias, qk_norm, sliding_window);
   const Family* f = find_family(family);
-  MPITRAIN_CHECK(f, concat("GPTDims: unknown family '", family, "'"));
+  MPITRAIN_CHECK(f, concat("ModelArgs: unknown family '", family, "'"));
   return *f;
 }
 
@@ -99,18 +105,28 @@ using Value = ModelField::Value;
 int64_t same_int(int64_t v) { return v; }
 double same_number(double v) { return v; }
 bool is_true(const std::string& flag) { return flag == "true"; }
+std::string nothing(const ModelArgs&) { return std::string(); }  // a field the start-up line does not describe
+
+// A value into the config's member: as it is, a flag as "true"/"false".
+void to_config_member(int64_t& m, const ModelField::Value& v) { m = std::get<int64_t>(v); }
+void to_config_member(double& m, const ModelField::Value& v) { m = std::get<double>(v); }
+void to_config_member(std::string& m, const ModelField::Value& v) {
+  m = std::holds_alternative<bool>(v) ? (std::get<bool>(v) ? "true" : "false") : std::get<std::string>(v);
+}
 
 }  // namespace
 
-// A row whose GPTDims member and ModelConfig member are both named `key` (flags: "true"/"false"
-// in the config), with `convert` from the config's value.
-#define MPITRAIN_DIMS_FIELD(key, type, llama_block, families, required, fallback, lo, hi, values, hf_key,          \
-                            resume_may_change, convert)                                                            \
+// A row whose ModelArgs member and ModelConfig member are both named `key` (flags: "true"/"false"
+// in the config), with `convert` from the config's value, and `describe` its part of the start-up
+// line.
+#define MPITRAIN_DIMS_FIELD(key, type, llama_block, families, required, fallback, lo, hi, values, hf_key, hf_null,  \
+                            resume_may_change, convert, describe)                                                  \
   ModelField {                                                                                                     \
-    #key, type, llama_block, families, required, Value(fallback), lo, hi, values, hf_key, resume_may_change,       \
-        [](const GPTDims& d) { return Value(d.key); },                                                             \
-        [](GPTDims& d, const Value& v) { d.key = std::get<std::decay_t<decltype(d.key)>>(v); },                    \
-        [](GPTDims& d, const ModelConfig& c) { d.key = convert(c.key); }                                           \
+    #key, type, llama_block, families, required, Value(fallback), lo, hi, values, hf_key, hf_null,                 \
+        resume_may_change, [](const ModelArgs& d) { return Value(d.key); },                                        \
+        [](ModelArgs& d, const Value& v) { d.key = std::get<std::decay_t<decltype(d.key)>>(v); },                  \
+        [](ModelArgs& d, const ModelConfig& c) { d.key = convert(c.key); },                                        \
+        [](ModelConfig& c, const Value& v) { to_config_member(c.key, v); }, describe                              \
   }
 
 const std::vector<ModelField>& model_fields() {
@@ -119,60 +135,95 @@ const std::vector<ModelField>& model_fields() {
     constexpr bool llama = true, any = false, required = true, optional = false, may_change = true, fixed = false;
     // clang-format off
     std::vector<ModelField> rows = {
-        // key, type, block, in every file?, absent means, range, text values, config.json key, resume, from config
+        // key, type, block, families, in every file?, absent means, range, text values, config.json key, its null
+        // = none?, resume, from config, start-up description
         // The block (gpt2 | llama) comes first: whether the llama rows apply depends on it.
-        MPITRAIN_DIMS_FIELD(arch, Type::text, any, "", optional, std::string("gpt2"), 0, 0, "gpt2|llama", "", fixed,
-                            [](const std::string& a) { return a.empty() ? std::string("gpt2") : a; }),
-        MPITRAIN_DIMS_FIELD(norm_eps, Type::number, any, "", optional, 1e-5, 0, 0, "", "rms_norm_eps", fixed,
-                            [](double e) { return e > 0 ? e : 1e-5; }),
-        MPITRAIN_DIMS_FIELD(n_kv_head, Type::integer, llama, "", required, int64_t{0}, 1, kInt32, "", "num_key_value_heads",
-                            fixed, same_int),
+        MPITRAIN_DIMS_FIELD(arch, Type::text, any, "", optional, std::string("gpt2"), 0, 0, "gpt2|llama", "", false, fixed,
+                            [](const std::string& a) { return a.empty() ? std::string("gpt2") : a; }, nothing),
+        MPITRAIN_DIMS_FIELD(norm_eps, Type::number, any, "", optional, 1e-5, 0, 0, "", "rms_norm_eps", false, fixed,
+                            [](double e) { return e > 0 ? e : 1e-5; }, nothing),
+        MPITRAIN_DIMS_FIELD(n_kv_head, Type::integer, llama, "", required, int64_t{0}, 1, kInt32, "", "num_key_value_heads", false,
+                            fixed, same_int, nothing),
         MPITRAIN_DIMS_FIELD(intermediate_size, Type::integer, llama, "", required, int64_t{0}, 1, kBig, "",
-                            "intermediate_size", fixed, same_int),
+                            "intermediate_size", false, fixed, same_int,
+                            [](const ModelArgs& d) {
+                              return concat(std::string(d.family_row().mlp_act) == "silu" ? ", SwiGLU " : ", GeGLU ",
+                                            d.intermediate_size);
+                            }),
         // config.json's max_position_embeddings: metadata, not the weights' shape.
         MPITRAIN_DIMS_FIELD(max_position, Type::integer, llama, "", required, int64_t{0}, 1, kBig, "",
-                            "max_position_embeddings", may_change, same_int),
-        MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, "", required, 0.0, 0, 0, "", "rope_theta", fixed, same_number),
+                            "max_position_embeddings", false, may_change, same_int, nothing),
+        MPITRAIN_DIMS_FIELD(rope_theta, Type::number, llama, "", required, 0.0, 0, 0, "", "rope_theta", false, fixed, same_number,
+                            [](const ModelArgs& d) { return concat(", rope theta ", d.rope_theta); }),
         // Llama 3.1's scaling: config.json's rope_scaling object (hf_format.cpp, hf_config.cpp).
-        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, "", optional, std::string("none"), 0, 0, "none|llama3|linear", "",
-                            fixed, [](const std::string& v) { return v.empty() ? std::string("none") : v; }),
-        MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed, same_number),
-        MPITRAIN_DIMS_FIELD(rope_high_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", fixed,
-                            same_number),
-        MPITRAIN_DIMS_FIELD(rope_original_max_position, Type::integer, llama, "", required, int64_t{0}, 0, kBig, "", "",
-                            fixed, same_int),
+        MPITRAIN_DIMS_FIELD(rope_scaling, Type::text, llama, "", optional, std::string("none"), 0, 0, "none|llama3|linear", "", false,
+                            fixed, [](const std::string& v) { return v.empty() ? std::string("none") : v; },
+                            [](const ModelArgs& d) {
+                              return d.rope_scaling == "llama3"   ? std::string(" (llama3 scaling)")
+                                     : d.rope_scaling == "linear" ? concat(", global rope / ", d.rope_factor)
+                                                                  : std::string();
+                            }),
+        MPITRAIN_DIMS_FIELD(rope_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", false, fixed, same_number, nothing),
+        MPITRAIN_DIMS_FIELD(rope_low_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", false, fixed, same_number,
+                            nothing),
+        MPITRAIN_DIMS_FIELD(rope_high_freq_factor, Type::number, llama, "", required, 0.0, 0, 0, "", "", false, fixed,
+                            same_number, nothing),
+        MPITRAIN_DIMS_FIELD(rope_original_max_position, Type::integer, llama, "", required, int64_t{0}, 0, kBig, "", "", false,
+                            fixed, same_int, nothing),
         // The family's flag (family_conflict): config.json says it by model_type.
-        MPITRAIN_DIMS_FIELD(qkv_bias, Type::flag, llama, "", required, false, 0, 1, "", "", fixed, is_true),
-        MPITRAIN_DIMS_FIELD(tie_embeddings, Type::flag, llama, "", required, true, 0, 1, "", "tie_word_embeddings", fixed,
-                            is_true),
+        MPITRAIN_DIMS_FIELD(qkv_bias, Type::flag, llama, "", required, false, 0, 1, "", "", false, fixed, is_true,
+                            [](const ModelArgs& d) { return std::string(d.qkv_bias ? ", qkv bias" : ""); }),
+        MPITRAIN_DIMS_FIELD(tie_embeddings, Type::flag, llama, "", required, true, 0, 1, "", "tie_word_embeddings", false, fixed,
+                            is_true,
+                            [](const ModelArgs& d) { return std::string(d.tie_embeddings ? ", tied output" : ", untied output"); }),
         // The head size: files since Qwen3 record it; older files (and gpt2) have n_embd / n_head.
-        ModelField{"head_dim", Type::integer, llama, "", optional, Value(int64_t{0}), 2, 1 << 16, "", "head_dim", fixed,
-                   [](const GPTDims& d) { return Value(d.head_dim()); },
-                   [](GPTDims& d, const Value& v) { d.head_size = std::get<int64_t>(v); },
-                   [](GPTDims& d, const ModelConfig& c) { d.head_size = c.head_dim; }},
-        MPITRAIN_DIMS_FIELD(qk_norm, Type::flag, llama, "", optional, false, 0, 1, "", "", fixed, is_true),
-        // The window of the family's windowed layers (0: none; files before it have none); only a
-        // family with a window has it in config.json.
-        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "", optional, int64_t{0}, 0, kInt32, "", "", fixed,
-                            same_int),
+        ModelField{"head_dim", Type::integer, llama, "", optional, Value(int64_t{0}), 2, 1 << 16, "", "head_dim", false,
+                   fixed, [](const ModelArgs& d) { return Value(d.head_dim()); },
+                   [](ModelArgs& d, const Value& v) { d.head_size = std::get<int64_t>(v); },
+                   [](ModelArgs& d, const ModelConfig& c) { d.head_size = c.head_dim; },
+                   [](ModelConfig& c, const Value& v) { c.head_dim = std::get<int64_t>(v); }, nothing},
+        MPITRAIN_DIMS_FIELD(qk_norm, Type::flag, llama, "", optional, false, 0, 1, "", "", false, fixed, is_true,
+                            [](const ModelArgs& d) {  // with the family's norms (Gemma's)
+                              return concat(d.qk_norm ? ", q/k norms" : "", d.family_row().gemma_norms
+                                                                                ? ", norms x (1 + w) before and after each sublayer"
+                                                                                : "");
+                            }),
+        // The window of the family's windowed layers (0: none; files before it have none): the
+        // families with windowed layers (Family::window_pattern) only.
+        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "mistral|gemma2|gemma3", optional, int64_t{0}, 0, kInt32,
+                            "", "sliding_window", true, fixed, same_int,
+                            [](const ModelArgs& d) {
+                              if (d.sliding_window == 0) return std::string();
+                              return concat(", attention window ", d.sliding_window,
+                                            d.family_row().window_pattern >= 2 ? concat(" on ", d.local_layers())
+                                            : d.sliding_window >= d.seq_len     ? std::string(" (>= seq_len: causal)")
+                                                                                : std::string(" (cuts the context)"));
+                            }),
         // Gemma's soft-capping (0: none; config.json null; Gemma 3's attention has no score cap, as
         // in transformers) and query scale (resolved: the head size where the config leaves it 0);
         // Gemma 3's local layers' rotary base.
-        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "", fixed,
-                            same_number),
-        MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "", "", fixed,
-                            same_number),
+        MPITRAIN_DIMS_FIELD(attn_softcap, Type::number, llama, "gemma2", optional, 0.0, 0, 0, "", "attn_logit_softcapping",
+                            true, fixed, same_number, [](const ModelArgs& d) {
+                              return d.attn_softcap > 0 ? concat(", scores capped at ", d.attn_softcap) : std::string();
+                            }),
+        MPITRAIN_DIMS_FIELD(final_softcap, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "",
+                            "final_logit_softcapping", true, fixed, same_number, [](const ModelArgs& d) {
+                              return d.final_softcap > 0 ? concat(", logits capped at ", d.final_softcap) : std::string();
+                            }),
         MPITRAIN_DIMS_FIELD(query_pre_attn_scalar, Type::number, llama, "gemma2|gemma3", optional, 0.0, 0, 0, "",
-                            "query_pre_attn_scalar", fixed, same_number),
+                            "query_pre_attn_scalar", false, fixed, same_number, nothing),
         MPITRAIN_DIMS_FIELD(rope_local_theta, Type::number, llama, "gemma3", optional, 0.0, 0, 0, "",
-                            "rope_local_base_freq", fixed, same_number),
+                            "rope_local_base_freq", false, fixed, same_number, [](const ModelArgs& d) {
+                              return d.rope_local_theta > 0 ? concat(", local layers' rope theta ", d.rope_local_theta)
+                                                            : std::string();
+                            }),
         // Last: what the flags above make is its fallback (files before model.family), and a resume
         // names the differing flag before the family it makes.
-        ModelField{"family", Type::text, any, "", optional, Value(std::string()), 0, 0, "", "", fixed,
-                   [](const GPTDims& d) { return Value(std::string(d.family_row().name)); },
-                   [](GPTDims& d, const Value& v) { d.family = std::get<std::string>(v); },
-                   [](GPTDims& d, const ModelConfig& c) { d.family = c.family; }},
+        ModelField{"family", Type::text, any, "", optional, Value(std::string()), 0, 0, "", "", false, fixed,
+                   [](const ModelArgs& d) { return Value(std::string(d.family_row().name)); },
+                   [](ModelArgs& d, const Value& v) { d.family = std::get<std::string>(v); },
+                   [](ModelArgs& d, const ModelConfig& c) { d.family = c.family; },
+                   [](ModelConfig& c, const Value& v) { c.family = std::get<std::string>(v); }, nothing},
     };
     // clang-format on
     return rows;
@@ -192,18 +243,34 @@ bool field_applies(const ModelField& f, const Family& fam) {
   return !*f.families || (concat("|", f.families, "|").find(concat("|", fam.name, "|")) != std::string::npos);
 }
 
-const ModelField* field_conflict(const Family& fam, const GPTDims& d) {
+const ModelField* field_conflict(const Family& fam, const ModelArgs& d) {
   for (const ModelField& f : model_fields())
     if (*f.families && !field_applies(f, fam) && f.get(d) != f.fallback) return &f;
   return nullptr;
 }
 
-std::string field_text(const ModelField& f, const GPTDims& d) {
+std::string field_text(const ModelField& f, const ModelArgs& d) {
   return std::visit(
       [](const auto& v) -> std::string {
         return concat(v);  // flags as 1 and 0, as the checkpoint stores them
       },
       f.get(d));
+}
+
+std::string describe_model(const ModelArgs& d, int64_t whole_params) {
+  const std::string family = d.family_row().name;
+  std::string parts;
+  for (const ModelField& f : model_fields())
+    if (!f.llama_block || d.llama()) parts += f.describe(d);
+  return concat("model: ", family, family != d.arch ? concat(" (", d.arch, " block)") : std::string(), ", ",
+                whole_params, " parameters (", d.n_layer, " layers, ", d.n_head, " heads",
+                d.llama() ? concat(" / ", d.n_kv_head, " kv heads") : std::string(), ", width ", d.n_embd,
+                d.attn_width() != d.n_embd ? concat(", head_dim ", d.head_dim()) : std::string(), parts, ", seq_len ",
+                d.seq_len, ", vocab ", d.vocab_size,
+                d.vocab_live > 0 ? concat(" = ", d.vocab_live, " tokens + ", d.vocab_size - d.vocab_live,
+                                          " padding rows outside the loss")
+                                 : std::string(),
+                ")");
 }
 
 GPTDims dims_of_config(const ModelConfig& cfg) {
@@ -219,7 +286,7 @@ GPTDims dims_of_config(const ModelConfig& cfg) {
   return d;
 }
 
-void complete_dims(GPTDims& d) {
+void complete_dims(ModelArgs& d) {
   if (!d.llama()) {
     d.n_kv_head = d.n_head;
     d.intermediate_size = 4 * d.n_embd;

@@ -307,10 +307,10 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
         {"torch_dtype", torch_dtype},
     };
   // Qwen2's attention has q/k/v biases, Qwen3's q/k norms; Llama's neither (attention_bias would
-  // add o_proj's bias too); Mistral is Llama's with an attention window.
+  // add o_proj's bias too); Mistral is Llama's with an attention window (its row's key).
   const Family& family = d.family_row();
   const std::string type = family.hf_model_type;
-  const bool qwen2 = type == "qwen2", qwen3 = type == "qwen3", mistral = type == "mistral";
+  const bool qwen2 = type == "qwen2", qwen3 = type == "qwen3";
   json c = {
       {"architectures", {family.hf_architecture}},
       {"model_type", type},
@@ -327,27 +327,25 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
       {"eos_token_id", eot_token},
       {"torch_dtype", torch_dtype},
   };
-  for (const ModelField& f : model_fields())  // the fields config.json has as they are
-    if (*f.hf_key && field_applies(f, family)) std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
-  if (family.gemma_norms) {  // Gemma's: its activation under its own key too, caps 0 = null (none), each layer's kind
+  for (const ModelField& f : model_fields()) {  // the fields config.json has as they are (null: none)
+    if (!*f.hf_key || !field_applies(f, family)) continue;
+    if (f.hf_null && f.get(d) == f.fallback) c[f.hf_key] = nullptr;
+    else std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
+  }
+  if (family.gemma_norms) {  // Gemma's: its activation under its own key too, each layer's kind
     c["hidden_activation"] = family.mlp_act;
-    c["attn_logit_softcapping"] = d.attn_softcap > 0 ? json(d.attn_softcap) : json(nullptr);
-    c["final_logit_softcapping"] = d.final_softcap > 0 ? json(d.final_softcap) : json(nullptr);
-    c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);
+    if (type == "gemma3_text") c["attn_logit_softcapping"] = nullptr;  // no score cap (transformers applies none)
     c["attention_bias"] = false;
     c["cache_implementation"] = "hybrid";
     if (type == "gemma3_text") c["sliding_window_pattern"] = family.window_pattern;
     json layers = json::array();
     for (int64_t i = 0; i < d.n_layer; ++i) layers.push_back(d.local_layer(i) ? "sliding_attention" : "full_attention");
     c["layer_types"] = layers;
-  } else if (mistral) {
-    c["sliding_window"] = d.sliding_window > 0 ? json(d.sliding_window) : json(nullptr);  // null: none
   } else if (qwen2 || qwen3) {
     if (qwen3) c["attention_bias"] = false;
-    c["use_sliding_window"] = false;
-    c["sliding_window"] = nullptr;
+    c["use_sliding_window"] = false;  // (their class's window is then none)
     c["max_window_layers"] = d.n_layer;
-  } else {
+  } else if (type == "llama") {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;
     c["pretraining_tp"] = 1;
@@ -457,7 +455,7 @@ std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token
   fs::create_directories(dir, ec);
   if (ec) throw UsageError(concat("cannot create '", dir, "': ", ec.message()));
 
-  // Automatic vocabulary padding (GPTDims::vocab_live) stays here: its rows are outside mpitrain's
+  // Automatic vocabulary padding (ModelArgs::vocab_live) stays here: its rows are outside mpitrain's
   // loss and logits, and Hugging Face would make each a class with logit 0. The embedding and the
   // output layer go out with their token rows only, and config.json says that many classes;
   // model.init_from: hf: pads them again as the new run's device and tp need.

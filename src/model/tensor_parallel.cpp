@@ -65,7 +65,7 @@ std::pair<torch::Tensor, torch::Tensor> in_slice(const torch::Tensor& ids, int64
 }
 
 // Each row's largest logit over this rank's slice; -inf where the slice holds no class (its rows
-// are all vocabulary padding, GPTDims::vocab_live), which the max over the tp group ignores.
+// are all vocabulary padding, ModelArgs::vocab_live), which the max over the tp group ignores.
 torch::Tensor row_max_of(const torch::Tensor& logits) {
   if (logits.size(1) == 0)
     return torch::full({logits.size(0)}, -std::numeric_limits<float>::infinity(), logits.options());

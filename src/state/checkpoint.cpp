@@ -583,7 +583,7 @@ void read_arch_attrs(hid_t root, const std::string& path, GPTDims& d) {
     }
   }
   complete_dims(d);  // a file before model.family names none
-  if (const char* key = family_conflict(d.family_row(), d.arch, d.qkv_bias, d.qk_norm, d.sliding_window))
+  if (const char* key = family_conflict(d.family_row(), d))
     throw UsageError(concat(path, ": attribute '", key, "' does not fit attribute 'family' (", d.family, ")"));
   if (const ModelField* f = field_conflict(d.family_row(), d))
     throw UsageError(concat(path, ": attribute '", f->key, "' (", field_text(*f, d), ") is ", f->families,

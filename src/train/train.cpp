@@ -134,37 +134,6 @@ bool choose_fused_adamw(const Config& cfg, MpiComm mpi_comm, const torch::Device
   return fused;
 }
 
-std::string describe_model(const GPTDims& dims, int64_t whole_params) {
-  const std::string family = dims.family_row().name;
-  const bool gemma = dims.family_row().gemma_norms;
-  return concat("model: ", family, family != dims.arch ? concat(" (", dims.arch, " block)") : std::string(), ", ",
-                whole_params, " parameters (", dims.n_layer, " layers, ", dims.n_head,
-                " heads", dims.llama() ? concat(" / ", dims.n_kv_head, " kv heads") : std::string(), ", width ",
-                dims.n_embd,
-                dims.attn_width() != dims.n_embd ? concat(", head_dim ", dims.head_dim()) : std::string(),
-                dims.llama() ? concat(gemma ? ", GeGLU " : ", SwiGLU ", dims.intermediate_size, ", rope theta ",
-                                      dims.rope_theta, dims.rope_scaling == "llama3" ? " (llama3 scaling)" : "",
-                                      dims.tie_embeddings ? ", tied output" : ", untied output",
-                                      dims.qkv_bias ? ", qkv bias" : "", dims.qk_norm ? ", q/k norms" : "",
-                                      gemma ? ", norms x (1 + w) before and after each sublayer" : "",
-                                      dims.sliding_window == 0 ? std::string()
-                                      : concat(", attention window ", dims.sliding_window,
-                                               gemma ? concat(" on ", dims.local_layers())
-                                               : dims.sliding_window >= dims.seq_len ? " (>= seq_len: causal)"
-                                                                                     : " (cuts the context)"),
-                                      dims.attn_softcap > 0 ? concat(", scores capped at ", dims.attn_softcap) : "",
-                                      dims.final_softcap > 0 ? concat(", logits capped at ", dims.final_softcap) : "",
-                                      dims.rope_local_theta > 0 ? concat(", local layers' rope theta ", dims.rope_local_theta)
-                                                                : "",
-                                      dims.rope_scaling == "linear" ? concat(", global rope / ", dims.rope_factor) : "")
-                             : std::string(),
-                ", seq_len ", dims.seq_len, ", vocab ", dims.vocab_size,
-                dims.vocab_live > 0 ? concat(" = ", dims.vocab_live, " tokens + ", dims.vocab_size - dims.vocab_live,
-                                             " padding rows outside the loss")
-                                    : std::string(),
-                ")");
-}
-
 // One training run: the state that lives from start-up to the end, and the steps as members.
 class Run {
  public:
