@@ -136,7 +136,7 @@ struct GPTDims : ModelArgs {
   Communicator* tp_comm = nullptr;
 };
 
-// The family whose rules `a` breaks, as family_conflict says for its block and flags (nullptr: none).
+// family_conflict over a model's own block, flags and window: the key it may not have, or nullptr.
 const char* family_conflict(const Family& f, const ModelArgs& a);
 
 // ---- the architecture fields ----------------------------------------------------------------------
