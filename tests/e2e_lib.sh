@@ -62,6 +62,19 @@ need_python() {  # "import ..." statement, Debian package names
   $PY -c "$1" 2>/dev/null || { echo "FAIL: $PY cannot '$1' (Debian: $2; scripts/test.sh installs them)"; exit 1; }
 }
 
+# ref_parity METRICS REFERENCE-OUTPUT: mpitrain's 20 losses (metrics.jsonl) against a run of
+# tests/llama_reference.py train (its last line's "losses"): within 1e-4 and learning (exit 0), else 1.
+ref_parity() {
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, sys
+ours = [json.loads(l)["loss"] for l in open(sys.argv[1]) if '"loss"' in l]
+ref = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])["losses"]
+d = max(abs(a - b) for a, b in zip(ours, ref))
+print(f"  20 steps: mpitrain {ours[0]:.6f} .. {ours[-1]:.6f}, reference {ref[0]:.6f} .. {ref[-1]:.6f}; max |delta| {d:.2e}")
+sys.exit(0 if len(ours) == len(ref) == 20 and d <= 1e-4 and ours[-1] < ours[0] - 0.1 else 1)
+PYEOF
+}
+
 [ -n "${E2E_NO_CORPUS:-}" ] && return 0
 mkdir corpus
 for i in $(seq 1 80); do

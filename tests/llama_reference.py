@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 directory checked without mpitrain's code.
+"""An exported Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 / Qwen3-MoE / Mixtral / OLMoE
+directory checked without mpitrain's code.
 
 A Llama written here from Hugging Face's modeling semantics (transformers' LlamaForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM: RMSNorm in fp32 then cast, rotary in
@@ -14,7 +15,12 @@ attn_logit_softcapping, the sliding window on layers 0, 2, 4, ...; the gelu_pyto
 logits soft-capped by final_logit_softcapping; Gemma3ForCausalLM's: Gemma 2's parts, q_norm and
 k_norm times (1 + weight), the layers whose layer_types entry is sliding_attention windowed and
 rotated by rope_local_base_freq, the full_attention ones by rope_theta with rope_scaling
-"linear" (frequencies / factor)), reading only config.json and the safetensors files:
+"linear" (frequencies / factor)); the mixtures of experts' sparse blocks (Qwen3MoeSparseMoeBlock,
+MixtralSparseMoeBlock, OlmoeSparseMoeBlock: the router's softmax in fp32, top k, renormalised with
+norm_topk_prob (Mixtral always), each expert's tokens through it, summed per token in expert order;
+Qwen3-MoE's decoder_sparse_step and mlp_only_layers; OLMoE's q_norm and k_norm over the whole
+projections) and load_balancing_loss_func added to the training loss times router_aux_loss_coef,
+reading only config.json and the safetensors files:
 
   llama_reference.py logits HF_DIR TOKENS.npy LOGITS.npy
       mpitrain's logits (tests/hf_logits.cpp) for the same tokens must equal this model's:
@@ -148,8 +154,81 @@ class Llama(torch.nn.Module):
         b = self.w(name + ".bias") if self.has(name + ".bias") else None
         return F.linear(x, self.w(name + ".weight"), b)
 
+    def swiglu(self, h, p, gemma=False):
+        gate = self.linear(h, p + "gate_proj")
+        gate = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
+        return self.linear(gate * self.linear(h, p + "up_proj"), p + "down_proj")
+
+    def experts(self):
+        """The experts per sparse layer and per token (MixtralConfig: num_local_experts, default 8 and 2;
+        Qwen3MoeConfig: num_experts, 128 and 8)."""
+        if self.cfg["model_type"] == "mixtral":
+            return self.cfg.get("num_local_experts", 8), self.cfg.get("num_experts_per_tok", 2)
+        if self.cfg["model_type"] == "olmoe":  # OlmoeConfig
+            return self.cfg.get("num_experts", 64), self.cfg.get("num_experts_per_tok", 8)
+        return self.cfg.get("num_experts", 128), self.cfg.get("num_experts_per_tok", 8)
+
+    def sparse(self, i):
+        """MixtralDecoderLayer: every layer's MLP is block_sparse_moe. Qwen3MoeDecoderLayer: the
+        experts' block unless mlp_only_layers names the layer or decoder_sparse_step skips it."""
+        cfg = self.cfg
+        if cfg["model_type"] in ("mixtral", "olmoe"):  # every layer's MLP is the sparse block
+            return True
+        return (cfg["model_type"] == "qwen3_moe" and i not in (cfg.get("mlp_only_layers") or [])
+                and cfg.get("num_experts", 128) > 0 and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+    def sparse_moe(self, h, p):
+        """Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock: the router's softmax in fp32, top k,
+        renormalised (Qwen3-MoE: with norm_topk_prob; Mixtral: always), cast back; each expert's
+        tokens through it (Mixtral's w2(silu(w1 x) * w3 x)), times their weight, added per token in
+        expert order."""
+        cfg = self.cfg
+        E, k = self.experts()
+        mixtral = cfg["model_type"] == "mixtral"
+        B, T, C = h.shape
+        x = h.reshape(-1, C)
+        logits = F.linear(x, self.w(p + "gate.weight"))
+        self.router_logits.append(logits)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, k, dim=-1)
+        if mixtral or cfg.get("norm_topk_prob", False):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=E).permute(2, 1, 0)  # [E, k, tokens]
+        for e in range(E):
+            slot, token = torch.where(mask[e])
+            if mixtral:
+                xe, q = x[token], f"{p}experts.{e}."
+                y = self.linear(F.silu(self.linear(xe, q + "w1")) * self.linear(xe, q + "w3"), q + "w2")
+            else:
+                y = self.swiglu(x[token], f"{p}experts.{e}.")
+            y = y * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out.reshape(B, T, C)
+
+    def aux_loss(self, groups=1):
+        """transformers' load_balancing_loss_func (no attention mask): every sparse layer's router logits
+        concatenated, the share of the top-k choices per expert times its mean probability, times E;
+        with `groups` > 1 the mean of that over consecutive groups of the batch's sequences, each
+        computed alone (what each of `groups` data-parallel ranks computes on its share, as
+        transformers' forward under DDP does)."""
+        if groups > 1:
+            per = [torch.chunk(l, groups, dim=0) for l in self.router_logits]
+            return sum(self.aux_of([p[g] for p in per]) for g in range(groups)) / groups
+        return self.aux_of(self.router_logits)
+
+    def aux_of(self, router_logits):
+        E, k = self.experts()
+        logits = torch.cat(router_logits, dim=0)
+        probs = F.softmax(logits, dim=-1)
+        _, chosen = torch.topk(probs, k, dim=-1)
+        tokens_per_expert = F.one_hot(chosen, E).float().mean(dim=0)
+        return (tokens_per_expert * probs.mean(dim=0).unsqueeze(0)).sum() * E
+
     def forward(self, idx):
         cfg, hd = self.cfg, self.hd
+        self.router_logits = []
         B, T = idx.shape
         H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
         pos = torch.arange(T).float()
@@ -169,7 +248,7 @@ class Llama(torch.nn.Module):
 
         gemma = cfg["model_type"] in ("gemma2", "gemma3_text")
         causal = torch.full((T, T), float("-inf")).triu(1)
-        window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "gemma2", "gemma3_text") else None
+        window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "mixtral", "gemma2", "gemma3_text") else None
         if gemma3:  # which layers slide: layer_types (transformers >= 4.53) or the pattern
             types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
                                                else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
@@ -188,9 +267,12 @@ class Llama(torch.nn.Module):
             mask = windowed if not gemma or sliding[i] else causal
             cos, sin = local_rope if gemma3 and sliding[i] else global_rope
             h = self.rms(x, p + "input_layernorm.weight")
-            q = self.linear(h, p + "self_attn.q_proj").view(B, T, H, hd)
-            k = self.linear(h, p + "self_attn.k_proj").view(B, T, KV, hd)
-            if self.has(p + "self_attn.q_norm.weight"):  # Qwen3, Gemma 3: each head normalised, then rotated
+            q = self.linear(h, p + "self_attn.q_proj")
+            k = self.linear(h, p + "self_attn.k_proj")
+            if cfg["model_type"] == "olmoe":  # OlmoeAttention: q_norm and k_norm over the whole projections
+                q, k = self.rms(q, p + "self_attn.q_norm.weight"), self.rms(k, p + "self_attn.k_norm.weight")
+            q, k = q.view(B, T, H, hd), k.view(B, T, KV, hd)
+            if cfg["model_type"] != "olmoe" and self.has(p + "self_attn.q_norm.weight"):  # Qwen3, Gemma 3: each head normalised, then rotated
                 q, k = self.rms(q, p + "self_attn.q_norm.weight"), self.rms(k, p + "self_attn.k_norm.weight")
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self.linear(h, p + "self_attn.v_proj").view(B, T, KV, hd).transpose(1, 2)
@@ -210,9 +292,10 @@ class Llama(torch.nn.Module):
                 y = self.rms(y, p + "post_attention_layernorm.weight")
             x = x + y
             h = self.rms(x, p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"))
-            gate = self.linear(h, p + "mlp.gate_proj")
-            gate = F.gelu(gate, approximate="tanh") if gemma else F.silu(gate)
-            y = self.linear(gate * self.linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+            if self.sparse(i):
+                y = self.sparse_moe(h, p + ("block_sparse_moe." if cfg["model_type"] == "mixtral" else "mlp."))
+            else:
+                y = self.swiglu(h, p + "mlp.", gemma)
             if gemma:
                 y = self.rms(y, p + "post_feedforward_layernorm.weight")
             x = x + y
@@ -241,6 +324,8 @@ def parser():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--aux-groups", type=int, default=1,
+                    help="train, Qwen3-MoE: the load-balancing loss per this many groups of the batch (data-parallel ranks)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast")
     ap.add_argument("--timing-warmup", type=int, default=0,
                     help="train: also print the median ms/step of the steps after this many (bench/cpu_vs_pytorch.sh)")
@@ -279,7 +364,8 @@ def run(args):
     cfg = json.load(open(os.path.join(args.hf_dir, "config.json")))
     arch = cfg["architectures"][0]
     types = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+             "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+             "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
     if arch not in types:
         fail(f"config.json architectures {arch}")
     if cfg.get("model_type") != types[arch]:
@@ -292,7 +378,7 @@ def run(args):
     if qkv_bias != (arch == "Qwen2ForCausalLM"):
         fail(f"{arch} with q_proj.bias {'present' if qkv_bias else 'absent'}")
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in tensors
-    if qk_norm != (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")):
+    if qk_norm != (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")):
         fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
@@ -301,7 +387,11 @@ def run(args):
           + (f", soft caps {cfg.get('attn_logit_softcapping')} / {cfg.get('final_logit_softcapping')}, query_pre_attn_scalar "
              f"{cfg.get('query_pre_attn_scalar')}, {cfg.get('hidden_activation')}" if "Gemma" in arch else "")
           + (f", rope_local_base_freq {cfg.get('rope_local_base_freq')}, layer_types {cfg.get('layer_types')}"
-             if arch == "Gemma3ForCausalLM" else ""))
+             if arch == "Gemma3ForCausalLM" else "")
+          + (f", {model.experts()[0]} experts, top {model.experts()[1]}, norm_topk_prob "
+             f"{cfg.get('norm_topk_prob')}, aux coef {cfg.get('router_aux_loss_coef')}" if "Moe" in arch or "Mixtral" in arch or "Olmoe" in arch else ""))
+    if cfg.get("clip_qkv") is not None:
+        fail(f"clip_qkv {cfg['clip_qkv']}: not written here")
     if "Gemma" in arch and "model.layers.0.post_feedforward_layernorm.weight" not in tensors:
         fail(f"{arch} without post_feedforward_layernorm")
 
@@ -336,6 +426,8 @@ def run(args):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+        if model.router_logits:  # Qwen3MoeForCausalLM with output_router_logits: loss + coef x aux
+            loss = loss + cfg.get("router_aux_loss_coef", 0.001) * model.aux_loss(args.aux_groups)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

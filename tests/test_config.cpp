@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cctype>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -63,6 +65,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.fused_kernels, b.model.fused_kernels);
   EXPECT_EQ(a.model.init_from, b.model.init_from);
   EXPECT_EQ(a.model.arch, b.model.arch);
+  EXPECT_EQ(a.model.args, b.model.args);
   EXPECT_EQ(a.model.family, b.model.family);
   EXPECT_EQ(a.model.n_kv_head, b.model.n_kv_head);
   EXPECT_EQ(a.model.intermediate_size, b.model.intermediate_size);
@@ -305,7 +308,8 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
       {"tiny", "gpt2"},          {"gpt2", "gpt2"},         {"gpt2-xl", "gpt2"},          {"llama-debug", "llama"},
       {"llama3.2-1b", "llama"},  {"llama3.1-8b", "llama"}, {"qwen2.5-0.5b", "qwen2"},    {"qwen3-0.6b", "qwen3"},
       {"qwen3-8b", "qwen3"},     {"mistral-7b-v0.1", "mistral"}, {"gemma2-2b", "gemma2"},
-      {"gemma3-1b", "gemma3"}};
+      {"gemma3-1b", "gemma3"},   {"qwen3-30b-a3b", "qwen3_moe"}, {"mixtral-8x7b", "mixtral"},
+      {"olmoe-1b-7b", "olmoe"}};
   for (const auto& [preset, family] : presets) {
     const Config c = parse_config(kMinimal, "run.yaml", {concat("model.preset=", preset)});
     EXPECT_EQ(c.model.family, family) << preset;
@@ -367,6 +371,42 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
     EXPECT_EQ(family_by_model_type(f.hf_model_type), &f);
     EXPECT_TRUE(classes.insert(f.hf_architecture).second) << f.hf_architecture;
   }
+}
+
+// A field kept by key (model_fields.h's generic rows: the experts') is written once: its row, the
+// ModelArgs member, the code that uses it. Its name, as a word, is in at most 3 files of src/ and
+// include/ (the YAML reader, presets, validation, config.json in and out and checkpoints read the
+// row).
+TEST(Config, AGenericFieldIsNamedInAtMostThreeSourceFiles) {
+  const std::filesystem::path root = std::filesystem::path(kTestDataDir) / ".." / "..";
+  std::vector<std::pair<std::string, std::string>> files;  // path, text
+  for (const char* dir : {"src", "include"})
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root / dir))
+      if (e.is_regular_file()) {
+        std::ifstream in(e.path());
+        files.emplace_back(e.path().string(), std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+      }
+  ASSERT_GT(files.size(), 50u);
+  auto word_at = [](const std::string& text, size_t at, size_t n) {
+    auto part = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+    return (at == 0 || !part(text[at - 1])) && (at + n == text.size() || !part(text[at + n]));
+  };
+  int generic = 0;
+  for (const ModelField& f : model_fields()) {
+    if (!f.generic) continue;
+    ++generic;
+    std::vector<std::string> in;
+    for (const auto& [path, text] : files)
+      for (size_t at = text.find(f.key); at != std::string::npos; at = text.find(f.key, at + 1))
+        if (word_at(text, at, std::string(f.key).size())) {
+          in.push_back(path);
+          break;
+        }
+    std::string names;
+    for (const std::string& p : in) names += " " + p;
+    EXPECT_LE(in.size(), 3u) << f.key << ":" << names;
+  }
+  EXPECT_GE(generic, 6);
 }
 
 // docs/config.md's model table is checked against the tables: every model.* key (to_yaml writes
@@ -541,9 +581,9 @@ TEST(Config, HuggingFaceConfigGivesTheShapeAndDisagreementsNameBoth) {
   std::ofstream(dir + "/config.json") << std::string(2 << 20, ' ') << "{}";
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
                   {"/config.json: 2097154 bytes, larger than the 1 MiB a config.json may have"});
-  std::ofstream(dir + "/config.json") << R"({"model_type": "mixtral", "hidden_size": 64})";
+  std::ofstream(dir + "/config.json") << R"({"model_type": "deepseek_v3", "hidden_size": 64})";
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml"); }),
-                  {"run.yaml: model.init_from: ", "/config.json: model_type: 'mixtral'"});
+                  {"run.yaml: model.init_from: ", "/config.json: model_type: 'deepseek_v3'"});
   std::system(("rm -rf " + dir).c_str());
 }
 
@@ -718,6 +758,25 @@ TEST(Config, HfConfigTransformers5FormsAndClassDefaults) {
   EXPECT_EQ(llama.tie_embeddings, "false");
   EXPECT_EQ(load(R"({"model_type": "qwen3"})").head_dim, 128);
   EXPECT_EQ(load(R"({"model_type": "qwen3"})").n_kv_head, 32);
+  // Qwen3-MoE: the experts' keys read through their rows (model_fields.h's generic rows), absent
+  // ones Qwen3MoeConfig's defaults; another family's config.json with them, or a list of dense
+  // layers of its own, refused by key.
+  const ModelConfig moe = load(R"({"model_type": "qwen3_moe"})");
+  const std::map<std::string, std::string> moe_defaults = {
+      {"num_experts", "128"},   {"num_experts_per_tok", "8"},  {"moe_intermediate_size", "768"},
+      {"norm_topk_prob", "false"}, {"decoder_sparse_step", "1"}, {"router_aux_loss_coef", "0.001"}};
+  EXPECT_EQ(moe.args, moe_defaults);
+  EXPECT_EQ(moe.family, "qwen3_moe");
+  EXPECT_EQ(moe.n_kv_head, 4);
+  const ModelConfig moe16 = load(R"({"model_type": "qwen3_moe", "num_experts": 16, "norm_topk_prob": true})");
+  EXPECT_EQ(moe16.args.at("num_experts"), "16");
+  EXPECT_EQ(moe16.args.at("norm_topk_prob"), "true");
+  expect_contains(refused(R"({"model_type": "llama", "num_experts": 8})"),
+                  {"/config.json: num_experts: 8: mpitrain's llama has no such field (qwen3_moe|mixtral|olmoe have)"});
+  expect_contains(refused(R"({"model_type": "qwen3_moe", "num_experts": 0})"),
+                  {"/config.json: num_experts: must be an integer in [1, 65536], got 0"});
+  expect_contains(refused(R"({"model_type": "qwen3_moe", "mlp_only_layers": [0, 2]})"),
+                  {"/config.json: mlp_only_layers: [0,2]: not supported (the dense layers are those the sparse-layer step leaves)"});
 }
 
 // Mistral 7B v0.1's published config.json gives the preset's shape, its 4096-token window
@@ -828,7 +887,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"arch_vs_preset", {"model.preset=gpt2", "model.arch=llama"},
                 {"model.arch must be gpt2 with model.preset gpt2"}},
         Invalid{"family_unknown", {"model.family=gemma"},
-                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2|gemma3, got 'gemma'"}},
+                {"model.family must be one of gpt2|llama|qwen2|qwen3|mistral|gemma2|gemma3|qwen3_moe|mixtral|olmoe, got 'gemma'"}},
         Invalid{"gemma_field_on_llama", {"model.preset=llama-debug", "model.attn_softcap=50"},
                 {"model.attn_softcap applies to model.family gemma2 only (this model is llama), got 50"}},
         Invalid{"gemma_field_on_gpt2", {"model.final_softcap=30"},
@@ -862,7 +921,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"family_fixes_qk_norm", {"model.preset=qwen3-0.6b", "model.family=qwen3", "model.qk_norm=false"},
                 {"model.qk_norm must be true with model.family qwen3", "got 'false'"}},
         Invalid{"family_window", {"model.preset=llama-debug", "model.family=llama", "model.sliding_window=256"},
-                {"model.sliding_window applies to model.family mistral|gemma2|gemma3 only (this model is llama), got 256"}},
+                {"model.sliding_window applies to model.family mistral|gemma2|gemma3|mixtral only (this model is llama), got 256"}},
         Invalid{"rope_factor_without_llama3", {"model.preset=llama-debug", "model.rope_factor=2"},
                 {"model.rope_factor must be unset (0) unless model.rope_scaling is llama3 or linear, got 2"}},
         Invalid{"rope_high_below_low", {"model.preset=llama3.2-1b", "model.rope_high_freq_factor=0.5"},
@@ -876,11 +935,11 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"qk_norm_value", {"model.preset=qwen3-0.6b", "model.qk_norm=yes"},
                 {"model.qk_norm must be true or false, got 'yes'"}},
         Invalid{"sliding_window_on_gpt2", {"model.sliding_window=1024"},
-                {"model.sliding_window applies to model.family mistral|gemma2|gemma3 only (this model is gpt2), got 1024"}},
+                {"model.sliding_window applies to model.family mistral|gemma2|gemma3|mixtral only (this model is gpt2), got 1024"}},
         Invalid{"sliding_window_negative", {"model.preset=mistral-7b-v0.1", "model.sliding_window=-1"},
                 {"model.sliding_window must be >= 0 (0 = none), got -1"}},
         Invalid{"sliding_window_with_qk_norm", {"model.preset=qwen3-0.6b", "model.sliding_window=4096"},
-                {"model.sliding_window applies to model.family mistral|gemma2|gemma3 only (this model is qwen3), got 4096"}},
+                {"model.sliding_window applies to model.family mistral|gemma2|gemma3|mixtral only (this model is qwen3), got 4096"}},
         Invalid{"sliding_window_with_qkv_bias_unnamed",
                 {"model.preset=custom", "model.arch=llama", "model.n_layer=2", "model.n_head=2", "model.n_embd=16",
                  "model.seq_len=8", "model.intermediate_size=32", "model.qkv_bias=true", "model.sliding_window=4"},

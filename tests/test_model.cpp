@@ -121,6 +121,76 @@ TEST(Model, Gemma2BlockHasFourNormsAndThePublishedSize) {
   EXPECT_EQ(d.window_of_layer(24), 4096);
 }
 
+// Qwen3-30B-A3B as published: 30,532,122,624 parameters, 3,353,032,704 active per token. One layer
+// is built with experts of 8 units instead of 768 (2.4 GB of fp32 otherwise); the count of the
+// built layer checks the formula, which the published shape then evaluates.
+TEST(Model, Qwen3MoeLayerHasRouterAndExpertsAndThePublishedSize) {
+  Config cfg = parse_config("model: {preset: qwen3-30b-a3b, n_layer: 1, vocab_size: 64, moe_intermediate_size: 8}\n"
+                            "data: {train: [x.h5], val: [y.h5]}\n", "t.yaml");
+  EXPECT_EQ(cfg.model.family, "qwen3_moe");
+  const GPTDims d = model_dims(cfg.model, 64);
+  EXPECT_EQ(d.num_experts, 128);
+  EXPECT_EQ(d.num_experts_per_tok, 8);
+  EXPECT_TRUE(d.norm_topk_prob);
+  EXPECT_DOUBLE_EQ(d.router_aux_loss_coef, 0.001);
+  GPT model(d);
+  // q 4096x2048 (32 heads of 128), k and v 512x2048, o 2048x4096, q/k norms of 128, two RMSNorms of
+  // 2048, the router 128x2048, 128 experts of gate/up/down units x 2048
+  auto layer = [](int64_t units) { return 2 * 8388608 + 2 * 1048576 + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * units * 2048; };
+  auto expert = [](int64_t units) { return 3 * units * 2048; };
+  EXPECT_EQ(model->num_params(), 2 * 64 * 2048 + layer(8) + 2048);  // untied: the embedding and lm_head
+  EXPECT_EQ(model->inactive_params(), 120 * expert(8));
+  const int64_t total = 48 * layer(768) + 2 * 151936 * 2048 + 2048;
+  EXPECT_EQ(total, 30532122624);
+  EXPECT_EQ(total - 48 * 120 * expert(768), 3353032704);
+  const auto params = model->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  EXPECT_EQ(by_name.at("h.0.mlp.gate.weight").sizes(), torch::IntArrayRef({128, 2048}));
+  EXPECT_EQ(by_name.at("h.0.mlp.experts.127.c_proj.weight").sizes(), torch::IntArrayRef({2048, 8}));
+  EXPECT_EQ(by_name.count("h.0.mlp.gate_proj.weight"), 0u);  // no dense MLP on a sparse layer
+  EXPECT_EQ(hf_name("h.0.mlp.gate.weight", d), "model.layers.0.mlp.gate.weight");
+  EXPECT_EQ(hf_name("h.0.mlp.experts.5.c_proj.weight", d), "model.layers.0.mlp.experts.5.down_proj.weight");
+  EXPECT_EQ(hf_name("h.0.mlp.experts.5.up_proj.weight", d), "model.layers.0.mlp.experts.5.up_proj.weight");
+  EXPECT_EQ(hf_architecture(d), "Qwen3MoeForCausalLM");
+}
+
+// Mixtral 8x7B and OLMoE 1B-7B as published (46,702,792,704 and 6,919,161,856 parameters;
+// 12,879,925,248 and 1,282,017,280 active per token): one layer built with experts of 8 units
+// checks each formula, which the published shape then evaluates. Mixtral's experts are
+// block_sparse_moe's w1/w3/w2; OLMoE's q/k norms span the whole projections.
+TEST(Model, MixtralAndOlmoeLayersHaveThePublishedSizes) {
+  auto built = [](const char* preset) {
+    Config cfg = parse_config(concat("model: {preset: ", preset, ", n_layer: 1, vocab_size: 64, intermediate_size: 8, ",
+                                     "moe_intermediate_size: 8}\ndata: {train: [x.h5], val: [y.h5]}\n"), "t.yaml");
+    return model_dims(cfg.model, 64);
+  };
+  const GPTDims mx = built("mixtral-8x7b");
+  EXPECT_TRUE(mx.norm_topk_prob);  // fixed by the family
+  GPT mixtral(mx);
+  // q 4096x4096, k and v 1024x4096, o 4096x4096, two norms, the router 8x4096, 8 experts
+  auto mx_layer = [](int64_t units) { return 2 * 16777216 + 2 * 4194304 + 2 * 4096 + 8 * 4096 + 8 * 3 * units * 4096; };
+  EXPECT_EQ(mixtral->num_params(), 2 * 64 * 4096 + mx_layer(8) + 4096);
+  EXPECT_EQ(mixtral->inactive_params(), 6 * 3 * 8 * 4096);
+  EXPECT_EQ(32 * mx_layer(14336) + 2 * 32000 * 4096 + 4096, 46702792704);
+  EXPECT_EQ(32 * mx_layer(14336) + 2 * 32000 * 4096 + 4096 - 32 * 6 * 3 * int64_t{14336} * 4096, 12879925248);
+  EXPECT_EQ(hf_name("h.0.mlp.experts.7.c_proj.weight", mx), "model.layers.0.block_sparse_moe.experts.7.w2.weight");
+  EXPECT_EQ(hf_name("h.0.mlp.experts.7.gate_proj.weight", mx), "model.layers.0.block_sparse_moe.experts.7.w1.weight");
+  EXPECT_EQ(hf_name("h.0.mlp.experts.7.up_proj.weight", mx), "model.layers.0.block_sparse_moe.experts.7.w3.weight");
+  EXPECT_EQ(hf_name("h.0.mlp.gate.weight", mx), "model.layers.0.block_sparse_moe.gate.weight");
+  const GPTDims ol = built("olmoe-1b-7b");
+  EXPECT_FALSE(ol.norm_topk_prob);
+  GPT olmoe(ol);
+  // q, k, v, o 2048x2048, q/k norms of 2048 (the whole projections), two norms, the router 64x2048, 64 experts
+  auto ol_layer = [](int64_t units) { return 4 * 4194304 + 2 * 2048 + 2 * 2048 + 64 * 2048 + 64 * 3 * units * 2048; };
+  EXPECT_EQ(olmoe->num_params(), 2 * 64 * 2048 + ol_layer(8) + 2048);
+  EXPECT_EQ(16 * ol_layer(1024) + 2 * 50304 * 2048 + 2048, 6919161856);
+  EXPECT_EQ(16 * ol_layer(1024) + 2 * 50304 * 2048 + 2048 - 16 * 56 * 3 * int64_t{1024} * 2048, 1282017280);
+  const auto params = olmoe->named_params();
+  std::map<std::string, torch::Tensor> by_name(params.begin(), params.end());
+  EXPECT_EQ(by_name.at("h.0.attn.q_norm.weight").numel(), 2048);
+  EXPECT_EQ(hf_architecture(ol), "OlmoeForCausalLM");
+}
+
 // Gemma 3 1B as published: 999,885,952 parameters (one block built, a small vocabulary): q/k norms
 // of 256 whose weights start at zero, the local layers' own rotary table.
 TEST(Model, Gemma3BlockHasQkNormsAndThePublishedSize) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,9 @@ struct ModelConfig {
                                        // (fused_ops.h): auto (on CUDA) | on | off
   std::string attention = "auto";  // scaled_dot_product_attention's kernel: auto (libtorch's
                                    // choice) | flash | cudnn | efficient | math
+  // The architecture fields kept by key (model_fields.h's generic rows: the experts' fields,
+  // ...): the YAML value as text, absent = the row's fallback.
+  std::map<std::string, std::string> args;
   std::string init_from;  // initial weights, fresh start only: hf:DIR (a Hugging Face model directory,
                           // its config.json giving the shape), a .safetensors file or a directory holding
                           // model.safetensors, or a directory of <parameter name>.npy (docs/formats.md);

@@ -156,6 +156,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
   int64_t window_;  // this layer's attention window (0: none)
   double softcap_;  // the scores' soft cap (0: none)
   double scale_;    // the scores' scale (0: 1 / sqrt(head_dim))
+  bool whole_qk_norm_ = false;  // OLMoE: q_norm and k_norm over the whole projections, not per head
   std::shared_ptr<Rotary> rotary_;  // llama; null for gpt2
   torch::Tensor causal_mask_;  // cached [T, T] mask for the explicit path (not a parameter)
 };
@@ -178,9 +179,42 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
 };
 TORCH_MODULE(MLP);
 
+// What the routers of one forward chose (GPT's, shared by its MoE layers; cleared by each forward):
+// per layer the sum over tokens of the router's probabilities [E] (connected to the router for
+// backward), the tokens each expert got [E] (int64, summed over the k choices) and the tokens.
+struct RouterLog {
+  std::vector<torch::Tensor> prob_sums, counts;
+  int64_t rows = 0;
+  void clear() { prob_sums.clear(), counts.clear(), rows = 0; }
+};
+
+// A mixture of experts in place of the llama block's MLP (ModelArgs::moe_layer; Qwen3-MoE's
+// sparse block): router `gate` (a linear layer to the experts' logits, no bias), the softmax in
+// fp32, the top k per token, their weights renormalised where the family's field says so, then
+// cast to the input's dtype (ModelArgs' expert fields); each expert a SwiGLU MLP of its own size (MLP:
+// gate_proj, up_proj, c_proj = Hugging Face's down_proj). Dropless: the token copies are grouped
+// by expert and each expert's group goes through its weights in one GEMM each (an expert without
+// tokens gets an empty product, so every parameter has a gradient); the outputs, times their
+// weights, are summed back per token. Not yet with tensor parallelism (refused).
+class MoEImpl : public torch::nn::Module {
+ public:
+  MoEImpl(const GPTDims& d, RouterLog* log);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear gate{nullptr};
+  torch::nn::ModuleList experts{nullptr};  // MLP each
+
+ private:
+  int64_t top_k_;
+  bool norm_topk_;
+  RouterLog* log_;  // GPT's (not owned)
+};
+TORCH_MODULE(MoE);
+
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0);
+  // `log`: the GPT's router log, for a layer whose MLP is a mixture of experts.
+  BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0, RouterLog* log = nullptr);
   torch::Tensor forward(torch::Tensor x);
   // dims.fused_kernels: each norm absorbs the residual add before it. Takes the residual
   // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
@@ -193,8 +227,10 @@ class BlockImpl : public torch::nn::Module {
   Norm post_attn_norm{nullptr}, post_mlp_norm{nullptr};  // Gemma: after the attention and after the MLP
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
+  MoE moe{nullptr};  // in mlp's place (registered as "mlp") on a sparse layer
 
  private:
+  torch::Tensor ffn(const torch::Tensor& x);  // the MLP or the experts
   double dropout_;
 };
 TORCH_MODULE(Block);
@@ -234,18 +270,28 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, classes()] (tensor parallel:
   // this rank's vocabulary slice of them, [B, T, live_rows()]): padding rows have none.
   torch::Tensor forward(const torch::Tensor& idx);
-  // Mean cross-entropy of next-token prediction; targets [B, T]. With dims.fused_loss the
+  // Mean cross-entropy of next-token prediction; targets [B, T]; in training, with experts, plus
+  // the aux coefficient x transformers' load-balancing loss over every sparse layer's tokens
+  // (load_balancing_loss_func: the experts' count x sum over experts of the share of the k choices it
+  // got times its mean router probability; last_aux_loss). With dims.fused_loss the
   // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
   // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
   const GPTDims& dims() const { return dims_; }
+  // The last forward's load-balancing loss (undefined: no experts or not training) and each sparse
+  // layer's expert load, max / mean tokens per expert (empty: no experts).
+  const torch::Tensor& last_aux_loss() const { return aux_loss_; }
+  std::vector<double> expert_load() const;
   // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).
   void set_unit_hooks(UnitHooks* units) { units_ = units; }
   // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...;
   // block_of() reads a name's block).
   std::vector<std::pair<std::string, torch::Tensor>> named_params() const;
   int64_t num_params() const;
+  // The parameters a token does not use: per sparse layer, the experts it is not routed to
+  // (all but the k chosen); 0 for a dense model. MFU counts the rest.
+  int64_t inactive_params() const;
   // Which part of the whole parameter `name` (a named_params() name) a tensor-parallel rank
   // holds, as the module that made it declared (replicated where it declared nothing). The same
   // for every tp degree, tp 1 included.
@@ -273,7 +319,10 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
   void collect_tp_splits();  // every module's declarations, by full parameter name
+  torch::Tensor lm_loss(const torch::Tensor& idx, const torch::Tensor& targets);  // loss() without the aux loss
   GPTDims dims_;
+  RouterLog router_log_;
+  torch::Tensor aux_loss_;
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules

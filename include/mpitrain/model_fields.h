@@ -43,6 +43,9 @@ struct Family {
   // after each sublayer (post_attention, post_feedforward) besides the one before it, and the
   // token embedding times sqrt(n_embd).
   bool gemma_norms;
+  // OLMoE's q/k norms: one RMSNorm over the whole q projection and one over k's (all heads at
+  // once) instead of one per head.
+  bool qk_norm_whole;
   const char* about;            // for docs and messages
 };
 const std::vector<Family>& families();
@@ -96,6 +99,14 @@ struct ModelArgs {
   // Gemma 3: the rotary base of the windowed (local) layers (0: rope_theta everywhere); rope_theta
   // and rope_scaling are the global layers'.
   double rope_local_theta = 0;
+  // A mixture of experts (Qwen3-MoE; 0 experts: every layer's MLP dense): each sparse layer's MLP
+  // is num_experts SwiGLU experts of moe_intermediate_size units and a router choosing
+  // num_experts_per_tok of them per token (softmax in fp32, top k, the chosen weights renormalised
+  // to sum to 1 with norm_topk_prob); layer i is sparse when (i + 1) % decoder_sparse_step == 0.
+  // Training adds router_aux_loss_coef x transformers' load-balancing loss (model.h).
+  int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
+  bool norm_topk_prob = false;
+  double router_aux_loss_coef = 0.001;  // (every default here is its row's fallback)
   // Automatic vocabulary padding (model_dims): the first vocab_live rows are the data's tokens;
   // the rows after them are padding, initialised to zero, outside the loss and the logits, so
   // they get no gradient and are never sampled. 0: every row is a class (an explicit
@@ -114,6 +125,11 @@ struct ModelArgs {
   int64_t window_of_layer(int64_t layer) const;
   // Which layers are windowed, for messages: "every layer", "every other layer", "5 of every 6 layers".
   std::string local_layers() const;
+  // Whether layer `layer`'s MLP is a mixture of experts.
+  bool moe_layer(int64_t layer) const { return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0; }
+  // Its experts (0: a dense MLP) and the hidden units of its MLP or of each expert.
+  int64_t experts_of_layer(int64_t layer) const { return moe_layer(layer) ? num_experts : 0; }
+  int64_t mlp_units(int64_t layer) const { return moe_layer(layer) ? moe_intermediate_size : intermediate_size; }
 };
 
 struct GPTDims : ModelArgs {
@@ -172,6 +188,16 @@ struct ModelField {
   // Its part of the start-up line's description of the model (", attention window 4096 on every
   // other layer"; "" when it says nothing there), after the five dimensions, in row order.
   std::string (*describe)(const ModelArgs&);
+  // What config.json means where the key is absent, per family: "qwen3_moe=128 olmoe=64" (the
+  // transformers class's default; "" = the generic reading's fallback).
+  const char* hf_defaults;
+  // The families that fix its value, "mixtral=true": a config of one takes it, and may set no
+  // other (a generic row's).
+  const char* fixed_by_family;
+  // A field the config keeps by key (ModelConfig::args) rather than in a member of its own: the
+  // YAML reader, presets, validation (its range; a fallback outside the range must be set where
+  // the field applies), config.json in (hf_defaults) and out read and write it from this row alone.
+  bool generic;
 };
 
 const std::vector<ModelField>& model_fields();
@@ -182,11 +208,36 @@ bool field_applies(const ModelField& f, const Family& fam);
 // The first field of some families only that `d` sets (a value other than its fallback) although
 // its family `fam` has no such field, or nullptr.
 const ModelField* field_conflict(const Family& fam, const ModelArgs& d);
+// A generic field's value from its YAML text (ModelConfig::args), or a message saying what it
+// must be ("an integer"); and a value as the text args holds.
+bool field_from_text(const ModelField& f, const std::string& text, ModelField::Value& out);
+std::string field_value_text(const ModelField::Value& v);
+// The transformers class's default of field `f` for config.json's model_type `hf_model_type`
+// (ModelField::hf_defaults), or nullptr; the value family `family` fixes it to
+// (ModelField::fixed_by_family), or nullptr.
+const char* hf_default_of(const ModelField& f, const std::string& hf_model_type);
+const char* fixed_value_of(const ModelField& f, const std::string& family);
+// Field `f`'s key in config.json of model_type `hf_model_type`: ModelField::hf_key is "key" or
+// "key type=other_key ..." (Mixtral's num_local_experts for num_experts).
+std::string hf_key_of(const ModelField& f, const std::string& hf_model_type);
 // The value as text, for messages and comparisons ("1e-05", "1" for a true flag, "llama3").
 std::string field_text(const ModelField& f, const ModelArgs& d);
 // The start-up line's description of the model: its family and block, `whole_params` parameters,
 // the dimensions, then each row's describe.
 std::string describe_model(const ModelArgs& d, int64_t whole_params);
+
+// The presets (model.preset): a name and its fields as the model.* keys of a config ("family:
+// qwen3, n_layer: 28, ..."), with the published config.json values.
+struct ModelPreset {
+  const char* name;
+  const char* fields;
+};
+const std::vector<ModelPreset>& model_presets();
+
+// What a model's fields refuse together and with a run's layout, for the config's validation: a
+// message "model.<key>: ..." or "<section>.<key>: ..." naming the key, or "" (none). The experts:
+// no more chosen than there are; not yet split by tensor parallelism nor checkpointed.
+std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& activation_checkpointing);
 
 // The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
 // five dimensions, the family and its block, every field of the table that applies to the block,

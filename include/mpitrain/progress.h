@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "mpitrain/config.h"
 #include "mpitrain/tensorboard.h"
@@ -33,6 +34,11 @@ struct StepReport {
   double loss = 0, lr = 0, grad_norm = 0;
   double comm_seconds = 0;  // exposed gradient communication since the last report (SpanTimer)
   double loss_scale = 0;
+  // Mixtures of experts: the load-balancing loss (averaged as the loss is; < 0: none, the model has
+  // no experts) and each sparse layer's expert load, max / mean tokens per expert (rank 0's last
+  // micro-batch).
+  double aux_loss = -1;
+  std::vector<double> expert_load;
 };
 
 class Progress {

@@ -270,6 +270,31 @@ void set_field(const Field& f, const YAML::Node& node, Config& cfg, const std::s
   if (!ok) throw type_error();
 }
 
+// A model.* key kept by key (model_fields.h's generic rows), or nullptr.
+const ModelField* generic_field(const std::string& name) {
+  if (name.rfind("model.", 0) != 0) return nullptr;
+  const ModelField* f = find_model_field(name.substr(6));
+  return f && f->generic ? f : nullptr;
+}
+
+// Stores `node` as generic field `f`'s text, or throws as set_field does.
+void set_generic(const ModelField& f, const YAML::Node& node, ModelConfig& m, const std::string& where) {
+  static const char* const expected[] = {"an integer", "a number", "a boolean", "a string"};
+  ModelField::Value v;
+  bool ok = node.IsScalar();
+  if (ok && f.type == ModelField::Type::flag) {
+    bool b = false;
+    ok = YAML::convert<bool>::decode(node, b);
+    v = b;
+  } else if (ok) {
+    ok = field_from_text(f, node.Scalar(), v);
+  }
+  if (!ok)
+    throw UsageError(concat(where, ": model.", f.key, " must be ", expected[static_cast<int>(f.type)], ", got ",
+                            describe(node)));
+  m.args[f.key] = field_value_text(v);
+}
+
 std::string key_text(const YAML::Node& key) {
   return key.IsScalar() ? key.Scalar() : describe(key);
 }
@@ -294,9 +319,11 @@ void apply_document(const YAML::Node& root, Config& cfg, const std::string& wher
     for (const auto& item : body) {
       const std::string full = name + "." + key_text(item.first);
       const Field* f = find_field(full);
-      if (!f) throw unknown_key(where, full);
+      const ModelField* g = f ? nullptr : generic_field(full);
+      if (!f && !g) throw unknown_key(where, full);
       if (!seen.insert(full).second) throw UsageError(concat(where, ": duplicate key '", full, "'"));
-      set_field(*f, item.second, cfg, where);
+      if (g) set_generic(*g, item.second, cfg.model, where);
+      else set_field(*f, item.second, cfg, where);
     }
   }
 }
@@ -310,75 +337,18 @@ void apply_override(const std::string& spec, Config& cfg) {
   if (eq == std::string::npos || dot == std::string::npos || dot == 0 || dot + 1 == name.size())
     throw UsageError(concat(where, ": expected section.key=value, got '", spec, "'"));
   const Field* f = find_field(name);
-  if (!f) throw unknown_key(where, name);
-  set_field(*f, load_yaml(spec.substr(eq + 1), concat("--set '", spec, "': the value of ", name)), cfg, where);
+  const ModelField* g = f ? nullptr : generic_field(name);
+  if (!f && !g) throw unknown_key(where, name);
+  const YAML::Node value = load_yaml(spec.substr(eq + 1), concat("--set '", spec, "': the value of ", name));
+  if (g) set_generic(*g, value, cfg.model, where);
+  else set_field(*f, value, cfg, where);
 }
 
 // ---- presets and validation ---------------------------------------------------------------------
 
-// A preset is one row: its fields by name, as the model.* keys of a config (the key table above
-// reads them, so a row is typed like a config). The family gives the block and its flags. The
-// Llama-block shapes are those of the published config.json files (Meta's Llama 3.2 1B/3B and 3.1
-// 8B, Qwen2.5 0.5B, Qwen3 0.6B/1.7B/4B/8B, Mistral 7B v0.1); seq_len is a training context,
-// max_position what config.json declares.
-struct Preset {
-  const char* name;
-  const char* fields;
-};
-
-#define MPITRAIN_LLAMA3_ROPE "rope_theta: 500000, norm_eps: 1e-5, rope_scaling: llama3, rope_low_freq_factor: 1, " \
-                             "rope_high_freq_factor: 4, rope_original_max_position: 8192, max_position: 131072"
-#define MPITRAIN_QWEN_ROPE "rope_theta: 1000000, norm_eps: 1e-6, rope_scaling: none"
-const Preset kPresets[] = {
-    {"tiny", "family: gpt2, n_layer: 6, n_head: 6, n_embd: 192, seq_len: 256"},  // vocab: the shards'
-    {"gpt2", "family: gpt2, n_layer: 12, n_head: 12, n_embd: 768, seq_len: 1024, vocab_size: 50257"},
-    {"gpt2-medium", "family: gpt2, n_layer: 24, n_head: 16, n_embd: 1024, seq_len: 1024, vocab_size: 50257"},
-    {"gpt2-large", "family: gpt2, n_layer: 36, n_head: 20, n_embd: 1280, seq_len: 1024, vocab_size: 50257"},
-    {"gpt2-xl", "family: gpt2, n_layer: 48, n_head: 25, n_embd: 1600, seq_len: 1024, vocab_size: 50257"},
-    {"llama-debug", "family: llama, n_layer: 6, n_head: 16, n_kv_head: 4, n_embd: 256, intermediate_size: 768, "
-                    "seq_len: 256, vocab_size: 2048, max_position: 256, rope_theta: 500000, norm_eps: 1e-5, "
-                    "rope_scaling: none, tie_embeddings: true"},
-    {"llama3.2-1b", "family: llama, n_layer: 16, n_head: 32, n_kv_head: 8, n_embd: 2048, intermediate_size: 8192, "
-                    "seq_len: 2048, vocab_size: 128256, rope_factor: 32, tie_embeddings: true, " MPITRAIN_LLAMA3_ROPE},
-    {"llama3.2-3b", "family: llama, n_layer: 28, n_head: 24, n_kv_head: 8, n_embd: 3072, intermediate_size: 8192, "
-                    "seq_len: 2048, vocab_size: 128256, rope_factor: 32, tie_embeddings: true, " MPITRAIN_LLAMA3_ROPE},
-    {"llama3.1-8b", "family: llama, n_layer: 32, n_head: 32, n_kv_head: 8, n_embd: 4096, intermediate_size: 14336, "
-                    "seq_len: 2048, vocab_size: 128256, rope_factor: 8, tie_embeddings: false, " MPITRAIN_LLAMA3_ROPE},
-    {"qwen2.5-0.5b", "family: qwen2, n_layer: 24, n_head: 14, n_kv_head: 2, n_embd: 896, intermediate_size: 4864, "
-                     "seq_len: 2048, vocab_size: 151936, max_position: 32768, tie_embeddings: true, " MPITRAIN_QWEN_ROPE},
-    // Qwen3: 128-wide heads whatever the width (16 x 128 = 2048 > 1024).
-    {"qwen3-0.6b", "family: qwen3, n_layer: 28, n_head: 16, n_kv_head: 8, n_embd: 1024, intermediate_size: 3072, "
-                   "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
-                   MPITRAIN_QWEN_ROPE},
-    {"qwen3-1.7b", "family: qwen3, n_layer: 28, n_head: 16, n_kv_head: 8, n_embd: 2048, intermediate_size: 6144, "
-                   "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
-                   MPITRAIN_QWEN_ROPE},
-    {"qwen3-4b", "family: qwen3, n_layer: 36, n_head: 32, n_kv_head: 8, n_embd: 2560, intermediate_size: 9728, "
-                 "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: true, "
-                 MPITRAIN_QWEN_ROPE},
-    {"qwen3-8b", "family: qwen3, n_layer: 36, n_head: 32, n_kv_head: 8, n_embd: 4096, intermediate_size: 12288, "
-                 "head_dim: 128, seq_len: 2048, vocab_size: 151936, max_position: 40960, tie_embeddings: false, "
-                 MPITRAIN_QWEN_ROPE},
-    // Mistral 7B v0.1: a 4096-token attention window (seq_len must stay within it), untied.
-    {"mistral-7b-v0.1", "family: mistral, n_layer: 32, n_head: 32, n_kv_head: 8, n_embd: 4096, "
-                        "intermediate_size: 14336, head_dim: 128, seq_len: 2048, vocab_size: 32000, "
-                        "max_position: 32768, rope_theta: 10000, norm_eps: 1e-5, rope_scaling: none, "
-                        "tie_embeddings: false, sliding_window: 4096"},
-    // Gemma 2 2B: 256-wide heads (8 x 256 = 2048 < 2304), a 4096-token window on every other layer,
-    // scores capped at 50 and logits at 30.
-    {"gemma2-2b", "family: gemma2, n_layer: 26, n_head: 8, n_kv_head: 4, n_embd: 2304, intermediate_size: 9216, "
-                  "head_dim: 256, seq_len: 2048, vocab_size: 256000, max_position: 8192, rope_theta: 10000, "
-                  "norm_eps: 1e-6, rope_scaling: none, tie_embeddings: true, sliding_window: 4096, "
-                  "attn_softcap: 50, final_softcap: 30, query_pre_attn_scalar: 256"},
-    // Gemma 3 1B (text only): 4 heads of 256 over 1 kv head at width 1152, windows of 512 on five
-    // layers of six with a rotary base of 10000, the global layers' 1000000.
-    {"gemma3-1b", "family: gemma3, n_layer: 26, n_head: 4, n_kv_head: 1, n_embd: 1152, intermediate_size: 6912, "
-                  "head_dim: 256, seq_len: 2048, vocab_size: 262144, max_position: 32768, rope_theta: 1000000, "
-                  "rope_local_theta: 10000, norm_eps: 1e-6, rope_scaling: none, tie_embeddings: true, "
-                  "sliding_window: 512, query_pre_attn_scalar: 256"},
-};
-#undef MPITRAIN_LLAMA3_ROPE
-#undef MPITRAIN_QWEN_ROPE
+// A preset is one row of model_presets() (model_fields.h): its fields by name, as the model.* keys
+// of a config (the key table above reads them, so a row is typed like a config).
+using Preset = ModelPreset;
 
 // The preset's row as a Config's model section.
 Config preset_config(const Preset& p) {
@@ -386,8 +356,10 @@ Config preset_config(const Preset& p) {
   const std::string where = concat("model.preset ", p.name);
   for (const auto& item : load_yaml(concat("{", p.fields, "}"), where)) {
     const Field* f = find_field("model." + item.first.Scalar());
-    MPITRAIN_CHECK(f, concat(where, ": no key model.", item.first.Scalar()));
-    set_field(*f, item.second, c, where);
+    const ModelField* g = f ? nullptr : generic_field("model." + item.first.Scalar());
+    MPITRAIN_CHECK(f || g, concat(where, ": no key model.", item.first.Scalar()));
+    if (g) set_generic(*g, item.second, c.model, where);
+    else set_field(*f, item.second, c, where);
   }
   return c;
 }
@@ -422,11 +394,11 @@ void copy_value(const Field& f, Config& from, Config& to) {
 // model.arch) the family is what the parts make (family_of_parts).
 void apply_preset(ModelConfig& m, const std::string& where) {
   const Preset* p = nullptr;
-  for (const Preset& q : kPresets)
+  for (const Preset& q : model_presets())
     if (m.preset == q.name) p = &q;
   if (!p && m.preset != "custom") {
     std::string names;
-    for (const Preset& q : kPresets) names += concat(q.name, "|");
+    for (const Preset& q : model_presets()) names += concat(q.name, "|");
     throw UsageError(concat(where, ": model.preset must be one of ", names, "custom, got ", show(m.preset)));
   }
   Config preset;  // the row (a default Config when custom)
@@ -470,6 +442,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     if (own_scaling && key.rfind("rope_", 0) == 0 && key != "rope_scaling" && key != "rope_theta") continue;
     if (same_value(f, here, unset) && !same_value(f, preset, unset)) copy_value(f, preset, here);
   }
+  for (const auto& [key, text] : preset.model.args) here.model.args.emplace(key, text);  // (kept where set)
   m = here.model;
   auto fill = [](auto& field, auto value) {
     if (field == decltype(value){}) field = value;
@@ -619,6 +592,24 @@ void validate(const Config& c, const std::string& where) {
     if (m.final_softcap > 0)
       check(m.fused_loss != "on", "model.fused_loss", "auto or off with model.final_softcap (the fused loss has no soft cap)",
             show(m.fused_loss));
+    // The generic rows of the family (model_fields.h): in range; a fallback outside the range set.
+    for (const ModelField& f : model_fields()) {
+      if (!f.generic || !fam || !field_applies(f, *fam)) continue;
+      GPTDims v;
+      f.from_config(v, m);
+      const ModelField::Value value = f.get(v);
+      const bool whole = f.type == ModelField::Type::integer, number = f.type == ModelField::Type::number;
+      const bool in_range = whole    ? std::get<int64_t>(value) >= f.lo && std::get<int64_t>(value) <= f.hi
+                            : number ? std::get<double>(value) >= static_cast<double>(f.lo)
+                                     : true;
+      const std::string range = whole ? concat("in [", f.lo, ", ", f.hi, "]") : concat(">= ", f.lo);
+      if (!m.args.count(f.key) && !in_range)
+        throw UsageError(concat(where, ": model.", f.key, " must be set (", range, ") with model.family ", fam->name));
+      if (const char* fixed = fixed_value_of(f, fam->name))
+        check(field_value_text(value) == fixed, concat("model.", f.key).c_str(), concat(fixed, " with model.family ", fam->name),
+              field_text(f, v));
+      check(in_range, concat("model.", f.key).c_str(), range, field_text(f, v));
+    }
     // llama3's four parameters; linear's factor alone.
     const bool llama3 = m.rope_scaling == "llama3", linear = m.rope_scaling == "linear";
     auto scaling_key = [&](const char* key, bool ok, const std::string& range, const std::string& got) {
@@ -732,6 +723,9 @@ void validate(const Config& c, const std::string& where) {
           show(c.comm.compress));
   }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
+  if (m.arch == "llama")
+    if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, t.activation_checkpointing); !conflict.empty())
+      throw UsageError(concat(where, ": ", conflict));
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",
         "1 (none), host (one island per host), auto (from the links' bandwidth) or a number of islands >= 1",
@@ -854,6 +848,8 @@ std::string to_yaml(const Config& cfg) {
       section = f.section;
       out << YAML::Key << section << YAML::Value << YAML::BeginMap;
     }
+    if (std::strcmp(f.section, "model") == 0 && std::strcmp(f.key, "init_from") == 0)
+      for (const auto& [key, text] : c.model.args) out << YAML::Key << key << YAML::Value << text;
     out << YAML::Key << f.key << YAML::Value;
     switch (f.kind) {
       case Kind::integer: out << member<int64_t>(f, c); break;

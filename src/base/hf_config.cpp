@@ -48,6 +48,18 @@ const json& class_defaults(const std::string& model_type) {
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
               "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "tie_word_embeddings": false},
+    "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": null,
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "tie_word_embeddings": false},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": null,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+                "tie_word_embeddings": false, "sliding_window": null},
+    "olmoe": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+              "num_attention_heads": 16, "num_key_value_heads": null, "head_dim": null,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": false},
     "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": null,
                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -156,10 +168,26 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     throw bad(flag("attention_bias", false) ? "attention_bias" : "mlp_bias",
               concat("true: mpitrain's ", type, " has no such biases"));
   // (Qwen's configs carry a window too, unused without use_sliding_window: not read.)
-  if ((type == "qwen2" || type == "qwen3") && flag("use_sliding_window", false))
+  if (type.rfind("qwen", 0) == 0 && flag("use_sliding_window", false))
     throw bad("use_sliding_window", "true: Qwen's sliding-window attention is not supported");
-  for (const char* moe : {"num_experts", "num_local_experts"})
-    if (c.contains(moe) && !c[moe].is_null()) throw bad(moe, "mixtures of experts are not supported");
+  // The generic fields (model_fields.h; the experts') of other families are not this one's, under
+  // any family's key for them that is not a key of this family's own (Mixtral's experts' size is
+  // its intermediate_size).
+  for (const ModelField& f : model_fields()) {
+    if (!f.generic || field_applies(f, *family)) continue;
+    std::istringstream keys(f.hf_key);
+    for (std::string key; keys >> key;) {
+      key = key.substr(key.find('=') + 1);
+      if (c.contains(key) && !c[key].is_null() && !defaults.contains(key))
+        throw bad(key, concat(c[key].dump(), ": mpitrain's ", type, " has no such field (", f.families, " have)"));
+    }
+  }
+  // OLMoE's clip_qkv (the q/k/v projections clamped) is not supported.
+  if (c.contains("clip_qkv") && !c["clip_qkv"].is_null())
+    throw bad("clip_qkv", concat(c["clip_qkv"].dump(), ": not supported (null: no clamp)"));
+  // Qwen3-MoE's dense layers are those its sparse-layer step leaves; a list of its own is not supported.
+  if (c.contains("mlp_only_layers") && !c["mlp_only_layers"].is_null() && c["mlp_only_layers"] != json::array())
+    throw bad("mlp_only_layers", concat(c["mlp_only_layers"].dump(), ": not supported (the dense layers are those the sparse-layer step leaves)"));
 
   // The head size: head_dim where given (Qwen3: 128 at any width), else hidden_size / num_attention_heads.
   const int64_t n_embd = integer("hidden_size", true, 0), n_head = integer("num_attention_heads", true, 0);
@@ -309,6 +337,36 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
     if (f.get(have) != f.fallback && f.get(have) != f.get(file))
       throw disagree(f.key, field_text(f, have), field_text(f, file));
     f.to_config(m, f.get(file));
+  }
+  // The generic fields of this family (model_fields.h): the file's value, absent the class's
+  // default (ModelField::hf_defaults), null or neither the row's fallback.
+  for (const ModelField& f : model_fields()) {
+    if (!f.generic || !field_applies(f, *family)) continue;
+    ModelField::Value value = f.fallback;
+    const std::string key = hf_key_of(f, type);
+    if (c.contains(key) && !c[key].is_null()) {
+      const json& v = c[key];
+      const bool ok = f.type == ModelField::Type::integer  ? v.is_number_integer() && v.get<int64_t>() >= f.lo && v.get<int64_t>() <= f.hi
+                      : f.type == ModelField::Type::number ? v.is_number() && v.get<double>() >= static_cast<double>(f.lo)
+                      : f.type == ModelField::Type::flag   ? v.is_boolean()
+                                                           : v.is_string();
+      if (!ok)
+        throw bad(key, concat("must be ",
+                                   f.type == ModelField::Type::integer  ? concat("an integer in [", f.lo, ", ", f.hi, "]")
+                                   : f.type == ModelField::Type::number ? concat("a number >= ", f.lo)
+                                   : f.type == ModelField::Type::flag   ? std::string("true or false")
+                                                                        : std::string("a string"),
+                                   ", got ", v.dump()));
+      if (f.type == ModelField::Type::integer) value = v.get<int64_t>();
+      else if (f.type == ModelField::Type::number) value = v.get<double>();
+      else if (f.type == ModelField::Type::flag) value = v.get<bool>();
+      else value = v.get<std::string>();
+    } else if (const char* d = hf_default_of(f, type); d && !c.contains(key)) {
+      MPITRAIN_CHECK(field_from_text(f, d, value), concat(f.key, "'s class default '", d, "'"));
+    }
+    if (m.args.count(f.key) && m.args[f.key] != field_value_text(value))
+      throw disagree(f.key, m.args[f.key], field_value_text(value));
+    f.to_config(m, value);
   }
   struct Str { const char* key; std::string* field; std::string value; const char* unset; };
   const Str strs[] = {{"family", &m.family, family->name, ""},

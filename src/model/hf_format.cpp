@@ -149,7 +149,9 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 // Llama: mpitrain's name -> HF's, piece by piece ("h.3.attn.c_proj.weight" ->
 // "model.layers.3.self_attn.o_proj.weight"). Gemma's block has four norms: its norm before the MLP
 // is pre_feedforward_layernorm, and post_attention_layernorm is the one after the attention.
-std::string llama_hf_name(const std::string& name, bool gemma) {
+// Mixtral's experts are block_sparse_moe's, their projections w1 (gate), w3 (up), w2 (down).
+std::string llama_hf_name(const std::string& name, const Family& family) {
+  const bool gemma = family.gemma_norms;
   static const std::pair<const char*, const char*> whole[] = {
       {"wte.weight", "model.embed_tokens.weight"}, {"ln_f.weight", "model.norm.weight"}, {"lm_head.weight", "lm_head.weight"}};
   for (const auto& [ours, theirs] : whole)
@@ -158,12 +160,19 @@ std::string llama_hf_name(const std::string& name, bool gemma) {
   static const Parts parts = {
       {".ln_1.", ".input_layernorm."},       {".ln_2.", ".post_attention_layernorm."},
       {".attn.c_proj.", ".self_attn.o_proj."}, {".attn.", ".self_attn."},
-      {".mlp.c_proj.", ".mlp.down_proj."}};
+      {".mlp.c_proj.", ".mlp.down_proj."}, {".c_proj.", ".down_proj."}};  // (the last: an expert's)
   static const Parts gemma_norms = {{".ln_2.", ".pre_feedforward_layernorm."},
                                     {".post_attn_norm.", ".post_attention_layernorm."},
                                     {".post_mlp_norm.", ".post_feedforward_layernorm."}};
   MPITRAIN_CHECK(name.rfind("h.", 0) == 0, concat("no Hugging Face name for '", name, "'"));
   std::string out = "model.layers." + name.substr(2);
+  if (family.name == std::string("mixtral") &&
+      (out.find(".mlp.experts.") != std::string::npos || out.find(".mlp.gate.") != std::string::npos)) {
+    out.replace(out.find(".mlp."), 5, ".block_sparse_moe.");
+    for (const auto& [ours, theirs] : {std::pair{".gate_proj.", ".w1."}, std::pair{".up_proj.", ".w3."}, std::pair{".c_proj.", ".w2."}})
+      if (const size_t at = out.find(ours); at != std::string::npos) out.replace(at, std::strlen(ours), theirs);
+    return out;
+  }
   auto rename = [&](const Parts& table) {  // the first piece of `table` in the name, replaced
     for (const auto& [ours, theirs] : table) {
       const size_t at = out.find(ours);
@@ -310,7 +319,7 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
   // add o_proj's bias too); Mistral is Llama's with an attention window (its row's key).
   const Family& family = d.family_row();
   const std::string type = family.hf_model_type;
-  const bool qwen2 = type == "qwen2", qwen3 = type == "qwen3";
+  const bool qwen2 = type == "qwen2", qwen3 = type == "qwen3" || type == "qwen3_moe";
   json c = {
       {"architectures", {family.hf_architecture}},
       {"model_type", type},
@@ -329,8 +338,9 @@ json config_json(const GPTDims& d, int64_t eot_token, const std::string& dtype) 
   };
   for (const ModelField& f : model_fields()) {  // the fields config.json has as they are (null: none)
     if (!*f.hf_key || !field_applies(f, family)) continue;
-    if (f.hf_null && f.get(d) == f.fallback) c[f.hf_key] = nullptr;
-    else std::visit([&](const auto& v) { c[f.hf_key] = v; }, f.get(d));
+    const std::string key = hf_key_of(f, type);
+    if (f.hf_null && f.get(d) == f.fallback) c[key] = nullptr;
+    else std::visit([&](const auto& v) { c[key] = v; }, f.get(d));
   }
   if (family.gemma_norms) {  // Gemma's: its activation under its own key too, each layer's kind
     c["hidden_activation"] = family.mlp_act;
@@ -403,7 +413,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 std::string hf_architecture(const GPTDims& d) { return d.family_row().hf_architecture; }
 
 std::string hf_name(const std::string& name, const GPTDims& d) {
-  return d.llama() ? llama_hf_name(name, d.family_row().gemma_norms) : kPrefix + name;
+  return d.llama() ? llama_hf_name(name, d.family_row()) : kPrefix + name;
 }
 
 bool hf_transposed(const std::string& name, const GPTDims& d) {

@@ -198,8 +198,10 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
   c_proj = register_module("c_proj", linear(q_width, d.n_embd, !d.llama()));
   if (d.llama() && d.qk_norm) {  // after o_proj, as in Hugging Face's Qwen3Attention
     const bool gemma = d.family_row().gemma_norms;
-    q_norm = register_module("q_norm", Norm(head_dim_, true, d.norm_eps, tp_, gemma));
-    k_norm = register_module("k_norm", Norm(head_dim_, true, d.norm_eps, tp_, gemma));
+    // OLMoE: over the whole projections (its experts refuse tp, whose shards would each see part)
+    whole_qk_norm_ = d.family_row().qk_norm_whole;
+    q_norm = register_module("q_norm", Norm(whole_qk_norm_ ? q_width : head_dim_, true, d.norm_eps, tp_, gemma));
+    k_norm = register_module("k_norm", Norm(whole_qk_norm_ ? kv_width : head_dim_, true, d.norm_eps, tp_, gemma));
   }
   // Column-parallel by whole heads: [q; k; v] each in tp blocks (gpt2), or q and k/v (llama); the
   // output projection row-parallel (its input columns; its bias whole).
@@ -276,9 +278,13 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
     auto qkv = apply_linear(c_attn, in).split(n_head_ * hd, /*dim=*/2);
     q = heads(qkv[0], n_head_), k = heads(qkv[1], n_head_), v = heads(qkv[2], n_head_);
   } else {
-    q = heads(apply_linear(q_proj, in), n_head_), k = heads(apply_linear(k_proj, in), n_kv_head_),
+    if (whole_qk_norm_) {  // OLMoE: each projection normalised as a whole, then split into heads
+      q = heads(q_norm(apply_linear(q_proj, in)), n_head_), k = heads(k_norm(apply_linear(k_proj, in)), n_kv_head_);
+    } else {
+      q = heads(apply_linear(q_proj, in), n_head_), k = heads(apply_linear(k_proj, in), n_kv_head_);
+      if (q_norm) q = q_norm(q), k = k_norm(k);  // Qwen3: each head normalised, before rotary
+    }
     v = heads(apply_linear(v_proj, in), n_kv_head_);
-    if (q_norm) q = q_norm(q), k = k_norm(k);  // Qwen3: each head normalised, before rotary
   }
   if (rotary_) q = rotary_->apply(q), k = rotary_->apply(k);
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);  // [B, n, T, hd]
@@ -396,23 +402,73 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   return row_parallel(bias_gelu(pre, c_fc->bias), c_proj, tp_);
 }
 
-BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer) : dropout_(d.dropout) {
+// Experts: SwiGLU MLPs of moe_intermediate_size units, made as the dense MLP with that size.
+MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
+    : top_k_(d.num_experts_per_tok), norm_topk_(d.norm_topk_prob), log_(log) {
+  // (The config refuses these: args_conflict.)
+  MPITRAIN_CHECK(d.tp == 1 && d.ac == GPTDims::Ac::none && top_k_ <= d.num_experts,
+                 "mixture of experts: tp > 1, activation checkpointing or more chosen than there are experts");
+  gate = register_module("gate", linear(d.n_embd, d.num_experts, false));
+  experts = register_module("experts", torch::nn::ModuleList());
+  GPTDims expert = d;
+  expert.intermediate_size = d.moe_intermediate_size;
+  for (int64_t e = 0; e < d.num_experts; ++e) experts->push_back(MLP(expert));
+}
+
+torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
+  const int64_t C = x.size(-1), E = static_cast<int64_t>(experts->size());
+  const torch::Tensor rows = x.reshape({-1, C});
+  const int64_t N = rows.size(0);
+  // The router in fp32 from its logits (in autocast's dtype, as transformers' gate runs in the model's).
+  const torch::Tensor probs = torch::softmax(apply_linear(gate, rows).to(torch::kFloat32), -1);
+  auto [weights, chosen] = probs.topk(top_k_, -1);
+  if (norm_topk_) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  // The N k token copies grouped by expert (stable: a token's copies in expert order, as
+  // transformers' loop over the experts adds them), each group through its expert.
+  const torch::Tensor flat = chosen.reshape({-1});
+  const torch::Tensor order = std::get<1>(flat.sort(c10::optional<bool>(true), /*dim=*/0, /*descending=*/false));
+  const torch::Tensor token = order.div(top_k_, "floor");
+  const torch::Tensor counts = torch::bincount(flat, {}, E);
+  const torch::Tensor host_counts = counts.cpu();
+  const int64_t* count = host_counts.data_ptr<int64_t>();
+  const torch::Tensor grouped = rows.index_select(0, token);
+  std::vector<torch::Tensor> outs;
+  outs.reserve(static_cast<size_t>(E));
+  for (int64_t e = 0, start = 0; e < E; start += count[e], ++e)
+    outs.push_back((*experts)[static_cast<size_t>(e)]->as<MLP>()->forward(grouped.narrow(0, start, count[e])));
+  torch::Tensor out = torch::cat(outs);
+  out = out * weights.reshape({-1}).index_select(0, order).to(out.scalar_type()).unsqueeze(1);
+  if (log_ && is_training()) {
+    log_->prob_sums.push_back(probs.sum(0));
+    log_->counts.push_back(counts);
+    log_->rows += N;
+  } else if (log_) {
+    log_->counts.push_back(counts);
+  }
+  return torch::zeros({N, C}, out.options()).index_add(0, token, out).view(x.sizes());
+}
+
+BlockImpl::BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer, RouterLog* log)
+    : dropout_(d.dropout) {
   const bool gemma = d.family_row().gemma_norms;
   ln_1 = register_module("ln_1", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
   attn = register_module("attn", CausalSelfAttention(d, std::move(rotary), layer));
   ln_2 = register_module("ln_2", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, gemma));
-  mlp = register_module("mlp", MLP(d));
+  if (d.moe_layer(layer)) moe = register_module("mlp", MoE(d, log));
+  else mlp = register_module("mlp", MLP(d));
   if (gemma) {
     post_attn_norm = register_module("post_attn_norm", Norm(d.n_embd, true, d.norm_eps, nullptr, true));
     post_mlp_norm = register_module("post_mlp_norm", Norm(d.n_embd, true, d.norm_eps, nullptr, true));
   }
 }
 
+torch::Tensor BlockImpl::ffn(const torch::Tensor& x) { return moe ? moe(x) : mlp(x); }
+
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
   auto a = attn(ln_1(x));
   if (post_attn_norm) a = post_attn_norm(a);
   x = x + a;
-  auto m = mlp(ln_2(x));
+  auto m = ffn(ln_2(x));
   if (post_mlp_norm) m = post_mlp_norm(m);
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
@@ -423,7 +479,7 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
                                                                  c10::ScalarType normed_dtype) {
   auto [r1, n1] = ln_1->add_forward(x, delta, normed_dtype);
   auto [r2, n2] = ln_2->add_forward(r1, attn(n1), normed_dtype);
-  auto m = mlp->forward_fused(n2);
+  auto m = moe ? moe(n2) : mlp->forward_fused(n2);
   if (is_training() && dropout_ > 0)
     m = F::dropout(m, F::DropoutFuncOptions().p(dropout_).training(true));
   return {r2, m};
@@ -614,7 +670,7 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   auto local_rotary = d.llama() && d.rope_local_theta > 0 ? std::make_shared<Rotary>(d, /*local=*/true) : rotary;
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < d.n_layer; ++i) {
-    h->push_back(Block(d, d.local_layer(i) ? local_rotary : rotary, i));
+    h->push_back(Block(d, d.local_layer(i) ? local_rotary : rotary, i, &router_log_));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.family_row().gemma_norms));
@@ -627,6 +683,8 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
 }
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+  router_log_.clear();
+  aux_loss_ = torch::Tensor();
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
   if (units_) units_->need_outside_blocks();
@@ -693,7 +751,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   return cap > 0 ? torch::tanh(logits / cap) * cap : logits;  // Gemma's soft cap
 }
 
-torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+torch::Tensor GPTImpl::lm_loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   Communicator* tp = tp_of(dims_);
   const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
   if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
@@ -708,6 +766,27 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
                                         vocab_start, *tp);  // (numel, not -1: a slice of padding has 0 columns)
   return F::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat32),
                           targets.reshape({-1}).to(torch::kLong));
+}
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  torch::Tensor loss = lm_loss(idx, targets);
+  if (router_log_.prob_sums.empty()) return loss;
+  // transformers' load_balancing_loss_func over every sparse layer's R tokens at once: E x sum_e
+  // (choices of e / R) x (mean router probability of e), the choices constant (no gradient), the
+  // probabilities the router's.
+  const auto E = static_cast<double>(dims_.num_experts), R = static_cast<double>(router_log_.rows);
+  const torch::Tensor share = torch::stack(router_log_.counts).sum(0).to(torch::kFloat32) / R;
+  aux_loss_ = (share * torch::stack(router_log_.prob_sums).sum(0)).sum() * (E / R);
+  return loss + aux_loss_ * dims_.router_aux_loss_coef;
+}
+
+std::vector<double> GPTImpl::expert_load() const {
+  std::vector<double> load;
+  for (const torch::Tensor& c : router_log_.counts) {
+    const torch::Tensor f = c.to(torch::kFloat64);
+    load.push_back((f.max() / f.mean().clamp_min(1e-12)).item<double>());
+  }
+  return load;
 }
 
 // ---- fused, chunked classifier + cross-entropy -------------------------------------------------
@@ -887,6 +966,17 @@ TpSplit GPTImpl::tp_split(const std::string& name) const {
 int64_t GPTImpl::num_params() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+int64_t GPTImpl::inactive_params() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < h->size(); ++i)
+    if (const auto& moe = (*h)[i]->as<Block>()->moe) {
+      int64_t expert = 0;
+      for (const auto& p : (*moe->experts)[0]->parameters()) expert += p.numel();
+      n += (static_cast<int64_t>(moe->experts->size()) - dims_.num_experts_per_tok) * expert;
+    }
   return n;
 }
 

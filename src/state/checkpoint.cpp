@@ -628,7 +628,14 @@ GPTDims declared_dims(hid_t root, const std::string& path) {
                   "'n_layer', 'n_head', 'head_dim' and 'n_embd'");
     expect_stored(last + "attn.k_proj.weight", {d.n_kv_head * d.head_dim(), d.n_embd},
                   "'n_kv_head', 'n_head', 'head_dim' and 'n_embd'");
-    expect_stored(last + "mlp.gate_proj.weight", {d.intermediate_size, d.n_embd}, "'intermediate_size' and 'n_embd'");
+    const int64_t experts = d.experts_of_layer(d.n_layer - 1);
+    if (experts > 0) {  // the last layer's router and last expert
+      expect_stored(last + "mlp.gate.weight", {experts, d.n_embd}, "the experts' count and 'n_embd'");
+      expect_stored(concat(last, "mlp.experts.", experts - 1, ".gate_proj.weight"), {d.mlp_units(d.n_layer - 1), d.n_embd},
+                    "the experts' count and size and 'n_embd'");
+    } else {
+      expect_stored(last + "mlp.gate_proj.weight", {d.intermediate_size, d.n_embd}, "'intermediate_size' and 'n_embd'");
+    }
     if (!d.tie_embeddings) expect_stored("model/lm_head.weight", {d.vocab_size, d.n_embd}, "'vocab_size' and 'n_embd'");
   } else {
     expect_stored("model/wpe.weight", {d.seq_len, d.n_embd}, "'seq_len' and 'n_embd'");

@@ -164,13 +164,17 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
     loss = torch::Tensor();  // the graph and everything it kept go
     return after - before;
   };
-  kept(1, GPTDims::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
+  // (A model that cannot be checkpointed, a mixture of experts: its none rows only.)
+  out.checkpointing = args_conflict(dims, 1, "full").empty();
+  if (out.checkpointing) kept(1, GPTDims::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
   const double none1 = kept(1, GPTDims::Ac::none), none2 = kept(2, GPTDims::Ac::none);
-  const double selective1 = kept(1, GPTDims::Ac::selective), selective2 = kept(2, GPTDims::Ac::selective);
-  const double full1 = kept(1, GPTDims::Ac::full), full2 = kept(2, GPTDims::Ac::full);
   out.block_none = std::max(0.0, none2 - none1);
-  out.block_selective = std::max(0.0, selective2 - selective1);
-  out.block_full = std::max(0.0, full2 - full1);
+  if (out.checkpointing) {
+    const double selective1 = kept(1, GPTDims::Ac::selective), selective2 = kept(2, GPTDims::Ac::selective);
+    const double full1 = kept(1, GPTDims::Ac::full), full2 = kept(2, GPTDims::Ac::full);
+    out.block_selective = std::max(0.0, selective2 - selective1);
+    out.block_full = std::max(0.0, full2 - full1);
+  }
   out.outside = std::max(0.0, none1 - out.block_none);
   return true;
 }

@@ -1,6 +1,8 @@
 // The progress line and the JSONL metrics (see progress.h).
 #include "mpitrain/progress.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -73,6 +75,8 @@ void Progress::report(const StepReport& r) {
   if (mfu >= 0) line += format(" | MFU %.1f%%", mfu * 100);
   if (facts_.communicates) line += format(" | comm %.0f%%", comm * 100);
   if (facts_.loss_scaling) line += format(" | scale %g", r.loss_scale);
+  const double load = r.expert_load.empty() ? 0 : *std::max_element(r.expert_load.begin(), r.expert_load.end());
+  if (r.aux_loss >= 0) line += format(" | aux %.4f | load %.2f", r.aux_loss, load);
   line += " | ETA " + human_duration(avg * static_cast<double>(cfg_.train.steps - r.step - 1));
   log::info(line);
 
@@ -95,6 +99,13 @@ void Progress::report(const StepReport& r) {
   if (facts_.loss_scaling) {
     json += format(", \"loss_scale\": %g", r.loss_scale);
     scalars.emplace_back("optim/loss_scale", r.loss_scale);
+  }
+  if (r.aux_loss >= 0) {  // the experts' balance: the aux loss, each sparse layer's load (max / mean tokens)
+    json += format(", \"aux_loss\": %.6f, \"expert_load\": [", r.aux_loss);
+    for (size_t i = 0; i < r.expert_load.size(); ++i) json += format(i ? ", %.4f" : "%.4f", r.expert_load[i]);
+    json += "]";
+    scalars.emplace_back("moe/aux_loss", r.aux_loss);
+    scalars.emplace_back("moe/expert_load_max", load);
   }
   if (metrics_.is_open()) metrics_ << json << "}\n" << std::flush;
   if (tensorboard_) tensorboard_->scalars(step, scalars);

@@ -212,7 +212,7 @@ class Run {
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
-  torch::Tensor loss_sum_, norm_;
+  torch::Tensor loss_sum_, aux_sum_, norm_;  // aux_sum_: the experts' load-balancing loss
   bool applied_ = true;  // the step's update was applied (false: fp16 overflowed, skipped)
   double lr_ = 0;
 };
@@ -357,7 +357,8 @@ void Run::open_outputs() {
   // and GQA's smaller k/v projections count through the parameter total.
   const int64_t lookup_only =
       dims_.llama() ? (dims_.tie_embeddings ? 0 : dims_.vocab_size * dims_.n_embd) : dims_.seq_len * dims_.n_embd;
-  facts.flops_per_token = model_flops_per_token(whole_params_, lookup_only, dims_.n_layer, dims_.attn_width(), T_);
+  // A mixture of experts: the parameters each token uses (its k experts of each sparse layer).
+  facts.flops_per_token = model_flops_per_token(whole_params_ - model_->inactive_params(), lookup_only, dims_.n_layer, dims_.attn_width(), T_);
   facts.communicates = s_.layout.replicas() > 1;
   facts.loss_scaling = scaler_.enabled();
   facts.host = topo_.host;
@@ -454,6 +455,7 @@ void Run::micro_batches() {
     agree(mpi_comm_, check);
   }
   loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  aux_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   for (int64_t m = 0; m < accum_; ++m) {
     const auto& [x, y] = batches_[static_cast<size_t>(m)];
     torch::Tensor loss;
@@ -465,6 +467,7 @@ void Run::micro_batches() {
     scaler_.scale_loss(loss / static_cast<double>(accum_)).backward();
     par_.after_backward(m + 1 == accum_);
     loss_sum_ += loss.detach().to(torch::kFloat64);
+    if (model_->last_aux_loss().defined()) aux_sum_ += model_->last_aux_loss().detach().to(torch::kFloat64);
   }
 }
 
@@ -537,21 +540,23 @@ void Run::log_step() {
     grad_norm = norm_.item<double>();
   }
   const bool bad_norm = applied_ && !std::isfinite(grad_norm);
-  auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options())});
+  auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options()), aux_sum_});
   s_.mesh->replicas_comm().all_reduce(reduced, ReduceOp::avg);
-  double loss = 0, any_bad_norm = 0;
+  double loss = 0, any_bad_norm = 0, aux = -1;
   {
     Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
     const auto host = reduced.cpu();
     loss = host[0].item<double>() / static_cast<double>(accum_);
     any_bad_norm = host[1].item<double>();
+    if (model_->last_aux_loss().defined()) aux = host[2].item<double>() / static_cast<double>(accum_);
   }
   result_.losses.emplace_back(step, loss);
   if (!std::isfinite(loss) || any_bad_norm > 0)  // the same values on every rank
     diverged(step, concat("the loss is ", loss, " and the gradient norm ", grad_norm,
                           any_bad_norm > 0 && !bad_norm ? " here, not finite on another rank" : ""));
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
-                    scaler_.enabled() ? scaler_.scale() : 0.0};
+                    scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
+  if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load();
   if (topo_.rank == 0) progress_->report(report);
 }
 

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Mixtures of experts (model.family qwen3_moe, mixtral and olmoe) against the independent PyTorch
+# reference (tests/llama_reference.py's Qwen3MoeForCausalLM, MixtralForCausalLM and
+# OlmoeForCausalLM, written from transformers' modeling code: the sparse blocks' router and expert
+# loop, load_balancing_loss_func):
+#  - a qwen3_moe of 4 layers (decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense), 8
+#    experts of 16 units, top 2, the chosen weights renormalised, an untied head, trains
+#    under `mpirun -np 2`, is exported with `export --format hf`, and the reference's logits on the
+#    export equal mpitrain's (tests/hf_logits.cpp); the check can fail: the reference with
+#    norm_topk_prob, num_experts_per_tok or decoder_sparse_step changed, or two experts' weights
+#    swapped, gives other logits;
+#  - a Mixtral (Mistral's attention with a window of 8 that cuts the context, 4 experts on every
+#    layer, always renormalised, block_sparse_moe's w1/w3/w2): the same, and the reference without
+#    the window differs; an OLMoE (q/k norms over the whole projections, not renormalised): the
+#    same, and the reference renormalising differs;
+#  - 20 AdamW steps from each export (model.init_from: hf:DIR) on 2 ranks x 1 micro-batch of 2 and
+#    in the reference (one process, batch 4): the losses, the load-balancing loss included (its
+#    coefficient raised to 0.5 so that it matters), within 1e-4. The load-balancing loss is each
+#    forward's (a rank's micro-batch), as transformers' under DDP: the reference computes it per
+#    half of its batch; without the aux loss, or with it over the whole batch, it differs;
+#  - the start-up line describes the experts; bad configurations refused by name (exit 2, one line).
+# Usage (KEEP=1 keeps the work directory): moe_test.sh PATH/TO/mpitrain PATH/TO/hf_logits [mpirun]
+set -u
+BIN=$(realpath "$1")
+LOGITS=$(realpath "$2")
+MPIRUN=${3:-mpirun}
+HERE=$(cd "$(dirname "$0")" && pwd)
+E2E_NAME=moe
+# shellcheck source=e2e_lib.sh
+. "$HERE/e2e_lib.sh"
+need_python 'import torch, numpy' 'python3-torch python3-numpy'
+REF=("$PY" "$HERE/llama_reference.py")
+
+# Layers 1 and 3 sparse (decoder_sparse_step 2), 0 and 2 dense; lr 0.01 moves the router far
+# enough from its start that its choices differ between tokens.
+cat > qwen3_moe.yaml <<'EOF'
+model: {preset: custom, family: qwen3_moe, n_layer: 4, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16,
+        intermediate_size: 64, seq_len: 32, rope_theta: 1000000, norm_eps: 1e-6, vocab_size: 258,
+        tie_embeddings: false, num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 16,
+        norm_topk_prob: true, decoder_sparse_step: 2, router_aux_loss_coef: 0.5}
+data: {train: [data/c-train-*.h5], val: [data/c-val-*.h5]}
+train: {micro_batch: 2, steps: 6, threads: 1}
+optim: {warmup_steps: 2, lr: 0.01}
+eval: {every: 3, batches: 2}
+log: {every: 3}
+checkpoint: {every: 0, keep: 1, resume: none}
+sample: {tokens: 0}
+EOF
+# family SUFFIX YAML STARTUP-PATTERN EXPORT-WHAT EXPORT-CHECK: trains YAML 6 steps on 2 ranks
+# (run$SUFFIX, ckpt$SUFFIX), checks the start-up line, exports to hf$SUFFIX and checks it (the check
+# reads $D, the export's directory), and writes mpitrain's logits to logits$SUFFIX.
+family() {
+  local sfx=$1 yaml=$2 startup=$3 what=$4 test=$5 m=${2%.yaml} rc
+  "$MPIRUN" -np 2 "$BIN" $yaml --set train.out_dir=run$sfx --set checkpoint.dir=ckpt$sfx > train$sfx.out 2>&1
+  rc=$?
+  check "$m: training (mpirun -np 2, 6 steps) exits 0; the start-up line names the experts" \
+    "[ $rc -eq 0 ] && grep -q '$startup' train$sfx.out"
+  [ $rc -eq 0 ] || tail -20 train$sfx.out
+  "$BIN" export ckpt$sfx/ckpt-00000006.h5 --format hf hf$sfx > export$sfx.out 2>&1
+  rc=$?
+  D=hf$sfx
+  check "$m: export --format hf: $what (exit $rc)" "[ $rc -eq 0 ] && $test"
+  [ $rc -eq 0 ] || cat export$sfx.out
+  mkdir -p logits$sfx
+  "$LOGITS" ckpt$sfx/ckpt-00000006.h5 logits$sfx > logits$sfx.out 2>&1 || { cat logits$sfx.out; bad "hf_logits $m"; }
+}
+family "" qwen3_moe.yaml \
+  'model: qwen3_moe (llama block), .*8 experts (2 per token, 16 units each, weights renormalised, every 2th layer, aux loss x 0.5)' \
+  "Qwen3MoeForCausalLM with its experts' keys, per-expert tensors, layers 0 and 2 dense" \
+  "grep -q Qwen3MoeForCausalLM \$D/config.json && grep -q '\"num_experts\": 8' \$D/config.json &&
+   grep -q '\"num_experts_per_tok\": 2' \$D/config.json && grep -q '\"norm_topk_prob\": true' \$D/config.json &&
+   grep -q '\"decoder_sparse_step\": 2' \$D/config.json && grep -q '\"moe_intermediate_size\": 16' \$D/config.json &&
+   grep -q 'model.layers.3.mlp.experts.7.down_proj.weight' \$D/model.safetensors &&
+   grep -q 'model.layers.1.mlp.gate.weight' \$D/model.safetensors && grep -q 'model.layers.2.mlp.down_proj.weight' \$D/model.safetensors &&
+   ! grep -q 'model.layers.2.mlp.gate.weight' \$D/model.safetensors"
+
+# Mixtral: Mistral's attention with a window of 8 that cuts the 32-token context, 4 experts of 24
+# units on both layers, 2 per token, always renormalised (block_sparse_moe's w1, w3, w2).
+printf '%s\n' 'model: {preset: custom, family: mixtral, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 24,
+        seq_len: 32, rope_theta: 1000000, vocab_size: 258, tie_embeddings: false, sliding_window: 8,
+        num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 24, router_aux_loss_coef: 0.5}' > mixtral.yaml
+sed -n '/^data:/,$p' qwen3_moe.yaml >> mixtral.yaml
+family _mx mixtral.yaml \
+  'model: mixtral (llama block), .*attention window 8 (cuts the context), 4 experts (2 per token, 24 units each, weights renormalised, aux loss x 0.5)' \
+  "MixtralForCausalLM with num_local_experts, block_sparse_moe's w1/w2/w3" \
+  "grep -q MixtralForCausalLM \$D/config.json && grep -q '\"num_local_experts\": 4' \$D/config.json &&
+   grep -q '\"sliding_window\": 8' \$D/config.json && grep -q 'model.layers.1.block_sparse_moe.experts.3.w2.weight' \$D/model.safetensors &&
+   grep -q 'model.layers.0.block_sparse_moe.gate.weight' \$D/model.safetensors && ! grep -q 'mlp' \$D/model.safetensors"
+
+# OLMoE: q and k each normalised over the whole projection (not per head), 4 experts of 16 units on
+# both layers, 2 per token, not renormalised.
+printf '%s\n' 'model: {preset: custom, family: olmoe, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 16,
+        seq_len: 32, vocab_size: 258, tie_embeddings: false, num_experts: 4, num_experts_per_tok: 2,
+        moe_intermediate_size: 16, router_aux_loss_coef: 0.5}' > olqwen3_moe.yaml
+sed -n '/^data:/,$p' qwen3_moe.yaml >> olqwen3_moe.yaml
+family _ol olqwen3_moe.yaml 'model: olmoe (llama block), .*q/k norms, 4 experts (2 per token, 16 units each, aux loss x 0.5)' \
+  "OlmoeForCausalLM, q_norm of the whole projection's width" \
+  "grep -q OlmoeForCausalLM \$D/config.json && grep -q '\"num_experts\": 4' \$D/config.json &&
+   grep -q '\"norm_topk_prob\": false' \$D/config.json &&
+   grep -q '\"model.layers.0.self_attn.q_norm.weight\": *{[^}]*\"shape\": *\[32\]' \$D/model.safetensors"
+
+# Variants the reference must tell apart: config.json edited, or experts 0 and 1 of layer 1 swapped.
+variant() {  # NAME SOURCE-DIR PYTHON-EXPRESSION-ON-c: SOURCE-DIR's weights, its config.json edited
+  mkdir -p hf_$1 && ln -sf "$PWD/$2/model.safetensors" hf_$1/model.safetensors
+  "$PY" -c "import json; c = json.load(open('$2/config.json')); $3; json.dump(c, open('hf_$1/config.json', 'w'))"
+}
+variant nonorm hf 'c["norm_topk_prob"] = False'
+variant top3 hf 'c["num_experts_per_tok"] = 3'
+variant ol_norm hf_ol 'c["norm_topk_prob"] = True'
+variant mx_nowin hf_mx 'c["sliding_window"] = None'
+mkdir -p hf_swap && cp hf/config.json hf_swap/
+"$PY" - hf/model.safetensors hf_swap/model.safetensors <<'PYEOF'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+h = json.loads(raw[8:8 + n])
+for part in ("gate_proj", "up_proj", "down_proj"):  # the names of experts 0 and 1 of layer 1 exchanged
+    a, b = (f"model.layers.1.mlp.experts.{e}.{part}.weight" for e in (0, 1))
+    h[a], h[b] = h[b], h[a]
+t = json.dumps(h).encode(); t += b" " * ((8 - len(t) % 8) % 8)
+open(sys.argv[2], "wb").write(struct.pack("<Q", len(t)) + t + raw[8 + n:])
+PYEOF
+# The learnable text of llama_hf: the GPL's bytes as tokens 1-256.
+"$PY" -c 'import numpy as np; np.save("tokens.npy", np.frombuffer(open("/usr/share/common-licenses/GPL-3", "rb").read(), np.uint8).astype(np.uint16) + 1)'
+"$BIN" pack tokens.npy -o data/t --vocab-size 257 --eot 0 --val-fraction 0 > pack_t.out 2>&1 || cat pack_t.out
+declare -A prc
+for m in hf hf_mx hf_ol; do
+  printf 'model: {init_from: "hf:%s", seq_len: 32}\n' $m > init_$m.yaml
+  sed -n '/^data:/,$p' qwen3_moe.yaml | sed 's/lr: 0.01/lr: 0.003/' >> init_$m.yaml
+  "$MPIRUN" -np 2 "$BIN" init_$m.yaml --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
+    --set eval.every=0 --set log.every=1 --set train.steps=20 --set train.out_dir=run_par_$m --set checkpoint.dir=ckpt_par_$m > par_$m.out 2>&1
+  prc[$m]=$?
+done
+variant noaux hf 'c["router_aux_loss_coef"] = 0.0'
+{
+  for v in "" _nonorm _top3 _swap; do echo "logits$v logits hf$v logits/tokens.npy logits/logits.npy"; done
+  for v in "" _nowin; do echo "logits_mx$v logits hf_mx$v logits_mx/tokens.npy logits_mx/logits.npy"; done
+  for v in "" _norm; do echo "logits_ol$v logits hf_ol$v logits_ol/tokens.npy logits_ol/logits.npy"; done
+  echo "train_ol train hf_ol tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"
+  echo "train_mx train hf_mx tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"
+  for v in "" _noaux; do echo "train$v train hf$v tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"; done
+  echo "train_whole train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2"
+} > refs.list
+"${REF[@]}" list refs.list refs > refs.log 2>&1 || cat refs.log
+rc_of() { cat refs/$1.rc 2>/dev/null || echo none; }
+sed 's/^/  /' refs/logits.out
+check "the reference's Qwen3-MoE on the export gives mpitrain's logits (exit $(rc_of logits))" "[ $(rc_of logits) = 0 ]"
+sed 's/^/  /' refs/logits_mx.out
+check "the reference's Mixtral on the export gives mpitrain's logits (exit $(rc_of logits_mx))" "[ $(rc_of logits_mx) = 0 ]"
+sed 's/^/  /' refs/logits_ol.out
+check "the reference's OLMoE on the export gives mpitrain's logits (exit $(rc_of logits_ol))" "[ $(rc_of logits_ol) = 0 ]"
+for v in nonorm:"norm_topk_prob false" top3:"num_experts_per_tok 3" swap:"experts 0 and 1 of layer 1 swapped" \
+         mx_nowin:"Mixtral without its window" ol_norm:"OLMoE with norm_topk_prob true"; do
+  n=${v%%:*}
+  check "the reference with ${v#*:} does not give mpitrain's logits ($(tail -1 refs/logits_$n.out 2>/dev/null | cut -c1-100))" \
+    "[ $(rc_of logits_$n) != 0 ] && grep -q 'logits differ' refs/logits_$n.out"
+done
+# Each family's 20 losses against the reference's (ref_parity, e2e_lib.sh).
+for v in train:hf:qwen3_moe train_mx:hf_mx:mixtral train_ol:hf_ol:olmoe; do
+  IFS=: read -r ref dir m <<< "$v"
+  ref_parity run_par_$dir/metrics.jsonl refs/$ref.out > parity_$ref.out 2>&1
+  arc=$?
+  cat parity_$ref.out
+  check "$m: 20 AdamW steps from the export (2 ranks, aux loss x 0.5): losses within 1e-4 of the reference's, and learning" \
+    "[ ${prc[$dir]} -eq 0 ] && [ $(rc_of $ref) = 0 ] && [ $arc -eq 0 ]"
+  [ ${prc[$dir]} -eq 0 ] || tail -5 par_$dir.out
+  [ "$(rc_of $ref)" = 0 ] || tail -5 refs/$ref.out
+done
+for v in noaux:"without the aux loss" whole:"with the aux loss over the batch of 4 (not each rank's 2)"; do
+  n=${v%%:*}
+  ref_parity run_par_hf/metrics.jsonl refs/train_$n.out > parity_$n.out 2>&1
+  rc=$?
+  check "the reference ${v#*:} does not give mpitrain's losses ($(tail -1 parity_$n.out))" "[ $rc -ne 0 ]"
+done
+
+# The memory layouts and a resume: ZeRO-1 and ZeRO-3 train the plain run's 8 losses bitwise (every
+# rank holds every expert; ZeRO-3 gathers a block's experts with the block); a run resumed from step
+# 4's checkpoint under ZeRO-3 trains the uninterrupted run's last 4.
+for v in "plain:" "zero1:--set optim.zero=1" "zero3:--set optim.zero=3"; do
+  n=${v%%:*}; a=${v#*:}
+  "$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml $a --set train.out_dir=run_l_$n --set checkpoint.dir=ckpt_l_$n --set log.every=1 \
+    --set eval.every=0 --set train.steps=8 --set checkpoint.every=4 --set checkpoint.keep=2 > l_$n.out 2>&1 || tail -3 l_$n.out
+  grep -o '"loss": [0-9.]*' run_l_$n/metrics.jsonl > l_$n.losses
+done
+for n in zero1 zero3; do
+  check "qwen3_moe with $n: the plain run's 8 losses ($(tr '\n' ' ' < l_plain.losses | cut -c1-60)...)" \
+    "[ \$(wc -l < l_plain.losses) -eq 8 ] && cmp -s l_plain.losses l_$n.losses"
+done
+"$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml --set optim.zero=3 --set checkpoint.resume=ckpt_l_plain/ckpt-00000004.h5 \
+  --set train.out_dir=run_res --set checkpoint.dir=ckpt_res --set log.every=1 --set eval.every=0 --set train.steps=8 > res.out 2>&1
+rc=$?
+grep -o '"loss": [0-9.]*' run_res/metrics.jsonl > res.losses
+check "qwen3_moe resumed at step 4 under ZeRO-3: the uninterrupted run's losses 5-8 (exit $rc)" \
+  "[ $rc -eq 0 ] && [ \$(wc -l < res.losses) -eq 4 ] && tail -4 l_plain.losses | cmp -s - res.losses"
+check "metrics.jsonl has the aux loss and each sparse layer's expert load (2 layers)" \
+  "grep -q '\"aux_loss\": [0-9.]*, \"expert_load\": \[[0-9.]*, [0-9.]*\]' run_l_plain/metrics.jsonl && grep -q ' | aux [0-9.]* | load [0-9.]*' l_plain.out"
+
+"$BIN" plan qwen3_moe.yaml --memory-only > plan.out 2>&1
+rc=$?
+check "plan --memory-only on a mixture of experts: the memory table without checkpointing rows (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q 'no activation checkpointing for this model' plan.out && grep -q '^| 0 | none |' plan.out &&
+   ! grep -q '| selective |' plan.out"
+[ $rc -eq 0 ] || tail -5 plan.out
+
+# Bad configurations: one line naming the key, exit 2.
+expect_own_usage "num_experts_per_tok above num_experts refused" "model.num_experts_per_tok: 9 is more than model.num_experts (8)" \
+  "$BIN" qwen3_moe.yaml --set model.num_experts_per_tok=9
+expect_own_usage "num_experts 0 refused" "model.num_experts must be in \[1, 65536\], got 0" \
+  "$BIN" qwen3_moe.yaml --set model.num_experts=0
+printf 'model: {preset: custom, family: qwen3_moe, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 64, seq_len: 32}\n' > unset.yaml
+sed -n '/^data:/,$p' qwen3_moe.yaml >> unset.yaml
+expect_own_usage "num_experts unset refused" "model.num_experts must be set (in \[1, 65536\]) with model.family qwen3_moe" \
+  "$BIN" unset.yaml
+expect_own_usage "experts on a llama refused" "model.num_experts applies to model.family qwen3_moe|mixtral|olmoe only" \
+  "$BIN" qwen3_moe.yaml --set model.family=qwen3
+expect_own_usage "router_aux_loss_coef < 0 refused" "model.router_aux_loss_coef must be >= 0" \
+  "$BIN" qwen3_moe.yaml --set model.router_aux_loss_coef=-1
+expect_own_usage "mixtral's renormalisation is fixed" "model.norm_topk_prob must be true with model.family mixtral, got 0" \
+  "$BIN" mixtral.yaml --set model.norm_topk_prob=false
+expect_own_usage "olmoe's experts are its MLPs: one size" "model.moe_intermediate_size: 8 differs from model.intermediate_size (16)" \
+  "$BIN" olqwen3_moe.yaml --set model.moe_intermediate_size=8
+expect_own_usage "mixtral's experts are its MLPs: one size" "model.moe_intermediate_size: 16 differs from model.intermediate_size (24)" \
+  "$BIN" mixtral.yaml --set model.moe_intermediate_size=16
+expect_own_usage "a non-integer num_experts refused" "model.num_experts must be an integer, got 'x'" \
+  "$BIN" qwen3_moe.yaml --set model.num_experts=x
+expect_own_usage "tensor parallelism with experts refused by name" "parallel.tp: 2: model.family qwen3_moe's experts" \
+  "$BIN" qwen3_moe.yaml --set parallel.tp=2
+expect_own_usage "activation checkpointing with experts refused by name" "train.activation_checkpointing: full: model.family qwen3_moe's experts" \
+  "$BIN" qwen3_moe.yaml --set train.activation_checkpointing=full
+summary
