@@ -135,14 +135,7 @@ bool is_section(const std::string& name) {
 // ---- messages -----------------------------------------------------------------------------------
 
 // The shortest decimal that reads back as the same double: "0.0006", not "0.00059999999999999995".
-std::string format_double(double v) {
-  char buf[32];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  return buf;
-}
+std::string format_double(double v) { return field_value_text(ModelField::Value(v)); }  // (model_fields.h)
 
 // A YAML value as the user wrote it, for the "got X" part of a message.
 std::string describe(const YAML::Node& node) {
