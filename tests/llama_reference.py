@@ -109,6 +109,8 @@ def load_weights(hf_dir):
 class Llama(torch.nn.Module):
     """transformers' Llama / Qwen2 / Qwen3 / Mistral ForCausalLM forward, with HF's parameter names."""
 
+    capacity_factor, groups, dropped = 0.0, 1, 0  # experts' capacity (run() sets them)
+
     def __init__(self, cfg, tensors):
         super().__init__()
         self.cfg = cfg
@@ -198,6 +200,18 @@ class Llama(torch.nn.Module):
         mask = F.one_hot(chosen, num_classes=E).permute(2, 1, 0)  # [E, k, tokens]
         for e in range(E):
             slot, token = torch.where(mask[e])
+            if self.capacity_factor > 0:  # Megatron's capacity, first come first served by position,
+                # per group of the batch (each data-parallel rank's forward): the rest of an expert's
+                # copies dropped (they add nothing; the kept weights are not renormalised)
+                order = torch.argsort(token, stable=True)
+                slot, token = slot[order], token[order]
+                n = x.shape[0] // self.groups
+                cap = math.ceil(self.capacity_factor * n * k / E)
+                keep = torch.zeros_like(token, dtype=torch.bool)
+                for g in range(self.groups):
+                    keep[torch.nonzero(token // n == g).flatten()[:cap]] = True
+                self.dropped += int((~keep).sum())
+                slot, token = slot[keep], token[keep]
             if mixtral:
                 xe, q = x[token], f"{p}experts.{e}."
                 y = self.linear(F.silu(self.linear(xe, q + "w1")) * self.linear(xe, q + "w3"), q + "w2")
@@ -326,6 +340,9 @@ def parser():
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--aux-groups", type=int, default=1,
                     help="train, Qwen3-MoE: the load-balancing loss per this many groups of the batch (data-parallel ranks)")
+    ap.add_argument("--capacity-factor", type=float, default=0,
+                    help="train, experts: each expert takes at most ceil(f x tokens x k / experts) of each group's "
+                         "copies (--aux-groups), the first by position; 0: dropless")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast")
     ap.add_argument("--timing-warmup", type=int, default=0,
                     help="train: also print the median ms/step of the steps after this many (bench/cpu_vs_pytorch.sh)")
@@ -381,6 +398,7 @@ def run(args):
     if qk_norm != (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")):
         fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
+    model.capacity_factor, model.groups, model.dropped = args.capacity_factor, args.aux_groups, 0
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
           f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}"
           + (f", sliding_window {cfg.get('sliding_window')}" if arch != "LlamaForCausalLM" and "Qwen" not in arch else "")
@@ -435,6 +453,8 @@ def run(args):
         losses.append(loss.item())
         step_ms.append(1e3 * (time.perf_counter() - t0))
     out = {"losses": losses}
+    if args.capacity_factor > 0:
+        out["dropped"] = model.dropped
     if args.timing_warmup:
         timed = sorted(step_ms[args.timing_warmup:])
         out["median_ms_per_step"] = timed[len(timed) // 2]

@@ -124,6 +124,7 @@ PYEOF
 "$PY" -c 'import numpy as np; np.save("tokens.npy", np.frombuffer(open("/usr/share/common-licenses/GPL-3", "rb").read(), np.uint8).astype(np.uint16) + 1)'
 "$BIN" pack tokens.npy -o data/t --vocab-size 257 --eot 0 --val-fraction 0 > pack_t.out 2>&1 || cat pack_t.out
 declare -A prc
+declare -a eprc
 for m in hf hf_mx hf_ol; do
   printf 'model: {init_from: "hf:%s", seq_len: 32}\n' $m > init_$m.yaml
   sed -n '/^data:/,$p' qwen3_moe.yaml | sed 's/lr: 0.01/lr: 0.003/' >> init_$m.yaml
@@ -131,6 +132,12 @@ for m in hf hf_mx hf_ol; do
     --set eval.every=0 --set log.every=1 --set train.steps=20 --set train.out_dir=run_par_$m --set checkpoint.dir=ckpt_par_$m > par_$m.out 2>&1
   prc[$m]=$?
 done
+# The Qwen3-MoE run again with a capacity factor of 1: each expert takes at most 16 of a rank's 64
+# token copies per layer (2 sequences x 32 tokens x top 2 / 8 experts), the rest dropped.
+"$MPIRUN" -np 2 "$BIN" init_hf.yaml --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false \
+  --set eval.every=0 --set log.every=1 --set train.steps=20 --set train.moe_capacity_factor=1 --set train.out_dir=run_par_cap \
+  --set checkpoint.dir=ckpt_par_cap > par_cap.out 2>&1
+prc[cap]=$?
 variant noaux hf 'c["router_aux_loss_coef"] = 0.0'
 {
   for v in "" _nonorm _top3 _swap; do echo "logits$v logits hf$v logits/tokens.npy logits/logits.npy"; done
@@ -140,6 +147,7 @@ variant noaux hf 'c["router_aux_loss_coef"] = 0.0'
   echo "train_mx train hf_mx tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"
   for v in "" _noaux; do echo "train$v train hf$v tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"; done
   echo "train_whole train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2"
+  echo "train_cap train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2 --capacity-factor 1"
 } > refs.list
 "${REF[@]}" list refs.list refs > refs.log 2>&1 || cat refs.log
 rc_of() { cat refs/$1.rc 2>/dev/null || echo none; }
@@ -166,6 +174,18 @@ for v in train:hf:qwen3_moe train_mx:hf_mx:mixtral train_ol:hf_ol:olmoe; do
   [ ${prc[$dir]} -eq 0 ] || tail -5 par_$dir.out
   [ "$(rc_of $ref)" = 0 ] || tail -5 refs/$ref.out
 done
+# The capacity: the reference drops each expert's copies past the first 16 of each rank's half of the
+# batch, by position; mpitrain's 20 losses are its, and the dropless run's are not.
+ref_parity run_par_cap/metrics.jsonl refs/train_cap.out > parity_cap.out 2>&1
+arc=$?
+cat parity_cap.out
+ref_dropped=$(sed -n 's/.*"dropped": \([0-9]*\).*/\1/p' refs/train_cap.out 2>/dev/null | tail -1)
+check "qwen3_moe with train.moe_capacity_factor 1: the reference's 20 losses dropping the same copies (it dropped ${ref_dropped:-?}; exit ${prc[cap]})" \
+  "[ ${prc[cap]} -eq 0 ] && [ $arc -eq 0 ] && [ \${ref_dropped:-0} -gt 0 ] && grep -q '\"dropped\": 0\.0*[1-9]' run_par_cap/metrics.jsonl &&
+   grep -q ' | dropped [0-9.]*%' par_cap.out"
+ref_parity run_par_hf/metrics.jsonl refs/train_cap.out > parity_nocap.out 2>&1
+rc=$?
+check "the reference with the capacity does not give the dropless run's losses ($(tail -1 parity_nocap.out))" "[ $rc -ne 0 ]"
 for v in noaux:"without the aux loss" whole:"with the aux loss over the batch of 4 (not each rank's 2)"; do
   n=${v%%:*}
   ref_parity run_par_hf/metrics.jsonl refs/train_$n.out > parity_$n.out 2>&1
@@ -173,16 +193,18 @@ for v in noaux:"without the aux loss" whole:"with the aux loss over the batch of
   check "the reference ${v#*:} does not give mpitrain's losses ($(tail -1 parity_$n.out))" "[ $rc -ne 0 ]"
 done
 
-# The memory layouts and a resume: ZeRO-1 and ZeRO-3 train the plain run's 8 losses bitwise (every
-# rank holds every expert; ZeRO-3 gathers a block's experts with the block); a run resumed from step
-# 4's checkpoint under ZeRO-3 trains the uninterrupted run's last 4.
-for v in "plain:" "zero1:--set optim.zero=1" "zero3:--set optim.zero=3"; do
+# The memory layouts and a resume: ZeRO-1, ZeRO-3, full activation checkpointing and selective
+# with ZeRO-3 train the plain run's 8 losses bitwise (every rank holds every expert; ZeRO-3 gathers a
+# block's experts with the block; a checkpointed block's second run gives the router the aux loss's
+# gradient); a run resumed from step 4's checkpoint under ZeRO-3 trains the uninterrupted run's last 4.
+for v in "plain:" "zero1:--set optim.zero=1" "zero3:--set optim.zero=3" "full:--set train.activation_checkpointing=full" \
+         "selective:--set train.activation_checkpointing=selective --set optim.zero=3"; do
   n=${v%%:*}; a=${v#*:}
   "$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml $a --set train.out_dir=run_l_$n --set checkpoint.dir=ckpt_l_$n --set log.every=1 \
     --set eval.every=0 --set train.steps=8 --set checkpoint.every=4 --set checkpoint.keep=2 > l_$n.out 2>&1 || tail -3 l_$n.out
   grep -o '"loss": [0-9.]*' run_l_$n/metrics.jsonl > l_$n.losses
 done
-for n in zero1 zero3; do
+for n in zero1 zero3 full selective; do
   check "qwen3_moe with $n: the plain run's 8 losses ($(tr '\n' ' ' < l_plain.losses | cut -c1-60)...)" \
     "[ \$(wc -l < l_plain.losses) -eq 8 ] && cmp -s l_plain.losses l_$n.losses"
 done
@@ -197,10 +219,81 @@ check "metrics.jsonl has the aux loss and each sparse layer's expert load (2 lay
 
 "$BIN" plan qwen3_moe.yaml --memory-only > plan.out 2>&1
 rc=$?
-check "plan --memory-only on a mixture of experts: the memory table without checkpointing rows (exit $rc)" \
-  "[ $rc -eq 0 ] && grep -q 'no activation checkpointing for this model' plan.out && grep -q '^| 0 | none |' plan.out &&
-   ! grep -q '| selective |' plan.out"
+check "plan --memory-only on a mixture of experts: the memory table with its checkpointing rows (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q '^| 0 | none |' plan.out && grep -q '^| 0 | selective |' plan.out && grep -q '^| 0 | full |' plan.out"
 [ $rc -eq 0 ] || tail -5 plan.out
+
+# Expert parallelism (parallel.ep) at np 4: the experts split over ep 2 (two ep groups, each
+# expert's gradient averaged over its two replicas) and ep 4 (one group, with selective activation
+# checkpointing) train the ep 1 run's 8
+# steps: its losses and its final parameters within the reordering bound (test_train.cpp's
+# kReorderTolerance, 1.5e-3 of the displacement: each expert's tokens from every rank of its group
+# go through one GEMM and its gradient is summed in another order; a wrong routing, gradient or
+# average moves the parameters by a different amount altogether, a gap near 1). The ep 4 run's
+# step-4 checkpoint (whole tensors, the experts gathered to rank 0) resumed under ep 2 trains the
+# same last 4 steps (each rank taking its experts and their AdamW moments from the file).
+for ep in 1 2 4; do
+  ac=none
+  [ $ep = 4 ] && ac=selective  # (and the exchanges run again in backward's second run of each block)
+  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=$ep --set train.activation_checkpointing=$ac \
+    --set train.out_dir=run_ep$ep \
+    --set checkpoint.dir=ckpt_ep$ep --set log.every=1 --set eval.every=4 --set train.steps=8 --set checkpoint.every=4 \
+    --set checkpoint.keep=2 > ep$ep.out 2>&1
+  eprc[$ep]=$?
+  [ ${eprc[$ep]} -eq 0 ] || tail -5 ep$ep.out
+  "$BIN" export ckpt_ep$ep/ckpt-00000008.h5 --format hf hf_ep$ep > export_ep$ep.out 2>&1 || cat export_ep$ep.out
+done
+"$BIN" export ckpt_ep1/ckpt-00000004.h5 --format hf hf_ep1_4 > export_ep1_4.out 2>&1 || cat export_ep1_4.out
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 \
+  --set train.out_dir=run_ep_res --set checkpoint.dir=ckpt_ep_res --set log.every=1 --set eval.every=4 --set train.steps=8 \
+  > ep_res.out 2>&1
+eprc[0]=$?
+"$BIN" export ckpt_ep_res/ckpt-00000008.h5 --format hf hf_ep_res > export_ep_res.out 2>&1 || cat export_ep_res.out
+# close A B: losses within 1e-5 and final parameters within the reordering bound of run A's (ep 1).
+close() {
+  "$PY" - "$1" "$2" "$HERE" <<'PYEOF'
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from llama_reference import parse_safetensors
+def losses(run):
+    return [json.loads(l)["loss"] for l in open(f"run_{run}/metrics.jsonl") if '"loss"' in l]
+a, b = sys.argv[1], sys.argv[2]
+la, lb = losses(a), losses(b)
+la = la[len(la) - len(lb):]
+wa, wb = parse_safetensors(f"hf_{a}/model.safetensors"), parse_safetensors(f"hf_{b}/model.safetensors")
+w0 = parse_safetensors("hf_ep1_4/model.safetensors")
+gap = max((wa[k] - wb[k]).abs().max().item() for k in wa) if wa.keys() == wb.keys() else float("inf")
+moved = max((wa[k] - w0[k]).abs().max().item() for k in wa)
+dl = max(abs(x - y) for x, y in zip(la, lb)) if la and len(lb) in (4, 8) else float("inf")
+print(f"  {b} against {a}: losses {len(lb)}, max |delta| {dl:.2e}; parameters: max gap {gap:.2e}, {gap / moved:.2e} of steps 5-8's displacement {moved:.2e}")
+sys.exit(0 if dl <= 1e-5 and gap <= 1.5e-3 * moved else 1)
+PYEOF
+}
+for ep in 2 4; do
+  close ep1 ep$ep > close_ep$ep.out 2>&1
+  rc=$?
+  cat close_ep$ep.out
+  check "parallel.ep $ep at np 4 trains the ep 1 run: losses and final parameters (exit ${eprc[$ep]})" \
+    "[ ${eprc[1]} -eq 0 ] && [ ${eprc[$ep]} -eq 0 ] && [ $rc -eq 0 ]"
+done
+check "the start-up lines name the ep groups and the experts' buckets" \
+  "grep -q 'mesh: 4 ranks = dp 4 (ep 2: 2 groups of 2 ranks each holding 1/2 of the experts)' ep2.out &&
+   grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out"
+close ep4 ep_res > close_res.out 2>&1
+rc=$?
+cat close_res.out
+check "an ep 4 checkpoint resumed under ep 2 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
+  "[ ${eprc[0]} -eq 0 ] && [ $rc -eq 0 ]"
+expect_own_usage "parallel.ep not dividing the experts refused by name" "parallel.ep: 3 does not divide model.num_experts (8)" \
+  "$BIN" qwen3_moe.yaml --set parallel.ep=3
+expect_own_usage "parallel.ep with ZeRO refused by name" "parallel.ep must be 1 with optim.zero: 1" \
+  "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=1
+printf 'model: {preset: custom, family: qwen3, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 64, seq_len: 32}\n' > dense.yaml
+sed -n '/^data:/,$p' qwen3_moe.yaml >> dense.yaml
+expect_own_usage "parallel.ep on a dense model refused by name" "parallel.ep: 2: a model without experts has none to split" \
+  "$BIN" dense.yaml --set parallel.ep=2
+expect_own_usage "parallel.ep not dividing the data-parallel ranks refused by name" "parallel.ep: 4 does not divide the 2 data-parallel ranks" \
+  "$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml --set parallel.ep=4
 
 # Bad configurations: one line naming the key, exit 2.
 expect_own_usage "num_experts_per_tok above num_experts refused" "model.num_experts_per_tok: 9 is more than model.num_experts (8)" \
@@ -221,10 +314,12 @@ expect_own_usage "olmoe's experts are its MLPs: one size" "model.moe_intermediat
   "$BIN" olqwen3_moe.yaml --set model.moe_intermediate_size=8
 expect_own_usage "mixtral's experts are its MLPs: one size" "model.moe_intermediate_size: 16 differs from model.intermediate_size (24)" \
   "$BIN" mixtral.yaml --set model.moe_intermediate_size=16
+expect_own_usage "a capacity factor <= 0 refused by name" "train.moe_capacity_factor must be none (dropless) or a number > 0, got '0'" \
+  "$BIN" qwen3_moe.yaml --set train.moe_capacity_factor=0
+expect_own_usage "a capacity factor on a dense model refused by name" "train.moe_capacity_factor must be none for a model without experts" \
+  "$BIN" dense.yaml --set train.moe_capacity_factor=1.5
 expect_own_usage "a non-integer num_experts refused" "model.num_experts must be an integer, got 'x'" \
   "$BIN" qwen3_moe.yaml --set model.num_experts=x
 expect_own_usage "tensor parallelism with experts refused by name" "parallel.tp: 2: model.family qwen3_moe's experts" \
   "$BIN" qwen3_moe.yaml --set parallel.tp=2
-expect_own_usage "activation checkpointing with experts refused by name" "train.activation_checkpointing: full: model.family qwen3_moe's experts" \
-  "$BIN" qwen3_moe.yaml --set train.activation_checkpointing=full
 summary

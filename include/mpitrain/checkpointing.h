@@ -63,6 +63,9 @@ torch::Tensor tape_attention(const torch::Tensor& q, const torch::Tensor& k, con
 // Counters since the process started (tests: the checkpointing really happened): blocks run a
 // second time in backward, and linear layers and attention cores replayed there (not run again).
 int64_t recomputed_blocks();
+// Whether this thread is running a checkpointed block a second time (in backward): what the first
+// run recorded on the side (a mixture of experts' router log) is not recorded again.
+bool recomputing();
 int64_t replayed_linear_layers();
 int64_t replayed_attention();
 

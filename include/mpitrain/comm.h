@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace mpitrain {
 
@@ -44,6 +45,12 @@ class Communicator {
   // their `in`'s r-th slice of dim 0 (in.view({size(), -1})[r]) on rank r (ZeRO-1's gradients).
   virtual void reduce_scatter(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) = 0;
   virtual void barrier() = 0;
+  // Rows to every rank and from every rank (expert parallelism's token dispatch): `in` holds
+  // sum(in_rows) rows along dim 0, the first in_rows[0] for rank 0, the next in_rows[1] for rank 1,
+  // ...; `out` (the same dtype and row width) receives sum(out_rows) rows, out_rows[q] of them from
+  // rank q, in rank order. in_rows[q] on this rank must be out_rows[this rank] on rank q.
+  virtual void all_to_all(const torch::Tensor& in, const std::vector<int64_t>& in_rows, torch::Tensor& out,
+                          const std::vector<int64_t>& out_rows) = 0;
 
   // Starts an in-place all-reduce of `t` and returns at once; `t` must stay alive and unchanged
   // until wait(). Every rank must start async collectives in the same order. The default runs
@@ -72,6 +79,11 @@ class Communicator {
 // the message) holds `size` x part.numel() elements of part's dtype; Error "<op>: ..." otherwise.
 void check_gather_sizes(const char* op, const char* whole_name, const torch::Tensor& whole,
                         const torch::Tensor& part, int size);
+// all_to_all's shape rule: one count per rank on each side, `in` and `out` contiguous, of one dtype and
+// row width, holding as many rows as their counts say; Error "all_to_all: ..." otherwise. Returns
+// the bytes of one row.
+int64_t check_all_to_all(const torch::Tensor& in, const std::vector<int64_t>& in_rows, const torch::Tensor& out,
+                         const std::vector<int64_t>& out_rows, int size);
 
 // The MPI backend over `comm` (not owned; it must outlive the communicator).
 std::unique_ptr<Communicator> make_mpi_communicator(MpiComm comm);

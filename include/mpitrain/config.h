@@ -111,6 +111,10 @@ struct TrainConfig {
   // and attention too where it is the math path: checkpointing.h); on every ac_every-th block.
   std::string activation_checkpointing = "none";
   int64_t ac_every = 1;  // >= 1: blocks ac_every - 1, 2 ac_every - 1, ... are checkpointed
+  // A mixture of experts' capacity (Megatron's moe_expert_capacity_factor): none (dropless) or f >
+  // 0: each expert takes at most ceil(f x tokens x k / experts) of a forward's token copies, the
+  // first by position; the rest are dropped (they add nothing, the kept weights unchanged).
+  std::string moe_capacity_factor = "none";
 };
 
 struct OptimConfig {
@@ -176,6 +180,9 @@ struct CommConfig {
 // host, islands consecutive ranks.
 struct ParallelConfig {
   int64_t tp = 1;  // tensor-parallel degree, >= 1
+  // Expert parallelism: each ep group of ep consecutive data-parallel ranks holds a mixture of
+  // experts' experts once between them (1/ep of them each), >= 1, dividing the experts' count and dp.
+  int64_t ep = 1;
   // DiLoCo's islands (diloco.h): 1 (none: plain training) | host (one per host) | N (N islands of
   // consecutive ranks, each a whole number of tp groups) | auto (the hosts' measured links decide:
   // layout.h's group_hosts). Between islands only the outer steps talk.
@@ -186,6 +193,8 @@ struct ParallelConfig {
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of
 // them (refused).
 int64_t islands_count(const std::string& spec);
+// train.moe_capacity_factor as a number: 0 for none, f for a number f > 0, -1 for anything else (refused).
+double capacity_factor_of(const std::string& spec);
 
 // DiLoCo between islands (diloco.h, docs/diloco.md); read only with parallel.islands > 1.
 struct DilocoConfig {

@@ -19,6 +19,9 @@ struct MeshLayout {
   int dp = 1;       // data-parallel ranks per island (the whole world's without islands)
   int tp = 1;
   int islands = 1;  // DiLoCo's islands (diloco.h): world = islands x dp x tp, each island consecutive ranks
+  // Expert parallelism (parallel.ep): each run of ep consecutive dp ranks is an ep group, whose
+  // ranks hold one share of the experts each and exchange tokens (dp = ep groups x ep).
+  int ep = 1;
 
   int island_size() const { return world / islands; }
   int island(int rank) const { return rank / island_size(); }
@@ -27,6 +30,8 @@ struct MeshLayout {
   // Data replicas over all islands: each reads its own windows (rank's is island x dp + dp_rank).
   int replicas() const { return islands * dp; }
   int replica(int rank) const { return rank / tp; }
+  // The rank's place in its ep group: its share of the experts.
+  int ep_rank(int rank) const { return dp_rank(rank) % ep; }
   // The ranks of rank's tp group, of its dp group (its island's ranks with its tp coordinate), of
   // its replica group (every island's: the data order, evaluation) and of its island group (the
   // rank at its place in every island: DiLoCo's outer all-reduce), ascending.
@@ -34,6 +39,10 @@ struct MeshLayout {
   std::vector<int> dp_group(int rank) const;
   std::vector<int> replica_group(int rank) const;
   std::vector<int> island_group(int rank) const;
+  // The ranks of rank's ep group (its dp group's run of ep ranks holding every expert between them)
+  // and of its expert-replica group (its dp group's ranks holding the same experts), ascending.
+  std::vector<int> ep_group(int rank) const;
+  std::vector<int> expert_replica_group(int rank) const;
 
   // "mesh: 4 ranks = dp 2 x tp 2; tp groups hostA[0-1] hostB[2-3]" (tp 1: "mesh: 4 ranks = dp 4";
   // islands: "mesh: 4 ranks = 2 islands x dp 2; islands hostA[0-1] hostB[2-3]")
@@ -44,7 +53,8 @@ struct MeshLayout {
 // -1 = one per host) on `topo`. UsageError naming the key, and the host where it applies, when tp
 // does not divide the world size or a tp group would span hosts, or the islands do not divide the
 // world into equal runs of whole tp groups.
-MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1);
+// parallel.ep = `ep`: UsageError naming the key when it does not divide the data-parallel ranks.
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1, int64_t ep = 1);
 
 // parallel.islands: auto (docs/diloco.md). `gbit[i][j]`: the measured bandwidth between hosts i and
 // j in Gbit/s (symmetric; the diagonal is not read). A link is slow when it is below `slow_gbit`

@@ -75,4 +75,12 @@ MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);
 // "the GPU's memory").
 std::string memory_report(const MemoryInputs& in, double memory_gib, const std::string& memory_source);
 
+// Expert parallelism's all-to-all bytes one rank sends per step: per sparse layer and micro-batch
+// the micro-batch's `copies` routed token copies (tokens x top k) of n_embd elements go to their
+// experts (`in_bytes` each: the block's activations, fp32) and come back (`out_bytes`: the experts'
+// outputs, autocast's dtype), and their gradients the reverse ways in backward; (ep - 1) / ep of
+// the copies leave the rank when the routing is balanced.
+double expert_exchange_bytes(int64_t sparse_layers, int64_t copies, int64_t n_embd, int64_t in_bytes, int64_t out_bytes,
+                             int64_t ep, int64_t accum);
+
 }  // namespace mpitrain

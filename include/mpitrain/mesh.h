@@ -41,6 +41,11 @@ class Mesh {
   Communicator& world() { return *world_; }
   Communicator& dp() { return dp_ ? *dp_ : *world_; }  // gradients: this rank's island
   Communicator& tp() { return *tp_; }
+  // Expert parallelism: this rank's ep group (tokens to their experts and back) and its
+  // expert-replica group (the experts' gradients); groups of one rank with ep 1.
+  int ep_rank() const { return layout_.ep_rank(rank_); }
+  Communicator& ep() { return *ep_; }
+  Communicator& expert_replicas() { return *expert_replicas_; }
   Communicator& replicas_comm() { return replicas_ ? *replicas_ : dp(); }  // losses, evaluation: every island
   // The rank at this rank's place in every island (DiLoCo's outer all-reduce); null without islands.
   Communicator* islands() { return islands_.get(); }
@@ -56,8 +61,10 @@ class Mesh {
   MpiComm dp_mpi_ = MpiComm{}, tp_mpi_ = MpiComm{};  // owned (MPI_Comm_split)
   MpiComm replicas_mpi_ = MpiComm{}, islands_mpi_ = MpiComm{};  // owned; islands only
   MpiComm island_mpi_ = MpiComm{};                                   // owned; islands only
+  MpiComm ep_mpi_ = MpiComm{}, expert_replicas_mpi_ = MpiComm{};      // owned
   std::unique_ptr<Communicator> world_, dp_, tp_;             // dp_ null: the world is the dp group
   std::unique_ptr<Communicator> replicas_, islands_, island_;  // null without islands
+  std::unique_ptr<Communicator> ep_, expert_replicas_;
 };
 
 }  // namespace mpitrain

@@ -58,6 +58,12 @@ GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_
 // the CPU (padding buys nothing there); either times the tp degree, which splits the rows.
 int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp);
 
+// The expert of a named_params() name: E for "h.<L>.mlp.experts.<E>.<...>", -1 for any other
+// parameter; and the same name for expert `e` (expert parallelism: the same parameter of the
+// experts another rank of the ep group holds).
+int64_t expert_of(const std::string& name);
+std::string with_expert(const std::string& name, int64_t e);
+
 // The block of a named_params() name: L for "h.<L>.<...>", -1 for the parameters outside the
 // blocks (embeddings, final norm, head).
 int64_t block_of(const std::string& name);
@@ -182,10 +188,12 @@ TORCH_MODULE(MLP);
 // What the routers of one forward chose (GPT's, shared by its MoE layers; cleared by each forward):
 // per layer the sum over tokens of the router's probabilities [E] (connected to the router for
 // backward), the tokens each expert got [E] (int64, summed over the k choices) and the tokens.
+// With a capacity factor, also the token copies every sparse layer dropped and routed.
 struct RouterLog {
   std::vector<torch::Tensor> prob_sums, counts;
   int64_t rows = 0;
-  void clear() { prob_sums.clear(), counts.clear(), rows = 0; }
+  int64_t dropped = 0, copies = 0;
+  void clear() { prob_sums.clear(), counts.clear(), rows = 0, dropped = 0, copies = 0; }
 };
 
 // A mixture of experts in place of the llama block's MLP (ModelArgs::moe_layer; Qwen3-MoE's
@@ -195,18 +203,33 @@ struct RouterLog {
 // gate_proj, up_proj, c_proj = Hugging Face's down_proj). Dropless: the token copies are grouped
 // by expert and each expert's group goes through its weights in one GEMM each (an expert without
 // tokens gets an empty product, so every parameter has a gradient); the outputs, times their
-// weights, are summed back per token. Not yet with tensor parallelism (refused).
+// weights, are summed back per token. Not yet with tensor parallelism (refused). Under activation
+// checkpointing the block's second run (in backward) does not log again (recomputing()).
+// Expert parallelism (dims.ep > 1): this rank holds its ep group's share of the experts (named by
+// their index in the whole layer); each token copy goes to the rank holding its expert and comes
+// back by all-to-all over the ep group (ep_all_to_all), so every rank of the group must run each
+// sparse layer's forward (and backward) together.
 class MoEImpl : public torch::nn::Module {
  public:
   MoEImpl(const GPTDims& d, RouterLog* log);
   torch::Tensor forward(const torch::Tensor& x);
 
   torch::nn::Linear gate{nullptr};
-  torch::nn::ModuleList experts{nullptr};  // MLP each
+  std::shared_ptr<torch::nn::Module> experts;  // this rank's experts, each an MLP named by its index
+  std::vector<MLP> local;                      // the same, in order: experts first .. first + local.size() - 1
+  int64_t first = 0;
+  // In training, the last forward's router probabilities summed over its tokens [E] (what the
+  // router log holds; a checkpointed block returns it as an output of its own: GPTImpl::hidden).
+  torch::Tensor prob_sums;
 
  private:
-  int64_t top_k_;
+  // The grouped rows' expert outputs: rows [N k, C] sorted by expert, counts[e] of expert e's.
+  torch::Tensor run_local(const torch::Tensor& grouped, const int64_t* count);
+  torch::Tensor run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts);
+  int64_t top_k_, num_experts_;
+  double capacity_factor_;  // dims.capacity_factor (0: dropless)
   bool norm_topk_;
+  Communicator* ep_ = nullptr;  // dims.ep_comm (ep > 1)
   RouterLog* log_;  // GPT's (not owned)
 };
 TORCH_MODULE(MoE);
@@ -283,6 +306,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // layer's expert load, max / mean tokens per expert (empty: no experts).
   const torch::Tensor& last_aux_loss() const { return aux_loss_; }
   std::vector<double> expert_load() const;
+  // With train.moe_capacity_factor: the share of the last forward's token copies dropped (-1: dropless).
+  double dropped_share() const;
   // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).
   void set_unit_hooks(UnitHooks* units) { units_ = units; }
   // Parameters in a fixed order with stable names ("wte.weight", "h.0.attn.c_attn.weight", ...;
@@ -292,6 +317,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // The parameters a token does not use: per sparse layer, the experts it is not routed to
   // (all but the k chosen); 0 for a dense model. MFU counts the rest.
   int64_t inactive_params() const;
+  // Expert parallelism: the parameters of the experts other ranks of this rank's ep group hold
+  // (0 with ep 1): num_params() + this = the whole model's.
+  int64_t remote_expert_params() const;
   // Which part of the whole parameter `name` (a named_params() name) a tensor-parallel rank
   // holds, as the module that made it declared (replicated where it declared nothing). The same
   // for every tp degree, tp 1 included.
@@ -318,6 +346,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   std::vector<torch::Tensor> after_block(int64_t block, std::vector<torch::Tensor> outs);
   torch::Tensor hidden(const torch::Tensor& idx);
   torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
+  int64_t expert_params_times(const std::function<int64_t(const MoEImpl&)>& experts_left_out) const;
+  std::vector<torch::Tensor> router_output(std::vector<torch::Tensor> outs, size_t block_outputs = 1);
   void collect_tp_splits();  // every module's declarations, by full parameter name
   torch::Tensor lm_loss(const torch::Tensor& idx, const torch::Tensor& targets);  // loss() without the aux loss
   GPTDims dims_;

@@ -126,6 +126,14 @@ struct ModelArgs {
   // Which layers are windowed, for messages: "every layer", "every other layer", "5 of every 6 layers".
   std::string local_layers() const;
   // Whether layer `layer`'s MLP is a mixture of experts.
+  bool has_experts() const { return num_experts > 0; }
+  // The sparse layers, and the token copies a forward of `tokens` tokens routes to experts in each.
+  int64_t sparse_layers() const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < n_layer; ++l) n += moe_layer(l) ? 1 : 0;
+    return n;
+  }
+  int64_t routed_copies(int64_t tokens) const { return tokens * num_experts_per_tok; }
   bool moe_layer(int64_t layer) const { return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0; }
   // Its experts (0: a dense MLP) and the hidden units of its MLP or of each expert.
   int64_t experts_of_layer(int64_t layer) const { return moe_layer(layer) ? num_experts : 0; }
@@ -150,6 +158,15 @@ struct GPTDims : ModelArgs {
   // and vocab_size divide by tp.
   int64_t tp = 1, tp_rank = 0;
   Communicator* tp_comm = nullptr;
+  // Expert parallelism (parallel.ep; model.h's MoE): this rank's place in its ep group of `ep`
+  // ranks, which holds experts [ep_rank E / ep, (ep_rank + 1) E / ep) of every sparse layer, and the
+  // group's communicator (not owned; set when ep > 1). The experts' count divides by ep.
+  int64_t ep = 1, ep_rank = 0;
+  Communicator* ep_comm = nullptr;
+  // train.moe_capacity_factor (0: dropless): each expert takes at most ceil(f x tokens x k / E) of a
+  // forward's token copies, the first by position (model.h's MoE).
+  double capacity_factor = 0;
+  int64_t local_experts() const { return num_experts / ep; }
 };
 
 // family_conflict over a model's own block, flags and window: the key it may not have, or nullptr.
@@ -236,8 +253,9 @@ const std::vector<ModelPreset>& model_presets();
 
 // What a model's fields refuse together and with a run's layout, for the config's validation: a
 // message "model.<key>: ..." or "<section>.<key>: ..." naming the key, or "" (none). The experts:
-// no more chosen than there are; not yet split by tensor parallelism nor checkpointed.
-std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& activation_checkpointing);
+// no more chosen than there are; not yet split by tensor parallelism nor checkpointed; split by
+// expert parallelism (`ep`) only when there are experts and ep divides their count.
+std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& activation_checkpointing, int64_t ep = 1);
 
 // The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
 // five dimensions, the family and its block, every field of the table that applies to the block,

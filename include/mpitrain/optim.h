@@ -122,6 +122,11 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
 // optimizer is sharded (ZeRO-1), then over `tp`, with the parameters every tp rank holds whole
 // (TpSplit::replicated, as `model` declares them) counted once, on tp rank 0.
 torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp);
+// Expert parallelism (optim.zero 0): `params` this rank's, `expert[i]` whether parameter i is one of
+// its experts (which the ranks of `ep` hold apart; every other gradient is the same on each of
+// them, counted once, on ep rank 0); the squared norms summed over `ep`.
+torch::Tensor clip_ep_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& expert,
+                                 double max_norm, Communicator& ep);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -1,6 +1,6 @@
 // How one run's model and optimizer are spread over the ranks: the one place that knows.
 //
-// Two parallelisms compose on the mesh (mesh.h; world = dp x tp):
+// Three parallelisms compose on the mesh (mesh.h; world = dp x tp):
 // - tensor parallelism (parallel.tp): the modules are made as this rank's shards (model.h's
 //   GPTDims tp; tensor_parallel.h's splits); here: the gradient norm over the tp group, a
 //   checkpoint's shards assembled (rank 0's whole copy, or each tp rank its share) and the
@@ -13,6 +13,10 @@
 //        no rank holding the whole gradient (ZeRO-2);
 //     3  the parameters sharded too, one unit per block, gathered around their use (ZeRO-3).
 //   With one dp rank every stage is 0: there is nothing to shard.
+// - expert parallelism (parallel.ep, a mixture of experts at optim.zero 0): each ep group of
+//   consecutive dp ranks holds every expert once between them (model.h's MoE exchanges the tokens);
+//   here: the experts' gradients averaged over their replicas, the gradient norm over the ep
+//   group, a checkpoint's experts gathered to rank 0 and handed out again on resume.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
 // optimizer's slots and then ask after_update() as an update does.
 //
@@ -59,6 +63,7 @@ class Parallelism {
   // ---- facts (start-up lines, the checkpoint's record) -----------------------------------------
   int zero_stage() const { return stage_; }  // 0 with one dp rank, whatever optim.zero says
   bool tensor_parallel() const { return tp_; }
+  bool expert_parallel() const { return ep_; }
   // Checkpoint writers: each holder of a part of the state writes its share (all ranks see
   // checkpoint.dir), else rank 0 the whole state, gathered to it; how many ranks write.
   bool writes_shares() const { return shares_; }
@@ -93,6 +98,9 @@ class Parallelism {
   std::string describe_buckets() const;
   std::string describe_gradient_traffic(int64_t accum) const;
   std::string describe_initial_weights() const;
+  // Expert parallelism: the all-to-all MiB a rank sends per step of `accum` micro-batches
+  // (memory_plan.h's expert_exchange_bytes; 0 with ep 1).
+  double expert_exchange_mib(int64_t accum) const;
 
   // ---- one step ----------------------------------------------------------------------------
   // Before a step: whether its gradients travel compressed (PowerSGD from powersgd_start on).
@@ -119,8 +127,9 @@ class Parallelism {
   std::string save(AsyncCheckpointWriter& writer, const TrainState& st);
   // Whether `generate` can run here: not under tensor parallelism; under ZeRO-3 on every rank at
   // once (each block gathered around its use).
+  // Expert parallelism: on every rank too (each sparse layer exchanges tokens over the ep group).
   bool can_sample() const { return !tp_; }
-  bool samples_on_every_rank() const { return units_.has_value(); }
+  bool samples_on_every_rank() const { return units_.has_value() || ep_; }
   // The whole final parameters (tests; collective): tp shards gathered, ZeRO-3 units gathered.
   std::vector<std::pair<std::string, std::vector<float>>> whole_params();
 
@@ -138,6 +147,7 @@ class Parallelism {
   MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;
+  const bool ep_;  // parallel.ep > 1 (optim.zero 0, tp 1, no islands: the config refuses the rest)
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;
@@ -147,6 +157,11 @@ class Parallelism {
   // Rank 0 writing checkpoints alone under tp or ZeRO-3: the whole host copy they gather into.
   std::optional<GPT> whole_model_;
   std::optional<GradSync> grad_sync_;
+  // Expert parallelism: grad_sync_ averages the parameters every rank holds over the dp group, and
+  // expert_sync_ this rank's experts over its expert replicas (then divided by ep: each expert's
+  // gradient already sums its whole ep group's tokens).
+  std::optional<GradSync> expert_sync_;
+  std::vector<bool> is_expert_;  // per params_ entry
   std::optional<ParamShards> units_;   // ZeRO-3
   std::optional<PowerSgd> powersgd_;   // comm.compress: powersgd
   std::optional<AdamW> opt_;

@@ -39,6 +39,7 @@ struct StepReport {
   // micro-batch).
   double aux_loss = -1;
   std::vector<double> expert_load;
+  double dropped = -1;  // train.moe_capacity_factor: the share of rank 0's last micro-batch's token copies dropped
 };
 
 class Progress {

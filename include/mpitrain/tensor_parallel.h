@@ -56,6 +56,14 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
 torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tensor& targets, int64_t vocab_start,
                                        Communicator& tp, double grad_scale);
 
+// Expert parallelism's exchange (model.h's MoE): x's rows to the ranks of `ep`, send_rows[q] of
+// them (in order) to rank q, and what every rank sends here, recv_rows[q] rows from rank q in rank
+// order; backward sends the gradients back the same way (an all_to_all each way, comm.h).
+torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
+                            const std::vector<int64_t>& recv_rows, Communicator& ep);
+// Seconds this process has spent in those exchanges since it started.
+double ep_collective_seconds();
+
 // A communicator carried through an autograd function's arguments or saved data, as an integer.
 int64_t comm_handle(Communicator& comm);
 Communicator& comm_from_handle(int64_t handle);

@@ -81,6 +81,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
     MPITRAIN_FIELD(train, device),       MPITRAIN_FIELD(train, precision),
     MPITRAIN_FIELD(train, activation_checkpointing), MPITRAIN_FIELD(train, ac_every),
+    MPITRAIN_FIELD(train, moe_capacity_factor),
     MPITRAIN_FIELD(optim, lr),           MPITRAIN_FIELD(optim, min_lr),
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
@@ -102,7 +103,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, bucket_mb),     MPITRAIN_FIELD(comm, overlap),
     MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, param_dtype), MPITRAIN_FIELD(comm, compress),
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
-    MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, islands),
+    MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, ep),        MPITRAIN_FIELD(parallel, islands),
     MPITRAIN_FIELD(parallel, slow_link_gbit),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
@@ -647,6 +648,10 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(t.activation_checkpointing, {"none", "full", "selective"}), "train.activation_checkpointing",
         "one of none|full|selective", show(t.activation_checkpointing));
   check(t.ac_every >= 1, "train.ac_every", ">= 1", show(t.ac_every));
+  check(capacity_factor_of(t.moe_capacity_factor) >= 0, "train.moe_capacity_factor",
+        "none (dropless) or a number > 0", show(t.moe_capacity_factor));
+  check(t.moe_capacity_factor == "none" || (m.arch == "llama" && dims_of_config(m).has_experts()), "train.moe_capacity_factor",
+        "none for a model without experts", show(t.moe_capacity_factor));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
 
@@ -717,8 +722,22 @@ void validate(const Config& c, const std::string& where) {
   }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   if (m.arch == "llama")
-    if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, t.activation_checkpointing); !conflict.empty())
+    if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, t.activation_checkpointing, c.parallel.ep); !conflict.empty())
       throw UsageError(concat(where, ": ", conflict));
+  check(c.parallel.ep >= 1, "parallel.ep", ">= 1", show(c.parallel.ep));
+  if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0 on one island
+    check(m.arch == "llama", "parallel.ep", "1 for a model without experts (it splits a mixture of experts' experts)",
+          show(c.parallel.ep));
+    check(c.optim.zero == 0, "parallel.ep",
+          concat("1 with optim.zero: ", c.optim.zero,
+                 " (ZeRO's slices of experts that only some ranks hold are not built yet; optim.zero: 0)"),
+          show(c.parallel.ep));
+    check(c.comm.compress == "none", "parallel.ep", "1 with comm.compress: powersgd (PowerSGD covers data parallelism only)",
+          show(c.parallel.ep));
+    check(c.parallel.islands == "1", "parallel.ep",
+          concat("1 with parallel.islands: ", c.parallel.islands, " (DiLoCo's outer steps do not move experts yet)"),
+          show(c.parallel.ep));
+  }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",
         "1 (none), host (one island per host), auto (from the links' bandwidth) or a number of islands >= 1",
@@ -750,6 +769,13 @@ void validate(const Config& c, const std::string& where) {
 }  // namespace
 
 // ---- public API ---------------------------------------------------------------------------------
+
+double capacity_factor_of(const std::string& spec) {
+  if (spec == "none") return 0;
+  char* end = nullptr;
+  const double f = std::strtod(spec.c_str(), &end);
+  return !spec.empty() && end == spec.c_str() + spec.size() && std::isfinite(f) && f > 0 ? f : -1;
+}
 
 int64_t islands_count(const std::string& spec) {
   if (spec == "host") return -1;

@@ -484,8 +484,11 @@ const std::vector<ModelPreset>& model_presets() {
 #undef MPITRAIN_LLAMA3_ROPE
 #undef MPITRAIN_QWEN_ROPE
 
-std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& activation_checkpointing) {
-  if (a.num_experts == 0) return std::string();
+std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& /*activation_checkpointing*/, int64_t ep) {
+  if (a.num_experts == 0)
+    return ep > 1 ? concat("parallel.ep: ", ep, ": a model without experts has none to split (1)") : std::string();
+  if (ep > 1 && a.num_experts % ep != 0)
+    return concat("parallel.ep: ", ep, " does not divide model.num_experts (", a.num_experts, ")");
   // Mixtral's and OLMoE's experts are their MLPs: config.json's intermediate_size is their size.
   if (hf_key_of(*find_model_field("moe_intermediate_size"), a.family_row().hf_model_type) == "intermediate_size" &&
       a.moe_intermediate_size != a.intermediate_size)
@@ -496,9 +499,6 @@ std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& act
   if (tp > 1)
     return concat("parallel.tp: ", tp, ": model.family ", a.family_row().name,
                   "'s experts are not split by tensor parallelism yet (tp 1)");
-  if (activation_checkpointing != "none")
-    return concat("train.activation_checkpointing: ", activation_checkpointing, ": model.family ", a.family_row().name,
-                  "'s experts are not checkpointed yet (none)");
   return std::string();
 }
 

@@ -198,6 +198,27 @@ class MpiCommunicator final : public Communicator {
     reduce_scatter_async(in, out, op)->wait();
   }
 
+  // MPI_Alltoallv in bytes (any dtype): counts and displacements must fit MPI's int.
+  void all_to_all(const torch::Tensor& in, const std::vector<int64_t>& in_rows, torch::Tensor& out,
+                  const std::vector<int64_t>& out_rows) override {
+    const int64_t row = check_all_to_all(in, in_rows, out, out_rows, size_);
+    std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < size_; ++q) {
+      if ((so + in_rows[q]) * row > INT_MAX || (ro + out_rows[q]) * row > INT_MAX)
+        throw Error("all_to_all: more than 2 GiB for one MPI call");
+      sc[q] = static_cast<int>(in_rows[q] * row), sd[q] = static_cast<int>(so * row);
+      rc[q] = static_cast<int>(out_rows[q] * row), rd[q] = static_cast<int>(ro * row);
+      so += in_rows[q], ro += out_rows[q];
+    }
+    Watchdog::Scope watch("all_to_all");
+    torch::Tensor hin = host_copy(in);
+    with_host_copy(out, /*copy_back=*/true, [&](torch::Tensor& hout) {
+      MPI_CHECK(MPI_Alltoallv(hin.data_ptr(), sc.data(), sd.data(), MPI_BYTE, hout.data_ptr(), rc.data(), rd.data(),
+                              MPI_BYTE, comm_));
+    });
+  }
+
   void barrier() override {
     Watchdog::Scope watch("barrier");
     MPI_CHECK(MPI_Barrier(comm_));
@@ -294,6 +315,25 @@ void check_gather_sizes(const char* op, const char* whole_name, const torch::Ten
   if (whole.numel() != part.numel() * size || whole.scalar_type() != part.scalar_type())
     throw Error(concat(op, ": ", whole_name, " must hold ", size, " x ", part.numel(), " elements of ",
                        part.scalar_type()));
+}
+
+int64_t check_all_to_all(const torch::Tensor& in, const std::vector<int64_t>& in_rows, const torch::Tensor& out,
+                         const std::vector<int64_t>& out_rows, int size) {
+  if (static_cast<int>(in_rows.size()) != size || static_cast<int>(out_rows.size()) != size)
+    throw Error(concat("all_to_all: one row count per rank (", size, ")"));
+  int64_t n_in = 0, n_out = 0;
+  for (int q = 0; q < size; ++q) {
+    if (in_rows[q] < 0 || out_rows[q] < 0) throw Error("all_to_all: a negative row count");
+    n_in += in_rows[q], n_out += out_rows[q];
+  }
+  const int64_t width = in.dim() == 0 || in.size(0) == 0 ? in.numel() : in.numel() / in.size(0);
+  const int64_t out_width = out.dim() == 0 || out.size(0) == 0 ? out.numel() : out.numel() / out.size(0);
+  if (in.dim() < 1 || out.dim() < 1 || in.size(0) != n_in || out.size(0) != n_out ||
+      in.scalar_type() != out.scalar_type() || !in.is_contiguous() || !out.is_contiguous() ||
+      (n_in > 0 && n_out > 0 && width != out_width))
+    throw Error(concat("all_to_all: in [", in.sizes(), "] and out [", out.sizes(), "] must be contiguous ",
+                       "tensors of one dtype and row width holding ", n_in, " and ", n_out, " rows"));
+  return (n_in > 0 ? width : out_width) * static_cast<int64_t>(in.element_size());
 }
 
 std::unique_ptr<Communicator> make_mpi_communicator(MpiComm comm) {

@@ -23,6 +23,14 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   } else {
     tp_ = make_mpi_communicator(tp_mpi_);  // one rank: nothing to communicate
   }
+  // Expert parallelism: an ep group is ep consecutive ranks of a dp group; its expert replicas
+  // the dp group's ranks at the same place in theirs (both collective over the world).
+  const int dp_group_key = layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_);
+  ep_mpi_ = mpi::split(world, dp_group_key * layout_.dp + layout_.dp_rank(rank_) / layout_.ep, rank_);
+  expert_replicas_mpi_ = mpi::split(world, dp_group_key * layout_.ep + layout_.ep_rank(rank_), rank_);
+  ep_ = layout_.ep > 1 ? make_communicator(backend, ep_mpi_, device) : make_mpi_communicator(ep_mpi_);
+  expert_replicas_ = layout_.ep > 1 && layout_.dp > layout_.ep ? make_communicator(backend, expert_replicas_mpi_, device)
+                                                                : make_mpi_communicator(expert_replicas_mpi_);
   if (layout_.islands > 1) {  // DiLoCo: every island's replicas (data, evaluation); the outer all-reduce
     replicas_mpi_ = mpi::split(world, layout_.tp_rank(rank_), rank_);
     islands_mpi_ = mpi::split(world, rank_ % layout_.island_size(), rank_);
@@ -34,7 +42,9 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
 }
 
 Mesh::~Mesh() {
-  island_.reset();  // communicators before the MPI communicators they use
+  expert_replicas_.reset();  // communicators before the MPI communicators they use
+  ep_.reset();
+  island_.reset();
   islands_.reset();
   replicas_.reset();
   tp_.reset();
@@ -45,6 +55,8 @@ Mesh::~Mesh() {
   mpi::free(replicas_mpi_);
   mpi::free(islands_mpi_);
   mpi::free(island_mpi_);
+  mpi::free(ep_mpi_);
+  mpi::free(expert_replicas_mpi_);
 }
 
 }  // namespace mpitrain

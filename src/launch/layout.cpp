@@ -33,9 +33,27 @@ std::vector<int> MeshLayout::island_group(int rank) const {
   return ranks;
 }
 
+std::vector<int> MeshLayout::ep_group(int rank) const {
+  std::vector<int> ranks;
+  const std::vector<int> dp_ranks = dp_group(rank);
+  const int first = dp_rank(rank) - ep_rank(rank);
+  for (int e = 0; e < ep; ++e) ranks.push_back(dp_ranks[static_cast<size_t>(first + e)]);
+  return ranks;
+}
+
+std::vector<int> MeshLayout::expert_replica_group(int rank) const {
+  std::vector<int> ranks;
+  const std::vector<int> dp_ranks = dp_group(rank);
+  for (int d = ep_rank(rank); d < dp; d += ep) ranks.push_back(dp_ranks[static_cast<size_t>(d)]);
+  return ranks;
+}
+
 std::string MeshLayout::describe(const Topology& topo) const {
   std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ",
                            islands > 1 ? concat(islands, " islands x ") : std::string(), "dp ", dp);
+  if (ep > 1)
+    out += concat(" (ep ", ep, ": ", dp / ep, dp / ep == 1 ? " group" : " groups", " of ", ep,
+                  " ranks each holding 1/", ep, " of the experts)");
   if (tp > 1) {
     out += concat(" x tp ", tp, "; tp groups");
     for (int first = 0; first < world; first += tp)
@@ -54,7 +72,7 @@ std::string MeshLayout::describe(const Topology& topo) const {
   return out;
 }
 
-MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands) {
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_t ep) {
   if (tp < 1) throw UsageError(concat("parallel.tp must be >= 1, got ", tp));
   if (topo.size % tp != 0)
     throw UsageError(concat("parallel.tp: ", tp, " does not divide the world size ", topo.size,
@@ -90,6 +108,11 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands) {
                             " (an island is a whole number of tp groups)"));
   l.islands = static_cast<int>(islands);
   l.dp = topo.size / l.tp / l.islands;
+  if (ep < 1 || l.dp % ep != 0)
+    throw UsageError(concat("parallel.ep: ", ep, " does not divide the ", l.dp, " data-parallel ranks (world ", topo.size,
+                            " = dp ", l.dp, tp > 1 ? concat(" x tp ", tp) : std::string(),
+                            "; each ep group is ep of the dp ranks)"));
+  l.ep = static_cast<int>(ep);
   return l;
 }
 

@@ -17,6 +17,7 @@ namespace mpitrain {
 namespace {
 
 std::atomic<int64_t> g_recomputed_blocks{0}, g_replayed_linear{0}, g_replayed_attention{0};
+thread_local bool t_recomputing = false;
 
 // ---- random state --------------------------------------------------------------------------------
 
@@ -207,7 +208,14 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
       if (r->autocast != torch::kFloat32)
         autocast.emplace(r->autocast == torch::kBFloat16 ? Precision::bf16 : Precision::fp16, r->rng.device);
       TapeScope tape(r->tape.get(), Tape::Mode::replay);
-      outs = r->run(in);
+      t_recomputing = true;
+      try {
+        outs = r->run(in);
+      } catch (...) {
+        t_recomputing = false;
+        throw;
+      }
+      t_recomputing = false;
       if (r->tape) {
         MPITRAIN_CHECK(r->tape->next == r->tape->entries.size(),
                        "selective checkpointing: the block's second run skipped ops of its first");
@@ -293,6 +301,7 @@ torch::Tensor tape_attention(const torch::Tensor& q, const torch::Tensor& k, con
 }
 
 int64_t recomputed_blocks() { return g_recomputed_blocks.load(std::memory_order_relaxed); }
+bool recomputing() { return t_recomputing; }
 int64_t replayed_linear_layers() { return g_replayed_linear.load(std::memory_order_relaxed); }
 int64_t replayed_attention() { return g_replayed_attention.load(std::memory_order_relaxed); }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -404,19 +405,70 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 
 // Experts: SwiGLU MLPs of moe_intermediate_size units, made as the dense MLP with that size.
 MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
-    : top_k_(d.num_experts_per_tok), norm_topk_(d.norm_topk_prob), log_(log) {
+    : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), capacity_factor_(d.capacity_factor),
+      norm_topk_(d.norm_topk_prob),
+      ep_(d.ep > 1 ? d.ep_comm : nullptr), log_(log) {
   // (The config refuses these: args_conflict.)
-  MPITRAIN_CHECK(d.tp == 1 && d.ac == GPTDims::Ac::none && top_k_ <= d.num_experts,
-                 "mixture of experts: tp > 1, activation checkpointing or more chosen than there are experts");
+  MPITRAIN_CHECK(d.tp == 1 && top_k_ <= d.num_experts,
+                 "mixture of experts: tp > 1 or more chosen than there are experts");
+  MPITRAIN_CHECK(d.ep >= 1 && d.num_experts % d.ep == 0 && (d.ep == 1 || d.ep_comm),
+                 "expert parallelism: ep must divide num_experts, with its communicator");
   gate = register_module("gate", linear(d.n_embd, d.num_experts, false));
-  experts = register_module("experts", torch::nn::ModuleList());
+  experts = register_module("experts", std::make_shared<torch::nn::Module>());
   GPTDims expert = d;
   expert.intermediate_size = d.moe_intermediate_size;
-  for (int64_t e = 0; e < d.num_experts; ++e) experts->push_back(MLP(expert));
+  first = d.ep_rank * d.local_experts();
+  for (int64_t e = first; e < first + d.local_experts(); ++e)
+    local.push_back(experts->register_module(std::to_string(e), MLP(expert)));
+}
+
+torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count) {
+  std::vector<torch::Tensor> outs;
+  outs.reserve(local.size());
+  int64_t start = 0;
+  for (size_t e = 0; e < local.size(); start += count[e], ++e)
+    outs.push_back(local[e]->forward(grouped.narrow(0, start, count[e])));
+  return torch::cat(outs);
+}
+
+// Each rank of the ep group sends rank q the rows for q's experts (contiguous: the rows are
+// sorted by expert), learns first how many of each of its own experts every rank sends, runs its
+// experts on what arrives (each expert's rows from every rank together) and sends the outputs back.
+torch::Tensor MoEImpl::run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts) {
+  Communicator& ep = *ep_;
+  const int P = ep.size();
+  const auto L = static_cast<int64_t>(local.size());
+  // counts[q][j]: this rank's rows for rank q's expert j; arriving[q][j]: rank q's rows for mine.
+  const torch::Tensor counts = host_counts.view({P, L}).contiguous();
+  torch::Tensor arriving = torch::empty({P, L}, torch::kInt64);
+  const std::vector<int64_t> ones(static_cast<size_t>(P), 1);
+  ep.all_to_all(counts, ones, arriving, ones);
+  const int64_t* c = counts.data_ptr<int64_t>();
+  const int64_t* a = arriving.data_ptr<int64_t>();
+  std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0);
+  std::vector<int64_t> per_expert(static_cast<size_t>(L), 0);
+  for (int q = 0; q < P; ++q)
+    for (int64_t j = 0; j < L; ++j) {
+      send[q] += c[q * L + j], recv[q] += a[q * L + j];
+      per_expert[j] += a[q * L + j];
+    }
+  const torch::Tensor got = ep_all_to_all(grouped, send, recv, ep);  // by sender, then by expert
+  // Expert-major order (expert j: its rows from rank 0, then rank 1, ...) and back.
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(got.size(0)));
+  std::vector<int64_t> start(static_cast<size_t>(P * L));
+  for (int64_t i = 0, off = 0; i < P * L; off += a[i], ++i) start[i] = off;
+  for (int64_t j = 0; j < L; ++j)
+    for (int q = 0; q < P; ++q)
+      for (int64_t r = 0; r < a[q * L + j]; ++r) order.push_back(start[q * L + j] + r);
+  const torch::Tensor perm = torch::tensor(order, torch::kInt64).to(grouped.device());
+  const torch::Tensor out = run_local(got.index_select(0, perm), per_expert.data());
+  const torch::Tensor back = torch::empty_like(perm).index_copy_(0, perm, torch::arange(perm.size(0), perm.options()));
+  return ep_all_to_all(out.index_select(0, back), recv, send, ep);
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
-  const int64_t C = x.size(-1), E = static_cast<int64_t>(experts->size());
+  const int64_t C = x.size(-1), E = num_experts_;
   const torch::Tensor rows = x.reshape({-1, C});
   const int64_t N = rows.size(0);
   // The router in fp32 from its logits (in autocast's dtype, as transformers' gate runs in the model's).
@@ -426,23 +478,33 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
   // The N k token copies grouped by expert (stable: a token's copies in expert order, as
   // transformers' loop over the experts adds them), each group through its expert.
   const torch::Tensor flat = chosen.reshape({-1});
-  const torch::Tensor order = std::get<1>(flat.sort(c10::optional<bool>(true), /*dim=*/0, /*descending=*/false));
-  const torch::Tensor token = order.div(top_k_, "floor");
+  torch::Tensor order = std::get<1>(flat.sort(c10::optional<bool>(true), /*dim=*/0, /*descending=*/false));
   const torch::Tensor counts = torch::bincount(flat, {}, E);
-  const torch::Tensor host_counts = counts.cpu();
-  const int64_t* count = host_counts.data_ptr<int64_t>();
+  torch::Tensor host_counts = counts.cpu();
+  int64_t dropped = 0;
+  if (capacity_factor_ > 0) {  // each expert's first `cap` copies by position (the sort is stable)
+    const auto cap = static_cast<int64_t>(std::ceil(capacity_factor_ * static_cast<double>(N) *
+                                                    static_cast<double>(top_k_) / static_cast<double>(E)));
+    torch::Tensor kept = host_counts.clamp_max(cap);
+    std::vector<int64_t> keep;
+    const int64_t *c = host_counts.data_ptr<int64_t>(), *k = kept.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < E; start += c[e], ++e)
+      for (int64_t j = 0; j < k[e]; ++j) keep.push_back(start + j);
+    dropped = N * top_k_ - static_cast<int64_t>(keep.size());
+    order = order.index_select(0, torch::tensor(keep, torch::kInt64).to(order.device()));
+    host_counts = kept;
+  }
+  const torch::Tensor token = order.div(top_k_, "floor");
   const torch::Tensor grouped = rows.index_select(0, token);
-  std::vector<torch::Tensor> outs;
-  outs.reserve(static_cast<size_t>(E));
-  for (int64_t e = 0, start = 0; e < E; start += count[e], ++e)
-    outs.push_back((*experts)[static_cast<size_t>(e)]->as<MLP>()->forward(grouped.narrow(0, start, count[e])));
-  torch::Tensor out = torch::cat(outs);
+  torch::Tensor out = ep_ ? run_parallel(grouped, host_counts) : run_local(grouped, host_counts.data_ptr<int64_t>());
   out = out * weights.reshape({-1}).index_select(0, order).to(out.scalar_type()).unsqueeze(1);
-  if (log_ && is_training()) {
-    log_->prob_sums.push_back(probs.sum(0));
+  if (log_ && !recomputing()) log_->dropped += dropped, log_->copies += N * top_k_;
+  if (is_training()) prob_sums = probs.sum(0);
+  if (log_ && is_training() && !recomputing()) {
+    log_->prob_sums.push_back(prob_sums);
     log_->counts.push_back(counts);
     log_->rows += N;
-  } else if (log_) {
+  } else if (log_ && !is_training()) {
     log_->counts.push_back(counts);
   }
   return torch::zeros({N, C}, out.options()).index_add(0, token, out).view(x.sizes());
@@ -528,6 +590,18 @@ std::vector<torch::Tensor> GPTImpl::after_block(int64_t block, std::vector<torch
       static_cast<int64_t>(reinterpret_cast<intptr_t>(units_)), block);
 }
 
+// A checkpointed sparse block's last output is its router's probability sums: they take the
+// place of the first run's in the router log (which have no graph: the first run records none), so
+// the aux loss's gradient reaches the router through the block's second run.
+std::vector<torch::Tensor> GPTImpl::router_output(std::vector<torch::Tensor> outs, size_t block_outputs) {
+  if (outs.size() > block_outputs) {
+    MPITRAIN_CHECK(!router_log_.prob_sums.empty(), "checkpointed sparse block: no router log entry");
+    router_log_.prob_sums.back() = outs.back();
+    outs.pop_back();
+  }
+  return outs;
+}
+
 bool GPTImpl::checkpointed(int64_t block) const {
   return is_training() && torch::GradMode::is_enabled() && dims_.ac != GPTDims::Ac::none &&
          (block + 1) % dims_.ac_every == 0;
@@ -544,6 +618,28 @@ GPTDims complete(GPTDims d) {
   return d;
 }
 }  // namespace
+
+int64_t expert_of(const std::string& name) {
+  static const std::string mark = ".mlp.experts.";
+  const size_t at = name.find(mark);
+  if (at == std::string::npos) return -1;
+  const size_t from = at + mark.size(), to = name.find('.', from);
+  if (to == std::string::npos || to == from) return -1;
+  int64_t e = 0;
+  for (size_t i = from; i < to; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    e = e * 10 + (name[i] - '0');
+  }
+  return e;
+}
+
+std::string with_expert(const std::string& name, int64_t e) {
+  static const std::string mark = ".mlp.experts.";
+  const size_t at = name.find(mark);
+  MPITRAIN_CHECK(expert_of(name) >= 0, concat("with_expert: '", name, "' is no expert's parameter"));
+  const size_t from = at + mark.size(), to = name.find('.', from);
+  return name.substr(0, from) + std::to_string(e) + name.substr(to);
+}
 
 void drop_param_values(const torch::Tensor& p) {
   torch::NoGradGuard no_grad;
@@ -620,6 +716,25 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < all.size(); ++k)
       mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
+    return;
+  }
+  if (d.ep > 1) {
+    // The whole model's initial values from the same generator state, then this rank's experts
+    // (and every other parameter) copied from it by name.
+    MPITRAIN_CHECK(!deferred, "expert parallelism: not with a deferred model (ZeRO-3)");
+    GPTDims whole = d;
+    whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
+    GPT dense(whole);
+    build_modules(d, deferred);
+    collect_tp_splits();
+    std::map<std::string, torch::Tensor> all;
+    for (auto& [name, p] : dense->named_params()) all.emplace(name, p);
+    torch::NoGradGuard no_grad;
+    for (auto& [name, p] : named_params()) {
+      const auto it = all.find(name);
+      MPITRAIN_CHECK(it != all.end(), concat("expert parallelism: the whole model has no parameter '", name, "'"));
+      p.copy_(it->second);
+    }
     return;
   }
   build_modules(d, deferred);
@@ -704,9 +819,11 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
       continue;
     }
     const BlockRun run = [block](const std::vector<torch::Tensor>& in) {
-      return std::vector<torch::Tensor>{block->forward(in[0])};
+      std::vector<torch::Tensor> out{block->forward(in[0])};
+      if (block->moe) out.push_back(block->moe->prob_sums);  // the router's, for the aux loss's gradient
+      return out;
     };
-    x = after_block(b, checkpointed_block(run, x, torch::Tensor(), dims_.ac == GPTDims::Ac::selective))[0];
+    x = after_block(b, router_output(checkpointed_block(run, x, torch::Tensor(), dims_.ac == GPTDims::Ac::selective)))[0];
   }
   return ln_f(x);
 }
@@ -729,9 +846,11 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
     }
     const BlockRun run = [block, normed_dtype](const std::vector<torch::Tensor>& in) {
       auto [out, d] = block->forward_fused(in[0], in[1], normed_dtype);
-      return std::vector<torch::Tensor>{out, d};
+      std::vector<torch::Tensor> outs{out, d};
+      if (block->moe) outs.push_back(block->moe->prob_sums);
+      return outs;
     };
-    const auto outs = after_block(b, checkpointed_block(run, x, delta, dims_.ac == GPTDims::Ac::selective));
+    const auto outs = after_block(b, router_output(checkpointed_block(run, x, delta, dims_.ac == GPTDims::Ac::selective), 2));
     x = outs[0], delta = outs[1];
   }
   return ln_f->add_forward(x, delta, normed_dtype).second;
@@ -778,6 +897,11 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   const torch::Tensor share = torch::stack(router_log_.counts).sum(0).to(torch::kFloat32) / R;
   aux_loss_ = (share * torch::stack(router_log_.prob_sums).sum(0)).sum() * (E / R);
   return loss + aux_loss_ * dims_.router_aux_loss_coef;
+}
+
+double GPTImpl::dropped_share() const {
+  if (dims_.capacity_factor <= 0 || router_log_.copies == 0) return -1;
+  return static_cast<double>(router_log_.dropped) / static_cast<double>(router_log_.copies);
 }
 
 std::vector<double> GPTImpl::expert_load() const {
@@ -969,15 +1093,24 @@ int64_t GPTImpl::num_params() const {
   return n;
 }
 
-int64_t GPTImpl::inactive_params() const {
+// Per sparse layer, (the experts counted by `experts_left_out`) x one expert's parameters.
+int64_t GPTImpl::expert_params_times(const std::function<int64_t(const MoEImpl&)>& experts_left_out) const {
   int64_t n = 0;
   for (size_t i = 0; i < h->size(); ++i)
     if (const auto& moe = (*h)[i]->as<Block>()->moe) {
       int64_t expert = 0;
-      for (const auto& p : (*moe->experts)[0]->parameters()) expert += p.numel();
-      n += (static_cast<int64_t>(moe->experts->size()) - dims_.num_experts_per_tok) * expert;
+      for (const auto& p : moe->local.front()->parameters()) expert += p.numel();
+      n += experts_left_out(*moe) * expert;
     }
   return n;
+}
+
+int64_t GPTImpl::remote_expert_params() const {
+  return expert_params_times([&](const MoEImpl& moe) { return dims_.num_experts - static_cast<int64_t>(moe.local.size()); });
+}
+
+int64_t GPTImpl::inactive_params() const {
+  return expert_params_times([&](const MoEImpl&) { return dims_.num_experts - dims_.num_experts_per_tok; });
 }
 
 std::vector<int64_t> generate(GPT& model, std::vector<int64_t> tokens, int64_t n, double temperature,

@@ -16,7 +16,7 @@ namespace F = torch::nn::functional;
 
 namespace {
 
-std::atomic<int64_t> collective_ns{0};
+std::atomic<int64_t> collective_ns{0}, ep_ns{0};
 
 // Times one tp collective into collective_ns.
 template <class Fn>
@@ -56,6 +56,37 @@ class TpReduce : public torch::autograd::Function<TpReduce> {
   }
 };
 
+// rows -> every rank -> rows: `x` (contiguous) exchanged over `comm`.
+torch::Tensor exchanged(const torch::Tensor& x, const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
+                        Communicator& comm) {
+  int64_t rows = 0;
+  for (int64_t r : recv) rows += r;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = rows;
+  torch::Tensor out = torch::empty(shape, x.options());
+  const torch::Tensor in = x.contiguous();
+  const auto t0 = std::chrono::steady_clock::now();
+  comm.all_to_all(in, send, out, recv);
+  ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+class EpAllToAll : public torch::autograd::Function<EpAllToAll> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const std::vector<int64_t>& send, const std::vector<int64_t>& recv, int64_t comm) {
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    ctx->saved_data["comm"] = comm;
+    return exchanged(x, send, recv, comm_from_handle(comm));
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
+    return {exchanged(g[0], recv, send, comm_from_handle(ctx->saved_data["comm"].toInt())), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // Ids from `start` in a slice of `n`: which of `ids` fall in it, and their index in it (0 where
 // they do not).
 std::pair<torch::Tensor, torch::Tensor> in_slice(const torch::Tensor& ids, int64_t start, int64_t n) {
@@ -82,6 +113,13 @@ torch::Tensor held_target_logit(const torch::Tensor& logits, const torch::Tensor
 
 int64_t comm_handle(Communicator& comm) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&comm)); }
 Communicator& comm_from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(handle)); }
+
+torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
+                            const std::vector<int64_t>& recv_rows, Communicator& ep) {
+  return apply_autograd_function<EpAllToAll>(x, send_rows, recv_rows, comm_handle(ep));
+}
+
+double ep_collective_seconds() { return static_cast<double>(ep_ns.load()) * 1e-9; }
 
 torch::Tensor tp_copy(const torch::Tensor& x, Communicator& tp) {
   if (tp.size() == 1) return x;

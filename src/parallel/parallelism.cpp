@@ -11,6 +11,7 @@
 #include "mpitrain/error.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/log.h"
+#include "mpitrain/memory_plan.h"
 #include "mpitrain/mesh.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/watchdog.h"
@@ -31,7 +32,7 @@ torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(
 Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims,
                          torch::Device device, int checkpoint_dir_blind_rank, MpiComm mpi_comm)
     : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), mpi_comm_(mpi_comm), device_(device),
-      tp_(mesh.layout().tp > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
+      tp_(mesh.layout().tp > 1), ep_(mesh.layout().ep > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
   // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
   // checkpoint.dir (checkpoint.writers: auto): with a sharded optimizer every rank, under tensor
   // parallelism rank 0's tp group; else rank 0 the whole state, gathered to it. Async writes of
@@ -44,6 +45,9 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   const bool islands = mesh.layout().islands > 1;
   shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands;
   writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
+  if (ep_ && topo_.rank == 0)
+    log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
+                     mesh_.layout().ep, " ranks of its ep group)"));
   if (!spread || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
   const std::string share = zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
@@ -82,9 +86,10 @@ void Parallelism::apply(GPT model) {
   // Tensor parallel or ZeRO-3: when rank 0 writes checkpoints alone, it keeps a whole copy of the
   // model in host memory, into which the shards are gathered (ZeRO-3: one unit at a time, so no
   // rank holds the whole model on its device for it).
-  if ((tp_ || stage_ == 3) && topo_.rank == 0 && !shares_) {
+  if ((tp_ || stage_ == 3 || ep_) && topo_.rank == 0 && !shares_) {
     GPTDims d = dims_;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
+    d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
     whole_model_.emplace(d);
   }
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
@@ -106,6 +111,24 @@ void Parallelism::apply(GPT model) {
     for (const auto& [name, p] : model_->named_params()) names.push_back(name);
     units = model_units(names, dims_.n_layer);
   }
+  if (ep_) {  // (optim.zero 0, no PowerSGD, no units: the config refuses them with parallel.ep)
+    std::vector<torch::Tensor> shared, experts;
+    for (auto& [name, p] : model_->named_params()) {
+      is_expert_.push_back(expert_of(name) >= 0);
+      (is_expert_.back() ? experts : shared).push_back(p);
+    }
+    // Backward runs the experts' all-to-alls: on a GPU that is autograd's device thread, where the
+    // MPI backend may call MPI only under MPI_THREAD_MULTIPLE.
+    if (device_.is_cuda() && mesh_.ep().name() == "mpi" && !mpi_thread_multiple())
+      agree(mpi_comm_, [&] {
+        throw UsageError("parallel.ep on a GPU with comm.backend: mpi exchanges tokens from autograd's device thread, "
+                         "which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set comm.backend: nccl");
+      });
+    const torch::ScalarType wire = dtype_named(cfg_.comm.grad_dtype);
+    grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, false, wire);
+    expert_sync_.emplace(experts, mesh_.expert_replicas(), cfg_.comm.bucket_mb, overlap, false, wire);
+    return;
+  }
   // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
   grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), dtype_named(cfg_.comm.grad_dtype),
                      stage_ >= 2, units.groups,
@@ -125,6 +148,20 @@ void Parallelism::apply(GPT model) {
 int64_t Parallelism::initial_weights(const std::string& init_from) {
   Communicator& dp = mesh_.dp();
   const bool first_replica = mesh_.dp_rank() == 0;
+  if (ep_) {
+    // The first ep group's ranks read the files (each its own experts, and the rest); the dp
+    // broadcast gives every rank the rest, the expert replicas' broadcast the experts.
+    int64_t n = 0;
+    const bool first_group = mesh_.dp_rank() < mesh_.layout().ep;
+    if (!init_from.empty())
+      agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+        if (first_group) n = load_initial_weights(init_from, model_);
+      }); });
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < params_.size(); ++k) (is_expert_[k] ? mesh_.expert_replicas() : dp).broadcast(params_[k], 0);
+    mpi::broadcast_value(n, 0, mpi_comm_);
+    return n;
+  }
   if (!units_) {
     // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
     // their shards of the files, each only what it holds; the dp broadcast does the rest, also of
@@ -194,11 +231,14 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
   // ZeRO-3: each rank keeps its part of each tensor (at tp 1 one unit's bucket at a time, under tp
   // its slices of its tp shard), with no unit made whole.
   return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
-              units_ ? &units_->param_shards() : nullptr);
+              units_ ? &units_->param_shards() : nullptr, ep_ && whole_model_ ? &*whole_model_ : nullptr);
 }
 
 std::string Parallelism::describe_buckets() const {
   return concat(grad_sync_->num_buckets(), shards_optimizer() ? " reduce-scatter buckets" : " all-reduce buckets",
+                expert_sync_ ? concat(" and ", expert_sync_->num_buckets(), " of the experts' over their ",
+                                      mesh_.layout().dp / mesh_.layout().ep, " replicas")
+                             : std::string(),
                 grad_sync_->overlapping() ? " (overlapped with backward)" : "");
 }
 
@@ -207,7 +247,10 @@ std::string Parallelism::describe_gradient_traffic(int64_t accum) const {
   const bool per_micro = stage_ >= 2;
   return concat(
       "gradient communication: ",
-      static_cast<double>(grad_sync_->bytes_per_step() * static_cast<uint64_t>(per_micro ? accum : 1)) / (1 << 20),
+      static_cast<double>((grad_sync_->bytes_per_step() +
+                           (expert_sync_ && mesh_.layout().dp > mesh_.layout().ep ? expert_sync_->bytes_per_step() : 0)) *
+                          static_cast<uint64_t>(per_micro ? accum : 1)) /
+          (1 << 20),
       " MiB per rank per step in ", cfg_.comm.grad_dtype,
       per_micro && accum > 1 ? concat(" (ZeRO-", stage_, ": ", accum, " reduce-scatters, one per micro-step)")
                              : std::string(),
@@ -219,7 +262,15 @@ std::string Parallelism::describe_gradient_traffic(int64_t accum) const {
                              static_cast<double>(powersgd_->bytes_per_step()),
                          "x less; ", powersgd_->compressed_matrices(),
                          " weight matrices compressed, two all-reduces after backward, error feedback)")
-                : std::string());
+                : std::string(),
+      ep_ ? concat("; the experts' all-to-all: ", expert_exchange_mib(accum), " MiB sent per rank per step when the routing is balanced")
+          : std::string());
+}
+
+double Parallelism::expert_exchange_mib(int64_t accum) const {
+  return expert_exchange_bytes(dims_.sparse_layers(), dims_.routed_copies(cfg_.train.micro_batch * dims_.seq_len), dims_.n_embd,
+                               4, cfg_.train.precision == "fp32" ? 4 : 2, mesh_.layout().ep, accum) /
+         (1 << 20);
 }
 
 // ---- one step ------------------------------------------------------------------------------------
@@ -229,6 +280,7 @@ void Parallelism::begin_step(int64_t step) { compressed_ = powersgd_ && step >= 
 void Parallelism::before_backward(bool completes_step) {
   // This backward completes the step's gradients (ZeRO-2/3: every backward reduce-scatters its own).
   if ((completes_step || grad_sync_->frees_grads()) && !compressed_) grad_sync_->arm();
+  if (completes_step && expert_sync_) expert_sync_->arm();
 }
 
 void Parallelism::after_backward(bool completes_step) {
@@ -240,9 +292,22 @@ void Parallelism::reduce_gradients() {
     powersgd_->reduce_grads();
   else
     grad_sync_->all_reduce_grads();
+  if (expert_sync_) {
+    expert_sync_->all_reduce_grads();
+    torch::NoGradGuard no_grad;
+    const double ep = mesh_.layout().ep;
+    for (size_t k = 0; k < params_.size(); ++k)
+      if (is_expert_[k] && params_[k].grad().defined()) params_[k].grad().div_(ep);
+  }
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
+  if (ep_) {  // the experts' gradients differ over the ep group: the verdict and the norm agreed over it
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : params_) grads.push_back(p.grad());
+    const bool finite = scaler.unscale_and_check(grads, mesh_.ep(), device_);
+    return {finite, clip_ep_grad_norm_(params_, is_expert_, max_norm, mesh_.ep())};
+  }
   if (!shards_optimizer() && !tp_) {
     const bool finite = scaler.unscale_and_check(params_);
     return {finite, clip_grad_norm_(params_, max_norm)};
@@ -286,7 +351,7 @@ bool Parallelism::params_finite() {
   }
   // Each rank checked its shards, or its island's parameters (DiLoCo: they differ between outer
   // steps): agree.
-  if (tp_ || units_ || mesh_.layout().islands > 1) {
+  if (tp_ || ep_ || units_ || mesh_.layout().islands > 1) {
     Watchdog::Scope watch("all_reduce(parameter check)");
     mpi::all_reduce(&finite, 1, ReduceOp::min, mpi_comm_);
   }
@@ -320,7 +385,11 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get());
   std::string path;
-  if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
+  if (ep_) {  // the experts assembled on rank 0
+    gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
+                    &gathered_);
+    if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
+  } else if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
     gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
                     &gathered_, units());
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
@@ -344,6 +413,21 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
 
 std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_params() {
   std::vector<std::pair<std::string, std::vector<float>>> out;
+  if (ep_) {  // each ep group's experts gathered within it
+    GPTDims d = dims_;
+    d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    const torch::Tensor rng = gen.get_state();  // (making the model draws; the run's stream goes on as it was)
+    GPT whole(d);
+    gen.set_state(rng);
+    FullOptimState state = host_optim_state_like(whole);
+    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state);
+    for (auto& [name, p] : whole->named_params()) {
+      torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
+      out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
+    }
+    return out;
+  }
   WholeParams whole(units());
   for (auto& [name, p] : model_->named_params()) {
     torch::Tensor c =

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -147,7 +148,81 @@ void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSy
   }
 }
 
+// Expert parallel resume (optim.zero 0): rank 0 reads each tensor (`file`, opened with the whole
+// model's names; null elsewhere), an expert's parameter for every rank of an ep group at once, and
+// broadcasts it over `comm` (the world); each rank keeps its experts' share and every other tensor.
+void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, Communicator& comm, MpiComm mpi_comm) {
+  using Part = CheckpointParams::Part;
+  const GPTDims& d = model->dims();
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "expert parallel resume: AdamW's slot i is parameter i");
+  std::map<std::string, size_t> at;  // rank 0: the file's tensors by name
+  if (file)
+    for (size_t k = 0; k < file->size(); ++k) at.emplace(file->name(k), k);
+  auto read = [&](const std::string& name, Part part) {
+    const auto it = at.find(name);
+    MPITRAIN_CHECK(it != at.end(), concat("expert parallel resume: the checkpoint has no tensor '", name, "'"));
+    return file->read(it->second, part);
+  };
+  for (size_t k = 0; k < params.size(); ++k) {
+    const std::string& name = params[k].first;
+    const int64_t e = expert_of(name);  // rank 0 holds experts 0 .. L - 1: rank q of a group, e + q L
+    for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
+      torch::Tensor dest = part == Part::param ? params[k].second : part == Part::exp_avg ? opt.exp_avg(k) : opt.exp_avg_sq(k);
+      const int64_t copies = e < 0 ? 1 : d.ep;
+      torch::Tensor all = torch::empty({copies, dest.numel()}, torch::kFloat32);
+      agree(mpi_comm, [&] {
+        if (!file) return;
+        for (int64_t q = 0; q < copies; ++q)
+          all[q].copy_(read(e < 0 ? name : with_expert(name, e + q * d.local_experts()), part).reshape({-1}));
+      });
+      comm.broadcast(all, 0);
+      dest.detach().copy_(all[e < 0 ? 0 : d.ep_rank].view(dest.sizes()));
+    }
+  }
+}
+
 }  // namespace
+
+void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
+                     FullOptimState* whole_state) {
+  if (!first_ep_group) return;
+  torch::NoGradGuard no_grad;
+  const GPTDims& d = model->dims();
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "gather_ep_state: AdamW's slot i is parameter i");
+  std::map<std::string, size_t> at;  // rank 0: the whole model's parameters by name
+  std::vector<std::pair<std::string, torch::Tensor>> into;
+  if (whole) {
+    into = (*whole)->named_params();
+    for (size_t k = 0; k < into.size(); ++k) at.emplace(into[k].first, k);
+    whole_state->steps_taken = opt.steps_taken();
+  }
+  for (size_t k = 0; k < params.size(); ++k) {
+    const std::string& name = params[k].first;
+    const int64_t e = expert_of(name);
+    for (int which = 0; which < 3; ++which) {
+      const torch::Tensor mine = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(k) : opt.exp_avg_sq(k))
+                                     .detach()
+                                     .to(torch::kFloat32)
+                                     .contiguous();
+      torch::Tensor all = mine.reshape({1, -1});
+      if (e >= 0) {
+        all = torch::empty({ep.size(), mine.numel()}, mine.options());
+        ep.all_gather(mine, all);
+      }
+      if (!whole) continue;
+      for (int64_t q = 0; q < all.size(0); ++q) {
+        const std::string n = e < 0 ? name : with_expert(name, e + q * d.local_experts());
+        const auto it = at.find(n);
+        MPITRAIN_CHECK(it != at.end(), concat("gather_ep_state: the whole model has no parameter '", n, "'"));
+        auto& m = whole_state->moments[it->second];
+        torch::Tensor dst = which == 0 ? into[it->second].second.detach() : which == 1 ? m.exp_avg : m.exp_avg_sq;
+        dst.copy_(all[q].view(dst.sizes()));
+      }
+    }
+  }
+}
 
 FullOptimState host_optim_state_like(GPT& model) {
   FullOptimState full;
@@ -433,7 +508,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
-                 const std::vector<torch::Tensor>* param_shards) {
+                 const std::vector<torch::Tensor>* param_shards, GPT* whole) {
   std::string path;
   // Rank 0 reads and verifies every tensor of the file (a damaged one falls back to the next
   // candidate before any rank has taken anything), then reads them again one at a time while
@@ -449,7 +524,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
     if (comm.rank() != 0) return;
     for (size_t i = 0; i < candidates.size() && path.empty(); ++i) {
       try {
-        file.emplace(candidates[i], model, st, /*with_optim=*/true);
+        file.emplace(candidates[i], whole ? *whole : model, st, /*with_optim=*/true);
         file->verify_all();
         path = candidates[i];
       } catch (const ArchitectureMismatch&) {
@@ -475,7 +550,10 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   torch::NoGradGuard no_grad;
   using Part = CheckpointParams::Part;
   CheckpointParams* from = file ? &*file : nullptr;
-  if (tensor_parallel) {
+  if (model->dims().ep > 1) {
+    MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
+    keep_expert_shards(from, model, opt, comm, mpi_comm);
+  } else if (tensor_parallel) {
     keep_tp_shards(from, model, opt, shards, comm, mpi_comm, /*zero3=*/param_shards != nullptr);
   } else {
     if (!param_shards) {

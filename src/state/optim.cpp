@@ -275,6 +275,21 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
   return clip_by(grads, squared, max_norm);
 }
 
+torch::Tensor clip_ep_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& expert,
+                                 double max_norm, Communicator& ep) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads, counted;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& g = params[i].grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    if (expert[i] || ep.rank() == 0) counted.push_back(g);
+  }
+  torch::Tensor squared = sum_of_squares(counted, params.front().device());
+  ep.all_reduce(squared, ReduceOp::sum);
+  return clip_by(grads, squared, max_norm);
+}
+
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
   return clip_grad_norm_(params, max_norm).item<double>();
 }

@@ -108,4 +108,12 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   return out;
 }
 
+double expert_exchange_bytes(int64_t sparse_layers, int64_t copies, int64_t n_embd, int64_t in_bytes, int64_t out_bytes,
+                             int64_t ep, int64_t accum) {
+  if (ep <= 1) return 0;
+  const double leaving = static_cast<double>(ep - 1) / static_cast<double>(ep);
+  return 2.0 * static_cast<double>(sparse_layers) * static_cast<double>(accum) * static_cast<double>(copies) *
+         static_cast<double>(n_embd) * static_cast<double>(in_bytes + out_bytes) * leaving;
+}
+
 }  // namespace mpitrain

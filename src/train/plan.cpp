@@ -188,6 +188,9 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   // probe's models are tensor-parallel too: their forward is collective over each tp group, so
   // every rank measures (rank 0's figures are printed). The timing model is data parallelism's.
   const bool tensor_parallel = run.layout.tp > 1;
+  // Expert parallelism likewise: each rank holds its ep group's share of the experts (N below is
+  // rank 0's), the probes' forward exchanges tokens over the ep group, and no timing model.
+  const bool expert_parallel = run.layout.ep > 1, spread = tensor_parallel || expert_parallel;
   const torch::Device device = run.device;
   const GPTDims& dims = run.dims;
   const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
@@ -206,6 +209,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     for (int64_t e : tp_whole_shape(p.sizes(), model->tp_split(name), dims.tp)) whole *= e;
     n_whole_params += whole;
   }
+  n_whole_params += model->remote_expert_params();
   auto memory_table = [&] {
     MemoryInputs mem;
     mem.params = n_params;
@@ -232,18 +236,33 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     return measured ? memory_report(mem, memory_gib, memory_source)
                     : std::string("memory: this device's allocated bytes cannot be read: no activation measurement");
   };
-  if (options.memory_only || tensor_parallel) {  // no timing: the model's memory per rank alone
-    const std::string table = topo.rank == 0 || tensor_parallel ? memory_table() : std::string();
+  if (options.memory_only || spread) {  // no timing: the model's memory per rank alone
+    const std::string table = topo.rank == 0 || spread ? memory_table() : std::string();
     if (topo.rank == 0) {
-      std::printf("plan: model %lld parameters%s; micro-batch %lld x %lld tokens; %s; dp %lld%s\n%s%s\n",
+      const int64_t sparse = dims.sparse_layers(), copies = dims.routed_copies(micro * T);
+      const double exchange = expert_exchange_bytes(sparse, copies, dims.n_embd, 4, run.precision == Precision::fp32 ? 4 : 2,
+                                                    run.layout.ep, cfg.train.grad_accum);
+      const std::string layout = concat(tensor_parallel ? concat(" x tp ", run.layout.tp) : std::string(),
+                                        expert_parallel ? concat(" (ep ", run.layout.ep, ")") : std::string());
+      std::printf("plan: model %lld parameters%s; micro-batch %lld x %lld tokens; %s; dp %lld%s\n%s%s%s\n",
                   static_cast<long long>(n_params),
-                  tensor_parallel ? concat(" per rank (its tp shards of ", n_whole_params, ")").c_str() : "",
+                  tensor_parallel ? concat(" per rank (its tp shards of ", n_whole_params, ")").c_str()
+                  : expert_parallel ? concat(" per rank (its ep group's share of the experts; ", n_whole_params, " in all)").c_str()
+                                    : "",
                   static_cast<long long>(micro), static_cast<long long>(T), precision_name(run.precision),
-                  static_cast<long long>(run.layout.dp),
-                  tensor_parallel ? concat(" x tp ", run.layout.tp).c_str() : "",
-                  tensor_parallel && !options.memory_only
-                      ? concat("plan: the step-time model covers data parallelism only (parallel.tp: ", run.layout.tp,
+                  static_cast<long long>(run.layout.dp), layout.c_str(),
+                  spread && !options.memory_only
+                      ? concat("plan: the step-time model covers data parallelism only (",
+                               tensor_parallel ? concat("parallel.tp: ", run.layout.tp) : concat("parallel.ep: ", run.layout.ep),
                                "): no timing table; the memory per rank of this layout follows\n").c_str()
+                      : "",
+                  expert_parallel
+                      ? concat("plan: expert all-to-all: ", exchange / (1 << 20), " MiB sent per rank per step (",
+                               sparse, " sparse layers x ", cfg.train.grad_accum, " micro-batches x ", copies,
+                               " token copies of ", dims.n_embd, " values, to the experts in fp32 and back in ",
+                               precision_name(run.precision), ", and their gradients; ", run.layout.ep - 1, "/", run.layout.ep,
+                               " of them leave the rank when the routing is balanced); the table's optim.zero rows above 0 "
+                               "are not runnable with parallel.ep yet\n").c_str()
                       : "",
                   table.c_str());
       std::fflush(stdout);

@@ -169,7 +169,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                          " or a quarter of the fastest link)"));
       islands = islands_of_groups(topo, group);
     }
-    layout = plan_layout(topo, cfg.parallel.tp, islands);
+    layout = plan_layout(topo, cfg.parallel.tp, islands, cfg.parallel.ep);
   }); });
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.replicas()); });
   log::set_level(log::parse_level(cfg.log.level));
@@ -246,6 +246,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
     const std::string& ac = cfg.train.activation_checkpointing;
     dims.ac = ac == "full" ? GPTDims::Ac::full : ac == "selective" ? GPTDims::Ac::selective : GPTDims::Ac::none;
     dims.ac_every = cfg.train.ac_every;
+    dims.capacity_factor = capacity_factor_of(cfg.train.moe_capacity_factor);
     if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
       log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
                        dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
@@ -265,6 +266,11 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
       dims.tp = layout.tp;
       dims.tp_rank = mesh->tp_rank();
       dims.tp_comm = &mesh->tp();
+    }
+    if (layout.ep > 1) {
+      dims.ep = layout.ep;
+      dims.ep_rank = mesh->ep_rank();
+      dims.ep_comm = &mesh->ep();
     }
     const std::string attention = configure_attention(cfg.model.attention, dims, device, precision_dtype(precision));
     if (topo.rank == 0) log::info(concat("attention: ", attention));

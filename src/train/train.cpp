@@ -242,6 +242,7 @@ void Run::build_model() {
     for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), dims_.tp)) n *= e;
     whole_params_ += n;
   }
+  whole_params_ += model_->remote_expert_params();  // (expert parallelism: the experts other ranks hold)
 }
 
 // AdamW over what this rank updates and the fp16 loss scaler.
@@ -556,7 +557,7 @@ void Run::log_step() {
                           any_bad_norm > 0 && !bad_norm ? " here, not finite on another rank" : ""));
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
                     scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
-  if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load();
+  if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
   if (topo_.rank == 0) progress_->report(report);
 }
 
