@@ -8,11 +8,15 @@
 # libtorch allocated, and the ratio against dense. "routing" = 1 - dense ms / moe ms: the share
 # of the mixture's step spent on what the dense model does not do (router, sort, gather, scatter,
 # one GEMM per expert instead of one per layer) — an estimate from the two runs, not a timer.
+# Then expert parallelism (EP ranks, default 2; 1 skips it): the mixture on EP ranks with every rank
+# holding every expert (parallel.ep 1) against the experts split over them (parallel.ep EP): ms/step,
+# tokens/s over all ranks, AdamW's state and the peak memory per rank, the all-to-all MiB per step
+# (the start-up line's prediction for a balanced routing).
 #
 #     bash bench/moe.sh [build/mpitrain]
 #
 # Environment: E (16), K (2), U (128: units per expert), N_LAYER (4), N_EMBD (256), N_HEAD (8), SEQ (256),
-# MICRO_BATCH (8), STEPS (30), WARMUP (8), REPEATS (3), THREADS (1).
+# MICRO_BATCH (8), STEPS (30), WARMUP (8), REPEATS (3), THREADS (1), EP (2).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-$REPO/build/mpitrain}")
@@ -72,3 +76,27 @@ printf '| dense (qwen3) | %d units | %s | %s | %.1f | %.0f | %s | 1.00 |\n' $((K
 printf '| moe (qwen3_moe) | %d experts x %d units, top %d | %s | %s | %.1f | %.0f | %s | %.2f |\n' "$E" "$U" "$K" "${params[moe]}" \
   "$(mflops moe.out)" "$moe_ms" "$(echo "$tokens * 1000 / $moe_ms" | bc -l)" "${peak[moe]}" "$(echo "$dense_ms / $moe_ms" | bc -l)"
 printf '\nrouting (1 - dense ms / moe ms): %.0f%% of the mixture'"'"'s step\n' "$(echo "100 * (1 - $dense_ms / $moe_ms)" | bc -l)"
+
+EP=${EP:-2}
+[ "$EP" -gt 1 ] || exit 0
+declare -A eruns epeak eopt
+for r in $(seq 1 "$REPEATS"); do
+  for ep in 1 "$EP"; do
+    rm -rf run_ep$ep
+    mpirun -np "$EP" --oversubscribe "$BIN" moe.yaml --set parallel.ep=$ep --set train.out_dir=run_ep$ep \
+      --set checkpoint.dir=ck_ep$ep > ep$ep.out 2>&1 || { tail -5 ep$ep.out; exit 1; }
+    eruns[$ep]="${eruns[$ep]:-} $(median_ms run_ep$ep/metrics.jsonl)"
+    epeak[$ep]=$(sed -n 's/.*peak CPU memory (allocated by libtorch, MiB): rank 0 \([0-9.]*\).*/\1/p' ep$ep.out | tail -1)
+    eopt[$ep]=$(sed -n 's/.*optimizer state: \([0-9.]*\) MiB per rank.*/\1/p' ep$ep.out | head -1)
+  done
+done
+a2a=$(sed -n "s/.*the experts' all-to-all: \([0-9.]*\) MiB sent per rank per step.*/\1/p" ep$EP.out | head -1)
+ep1_ms=$(med "${eruns[1]}") epn_ms=$(med "${eruns[$EP]}")
+echo
+echo "expert parallelism: the mixture on $EP ranks (mpirun -np $EP, one thread each), $B sequences per rank per step"
+echo "| layout | experts per rank | ms/step | tokens/s (all ranks) | AdamW state MiB per rank | peak MiB (rank 0) | all-to-all MiB/step | vs ep 1 |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+printf '| parallel.ep 1 | %d | %.1f | %.0f | %s | %s | 0 | 1.00 |\n' "$E" "$ep1_ms" "$(echo "$tokens * $EP * 1000 / $ep1_ms" | bc -l)" \
+  "${eopt[1]}" "${epeak[1]}"
+printf '| parallel.ep %d | %d | %.1f | %.0f | %s | %s | %s | %.2f |\n' "$EP" $((E / EP)) "$epn_ms" \
+  "$(echo "$tokens * $EP * 1000 / $epn_ms" | bc -l)" "${eopt[$EP]}" "${epeak[$EP]}" "${a2a:-?}" "$(echo "$ep1_ms / $epn_ms" | bc -l)"
