@@ -212,8 +212,8 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
         ep.all_gather(mine, all);
       }
       if (!whole) continue;
-      for (int64_t q = 0; q < all.size(0); ++q) {
-        const std::string n = e < 0 ? name : with_expert(name, e + q * d.local_experts());
+      for (int64_t q = 0; q < all.size(0); ++q) {  // (e's place among this rank's experts, on rank q)
+        const std::string n = e < 0 ? name : with_expert(name, e % d.local_experts() + q * d.local_experts());
         const auto it = at.find(n);
         MPITRAIN_CHECK(it != at.end(), concat("gather_ep_state: the whole model has no parameter '", n, "'"));
         auto& m = whole_state->moments[it->second];
