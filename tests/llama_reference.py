@@ -110,6 +110,7 @@ class Llama(torch.nn.Module):
     """transformers' Llama / Qwen2 / Qwen3 / Mistral ForCausalLM forward, with HF's parameter names."""
 
     capacity_factor, groups, dropped = 0.0, 1, 0  # experts' capacity (run() sets them)
+    bias = None  # --bias-update: each sparse layer's routing bias [E], by its name prefix
 
     def __init__(self, cfg, tensors):
         super().__init__()
@@ -192,7 +193,12 @@ class Llama(torch.nn.Module):
         logits = F.linear(x, self.w(p + "gate.weight"))
         self.router_logits.append(logits)
         weights = F.softmax(logits, dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, k, dim=-1)
+        if self.bias is not None:  # aux-loss-free balancing: the bias chooses, the probabilities weigh
+            _, chosen = torch.topk(weights.detach() + self.bias.setdefault(p, torch.zeros(E)), k, dim=-1)
+            weights = weights.gather(-1, chosen)
+        else:
+            weights, chosen = torch.topk(weights, k, dim=-1)
+        self.chosen.append(chosen)
         if mixtral or cfg.get("norm_topk_prob", False):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -229,20 +235,23 @@ class Llama(torch.nn.Module):
         transformers' forward under DDP does)."""
         if groups > 1:
             per = [torch.chunk(l, groups, dim=0) for l in self.router_logits]
-            return sum(self.aux_of([p[g] for p in per]) for g in range(groups)) / groups
-        return self.aux_of(self.router_logits)
+            chosen = [torch.chunk(c, groups, dim=0) for c in self.chosen]
+            return sum(self.aux_of([p[g] for p in per], [c[g] for c in chosen]) for g in range(groups)) / groups
+        return self.aux_of(self.router_logits, self.chosen)
 
-    def aux_of(self, router_logits):
+    def aux_of(self, router_logits, chosen):
+        """(The choices are those the layers made: transformers' top k of the probabilities, or with
+        a routing bias the biased ones.)"""
         E, k = self.experts()
         logits = torch.cat(router_logits, dim=0)
         probs = F.softmax(logits, dim=-1)
-        _, chosen = torch.topk(probs, k, dim=-1)
+        chosen = torch.cat(chosen, dim=0)
         tokens_per_expert = F.one_hot(chosen, E).float().mean(dim=0)
         return (tokens_per_expert * probs.mean(dim=0).unsqueeze(0)).sum() * E
 
     def forward(self, idx):
         cfg, hd = self.cfg, self.hd
-        self.router_logits = []
+        self.router_logits, self.chosen = [], []
         B, T = idx.shape
         H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
         pos = torch.arange(T).float()
@@ -343,6 +352,12 @@ def parser():
     ap.add_argument("--capacity-factor", type=float, default=0,
                     help="train, experts: each expert takes at most ceil(f x tokens x k / experts) of each group's "
                          "copies (--aux-groups), the first by position; 0: dropless")
+    ap.add_argument("--z-loss", type=float, default=0,
+                    help="router z-loss coefficient (ST-MoE): times the mean over every sparse layer's tokens "
+                         "of logsumexp(router logits)^2")
+    ap.add_argument("--bias-update", type=float, default=0,
+                    help="aux-loss-free balancing (DeepSeek-V3): a routing bias per sparse layer for the top-k "
+                         "choice, after each step += rate x sign(mean load - load), centred; 0: none")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast")
     ap.add_argument("--timing-warmup", type=int, default=0,
                     help="train: also print the median ms/step of the steps after this many (bench/cpu_vs_pytorch.sh)")
@@ -399,6 +414,7 @@ def run(args):
         fail(f"{arch} with q_norm {'present' if qk_norm else 'absent'}")
     model = Llama(cfg, tensors)
     model.capacity_factor, model.groups, model.dropped = args.capacity_factor, args.aux_groups, 0
+    model.bias = {} if args.bias_update > 0 else None
     print(f"  {arch}: {len(tensors)} tensors, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
           f"{cfg.get('num_key_value_heads')} kv heads of {model.hd}, rope_scaling {cfg.get('rope_scaling')}, tied {tied}"
           + (f", sliding_window {cfg.get('sliding_window')}" if arch != "LlamaForCausalLM" and "Qwen" not in arch else "")
@@ -446,15 +462,26 @@ def run(args):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         if model.router_logits:  # Qwen3MoeForCausalLM with output_router_logits: loss + coef x aux
             loss = loss + cfg.get("router_aux_loss_coef", 0.001) * model.aux_loss(args.aux_groups)
+            if args.z_loss > 0:
+                lse = torch.cat([torch.logsumexp(l.float(), dim=-1) for l in model.router_logits])
+                loss = loss + args.z_loss * (lse ** 2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if model.bias is not None:  # torchtitan's _update_expert_bias over the whole batch's choices
+            E = model.experts()[0]
+            for (name, b), chosen in zip(list(model.bias.items()), model.chosen):
+                load = torch.bincount(chosen.reshape(-1), minlength=E).float()
+                delta = args.bias_update * torch.sign(load.mean() - load)
+                model.bias[name] = b + (delta - delta.mean())
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         step_ms.append(1e3 * (time.perf_counter() - t0))
     out = {"losses": losses}
     if args.capacity_factor > 0:
         out["dropped"] = model.dropped
+    if model.bias:
+        out["max_bias"] = max(b.abs().max().item() for b in model.bias.values())
     if args.timing_warmup:
         timed = sorted(step_ms[args.timing_warmup:])
         out["median_ms_per_step"] = timed[len(timed) // 2]

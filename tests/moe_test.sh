@@ -18,6 +18,11 @@
 #    coefficient raised to 0.5 so that it matters), within 1e-4. The load-balancing loss is each
 #    forward's (a rank's micro-batch), as transformers' under DDP: the reference computes it per
 #    half of its batch; without the aux loss, or with it over the whole batch, it differs;
+#  - the Qwen3-MoE export in shards, read by model.init_from: step-0 val loss = the exporter's last;
+#  - the balancing options: a router z-loss and aux-loss-free balancing (a routing bias moved after
+#    every step) at 0.01 each: 20 steps equal the reference's (which without the bias differs); a
+#    resume from step 10 continues bitwise (the bias is in the checkpoint); the export says the
+#    Hugging Face files cannot carry the bias;
 #  - the start-up line describes the experts; bad configurations refused by name (exit 2, one line).
 # Usage (KEEP=1 keeps the work directory): moe_test.sh PATH/TO/mpitrain PATH/TO/hf_logits [mpirun]
 set -u
@@ -73,6 +78,23 @@ family "" qwen3_moe.yaml \
    grep -q 'model.layers.3.mlp.experts.7.down_proj.weight' \$D/model.safetensors &&
    grep -q 'model.layers.1.mlp.gate.weight' \$D/model.safetensors && grep -q 'model.layers.2.mlp.down_proj.weight' \$D/model.safetensors &&
    ! grep -q 'model.layers.2.mlp.gate.weight' \$D/model.safetensors"
+
+# Hugging Face in, sharded: the Qwen3-MoE export in 20 kB shards (model.safetensors.index.json),
+# read back by model.init_from (the shape and the experts' fields from config.json), evaluates at
+# step 0 to the exporting run's last val loss.
+"$BIN" export ckpt/ckpt-00000006.h5 --format hf hf_sh --max-shard-size 0.02 > export_sh.out 2>&1
+nshards=$(ls hf_sh/model-*-of-*.safetensors 2>/dev/null | wc -l)
+printf 'model: {init_from: "hf:hf_sh", seq_len: 32}\n' > init_sh.yaml
+sed -n '/^data:/,$p' qwen3_moe.yaml >> init_sh.yaml
+"$MPIRUN" -np 2 "$BIN" init_sh.yaml --set train.out_dir=run_sh --set checkpoint.dir=ckpt_sh --set train.steps=1 \
+  --set optim.warmup_steps=0 > init_sh.out 2>&1
+rc=$?
+last_val=$(val_loss 6 train.out tail)
+sh_val=$(val_loss 0 init_sh.out)
+check "init_from the Qwen3-MoE export in $nshards shards: the experts' shape from config.json, step-0 val loss $sh_val = the exported run's last $last_val" \
+  "[ $rc -eq 0 ] && [ $nshards -gt 1 ] && [ -s hf_sh/model.safetensors.index.json ] && [ -n '$sh_val' ] && [ '$sh_val' = '$last_val' ] &&
+   grep -q 'model: qwen3_moe (llama block), .*8 experts (2 per token, 16 units each, weights renormalised, every 2th layer, aux loss x 0.5)' init_sh.out"
+[ $rc -eq 0 ] || tail -5 init_sh.out
 
 # Mixtral: Mistral's attention with a window of 8 that cuts the 32-token context, 4 experts of 24
 # units on both layers, 2 per token, always renormalised (block_sparse_moe's w1, w3, w2).
@@ -138,6 +160,18 @@ done
   --set eval.every=0 --set log.every=1 --set train.steps=20 --set train.moe_capacity_factor=1 --set train.out_dir=run_par_cap \
   --set checkpoint.dir=ckpt_par_cap > par_cap.out 2>&1
 prc[cap]=$?
+# Aux-loss-free balancing (a routing bias moved 0.01 per step) and the router z-loss (x 0.01)
+# together, with a checkpoint at step 10 that a second run resumes (the bias is in it).
+bal=(init_hf.yaml --set "data.train=[data/t-train-*.h5]" --set "data.val=[]" --set data.shuffle=false --set eval.every=0
+     --set log.every=1 --set train.steps=20 --set train.moe_z_loss_coef=0.01 --set train.moe_bias_update_rate=0.01
+     --set checkpoint.every=10 --set checkpoint.keep=2)
+"$MPIRUN" -np 2 "$BIN" "${bal[@]}" --set train.out_dir=run_par_bal --set checkpoint.dir=ckpt_par_bal > par_bal.out 2>&1
+prc[bal]=$?
+"$MPIRUN" -np 2 "$BIN" "${bal[@]}" --set train.out_dir=run_par_bal_res --set checkpoint.dir=ckpt_par_bal_res \
+  --set checkpoint.resume=ckpt_par_bal/ckpt-00000010.h5 > par_bal_res.out 2>&1
+prc[bal_res]=$?
+"$BIN" export ckpt_par_bal/ckpt-00000020.h5 --format hf hf_bal > export_bal.out 2>&1
+prc[bal_export]=$?
 variant noaux hf 'c["router_aux_loss_coef"] = 0.0'
 {
   for v in "" _nonorm _top3 _swap; do echo "logits$v logits hf$v logits/tokens.npy logits/logits.npy"; done
@@ -148,6 +182,8 @@ variant noaux hf 'c["router_aux_loss_coef"] = 0.0'
   for v in "" _noaux; do echo "train$v train hf$v tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2"; done
   echo "train_whole train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2"
   echo "train_cap train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2 --capacity-factor 1"
+  echo "train_bal train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2 --z-loss 0.01 --bias-update 0.01"
+  echo "train_bal_nobias train hf tokens.npy --steps 20 --batch 4 --seq-len 32 --lr 3e-3 --min-lr 6e-5 --warmup 2 --aux-groups 2 --z-loss 0.01"
 } > refs.list
 "${REF[@]}" list refs.list refs > refs.log 2>&1 || cat refs.log
 rc_of() { cat refs/$1.rc 2>/dev/null || echo none; }
@@ -186,6 +222,24 @@ check "qwen3_moe with train.moe_capacity_factor 1: the reference's 20 losses dro
 ref_parity run_par_hf/metrics.jsonl refs/train_cap.out > parity_nocap.out 2>&1
 rc=$?
 check "the reference with the capacity does not give the dropless run's losses ($(tail -1 parity_nocap.out))" "[ $rc -ne 0 ]"
+# The balancing bias and the z-loss: the reference's 20 losses; the reference without the bias
+# (the z-loss alone) differs; a resume from step 10 trains the same steps 11-20 (the bias travels
+# in the checkpoint); the export says the bias has no place in Qwen3MoeForCausalLM's files.
+ref_parity run_par_bal/metrics.jsonl refs/train_bal.out > parity_bal.out 2>&1
+arc=$?
+cat parity_bal.out
+ref_bias=$(sed -n 's/.*"max_bias": \([0-9.e-]*\).*/\1/p' refs/train_bal.out 2>/dev/null | tail -1)
+check "qwen3_moe with train.moe_bias_update_rate 0.01 and train.moe_z_loss_coef 0.01: the reference's 20 losses (its largest bias ${ref_bias:-?}; exit ${prc[bal]})" \
+  "[ ${prc[bal]} -eq 0 ] && [ $arc -eq 0 ] && grep -q '\"z_loss\": [0-9.]*' run_par_bal/metrics.jsonl && grep -q ' | z [0-9.]*' par_bal.out"
+ref_parity run_par_bal/metrics.jsonl refs/train_bal_nobias.out > parity_bal_nobias.out 2>&1
+rc=$?
+check "the reference without the routing bias (z-loss alone) does not give those losses ($(tail -1 parity_bal_nobias.out))" "[ $rc -ne 0 ]"
+grep -o '"loss": [0-9.]*' run_par_bal/metrics.jsonl | tail -10 > bal.losses
+grep -o '"loss": [0-9.]*' run_par_bal_res/metrics.jsonl > bal_res.losses 2>/dev/null
+check "resumed from step 10 with its routing bias: the uninterrupted run's losses 11-20 (exit ${prc[bal_res]})" \
+  "[ ${prc[bal_res]} -eq 0 ] && [ \$(wc -l < bal_res.losses) -eq 10 ] && cmp -s bal.losses bal_res.losses"
+check "export of a checkpoint with a routing bias says the Hugging Face files have no place for it (exit ${prc[bal_export]})" \
+  "[ ${prc[bal_export]} -eq 0 ] && grep -q 'routing bias (train.moe_bias_update_rate; largest |bias| .*) has no place in Qwen3MoeForCausalLM' export_bal.out"
 for v in noaux:"without the aux loss" whole:"with the aux loss over the batch of 4 (not each rank's 2)"; do
   n=${v%%:*}
   ref_parity run_par_hf/metrics.jsonl refs/train_$n.out > parity_$n.out 2>&1
@@ -232,11 +286,14 @@ check "plan --memory-only on a mixture of experts: the memory table with its che
 # average moves the parameters by a different amount altogether, a gap near 1). The ep 4 run's
 # step-4 checkpoint (whole tensors, the experts gathered to rank 0) resumed under ep 2 trains the
 # same last 4 steps (each rank taking its experts and their AdamW moments from the file).
+# Every ep run balances with the routing bias and the z-loss as well (the loads all-reduced over the
+# 4 ranks, whatever holds which experts; the bias travels in the checkpoint across ep degrees).
+ep_balancing=(--set train.moe_bias_update_rate=0.01 --set train.moe_z_loss_coef=0.01)
 for ep in 1 2 4; do
   ac=none
   [ $ep = 4 ] && ac=selective  # (and the exchanges run again in backward's second run of each block)
   "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=$ep --set train.activation_checkpointing=$ac \
-    --set train.out_dir=run_ep$ep \
+    --set train.out_dir=run_ep$ep "${ep_balancing[@]}" \
     --set checkpoint.dir=ckpt_ep$ep --set log.every=1 --set eval.every=4 --set train.steps=8 --set checkpoint.every=4 \
     --set checkpoint.keep=2 > ep$ep.out 2>&1
   eprc[$ep]=$?
@@ -244,7 +301,7 @@ for ep in 1 2 4; do
   "$BIN" export ckpt_ep$ep/ckpt-00000008.h5 --format hf hf_ep$ep > export_ep$ep.out 2>&1 || cat export_ep$ep.out
 done
 "$BIN" export ckpt_ep1/ckpt-00000004.h5 --format hf hf_ep1_4 > export_ep1_4.out 2>&1 || cat export_ep1_4.out
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 \
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 "${ep_balancing[@]}" \
   --set train.out_dir=run_ep_res --set checkpoint.dir=ckpt_ep_res --set log.every=1 --set eval.every=4 --set train.steps=8 \
   > ep_res.out 2>&1
 eprc[0]=$?
@@ -318,6 +375,12 @@ expect_own_usage "a capacity factor <= 0 refused by name" "train.moe_capacity_fa
   "$BIN" qwen3_moe.yaml --set train.moe_capacity_factor=0
 expect_own_usage "a capacity factor on a dense model refused by name" "train.moe_capacity_factor must be none for a model without experts" \
   "$BIN" dense.yaml --set train.moe_capacity_factor=1.5
+expect_own_usage "a z-loss on a dense model refused by name" "train.moe_z_loss_coef must be 0 for a model without experts" \
+  "$BIN" dense.yaml --set train.moe_z_loss_coef=0.01
+expect_own_usage "aux-loss-free balancing with DiLoCo islands refused by name" "train.moe_bias_update_rate must be 0 with parallel.islands: 2" \
+  "$BIN" qwen3_moe.yaml --set train.moe_bias_update_rate=0.001 --set parallel.islands=2
+expect_own_usage "a negative bias update rate refused" "train.moe_bias_update_rate must be >= 0" \
+  "$BIN" qwen3_moe.yaml --set train.moe_bias_update_rate=-1
 expect_own_usage "a non-integer num_experts refused" "model.num_experts must be an integer, got 'x'" \
   "$BIN" qwen3_moe.yaml --set model.num_experts=x
 expect_own_usage "tensor parallelism with experts refused by name" "parallel.tp: 2: model.family qwen3_moe's experts" \

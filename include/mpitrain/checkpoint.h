@@ -40,6 +40,9 @@ struct TrainState {
   std::string tokenizer_file, tokenizer_sha256;  // hf: the shards' tokenizer.json and its SHA-256
   int64_t eot_token = -1;
   std::vector<std::vector<uint8_t>> rng_states;  // per rank: torch's CPU generator state
+  // train.moe_bias_update_rate: every sparse layer's routing bias [sparse layers, experts] (fp32,
+  // host; undefined: none), train/routing_bias.
+  torch::Tensor routing_bias;
 };
 
 // Creates `dir` if needed and checks it can be written; UsageError naming `key` otherwise. Run at

@@ -115,6 +115,14 @@ struct TrainConfig {
   // 0: each expert takes at most ceil(f x tokens x k / experts) of a forward's token copies, the
   // first by position; the rest are dropped (they add nothing, the kept weights unchanged).
   std::string moe_capacity_factor = "none";
+  // A mixture of experts' router z-loss (ST-MoE): this coefficient x the mean over every sparse
+  // layer's tokens of logsumexp(router logits)^2 is added to the loss. 0: none.
+  double moe_z_loss_coef = 0;
+  // Aux-loss-free balancing (DeepSeek-V3; torchtitan's load_balance_coeff): each sparse layer's
+  // per-expert bias, added to the router's probabilities for the top-k choice only (the weights
+  // stay the probabilities), moves by this rate after every optimizer step: bias += rate x
+  // sign(mean load - the expert's load over the dp group's tokens of the step), centred. 0: none.
+  double moe_bias_update_rate = 0;
 };
 
 struct OptimConfig {

@@ -218,9 +218,13 @@ class MoEImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> experts;  // this rank's experts, each an MLP named by its index
   std::vector<MLP> local;                      // the same, in order: experts first .. first + local.size() - 1
   int64_t first = 0;
-  // In training, the last forward's router probabilities summed over its tokens [E] (what the
+  // In training, the last forward's router probabilities summed over its tokens [E], then with
+  // dims.z_loss_coef the sum of its tokens' logsumexp(router logits)^2 (one more element) (what the
   // router log holds; a checkpointed block returns it as an output of its own: GPTImpl::hidden).
   torch::Tensor prob_sums;
+  // dims.routing_bias: the bias [E] (fp32) added to the router's probabilities to choose the top k
+  // (not to weigh them): DeepSeek-V3's aux-loss-free balancing, moved by GPT::update_routing_bias.
+  torch::Tensor routing_bias;
 
  private:
   // The grouped rows' expert outputs: rows [N k, C] sorted by expert, counts[e] of expert e's.
@@ -229,6 +233,7 @@ class MoEImpl : public torch::nn::Module {
   int64_t top_k_, num_experts_;
   double capacity_factor_;  // dims.capacity_factor (0: dropless)
   bool norm_topk_;
+  bool z_loss_;             // dims.z_loss_coef > 0
   Communicator* ep_ = nullptr;  // dims.ep_comm (ep > 1)
   RouterLog* log_;  // GPT's (not owned)
 };
@@ -296,7 +301,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // Mean cross-entropy of next-token prediction; targets [B, T]; in training, with experts, plus
   // the aux coefficient x transformers' load-balancing loss over every sparse layer's tokens
   // (load_balancing_loss_func: the experts' count x sum over experts of the share of the k choices it
-  // got times its mean router probability; last_aux_loss). With dims.fused_loss the
+  // got times its mean router probability; last_aux_loss), and with dims.z_loss_coef that x the
+  // router z-loss (the mean over every sparse layer's tokens of logsumexp(router logits)^2;
+  // last_z_loss). With dims.fused_loss the
   // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
   // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
@@ -305,6 +312,15 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // The last forward's load-balancing loss (undefined: no experts or not training) and each sparse
   // layer's expert load, max / mean tokens per expert (empty: no experts).
   const torch::Tensor& last_aux_loss() const { return aux_loss_; }
+  const torch::Tensor& last_z_loss() const { return z_loss_; }  // undefined without dims.z_loss_coef
+  // dims.routing_bias: every sparse layer's routing bias [sparse layers, E] (fp32, on the host), and
+  // set from such a tensor (a checkpoint's). update_routing_bias: the tokens each expert was
+  // given by the training forwards since the last update, summed over `dp` (every rank's
+  // router), move each bias by rate x sign(mean - load), centred (torchtitan's
+  // _update_expert_bias); the same result on every rank. Collective over dp.
+  torch::Tensor routing_bias() const;
+  void set_routing_bias(const torch::Tensor& bias);
+  void update_routing_bias(double rate, Communicator& dp);
   std::vector<double> expert_load() const;
   // With train.moe_capacity_factor: the share of the last forward's token copies dropped (-1: dropless).
   double dropped_share() const;
@@ -352,7 +368,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::Tensor lm_loss(const torch::Tensor& idx, const torch::Tensor& targets);  // loss() without the aux loss
   GPTDims dims_;
   RouterLog router_log_;
-  torch::Tensor aux_loss_;
+  torch::Tensor aux_loss_, z_loss_;
+  std::vector<torch::Tensor> routed_since_update_;  // dims.routing_bias: per sparse layer [E] int64
+  std::vector<MoEImpl*> moe_layers() const;  // the sparse layers' MoE modules, in order
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules

@@ -166,6 +166,11 @@ struct GPTDims : ModelArgs {
   // train.moe_capacity_factor (0: dropless): each expert takes at most ceil(f x tokens x k / E) of a
   // forward's token copies, the first by position (model.h's MoE).
   double capacity_factor = 0;
+  // train.moe_z_loss_coef (0: none): the router z-loss's weight in the loss (model.h's GPT::loss).
+  double z_loss_coef = 0;
+  // train.moe_bias_update_rate > 0: each sparse layer keeps a routing bias for the top-k choice
+  // (model.h's MoE), which the training loop moves after every step (GPT::update_routing_bias).
+  bool routing_bias = false;
   int64_t local_experts() const { return num_experts / ep; }
 };
 

@@ -39,6 +39,7 @@ struct StepReport {
   // micro-batch).
   double aux_loss = -1;
   std::vector<double> expert_load;
+  double z_loss = -1;   // train.moe_z_loss_coef: the router z-loss (averaged as the loss is; < 0: none)
   double dropped = -1;  // train.moe_capacity_factor: the share of rank 0's last micro-batch's token copies dropped
 };
 

@@ -81,7 +81,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
     MPITRAIN_FIELD(train, device),       MPITRAIN_FIELD(train, precision),
     MPITRAIN_FIELD(train, activation_checkpointing), MPITRAIN_FIELD(train, ac_every),
-    MPITRAIN_FIELD(train, moe_capacity_factor),
+    MPITRAIN_FIELD(train, moe_capacity_factor), MPITRAIN_FIELD(train, moe_z_loss_coef),
+    MPITRAIN_FIELD(train, moe_bias_update_rate),
     MPITRAIN_FIELD(optim, lr),           MPITRAIN_FIELD(optim, min_lr),
     MPITRAIN_FIELD(optim, warmup_steps), MPITRAIN_FIELD(optim, weight_decay),
     MPITRAIN_FIELD(optim, beta1),        MPITRAIN_FIELD(optim, beta2),
@@ -650,8 +651,21 @@ void validate(const Config& c, const std::string& where) {
   check(t.ac_every >= 1, "train.ac_every", ">= 1", show(t.ac_every));
   check(capacity_factor_of(t.moe_capacity_factor) >= 0, "train.moe_capacity_factor",
         "none (dropless) or a number > 0", show(t.moe_capacity_factor));
-  check(t.moe_capacity_factor == "none" || (m.arch == "llama" && dims_of_config(m).has_experts()), "train.moe_capacity_factor",
+  const auto experts = [&] { return m.arch == "llama" && dims_of_config(m).has_experts(); };
+  check(t.moe_capacity_factor == "none" || experts(), "train.moe_capacity_factor",
         "none for a model without experts", show(t.moe_capacity_factor));
+  check(std::isfinite(t.moe_z_loss_coef) && t.moe_z_loss_coef >= 0, "train.moe_z_loss_coef", ">= 0",
+        show(t.moe_z_loss_coef));
+  check(t.moe_z_loss_coef == 0 || experts(), "train.moe_z_loss_coef", "0 for a model without experts",
+        show(t.moe_z_loss_coef));
+  check(std::isfinite(t.moe_bias_update_rate) && t.moe_bias_update_rate >= 0, "train.moe_bias_update_rate", ">= 0",
+        show(t.moe_bias_update_rate));
+  check(t.moe_bias_update_rate == 0 || experts(), "train.moe_bias_update_rate", "0 for a model without experts",
+        show(t.moe_bias_update_rate));
+  check(t.moe_bias_update_rate == 0 || c.parallel.islands == "1", "train.moe_bias_update_rate",
+        concat("0 with parallel.islands: ", c.parallel.islands,
+               " (each island would balance its own experts: the routing bias is not an outer-step state yet)"),
+        show(t.moe_bias_update_rate));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
 

@@ -76,6 +76,10 @@ std::string run_export(const ExportArgs& args) {
                            ", context ", dims.llama() ? dims.max_position : dims.seq_len, ", vocab ", dims.vocab_size, ")\n");
   if (dims.llama()) out += concat(args.dir, "/generation_config.json\n");
   out += replaced;
+  if (st.routing_bias.defined() && st.routing_bias.numel() > 0 && st.routing_bias.abs().max().item<double>() > 0)
+    out += concat("note: ", args.checkpoint, "'s routing bias (train.moe_bias_update_rate; largest |bias| ",
+                  st.routing_bias.abs().max().item<double>(), ") has no place in ", hf_architecture(dims),
+                  "'s files: the exported model chooses its experts by the router's probabilities alone\n");
   if (bpe) {
     std::error_code ec;  // BpeFiles holds the two files' paths
     for (const auto& [from, to] : {std::pair{bpe->vocab, "vocab.json"}, std::pair{bpe->merges, "merges.txt"}})

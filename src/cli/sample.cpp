@@ -70,6 +70,7 @@ std::string run_sample(const SampleArgs& args) {
   } else {
     load_checkpoint(args.checkpoint, model, static_cast<FullOptimState*>(nullptr), st);
   }
+  if (st.routing_bias.defined()) model->set_routing_bias(st.routing_bias);  // as training chose experts
   if (st.tokenizer == "hf") {  // the prompt and the text through the checkpoint's own tokenizer.json
     HfTokenizer tok = checkpoint_tokenizer(st, args.tokenizer_file, args.checkpoint);
     std::vector<int64_t> prompt{st.eot_token};

@@ -11,6 +11,7 @@
 
 #include "mpitrain/amp.h"
 #include "mpitrain/checkpointing.h"
+#include "mpitrain/comm.h"
 #include "mpitrain/error.h"
 #include "mpitrain/fused_ops.h"
 #include "mpitrain/libtorch_version.h"
@@ -406,7 +407,7 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 // Experts: SwiGLU MLPs of moe_intermediate_size units, made as the dense MLP with that size.
 MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
     : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), capacity_factor_(d.capacity_factor),
-      norm_topk_(d.norm_topk_prob),
+      norm_topk_(d.norm_topk_prob), z_loss_(d.z_loss_coef > 0),
       ep_(d.ep > 1 ? d.ep_comm : nullptr), log_(log) {
   // (The config refuses these: args_conflict.)
   MPITRAIN_CHECK(d.tp == 1 && top_k_ <= d.num_experts,
@@ -420,6 +421,7 @@ MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
   first = d.ep_rank * d.local_experts();
   for (int64_t e = first; e < first + d.local_experts(); ++e)
     local.push_back(experts->register_module(std::to_string(e), MLP(expert)));
+  if (d.routing_bias) routing_bias = torch::zeros({num_experts_}, torch::kFloat32);
 }
 
 torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count) {
@@ -472,8 +474,15 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
   const torch::Tensor rows = x.reshape({-1, C});
   const int64_t N = rows.size(0);
   // The router in fp32 from its logits (in autocast's dtype, as transformers' gate runs in the model's).
-  const torch::Tensor probs = torch::softmax(apply_linear(gate, rows).to(torch::kFloat32), -1);
-  auto [weights, chosen] = probs.topk(top_k_, -1);
+  const torch::Tensor logits = apply_linear(gate, rows).to(torch::kFloat32);
+  const torch::Tensor probs = torch::softmax(logits, -1);
+  torch::Tensor weights, chosen;
+  if (routing_bias.defined()) {  // the bias chooses, the probabilities weigh
+    chosen = std::get<1>((probs.detach() + routing_bias.to(probs.device())).topk(top_k_, -1));
+    weights = probs.gather(-1, chosen);
+  } else {
+    std::tie(weights, chosen) = probs.topk(top_k_, -1);
+  }
   if (norm_topk_) weights = weights / weights.sum(-1, /*keepdim=*/true);
   // The N k token copies grouped by expert (stable: a token's copies in expert order, as
   // transformers' loop over the experts adds them), each group through its expert.
@@ -499,7 +508,8 @@ torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
   torch::Tensor out = ep_ ? run_parallel(grouped, host_counts) : run_local(grouped, host_counts.data_ptr<int64_t>());
   out = out * weights.reshape({-1}).index_select(0, order).to(out.scalar_type()).unsqueeze(1);
   if (log_ && !recomputing()) log_->dropped += dropped, log_->copies += N * top_k_;
-  if (is_training()) prob_sums = probs.sum(0);
+  if (is_training())
+    prob_sums = z_loss_ ? torch::cat({probs.sum(0), logits.logsumexp(-1).square().sum().unsqueeze(0)}) : probs.sum(0);
   if (log_ && is_training() && !recomputing()) {
     log_->prob_sums.push_back(prob_sums);
     log_->counts.push_back(counts);
@@ -799,7 +809,7 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   router_log_.clear();
-  aux_loss_ = torch::Tensor();
+  aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
   if (units_) units_->need_outside_blocks();
@@ -895,8 +905,59 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   // probabilities the router's.
   const auto E = static_cast<double>(dims_.num_experts), R = static_cast<double>(router_log_.rows);
   const torch::Tensor share = torch::stack(router_log_.counts).sum(0).to(torch::kFloat32) / R;
-  aux_loss_ = (share * torch::stack(router_log_.prob_sums).sum(0)).sum() * (E / R);
-  return loss + aux_loss_ * dims_.router_aux_loss_coef;
+  const torch::Tensor sums = torch::stack(router_log_.prob_sums).sum(0);  // [E], or [E + 1] with the z-loss's
+  aux_loss_ = (share * sums.narrow(0, 0, dims_.num_experts)).sum() * (E / R);
+  loss = loss + aux_loss_ * dims_.router_aux_loss_coef;
+  if (dims_.z_loss_coef > 0) {
+    z_loss_ = sums[dims_.num_experts] / R;
+    loss = loss + z_loss_ * dims_.z_loss_coef;
+  }
+  if (dims_.routing_bias) {  // the step's load, for update_routing_bias
+    if (routed_since_update_.empty())
+      for (const torch::Tensor& c : router_log_.counts) routed_since_update_.push_back(torch::zeros_like(c));
+    for (size_t i = 0; i < router_log_.counts.size(); ++i) routed_since_update_[i] += router_log_.counts[i];
+  }
+  return loss;
+}
+
+std::vector<MoEImpl*> GPTImpl::moe_layers() const {
+  std::vector<MoEImpl*> out;
+  for (size_t i = 0; i < h->size(); ++i)
+    if (auto block = (*h)[i]->as<Block>(); block->moe) out.push_back(block->moe.get());
+  return out;
+}
+
+torch::Tensor GPTImpl::routing_bias() const {
+  std::vector<torch::Tensor> rows;
+  for (MoEImpl* m : moe_layers()) rows.push_back(m->routing_bias.defined() ? m->routing_bias.cpu()
+                                                                      : torch::zeros({dims_.num_experts}));
+  return rows.empty() ? torch::zeros({0, dims_.num_experts}) : torch::stack(rows);
+}
+
+void GPTImpl::set_routing_bias(const torch::Tensor& bias) {
+  const auto layers = moe_layers();
+  MPITRAIN_CHECK(bias.dim() == 2 && bias.size(0) == static_cast<int64_t>(layers.size()) &&
+                     bias.size(1) == dims_.num_experts,
+                 "set_routing_bias: one row of every expert's bias per sparse layer");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    MoEImpl& m = *layers[i];
+    m.routing_bias = bias[static_cast<int64_t>(i)].to(torch::kFloat32).clone();
+  }
+}
+
+void GPTImpl::update_routing_bias(double rate, Communicator& dp) {
+  const auto layers = moe_layers();
+  if (!dims_.routing_bias || routed_since_update_.size() != layers.size()) return;  // no training forward since
+  torch::Tensor load = torch::stack(routed_since_update_).to(torch::kFloat32);  // [layers, E], this rank's tokens
+  routed_since_update_.clear();
+  dp.all_reduce(load, ReduceOp::sum);
+  torch::NoGradGuard no_grad;
+  torch::Tensor delta = rate * torch::sign(load.mean(1, /*keepdim=*/true) - load);
+  delta = delta - delta.mean(1, /*keepdim=*/true);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    MoEImpl& m = *layers[i];
+    m.routing_bias = m.routing_bias.to(load.device()) + delta[static_cast<int64_t>(i)];
+  }
 }
 
 double GPTImpl::dropped_share() const {

@@ -618,6 +618,13 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
     log::warn(concat("checkpoint was written by ", n_states, " ranks, this run has ", comm.size(),
                      ": RNG streams are reseeded (the data order continues exactly)"));
   }
+  // The routing bias (train.moe_bias_update_rate): the file's, else zero (a run that had none).
+  if (model->dims().routing_bias) {
+    torch::Tensor bias = comm.rank() == 0 && st.routing_bias.defined() ? st.routing_bias.clone()
+                                                                       : torch::zeros_like(model->routing_bias());
+    comm.broadcast(bias, 0);
+    model->set_routing_bias(bias);
+  }
   // Reseeded per data-parallel rank, as at the start (the ranks of a tp group share a stream).
   const int dp_rank = comm.rank() / static_cast<int>(model->dims().tp);
   if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(dp_rank + 1) + st.step);

@@ -365,6 +365,12 @@ std::string CheckpointFile::finish(const std::vector<uint32_t>& crcs, int64_t ke
       auto ds = h5::write(train_group.get(), "rng_states", H5T_NATIVE_UINT8, {st.rng_states.size(), n}, flat.data());
       h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(flat.data(), flat.size())));
     }
+    if (st.routing_bias.defined() && st.routing_bias.numel() > 0) {
+      const torch::Tensor b = st.routing_bias.to(torch::kFloat32).contiguous();
+      auto ds = h5::write(train_group.get(), "routing_bias", H5T_NATIVE_FLOAT,
+                          {static_cast<hsize_t>(b.size(0)), static_cast<hsize_t>(b.size(1))}, b.data_ptr<float>());
+      h5::set_attr(ds.get(), "crc32", static_cast<int64_t>(h5::crc32(b.data_ptr(), static_cast<size_t>(b.nbytes()))));
+    }
     if (H5Fflush(root, H5F_SCOPE_GLOBAL) < 0) throw Error("HDF5 flush failed (disk full?)");
     h5_.reset();  // closed
   } catch (const Error& e) {
@@ -723,6 +729,22 @@ int64_t read_checkpoint_header(hid_t root, const std::string& path, GPT& model, 
     st.loss_scale = *scale;
     st.loss_scale_good_steps = require_int_in(train.get(), path, "loss_scale_good_steps",
                                               "train/loss_scale_good_steps", 0);
+  }
+  st.routing_bias = torch::Tensor();
+  if (h5::exists(train.get(), "routing_bias")) {  // the sparse layers' routing bias (train.moe_bias_update_rate)
+    h5::Dataset ds = open_dataset(train.get(), path, "routing_bias");
+    const auto shape = h5::shape(ds.get());
+    torch::Tensor b = torch::empty_like(model->routing_bias());  // [sparse layers, experts]
+    const auto layers = static_cast<hsize_t>(b.size(0)), experts = static_cast<hsize_t>(b.size(1));
+    if (shape.size() != 2 || shape[0] != layers || shape[1] != experts ||
+        H5Dget_storage_size(ds.get()) != layers * experts * sizeof(float))
+      throw UsageError(concat(path, ": dataset 'train/routing_bias' must hold [", layers, ", ", experts,
+                              "] floats (the model's sparse layers and experts)"));
+    h5::read(ds.get(), H5T_NATIVE_FLOAT, b.data_ptr<float>());
+    auto crc = h5::get_attr_int(ds.get(), "crc32");
+    if (!crc || static_cast<uint32_t>(*crc) != h5::crc32(b.data_ptr(), static_cast<size_t>(b.nbytes())))
+      throw UsageError(concat(path, ": checksum mismatch in dataset 'train/routing_bias'"));
+    st.routing_bias = b;
   }
   return steps_taken;
 }

@@ -77,6 +77,7 @@ void Progress::report(const StepReport& r) {
   if (facts_.loss_scaling) line += format(" | scale %g", r.loss_scale);
   const double load = r.expert_load.empty() ? 0 : *std::max_element(r.expert_load.begin(), r.expert_load.end());
   if (r.aux_loss >= 0) line += format(" | aux %.4f | load %.2f", r.aux_loss, load);
+  if (r.z_loss >= 0) line += format(" | z %.3f", r.z_loss);
   if (r.dropped >= 0) line += format(" | dropped %.1f%%", 100 * r.dropped);
   line += " | ETA " + human_duration(avg * static_cast<double>(cfg_.train.steps - r.step - 1));
   log::info(line);
@@ -107,6 +108,10 @@ void Progress::report(const StepReport& r) {
     json += "]";
     scalars.emplace_back("moe/aux_loss", r.aux_loss);
     scalars.emplace_back("moe/expert_load_max", load);
+  }
+  if (r.z_loss >= 0) {
+    json += format(", \"z_loss\": %.6f", r.z_loss);
+    scalars.emplace_back("moe/z_loss", r.z_loss);
   }
   if (r.dropped >= 0) {
     json += format(", \"dropped\": %.6f", r.dropped);

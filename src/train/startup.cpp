@@ -247,6 +247,8 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
     dims.ac = ac == "full" ? GPTDims::Ac::full : ac == "selective" ? GPTDims::Ac::selective : GPTDims::Ac::none;
     dims.ac_every = cfg.train.ac_every;
     dims.capacity_factor = capacity_factor_of(cfg.train.moe_capacity_factor);
+    dims.z_loss_coef = cfg.train.moe_z_loss_coef;
+    dims.routing_bias = cfg.train.moe_bias_update_rate > 0;
     if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
       log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
                        dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"

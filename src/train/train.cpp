@@ -212,7 +212,7 @@ class Run {
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
-  torch::Tensor loss_sum_, aux_sum_, norm_;  // aux_sum_: the experts' load-balancing loss
+  torch::Tensor loss_sum_, aux_sum_, z_sum_, norm_;  // aux_sum_, z_sum_: the experts' load-balancing and z-loss
   bool applied_ = true;  // the step's update was applied (false: fp16 overflowed, skipped)
   double lr_ = 0;
 };
@@ -457,6 +457,7 @@ void Run::micro_batches() {
   }
   loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   aux_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  z_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   for (int64_t m = 0; m < accum_; ++m) {
     const auto& [x, y] = batches_[static_cast<size_t>(m)];
     torch::Tensor loss;
@@ -469,6 +470,7 @@ void Run::micro_batches() {
     par_.after_backward(m + 1 == accum_);
     loss_sum_ += loss.detach().to(torch::kFloat64);
     if (model_->last_aux_loss().defined()) aux_sum_ += model_->last_aux_loss().detach().to(torch::kFloat64);
+    if (model_->last_z_loss().defined()) z_sum_ += model_->last_z_loss().detach().to(torch::kFloat64);
   }
 }
 
@@ -504,6 +506,8 @@ void Run::clip_and_update() {
     model_->parameters().front().fill_(std::numeric_limits<double>::quiet_NaN());
   }
   scaler_.update(finite);
+  // Aux-loss-free balancing: the step's expert loads over the dp group move the routing bias.
+  if (cfg_.train.moe_bias_update_rate > 0) model_->update_routing_bias(cfg_.train.moe_bias_update_rate, s_.mesh->dp());
   par_.optimizer().zero_grad();
   profiler_->end_step(step_number());
   st_.step += 1;
@@ -541,15 +545,16 @@ void Run::log_step() {
     grad_norm = norm_.item<double>();
   }
   const bool bad_norm = applied_ && !std::isfinite(grad_norm);
-  auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options()), aux_sum_});
+  auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options()), aux_sum_, z_sum_});
   s_.mesh->replicas_comm().all_reduce(reduced, ReduceOp::avg);
-  double loss = 0, any_bad_norm = 0, aux = -1;
+  double loss = 0, any_bad_norm = 0, aux = -1, z = -1;
   {
     Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
     const auto host = reduced.cpu();
     loss = host[0].item<double>() / static_cast<double>(accum_);
     any_bad_norm = host[1].item<double>();
     if (model_->last_aux_loss().defined()) aux = host[2].item<double>() / static_cast<double>(accum_);
+    if (model_->last_z_loss().defined()) z = host[3].item<double>() / static_cast<double>(accum_);
   }
   result_.losses.emplace_back(step, loss);
   if (!std::isfinite(loss) || any_bad_norm > 0)  // the same values on every rank
@@ -558,6 +563,7 @@ void Run::log_step() {
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
                     scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
   if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
+  report.z_loss = z;
   if (topo_.rank == 0) progress_->report(report);
 }
 
@@ -622,6 +628,7 @@ void Run::save() {
     st_.rng_states = std::move(rng);
     st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;
     st_.loss_scale_good_steps = scaler_.good_steps();
+    if (model_->dims().routing_bias) st_.routing_bias = model_->routing_bias();
   }
   const std::string path = par_.save(*checkpoints_, st_);  // collective
   if (topo_.rank == 0) result_.last_checkpoint = path;
