@@ -175,6 +175,9 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
   // dims.fused_kernels: the same with c_fc's bias add and the GELU as one bias_gelu (gpt2), or
   // silu(gate) * up as one swiglu (llama).
   torch::Tensor forward_fused(const torch::Tensor& x);
+  // Tensor parallel, llama block: this rank's share of forward(x) for an x already through
+  // tp_copy, before the sum over the tp group (a mixture of experts sums all its experts' at once).
+  torch::Tensor forward_partial(const torch::Tensor& x);
 
   // gpt2: c_fc; llama: gate_proj and up_proj. Both: c_proj, the projection back to the width.
   torch::nn::Linear c_fc{nullptr}, gate_proj{nullptr}, up_proj{nullptr}, c_proj{nullptr};
@@ -203,8 +206,12 @@ struct RouterLog {
 // gate_proj, up_proj, c_proj = Hugging Face's down_proj). Dropless: the token copies are grouped
 // by expert and each expert's group goes through its weights in one GEMM each (an expert without
 // tokens gets an empty product, so every parameter has a gradient); the outputs, times their
-// weights, are summed back per token. Not yet with tensor parallelism (refused). Under activation
-// checkpointing the block's second run (in backward) does not log again (recomputing()).
+// weights, are summed back per token. Under activation checkpointing the block's second run (in
+// backward) does not log again (recomputing()).
+// Tensor parallelism (dims.tp > 1): the router is replicated (every rank of the tp group routes the
+// same tokens alike) and each expert split as the dense MLP is (gate/up by their units, c_proj by
+// its inputs); the grouped rows enter through one tp_copy and the experts' partial outputs leave
+// through one tp_reduce for the whole layer (not one per expert).
 // Expert parallelism (dims.ep > 1): this rank holds its ep group's share of the experts (named by
 // their index in the whole layer); each token copy goes to the rank holding its expert and comes
 // back by all-to-all over the ep group (ep_all_to_all), so every rank of the group must run each
@@ -235,6 +242,7 @@ class MoEImpl : public torch::nn::Module {
   bool norm_topk_;
   bool z_loss_;             // dims.z_loss_coef > 0
   Communicator* ep_ = nullptr;  // dims.ep_comm (ep > 1)
+  Communicator* tp_ = nullptr;  // dims.tp_comm (tp > 1)
   RouterLog* log_;  // GPT's (not owned)
 };
 TORCH_MODULE(MoE);

@@ -496,9 +496,11 @@ std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& /*a
                   a.intermediate_size, "): ", a.family_row().name, "'s experts are its MLPs, of one size");
   if (a.num_experts_per_tok > a.num_experts)
     return concat("model.num_experts_per_tok: ", a.num_experts_per_tok, " is more than model.num_experts (", a.num_experts, ")");
-  if (tp > 1)
-    return concat("parallel.tp: ", tp, ": model.family ", a.family_row().name,
-                  "'s experts are not split by tensor parallelism yet (tp 1)");
+  if (tp > 1 && a.moe_intermediate_size % tp != 0)
+    return concat("parallel.tp: ", tp, " does not divide model.moe_intermediate_size (", a.moe_intermediate_size,
+                  "): each expert's units are split over the tp group");
+  if (tp > 1 && ep > 1)
+    return concat("parallel.ep: ", ep, " with parallel.tp: ", tp, ": expert parallelism with tensor parallelism is not supported yet");
   return std::string();
 }
 

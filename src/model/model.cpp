@@ -395,6 +395,13 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   return row_parallel(F::gelu(apply_linear(c_fc, in), gelu), c_proj, tp_);
 }
 
+torch::Tensor MLPImpl::forward_partial(const torch::Tensor& x) {
+  MPITRAIN_CHECK(gate_proj && !c_proj->bias.defined(), "forward_partial: a llama block's MLP (no biases)");
+  const torch::Tensor gate = apply_linear(gate_proj, x);
+  const auto gelu = F::GELUFuncOptions().approximate("tanh");
+  return apply_linear(c_proj, (geglu_ ? F::gelu(gate, gelu) : F::silu(gate)) * apply_linear(up_proj, x));
+}
+
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
   MPITRAIN_CHECK(!geglu_, "GeGLU has no fused op (Gemma's blocks run unfused)");
   const torch::Tensor in = column_input(x, tp_);
@@ -408,10 +415,10 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
     : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), capacity_factor_(d.capacity_factor),
       norm_topk_(d.norm_topk_prob), z_loss_(d.z_loss_coef > 0),
-      ep_(d.ep > 1 ? d.ep_comm : nullptr), log_(log) {
+      ep_(d.ep > 1 ? d.ep_comm : nullptr), tp_(tp_of(d)), log_(log) {
   // (The config refuses these: args_conflict.)
-  MPITRAIN_CHECK(d.tp == 1 && top_k_ <= d.num_experts,
-                 "mixture of experts: tp > 1 or more chosen than there are experts");
+  MPITRAIN_CHECK(top_k_ <= d.num_experts && d.moe_intermediate_size % d.tp == 0 && (d.tp == 1 || d.ep == 1),
+                 "mixture of experts: more chosen than there are experts, or a tp that does not split them");
   MPITRAIN_CHECK(d.ep >= 1 && d.num_experts % d.ep == 0 && (d.ep == 1 || d.ep_comm),
                  "expert parallelism: ep must divide num_experts, with its communicator");
   gate = register_module("gate", linear(d.n_embd, d.num_experts, false));
@@ -427,10 +434,13 @@ MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
 torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count) {
   std::vector<torch::Tensor> outs;
   outs.reserve(local.size());
+  const torch::Tensor in = column_input(grouped, tp_);
   int64_t start = 0;
-  for (size_t e = 0; e < local.size(); start += count[e], ++e)
-    outs.push_back(local[e]->forward(grouped.narrow(0, start, count[e])));
-  return torch::cat(outs);
+  for (size_t e = 0; e < local.size(); start += count[e], ++e) {
+    const torch::Tensor rows = in.narrow(0, start, count[e]);
+    outs.push_back(tp_ ? local[e]->forward_partial(rows) : local[e]->forward(rows));
+  }
+  return tp_ ? tp_reduce(torch::cat(outs), *tp_) : torch::cat(outs);
 }
 
 // Each rank of the ep group sends rank q the rows for q's experts (contiguous: the rows are
