@@ -346,6 +346,36 @@ rc=$?
 cat close_res.out
 check "an ep 4 checkpoint resumed under ep 2 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
   "[ ${eprc[0]} -eq 0 ] && [ $rc -eq 0 ]"
+# DiLoCo's islands with expert parallelism: 2 islands x dp 2 at np 4, an outer step every 2 steps;
+# ep 2 (each island's pair holds the experts between them; the outer all-reduce pairs the ranks
+# that hold the same experts, and each rank keeps its own whole outer state) trains ep 1's 8 steps;
+# its step-4 checkpoint (and each rank's DiLoCo state beside it) resumed trains the same steps 5-8.
+# (test_train's SGD-like AdamW, as for tp below: AdamW at lr 0.01 with the outer Nesterov step turns
+# last-bit noise into 8e-4 of the displacement.)
+dl=(--set parallel.islands=2 --set diloco.inner_steps=2 --set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4
+    --set optim.weight_decay=0 --set optim.grad_clip=0 --set log.every=1 --set eval.every=0 --set train.steps=8
+    --set checkpoint.every=4 --set checkpoint.keep=2)
+for ep in 1 2; do
+  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${dl[@]}" --set parallel.ep=$ep --set train.out_dir=run_dl$ep \
+    --set checkpoint.dir=ckpt_dl$ep > dl$ep.out 2>&1
+  eprc[1$ep]=$?
+  [ ${eprc[1$ep]} -eq 0 ] || tail -5 dl$ep.out
+done
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${dl[@]}" --set parallel.ep=2 --set train.out_dir=run_dlres \
+  --set checkpoint.dir=ckpt_dlres --set checkpoint.resume=ckpt_dl2/ckpt-00000004.h5 > dlres.out 2>&1
+eprc[13]=$?
+for c in dl1/ckpt-00000008.h5:dl1 dl1/ckpt-00000004.h5:dl1_4 dl2/ckpt-00000008.h5:dl2; do
+  "$BIN" export ckpt_${c%%:*} --format hf hf_${c#*:} > export_${c#*:}.out 2>&1 || cat export_${c#*:}.out
+done
+close dl1 dl2 dl1_4 reorder > close_dl.out 2>&1
+rc=$?
+cat close_dl.out
+check "2 DiLoCo islands x ep 2 train the islands' ep 1 run: losses and final parameters (exit ${eprc[12]})" \
+  "[ ${eprc[11]} -eq 0 ] && [ ${eprc[12]} -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = 2 islands x dp 2 (ep 2' dl2.out"
+grep -o '"loss": [0-9.]*' run_dl2/metrics.jsonl | tail -4 > dl2.losses
+grep -o '"loss": [0-9.]*' run_dlres/metrics.jsonl > dlres.losses 2>/dev/null
+check "islands x ep 2 resumed from step 4 (each rank's DiLoCo state beside the checkpoint): the same steps 5-8 (exit ${eprc[13]})" \
+  "[ ${eprc[13]} -eq 0 ] && [ \$(wc -l < dlres.losses) -eq 4 ] && cmp -s dl2.losses dlres.losses"
 # Tensor parallelism with experts: np 4 as tp 2 x dp 2 (each expert's units split over the tp pair as
 # the dense MLP's are, the router replicated, one all-reduce per sparse layer; with selective
 # checkpointing, whose second runs sum the experts' partial outputs again) trains an np 2 run's 8

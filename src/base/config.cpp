@@ -748,9 +748,6 @@ void validate(const Config& c, const std::string& where) {
           show(c.parallel.ep));
     check(c.comm.compress == "none", "parallel.ep", "1 with comm.compress: powersgd (PowerSGD covers data parallelism only)",
           show(c.parallel.ep));
-    check(c.parallel.islands == "1", "parallel.ep",
-          concat("1 with parallel.islands: ", c.parallel.islands, " (DiLoCo's outer steps do not move experts yet)"),
-          show(c.parallel.ep));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

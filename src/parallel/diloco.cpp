@@ -73,7 +73,9 @@ Diloco::Diloco(const DilocoConfig& cfg, Mesh& mesh, AdamW& opt, int zero, int64_
     total_ += opt.param(i).numel();
   }
   const int dp = mesh_.dp_size();
-  chunked_ = replicated && dp > 1;
+  // (Expert parallelism: the dp ranks hold different experts, so no two hold the same flat vector:
+  // each keeps its whole outer state.)
+  chunked_ = replicated && dp > 1 && mesh_.layout().ep == 1;
   if (chunked_) {
     chunk_ = (total_ + dp - 1) / dp;
     begin_ = std::min<int64_t>(total_, chunk_ * mesh_.dp_rank());
