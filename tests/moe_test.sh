@@ -19,6 +19,7 @@
 #    forward's (a rank's micro-batch), as transformers' under DDP: the reference computes it per
 #    half of its batch; without the aux loss, or with it over the whole batch, it differs;
 #  - the Qwen3-MoE export in shards, read by model.init_from: step-0 val loss = the exporter's last;
+#    so do the Qwen3-MoE and Mixtral exports repacked in transformers 5's form (packed experts);
 #  - the balancing options: a router z-loss and aux-loss-free balancing (a routing bias moved after
 #    every step) at 0.01 each: 20 steps equal the reference's (which without the bias differs); a
 #    resume from step 10 continues bitwise (the bias is in the checkpoint); the export says the
@@ -120,6 +121,61 @@ family _ol olqwen3_moe.yaml 'model: olmoe (llama block), .*q/k norms, 4 experts 
   "grep -q OlmoeForCausalLM \$D/config.json && grep -q '\"num_experts\": 4' \$D/config.json &&
    grep -q '\"norm_topk_prob\": false' \$D/config.json &&
    grep -q '\"model.layers.0.self_attn.q_norm.weight\": *{[^}]*\"shape\": *\[32\]' \$D/model.safetensors"
+
+# transformers 5's files: each sparse layer's experts packed into mlp.experts.gate_up_proj
+# [E, 2I, C] and mlp.experts.down_proj [E, C, I] (Mixtral's under mlp too, its router mlp.gate),
+# as transformers 5 saves them: the Qwen3-MoE and Mixtral exports repacked so, read by
+# model.init_from, evaluate at step 0 to the exporting runs' last val losses.
+pack_v5() {  # SRC DST: SRC's per-expert tensors packed
+  "$PY" - "$1" "$2" "$HERE" <<'PYEOF'
+import json, os, re, shutil, struct, sys
+import torch
+sys.path.insert(0, sys.argv[3])
+from llama_reference import parse_safetensors
+src, dst = sys.argv[1], sys.argv[2]
+w = parse_safetensors(f"{src}/model.safetensors")
+os.makedirs(dst, exist_ok=True)
+shutil.copy(f"{src}/config.json", dst)
+out, experts = {}, {}
+pat = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+for k, v in w.items():
+    m = pat.fullmatch(k)
+    if m:
+        experts.setdefault(int(m[1]), {})[(int(m[3]), m[4])] = v
+    else:
+        out[k.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = v
+part = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+for layer, t in experts.items():
+    E = 1 + max(e for e, _ in t)
+    g = lambda e, p: t.get((e, part[p][0]), t.get((e, part[p][1])))
+    out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g(e, "gate"), g(e, "up")]) for e in range(E)])
+    out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([g(e, "down") for e in range(E)])
+header, blobs, off = {}, [], 0
+for k in sorted(out):
+    b = out[k].contiguous().float().numpy().tobytes()
+    header[k] = {"dtype": "F32", "shape": list(out[k].shape), "data_offsets": [off, off + len(b)]}
+    blobs.append(b)
+    off += len(b)
+h = json.dumps(header).encode()
+h += b" " * ((8 - len(h) % 8) % 8)
+open(f"{dst}/model.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+PYEOF
+}
+for v in "hf_v5:hf:train.out:qwen3_moe" "hf_mx_v5:hf_mx:train_mx.out:mixtral"; do
+  IFS=: read -r dst src log m <<< "$v"
+  pack_v5 $src $dst > pack_$dst.out 2>&1 || cat pack_$dst.out
+  printf 'model: {init_from: "hf:%s", seq_len: 32}\n' $dst > init_$dst.yaml
+  sed -n '/^data:/,$p' qwen3_moe.yaml >> init_$dst.yaml
+  "$MPIRUN" -np 2 "$BIN" init_$dst.yaml --set train.out_dir=run_$dst --set checkpoint.dir=ckpt_$dst --set train.steps=1 \
+    --set optim.warmup_steps=0 > init_$dst.out 2>&1
+  rc=$?
+  last_val=$(val_loss 6 $log tail)
+  v5_val=$(val_loss 0 init_$dst.out)
+  check "$m in transformers 5's form (experts packed in gate_up_proj / down_proj): init_from's step-0 val loss $v5_val = the exported run's last $last_val" \
+    "[ $rc -eq 0 ] && [ -n '$v5_val' ] && [ '$v5_val' = '$last_val' ] && grep -q 'experts.gate_up_proj' $dst/model.safetensors &&
+     ! grep -q 'experts\.0\.' $dst/model.safetensors"
+  [ $rc -eq 0 ] || tail -5 init_$dst.out
+done
 
 # Variants the reference must tell apart: config.json edited, or experts 0 and 1 of layer 1 swapped.
 variant() {  # NAME SOURCE-DIR PYTHON-EXPRESSION-ON-c: SOURCE-DIR's weights, its config.json edited

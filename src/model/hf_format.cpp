@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -182,6 +183,44 @@ std::string llama_hf_name(const std::string& name, const Family& family) {
   };
   if (!(gemma && rename(gemma_norms))) rename(parts);
   return out;  // (mlp.gate_proj, mlp.up_proj as they are)
+}
+
+// transformers 5's packed experts: "model.layers.N.mlp.experts.gate_up_proj" [E, 2I, C] (each
+// expert's gate rows, then its up rows) and "model.layers.N.mlp.experts.down_proj" [E, C, I]
+// (transformers 4's per-expert tensors stacked; Mixtral's under mlp too). Each expert's tensor is a
+// contiguous run of the packed one: entered into `out` as an entry of its own (its name says where
+// it lies), returned with transformers 4's name for it. Not packed: empty.
+std::vector<std::pair<std::string, const Entry*>> unpack_experts(const std::string& path, const Entry& e,
+                                                                 const Family& family, std::deque<Entry>& out) {
+  static const std::string head = "model.layers.";
+  if (e.name.rfind(head, 0) != 0) return {};
+  const size_t dot = e.name.find('.', head.size());
+  const std::string layer = e.name.substr(head.size(), dot == std::string::npos ? 0 : dot - head.size());
+  if (layer.empty() || !std::all_of(layer.begin(), layer.end(), [](char c) { return c >= '0' && c <= '9'; })) return {};
+  const std::string kind = e.name.substr(dot);
+  const bool gate_up = kind == ".mlp.experts.gate_up_proj", down = kind == ".mlp.experts.down_proj";
+  if (!gate_up && !down) return {};
+  // (No dimension 0: the experts' count is then bounded by the file's bytes.)
+  if (e.shape.size() != 3 || e.shape[0] < 1 || e.shape[1] < 1 || e.shape[2] < 1 || (gate_up && e.shape[1] % 2 != 0))
+    throw UsageError(concat(path, ": tensor '", e.name, "' has shape ", shape_text(e.shape), ", not transformers 5's packed ",
+                            gate_up ? "[experts, 2 x an expert's units, width]" : "[experts, width, an expert's units]"));
+  const uint64_t bytes = (e.end - e.begin) / static_cast<uint64_t>(e.shape[0]);  // one expert's
+  std::vector<std::pair<std::string, const Entry*>> named;
+  for (int64_t x = 0; x < e.shape[0]; ++x) {
+    const std::string ours = concat("h.", layer, ".mlp.experts.", x, ".");
+    const uint64_t at = e.begin + static_cast<uint64_t>(x) * bytes;
+    if (down) {
+      out.push_back(Entry{concat(e.name, "[", x, "]"), e.dtype, {e.shape[1], e.shape[2]}, at, at + bytes});
+      named.emplace_back(llama_hf_name(ours + "c_proj.weight", family), &out.back());
+      continue;
+    }
+    const int64_t units = e.shape[1] / 2;
+    out.push_back(Entry{concat(e.name, "[", x, "] (its gate rows)"), e.dtype, {units, e.shape[2]}, at, at + bytes / 2});
+    named.emplace_back(llama_hf_name(ours + "gate_proj.weight", family), &out.back());
+    out.push_back(Entry{concat(e.name, "[", x, "] (its up rows)"), e.dtype, {units, e.shape[2]}, at + bytes / 2, at + bytes});
+    named.emplace_back(llama_hf_name(ours + "up_proj.weight", family), &out.back());
+  }
+  return named;
 }
 
 // Buffers of older files that are no parameters.
@@ -539,6 +578,7 @@ class HfWeights : public InitialWeights {
   HfWeights(GPT model, std::string key) : InitialWeights(model, std::move(key)) {}
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   std::map<std::string, std::pair<SafetensorsFile*, const Entry*>> found;  // by HF name
+  std::deque<Entry> unpacked;  // transformers 5's packed experts, one entry per expert's tensor
 
  private:
   torch::Tensor read_values(size_t k) override {
@@ -575,6 +615,22 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
         }
         std::string name = e.name;
         if (!d.llama() && name.rfind(kPrefix, 0) != 0 && name != "lm_head.weight") name = kPrefix + name;
+        if (d.llama()) {
+          const auto experts = unpack_experts(f->path, e, d.family_row(), weights->unpacked);
+          for (const auto& [hf, entry] : experts) {
+            if (!ours.count(hf)) {
+              unknown.push_back(entry->name);
+            } else {
+              if (found.count(hf)) throw UsageError(concat(f->path, ": tensor '", entry->name, "' is also in ", found[hf].first->path));
+              found[hf] = {f.get(), entry};
+            }
+          }
+          if (!experts.empty()) continue;
+          // transformers 5's Mixtral: the router under mlp, as the other families' (4: block_sparse_moe).
+          const std::string v5_router = ".mlp.gate.weight";
+          if (d.family_row().name == std::string("mixtral") && ends_with(name, v5_router))
+            name = name.substr(0, name.size() - v5_router.size()) + ".block_sparse_moe.gate.weight";
+        }
         if (name == "lm_head.weight" && !ours.count(name)) {
           lm_head = &e, lm_head_file = f.get();
         } else if (ours.count(name)) {
