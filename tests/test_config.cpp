@@ -84,7 +84,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.rope_local_theta, b.model.rope_local_theta);
   EXPECT_EQ(a.model.head_dim, b.model.head_dim);
   EXPECT_EQ(a.model.qk_norm, b.model.qk_norm);
-  EXPECT_EQ(a.model.sliding_window, b.model.sliding_window);
+  EXPECT_EQ(window_of_config(a.model), window_of_config(b.model));
   EXPECT_EQ(a.model.norm_eps, b.model.norm_eps);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val, b.data.val);
@@ -343,14 +343,14 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
                                                           "model.sliding_window=256"});
   EXPECT_EQ(over.model.family, "mistral");
   EXPECT_EQ(over.model.n_embd, 256);
-  EXPECT_EQ(over.model.sliding_window, 256);
+  EXPECT_EQ(window_of_config(over.model), 256);
   // Gemma 2 is named (no flag makes it), its caps and window taken or given; its query scale is
   // the head size unless set.
   const ModelConfig gemma = with({"model.family=gemma2", "model.intermediate_size=64", "model.sliding_window=8",
                                   "model.attn_softcap=50", "model.final_softcap=30"});
   EXPECT_EQ(gemma.arch, "llama");
   EXPECT_EQ(gemma.family, "gemma2");
-  EXPECT_EQ(gemma.sliding_window, 8);  // shorter than seq_len 16: Gemma's windows cut
+  EXPECT_EQ(window_of_config(gemma), 8);  // shorter than seq_len 16: Gemma's windows cut
   EXPECT_EQ(gemma.query_pre_attn_scalar, 8.0);  // 32 / 4 heads
   EXPECT_EQ(dims_of_config(gemma).attn_softcap, 50.0);
   const Config gemma_preset = parse_config(kMinimal, "run.yaml", {"model.preset=gemma2-2b", "model.final_softcap=20"});
@@ -373,7 +373,7 @@ TEST(Config, FamiliesAreNamedRowsAndFixTheirFlags) {
   }
 }
 
-// A field kept by key (model_fields.h's generic rows: the experts') is written once: its row, the
+// A field kept by key (model_fields.h's generic rows: the experts', the window) is written once: its row, the
 // ModelArgs member, the code that uses it. Its name, as a word, is in at most 3 files of src/ and
 // include/ (the YAML reader, presets, validation, config.json in and out and checkpoints read the
 // row).
@@ -490,7 +490,7 @@ TEST(Config, LlamaPresetsHaveTheirPublishedShapes) {
   EXPECT_EQ(qwen3_8b.model.intermediate_size, 12288);
   EXPECT_EQ(qwen3_8b.model.head_dim, 128);
   EXPECT_EQ(qwen3_8b.model.tie_embeddings, "false");
-  EXPECT_EQ(qwen3.model.sliding_window, 0);
+  EXPECT_EQ(window_of_config(qwen3.model), 0);
   expect_same(qwen3, parse_config(to_yaml(qwen3), "resolved.yaml"));
   Config debug = parse_config(kMinimal, "run.yaml", {"model.preset=llama-debug"});
   EXPECT_EQ(debug.model.n_embd, 256);
@@ -743,8 +743,8 @@ TEST(Config, HfConfigTransformers5FormsAndClassDefaults) {
       R"({"model_type": "gemma2", "attn_logit_softcapping": null, "final_logit_softcapping": null, "sliding_window": null})");
   EXPECT_EQ(g2_none.attn_softcap, 0.0);
   EXPECT_EQ(g2_none.final_softcap, 0.0);
-  EXPECT_EQ(g2_none.sliding_window, 0);
-  EXPECT_EQ(load(R"({"model_type": "mistral"})").sliding_window, 4096);
+  EXPECT_EQ(window_of_config(g2_none), 0);
+  EXPECT_EQ(window_of_config(load(R"({"model_type": "mistral"})")), 4096);
   // Nothing but the model_type: LlamaConfig's defaults (the 7B shape of Llama 2), kv heads = heads.
   const ModelConfig llama = load(R"({"model_type": "llama"})");
   EXPECT_EQ(llama.n_layer, 32);
@@ -794,7 +794,7 @@ TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) 
   std::ofstream(dir + "/config.json") << mistral;
   std::ofstream(dir + "/run.yaml") << concat(kMinimal, "model: {init_from: 'hf:", dir, "'}\n");
   Config from_file = load_config(dir + "/run.yaml");
-  EXPECT_EQ(from_file.model.sliding_window, 4096);
+  EXPECT_EQ(window_of_config(from_file.model), 4096);
   EXPECT_EQ(from_file.model.seq_len, 2048);
   Config preset = parse_config(kMinimal, "run.yaml", {"model.preset=mistral-7b-v0.1"});
   from_file.model.preset = preset.model.preset;
@@ -808,7 +808,7 @@ TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) 
   // A context longer than the window: the window cuts it, as Mistral 7B v0.1 runs beyond 4096 tokens.
   const Config longer = load_config(dir + "/run.yaml", {"model.seq_len=8192"});
   EXPECT_EQ(longer.model.seq_len, 8192);
-  EXPECT_EQ(longer.model.sliding_window, 4096);
+  EXPECT_EQ(window_of_config(longer.model), 4096);
   expect_contains(usage_error([&] { load_config(dir + "/run.yaml", {"model.sliding_window=8192"}); }),
                   {"run.yaml: model.sliding_window: 8192 disagrees with ", "/config.json's 4096"});
   // Mistral NeMo's shape: no window, heads of 128 at width 5120 (32 x 128 = 4096)
@@ -817,7 +817,7 @@ TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) 
   nemo.replace(nemo.find("\"hidden_size\": 4096"), 19, "\"hidden_size\": 5120");
   std::ofstream(dir + "/config.json") << nemo;
   Config n = load_config(dir + "/run.yaml", {"model.seq_len=8192"});
-  EXPECT_EQ(n.model.sliding_window, 0);
+  EXPECT_EQ(window_of_config(n.model), 0);
   EXPECT_EQ(n.model.head_dim, 128);
   EXPECT_EQ(n.model.n_embd, 5120);
   // Qwen2.5's config: sliding_window 32768 with use_sliding_window false, so no window
@@ -828,7 +828,7 @@ TEST(Config, MistralConfigJsonGivesThePresetsShapeAndItsWindowBoundsTheContext) 
              "sliding_window": 32768, "use_sliding_window": false, "max_window_layers": 21,
              "tie_word_embeddings": true, "hidden_act": "silu"})";
   Config q = load_config(dir + "/run.yaml");
-  EXPECT_EQ(q.model.sliding_window, 0);
+  EXPECT_EQ(window_of_config(q.model), 0);
   EXPECT_EQ(q.model.qkv_bias, "true");
   std::system(("rm -rf " + dir).c_str());
 }
@@ -937,7 +937,7 @@ INSTANTIATE_TEST_SUITE_P(
         Invalid{"sliding_window_on_gpt2", {"model.sliding_window=1024"},
                 {"model.sliding_window applies to model.family mistral|gemma2|gemma3|mixtral only (this model is gpt2), got 1024"}},
         Invalid{"sliding_window_negative", {"model.preset=mistral-7b-v0.1", "model.sliding_window=-1"},
-                {"model.sliding_window must be >= 0 (0 = none), got -1"}},
+                {"model.sliding_window must be in [0, 2147483647], got -1"}},
         Invalid{"sliding_window_with_qk_norm", {"model.preset=qwen3-0.6b", "model.sliding_window=4096"},
                 {"model.sliding_window applies to model.family mistral|gemma2|gemma3|mixtral only (this model is qwen3), got 4096"}},
         Invalid{"sliding_window_with_qkv_bias_unnamed",

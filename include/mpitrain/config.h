@@ -40,7 +40,7 @@ struct ModelConfig {
   std::string init_vocab_source;
   // The family (model_fields.h: one row each): gpt2 | llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 ("" = the
   // preset's; custom: from model.arch and the flags, as before the key existed). It gives the
-  // block (arch), the block flags it fixes (qkv_bias, qk_norm; sliding_window mistral's and Gemma's only) and
+  // block (arch), the block flags it fixes (qkv_bias, qk_norm; a window mistral's and Gemma's only) and
   // the Hugging Face class it is read from and exported as.
   std::string family = "";
   std::string arch = "";        // the family's block, gpt2 | llama ("" = the family's; custom without family: gpt2)
@@ -61,9 +61,6 @@ struct ModelConfig {
   int64_t head_dim = 0;           // size of one attention head (0 = from preset, else n_embd / n_head; Qwen3: 128)
   std::string qk_norm = "auto";   // true | false: RMSNorm over each head's q and k before rotary (Qwen3)
                                   // (auto = the preset's, else false)
-  int64_t sliding_window = 0;     // the attention window in tokens of the family's windowed layers (0 = none,
-                                  // or the preset's): Mistral's every layer, Gemma 2's layers 0, 2, 4, ...;
-                                  // shorter than seq_len it cuts the context
   // Gemma 2 and 3 only (0 = the preset's, else none): soft-capping of the attention scores and of
   // the output logits, cap tanh(x / cap); the query scale 1 / sqrt(query_pre_attn_scalar) (0 = the
   // preset's, else the head size).
@@ -79,8 +76,8 @@ struct ModelConfig {
                                        // (fused_ops.h): auto (on CUDA) | on | off
   std::string attention = "auto";  // scaled_dot_product_attention's kernel: auto (libtorch's
                                    // choice) | flash | cudnn | efficient | math
-  // The architecture fields kept by key (model_fields.h's generic rows: the experts' fields,
-  // ...): the YAML value as text, absent = the row's fallback.
+  // The architecture fields kept by key (model_fields.h's generic rows: the experts' fields, the
+  // attention window, ...): the YAML value as text, absent = the row's fallback.
   std::map<std::string, std::string> args;
   std::string init_from;  // initial weights, fresh start only: hf:DIR (a Hugging Face model directory,
                           // its config.json giving the shape), a .safetensors file or a directory holding

@@ -2,8 +2,8 @@
 //
 // The family is the row of model_fields.h whose model_type config.json names: LlamaForCausalLM
 // (llama: Llama 2/3.x), Qwen2ForCausalLM (qwen2: q/k/v biases), Qwen3ForCausalLM (qwen3: q/k norms,
-// 128-wide heads), MistralForCausalLM (mistral: sliding_window), Gemma2ForCausalLM (gemma2:
-// sliding_window, attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar) and
+// 128-wide heads), MistralForCausalLM (mistral: its attention window), Gemma2ForCausalLM (gemma2:
+// the window, attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar) and
 // Gemma3ForCausalLM (gemma3_text: those, rope_local_base_freq, sliding_window_pattern or
 // layer_types, rope_scaling linear), all the llama block. The keys read: hidden_size, num_hidden_layers, num_attention_heads,
 // num_key_value_heads, head_dim, intermediate_size, vocab_size, max_position_embeddings,

@@ -31,7 +31,7 @@ struct Family {
   const char* hf_model_type;    // config.json "model_type"
   bool qkv_bias;                // biases on q, k and v (Qwen2)
   bool qk_norm;                 // RMSNorm over each head's q and k (Qwen3)
-  // Which layers are windowed (model.sliding_window; Gemma 3's rotary base rope_local_theta): 0
+  // Which layers are windowed (ModelArgs' window; Gemma 3's rotary base rope_local_theta): 0
   // none may have a window; 1 every layer (Mistral); P >= 2 every layer but each P-th, layer i
   // global when (i + 1) % P == 0 (Gemma 2: P 2, layers 0, 2, 4, ... windowed; Gemma 3: P 6, five
   // local layers to one global).
@@ -57,13 +57,15 @@ std::string family_names(const char* sep = "|");
 // and checkpoints written before the family attribute. The one place the flags say the family:
 // the gpt2 block is gpt2; a llama block with a window is mistral, with q/k/v biases qwen2, with q/k
 // norms qwen3, else llama.
-const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window);
-// The key whose value a model of family `f` may not have ("arch", "qkv_bias", "qk_norm",
-// "sliding_window"), or nullptr: the block must be the family's; a llama block's q/k/v biases and
-// q/k norms are the family's, and only a family with a window may have one. (The fields of some
-// families only, such as Gemma 2's soft-capping: field_conflict.)
-const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
-                            int64_t sliding_window);
+const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t window);
+// The key whose value a model of family `f` may not have ("arch", "qkv_bias", "qk_norm", the
+// window's: window_key()), or nullptr: the block must be the family's; a llama block's q/k/v biases
+// and q/k norms are the family's, and only a family with a window may have one. (The fields of
+// some families only, such as Gemma 2's soft-capping: field_conflict.)
+const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm, int64_t window);
+// The attention window's key (a generic row's: ModelConfig::args) and a config's window (0: none).
+const char* window_key();
+int64_t window_of_config(const ModelConfig& c);
 
 // ---- the model's architecture and the run's options ----------------------------------------------
 // ModelArgs: what the model is (what a checkpoint and config.json record; one row of the table

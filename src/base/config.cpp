@@ -67,7 +67,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, rope_original_max_position), MPITRAIN_FIELD(model, max_position),
     MPITRAIN_FIELD(model, qkv_bias),     MPITRAIN_FIELD(model, tie_embeddings),
     MPITRAIN_FIELD(model, head_dim),     MPITRAIN_FIELD(model, qk_norm),
-    MPITRAIN_FIELD(model, sliding_window), MPITRAIN_FIELD(model, attn_softcap),
+    MPITRAIN_FIELD(model, attn_softcap),
     MPITRAIN_FIELD(model, final_softcap), MPITRAIN_FIELD(model, query_pre_attn_scalar),
     MPITRAIN_FIELD(model, rope_local_theta),
     MPITRAIN_FIELD(model, norm_eps),
@@ -445,7 +445,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
   {  // the fields of some families only (Gemma's): none set for another family
     GPTDims set;
     const Family& fam = family ? *family  // unnamed: what the parts make
-                               : family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window);
+                               : family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", window_of_config(m));
     for (const ModelField& f : model_fields()) {
       if (!*f.families) continue;
       f.from_config(set, m);
@@ -468,8 +468,7 @@ void apply_preset(ModelConfig& m, const std::string& where) {
         {"qkv_bias", m.qkv_bias == "false"},
         {"tie_embeddings", m.tie_embeddings == "false"},
         {"head_dim", m.head_dim != 0 && m.head_dim * m.n_head != m.n_embd},
-        {"qk_norm", m.qk_norm == "true"},
-        {"sliding_window", m.sliding_window != 0}};
+        {"qk_norm", m.qk_norm == "true"}};
     for (const auto& [key, set] : llama_only)
       if (set)
         throw UsageError(concat(where, ": model.", key, " applies to model.arch: llama only (this model is gpt2, ",
@@ -496,17 +495,17 @@ void apply_preset(ModelConfig& m, const std::string& where) {
     fill(m.query_pre_attn_scalar, static_cast<double>(m.head_dim > 0 ? m.head_dim : m.n_embd / m.n_head));
   if (has("rope_local_theta")) fill(m.rope_local_theta, 10000.0);
   if (!fixed) {  // as before model.family: the parts say it (validate refuses parts no family has)
-    m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window).name;
+    m.family = family_of_parts(m.arch, m.qkv_bias == "true", m.qk_norm == "true", window_of_config(m)).name;
     return;
   }
   m.family = family->name;
-  if (const char* conflict = family_conflict(*family, m.arch, m.qkv_bias == "true", m.qk_norm == "true", m.sliding_window)) {
+  if (const char* conflict = family_conflict(*family, m.arch, m.qkv_bias == "true", m.qk_norm == "true", window_of_config(m))) {
     const std::string key = conflict;
-    const bool window = key == "sliding_window";
+    const bool window = key == window_key();
     const bool fixed = key == "qkv_bias" ? family->qkv_bias : family->qk_norm;
     throw UsageError(concat(where, ": model.", key, " must be ", window ? "0" : fixed ? "true" : "false",
                             " with model.family ", family->name, " (", family->about, "), got ",
-                            window ? show(m.sliding_window) : show(key == "qkv_bias" ? m.qkv_bias : m.qk_norm)));
+                            window ? show(window_of_config(m)) : show(key == "qkv_bias" ? m.qkv_bias : m.qk_norm)));
   }
 }
 
@@ -566,14 +565,14 @@ void validate(const Config& c, const std::string& where) {
           show(m.qk_norm));
     // The window (Mistral's, Gemma's) of any length: shorter than seq_len it cuts. (Gemma 3's q/k
     // norms are its family's; a window with Qwen's flags is none of the families.)
-    check(m.sliding_window >= 0, "model.sliding_window", ">= 0 (0 = none)", show(m.sliding_window));
+    // (Its range: the row's.)
     const Family* fam = find_family(m.family);
     const bool gemma = fam && fam->gemma_norms;
-    if (m.sliding_window > 0 && !gemma)
-      check(m.qkv_bias == "false" && m.qk_norm == "false", "model.sliding_window",
+    if (window_of_config(m) > 0 && !gemma)
+      check(m.qkv_bias == "false" && m.qk_norm == "false", concat("model.", window_key()).c_str(),
             "0 with model.qkv_bias or model.qk_norm (the window is Mistral's and Gemma's; Qwen's sliding windows are "
             "not supported)",
-            show(m.sliding_window));
+            show(window_of_config(m)));
     check(m.attn_softcap >= 0, "model.attn_softcap", ">= 0 (0 = none)", show(m.attn_softcap));
     check(m.final_softcap >= 0, "model.final_softcap", ">= 0 (0 = none)", show(m.final_softcap));
     check(m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar", ">= 0 (0 = the head size)",
@@ -589,7 +588,7 @@ void validate(const Config& c, const std::string& where) {
             show(m.fused_loss));
     // The generic rows of the family (model_fields.h): in range; a fallback outside the range set.
     for (const ModelField& f : model_fields()) {
-      if (!f.generic || !fam || !field_applies(f, *fam)) continue;
+      if (!f.generic) continue;
       GPTDims v;
       f.from_config(v, m);
       const ModelField::Value value = f.get(v);
@@ -598,6 +597,10 @@ void validate(const Config& c, const std::string& where) {
                             : number ? std::get<double>(value) >= static_cast<double>(f.lo)
                                      : true;
       const std::string range = whole ? concat("in [", f.lo, ", ", f.hi, "]") : concat(">= ", f.lo);
+      // A value set is in range whatever the family (a negative window would make a llama of a
+      // model without a family).
+      if (m.args.count(f.key)) check(in_range, concat("model.", f.key).c_str(), range, field_text(f, v));
+      if (!fam || !field_applies(f, *fam)) continue;
       if (!m.args.count(f.key) && !in_range)
         throw UsageError(concat(where, ": model.", f.key, " must be set (", range, ") with model.family ", fam->name));
       if (const char* fixed = fixed_value_of(f, fam->name))

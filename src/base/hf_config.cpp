@@ -55,7 +55,7 @@ const json& class_defaults(const std::string& model_type) {
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": null,
                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-                "tie_word_embeddings": false, "sliding_window": null},
+                "tie_word_embeddings": false},
     "olmoe": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
               "num_attention_heads": 16, "num_key_value_heads": null, "head_dim": null,
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -63,16 +63,16 @@ const json& class_defaults(const std::string& model_type) {
     "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": null,
                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "tie_word_embeddings": false, "sliding_window": 4096},
+                "tie_word_embeddings": false},
     "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-               "tie_word_embeddings": true, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+               "tie_word_embeddings": true, "query_pre_attn_scalar": 256,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                    "rope_local_base_freq": 10000.0, "tie_word_embeddings": true, "sliding_window": 4096,
+                    "rope_local_base_freq": 10000.0, "tie_word_embeddings": true,
                     "query_pre_attn_scalar": 256, "attn_logit_softcapping": null, "final_logit_softcapping": null}
   })");
   static const json none = json::object();
@@ -174,7 +174,9 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // any family's key for them that is not a key of this family's own (Mixtral's experts' size is
   // its intermediate_size).
   for (const ModelField& f : model_fields()) {
-    if (!f.generic || field_applies(f, *family)) continue;
+    // (A field config.json may hold as null, the window, is another family's unused key: Qwen's
+    // configs carry a window too, unused without use_sliding_window. Not read, not refused.)
+    if (!f.generic || f.hf_null || field_applies(f, *family)) continue;
     std::istringstream keys(f.hf_key);
     for (std::string key; keys >> key;) {
       key = key.substr(key.find('=') + 1);
@@ -328,7 +330,7 @@ void apply_parsed(ModelConfig& m, const json& c, const std::string& path, const 
   // The fields config.json holds as they are with null for none (ModelField::hf_null: Mistral's and
   // Gemma's windows, Gemma's caps), for the families that have them; absent, the class's default.
   for (const ModelField& f : model_fields()) {
-    if (!f.hf_null || !field_applies(f, *family)) continue;
+    if (!f.hf_null || f.generic || !field_applies(f, *family)) continue;
     ModelArgs file, have;
     const bool whole = f.type == ModelField::Type::integer;
     f.set(file, whole ? ModelField::Value(integer(f.hf_key, false, std::get<int64_t>(f.fallback)))

@@ -63,28 +63,36 @@ std::string family_names(const char* sep) {
   return names;
 }
 
-const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t sliding_window) {
+const Family& family_of_parts(const std::string& block, bool qkv_bias, bool qk_norm, int64_t window) {
   // (Gemma 2 and 3 have parts no flag here says: a model is gemma2 or gemma3 only by name.)
   const char* name = block != "llama" ? "gpt2"
-                     : sliding_window > 0 ? "mistral"
+                     : window > 0        ? "mistral"
                      : qkv_bias          ? "qwen2"
                      : qk_norm           ? "qwen3"
                                          : "llama";
   return *find_family(name);
 }
 
-const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm,
-                            int64_t sliding_window) {
+const char* family_conflict(const Family& f, const std::string& block, bool qkv_bias, bool qk_norm, int64_t window) {
   if (block != f.block) return "arch";
   if (block != "llama") return nullptr;
   if (qkv_bias != f.qkv_bias) return "qkv_bias";
   if (qk_norm != f.qk_norm) return "qk_norm";
-  if (sliding_window > 0 && f.window_pattern == 0) return "sliding_window";
+  if (window > 0 && f.window_pattern == 0) return window_key();
   return nullptr;
 }
 
 const char* family_conflict(const Family& f, const ModelArgs& a) {
   return family_conflict(f, a.arch, a.qkv_bias, a.qk_norm, a.sliding_window);
+}
+
+const char* window_key() { return "sliding_window"; }
+
+int64_t window_of_config(const ModelConfig& c) {
+  const auto it = c.args.find(window_key());
+  ModelField::Value v = int64_t{0};
+  if (it != c.args.end() && field_from_text(*find_model_field(window_key()), it->second, v)) return std::get<int64_t>(v);
+  return 0;
 }
 
 std::string ModelArgs::local_layers() const {
@@ -222,8 +230,12 @@ std::string hf_key_of(const ModelField& f, const std::string& hf_model_type) {
 // ModelConfig::args, optional in files (before it: `fallback`), fixed on resume, config.json's key
 // `hf_key` with the class defaults `hf_defaults`, fixed by some families to `fixed`.
 #define MPITRAIN_ARGS_FIELD(key, type, families, fallback, lo, hi, hf_key, hf_defaults, fixed, describe)            \
+  MPITRAIN_ARGS_FIELD_NULL(key, type, families, fallback, lo, hi, hf_key, false, hf_defaults, fixed, describe)
+// The same with `hf_null`: config.json's null (and its absence where the class has no default) is
+// the fallback, which the export writes as null (a window of 0: none).
+#define MPITRAIN_ARGS_FIELD_NULL(key, type, families, fallback, lo, hi, hf_key, hf_null, hf_defaults, fixed, describe) \
   ModelField {                                                                                                     \
-    #key, type, true, families, false, Value(fallback), lo, hi, "", hf_key, false, false,                          \
+    #key, type, true, families, false, Value(fallback), lo, hi, "", hf_key, hf_null, false,                        \
         [](const ModelArgs& d) { return Value(d.key); },                                                           \
         [](ModelArgs& d, const Value& v) { d.key = std::get<std::decay_t<decltype(d.key)>>(v); },                  \
         [](ModelArgs& d, const ModelConfig& c) { d.key = std::get<std::decay_t<decltype(d.key)>>(args_value(c, #key)); }, \
@@ -292,8 +304,9 @@ const std::vector<ModelField>& model_fields() {
                             }),
         // The window of the family's windowed layers (0: none; files before it have none): the
         // families with windowed layers (Family::window_pattern) only.
-        MPITRAIN_DIMS_FIELD(sliding_window, Type::integer, llama, "mistral|gemma2|gemma3|mixtral", optional, int64_t{0}, 0, kInt32,
-                            "", "sliding_window", true, fixed, same_int,
+        // Kept by key (generic): named only here, in ModelArgs and where the attention uses it.
+        MPITRAIN_ARGS_FIELD_NULL(sliding_window, Type::integer, "mistral|gemma2|gemma3|mixtral", int64_t{0}, 0, kInt32,
+                                 "sliding_window", true, "mistral=4096 gemma2=4096 gemma3_text=4096", "",
                             [](const ModelArgs& d) {
                               if (d.sliding_window == 0) return std::string();
                               return concat(", attention window ", d.sliding_window,
