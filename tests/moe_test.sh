@@ -432,6 +432,26 @@ grep -o '"loss": [0-9.]*' run_dl2/metrics.jsonl | tail -4 > dl2.losses
 grep -o '"loss": [0-9.]*' run_dlres/metrics.jsonl > dlres.losses 2>/dev/null
 check "islands x ep 2 resumed from step 4 (each rank's DiLoCo state beside the checkpoint): the same steps 5-8 (exit ${eprc[13]})" \
   "[ ${eprc[13]} -eq 0 ] && [ \$(wc -l < dlres.losses) -eq 4 ] && cmp -s dl2.losses dlres.losses"
+# PowerSGD with experts: the shared parameters' gradients compressed (rank 4, from step 3), the
+# experts' whole (averaged over their replicas) at any ep, so ep 2 trains ep 1's run (np 4,
+# SGD-like AdamW as above).
+ps=(--set comm.compress=powersgd --set comm.powersgd_start=2 --set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4
+    --set optim.weight_decay=0 --set optim.grad_clip=0 --set log.every=1 --set eval.every=0 --set train.steps=8
+    --set checkpoint.every=4 --set checkpoint.keep=2)
+for ep in 1 2; do
+  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${ps[@]}" --set parallel.ep=$ep --set train.out_dir=run_ps$ep \
+    --set checkpoint.dir=ckpt_ps$ep > ps$ep.out 2>&1
+  eprc[2$ep]=$?
+  [ ${eprc[2$ep]} -eq 0 ] || tail -5 ps$ep.out
+done
+for c in ps1/ckpt-00000008.h5:ps1 ps1/ckpt-00000004.h5:ps1_4 ps2/ckpt-00000008.h5:ps2; do
+  "$BIN" export ckpt_${c%%:*} --format hf hf_${c#*:} > export_${c#*:}.out 2>&1 || cat export_${c#*:}.out
+done
+close ps1 ps2 ps1_4 reorder > close_ps.out 2>&1
+rc=$?
+cat close_ps.out
+check "comm.compress powersgd with ep 2 trains ep 1's run, the experts' gradients whole (exit ${eprc[22]})" \
+  "[ ${eprc[21]} -eq 0 ] && [ ${eprc[22]} -eq 0 ] && [ $rc -eq 0 ] && grep -q 'weight matrices compressed.*the experts. gradients whole' ps2.out"
 # Tensor parallelism with experts: np 4 as tp 2 x dp 2 (each expert's units split over the tp pair as
 # the dense MLP's are, the router replicated, one all-reduce per sparse layer; with selective
 # checkpointing, whose second runs sum the experts' partial outputs again) trains an np 2 run's 8

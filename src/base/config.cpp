@@ -749,8 +749,6 @@ void validate(const Config& c, const std::string& where) {
           concat("1 with optim.zero: ", c.optim.zero,
                  " (ZeRO's slices of experts that only some ranks hold are not built yet; optim.zero: 0)"),
           show(c.parallel.ep));
-    check(c.comm.compress == "none", "parallel.ep", "1 with comm.compress: powersgd (PowerSGD covers data parallelism only)",
-          show(c.parallel.ep));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

@@ -111,7 +111,11 @@ void Parallelism::apply(GPT model) {
     for (const auto& [name, p] : model_->named_params()) names.push_back(name);
     units = model_units(names, dims_.n_layer);
   }
-  if (ep_) {  // (optim.zero 0, no PowerSGD, no units: the config refuses them with parallel.ep)
+  // The experts' gradients apart from the shared parameters': under expert parallelism (each rank
+  // holds its own experts), and under PowerSGD with any ep (which compresses the shared parameters'
+  // only, so that ep 1 and ep k train alike).
+  const bool powersgd = cfg_.comm.compress == "powersgd" && mesh_.layout().dp > 1;
+  if (ep_ || (powersgd && dims_.has_experts() && stage_ == 0)) {  // (optim.zero 0, no units: the config refuses them with ep)
     std::vector<torch::Tensor> shared, experts;
     for (auto& [name, p] : model_->named_params()) {
       is_expert_.push_back(expert_of(name) >= 0);
@@ -126,7 +130,10 @@ void Parallelism::apply(GPT model) {
       });
     const torch::ScalarType wire = dtype_named(cfg_.comm.grad_dtype);
     grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, false, wire);
-    expert_sync_.emplace(experts, mesh_.expert_replicas(), cfg_.comm.bucket_mb, overlap, false, wire);
+    expert_sync_.emplace(experts, ep_ ? mesh_.expert_replicas() : dp, cfg_.comm.bucket_mb, overlap, false, wire);
+    // PowerSGD compresses the shared parameters' gradients over the dp group; the experts' (each
+    // rank's own, averaged over their replicas) travel whole.
+    if (powersgd) powersgd_.emplace(shared, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
     return;
   }
   // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
@@ -261,7 +268,12 @@ std::string Parallelism::describe_gradient_traffic(int64_t accum) const {
                          static_cast<double>(powersgd_->uncompressed_bytes()) /
                              static_cast<double>(powersgd_->bytes_per_step()),
                          "x less; ", powersgd_->compressed_matrices(),
-                         " weight matrices compressed, two all-reduces after backward, error feedback)")
+                         " weight matrices compressed, two all-reduces after backward, error feedback",
+                         expert_sync_ && mesh_.layout().dp > mesh_.layout().ep
+                             ? concat("; the experts' gradients whole: ",
+                                      static_cast<double>(expert_sync_->bytes_per_step()) / (1 << 20), " MiB")
+                             : std::string(),
+                         ")")
                 : std::string(),
       ep_ ? concat("; the experts' all-to-all: ", expert_exchange_mib(accum), " MiB sent per rank per step when the routing is balanced")
           : std::string());
