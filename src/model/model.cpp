@@ -739,22 +739,28 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     return;
   }
   if (d.ep > 1) {
-    // The whole model's initial values from the same generator state, then this rank's experts
-    // (and every other parameter) copied from it by name.
+    // The whole model's initial values from the same generator state (made without values, so
+    // that at most one of its blocks exists at once), drawn one parameter at a time in its order,
+    // each kept where this rank holds a parameter of that name (its experts and every other one).
     MPITRAIN_CHECK(!deferred, "expert parallelism: not with a deferred model (ZeRO-3)");
     GPTDims whole = d;
     whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
-    GPT dense(whole);
+    GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);
     collect_tp_splits();
-    std::map<std::string, torch::Tensor> all;
-    for (auto& [name, p] : dense->named_params()) all.emplace(name, p);
-    torch::NoGradGuard no_grad;
-    for (auto& [name, p] : named_params()) {
-      const auto it = all.find(name);
-      MPITRAIN_CHECK(it != all.end(), concat("expert parallelism: the whole model has no parameter '", name, "'"));
-      p.copy_(it->second);
-    }
+    std::map<std::string, torch::Tensor> mine;
+    for (auto& [name, p] : named_params()) mine.emplace(name, p);
+    std::vector<std::string> names;
+    for (const auto& [name, p] : dense->named_params()) names.push_back(name);
+    size_t kept = 0;
+    dense->initialize([&](size_t k, const torch::Tensor& values) {
+      if (const auto it = mine.find(names[k]); it != mine.end()) {
+        torch::NoGradGuard no_grad;
+        it->second.copy_(values);
+        ++kept;
+      }
+    });
+    MPITRAIN_CHECK(kept == mine.size(), "expert parallelism: the whole model lacks some of this rank's parameters");
     return;
   }
   build_modules(d, deferred);
