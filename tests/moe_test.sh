@@ -342,6 +342,10 @@ check "plan --memory-only on a mixture of experts: the memory table with its che
 # average moves the parameters by a different amount altogether, a gap near 1). The ep 4 run's
 # step-4 checkpoint (whole tensors, the experts gathered to rank 0) resumed under ep 2 trains the
 # same last 4 steps (each rank taking its experts and their AdamW moments from the file).
+# to_hf RUN STEP NAME: ckpt_RUN's checkpoint of STEP exported to hf_NAME (Hugging Face files).
+to_hf() {
+  "$BIN" export "ckpt_$1/ckpt-$(printf %08d "$2").h5" --format hf "hf_$3" > "export_$3.out" 2>&1 || cat "export_$3.out"
+}
 # Every ep run balances with the routing bias and the z-loss as well (the loads all-reduced over the
 # 4 ranks, whatever holds which experts; the bias travels in the checkpoint across ep degrees).
 ep_balancing=(--set train.moe_bias_update_rate=0.01 --set train.moe_z_loss_coef=0.01)
@@ -354,14 +358,14 @@ for ep in 1 2 4; do
     --set checkpoint.keep=2 > ep$ep.out 2>&1
   eprc[$ep]=$?
   [ ${eprc[$ep]} -eq 0 ] || tail -5 ep$ep.out
-  "$BIN" export ckpt_ep$ep/ckpt-00000008.h5 --format hf hf_ep$ep > export_ep$ep.out 2>&1 || cat export_ep$ep.out
+  to_hf ep$ep 8 ep$ep
 done
-"$BIN" export ckpt_ep1/ckpt-00000004.h5 --format hf hf_ep1_4 > export_ep1_4.out 2>&1 || cat export_ep1_4.out
+to_hf ep1 4 ep1_4
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 "${ep_balancing[@]}" \
   --set train.out_dir=run_ep_res --set checkpoint.dir=ckpt_ep_res --set log.every=1 --set eval.every=4 --set train.steps=8 \
   > ep_res.out 2>&1
 eprc[0]=$?
-"$BIN" export ckpt_ep_res/ckpt-00000008.h5 --format hf hf_ep_res > export_ep_res.out 2>&1 || cat export_ep_res.out
+to_hf ep_res 8 ep_res
 # close A B [BASE LOSS-BOUND]: losses within LOSS-BOUND (default 1e-5; "reorder": 1.5e-3 of the
 # loss, test_train.cpp's bound) and final parameters within the reordering bound of run A's, the
 # displacement measured from hf_BASE (default ep1_4, run A's step-4 export).
@@ -402,74 +406,66 @@ rc=$?
 cat close_res.out
 check "an ep 4 checkpoint resumed under ep 2 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
   "[ ${eprc[0]} -eq 0 ] && [ $rc -eq 0 ]"
+# The layouts below compare with test_train.cpp's SGD-like AdamW (lr / eps = 0.2, no decay, no
+# clip), which carries a gradient's error into the parameters linearly: AdamW's own normalisation
+# turns the last-bit noise of elements with near-zero gradients into whole steps (at lr 0.01 a gap
+# of 1.6e-2 of the displacement for tp 2 with this model and 8e-4 for its dense twin, 8e-4 for the
+# islands below with their outer Nesterov step, with every gradient right). 8 steps, checkpoints at
+# 4 and 8.
+sgd=(--set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4 --set optim.weight_decay=0 --set optim.grad_clip=0
+     --set log.every=1 --set eval.every=0 --set train.steps=8 --set checkpoint.every=4 --set checkpoint.keep=2)
+# ep_pair NAME ARGS...: the SGD-like run with ARGS at np 4 under parallel.ep 1 and 2 (run_NAME1,
+# run_NAME2; exit statuses in pair_rc[1], pair_rc[2]), both exported, and close NAME1 NAME2 against
+# NAME1's step 4 within the reordering bound (exit status in pair_close, its line printed).
+declare -a pair_rc
+ep_pair() {
+  local name=$1 ep
+  shift
+  for ep in 1 2; do
+    "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" "$@" --set parallel.ep=$ep \
+      --set train.out_dir=run_$name$ep --set checkpoint.dir=ckpt_$name$ep > $name$ep.out 2>&1
+    pair_rc[$ep]=$?
+    [ ${pair_rc[$ep]} -eq 0 ] || tail -5 $name$ep.out
+  done
+  to_hf ${name}1 8 ${name}1
+  to_hf ${name}1 4 ${name}1_4
+  to_hf ${name}2 8 ${name}2
+  close ${name}1 ${name}2 ${name}1_4 reorder > close_$name.out 2>&1
+  pair_close=$?
+  cat close_$name.out
+}
 # DiLoCo's islands with expert parallelism: 2 islands x dp 2 at np 4, an outer step every 2 steps;
 # ep 2 (each island's pair holds the experts between them; the outer all-reduce pairs the ranks
 # that hold the same experts, and each rank keeps its own whole outer state) trains ep 1's 8 steps;
 # its step-4 checkpoint (and each rank's DiLoCo state beside it) resumed trains the same steps 5-8.
-# (test_train's SGD-like AdamW, as for tp below: AdamW at lr 0.01 with the outer Nesterov step turns
-# last-bit noise into 8e-4 of the displacement.)
-dl=(--set parallel.islands=2 --set diloco.inner_steps=2 --set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4
-    --set optim.weight_decay=0 --set optim.grad_clip=0 --set log.every=1 --set eval.every=0 --set train.steps=8
-    --set checkpoint.every=4 --set checkpoint.keep=2)
-for ep in 1 2; do
-  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${dl[@]}" --set parallel.ep=$ep --set train.out_dir=run_dl$ep \
-    --set checkpoint.dir=ckpt_dl$ep > dl$ep.out 2>&1
-  eprc[1$ep]=$?
-  [ ${eprc[1$ep]} -eq 0 ] || tail -5 dl$ep.out
-done
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${dl[@]}" --set parallel.ep=2 --set train.out_dir=run_dlres \
+dl=(--set parallel.islands=2 --set diloco.inner_steps=2)
+ep_pair dl "${dl[@]}"
+check "2 DiLoCo islands x ep 2 train the islands' ep 1 run: losses and final parameters (exit ${pair_rc[2]})" \
+  "[ ${pair_rc[1]} -eq 0 ] && [ ${pair_rc[2]} -eq 0 ] && [ $pair_close -eq 0 ] && grep -q 'mesh: 4 ranks = 2 islands x dp 2 (ep 2' dl2.out"
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" "${dl[@]}" --set parallel.ep=2 --set train.out_dir=run_dlres \
   --set checkpoint.dir=ckpt_dlres --set checkpoint.resume=ckpt_dl2/ckpt-00000004.h5 > dlres.out 2>&1
-eprc[13]=$?
-for c in dl1/ckpt-00000008.h5:dl1 dl1/ckpt-00000004.h5:dl1_4 dl2/ckpt-00000008.h5:dl2; do
-  "$BIN" export ckpt_${c%%:*} --format hf hf_${c#*:} > export_${c#*:}.out 2>&1 || cat export_${c#*:}.out
-done
-close dl1 dl2 dl1_4 reorder > close_dl.out 2>&1
 rc=$?
-cat close_dl.out
-check "2 DiLoCo islands x ep 2 train the islands' ep 1 run: losses and final parameters (exit ${eprc[12]})" \
-  "[ ${eprc[11]} -eq 0 ] && [ ${eprc[12]} -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = 2 islands x dp 2 (ep 2' dl2.out"
 grep -o '"loss": [0-9.]*' run_dl2/metrics.jsonl | tail -4 > dl2.losses
 grep -o '"loss": [0-9.]*' run_dlres/metrics.jsonl > dlres.losses 2>/dev/null
-check "islands x ep 2 resumed from step 4 (each rank's DiLoCo state beside the checkpoint): the same steps 5-8 (exit ${eprc[13]})" \
-  "[ ${eprc[13]} -eq 0 ] && [ \$(wc -l < dlres.losses) -eq 4 ] && cmp -s dl2.losses dlres.losses"
+check "islands x ep 2 resumed from step 4 (each rank's DiLoCo state beside the checkpoint): the same steps 5-8 (exit $rc)" \
+  "[ $rc -eq 0 ] && [ \$(wc -l < dlres.losses) -eq 4 ] && cmp -s dl2.losses dlres.losses"
 # PowerSGD with experts: the shared parameters' gradients compressed (rank 4, from step 3), the
-# experts' whole (averaged over their replicas) at any ep, so ep 2 trains ep 1's run (np 4,
-# SGD-like AdamW as above).
-ps=(--set comm.compress=powersgd --set comm.powersgd_start=2 --set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4
-    --set optim.weight_decay=0 --set optim.grad_clip=0 --set log.every=1 --set eval.every=0 --set train.steps=8
-    --set checkpoint.every=4 --set checkpoint.keep=2)
-for ep in 1 2; do
-  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${ps[@]}" --set parallel.ep=$ep --set train.out_dir=run_ps$ep \
-    --set checkpoint.dir=ckpt_ps$ep > ps$ep.out 2>&1
-  eprc[2$ep]=$?
-  [ ${eprc[2$ep]} -eq 0 ] || tail -5 ps$ep.out
-done
-for c in ps1/ckpt-00000008.h5:ps1 ps1/ckpt-00000004.h5:ps1_4 ps2/ckpt-00000008.h5:ps2; do
-  "$BIN" export ckpt_${c%%:*} --format hf hf_${c#*:} > export_${c#*:}.out 2>&1 || cat export_${c#*:}.out
-done
-close ps1 ps2 ps1_4 reorder > close_ps.out 2>&1
-rc=$?
-cat close_ps.out
-check "comm.compress powersgd with ep 2 trains ep 1's run, the experts' gradients whole (exit ${eprc[22]})" \
-  "[ ${eprc[21]} -eq 0 ] && [ ${eprc[22]} -eq 0 ] && [ $rc -eq 0 ] && grep -q 'weight matrices compressed.*the experts. gradients whole' ps2.out"
+# experts' whole (averaged over their replicas) at any ep, so ep 2 trains ep 1's run.
+ep_pair ps --set comm.compress=powersgd --set comm.powersgd_start=2
+check "comm.compress powersgd with ep 2 trains ep 1's run, the experts' gradients whole (exit ${pair_rc[2]})" \
+  "[ ${pair_rc[1]} -eq 0 ] && [ ${pair_rc[2]} -eq 0 ] && [ $pair_close -eq 0 ] && grep -q 'weight matrices compressed.*the experts. gradients whole' ps2.out"
 # Tensor parallelism with experts: np 4 as tp 2 x dp 2 (each expert's units split over the tp pair as
 # the dense MLP's are, the router replicated, one all-reduce per sparse layer; with selective
 # checkpointing, whose second runs sum the experts' partial outputs again) trains an np 2 run's 8
 # steps (dp 2: the same global batch): losses and final parameters within the reordering bound.
-# Both with test_train.cpp's SGD-like AdamW (lr / eps = 0.2, no decay, no clip), which carries a
-# gradient's error into the parameters linearly (AdamW's own normalisation turns the last-bit noise
-# of elements with near-zero gradients into whole steps: a gap of 1.6e-2 of the displacement at
-# lr 0.01 for this model and 8e-4 for its dense twin, with every gradient right).
-sgd=(--set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4 --set optim.weight_decay=0 --set optim.grad_clip=0
-     --set log.every=1 --set eval.every=0 --set train.steps=8 --set checkpoint.every=4 --set checkpoint.keep=2)
 "$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml "${sgd[@]}" --set train.out_dir=run_sgd --set checkpoint.dir=ckpt_sgd > sgd.out 2>&1 || tail -5 sgd.out
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set train.activation_checkpointing=selective \
   --set train.out_dir=run_tp --set checkpoint.dir=ckpt_tp > tp.out 2>&1
 tprc=$?
 [ $tprc -eq 0 ] || tail -5 tp.out
-for c in sgd/ckpt-00000008.h5:sgd sgd/ckpt-00000004.h5:sgd_4 tp/ckpt-00000008.h5:tp; do
-  "$BIN" export ckpt_${c%%:*} --format hf hf_${c#*:} > export_${c#*:}.out 2>&1 || cat export_${c#*:}.out
-done
+to_hf sgd 8 sgd
+to_hf sgd 4 sgd_4
+to_hf tp 8 tp
 close sgd tp sgd_4 reorder > close_tp.out 2>&1
 rc=$?
 cat close_tp.out
