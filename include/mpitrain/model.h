@@ -183,6 +183,7 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
   torch::nn::Linear c_fc{nullptr}, gate_proj{nullptr}, up_proj{nullptr}, c_proj{nullptr};
 
  private:
+  torch::Tensor gated(const torch::Tensor& in);  // llama block: act(gate_proj(in)) x up_proj(in)
   bool geglu_;        // llama block: the gate's GELU (tanh) instead of silu (Gemma)
   Communicator* tp_;  // tensor parallel: c_fc / gate / up column-, c_proj row-parallel (null: tp = 1)
 };

@@ -598,7 +598,7 @@ void validate(const Config& c, const std::string& where) {
                                      : true;
       const std::string range = whole ? concat("in [", f.lo, ", ", f.hi, "]") : concat(">= ", f.lo);
       // A value set is in range whatever the family (a negative window would make a llama of a
-      // model without a family).
+      // model without a family); one unset is the fallback, which must be in range.
       if (m.args.count(f.key)) check(in_range, concat("model.", f.key).c_str(), range, field_text(f, v));
       if (!fam || !field_applies(f, *fam)) continue;
       if (!m.args.count(f.key) && !in_range)
@@ -606,7 +606,6 @@ void validate(const Config& c, const std::string& where) {
       if (const char* fixed = fixed_value_of(f, fam->name))
         check(field_value_text(value) == fixed, concat("model.", f.key).c_str(), concat(fixed, " with model.family ", fam->name),
               field_text(f, v));
-      check(in_range, concat("model.", f.key).c_str(), range, field_text(f, v));
     }
     // llama3's four parameters; linear's factor alone.
     const bool llama3 = m.rope_scaling == "llama3", linear = m.rope_scaling == "linear";

@@ -88,13 +88,6 @@ const char* family_conflict(const Family& f, const ModelArgs& a) {
 
 const char* window_key() { return "sliding_window"; }
 
-int64_t window_of_config(const ModelConfig& c) {
-  const auto it = c.args.find(window_key());
-  ModelField::Value v = int64_t{0};
-  if (it != c.args.end() && field_from_text(*find_model_field(window_key()), it->second, v)) return std::get<int64_t>(v);
-  return 0;
-}
-
 std::string ModelArgs::local_layers() const {
   const int p = family_row().window_pattern;
   return p == 1 ? "every layer" : p == 2 ? "every other layer" : concat(p - 1, " of every ", p, " layers");
@@ -149,6 +142,8 @@ ModelField::Value args_value(const ModelConfig& c, const char* key) {
   return v;
 }
 }  // namespace
+
+int64_t window_of_config(const ModelConfig& c) { return std::get<int64_t>(args_value(c, window_key())); }
 
 bool field_from_text(const ModelField& f, const std::string& text, ModelField::Value& out) {
   if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return false;

@@ -605,6 +605,15 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
     const Entry* lm_head = nullptr;
     SafetensorsFile* lm_head_file = nullptr;
     std::vector<std::string> unknown;
+    // A file's tensor under its HF name: a parameter's (once in all the files), else unknown.
+    auto enter = [&](const std::string& hf, SafetensorsFile* file, const Entry* entry) {
+      if (!ours.count(hf)) {
+        if (!ignored_buffer(hf, d)) unknown.push_back(entry->name);
+        return;
+      }
+      if (found.count(hf)) throw UsageError(concat(file->path, ": tensor '", entry->name, "' is also in ", found[hf].first->path));
+      found[hf] = {file, entry};
+    };
     for (const auto& f : files)
       for (const auto& e : f->entries) {
         if (!index.empty()) {  // the index says which file holds each tensor
@@ -617,14 +626,7 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
         if (!d.llama() && name.rfind(kPrefix, 0) != 0 && name != "lm_head.weight") name = kPrefix + name;
         if (d.llama()) {
           const auto experts = unpack_experts(f->path, e, d.family_row(), weights->unpacked);
-          for (const auto& [hf, entry] : experts) {
-            if (!ours.count(hf)) {
-              unknown.push_back(entry->name);
-            } else {
-              if (found.count(hf)) throw UsageError(concat(f->path, ": tensor '", entry->name, "' is also in ", found[hf].first->path));
-              found[hf] = {f.get(), entry};
-            }
-          }
+          for (const auto& [hf, entry] : experts) enter(hf, f.get(), entry);
           if (!experts.empty()) continue;
           // transformers 5's Mixtral: the router under mlp, as the other families' (4: block_sparse_moe).
           const std::string v5_router = ".mlp.gate.weight";
@@ -633,11 +635,8 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
         }
         if (name == "lm_head.weight" && !ours.count(name)) {
           lm_head = &e, lm_head_file = f.get();
-        } else if (ours.count(name)) {
-          if (found.count(name)) throw UsageError(concat(f->path, ": tensor '", e.name, "' is also in ", found[name].first->path));
-          found[name] = {f.get(), &e};
-        } else if (!ignored_buffer(name, d)) {
-          unknown.push_back(e.name);
+        } else {
+          enter(name, f.get(), &e);
         }
       }
     std::vector<std::string> missing;

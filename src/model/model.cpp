@@ -385,21 +385,20 @@ MLPImpl::MLPImpl(const GPTDims& d)
   tp_declare("c_proj.weight", TpSplit::cols);
 }
 
+torch::Tensor MLPImpl::gated(const torch::Tensor& in) {
+  const torch::Tensor gate = apply_linear(gate_proj, in);
+  return (geglu_ ? F::gelu(gate, F::GELUFuncOptions().approximate("tanh")) : F::silu(gate)) * apply_linear(up_proj, in);
+}
+
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   const torch::Tensor in = column_input(x, tp_);
-  const auto gelu = F::GELUFuncOptions().approximate("tanh");
-  if (gate_proj) {
-    const torch::Tensor gate = apply_linear(gate_proj, in);
-    return row_parallel((geglu_ ? F::gelu(gate, gelu) : F::silu(gate)) * apply_linear(up_proj, in), c_proj, tp_);
-  }
-  return row_parallel(F::gelu(apply_linear(c_fc, in), gelu), c_proj, tp_);
+  if (gate_proj) return row_parallel(gated(in), c_proj, tp_);
+  return row_parallel(F::gelu(apply_linear(c_fc, in), F::GELUFuncOptions().approximate("tanh")), c_proj, tp_);
 }
 
 torch::Tensor MLPImpl::forward_partial(const torch::Tensor& x) {
   MPITRAIN_CHECK(gate_proj && !c_proj->bias.defined(), "forward_partial: a llama block's MLP (no biases)");
-  const torch::Tensor gate = apply_linear(gate_proj, x);
-  const auto gelu = F::GELUFuncOptions().approximate("tanh");
-  return apply_linear(c_proj, (geglu_ ? F::gelu(gate, gelu) : F::silu(gate)) * apply_linear(up_proj, x));
+  return apply_linear(c_proj, gated(x));
 }
 
 torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {

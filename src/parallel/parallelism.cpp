@@ -141,7 +141,7 @@ void Parallelism::apply(GPT model) {
                      stage_ >= 2, units.groups,
                      stage_ == 3 ? c10::optional<torch::Device>(device_) : c10::nullopt);
   if (shards_optimizer()) slice_owner_ = &*grad_sync_;
-  if (cfg_.comm.compress == "powersgd" && mesh_.layout().dp > 1)
+  if (powersgd)
     powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
   else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
     log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
