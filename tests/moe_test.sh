@@ -333,15 +333,18 @@ check "plan --memory-only on a mixture of experts: the memory table with its che
   "[ $rc -eq 0 ] && grep -q '^| 0 | none |' plan.out && grep -q '^| 0 | selective |' plan.out && grep -q '^| 0 | full |' plan.out"
 [ $rc -eq 0 ] || tail -5 plan.out
 
-# Expert parallelism (parallel.ep) at np 4: the experts split over ep 2 (two ep groups, each
-# expert's gradient averaged over its two replicas) and ep 4 (one group, with selective activation
-# checkpointing) train the ep 1 run's 8
+# Expert parallelism (parallel.ep) at np 4: the experts split over ep 2
+# (two ep groups, each expert's gradient averaged over its two replicas; ZeRO-1 shards the shared
+# parameters' AdamW state over the 4 ranks) and ep 4 (one group; ZeRO-2, the shared gradients
+# reduce-scattered as backward fills each bucket; with selective activation checkpointing) train the
+# ep 1 run's 8
 # steps: its losses and its final parameters within the reordering bound (test_train.cpp's
 # kReorderTolerance, 1.5e-3 of the displacement: each expert's tokens from every rank of its group
 # go through one GEMM and its gradient is summed in another order; a wrong routing, gradient or
 # average moves the parameters by a different amount altogether, a gap near 1). The ep 4 run's
-# step-4 checkpoint (whole tensors, the experts gathered to rank 0) resumed under ep 2 trains the
-# same last 4 steps (each rank taking its experts and their AdamW moments from the file).
+# step-4 checkpoint (whole tensors, the experts gathered to rank 0, the shared state from every
+# rank) resumed under ep 2 at ZeRO-1 trains the same last 4 steps (each rank taking its experts and
+# their AdamW moments from the file, and its slices of the others').
 # to_hf RUN STEP NAME: ckpt_RUN's checkpoint of STEP exported to hf_NAME (Hugging Face files).
 to_hf() {
   "$BIN" export "ckpt_$1/ckpt-$(printf %08d "$2").h5" --format hf "hf_$3" > "export_$3.out" 2>&1 || cat "export_$3.out"
@@ -349,11 +352,12 @@ to_hf() {
 # Every ep run balances with the routing bias and the z-loss as well (the loads all-reduced over the
 # 4 ranks, whatever holds which experts; the bias travels in the checkpoint across ep degrees).
 ep_balancing=(--set train.moe_bias_update_rate=0.01 --set train.moe_z_loss_coef=0.01)
+ep_zero=([1]=0 [2]=1 [4]=2)
 for ep in 1 2 4; do
   ac=none
   [ $ep = 4 ] && ac=selective  # (and the exchanges run again in backward's second run of each block)
   "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=$ep --set train.activation_checkpointing=$ac \
-    --set train.out_dir=run_ep$ep "${ep_balancing[@]}" \
+    --set optim.zero=${ep_zero[$ep]} --set train.out_dir=run_ep$ep "${ep_balancing[@]}" \
     --set checkpoint.dir=ckpt_ep$ep --set log.every=1 --set eval.every=4 --set train.steps=8 --set checkpoint.every=4 \
     --set checkpoint.keep=2 > ep$ep.out 2>&1
   eprc[$ep]=$?
@@ -361,7 +365,8 @@ for ep in 1 2 4; do
   to_hf ep$ep 8 ep$ep
 done
 to_hf ep1 4 ep1_4
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 "${ep_balancing[@]}" \
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=1 \
+  --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 "${ep_balancing[@]}" \
   --set train.out_dir=run_ep_res --set checkpoint.dir=ckpt_ep_res --set log.every=1 --set eval.every=4 --set train.steps=8 \
   > ep_res.out 2>&1
 eprc[0]=$?
@@ -395,16 +400,17 @@ for ep in 2 4; do
   close ep1 ep$ep > close_ep$ep.out 2>&1
   rc=$?
   cat close_ep$ep.out
-  check "parallel.ep $ep at np 4 trains the ep 1 run: losses and final parameters (exit ${eprc[$ep]})" \
+  check "parallel.ep $ep at np 4 with optim.zero ${ep_zero[$ep]} trains the ep 1 run: losses and final parameters (exit ${eprc[$ep]})" \
     "[ ${eprc[1]} -eq 0 ] && [ ${eprc[$ep]} -eq 0 ] && [ $rc -eq 0 ]"
 done
 check "the start-up lines name the ep groups and the experts' buckets" \
   "grep -q 'mesh: 4 ranks = dp 4 (ep 2: 2 groups of 2 ranks each holding 1/2 of the experts)' ep2.out &&
-   grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out"
+   grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out &&
+   grep -q 'ZeRO-1: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out"
 close ep4 ep_res > close_res.out 2>&1
 rc=$?
 cat close_res.out
-check "an ep 4 checkpoint resumed under ep 2 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
+check "an ep 4 ZeRO-2 checkpoint resumed under ep 2 at ZeRO-1 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
   "[ ${eprc[0]} -eq 0 ] && [ $rc -eq 0 ]"
 # The layouts below compare with test_train.cpp's SGD-like AdamW (lr / eps = 0.2, no decay, no
 # clip), which carries a gradient's error into the parameters linearly: AdamW's own normalisation
@@ -434,13 +440,15 @@ ep_pair() {
   pair_close=$?
   cat close_$name.out
 }
-# DiLoCo's islands with expert parallelism: 2 islands x dp 2 at np 4, an outer step every 2 steps;
-# ep 2 (each island's pair holds the experts between them; the outer all-reduce pairs the ranks
-# that hold the same experts, and each rank keeps its own whole outer state) trains ep 1's 8 steps;
+# DiLoCo's islands with expert parallelism: 2 islands x dp 2 at np 4, ZeRO-2 in each island over two
+# micro-batches per step (each one's shared gradients reduce-scattered, the experts' accumulated
+# whole), an outer step every 2 steps; ep 2 (each island's pair holds the experts between them; the outer
+# all-reduce pairs the ranks that hold the same experts and the same slices of the shared
+# parameters, and each rank keeps its own outer state) trains ep 1's 8 steps;
 # its step-4 checkpoint (and each rank's DiLoCo state beside it) resumed trains the same steps 5-8.
-dl=(--set parallel.islands=2 --set diloco.inner_steps=2)
+dl=(--set parallel.islands=2 --set diloco.inner_steps=2 --set optim.zero=2 --set train.micro_batch=1 --set train.grad_accum=2)
 ep_pair dl "${dl[@]}"
-check "2 DiLoCo islands x ep 2 train the islands' ep 1 run: losses and final parameters (exit ${pair_rc[2]})" \
+check "2 DiLoCo islands x ep 2 at ZeRO-2 over 2 micro-batches train the islands' ep 1 run: losses and final parameters (exit ${pair_rc[2]})" \
   "[ ${pair_rc[1]} -eq 0 ] && [ ${pair_rc[2]} -eq 0 ] && [ $pair_close -eq 0 ] && grep -q 'mesh: 4 ranks = 2 islands x dp 2 (ep 2' dl2.out"
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" "${dl[@]}" --set parallel.ep=2 --set train.out_dir=run_dlres \
   --set checkpoint.dir=ckpt_dlres --set checkpoint.resume=ckpt_dl2/ckpt-00000004.h5 > dlres.out 2>&1
@@ -473,8 +481,8 @@ check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 
   "[ $tprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 x tp 2' tp.out"
 expect_own_usage "parallel.ep not dividing the experts refused by name" "parallel.ep: 3 does not divide model.num_experts (8)" \
   "$BIN" qwen3_moe.yaml --set parallel.ep=3
-expect_own_usage "parallel.ep with ZeRO refused by name" "parallel.ep must be 1 with optim.zero: 1" \
-  "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=1
+expect_own_usage "parallel.ep with ZeRO-3 refused by name" "parallel.ep must be 1 with optim.zero: 3 (ZeRO-3's units would gather experts" \
+  "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=3
 printf 'model: {preset: custom, family: qwen3, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 64, seq_len: 32}\n' > dense.yaml
 sed -n '/^data:/,$p' qwen3_moe.yaml >> dense.yaml
 expect_own_usage "parallel.ep on a dense model refused by name" "parallel.ep: 2: a model without experts has none to split" \

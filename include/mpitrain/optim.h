@@ -61,8 +61,13 @@ class AdamW {
   // views into bucket_moments(b), this rank's part of the bucket's padded layout.
   // ZeRO-3 (`param_shards`: ParamShards::param_shards(), one per bucket): the slots are views of
   // this rank's parameter shards instead of the parameters, which are not whole between steps.
+  // Expert parallelism with ZeRO-1/2 (`whole`: indices into named_params, ascending): those
+  // parameters (each rank's experts) are held whole, as by the first constructor, in slots after
+  // the slices; `shards` is then over the other parameters, in order (its parameter j is the j-th
+  // of named_params not in `whole`).
   AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
-        const OptimConfig& cfg, bool fused = false, const std::vector<torch::Tensor>* param_shards = nullptr);
+        const OptimConfig& cfg, bool fused = false, const std::vector<torch::Tensor>* param_shards = nullptr,
+        const std::vector<size_t>& whole = {});
 
   // One update from the parameters' .grad(): one fused kernel per group, or the foreach kernels,
   // which equal the textbook per-parameter loop bit for bit on the CPU. The fused kernel
@@ -74,6 +79,10 @@ class AdamW {
   // Slots: whole parameters, or (sharded) slices of them.
   size_t size() const { return params_.size(); }
   bool sharded() const { return !bucket_exp_avg_.empty(); }
+  // Slot i's parameter (its index in named_params), and whether the slot is that parameter whole
+  // (every slot unsharded; the `whole` ones after the slices when sharded).
+  size_t param_index(size_t i) const { return static_cast<size_t>(key_[i]); }
+  bool holds_whole(size_t i) const { return i >= grads_.size(); }
   const std::string& name(size_t i) const { return names_[i]; }
   torch::Tensor& param(size_t i) { return params_[i]; }
   torch::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
@@ -90,14 +99,14 @@ class AdamW {
   // them in fp32 from the stored values and stores them back stochastically rounded
   // (round_bf16_stochastic).
   bool bf16_state() const { return bf16_state_; }
-  // The gradient of slot i: its parameter's .grad(), or (sharded) its view of the gradient shard.
-  torch::Tensor grad(size_t i) const { return grads_.empty() ? params_[i].grad() : grads_[i]; }
+  // The gradient of slot i: its parameter's .grad(), or (a slice) its view of the gradient shard.
+  torch::Tensor grad(size_t i) const { return holds_whole(i) ? params_[i].grad() : grads_[i]; }
 
  private:
   OptimConfig cfg_;
   std::vector<std::string> names_;
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
-  std::vector<torch::Tensor> grads_;  // sharded only
+  std::vector<torch::Tensor> grads_;  // the slices' (sharded only; the whole slots follow them)
   std::vector<torch::Tensor> bucket_exp_avg_, bucket_exp_avg_sq_;  // sharded only
   std::vector<bool> decay_;
   // Per slot: its parameter's index and the slot's first element in it (the stochastic rounding's
@@ -122,11 +131,12 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
 // optimizer is sharded (ZeRO-1), then over `tp`, with the parameters every tp rank holds whole
 // (TpSplit::replicated, as `model` declares them) counted once, on tp rank 0.
 torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp);
-// Expert parallelism (optim.zero 0): `params` this rank's, `expert[i]` whether parameter i is one of
-// its experts (which the ranks of `ep` hold apart; every other gradient is the same on each of
-// them, counted once, on ep rank 0); the squared norms summed over `ep`.
-torch::Tensor clip_ep_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& expert,
-                                 double max_norm, Communicator& ep);
+// Expert parallelism: `expert[k]` whether parameter k is one of this rank's experts (which the
+// ranks of `ep` hold apart; every other whole gradient is the same on each of them, counted once,
+// on ep rank 0); the squared norms summed over `ep`. ZeRO-1/2 (a sharded AdamW, `expert` whole
+// slots): the slices' squared norms are summed over `dp` (each rank holds its own) and added.
+torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
+                                 Communicator& dp);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -42,12 +42,14 @@ FullOptimState gather_optim_state(AdamW& opt, const GradSync* shards, GPT& model
 // (ParamShards::for_each_unit_whole) and unsharded over tp while their unit is whole.
 void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicator& tp, bool first_tp_group,
                      GPT* whole, FullOptimState* whole_state, ParamShards* units = nullptr);
-// Expert parallelism (optim.zero 0): the whole model's parameters and AdamW moments, the experts
-// gathered from the ranks of rank 0's ep group (`ep`; `first_ep_group`: this rank is one of them)
-// into rank 0's `whole` (a model of ep 1, host) and `whole_state` (host_optim_state_like(whole)).
-// Every rank of the first ep group calls it (the others may: they return at once).
+// Expert parallelism: the whole model's parameters and AdamW moments, the experts gathered from the
+// ranks of rank 0's ep group (`ep`; `first_ep_group`: this rank is one of them) into rank 0's
+// `whole` (a model of ep 1, host) and `whole_state` (host_optim_state_like(whole)). ZeRO-1/2
+// (`shards`: the shared parameters' sharded GradSync, `opt` its AdamW with the experts whole): their
+// moments are first gathered over its dp group, one bucket at a time. Every rank calls it (without
+// `shards` the ranks outside the first ep group return at once).
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state);
+                     FullOptimState* whole_state, const GradSync* shards = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 
@@ -131,8 +133,9 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 // ZeRO-3 (`param_shards`: ParamShards::param_shards(), tp 1): rank 0 loads into a whole model in
 // host memory and each rank receives its parameter shards one unit at a time; `model`'s
 // parameters are not written (they need not be whole). Expert parallelism (`model`'s dims.ep > 1,
-// optim.zero 0): rank 0 opens the file with `whole` (its model of ep 1) and hands every rank of
-// each ep group its experts. Returns the file loaded (rank 0; "" elsewhere).
+// optim.zero 0-2): rank 0 opens the file with `whole` (its model of ep 1) and hands every rank of
+// each ep group its experts (ZeRO-1/2: `shards` over the shared parameters, whose moments each rank
+// keeps its slices of). Returns the file loaded (rank 0; "" elsewhere).
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards = nullptr, GPT* whole = nullptr);

@@ -741,12 +741,13 @@ void validate(const Config& c, const std::string& where) {
     if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, t.activation_checkpointing, c.parallel.ep); !conflict.empty())
       throw UsageError(concat(where, ": ", conflict));
   check(c.parallel.ep >= 1, "parallel.ep", ">= 1", show(c.parallel.ep));
-  if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0 on one island
+  if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0-2
     check(m.arch == "llama", "parallel.ep", "1 for a model without experts (it splits a mixture of experts' experts)",
           show(c.parallel.ep));
-    check(c.optim.zero == 0, "parallel.ep",
+    check(c.optim.zero <= 2, "parallel.ep",
           concat("1 with optim.zero: ", c.optim.zero,
-                 " (ZeRO's slices of experts that only some ranks hold are not built yet; optim.zero: 0)"),
+                 " (ZeRO-3's units would gather experts that only some ranks hold; optim.zero 1 or 2 shards the "
+                 "shared parameters' state and keeps each rank's experts whole)"),
           show(c.parallel.ep));
   }
   const int64_t islands = islands_count(c.parallel.islands);

@@ -43,12 +43,14 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   // DiLoCo's islands hold different states: rank 0 writes island 0's (the others' lie beside it,
   // diloco.h), which shares of every island's ranks would overwrite.
   const bool islands = mesh.layout().islands > 1;
-  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands;
+  // (Expert parallelism: rank 0 alone, the experts gathered to it.)
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
   writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (ep_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
-                     mesh_.layout().ep, " ranks of its ep group)"));
-  if (!spread || topo_.rank != 0) return;
+                     mesh_.layout().ep, " ranks of its ep group",
+                     zero ? concat(", the shared parameters' ZeRO-", stage_, " state from every rank") : std::string(), ")"));
+  if (!spread || ep_ || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
   const std::string share = zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
                             : zero      ? concat("every rank writes its ", stage, " share")
@@ -115,7 +117,7 @@ void Parallelism::apply(GPT model) {
   // holds its own experts), and under PowerSGD with any ep (which compresses the shared parameters'
   // only, so that ep 1 and ep k train alike).
   const bool powersgd = cfg_.comm.compress == "powersgd" && mesh_.layout().dp > 1;
-  if (ep_ || (powersgd && dims_.has_experts() && stage_ == 0)) {  // (optim.zero 0, no units: the config refuses them with ep)
+  if (ep_ || (powersgd && dims_.has_experts() && stage_ == 0)) {  // (no units: the config refuses ZeRO-3 with ep)
     std::vector<torch::Tensor> shared, experts;
     for (auto& [name, p] : model_->named_params()) {
       is_expert_.push_back(expert_of(name) >= 0);
@@ -128,8 +130,11 @@ void Parallelism::apply(GPT model) {
         throw UsageError("parallel.ep on a GPU with comm.backend: mpi exchanges tokens from autograd's device thread, "
                          "which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set comm.backend: nccl");
       });
+    // ZeRO-1/2 shard the shared parameters' optimizer state (and ZeRO-2 their gradients) over the
+    // dp group; each rank's experts stay whole, their state held by each of their replicas.
     const torch::ScalarType wire = dtype_named(cfg_.comm.grad_dtype);
-    grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, false, wire);
+    grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), wire, stage_ >= 2);
+    if (shards_optimizer()) slice_owner_ = &*grad_sync_;
     expert_sync_.emplace(experts, ep_ ? mesh_.expert_replicas() : dp, cfg_.comm.bucket_mb, overlap, false, wire);
     // PowerSGD compresses the shared parameters' gradients over the dp group; the experts' (each
     // rank's own, averaged over their replicas) travel whole.
@@ -213,16 +218,22 @@ std::string Parallelism::describe_initial_weights() const {
 }
 
 void Parallelism::make_optimizer(bool fused) {
+  std::vector<size_t> experts;  // expert parallelism with ZeRO-1/2: the parameters held whole
+  if (ep_)
+    for (size_t k = 0; k < is_expert_.size(); ++k)
+      if (is_expert_[k]) experts.push_back(k);
   if (shards_optimizer())
     opt_.emplace(model_->named_params(), grad_sync_->grad_shards(), cfg_.optim, fused,
-                 units_ ? &units_->param_shards() : nullptr);
+                 units_ ? &units_->param_shards() : nullptr, experts);
   else
     opt_.emplace(model_->named_params(), cfg_.optim, fused);
   if (topo_.rank != 0) return;
   const double mib = static_cast<double>(opt_->state_bytes()) / (1 << 20);
   log::info(shards_optimizer()
                 ? concat("optimizer state: ", mib, " MiB per rank (ZeRO-", stage_, ": sharded over ", mesh_.layout().dp,
-                         " data-parallel ranks; gradients reduce-scattered",
+                         " data-parallel ranks",
+                         ep_ ? "; the experts' whole on each of their replicas, the shared parameters' sharded" : "",
+                         "; gradients reduce-scattered",
                          stage_ >= 2 ? " every micro-step, each rank keeping its shard only" : "",
                          units_ ? concat("; parameters sharded too, gathered per unit around its forward and "
                                          "backward: ", units_->num_units(), " units)")
@@ -314,11 +325,12 @@ void Parallelism::reduce_gradients() {
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
-  if (ep_) {  // the experts' gradients differ over the ep group: the verdict and the norm agreed over it
+  if (ep_) {  // the experts' gradients differ over the ep group (ZeRO-1/2: the slices over the dp
+             // group): the verdict and the norm agreed over it
     std::vector<torch::Tensor> grads;
-    for (const auto& p : params_) grads.push_back(p.grad());
-    const bool finite = scaler.unscale_and_check(grads, mesh_.ep(), device_);
-    return {finite, clip_ep_grad_norm_(params_, is_expert_, max_norm, mesh_.ep())};
+    for (size_t i = 0; i < opt_->size(); ++i) grads.push_back(opt_->grad(i));
+    const bool finite = scaler.unscale_and_check(grads, shards_optimizer() ? mesh_.dp() : mesh_.ep(), device_);
+    return {finite, clip_ep_grad_norm_(*opt_, is_expert_, max_norm, mesh_.ep(), mesh_.dp())};
   }
   if (!shards_optimizer() && !tp_) {
     const bool finite = scaler.unscale_and_check(params_);
@@ -399,7 +411,7 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   std::string path;
   if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
-                    &gathered_);
+                    &gathered_, slice_owner_);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
     gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
@@ -433,7 +445,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     GPT whole(d);
     gen.set_state(rng);
     FullOptimState state = host_optim_state_like(whole);
-    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state);
+    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_);
     for (auto& [name, p] : whole->named_params()) {
       torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
       out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));

@@ -148,14 +148,36 @@ void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSy
   }
 }
 
-// Expert parallel resume (optim.zero 0): rank 0 reads each tensor (`file`, opened with the whole
-// model's names; null elsewhere), an expert's parameter for every rank of an ep group at once, and
-// broadcasts it over `comm` (the world); each rank keeps its experts' share and every other tensor.
-void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, Communicator& comm, MpiComm mpi_comm) {
+// Expert parallelism: each parameter's whole slot in `opt` (an unsharded AdamW's slot k is
+// parameter k; under ZeRO-1/2 the experts' follow the shared parameters' slices), else none (-1).
+std::vector<int64_t> whole_slots(AdamW& opt, size_t n_params) {
+  std::vector<int64_t> slot(n_params, -1);
+  for (size_t i = 0; i < opt.size(); ++i)
+    if (opt.holds_whole(i)) slot.at(opt.param_index(i)) = static_cast<int64_t>(i);
+  return slot;
+}
+
+// Expert parallelism with ZeRO-1/2: the parameters the shared (sharded) GradSync holds, in its
+// order: every parameter that is not an expert's.
+std::vector<size_t> shared_params(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+  std::vector<size_t> ids;
+  for (size_t k = 0; k < params.size(); ++k)
+    if (expert_of(params[k].first) < 0) ids.push_back(k);
+  return ids;
+}
+
+// Expert parallel resume: rank 0 reads each tensor (`file`, opened with the whole model's names;
+// null elsewhere), an expert's parameter for every rank of an ep group at once, and broadcasts it
+// over `comm` (the world); each rank keeps its experts' share and every other tensor. ZeRO-1/2
+// (`shards`: the shared parameters' sharded GradSync): their moments go out one bucket at a time,
+// each rank keeping its slices.
+void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
+                        MpiComm mpi_comm) {
   using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
-  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "expert parallel resume: AdamW's slot i is parameter i");
+  const std::vector<int64_t> slot = whole_slots(opt, params.size());
+  MPITRAIN_CHECK(opt.sharded() == (shards != nullptr), "expert parallel resume: a sharded AdamW with its GradSync");
   std::map<std::string, size_t> at;  // rank 0: the file's tensors by name
   if (file)
     for (size_t k = 0; k < file->size(); ++k) at.emplace(file->name(k), k);
@@ -168,7 +190,10 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, Communic
     const std::string& name = params[k].first;
     const int64_t e = expert_of(name);  // rank 0 holds experts 0 .. L - 1: rank q of a group, e + q L
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
-      torch::Tensor dest = part == Part::param ? params[k].second : part == Part::exp_avg ? opt.exp_avg(k) : opt.exp_avg_sq(k);
+      if (part != Part::param && slot[k] < 0) continue;  // a slice's: by bucket, below
+      torch::Tensor dest = part == Part::param     ? params[k].second
+                           : part == Part::exp_avg ? opt.exp_avg(static_cast<size_t>(slot[k]))
+                                                   : opt.exp_avg_sq(static_cast<size_t>(slot[k]));
       const int64_t copies = e < 0 ? 1 : d.ep;
       torch::Tensor all = torch::empty({copies, dest.numel()}, torch::kFloat32);
       agree(mpi_comm, [&] {
@@ -180,17 +205,23 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, Communic
       dest.detach().copy_(all[e < 0 ? 0 : d.ep_rank].view(dest.sizes()));
     }
   }
+  if (!shards) return;
+  const std::vector<size_t> shared = shared_params(params);
+  for (size_t b = 0; b < shards->num_buckets(); ++b)
+    for (Part part : {Part::exp_avg, Part::exp_avg_sq})
+      scatter_bucket(*shards, b, [&](size_t j) { return read(params[shared.at(j)].first, part); },
+                     part == Part::exp_avg ? opt.bucket_exp_avg(b) : opt.bucket_exp_avg_sq(b), comm, mpi_comm);
 }
 
 }  // namespace
 
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state) {
-  if (!first_ep_group) return;
+                     FullOptimState* whole_state, const GradSync* shards) {
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
-  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "gather_ep_state: AdamW's slot i is parameter i");
+  const std::vector<int64_t> slot = whole_slots(opt, params.size());
+  MPITRAIN_CHECK(opt.sharded() == (shards != nullptr), "gather_ep_state: a sharded AdamW with its GradSync");
   std::map<std::string, size_t> at;  // rank 0: the whole model's parameters by name
   std::vector<std::pair<std::string, torch::Tensor>> into;
   if (whole) {
@@ -198,11 +229,35 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
     for (size_t k = 0; k < into.size(); ++k) at.emplace(into[k].first, k);
     whole_state->steps_taken = opt.steps_taken();
   }
+  auto whole_index = [&](const std::string& n) {
+    const auto it = at.find(n);
+    MPITRAIN_CHECK(it != at.end(), concat("gather_ep_state: the whole model has no parameter '", n, "'"));
+    return it->second;
+  };
+  if (shards) {  // ZeRO-1/2: the shared parameters' moments, one bucket at a time over the dp group
+    const std::vector<size_t> shared = shared_params(params);
+    for (size_t b = 0; b < shards->num_buckets(); ++b)
+      for (int which = 1; which < 3; ++which) {
+        const torch::Tensor& mine = which == 1 ? opt.bucket_exp_avg(b) : opt.bucket_exp_avg_sq(b);
+        torch::Tensor bucket = torch::empty({shards->padded_length(b)}, mine.options());
+        shards->communicator().all_gather(mine, bucket);
+        if (!whole) continue;
+        const torch::Tensor host = bucket.to(torch::kCPU, torch::kFloat32);
+        for (size_t j : shards->bucket_params(b)) {
+          auto& m = whole_state->moments[whole_index(params[shared.at(j)].first)];
+          torch::Tensor& dst = which == 1 ? m.exp_avg : m.exp_avg_sq;
+          dst.view({-1}).copy_(host.narrow(0, shards->flat_offset(j), dst.numel()));
+        }
+      }
+  }
+  if (!first_ep_group) return;
   for (size_t k = 0; k < params.size(); ++k) {
     const std::string& name = params[k].first;
     const int64_t e = expert_of(name);
     for (int which = 0; which < 3; ++which) {
-      const torch::Tensor mine = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(k) : opt.exp_avg_sq(k))
+      if (which > 0 && slot[k] < 0) continue;  // a slice's: gathered by bucket, above
+      const size_t i = static_cast<size_t>(std::max<int64_t>(slot[k], 0));
+      const torch::Tensor mine = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i))
                                      .detach()
                                      .to(torch::kFloat32)
                                      .contiguous();
@@ -213,11 +268,9 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
       }
       if (!whole) continue;
       for (int64_t q = 0; q < all.size(0); ++q) {  // (e's place among this rank's experts, on rank q)
-        const std::string n = e < 0 ? name : with_expert(name, e % d.local_experts() + q * d.local_experts());
-        const auto it = at.find(n);
-        MPITRAIN_CHECK(it != at.end(), concat("gather_ep_state: the whole model has no parameter '", n, "'"));
-        auto& m = whole_state->moments[it->second];
-        torch::Tensor dst = which == 0 ? into[it->second].second.detach() : which == 1 ? m.exp_avg : m.exp_avg_sq;
+        const size_t w = whole_index(e < 0 ? name : with_expert(name, e % d.local_experts() + q * d.local_experts()));
+        auto& m = whole_state->moments[w];
+        torch::Tensor dst = which == 0 ? into[w].second.detach() : which == 1 ? m.exp_avg : m.exp_avg_sq;
         dst.copy_(all[q].view(dst.sizes()));
       }
     }
@@ -552,7 +605,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   CheckpointParams* from = file ? &*file : nullptr;
   if (model->dims().ep > 1) {
     MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
-    keep_expert_shards(from, model, opt, comm, mpi_comm);
+    keep_expert_shards(from, model, opt, shards, comm, mpi_comm);
   } else if (tensor_parallel) {
     keep_tp_shards(from, model, opt, shards, comm, mpi_comm, /*zero3=*/param_shards != nullptr);
   } else {

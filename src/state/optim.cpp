@@ -102,7 +102,8 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
 }
 
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
-             const OptimConfig& cfg, bool fused, const std::vector<torch::Tensor>* param_shards)
+             const OptimConfig& cfg, bool fused, const std::vector<torch::Tensor>* param_shards,
+             const std::vector<size_t>& whole)
     : cfg_(cfg), bf16_state_(bf16_state_of(cfg)), fused_(fused) {
   MPITRAIN_CHECK(!shards.grads.empty() || named_params.empty(), "AdamW: ZeRO-1 needs a sharded GradSync's shards");
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
@@ -114,9 +115,16 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
     bucket_exp_avg_.push_back(torch::zeros_like(g, moment));
     bucket_exp_avg_sq_.push_back(torch::zeros_like(g, moment));
   }
+  std::vector<size_t> sliced;  // the shards' parameter j is named_params[sliced[j]]
+  for (size_t k = 0, w = 0; k < named_params.size(); ++k)
+    if (w < whole.size() && whole[w] == k)
+      ++w;
+    else
+      sliced.push_back(k);
+  MPITRAIN_CHECK(!param_shards || whole.empty(), "AdamW: ZeRO-3's shards hold every parameter");
   for (const OwnedSlice& s : shards.slices) {
-    const auto& [name, p] = named_params.at(s.param);
-    key_.push_back(static_cast<int64_t>(s.param));
+    const auto& [name, p] = named_params.at(sliced.at(s.param));
+    key_.push_back(static_cast<int64_t>(sliced[s.param]));
     begin_.push_back(s.begin);
     names_.push_back(name);
     params_.push_back(param_shards ? param_shards->at(s.bucket).narrow(0, s.shard_offset, s.length)
@@ -126,16 +134,24 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
     exp_avg_sq_.push_back(bucket_exp_avg_sq_[s.bucket].narrow(0, s.shard_offset, s.length));
     decay_.push_back(p.dim() >= 2);  // the whole parameter's shape decides, as unsharded
   }
+  for (size_t k : whole) {  // held whole, as by the unsharded constructor (no gradient view: .grad())
+    const auto& [name, p] = named_params.at(k);
+    key_.push_back(static_cast<int64_t>(k));
+    begin_.push_back(0);
+    names_.push_back(name);
+    params_.push_back(p);
+    const auto moment = bf16_state_ ? p.options().dtype(torch::kBFloat16) : p.options();
+    exp_avg_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
+    decay_.push_back(p.dim() >= 2);
+  }
 }
 
 int64_t AdamW::state_bytes() const {
   int64_t n = 0;
-  if (sharded()) {
-    for (size_t b = 0; b < bucket_exp_avg_.size(); ++b)
-      n += bucket_exp_avg_[b].nbytes() + bucket_exp_avg_sq_[b].nbytes();
-  } else {
-    for (size_t i = 0; i < exp_avg_.size(); ++i) n += exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes();
-  }
+  for (size_t b = 0; b < bucket_exp_avg_.size(); ++b)  // the slices' moments: views of these
+    n += bucket_exp_avg_[b].nbytes() + bucket_exp_avg_sq_[b].nbytes();
+  for (size_t i = grads_.size(); i < exp_avg_.size(); ++i) n += exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes();
   return n;
 }
 
@@ -211,8 +227,8 @@ void AdamW::step(double lr) {
 }
 
 void AdamW::zero_grad() {
-  if (sharded()) return;  // the gradient shards are overwritten by the next reduce-scatter
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  // (the slices' gradient shards are overwritten by the next reduce-scatter)
+  for (size_t i = grads_.size(); i < params_.size(); ++i) params_[i].mutable_grad() = torch::Tensor();
 }
 
 namespace {
@@ -275,18 +291,27 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
   return clip_by(grads, squared, max_norm);
 }
 
-torch::Tensor clip_ep_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& expert,
-                                 double max_norm, Communicator& ep) {
+torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
+                                 Communicator& dp) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads, counted;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const torch::Tensor& g = params[i].grad();
+  std::vector<torch::Tensor> grads, counted, slices;  // counted: summed over ep; slices: over dp
+  for (size_t i = 0; i < opt.size(); ++i) {
+    const torch::Tensor g = opt.grad(i);
     if (!g.defined()) continue;
     grads.push_back(g);
-    if (expert[i] || ep.rank() == 0) counted.push_back(g);
+    if (!opt.holds_whole(i))
+      slices.push_back(g);
+    else if (expert[opt.param_index(i)] || ep.rank() == 0)
+      counted.push_back(g);
   }
-  torch::Tensor squared = sum_of_squares(counted, params.front().device());
+  const torch::Device on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).device();
+  torch::Tensor squared = sum_of_squares(counted, on);
   ep.all_reduce(squared, ReduceOp::sum);
+  if (opt.sharded()) {
+    torch::Tensor sliced = sum_of_squares(slices, on);
+    dp.all_reduce(sliced, ReduceOp::sum);
+    squared = squared + sliced;
+  }
   return clip_by(grads, squared, max_norm);
 }
 

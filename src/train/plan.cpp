@@ -213,6 +213,9 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   auto memory_table = [&] {
     MemoryInputs mem;
     mem.params = n_params;
+    if (expert_parallel)  // each rank's experts: whole on each of their replicas, whatever optim.zero
+      for (const auto& [name, p] : model->named_params())
+        if (expert_of(name) >= 0) mem.whole_params += p.numel();
     {
       std::map<std::string, int64_t> blocks;  // zero 3's units (zero3.h): each block, and the rest
       for (const auto& [name, p] : model->named_params()) {
@@ -261,8 +264,8 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
                                sparse, " sparse layers x ", cfg.train.grad_accum, " micro-batches x ", copies,
                                " token copies of ", dims.n_embd, " values, to the experts in fp32 and back in ",
                                precision_name(run.precision), ", and their gradients; ", run.layout.ep - 1, "/", run.layout.ep,
-                               " of them leave the rank when the routing is balanced); the table's optim.zero rows above 0 "
-                               "are not runnable with parallel.ep yet\n").c_str()
+                               " of them leave the rank when the routing is balanced); optim.zero 1 and 2 shard the "
+                               "shared parameters only (each rank's experts whole), and zero 3 does not run with parallel.ep\n").c_str()
                       : "",
                   table.c_str());
       std::fflush(stdout);
