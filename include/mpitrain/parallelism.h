@@ -18,7 +18,8 @@
 //   here: the experts' gradients averaged over their replicas, the gradient norm over the ep
 //   group, a checkpoint's experts gathered to rank 0 and handed out again on resume. ZeRO-1/2
 //   shard the shared parameters over the dp group as above; each rank's experts stay whole, their
-//   AdamW state in slots after the slices (optim.h).
+//   AdamW state in slots after the slices (optim.h). With tensor parallelism (optim.zero 0) each
+//   rank holds its tp shards of its experts; a checkpoint makes them whole over tp, then over ep.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
 // optimizer's slots and then ask after_update() as an update does.
 //
@@ -149,7 +150,7 @@ class Parallelism {
   MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;
-  const bool ep_;  // parallel.ep > 1 (optim.zero 0-2, tp 1: the config refuses the rest)
+  const bool ep_;  // parallel.ep > 1 (optim.zero 0-2; with tp > 1 0 only: the config refuses the rest)
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;
@@ -164,6 +165,7 @@ class Parallelism {
   // gradient already sums its whole ep group's tokens).
   std::optional<GradSync> expert_sync_;
   std::vector<bool> is_expert_;  // per params_ entry
+  std::vector<bool> tp_replicated_;  // per params_ entry (with is_expert_): whole on every tp rank
   std::optional<ParamShards> units_;   // ZeRO-3
   std::optional<PowerSgd> powersgd_;   // comm.compress: powersgd
   std::optional<AdamW> opt_;

@@ -46,10 +46,12 @@ void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicato
 // ranks of rank 0's ep group (`ep`; `first_ep_group`: this rank is one of them) into rank 0's
 // `whole` (a model of ep 1, host) and `whole_state` (host_optim_state_like(whole)). ZeRO-1/2
 // (`shards`: the shared parameters' sharded GradSync, `opt` its AdamW with the experts whole): their
-// moments are first gathered over its dp group, one bucket at a time. Every rank calls it (without
-// `shards` the ranks outside the first ep group return at once).
+// moments are first gathered over its dp group, one bucket at a time. Tensor parallelism (`tp`,
+// optim.zero 0): each tensor is made whole over the tp group before the experts' gather (the first
+// ep group of every tp rank takes part). Every rank calls it (without `shards` the ranks outside
+// the first ep group return at once).
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state, const GradSync* shards = nullptr);
+                     FullOptimState* whole_state, const GradSync* shards = nullptr, Communicator* tp = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 

@@ -744,6 +744,10 @@ void validate(const Config& c, const std::string& where) {
   if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0-2
     check(m.arch == "llama", "parallel.ep", "1 for a model without experts (it splits a mixture of experts' experts)",
           show(c.parallel.ep));
+    check(c.optim.zero == 0 || c.parallel.tp == 1, "parallel.ep",
+          concat("1 with optim.zero: ", c.optim.zero, " and parallel.tp: ", c.parallel.tp,
+                 " (expert parallelism with tensor parallelism runs at optim.zero 0 only)"),
+          show(c.parallel.ep));
     check(c.optim.zero <= 2, "parallel.ep",
           concat("1 with optim.zero: ", c.optim.zero,
                  " (ZeRO-3's units would gather experts that only some ranks hold; optim.zero 1 or 2 shards the "

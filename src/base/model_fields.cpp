@@ -507,8 +507,6 @@ std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& /*a
   if (tp > 1 && a.moe_intermediate_size % tp != 0)
     return concat("parallel.tp: ", tp, " does not divide model.moe_intermediate_size (", a.moe_intermediate_size,
                   "): each expert's units are split over the tp group");
-  if (tp > 1 && ep > 1)
-    return concat("parallel.ep: ", ep, " with parallel.tp: ", tp, ": expert parallelism with tensor parallelism is not supported yet");
   return std::string();
 }
 

@@ -416,7 +416,7 @@ MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
       norm_topk_(d.norm_topk_prob), z_loss_(d.z_loss_coef > 0),
       ep_(d.ep > 1 ? d.ep_comm : nullptr), tp_(tp_of(d)), log_(log) {
   // (The config refuses these: args_conflict.)
-  MPITRAIN_CHECK(top_k_ <= d.num_experts && d.moe_intermediate_size % d.tp == 0 && (d.tp == 1 || d.ep == 1),
+  MPITRAIN_CHECK(top_k_ <= d.num_experts && d.moe_intermediate_size % d.tp == 0,
                  "mixture of experts: more chosen than there are experts, or a tp that does not split them");
   MPITRAIN_CHECK(d.ep >= 1 && d.num_experts % d.ep == 0 && (d.ep == 1 || d.ep_comm),
                  "expert parallelism: ep must divide num_experts, with its communicator");

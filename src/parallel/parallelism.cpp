@@ -49,6 +49,7 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   if (ep_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
                      mesh_.layout().ep, " ranks of its ep group",
+                     tp_ ? concat(", each tensor made whole over the ", mesh_.layout().tp, " ranks of its tp group first") : std::string(),
                      zero ? concat(", the shared parameters' ZeRO-", stage_, " state from every rank") : std::string(), ")"));
   if (!spread || ep_ || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
@@ -122,6 +123,7 @@ void Parallelism::apply(GPT model) {
     for (auto& [name, p] : model_->named_params()) {
       is_expert_.push_back(expert_of(name) >= 0);
       (is_expert_.back() ? experts : shared).push_back(p);
+      tp_replicated_.push_back(model_->tp_split(name) == TpSplit::replicated);
     }
     // Backward runs the experts' all-to-alls: on a GPU that is autograd's device thread, where the
     // MPI backend may call MPI only under MPI_THREAD_MULTIPLE.
@@ -329,8 +331,11 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
              // group): the verdict and the norm agreed over it
     std::vector<torch::Tensor> grads;
     for (size_t i = 0; i < opt_->size(); ++i) grads.push_back(opt_->grad(i));
-    const bool finite = scaler.unscale_and_check(grads, shards_optimizer() ? mesh_.dp() : mesh_.ep(), device_);
-    return {finite, clip_ep_grad_norm_(*opt_, is_expert_, max_norm, mesh_.ep(), mesh_.dp())};
+    // (with tp, optim.zero 0: over the island, whose ranks hold every tp shard and every expert)
+    const bool finite =
+        scaler.unscale_and_check(grads, tp_ ? mesh_.island() : shards_optimizer() ? mesh_.dp() : mesh_.ep(), device_);
+    return {finite, clip_ep_grad_norm_(*opt_, is_expert_, max_norm, mesh_.ep(), mesh_.dp(), tp_ ? &mesh_.tp() : nullptr,
+                                       tp_replicated_)};
   }
   if (!shards_optimizer() && !tp_) {
     const bool finite = scaler.unscale_and_check(params_);
@@ -411,7 +416,7 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   std::string path;
   if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
-                    &gathered_, slice_owner_);
+                    &gathered_, slice_owner_, tp_ ? &mesh.tp() : nullptr);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
     gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
@@ -440,12 +445,13 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
   if (ep_) {  // each ep group's experts gathered within it
     GPTDims d = dims_;
     d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
+    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     const torch::Tensor rng = gen.get_state();  // (making the model draws; the run's stream goes on as it was)
     GPT whole(d);
     gen.set_state(rng);
     FullOptimState state = host_optim_state_like(whole);
-    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_);
+    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_, tp_ ? &mesh_.tp() : nullptr);
     for (auto& [name, p] : whole->named_params()) {
       torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
       out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -195,14 +197,18 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
                            : part == Part::exp_avg ? opt.exp_avg(static_cast<size_t>(slot[k]))
                                                    : opt.exp_avg_sq(static_cast<size_t>(slot[k]));
       const int64_t copies = e < 0 ? 1 : d.ep;
-      torch::Tensor all = torch::empty({copies, dest.numel()}, torch::kFloat32);
+      // (tensor parallel: the whole tensor travels, each rank keeping its tp shard of it)
+      const TpSplit split = model->tp_split(name);
+      const std::vector<int64_t> shape = tp_whole_shape(dest.sizes(), split, d.tp);
+      const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
+      torch::Tensor all = torch::empty({copies, numel}, torch::kFloat32);
       agree(mpi_comm, [&] {
         if (!file) return;
         for (int64_t q = 0; q < copies; ++q)
           all[q].copy_(read(e < 0 ? name : with_expert(name, e + q * d.local_experts()), part).reshape({-1}));
       });
       comm.broadcast(all, 0);
-      dest.detach().copy_(all[e < 0 ? 0 : d.ep_rank].view(dest.sizes()));
+      dest.detach().copy_(tp_shard(all[e < 0 ? 0 : d.ep_rank].view(shape), split, d.tp_rank, d.tp));
     }
   }
   if (!shards) return;
@@ -216,7 +222,8 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 }  // namespace
 
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state, const GradSync* shards) {
+                     FullOptimState* whole_state, const GradSync* shards, Communicator* tp) {
+  MPITRAIN_CHECK(!tp || !shards, "gather_ep_state: tensor parallelism at optim.zero 0");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -257,10 +264,10 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
     for (int which = 0; which < 3; ++which) {
       if (which > 0 && slot[k] < 0) continue;  // a slice's: gathered by bucket, above
       const size_t i = static_cast<size_t>(std::max<int64_t>(slot[k], 0));
-      const torch::Tensor mine = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i))
-                                     .detach()
-                                     .to(torch::kFloat32)
-                                     .contiguous();
+      const torch::Tensor local = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i)).detach();
+      // (tensor parallel: made whole over the tp group first, then the experts over the ep group)
+      const torch::Tensor mine =
+          (tp ? tp_unshard(local, model->tp_split(name), *tp) : local).to(torch::kFloat32).contiguous();
       torch::Tensor all = mine.reshape({1, -1});
       if (e >= 0) {
         all = torch::empty({ep.size(), mine.numel()}, mine.options());

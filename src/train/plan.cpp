@@ -209,7 +209,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     for (int64_t e : tp_whole_shape(p.sizes(), model->tp_split(name), dims.tp)) whole *= e;
     n_whole_params += whole;
   }
-  n_whole_params += model->remote_expert_params();
+  n_whole_params += model->remote_expert_params() * dims.tp;  // (every expert parameter is split over tp)
   auto memory_table = [&] {
     MemoryInputs mem;
     mem.params = n_params;
@@ -264,8 +264,11 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
                                sparse, " sparse layers x ", cfg.train.grad_accum, " micro-batches x ", copies,
                                " token copies of ", dims.n_embd, " values, to the experts in fp32 and back in ",
                                precision_name(run.precision), ", and their gradients; ", run.layout.ep - 1, "/", run.layout.ep,
-                               " of them leave the rank when the routing is balanced); optim.zero 1 and 2 shard the "
-                               "shared parameters only (each rank's experts whole), and zero 3 does not run with parallel.ep\n").c_str()
+                               " of them leave the rank when the routing is balanced); ",
+                               tensor_parallel ? "with parallel.tp only the table's optim.zero 0 rows run"
+                                               : "optim.zero 1 and 2 shard the shared parameters only (each rank's experts "
+                                                 "whole), and zero 3 does not run with parallel.ep",
+                               "\n").c_str()
                       : "",
                   table.c_str());
       std::fflush(stdout);
