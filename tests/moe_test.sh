@@ -334,8 +334,9 @@ check "plan --memory-only on a mixture of experts: the memory table with its che
 [ $rc -eq 0 ] || tail -5 plan.out
 
 # Expert parallelism (parallel.ep) at np 4: the experts split over ep 2
-# (two ep groups, each expert's gradient averaged over its two replicas; ZeRO-1 shards the shared
-# parameters' AdamW state over the 4 ranks) and ep 4 (one group; ZeRO-2, the shared gradients
+# (two ep groups, each expert's gradient averaged over its two replicas; ZeRO-3 shards the shared
+# parameters and their AdamW state over the 4 ranks, its units holding no expert) and ep 4 (one
+# group; ZeRO-2, the shared gradients
 # reduce-scattered as backward fills each bucket; with selective activation checkpointing) train the
 # ep 1 run's 8
 # steps: its losses and its final parameters within the reordering bound (test_train.cpp's
@@ -343,8 +344,11 @@ check "plan --memory-only on a mixture of experts: the memory table with its che
 # go through one GEMM and its gradient is summed in another order; a wrong routing, gradient or
 # average moves the parameters by a different amount altogether, a gap near 1). The ep 4 run's
 # step-4 checkpoint (whole tensors, the experts gathered to rank 0, the shared state from every
-# rank) resumed under ep 2 at ZeRO-1 trains the same last 4 steps (each rank taking its experts and
-# their AdamW moments from the file, and its slices of the others').
+# rank) resumed under ep 2 at ZeRO-1, and at ZeRO-3 with selective checkpointing, trains the same
+# last 4 steps (each rank taking its experts and their AdamW moments from the file, and its slices
+# of the others'; ZeRO-3 of their values too). The ep 1 run's step-4 export read by model.init_from
+# under ep 2 at ZeRO-3 (each rank its experts from files holding all of them) evaluates to ep 1's
+# step-0 validation loss from the same files.
 # to_hf RUN STEP NAME: ckpt_RUN's checkpoint of STEP exported to hf_NAME (Hugging Face files).
 to_hf() {
   "$BIN" export "ckpt_$1/ckpt-$(printf %08d "$2").h5" --format hf "hf_$3" > "export_$3.out" 2>&1 || cat "export_$3.out"
@@ -352,7 +356,7 @@ to_hf() {
 # Every ep run balances with the routing bias and the z-loss as well (the loads all-reduced over the
 # 4 ranks, whatever holds which experts; the bias travels in the checkpoint across ep degrees).
 ep_balancing=(--set train.moe_bias_update_rate=0.01 --set train.moe_z_loss_coef=0.01)
-ep_zero=([1]=0 [2]=1 [4]=2)
+ep_zero=([1]=0 [2]=3 [4]=2)
 for ep in 1 2 4; do
   ac=none
   [ $ep = 4 ] && ac=selective  # (and the exchanges run again in backward's second run of each block)
@@ -370,6 +374,18 @@ to_hf ep1 4 ep1_4
   --set train.out_dir=run_ep_res --set checkpoint.dir=ckpt_ep_res --set log.every=1 --set eval.every=4 --set train.steps=8 \
   > ep_res.out 2>&1
 eprc[0]=$?
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=3 --set train.activation_checkpointing=selective \
+  --set checkpoint.resume=ckpt_ep4/ckpt-00000004.h5 "${ep_balancing[@]}" \
+  --set train.out_dir=run_ep_res3 --set checkpoint.dir=ckpt_ep_res3 --set log.every=1 --set eval.every=4 --set train.steps=8 \
+  > ep_res3.out 2>&1
+eprc[3]=$?
+to_hf ep_res3 8 ep_res3
+for ep in 1 2; do
+  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=$ep --set optim.zero=$((ep == 2 ? 3 : 0)) \
+    --set model.init_from=hf_ep1_4 --set train.steps=2 --set optim.warmup_steps=1 --set eval.every=2 \
+    --set train.out_dir=run_init_ep$ep --set checkpoint.dir=ckpt_init_ep$ep > init_ep$ep.out 2>&1 || tail -5 init_ep$ep.out
+  init_val[$ep]=$(grep -o '"step": 0, "val_loss": [0-9.]*' run_init_ep$ep/metrics.jsonl 2>/dev/null | grep -o '[0-9.]*$')
+done
 to_hf ep_res 8 ep_res
 # close A B [BASE LOSS-BOUND]: losses within LOSS-BOUND (default 1e-5; "reorder": 1.5e-3 of the
 # loss, test_train.cpp's bound) and final parameters within the reordering bound of run A's, the
@@ -406,12 +422,19 @@ done
 check "the start-up lines name the ep groups and the experts' buckets" \
   "grep -q 'mesh: 4 ranks = dp 4 (ep 2: 2 groups of 2 ranks each holding 1/2 of the experts)' ep2.out &&
    grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out &&
-   grep -q 'ZeRO-1: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out"
+   grep -q 'ZeRO-3: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out"
 close ep4 ep_res > close_res.out 2>&1
 rc=$?
 cat close_res.out
 check "an ep 4 ZeRO-2 checkpoint resumed under ep 2 at ZeRO-1 trains the ep 4 run's steps 5-8 (exit ${eprc[0]})" \
   "[ ${eprc[0]} -eq 0 ] && [ $rc -eq 0 ]"
+close ep4 ep_res3 > close_res3.out 2>&1
+rc=$?
+cat close_res3.out
+check "the same checkpoint resumed under ep 2 at ZeRO-3 with selective checkpointing: the same steps 5-8 (exit ${eprc[3]})" \
+  "[ ${eprc[3]} -eq 0 ] && [ $rc -eq 0 ]"
+check "init_from an export of all the experts under ep 2 at ZeRO-3: step-0 val loss ${init_val[2]} = ep 1's ${init_val[1]}" \
+  "[ -n '${init_val[1]}' ] && [ '${init_val[1]}' = '${init_val[2]}' ]"
 # The layouts below compare with test_train.cpp's SGD-like AdamW (lr / eps = 0.2, no decay, no
 # clip), which carries a gradient's error into the parameters linearly: AdamW's own normalisation
 # turns the last-bit noise of elements with near-zero gradients into whole steps (at lr 0.01 a gap
@@ -504,8 +527,6 @@ check "tp 2 x ep 2 resumed from its step-4 checkpoint: the same steps 5-8 bitwis
   "[ $rc -eq 0 ] && [ \$(wc -l < tpepres.losses) -eq 4 ] && cmp -s tpep.losses tpepres.losses"
 expect_own_usage "parallel.ep not dividing the experts refused by name" "parallel.ep: 3 does not divide model.num_experts (8)" \
   "$BIN" qwen3_moe.yaml --set parallel.ep=3
-expect_own_usage "parallel.ep with ZeRO-3 refused by name" "parallel.ep must be 1 with optim.zero: 3 (ZeRO-3's units would gather experts" \
-  "$BIN" qwen3_moe.yaml --set parallel.ep=2 --set optim.zero=3
 printf 'model: {preset: custom, family: qwen3, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 64, seq_len: 32}\n' > dense.yaml
 sed -n '/^data:/,$p' qwen3_moe.yaml >> dense.yaml
 expect_own_usage "parallel.ep on a dense model refused by name" "parallel.ep: 2: a model without experts has none to split" \

@@ -349,13 +349,13 @@ TEST(MemoryPlan, ModelStatePerStageAsDocumented) {
   EXPECT_EQ(z3.optimizer, 2000);
 }
 
-// Expert parallelism: this rank's experts (400 of its 1000 elements) stay whole under ZeRO-1/2,
-// their gradients in flat buckets of their own; no zero 3 rows (it does not run with experts split).
-TEST(MemoryPlan, ExpertsStayWholeUnderZeroOneAndTwo) {
+// Expert parallelism: this rank's experts (400 of its 1000 elements) stay whole under ZeRO-1/2/3,
+// their gradients in flat buckets of their own (made_up's blocks and outside: the others').
+TEST(MemoryPlan, ExpertsStayWholeUnderZero) {
   MemoryInputs in = made_up();
   in.whole_params = 400;
   const auto rows = memory_rows(in);
-  ASSERT_EQ(rows.size(), 9u);  // zero 0-2 x none, selective, full
+  ASSERT_EQ(rows.size(), 12u);
   EXPECT_EQ(memory_row(in, 0, "none").optimizer, 8000);
   const MemoryRow z1 = memory_row(in, 1, "none");
   EXPECT_EQ(z1.optimizer, 8 * (600 / 4 + 400));
@@ -365,8 +365,11 @@ TEST(MemoryPlan, ExpertsStayWholeUnderZeroOneAndTwo) {
   EXPECT_EQ(z2.gradients, 4 * 600 / 4 + 4 * 400);
   EXPECT_DOUBLE_EQ(z2.buffers, 2 * 1e-3 * 1024 * 1024 + 4 * 400);
   EXPECT_EQ(z2.optimizer, z1.optimizer);
-  EXPECT_THROW(memory_row(in, 3, "none"), Error);
-  EXPECT_EQ(memory_report(in, 1e-9, "--memory").find("zero 3"), std::string::npos);
+  const MemoryRow z3 = memory_row(in, 3, "none");  // the shared shard, outside and two blocks; the experts
+  EXPECT_EQ(z3.weights, 4 * 600 / 4 + 600 + 2 * 400 + 4 * 400);
+  EXPECT_EQ(z3.gradients, z2.gradients);
+  EXPECT_EQ(z3.buffers, 600 + 3 * 400 + 4 * 400);
+  EXPECT_EQ(z3.optimizer, z1.optimizer);
 }
 
 TEST(MemoryPlan, OneRankShardsNothing) {

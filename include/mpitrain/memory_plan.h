@@ -38,7 +38,8 @@ namespace mpitrain {
 struct MemoryInputs {
   int64_t params = 0;         // N: elements of this rank's parameters
   // Of them, the elements ZeRO does not shard (expert parallelism: this rank's experts, whole on each
-  // of their replicas, their gradients in buckets of their own); a model with them has no zero 3 rows.
+  // of their replicas, their gradients in buckets of their own; largest_block and outside_params
+  // then count the others only: zero 3's units hold no expert).
   int64_t whole_params = 0;
   int64_t largest_block = 0;  // elements of the largest block (a zero 3 unit)
   int64_t outside_params = 0; // elements outside the blocks: embeddings, final norm, head (zero 3's other unit)
@@ -65,8 +66,8 @@ struct MemoryRow {
   std::string largest_term() const;
 };
 
-// zero 0..3 x ac none/selective/full, in that order (0..2 with whole_params); with dp 1 the zero
-// stages shard nothing (their rows equal zero 0's).
+// zero 0..3 x ac none/selective/full, in that order; with dp 1 the zero stages shard nothing
+// (their rows equal zero 0's).
 std::vector<MemoryRow> memory_rows(const MemoryInputs& in);
 // The row of one layout (zero 0..3, ac none | selective | full); Error for another.
 MemoryRow memory_row(const MemoryInputs& in, int zero, const std::string& ac);

@@ -300,8 +300,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   explicit GPTImpl(const GPTDims& d, bool deferred = false);
 
   // A deferred model's initial values: named_params()[k]'s values (this rank's tp shard of the
-  // whole parameter, drawn as a model made without `deferred` draws it) to `take(k, values)`, in
-  // order, one parameter in memory at a time. Touches no generator's state; any number of times.
+  // whole parameter, drawn as a model made without `deferred` draws it; under expert parallelism
+  // the whole model's draws of this rank's parameters) to `take(k, values)`, in order, one
+  // parameter in memory at a time. Touches no generator's state; any number of times.
   void initialize(const std::function<void(size_t, const torch::Tensor&)>& take);
 
   // idx: [B, T] int64 token ids (T <= seq_len) -> logits [B, T, classes()] (tensor parallel:
@@ -383,6 +384,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules
+  // Deferred under expert parallelism: the whole model (ep 1, without values) whose draws
+  // initialize() hands out, this rank's parameters only.
+  std::shared_ptr<GPTImpl> ep_whole_;
 };
 TORCH_MODULE(GPT);
 

@@ -13,12 +13,12 @@
 //        no rank holding the whole gradient (ZeRO-2);
 //     3  the parameters sharded too, one unit per block, gathered around their use (ZeRO-3).
 //   With one dp rank every stage is 0: there is nothing to shard.
-// - expert parallelism (parallel.ep, a mixture of experts at optim.zero 0-2): each ep group of
+// - expert parallelism (parallel.ep, a mixture of experts): each ep group of
 //   consecutive dp ranks holds every expert once between them (model.h's MoE exchanges the tokens);
 //   here: the experts' gradients averaged over their replicas, the gradient norm over the ep
-//   group, a checkpoint's experts gathered to rank 0 and handed out again on resume. ZeRO-1/2
-//   shard the shared parameters over the dp group as above; each rank's experts stay whole, their
-//   AdamW state in slots after the slices (optim.h). With tensor parallelism (optim.zero 0) each
+//   group, a checkpoint's experts gathered to rank 0 and handed out again on resume. ZeRO-1/2/3
+//   shard the shared parameters over the dp group as above (ZeRO-3's units hold them only); each
+//   rank's experts stay whole, their AdamW state in slots after the slices (optim.h). With tensor parallelism (optim.zero 0) each
 //   rank holds its tp shards of its experts; a checkpoint makes them whole over tp, then over ep.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
 // optimizer's slots and then ask after_update() as an update does.
@@ -150,7 +150,7 @@ class Parallelism {
   MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;
-  const bool ep_;  // parallel.ep > 1 (optim.zero 0-2; with tp > 1 0 only: the config refuses the rest)
+  const bool ep_;  // parallel.ep > 1 (with tp > 1 optim.zero 0 only: the config refuses the rest)
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;

@@ -50,8 +50,10 @@ void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicato
 // optim.zero 0): each tensor is made whole over the tp group before the experts' gather (the first
 // ep group of every tp rank takes part). Every rank calls it (without `shards` the ranks outside
 // the first ep group return at once).
+// ZeRO-3 (`units`, over the shared parameters): their values are gathered one unit at a time too.
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state, const GradSync* shards = nullptr, Communicator* tp = nullptr);
+                     FullOptimState* whole_state, const GradSync* shards = nullptr, Communicator* tp = nullptr,
+                     ParamShards* units = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 
@@ -135,9 +137,9 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 // ZeRO-3 (`param_shards`: ParamShards::param_shards(), tp 1): rank 0 loads into a whole model in
 // host memory and each rank receives its parameter shards one unit at a time; `model`'s
 // parameters are not written (they need not be whole). Expert parallelism (`model`'s dims.ep > 1,
-// optim.zero 0-2): rank 0 opens the file with `whole` (its model of ep 1) and hands every rank of
-// each ep group its experts (ZeRO-1/2: `shards` over the shared parameters, whose moments each rank
-// keeps its slices of). Returns the file loaded (rank 0; "" elsewhere).
+// any optim.zero): rank 0 opens the file with `whole` (its model of ep 1) and hands every rank of
+// each ep group its experts (ZeRO-1/2/3: `shards` over the shared parameters, whose moments, and
+// under ZeRO-3 values, each rank keeps its slices of). Returns the file loaded (rank 0; "" elsewhere).
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
                  const std::vector<torch::Tensor>* param_shards = nullptr, GPT* whole = nullptr);

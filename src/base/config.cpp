@@ -748,11 +748,6 @@ void validate(const Config& c, const std::string& where) {
           concat("1 with optim.zero: ", c.optim.zero, " and parallel.tp: ", c.parallel.tp,
                  " (expert parallelism with tensor parallelism runs at optim.zero 0 only)"),
           show(c.parallel.ep));
-    check(c.optim.zero <= 2, "parallel.ep",
-          concat("1 with optim.zero: ", c.optim.zero,
-                 " (ZeRO-3's units would gather experts that only some ranks hold; optim.zero 1 or 2 shards the "
-                 "shared parameters' state and keeps each rank's experts whole)"),
-          show(c.parallel.ep));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

@@ -601,6 +601,14 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
     const auto params = model->named_params();
     std::map<std::string, std::string> ours;  // HF name -> mpitrain name
     for (const auto& [name, p] : params) ours[hf_name(name, d)] = name;
+    // Expert parallelism: the files hold every expert; those this rank does not hold are its ep
+    // peers' (read by them), not unknown tensors.
+    std::set<std::string> peers;
+    if (d.ep > 1)
+      for (const auto& [name, p] : params)
+        if (expert_of(name) >= 0)
+          for (int64_t e = 0; e < d.local_experts() * d.ep; ++e)
+            if (const std::string hf = hf_name(with_expert(name, e), d); !ours.count(hf)) peers.insert(hf);
     auto& found = weights->found;
     const Entry* lm_head = nullptr;
     SafetensorsFile* lm_head_file = nullptr;
@@ -608,7 +616,7 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
     // A file's tensor under its HF name: a parameter's (once in all the files), else unknown.
     auto enter = [&](const std::string& hf, SafetensorsFile* file, const Entry* entry) {
       if (!ours.count(hf)) {
-        if (!ignored_buffer(hf, d)) unknown.push_back(entry->name);
+        if (!ignored_buffer(hf, d) && !peers.count(hf)) unknown.push_back(entry->name);
         return;
       }
       if (found.count(hf)) throw UsageError(concat(file->path, ": tensor '", entry->name, "' is also in ", found[hf].first->path));

@@ -741,12 +741,17 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     // The whole model's initial values from the same generator state (made without values, so
     // that at most one of its blocks exists at once), drawn one parameter at a time in its order,
     // each kept where this rank holds a parameter of that name (its experts and every other one).
-    MPITRAIN_CHECK(!deferred, "expert parallelism: not with a deferred model (ZeRO-3)");
+    // Deferred (ZeRO-3): initialize() makes those draws.
     GPTDims whole = d;
     whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
     GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);
     collect_tp_splits();
+    if (deferred) {
+      MPITRAIN_CHECK(d.tp == 1, "expert parallelism: a deferred model at tp 1");
+      ep_whole_ = dense.ptr();
+      return;
+    }
     std::map<std::string, torch::Tensor> mine;
     for (auto& [name, p] : named_params()) mine.emplace(name, p);
     std::vector<std::string> names;
@@ -773,6 +778,26 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
 }
 
 void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
+  if (ep_whole_) {  // the whole model's draws, each of this rank's parameters taken in its own order
+    std::map<std::string, size_t> mine;
+    const auto params = named_params();
+    for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
+    std::vector<std::string> names;
+    for (const auto& [name, p] : ep_whole_->named_params()) names.push_back(name);
+    std::vector<torch::Tensor> held(params.size());  // the draws come in the whole model's order
+    size_t next = 0;  // the next of this rank's parameters to hand out
+    ep_whole_->initialize([&](size_t k, const torch::Tensor& values) {
+      const auto it = mine.find(names[k]);
+      if (it == mine.end()) return;
+      held[it->second] = values;
+      for (; next < held.size() && held[next].defined(); ++next) {
+        take(next, held[next]);
+        held[next] = torch::Tensor();
+      }
+    });
+    MPITRAIN_CHECK(next == params.size(), "expert parallelism: the whole model lacks some of this rank's parameters");
+    return;
+  }
   MPITRAIN_CHECK(init_generator_.has_value(), "GPT::initialize: the model was not made deferred");
   torch::NoGradGuard no_grad;
   const GPTDims& d = dims_;

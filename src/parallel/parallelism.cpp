@@ -118,12 +118,21 @@ void Parallelism::apply(GPT model) {
   // holds its own experts), and under PowerSGD with any ep (which compresses the shared parameters'
   // only, so that ep 1 and ep k train alike).
   const bool powersgd = cfg_.comm.compress == "powersgd" && mesh_.layout().dp > 1;
-  if (ep_ || (powersgd && dims_.has_experts() && stage_ == 0)) {  // (no units: the config refuses ZeRO-3 with ep)
+  if (ep_ || (powersgd && dims_.has_experts() && stage_ == 0)) {
     std::vector<torch::Tensor> shared, experts;
+    std::vector<std::string> shared_names;
     for (auto& [name, p] : model_->named_params()) {
       is_expert_.push_back(expert_of(name) >= 0);
       (is_expert_.back() ? experts : shared).push_back(p);
+      if (!is_expert_.back()) shared_names.push_back(name);
       tp_replicated_.push_back(model_->tp_split(name) == TpSplit::replicated);
+    }
+    // ZeRO-3: the units hold the shared parameters only; each rank's experts live whole on the
+    // device (the model was made without values: initial_weights() gives them theirs).
+    if (stage_ == 3) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : experts) p.set_data(torch::zeros(p.sizes(), p.options().device(device_)));
+      units = model_units(shared_names, dims_.n_layer);
     }
     // Backward runs the experts' all-to-alls: on a GPU that is autograd's device thread, where the
     // MPI backend may call MPI only under MPI_THREAD_MULTIPLE.
@@ -132,12 +141,19 @@ void Parallelism::apply(GPT model) {
         throw UsageError("parallel.ep on a GPU with comm.backend: mpi exchanges tokens from autograd's device thread, "
                          "which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set comm.backend: nccl");
       });
-    // ZeRO-1/2 shard the shared parameters' optimizer state (and ZeRO-2 their gradients) over the
-    // dp group; each rank's experts stay whole, their state held by each of their replicas.
+    // ZeRO-1/2/3 shard the shared parameters' optimizer state (2, 3: and their gradients; 3: and
+    // the parameters) over the dp group; each rank's experts stay whole, their state held by each
+    // of their replicas.
     const torch::ScalarType wire = dtype_named(cfg_.comm.grad_dtype);
-    grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), wire, stage_ >= 2);
+    grad_sync_.emplace(shared, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), wire, stage_ >= 2, units.groups,
+                       stage_ == 3 ? c10::optional<torch::Device>(device_) : c10::nullopt);
     if (shards_optimizer()) slice_owner_ = &*grad_sync_;
     expert_sync_.emplace(experts, ep_ ? mesh_.expert_replicas() : dp, cfg_.comm.bucket_mb, overlap, false, wire);
+    if (stage_ == 3) {
+      units_.emplace(shared, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
+                     dtype_named(cfg_.comm.param_dtype));
+      model_->set_unit_hooks(&*units_);
+    }
     // PowerSGD compresses the shared parameters' gradients over the dp group; the experts' (each
     // rank's own, averaged over their replicas) travel whole.
     if (powersgd) powersgd_.emplace(shared, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
@@ -167,6 +183,39 @@ int64_t Parallelism::initial_weights(const std::string& init_from) {
     // broadcast gives every rank the rest, the expert replicas' broadcast the experts.
     int64_t n = 0;
     const bool first_group = mesh_.dp_rank() < mesh_.layout().ep;
+    if (units_) {
+      // ZeRO-3: one parameter at a time, drawn by every rank (the whole model's draws of its own
+      // parameters) or read by the first group's ranks and broadcast; each rank keeps its part of
+      // a shared one (its units' shards) and its experts whole.
+      std::vector<size_t> shared_index(params_.size(), 0);  // k's place among the shared parameters
+      for (size_t k = 0, j = 0; k < params_.size(); ++k)
+        if (!is_expert_[k]) shared_index[k] = j++;
+      auto keep = [&](size_t k, const torch::Tensor& v) {
+        torch::NoGradGuard no_grad;
+        if (is_expert_[k])
+          params_[k].copy_(v);
+        else
+          units_->set_param(shared_index[k], v);
+      };
+      if (init_from.empty()) {
+        model_->initialize(keep);
+        return 0;
+      }
+      std::unique_ptr<InitialWeights> files;
+      agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+        if (first_group) files = open_initial_weights(init_from, model_);
+      }); });
+      for (size_t k = 0; k < params_.size(); ++k) {
+        torch::Tensor v;
+        agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+          if (files) v = files->read(k).to(device_);
+        }); });
+        if (!v.defined()) v = torch::empty(params_[k].sizes(), torch::dtype(torch::kFloat32).device(device_));
+        (is_expert_[k] ? mesh_.expert_replicas() : dp).broadcast(v, 0);
+        keep(k, v);
+      }
+      return static_cast<int64_t>(params_.size());
+    }
     if (!init_from.empty())
       agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
         if (first_group) n = load_initial_weights(init_from, model_);
@@ -416,7 +465,7 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   std::string path;
   if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
-                    &gathered_, slice_owner_, tp_ ? &mesh.tp() : nullptr);
+                    &gathered_, slice_owner_, tp_ ? &mesh.tp() : nullptr, units());
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (tp_) {  // the shards assembled on rank 0 (tp + ZeRO-3: one unit at a time)
     gather_tp_state(model_, *opt_, slice_owner_, mesh.tp(), first_replica, whole_model_ ? &*whole_model_ : nullptr,
@@ -451,7 +500,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     GPT whole(d);
     gen.set_state(rng);
     FullOptimState state = host_optim_state_like(whole);
-    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_, tp_ ? &mesh_.tp() : nullptr);
+    gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_, tp_ ? &mesh_.tp() : nullptr, units());
     for (auto& [name, p] : whole->named_params()) {
       torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
       out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));

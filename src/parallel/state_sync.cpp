@@ -170,11 +170,11 @@ std::vector<size_t> shared_params(const std::vector<std::pair<std::string, torch
 
 // Expert parallel resume: rank 0 reads each tensor (`file`, opened with the whole model's names;
 // null elsewhere), an expert's parameter for every rank of an ep group at once, and broadcasts it
-// over `comm` (the world); each rank keeps its experts' share and every other tensor. ZeRO-1/2
-// (`shards`: the shared parameters' sharded GradSync): their moments go out one bucket at a time,
-// each rank keeping its slices.
+// over `comm` (the world); each rank keeps its experts' share and every other tensor. ZeRO-1/2/3
+// (`shards`: the shared parameters' sharded GradSync): their moments (ZeRO-3, `param_shards`: and
+// their values) go out one bucket at a time, each rank keeping its slices.
 void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
-                        MpiComm mpi_comm) {
+                        MpiComm mpi_comm, const std::vector<torch::Tensor>* param_shards) {
   using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -192,7 +192,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
     const std::string& name = params[k].first;
     const int64_t e = expert_of(name);  // rank 0 holds experts 0 .. L - 1: rank q of a group, e + q L
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
-      if (part != Part::param && slot[k] < 0) continue;  // a slice's: by bucket, below
+      if (slot[k] < 0 && (part != Part::param || param_shards)) continue;  // a slice's: by bucket, below
       torch::Tensor dest = part == Part::param     ? params[k].second
                            : part == Part::exp_avg ? opt.exp_avg(static_cast<size_t>(slot[k]))
                                                    : opt.exp_avg_sq(static_cast<size_t>(slot[k]));
@@ -214,15 +214,20 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
   if (!shards) return;
   const std::vector<size_t> shared = shared_params(params);
   for (size_t b = 0; b < shards->num_buckets(); ++b)
-    for (Part part : {Part::exp_avg, Part::exp_avg_sq})
+    for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
+      if (part == Part::param && !param_shards) continue;
       scatter_bucket(*shards, b, [&](size_t j) { return read(params[shared.at(j)].first, part); },
-                     part == Part::exp_avg ? opt.bucket_exp_avg(b) : opt.bucket_exp_avg_sq(b), comm, mpi_comm);
+                     part == Part::param     ? param_shards->at(b)
+                     : part == Part::exp_avg ? opt.bucket_exp_avg(b)
+                                             : opt.bucket_exp_avg_sq(b),
+                     comm, mpi_comm);
+    }
 }
 
 }  // namespace
 
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
-                     FullOptimState* whole_state, const GradSync* shards, Communicator* tp) {
+                     FullOptimState* whole_state, const GradSync* shards, Communicator* tp, ParamShards* units) {
   MPITRAIN_CHECK(!tp || !shards, "gather_ep_state: tensor parallelism at optim.zero 0");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
@@ -241,8 +246,16 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
     MPITRAIN_CHECK(it != at.end(), concat("gather_ep_state: the whole model has no parameter '", n, "'"));
     return it->second;
   };
-  if (shards) {  // ZeRO-1/2: the shared parameters' moments, one bucket at a time over the dp group
+  if (shards) {  // ZeRO-1/2/3: the shared parameters' moments, one bucket at a time over the dp group
     const std::vector<size_t> shared = shared_params(params);
+    if (units)  // ZeRO-3: their values too, one unit whole at a time
+      units->for_each_unit_whole([&](const std::vector<size_t>& js) {
+        if (!whole) return;
+        for (size_t j : js) {
+          const auto& [name, p] = params[shared.at(j)];
+          into[whole_index(name)].second.detach().copy_(p.detach());
+        }
+      });
     for (size_t b = 0; b < shards->num_buckets(); ++b)
       for (int which = 1; which < 3; ++which) {
         const torch::Tensor& mine = which == 1 ? opt.bucket_exp_avg(b) : opt.bucket_exp_avg_sq(b);
@@ -262,7 +275,7 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
     const std::string& name = params[k].first;
     const int64_t e = expert_of(name);
     for (int which = 0; which < 3; ++which) {
-      if (which > 0 && slot[k] < 0) continue;  // a slice's: gathered by bucket, above
+      if (slot[k] < 0 && (which > 0 || units)) continue;  // a slice's: gathered by bucket, above
       const size_t i = static_cast<size_t>(std::max<int64_t>(slot[k], 0));
       const torch::Tensor local = (which == 0 ? params[k].second : which == 1 ? opt.exp_avg(i) : opt.exp_avg_sq(i)).detach();
       // (tensor parallel: made whole over the tp group first, then the experts over the ep group)
@@ -612,7 +625,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   CheckpointParams* from = file ? &*file : nullptr;
   if (model->dims().ep > 1) {
     MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
-    keep_expert_shards(from, model, opt, shards, comm, mpi_comm);
+    keep_expert_shards(from, model, opt, shards, comm, mpi_comm, param_shards);
   } else if (tensor_parallel) {
     keep_tp_shards(from, model, opt, shards, comm, mpi_comm, /*zero3=*/param_shards != nullptr);
   } else {

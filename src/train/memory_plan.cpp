@@ -26,18 +26,18 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
   const int64_t every = std::max<int64_t>(1, in.ac_every);
   const int64_t checkpointed = in.n_layer / every;  // blocks every-1, 2 every-1, ... (GPTImpl::checkpointed)
   std::vector<MemoryRow> rows;
-  for (int zero = 0; zero <= (in.whole_params > 0 ? 2 : 3); ++zero)
+  for (int zero = 0; zero <= 3; ++zero)
     for (const char* ac : {"none", "selective", "full"}) {
       if (!in.checkpointing && std::string(ac) != "none") continue;
       MemoryRow r;
       r.zero = zero;
       r.ac = ac;
-      r.weights = zero == 3 && shards ? 4 * n / d + outside + 2 * block : 4 * n;
+      r.weights = zero == 3 && shards ? 4 * s / d + outside + 2 * block + 4 * w : 4 * n;
       r.gradients = zero >= 2 && shards ? 4 * s / d + 4 * w : 4 * n;
       if (shards) {  // (the whole elements' flat buckets beside the others')
         if (zero <= 1) r.buffers = 4 * n + (zero == 1 ? 4 * s / d : 0);  // flat buckets (+ ZeRO-1's shard)
         else if (zero == 2) r.buffers = std::min(4 * s, 2 * in.bucket_mb * 1024 * 1024) + 4 * w;  // buckets in flight
-        else r.buffers = outside + 3 * block;  // the outside unit's gradient, three blocks'
+        else r.buffers = outside + 3 * block + 4 * w;  // the outside unit's gradient, three blocks'
       }
       const double moments = 2.0 * static_cast<double>(in.moment_bytes);
       r.optimizer = zero >= 1 && shards ? moments * (s / d + w) : moments * n;
@@ -93,7 +93,7 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   // data-parallel rank the zero stages shard nothing: zero 0 only).
   std::string why;
   for (const char* ac : {"none", "selective", "full"})
-    for (int zero = 0; zero <= (in.dp <= 1 ? 0 : in.whole_params > 0 ? 2 : 3); ++zero) {
+    for (int zero = 0; zero <= (in.dp > 1 ? 3 : 0); ++zero) {
       if (!in.checkpointing && std::string(ac) != "none") continue;
       const MemoryRow r = memory_row(in, zero, ac);
       if (r.peak() <= limit) {

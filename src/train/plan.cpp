@@ -219,6 +219,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     {
       std::map<std::string, int64_t> blocks;  // zero 3's units (zero3.h): each block, and the rest
       for (const auto& [name, p] : model->named_params()) {
+        if (expert_parallel && expert_of(name) >= 0) continue;  // (whole_params: in no unit)
         if (name.rfind("h.", 0) == 0) blocks[name.substr(0, name.find('.', 2))] += p.numel();
         else mem.outside_params += p.numel();
       }
@@ -266,8 +267,8 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
                                precision_name(run.precision), ", and their gradients; ", run.layout.ep - 1, "/", run.layout.ep,
                                " of them leave the rank when the routing is balanced); ",
                                tensor_parallel ? "with parallel.tp only the table's optim.zero 0 rows run"
-                                               : "optim.zero 1 and 2 shard the shared parameters only (each rank's experts "
-                                                 "whole), and zero 3 does not run with parallel.ep",
+                                               : "optim.zero 1-3 shard the shared parameters only (each rank's experts "
+                                                 "whole)",
                                "\n").c_str()
                       : "",
                   table.c_str());
