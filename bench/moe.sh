@@ -11,7 +11,11 @@
 # Then expert parallelism (EP ranks, default 2; 1 skips it): the mixture on EP ranks with every rank
 # holding every expert (parallel.ep 1) against the experts split over them (parallel.ep EP): ms/step,
 # tokens/s over all ranks, AdamW's state and the peak memory per rank, the all-to-all MiB per step
-# (the start-up line's prediction for a balanced routing).
+# (the start-up line's prediction for a balanced routing) and the share of the step rank 0 spent
+# inside the all-to-alls, measured (metrics.jsonl's all_to_all_share: the exchanges' wall time,
+# waiting for the other ranks included, over the step's; median after WARMUP); then ep EP with
+# optim.zero 1 and 3 (the shared parameters' state, and under 3 the parameters, sharded over the
+# EP ranks; each rank's experts whole).
 #
 #     bash bench/moe.sh [build/mpitrain]
 #
@@ -44,11 +48,12 @@ printf 'model: {preset: custom, family: qwen3, %s, intermediate_size: %d}\n%s\n'
 printf 'model: {preset: custom, family: qwen3_moe, %s, intermediate_size: %d, num_experts: %d, num_experts_per_tok: %d, moe_intermediate_size: %d}\n%s\n' \
   "$shape" $((K * U)) "$E" "$K" "$U" "$common" > moe.yaml
 
-# median ms/step after WARMUP of one run's metrics.jsonl
+# median ms/step (or another KEY) after WARMUP of one run's metrics.jsonl
 median_ms() {
-  /usr/bin/python3 - "$1" "$WARMUP" <<'PYEOF'
+  /usr/bin/python3 - "$1" "$WARMUP" "${2:-ms_per_step}" <<'PYEOF'
 import json, sys
-ms = [json.loads(l)["ms_per_step"] for l in open(sys.argv[1]) if '"ms_per_step"' in l][int(sys.argv[2]):]
+key = sys.argv[3]
+ms = [json.loads(l)[key] for l in open(sys.argv[1]) if f'"{key}"' in l][int(sys.argv[2]):]
 ms.sort()
 print(ms[len(ms) // 2])
 PYEOF
@@ -79,24 +84,29 @@ printf '\nrouting (1 - dense ms / moe ms): %.0f%% of the mixture'"'"'s step\n' "
 
 EP=${EP:-2}
 [ "$EP" -gt 1 ] || exit 0
-declare -A eruns epeak eopt
+declare -A eruns epeak eopt a2a_share
+layouts=("1:0" "$EP:0" "$EP:1" "$EP:3")
 for r in $(seq 1 "$REPEATS"); do
-  for ep in 1 "$EP"; do
-    rm -rf run_ep$ep
-    mpirun -np "$EP" --oversubscribe "$BIN" moe.yaml --set parallel.ep=$ep --set train.out_dir=run_ep$ep \
-      --set checkpoint.dir=ck_ep$ep > ep$ep.out 2>&1 || { tail -5 ep$ep.out; exit 1; }
-    eruns[$ep]="${eruns[$ep]:-} $(median_ms run_ep$ep/metrics.jsonl)"
-    epeak[$ep]=$(sed -n 's/.*peak CPU memory (allocated by libtorch, MiB): rank 0 \([0-9.]*\).*/\1/p' ep$ep.out | tail -1)
-    eopt[$ep]=$(sed -n 's/.*optimizer state: \([0-9.]*\) MiB per rank.*/\1/p' ep$ep.out | head -1)
+  for l in "${layouts[@]}"; do
+    ep=${l%:*} zero=${l#*:}
+    rm -rf run_${ep}_$zero
+    mpirun -np "$EP" --oversubscribe "$BIN" moe.yaml --set parallel.ep=$ep --set optim.zero=$zero \
+      --set train.out_dir=run_${ep}_$zero --set checkpoint.dir=ck_${ep}_$zero > ep$l.out 2>&1 || { tail -5 ep$l.out; exit 1; }
+    eruns[$l]="${eruns[$l]:-} $(median_ms run_${ep}_$zero/metrics.jsonl)"
+    epeak[$l]=$(sed -n 's/.*peak CPU memory (allocated by libtorch, MiB): rank 0 \([0-9.]*\), rank 1 \([0-9.]*\).*/\1 \/ \2/p' ep$l.out | tail -1)
+    eopt[$l]=$(sed -n 's/.*optimizer state: \([0-9.]*\) MiB per rank.*/\1/p' ep$l.out | head -1)
+    [ "$ep" = 1 ] || a2a_share[$l]="${a2a_share[$l]:-} $(median_ms run_${ep}_$zero/metrics.jsonl all_to_all_share)"
   done
 done
-a2a=$(sed -n "s/.*the experts' all-to-all: \([0-9.]*\) MiB sent per rank per step.*/\1/p" ep$EP.out | head -1)
-ep1_ms=$(med "${eruns[1]}") epn_ms=$(med "${eruns[$EP]}")
+a2a=$(sed -n "s/.*the experts' all-to-all: \([0-9.]*\) MiB sent per rank per step.*/\1/p" ep$EP:0.out | head -1)
+ep1_ms=$(med "${eruns[1:0]}")
 echo
 echo "expert parallelism: the mixture on $EP ranks (mpirun -np $EP, one thread each), $B sequences per rank per step"
-echo "| layout | experts per rank | ms/step | tokens/s (all ranks) | AdamW state MiB per rank | peak MiB (rank 0) | all-to-all MiB/step | vs ep 1 |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|"
-printf '| parallel.ep 1 | %d | %.1f | %.0f | %s | %s | 0 | 1.00 |\n' "$E" "$ep1_ms" "$(echo "$tokens * $EP * 1000 / $ep1_ms" | bc -l)" \
-  "${eopt[1]}" "${epeak[1]}"
-printf '| parallel.ep %d | %d | %.1f | %.0f | %s | %s | %s | %.2f |\n' "$EP" $((E / EP)) "$epn_ms" \
-  "$(echo "$tokens * $EP * 1000 / $epn_ms" | bc -l)" "${eopt[$EP]}" "${epeak[$EP]}" "${a2a:-?}" "$(echo "$ep1_ms / $epn_ms" | bc -l)"
+echo "| layout | experts per rank | ms/step | tokens/s (all ranks) | AdamW state MiB per rank | peak MiB (rank 0 / 1) | all-to-all MiB/step | all-to-all share of the step (measured) | vs ep 1 |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+for l in "${layouts[@]}"; do
+  ep=${l%:*} zero=${l#*:} ms=$(med "${eruns[$l]}")
+  printf '| parallel.ep %d, optim.zero %d | %d | %.1f | %.0f | %s | %s | %s | %s | %.2f |\n' "$ep" "$zero" $((E / ep)) "$ms" \
+    "$(echo "$tokens * $EP * 1000 / $ms" | bc -l)" "${eopt[$l]}" "${epeak[$l]}" "$([ "$ep" = 1 ] && echo 0 || echo "${a2a:-?}")" \
+    "$([ "$ep" = 1 ] && echo 0 || printf '%.1f%%' "$(echo "100 * $(med "${a2a_share[$l]}")" | bc -l)")" "$(echo "$ep1_ms / $ms" | bc -l)"
+done

@@ -419,10 +419,12 @@ for ep in 2 4; do
   check "parallel.ep $ep at np 4 with optim.zero ${ep_zero[$ep]} trains the ep 1 run: losses and final parameters (exit ${eprc[$ep]})" \
     "[ ${eprc[1]} -eq 0 ] && [ ${eprc[$ep]} -eq 0 ] && [ $rc -eq 0 ]"
 done
-check "the start-up lines name the ep groups and the experts' buckets" \
+check "the start-up lines name the ep groups and the experts' buckets; the progress line and metrics.jsonl the all-to-alls' share of the step" \
   "grep -q 'mesh: 4 ranks = dp 4 (ep 2: 2 groups of 2 ranks each holding 1/2 of the experts)' ep2.out &&
    grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out &&
-   grep -q 'ZeRO-3: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out"
+   grep -q 'ZeRO-3: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out &&
+   grep -q ' | a2a [0-9]*% ' ep2.out && grep -q '\"all_to_all_share\": 0\.[0-9]*' run_ep2/metrics.jsonl &&
+   ! grep -q 'all_to_all_share' run_ep1/metrics.jsonl"
 close ep4 ep_res > close_res.out 2>&1
 rc=$?
 cat close_res.out

@@ -41,6 +41,9 @@ struct StepReport {
   std::vector<double> expert_load;
   double z_loss = -1;   // train.moe_z_loss_coef: the router z-loss (averaged as the loss is; < 0: none)
   double dropped = -1;  // train.moe_capacity_factor: the share of rank 0's last micro-batch's token copies dropped
+  // parallel.ep: rank 0's seconds inside the experts' all-to-alls (forward and backward, waiting for
+  // the group included) since the last report, evaluation's excluded (< 0: no expert parallelism).
+  double ep_seconds = -1;
 };
 
 class Progress {

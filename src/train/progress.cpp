@@ -79,6 +79,8 @@ void Progress::report(const StepReport& r) {
   if (r.aux_loss >= 0) line += format(" | aux %.4f | load %.2f", r.aux_loss, load);
   if (r.z_loss >= 0) line += format(" | z %.3f", r.z_loss);
   if (r.dropped >= 0) line += format(" | dropped %.1f%%", 100 * r.dropped);
+  const double a2a = r.ep_seconds >= 0 && interval > 0 ? std::min(1.0, r.ep_seconds / interval) : -1;
+  if (a2a >= 0) line += format(" | a2a %.0f%%", 100 * a2a);
   line += " | ETA " + human_duration(avg * static_cast<double>(cfg_.train.steps - r.step - 1));
   log::info(line);
 
@@ -116,6 +118,10 @@ void Progress::report(const StepReport& r) {
   if (r.dropped >= 0) {
     json += format(", \"dropped\": %.6f", r.dropped);
     scalars.emplace_back("moe/dropped", r.dropped);
+  }
+  if (a2a >= 0) {
+    json += format(", \"all_to_all_share\": %.5f", a2a);
+    scalars.emplace_back("moe/all_to_all_share", a2a);
   }
   if (metrics_.is_open()) metrics_ << json << "}\n" << std::flush;
   if (tensorboard_) tensorboard_->scalars(step, scalars);

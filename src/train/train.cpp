@@ -215,6 +215,8 @@ class Run {
   torch::Tensor loss_sum_, aux_sum_, z_sum_, norm_;  // aux_sum_, z_sum_: the experts' load-balancing and z-loss
   bool applied_ = true;  // the step's update was applied (false: fp16 overflowed, skipped)
   double lr_ = 0;
+  // parallel.ep: ep_collective_seconds() at the last report, and evaluation's share since then
+  double ep_mark_ = 0, ep_in_eval_ = 0;
 };
 
 // The model (this rank's modules: tp shards; ZeRO-3 without values), the parallelisms applied to
@@ -564,6 +566,11 @@ void Run::log_step() {
                     scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
   if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
   report.z_loss = z;
+  if (par_.expert_parallel()) {
+    const double now = ep_collective_seconds();
+    report.ep_seconds = std::max(0.0, now - ep_mark_ - ep_in_eval_);
+    ep_mark_ = now, ep_in_eval_ = 0;
+  }
   if (topo_.rank == 0) progress_->report(report);
 }
 
@@ -574,8 +581,10 @@ void Run::evaluate_if_due() {
 }
 
 void Run::run_eval(int64_t at_step) {
+  const double ep0 = ep_collective_seconds();
   const double v = progress_->untimed(
       [&] { return evaluate(model_, *s_.val_data, s_.mesh->replicas_comm(), cfg_, device_, precision_); });
+  ep_in_eval_ += ep_collective_seconds() - ep0;
   result_.val_losses.emplace_back(at_step, v);
   if (topo_.rank == 0) progress_->report_val(at_step, v);
 }
