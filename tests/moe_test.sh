@@ -504,12 +504,14 @@ rc=$?
 cat close_tp.out
 check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 2 run: losses and final parameters (exit $tprc)" \
   "[ $tprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 x tp 2' tp.out"
-# Expert parallelism with tensor parallelism: np 4 as tp 2 x dp 2 with ep 2 (each rank holds its tp
-# shards of half the experts; the token copies go over the ep group of its tp rank, and each
-# expert's partial outputs are summed over the tp pair) trains the same dp 2 run; its step-4
-# checkpoint (the experts made whole over tp, then gathered over ep) resumed in the same layout
-# (each rank taking its tp shards of its experts) trains the same steps 5-8 bitwise.
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 \
+# Expert parallelism with tensor parallelism: np 4 as tp 2 x dp 2 with ep 2 at ZeRO-1 (each rank
+# holds its tp shards of half the experts; the token copies go over the ep group of its tp rank, and
+# each expert's partial outputs are summed over the tp pair; the shared tp shards' AdamW state
+# sliced over the dp pair) trains the same dp 2 run; its step-4 checkpoint (the experts and the
+# shared moments made whole over tp, then the experts gathered over ep) resumed at ZeRO-2 (each
+# rank taking its tp shards of its experts, and its slices of its tp shards of the others') trains
+# the same steps 5-8.
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1 \
   --set train.out_dir=run_tpep --set checkpoint.dir=ckpt_tpep > tpep.out 2>&1
 tpeprc=$?
 [ $tpeprc -eq 0 ] || tail -5 tpep.out
@@ -517,15 +519,15 @@ to_hf tpep 8 tpep
 close sgd tpep sgd_4 reorder > close_tpep.out 2>&1
 rc=$?
 cat close_tpep.out
-check "parallel.tp 2 with parallel.ep 2 (np 4) trains the dp 2 run: losses and final parameters (exit $tpeprc)" \
+check "parallel.tp 2 with parallel.ep 2 at ZeRO-1 (np 4) trains the dp 2 run: losses and final parameters (exit $tpeprc)" \
   "[ $tpeprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 (ep 2: 1 group of 2 ranks each holding 1/2 of the experts) x tp 2' tpep.out &&
    grep -q 'experts gathered to it from the 2 ranks of its ep group, each tensor made whole over the 2 ranks of its tp group first' tpep.out"
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 \
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=2 \
   --set train.out_dir=run_tpepres --set checkpoint.dir=ckpt_tpepres --set checkpoint.resume=ckpt_tpep/ckpt-00000004.h5 > tpepres.out 2>&1
 rc=$?
 grep -o '"loss": [0-9.]*' run_tpep/metrics.jsonl | tail -4 > tpep.losses
 grep -o '"loss": [0-9.]*' run_tpepres/metrics.jsonl > tpepres.losses 2>/dev/null
-check "tp 2 x ep 2 resumed from its step-4 checkpoint: the same steps 5-8 bitwise (exit $rc)" \
+check "tp 2 x ep 2 resumed from its step-4 checkpoint at ZeRO-2: the same steps 5-8 (exit $rc)" \
   "[ $rc -eq 0 ] && [ \$(wc -l < tpepres.losses) -eq 4 ] && cmp -s tpep.losses tpepres.losses"
 expect_own_usage "parallel.ep not dividing the experts refused by name" "parallel.ep: 3 does not divide model.num_experts (8)" \
   "$BIN" qwen3_moe.yaml --set parallel.ep=3
@@ -569,6 +571,6 @@ expect_own_usage "a non-integer num_experts refused" "model.num_experts must be 
   "$BIN" qwen3_moe.yaml --set model.num_experts=x
 expect_own_usage "a tp that does not divide the experts' units refused by name" "parallel.tp: 2 does not divide model.moe_intermediate_size (15)" \
   "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set model.moe_intermediate_size=15
-expect_own_usage "expert parallelism with tensor parallelism and ZeRO refused by name" "parallel.ep must be 1 with optim.zero: 1 and parallel.tp: 2" \
-  "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1
+expect_own_usage "expert parallelism with tensor parallelism and ZeRO-3 refused by name" "parallel.ep must be 1 with optim.zero: 3 and parallel.tp: 2" \
+  "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3
 summary

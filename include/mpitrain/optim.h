@@ -135,8 +135,8 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
 // ranks of `ep` hold apart; every other whole gradient is the same on each of them, counted once,
 // on ep rank 0); the squared norms summed over `ep`. ZeRO-1/2 (a sharded AdamW, `expert` whole
 // slots): the slices' squared norms are summed over `dp` (each rank holds its own) and added.
-// Tensor parallelism (`tp`, optim.zero 0; `replicated[k]`: parameter k is whole on every tp rank,
-// counted on tp rank 0 only): the sum then over `tp` as well.
+// Tensor parallelism (`tp`; `replicated[k]`: parameter k is whole on every tp rank, counted on tp
+// rank 0 only): the sum then over `tp` as well.
 torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
                                  Communicator& dp, Communicator* tp = nullptr, const std::vector<bool>& replicated = {});
 // The same, returning the norm as a double (synchronises).

@@ -380,7 +380,7 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
              // group): the verdict and the norm agreed over it
     std::vector<torch::Tensor> grads;
     for (size_t i = 0; i < opt_->size(); ++i) grads.push_back(opt_->grad(i));
-    // (with tp, optim.zero 0: over the island, whose ranks hold every tp shard and every expert)
+    // (with tp: over the island, whose ranks hold every tp shard, slice and expert)
     const bool finite =
         scaler.unscale_and_check(grads, tp_ ? mesh_.island() : shards_optimizer() ? mesh_.dp() : mesh_.ep(), device_);
     return {finite, clip_ep_grad_norm_(*opt_, is_expert_, max_norm, mesh_.ep(), mesh_.dp(), tp_ ? &mesh_.tp() : nullptr,

@@ -61,10 +61,11 @@ bool set_rng_state(const std::vector<uint8_t>& bytes, const torch::Device& devic
 // Bucket b of `shards`' padded layout, assembled on rank 0 from whole tensors (`whole_of(k)`:
 // parameter k's, called on rank 0 only) under agree() over `mpi_comm`, so that a read failing
 // there ends every rank instead of leaving them in the broadcast; then broadcast over the world,
-// each rank keeping its part (its place in the shards' communicator) in `mine`.
+// each rank keeping its part (its place in the shards' communicator) in `mine`; with `keep`
+// false a rank takes nothing (the bucket is another tp rank's).
 template <class WholeOf>
 void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const torch::Tensor& mine,
-                    Communicator& world, MpiComm mpi_comm) {
+                    Communicator& world, MpiComm mpi_comm, bool keep = true) {
   torch::Tensor bucket = torch::zeros({shards.padded_length(b)}, mine.options());
   agree(mpi_comm, [&] {
     if (world.rank() != 0) return;
@@ -77,7 +78,7 @@ void scatter_bucket(const GradSync& shards, size_t b, WholeOf&& whole_of, const 
   // takes its parts of the one copy rank 0 read (without islands at tp 1 the two are the same).
   world.broadcast(bucket, 0);
   const int part = shards.communicator().rank();
-  mine.copy_(bucket.narrow(0, part * mine.numel(), mine.numel()));
+  if (keep) mine.copy_(bucket.narrow(0, part * mine.numel(), mine.numel()));
 }
 
 // Sharded AdamW at tp 1 (ZeRO-1/2/3): rank 0 reads each bucket's moments (and under ZeRO-3,
@@ -212,15 +213,24 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
     }
   }
   if (!shards) return;
+  // (tensor parallel: each tp rank's buckets hold its tp shards: one bucket per tp rank q, made
+  // from q's shards, which the ranks at tp rank q keep)
   const std::vector<size_t> shared = shared_params(params);
   for (size_t b = 0; b < shards->num_buckets(); ++b)
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
       if (part == Part::param && !param_shards) continue;
-      scatter_bucket(*shards, b, [&](size_t j) { return read(params[shared.at(j)].first, part); },
-                     part == Part::param     ? param_shards->at(b)
-                     : part == Part::exp_avg ? opt.bucket_exp_avg(b)
-                                             : opt.bucket_exp_avg_sq(b),
-                     comm, mpi_comm);
+      for (int64_t q = 0; q < d.tp; ++q)
+        scatter_bucket(
+            *shards, b,
+            [&](size_t j) {
+              const auto& [name, p] = params[shared.at(j)];
+              const TpSplit split = model->tp_split(name);
+              return tp_shard(read(name, part).view(tp_whole_shape(p.sizes(), split, d.tp)), split, q, d.tp).contiguous();
+            },
+            part == Part::param     ? param_shards->at(b)
+            : part == Part::exp_avg ? opt.bucket_exp_avg(b)
+                                    : opt.bucket_exp_avg_sq(b),
+            comm, mpi_comm, /*keep=*/d.tp_rank == q);
     }
 }
 
@@ -228,7 +238,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
                      FullOptimState* whole_state, const GradSync* shards, Communicator* tp, ParamShards* units) {
-  MPITRAIN_CHECK(!tp || !shards, "gather_ep_state: tensor parallelism at optim.zero 0");
+  MPITRAIN_CHECK(!tp || !units, "gather_ep_state: tensor parallelism without ZeRO-3");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -261,12 +271,15 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
         const torch::Tensor& mine = which == 1 ? opt.bucket_exp_avg(b) : opt.bucket_exp_avg_sq(b);
         torch::Tensor bucket = torch::empty({shards->padded_length(b)}, mine.options());
         shards->communicator().all_gather(mine, bucket);
-        if (!whole) continue;
-        const torch::Tensor host = bucket.to(torch::kCPU, torch::kFloat32);
-        for (size_t j : shards->bucket_params(b)) {
-          auto& m = whole_state->moments[whole_index(params[shared.at(j)].first)];
+        if (!whole && !tp) continue;
+        for (size_t j : shards->bucket_params(b)) {  // (tensor parallel: each made whole over tp, every rank)
+          const auto& [name, p] = params[shared.at(j)];
+          torch::Tensor part = bucket.narrow(0, shards->flat_offset(j), p.numel()).view(p.sizes());
+          if (tp) part = tp_unshard(part, model->tp_split(name), *tp);
+          if (!whole) continue;
+          auto& m = whole_state->moments[whole_index(name)];
           torch::Tensor& dst = which == 1 ? m.exp_avg : m.exp_avg_sq;
-          dst.view({-1}).copy_(host.narrow(0, shards->flat_offset(j), dst.numel()));
+          dst.view({-1}).copy_(part.to(torch::kCPU, torch::kFloat32).reshape({-1}));
         }
       }
   }

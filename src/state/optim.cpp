@@ -292,27 +292,28 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
 
 torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
                                  Communicator& dp, Communicator* tp, const std::vector<bool>& replicated) {
-  MPITRAIN_CHECK(!tp || !opt.sharded(), "clip_ep_grad_norm_: tensor parallelism at optim.zero 0");
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads, counted, slices;  // counted: summed over ep; slices: over dp
   for (size_t i = 0; i < opt.size(); ++i) {
     const torch::Tensor g = opt.grad(i);
     if (!g.defined()) continue;
     grads.push_back(g);
-    if (!opt.holds_whole(i))
-      slices.push_back(g);
-    else if ((expert[opt.param_index(i)] || ep.rank() == 0) && (!tp || tp->rank() == 0 || !replicated[opt.param_index(i)]))
+    const bool once = !tp || tp->rank() == 0 || !replicated[opt.param_index(i)];  // (a replicated tensor on tp rank 0)
+    if (!opt.holds_whole(i)) {
+      if (once) slices.push_back(g);
+    } else if ((expert[opt.param_index(i)] || ep.rank() == 0) && once) {
       counted.push_back(g);
+    }
   }
   const torch::Device on = (opt.sharded() ? opt.bucket_exp_avg(0) : opt.param(0)).device();
   torch::Tensor squared = sum_of_squares(counted, on);
   ep.all_reduce(squared, ReduceOp::sum);
-  if (tp) tp->all_reduce(squared, ReduceOp::sum);
   if (opt.sharded()) {
     torch::Tensor sliced = sum_of_squares(slices, on);
     dp.all_reduce(sliced, ReduceOp::sum);
     squared = squared + sliced;
   }
+  if (tp) tp->all_reduce(squared, ReduceOp::sum);
   return clip_by(grads, squared, max_norm);
 }
 

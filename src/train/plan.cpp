@@ -266,7 +266,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
                                " token copies of ", dims.n_embd, " values, to the experts in fp32 and back in ",
                                precision_name(run.precision), ", and their gradients; ", run.layout.ep - 1, "/", run.layout.ep,
                                " of them leave the rank when the routing is balanced); ",
-                               tensor_parallel ? "with parallel.tp only the table's optim.zero 0 rows run"
+                               tensor_parallel ? "with parallel.tp the table's optim.zero 3 rows do not run"
                                                : "optim.zero 1-3 shard the shared parameters only (each rank's experts "
                                                  "whole)",
                                "\n").c_str()
