@@ -510,7 +510,9 @@ check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 
 # sliced over the dp pair) trains the same dp 2 run; its step-4 checkpoint (the experts and the
 # shared moments made whole over tp, then the experts gathered over ep) resumed at ZeRO-2 (each
 # rank taking its tp shards of its experts, and its slices of its tp shards of the others') trains
-# the same steps 5-8.
+# the same steps 5-8. The same layout at ZeRO-3 with selective checkpointing (the units holding the
+# shared tp shards, the model made without values and each rank drawing its own shards of its
+# experts) trains the dp 2 run too.
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1 \
   --set train.out_dir=run_tpep --set checkpoint.dir=ckpt_tpep > tpep.out 2>&1
 tpeprc=$?
@@ -522,6 +524,16 @@ cat close_tpep.out
 check "parallel.tp 2 with parallel.ep 2 at ZeRO-1 (np 4) trains the dp 2 run: losses and final parameters (exit $tpeprc)" \
   "[ $tpeprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 (ep 2: 1 group of 2 ranks each holding 1/2 of the experts) x tp 2' tpep.out &&
    grep -q 'experts gathered to it from the 2 ranks of its ep group, each tensor made whole over the 2 ranks of its tp group first' tpep.out"
+"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3 \
+  --set train.activation_checkpointing=selective --set train.out_dir=run_tpep3 --set checkpoint.dir=ckpt_tpep3 > tpep3.out 2>&1
+tpeprc=$?
+[ $tpeprc -eq 0 ] || tail -5 tpep3.out
+to_hf tpep3 8 tpep3
+close sgd tpep3 sgd_4 reorder > close_tpep3.out 2>&1
+rc=$?
+cat close_tpep3.out
+check "the same at ZeRO-3 with selective checkpointing trains the dp 2 run (exit $tpeprc)" \
+  "[ $tpeprc -eq 0 ] && [ $rc -eq 0 ]"
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=2 \
   --set train.out_dir=run_tpepres --set checkpoint.dir=ckpt_tpepres --set checkpoint.resume=ckpt_tpep/ckpt-00000004.h5 > tpepres.out 2>&1
 rc=$?
@@ -571,6 +583,4 @@ expect_own_usage "a non-integer num_experts refused" "model.num_experts must be 
   "$BIN" qwen3_moe.yaml --set model.num_experts=x
 expect_own_usage "a tp that does not divide the experts' units refused by name" "parallel.tp: 2 does not divide model.moe_intermediate_size (15)" \
   "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set model.moe_intermediate_size=15
-expect_own_usage "expert parallelism with tensor parallelism and ZeRO-3 refused by name" "parallel.ep must be 1 with optim.zero: 3 and parallel.tp: 2" \
-  "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3
 summary

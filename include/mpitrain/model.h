@@ -387,6 +387,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // Deferred under expert parallelism: the whole model (ep 1, without values) whose draws
   // initialize() hands out, this rank's parameters only.
   std::shared_ptr<GPTImpl> ep_whole_;
+  // Deferred under tensor and expert parallelism: the tp 1 model (itself with ep_whole_) whose
+  // initialize() gives this rank's parameters whole, of which it takes its tp shards.
+  std::shared_ptr<GPTImpl> tp_dense_;
 };
 TORCH_MODULE(GPT);
 

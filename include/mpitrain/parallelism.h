@@ -19,7 +19,7 @@
 //   group, a checkpoint's experts gathered to rank 0 and handed out again on resume. ZeRO-1/2/3
 //   shard the shared parameters over the dp group as above (ZeRO-3's units hold them only); each
 //   rank's experts stay whole, their AdamW state in slots after the slices (optim.h). With tensor
-//   parallelism (optim.zero 0-2) each rank holds its tp shards of its experts; a checkpoint makes
+//   parallelism (any stage) each rank holds its tp shards of its experts; a checkpoint makes
 //   them whole over tp, then over ep.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
 // optimizer's slots and then ask after_update() as an update does.
@@ -151,7 +151,7 @@ class Parallelism {
   MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;
-  const bool ep_;  // parallel.ep > 1 (with tp > 1 optim.zero 0-2: the config refuses ZeRO-3)
+  const bool ep_;  // parallel.ep > 1
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;

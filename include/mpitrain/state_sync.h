@@ -44,10 +44,10 @@ void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicato
                      GPT* whole, FullOptimState* whole_state, ParamShards* units = nullptr);
 // Expert parallelism: the whole model's parameters and AdamW moments, the experts gathered from the
 // ranks of rank 0's ep group (`ep`; `first_ep_group`: this rank is one of them) into rank 0's
-// `whole` (a model of ep 1, host) and `whole_state` (host_optim_state_like(whole)). ZeRO-1/2
+// `whole` (a model of ep 1, host) and `whole_state` (host_optim_state_like(whole)). ZeRO-1/2/3
 // (`shards`: the shared parameters' sharded GradSync, `opt` its AdamW with the experts whole): their
-// moments are first gathered over its dp group, one bucket at a time. Tensor parallelism (`tp`,
-// not ZeRO-3): each tensor is made whole over the tp group before the experts' gather (the first
+// moments are first gathered over its dp group, one bucket at a time. Tensor parallelism (`tp`):
+// each tensor is made whole over the tp group before the experts' gather (the first
 // ep group of every tp rank takes part). Every rank calls it (without `shards` the ranks outside
 // the first ep group return at once).
 // ZeRO-3 (`units`, over the shared parameters): their values are gathered one unit at a time too.

@@ -744,10 +744,6 @@ void validate(const Config& c, const std::string& where) {
   if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0-2
     check(m.arch == "llama", "parallel.ep", "1 for a model without experts (it splits a mixture of experts' experts)",
           show(c.parallel.ep));
-    check(c.optim.zero <= 2 || c.parallel.tp == 1, "parallel.ep",
-          concat("1 with optim.zero: 3 and parallel.tp: ", c.parallel.tp,
-                 " (expert parallelism with tensor parallelism runs at optim.zero 0-2)"),
-          show(c.parallel.ep));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

@@ -729,7 +729,10 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     for (size_t k = 0; k < all.size(); ++k)
       MPITRAIN_CHECK(mine[k].first == all[k].first, "tensor parallel: the dense model has other parameters");
     if (deferred) {  // the dense model's draws, made by initialize() one parameter at a time
-      init_generator_ = dense->init_generator_;
+      if (dense->ep_whole_)  // (expert parallelism: its own parameters' draws, then this rank's tp shards)
+        tp_dense_ = dense.ptr();
+      else
+        init_generator_ = dense->init_generator_;
       return;
     }
     torch::NoGradGuard no_grad;
@@ -748,7 +751,6 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     build_modules(d, deferred);
     collect_tp_splits();
     if (deferred) {
-      MPITRAIN_CHECK(d.tp == 1, "expert parallelism: a deferred model at tp 1");
       ep_whole_ = dense.ptr();
       return;
     }
@@ -778,6 +780,13 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
 }
 
 void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
+  if (tp_dense_) {  // tensor and expert parallelism: the tp 1 model's draws (the same names, in order)
+    const auto params = named_params();
+    tp_dense_->initialize([&](size_t k, const torch::Tensor& values) {
+      take(k, tp_shard(values, tp_split(params[k].first), dims_.tp_rank, dims_.tp));
+    });
+    return;
+  }
   if (ep_whole_) {  // the whole model's draws, each of this rank's parameters taken in its own order
     std::map<std::string, size_t> mine;
     const auto params = named_params();

@@ -238,7 +238,6 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
                      FullOptimState* whole_state, const GradSync* shards, Communicator* tp, ParamShards* units) {
-  MPITRAIN_CHECK(!tp || !units, "gather_ep_state: tensor parallelism without ZeRO-3");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
@@ -258,12 +257,13 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
   };
   if (shards) {  // ZeRO-1/2/3: the shared parameters' moments, one bucket at a time over the dp group
     const std::vector<size_t> shared = shared_params(params);
-    if (units)  // ZeRO-3: their values too, one unit whole at a time
+    if (units)  // ZeRO-3: their values too, one unit whole at a time (tensor parallel: made whole over tp)
       units->for_each_unit_whole([&](const std::vector<size_t>& js) {
-        if (!whole) return;
+        if (!whole && !tp) return;
         for (size_t j : js) {
           const auto& [name, p] = params[shared.at(j)];
-          into[whole_index(name)].second.detach().copy_(p.detach());
+          const torch::Tensor value = tp ? tp_unshard(p.detach(), model->tp_split(name), *tp) : p.detach();
+          if (whole) into[whole_index(name)].second.detach().copy_(value);
         }
       });
     for (size_t b = 0; b < shards->num_buckets(); ++b)
