@@ -95,6 +95,22 @@ TEST(Layout, TpGroupsAreConsecutiveRanksAndDpGroupsShareTheTpCoordinate) {
   EXPECT_EQ(flat.describe(topo), "mesh: 8 ranks = dp 8");
 }
 
+// Pipeline stages are the outermost runs of ranks; within a stage everything is as without them,
+// and a pipeline is the ranks at one place in every stage.
+TEST(Layout, PipelineStagesAreRunsOfRanksEachWithItsOwnDpGroup) {
+  const Topology topo = hosts_of({{"a", 4}, {"b", 4}});
+  const MeshLayout l = plan_layout(topo, 1, 1, 1, 2);  // pp 2 x dp 4
+  EXPECT_EQ(l.pp, 2);
+  EXPECT_EQ(l.dp, 4);
+  EXPECT_EQ(l.stage(5), 1);
+  EXPECT_EQ(l.dp_group(5), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(l.dp_rank(5), 1);
+  EXPECT_EQ(l.replica(5), l.replica(1));  // every stage of a pipeline reads its replica's data
+  EXPECT_EQ(l.pp_group(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(l.describe(topo), "mesh: 8 ranks = pp 2 x dp 4; stages a[0-3] b[4-7]");
+  EXPECT_THROW(plan_layout(topo, 1, 1, 1, 3), UsageError);
+}
+
 TEST(Layout, ALayoutThatDoesNotFitTheHostsIsRefusedNamingKeyAndHost) {
   try {
     plan_layout(hosts_of({{"a", 3}, {"b", 3}}), 2);  // ranks 2-3 would span a and b

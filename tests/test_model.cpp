@@ -16,6 +16,7 @@
 #include "mpitrain/host_memory.h"
 #include "mpitrain/model.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/pipeline.h"
 
 using namespace mpitrain;
 
@@ -837,4 +838,119 @@ TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
     const double cos = (gf * gp).sum().item<double>() / (gf.norm() * gp.norm()).item<double>();
     EXPECT_GT(cos, 0.99) << pp[i].first;
   }
+}
+
+// Pipeline parallelism's stages (model.h's stage_forward / stage_loss, pipeline.h): a 3-block GPT-2
+// and a tied Qwen3 cut into 2 and 3 stages hold the whole model's parameters under the same names
+// with the same initial values; chaining the stages' forwards (each stage's input a new leaf, as
+// the received activation is) gives the whole model's loss bitwise, and each stage's backward,
+// fed the next stage's input gradient, every parameter's gradient bitwise, but the tied
+// embedding's, whose two halves (the first stage's and the last's) sum to the whole model's.
+TEST(Model, PipelineStagesChainToTheWholeModel) {
+  for (const char* family : {"gpt2", "qwen3"}) {
+    for (int64_t pp : {2, 3}) {
+      GPTDims d = small_dims();
+      d.n_layer = 3;
+      if (std::string(family) == "qwen3") {
+        d.arch = "llama", d.family = "qwen3", d.n_kv_head = 1, d.intermediate_size = 48, d.qk_norm = true;
+      }
+      complete_dims(d);
+      torch::manual_seed(7);
+      GPT whole(d);
+      std::vector<GPT> stages;
+      for (int64_t s = 0; s < pp; ++s) {
+        GPTDims at = d;
+        at.pp = pp, at.pp_stage = s;
+        torch::manual_seed(7);
+        stages.emplace_back(at);
+      }
+      std::map<std::string, torch::Tensor> all;
+      for (const auto& [name, p] : whole->named_params()) all.emplace(name, p);
+      size_t held = 0;
+      for (auto& stage : stages)
+        for (const auto& [name, p] : stage->named_params()) {
+          ASSERT_TRUE(all.count(name)) << family << " pp " << pp << ": " << name;
+          EXPECT_TRUE(torch::equal(p, all[name])) << name;
+          ++held;
+        }
+      EXPECT_EQ(held, all.size() + 1) << "every parameter once, the tied embedding twice";
+      const torch::Tensor x = torch::randint(d.vocab_size, {2, d.seq_len}, torch::kLong);
+      const torch::Tensor y = torch::randint(d.vocab_size, {2, d.seq_len}, torch::kLong);
+      const torch::Tensor expected = whole->loss(x, y);
+      expected.backward();
+      std::vector<torch::Tensor> ins, outs;
+      torch::Tensor in = x;
+      for (int64_t s = 0; s < pp; ++s) {
+        ins.push_back(in);
+        torch::Tensor out = stages[static_cast<size_t>(s)]->stage_forward(in);
+        if (s + 1 == pp) out = stages.back()->stage_loss(out, y);
+        outs.push_back(out);
+        in = out.detach().requires_grad_(true);
+      }
+      EXPECT_TRUE(torch::equal(outs.back(), expected)) << family << " pp " << pp;
+      outs.back().backward();
+      for (int64_t s = pp - 2; s >= 0; --s) outs[static_cast<size_t>(s)].backward(ins[static_cast<size_t>(s) + 1].grad());
+      torch::Tensor tied = torch::zeros_like(all["wte.weight"]);
+      for (auto& stage : stages)
+        for (const auto& [name, p] : stage->named_params()) {
+          if (name == "wte.weight") {
+            tied += p.grad();
+            continue;
+          }
+          EXPECT_TRUE(torch::equal(p.grad(), all[name].grad())) << family << " pp " << pp << ": " << name;
+        }
+      EXPECT_TRUE(torch::allclose(tied, all["wte.weight"].grad(), 1e-6, 1e-7)) << family << " pp " << pp;
+    }
+  }
+}
+
+// The schedules (pipeline.h): every micro-batch's forward and backward once per stage, each
+// backward after its forward, the backwards in micro-batch order (so gpipe and 1f1b accumulate the
+// gradients alike); 1f1b's stage s runs pp - 1 - s forwards ahead and so holds at most pp - s
+// micro-batches' activations, gpipe all of them; and a stage's m-th forward can run once the stage
+// before has run its own (no schedule waits on a later step of an earlier stage: simulated).
+TEST(Pipeline, SchedulesRunEachMicroBatchOnceInOrderAndDoNotDeadlock) {
+  for (const char* kind : {"gpipe", "1f1b"})
+    for (int64_t pp : {2, 4})
+      for (int64_t m : {1, 3, 8}) {
+        std::vector<std::vector<PipeStep>> steps;
+        for (int64_t s = 0; s < pp; ++s) {
+          steps.push_back(pipeline_schedule(kind, pp, s, m));
+          const auto& v = steps.back();
+          ASSERT_EQ(v.size(), static_cast<size_t>(2 * m));
+          int64_t held = 0, most = 0, next_forward = 0, next_backward = 0;
+          for (const PipeStep& p : v) {
+            if (p.forward) {
+              EXPECT_EQ(p.micro, next_forward++);
+              most = std::max(most, ++held);
+            } else {
+              EXPECT_EQ(p.micro, next_backward++);
+              EXPECT_LT(p.micro, next_forward) << "a backward before its forward";
+              --held;
+            }
+          }
+          EXPECT_EQ(most, std::string(kind) == "gpipe" ? m : std::min(m, pp - s)) << kind << " stage " << s;
+        }
+        // Run every stage's steps as far as its inputs allow: F(s, m) needs F(s - 1, m); B(s, m)
+        // needs B(s + 1, m) (the last stage: its own F).
+        std::vector<size_t> at(static_cast<size_t>(pp), 0);
+        std::vector<std::vector<bool>> fwd(static_cast<size_t>(pp), std::vector<bool>(static_cast<size_t>(m))),
+            bwd = fwd;
+        for (bool moved = true; moved;) {
+          moved = false;
+          for (int64_t s = 0; s < pp; ++s) {
+            const auto u = static_cast<size_t>(s);
+            if (at[u] == steps[u].size()) continue;
+            const PipeStep& p = steps[u][at[u]];
+            const auto k = static_cast<size_t>(p.micro);
+            const bool ready = p.forward ? (s == 0 || fwd[u - 1][k]) : (s + 1 == pp ? fwd[u][k] : bwd[u + 1][k]);
+            if (!ready) continue;
+            (p.forward ? fwd : bwd)[u][k] = true;
+            ++at[u];
+            moved = true;
+          }
+        }
+        for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(at[static_cast<size_t>(s)], steps[static_cast<size_t>(s)].size()) << kind << " deadlocks";
+      }
+  EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8), 3.0 / 8);
 }

@@ -193,6 +193,12 @@ struct ParallelConfig {
   // layout.h's group_hosts). Between islands only the outer steps talk.
   std::string islands = "1";
   double slow_link_gbit = 10;  // islands: auto: a link below this (or a quarter of the fastest) parts islands, > 0
+  // Pipeline parallelism (pipeline.h): the blocks in pp stages of consecutive blocks (the embedding
+  // on the first, the final norm and head on the last), each stage pp-th of the ranks (consecutive
+  // runs: stage s is ranks [s world / pp, (s + 1) world / pp)); the step's micro-batches
+  // (train.grad_accum) flow through them in pp_schedule's order: 1f1b | gpipe.
+  int64_t pp = 1;
+  std::string pp_schedule = "1f1b";
 };
 
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of

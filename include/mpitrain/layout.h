@@ -1,4 +1,7 @@
-// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = islands x dp x tp.
+// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = pp x islands x dp x tp.
+// Pipeline stages (pp) are the outermost runs of consecutive ranks (stage s: ranks [s world / pp,
+// (s + 1) world / pp)), so that a pipeline spans hosts and its stages' dp and tp groups stay
+// within one stage; everything below applies within a stage, whose ranks are numbered from 0.
 // Rank r has tensor-parallel coordinate r % tp, so a tp group is tp consecutive ranks, and those
 // must share a host (tensor parallelism talks every layer; it belongs on NVLink, never on the
 // network). Islands (DiLoCo, diloco.h; one without it) are runs of consecutive ranks; inside one,
@@ -22,14 +25,19 @@ struct MeshLayout {
   // Expert parallelism (parallel.ep): each run of ep consecutive dp ranks is an ep group, whose
   // ranks hold one share of the experts each and exchange tokens (dp = ep groups x ep).
   int ep = 1;
+  // Pipeline parallelism (parallel.pp, pipeline.h): the stages, each world / pp consecutive ranks.
+  int pp = 1;
 
-  int island_size() const { return world / islands; }
-  int island(int rank) const { return rank / island_size(); }
+  int stage_size() const { return world / pp; }
+  int stage(int rank) const { return rank / stage_size(); }
+  int island_size() const { return stage_size() / islands; }
+  int island(int rank) const { return (rank % stage_size()) / island_size(); }
   int dp_rank(int rank) const { return (rank % island_size()) / tp; }  // within its island
   int tp_rank(int rank) const { return rank % tp; }
-  // Data replicas over all islands: each reads its own windows (rank's is island x dp + dp_rank).
+  // Data replicas over all islands: each reads its own windows (rank's is island x dp + dp_rank);
+  // every stage of a pipeline reads its replica's.
   int replicas() const { return islands * dp; }
-  int replica(int rank) const { return rank / tp; }
+  int replica(int rank) const { return (rank % stage_size()) / tp; }
   // The rank's place in its ep group: its share of the experts.
   int ep_rank(int rank) const { return dp_rank(rank) % ep; }
   // The ranks of rank's tp group, of its dp group (its island's ranks with its tp coordinate), of
@@ -43,6 +51,8 @@ struct MeshLayout {
   // and of its expert-replica group (its dp group's ranks holding the same experts), ascending.
   std::vector<int> ep_group(int rank) const;
   std::vector<int> expert_replica_group(int rank) const;
+  // The ranks of rank's pipeline (the rank at its place in every stage), ascending: stage order.
+  std::vector<int> pp_group(int rank) const;
 
   // "mesh: 4 ranks = dp 2 x tp 2; tp groups hostA[0-1] hostB[2-3]" (tp 1: "mesh: 4 ranks = dp 4";
   // islands: "mesh: 4 ranks = 2 islands x dp 2; islands hostA[0-1] hostB[2-3]")
@@ -54,7 +64,9 @@ struct MeshLayout {
 // does not divide the world size or a tp group would span hosts, or the islands do not divide the
 // world into equal runs of whole tp groups.
 // parallel.ep = `ep`: UsageError naming the key when it does not divide the data-parallel ranks.
-MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1, int64_t ep = 1);
+// parallel.pp = `pp`: UsageError naming the key when it does not divide the world into stages of
+// whole tp groups.
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands = 1, int64_t ep = 1, int64_t pp = 1);
 
 // parallel.islands: auto (docs/diloco.md). `gbit[i][j]`: the measured bandwidth between hosts i and
 // j in Gbit/s (symmetric; the diagonal is not read). A link is slow when it is below `slow_gbit`

@@ -1,7 +1,8 @@
-// The device mesh: the one object that knows the job's layout (layout.h: world = islands x dp x tp,
+// The device mesh: the one object that knows the job's layout (layout.h: world = pp x islands x dp x tp,
 // this rank's coordinates) and holds one Communicator per group: the world, this rank's dp group
 // and its tp group; with DiLoCo's islands also its replica group (every island's ranks of its tp
-// coordinate), its island group (its place in every island) and its island (every rank of it).
+// coordinate), its island group (its place in every island) and its island (every rank of it);
+// with pipeline stages its pipeline (its place in every stage), and its dp group within its stage.
 // MPI groups are sub-communicators of the world (MPI_Comm_split); an NCCL communicator per group
 // is bootstrapped inside its group by an MPI_Bcast of its unique id (comm_nccl.cpp), and the
 // watchdog's abort path aborts every NCCL communicator that exists.
@@ -51,6 +52,12 @@ class Mesh {
   Communicator* islands() { return islands_.get(); }
   // Every rank of this rank's island (the world without islands).
   Communicator& island() { return island_ ? *island_ : *world_; }
+  // Pipeline parallelism: this rank's stage and its pipeline (the rank at its place in every stage,
+  // rank s of it in stage s; the activations' point-to-point and the gradient norm), a group of one
+  // rank with pp 1.
+  int stage() const { return layout_.stage(rank_); }
+  Communicator& pp() { return *pp_; }
+  MpiComm pp_mpi() const { return pp_mpi_; }
   MpiComm world_mpi() const { return world_mpi_; }
   MpiComm island_mpi() const { return island_mpi_ != MpiComm{} ? island_mpi_ : world_mpi_; }
 
@@ -62,9 +69,10 @@ class Mesh {
   MpiComm replicas_mpi_ = MpiComm{}, islands_mpi_ = MpiComm{};  // owned; islands only
   MpiComm island_mpi_ = MpiComm{};                                   // owned; islands only
   MpiComm ep_mpi_ = MpiComm{}, expert_replicas_mpi_ = MpiComm{};      // owned
+  MpiComm pp_mpi_ = MpiComm{};                                        // owned
   std::unique_ptr<Communicator> world_, dp_, tp_;             // dp_ null: the world is the dp group
   std::unique_ptr<Communicator> replicas_, islands_, island_;  // null without islands
-  std::unique_ptr<Communicator> ep_, expert_replicas_;
+  std::unique_ptr<Communicator> ep_, expert_replicas_, pp_;
 };
 
 }  // namespace mpitrain

@@ -318,6 +318,13 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
+  // Pipeline parallelism (dims.pp > 1): this stage's part of forward. `in`: the token ids on the
+  // first stage, else the previous stage's output [B, T, n_embd]; returns the residual stream after
+  // this stage's blocks (the last stage: after the final norm). stage_loss: the last stage's mean
+  // cross-entropy of that output against `targets` (as loss() computes it, without experts).
+  torch::Tensor stage_forward(const torch::Tensor& in);
+  torch::Tensor stage_loss(const torch::Tensor& out, const torch::Tensor& targets);
+
   const GPTDims& dims() const { return dims_; }
   // The last forward's load-balancing loss (undefined: no experts or not training) and each sparse
   // layer's expert load, max / mean tokens per expert (empty: no experts).
@@ -376,6 +383,13 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   std::vector<torch::Tensor> router_output(std::vector<torch::Tensor> outs, size_t block_outputs = 1);
   void collect_tp_splits();  // every module's declarations, by full parameter name
   torch::Tensor lm_loss(const torch::Tensor& idx, const torch::Tensor& targets);  // loss() without the aux loss
+  torch::Tensor embed(const torch::Tensor& idx);  // hidden()'s first part: the embeddings (dropout)
+  torch::Tensor run_blocks(torch::Tensor x);       // hidden()'s blocks (unfused), the ones this model holds
+  torch::Tensor lm_loss_of(const torch::Tensor& hidden, const torch::Tensor& targets);  // after ln_f
+  torch::Tensor head(const torch::Tensor& x);  // the logits of x (after ln_f and tp_copy)
+  // This model's parameters from `whole`'s draws (a model made without values whose parameters
+  // include this one's by name: expert parallelism's, a pipeline stage's), one at a time.
+  void keep_draws(GPTImpl& whole);
   GPTDims dims_;
   RouterLog router_log_;
   torch::Tensor aux_loss_, z_loss_;

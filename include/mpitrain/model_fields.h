@@ -174,6 +174,15 @@ struct GPTDims : ModelArgs {
   // (model.h's MoE), which the training loop moves after every step (GPT::update_routing_bias).
   bool routing_bias = false;
   int64_t local_experts() const { return num_experts / ep; }
+  // Pipeline parallelism (parallel.pp, pipeline.h): this rank's stage of `pp`, holding blocks
+  // [stage_begin(), stage_end()) (the stages' shares as even as the blocks allow, the later ones
+  // larger), the embedding on the first stage, the final norm and the output layer on the last
+  // (with tied embeddings a copy of the embedding there too). Names stay the whole model's.
+  int64_t pp = 1, pp_stage = 0;
+  int64_t stage_begin() const { return pp_stage * n_layer / pp; }
+  int64_t stage_end() const { return (pp_stage + 1) * n_layer / pp; }
+  bool first_stage() const { return pp_stage == 0; }
+  bool last_stage() const { return pp_stage == pp - 1; }
 };
 
 // family_conflict over a model's own block, flags and window: the key it may not have, or nullptr.

@@ -17,6 +17,10 @@ namespace mpitrain {
 // int: both fit in an intptr_t.
 enum class MpiComm : std::intptr_t {};
 
+// A nonblocking point-to-point operation in flight (mpi::isend). Open MPI's MPI_Request is a
+// pointer and MPICH's an int, as MPI_Comm.
+enum class MpiRequest : std::intptr_t {};
+
 // The reductions of every communicator (comm.h) and of the host-side all_reduce below.
 enum class ReduceOp { sum, avg, max, min };
 
@@ -55,6 +59,13 @@ void gather(const void* mine, void* all, size_t bytes, int root, MpiComm comm);
 void all_gather(const void* mine, void* all, size_t bytes, MpiComm comm);
 // Every rank's list on `root` in rank order (elsewhere: empty).
 std::vector<std::vector<uint64_t>> gather_lists(const std::vector<uint64_t>& mine, int root, MpiComm comm);
+
+// Point to point (pipeline parallelism's activations and their gradients): a nonblocking send of
+// `bytes` at `data` to rank `dest` of `comm` with `tag` (the buffer stays alive and unchanged until
+// wait()), and a blocking receive of exactly `bytes` from `source` with `tag`.
+MpiRequest isend(const void* data, size_t bytes, int dest, int tag, MpiComm comm);
+void recv(void* data, size_t bytes, int source, int tag, MpiComm comm);
+void wait(MpiRequest& request);  // MPI_Wait; the request becomes MPI_REQUEST_NULL
 
 // MPI_Comm_split: color < 0 is MPI_UNDEFINED (this rank gets MpiComm{}).
 MpiComm split(MpiComm comm, int color, int key);

@@ -61,7 +61,7 @@ class AdamW {
   // views into bucket_moments(b), this rank's part of the bucket's padded layout.
   // ZeRO-3 (`param_shards`: ParamShards::param_shards(), one per bucket): the slots are views of
   // this rank's parameter shards instead of the parameters, which are not whole between steps.
-  // Expert parallelism with ZeRO-1/2 (`whole`: indices into named_params, ascending): those
+  // Expert parallelism with ZeRO (`whole`: indices into named_params, ascending): those
   // parameters (each rank's experts) are held whole, as by the first constructor, in slots after
   // the slices; `shards` is then over the other parameters, in order (its parameter j is the j-th
   // of named_params not in `whole`).
@@ -133,12 +133,17 @@ torch::Tensor clip_sharded_grad_norm_(AdamW& opt, double max_norm, Communicator&
 torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, Communicator& tp, Communicator& dp);
 // Expert parallelism: `expert[k]` whether parameter k is one of this rank's experts (which the
 // ranks of `ep` hold apart; every other whole gradient is the same on each of them, counted once,
-// on ep rank 0); the squared norms summed over `ep`. ZeRO-1/2 (a sharded AdamW, `expert` whole
+// on ep rank 0); the squared norms summed over `ep`. ZeRO (a sharded AdamW, `expert` whole
 // slots): the slices' squared norms are summed over `dp` (each rank holds its own) and added.
 // Tensor parallelism (`tp`; `replicated[k]`: parameter k is whole on every tp rank, counted on tp
 // rank 0 only): the sum then over `tp` as well.
 torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
                                  Communicator& dp, Communicator* tp = nullptr, const std::vector<bool>& replicated = {});
+// Pipeline parallelism: each rank of `pp` holds its stage's gradients (`counted[i]` false for a
+// copy another stage counts: the last stage's tied embedding, whose gradient the two ends summed
+// between them); the squared norms summed over `pp`.
+torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& counted,
+                                 double max_norm, Communicator& pp);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -68,6 +68,9 @@ class Parallelism {
   int zero_stage() const { return stage_; }  // 0 with one dp rank, whatever optim.zero says
   bool tensor_parallel() const { return tp_; }
   bool expert_parallel() const { return ep_; }
+  bool pipeline_parallel() const { return pp_; }
+  // Pipeline parallelism: the whole model's parameter names and shapes (empty with pp 1).
+  const ParamShapes& whole_names() const { return whole_names_; }
   // Checkpoint writers: each holder of a part of the state writes its share (all ranks see
   // checkpoint.dir), else rank 0 the whole state, gathered to it; how many ranks write.
   bool writes_shares() const { return shares_; }
@@ -132,7 +135,7 @@ class Parallelism {
   // Whether `generate` can run here: not under tensor parallelism; under ZeRO-3 on every rank at
   // once (each block gathered around its use).
   // Expert parallelism: on every rank too (each sparse layer exchanges tokens over the ep group).
-  bool can_sample() const { return !tp_; }
+  bool can_sample() const { return !tp_ && !pp_; }
   bool samples_on_every_rank() const { return units_.has_value() || ep_; }
   // The whole final parameters (tests; collective): tp shards gathered, ZeRO-3 units gathered.
   std::vector<std::pair<std::string, std::vector<float>>> whole_params();
@@ -152,6 +155,13 @@ class Parallelism {
   const torch::Device device_;
   const bool tp_;
   const bool ep_;  // parallel.ep > 1
+  const bool pp_;  // parallel.pp > 1 (optim.zero 0, tp 1, ep 1, no islands: the config refuses the rest)
+  // Pipeline parallelism: the whole model's names and shapes (every rank's), whether each of
+  // params_ counts in the gradient norm (not the last stage's tied embedding), and whether this
+  // stage holds a tied embedding that another stage holds too (its gradient summed between them).
+  ParamShapes whole_names_;
+  std::vector<bool> pp_counted_;
+  bool tied_copy_ = false;
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;

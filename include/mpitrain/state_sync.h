@@ -54,6 +54,15 @@ void gather_tp_state(GPT& model, AdamW& opt, const GradSync* shards, Communicato
 void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_group, GPT* whole,
                      FullOptimState* whole_state, const GradSync* shards = nullptr, Communicator* tp = nullptr,
                      ParamShards* units = nullptr);
+// The whole model's parameters: names and shapes, in order (pipeline parallelism: every rank's
+// list, of which no stage holds all).
+using ParamShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+// Pipeline parallelism (`opt` unsharded: slot k is parameter k): the whole model's parameters and
+// AdamW moments, each sent by the stage that holds it (pipeline.h's stage_of; a tied embedding's by
+// the first stage) to rank 0 of `pp` (the first pipeline: Mesh::pp_mpi() of the dp rank 0 ranks,
+// which call it), one tensor at a time, into rank 0's `whole` (the whole model, host) and
+// `whole_state`. `names`: the whole model's (whole's order).
+void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 
@@ -139,9 +148,12 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 // parameters are not written (they need not be whole). Expert parallelism (`model`'s dims.ep > 1,
 // any optim.zero): rank 0 opens the file with `whole` (its model of ep 1) and hands every rank of
 // each ep group its experts (ZeRO-1/2/3: `shards` over the shared parameters, whose moments, and
-// under ZeRO-3 values, each rank keeps its slices of). Returns the file loaded (rank 0; "" elsewhere).
+// under ZeRO-3 values, each rank keeps its slices of). Pipeline parallelism (`model`'s dims.pp > 1;
+// `pp_names`: the whole model's names and shapes): rank 0 opens the file with `whole`, every tensor
+// goes to every rank and each stage keeps its own. Returns the file loaded (rank 0; "" elsewhere).
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
-                 const std::vector<torch::Tensor>* param_shards = nullptr, GPT* whole = nullptr);
+                 const std::vector<torch::Tensor>* param_shards = nullptr, GPT* whole = nullptr,
+                 const ParamShapes* pp_names = nullptr);
 
 }  // namespace mpitrain

@@ -105,7 +105,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, grad_dtype),    MPITRAIN_FIELD(comm, param_dtype), MPITRAIN_FIELD(comm, compress),
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, ep),        MPITRAIN_FIELD(parallel, islands),
-    MPITRAIN_FIELD(parallel, slow_link_gbit),
+    MPITRAIN_FIELD(parallel, slow_link_gbit), MPITRAIN_FIELD(parallel, pp),     MPITRAIN_FIELD(parallel, pp_schedule),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
     MPITRAIN_FIELD(diloco, fragments),   MPITRAIN_FIELD(diloco, overlap),
@@ -744,6 +744,26 @@ void validate(const Config& c, const std::string& where) {
   if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0-2
     check(m.arch == "llama", "parallel.ep", "1 for a model without experts (it splits a mixture of experts' experts)",
           show(c.parallel.ep));
+  }
+  check(c.parallel.pp >= 1, "parallel.pp", ">= 1", show(c.parallel.pp));
+  check(one_of(c.parallel.pp_schedule, {"1f1b", "gpipe"}), "parallel.pp_schedule",
+        "one of 1f1b|gpipe (interleaved is not built yet)", show(c.parallel.pp_schedule));
+  if (c.parallel.pp > 1) {  // what pipeline parallelism composes with so far (pipeline.h)
+    const auto pp_with = [&](bool ok, const char* key, const std::string& needed, const std::string& value) {
+      check(ok, key, concat(needed, " with parallel.pp: ", c.parallel.pp, " (not built with pipeline parallelism yet)"), value);
+    };
+    check(m.n_layer == 0 || c.parallel.pp <= m.n_layer, "parallel.pp",
+          concat("at most model.n_layer = ", m.n_layer, " (each stage holds at least one block)"), show(c.parallel.pp));
+    pp_with(c.parallel.tp == 1, "parallel.tp", "1", show(c.parallel.tp));
+    pp_with(c.parallel.ep == 1, "parallel.ep", "1", show(c.parallel.ep));
+    pp_with(c.parallel.islands == "1", "parallel.islands", "1", show(c.parallel.islands));
+    pp_with(c.optim.zero == 0, "optim.zero", "0", show(c.optim.zero));
+    pp_with(c.comm.compress == "none", "comm.compress", "none", show(c.comm.compress));
+    pp_with(m.init_from.empty(), "model.init_from", "empty", show(m.init_from));
+    pp_with(m.fused_kernels != "on", "model.fused_kernels", "auto or off", show(m.fused_kernels));
+    pp_with(c.train.precision != "fp16", "train.precision", "fp32 or bf16", show(c.train.precision));
+    check(m.arch != "llama" || !dims_of_config(m).has_experts(), "parallel.pp",
+          "1 for a mixture of experts (its load-balancing loss spans the stages; not built yet)", show(c.parallel.pp));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

@@ -16,8 +16,11 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   // island and tp coordinate. Both splits are collective over the world, so every rank makes both
   // even when one is trivial.
   tp_mpi_ = mpi::split(world, layout_.replica(rank_), rank_);
-  dp_mpi_ = mpi::split(world, layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
-  if (layout_.tp > 1 || layout_.islands > 1) dp_ = make_communicator(backend, dp_mpi_, device);
+  const int stage_key = layout_.stage(rank_) * layout_.islands * layout_.tp;  // (0 without pipeline stages)
+  dp_mpi_ = mpi::split(world, stage_key + layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
+  if (layout_.tp > 1 || layout_.islands > 1 || layout_.pp > 1) dp_ = make_communicator(backend, dp_mpi_, device);
+  pp_mpi_ = mpi::split(world, rank_ % layout_.stage_size(), rank_);
+  pp_ = layout_.pp > 1 ? make_communicator(backend, pp_mpi_, device) : make_mpi_communicator(pp_mpi_);
   if (layout_.tp > 1) {
     tp_ = make_communicator(backend, tp_mpi_, device);
   } else {
@@ -25,7 +28,7 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   }
   // Expert parallelism: an ep group is ep consecutive ranks of a dp group; its expert replicas
   // the dp group's ranks at the same place in theirs (both collective over the world).
-  const int dp_group_key = layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_);
+  const int dp_group_key = stage_key + layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_);
   ep_mpi_ = mpi::split(world, dp_group_key * layout_.dp + layout_.dp_rank(rank_) / layout_.ep, rank_);
   expert_replicas_mpi_ = mpi::split(world, dp_group_key * layout_.ep + layout_.ep_rank(rank_), rank_);
   ep_ = layout_.ep > 1 ? make_communicator(backend, ep_mpi_, device) : make_mpi_communicator(ep_mpi_);
@@ -42,6 +45,7 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
 }
 
 Mesh::~Mesh() {
+  pp_.reset();
   expert_replicas_.reset();  // communicators before the MPI communicators they use
   ep_.reset();
   island_.reset();
@@ -57,6 +61,7 @@ Mesh::~Mesh() {
   mpi::free(island_mpi_);
   mpi::free(ep_mpi_);
   mpi::free(expert_replicas_mpi_);
+  mpi::free(pp_mpi_);
 }
 
 }  // namespace mpitrain

@@ -112,6 +112,26 @@ std::vector<std::vector<uint64_t>> gather_lists(const std::vector<uint64_t>& min
   return lists;
 }
 
+MpiRequest isend(const void* data, size_t bytes, int dest, int tag, MpiComm comm) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_CHECK(MPI_Isend(data, byte_count(bytes), MPI_BYTE, dest, tag, to_mpi(comm), &request));
+  return static_cast<MpiRequest>((std::intptr_t)request);  // NOLINT (a pointer or an int, as MPI_Comm)
+}
+
+void recv(void* data, size_t bytes, int source, int tag, MpiComm comm) {
+  MPI_Status status;
+  MPI_CHECK(MPI_Recv(data, byte_count(bytes), MPI_BYTE, source, tag, to_mpi(comm), &status));
+  int got = 0;
+  MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
+  MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi::recv: ", got, " bytes from rank ", source, ", expected ", bytes));
+}
+
+void wait(MpiRequest& request) {
+  MPI_Request r = (MPI_Request)static_cast<std::intptr_t>(request);  // NOLINT
+  MPI_CHECK(MPI_Wait(&r, MPI_STATUS_IGNORE));
+  request = static_cast<MpiRequest>((std::intptr_t)r);  // NOLINT
+}
+
 MpiComm split(MpiComm comm, int color, int key) {
   MPI_Comm out = MPI_COMM_NULL;
   MPI_CHECK(MPI_Comm_split(to_mpi(comm), color < 0 ? MPI_UNDEFINED : color, key, &out));

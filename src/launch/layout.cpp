@@ -16,20 +16,26 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 std::vector<int> MeshLayout::dp_group(int rank) const {
   std::vector<int> ranks;
-  const int first = island(rank) * island_size();
+  const int first = stage(rank) * stage_size() + island(rank) * island_size();
   for (int d = 0; d < dp; ++d) ranks.push_back(first + d * tp + tp_rank(rank));
   return ranks;
 }
 
 std::vector<int> MeshLayout::replica_group(int rank) const {
   std::vector<int> ranks;
-  for (int d = 0; d < replicas(); ++d) ranks.push_back(d * tp + tp_rank(rank));
+  for (int d = 0; d < replicas(); ++d) ranks.push_back(stage(rank) * stage_size() + d * tp + tp_rank(rank));
   return ranks;
 }
 
 std::vector<int> MeshLayout::island_group(int rank) const {
   std::vector<int> ranks;
-  for (int i = 0; i < islands; ++i) ranks.push_back(i * island_size() + rank % island_size());
+  for (int i = 0; i < islands; ++i) ranks.push_back(stage(rank) * stage_size() + i * island_size() + rank % island_size());
+  return ranks;
+}
+
+std::vector<int> MeshLayout::pp_group(int rank) const {
+  std::vector<int> ranks;
+  for (int s = 0; s < pp; ++s) ranks.push_back(s * stage_size() + rank % stage_size());
   return ranks;
 }
 
@@ -49,7 +55,7 @@ std::vector<int> MeshLayout::expert_replica_group(int rank) const {
 }
 
 std::string MeshLayout::describe(const Topology& topo) const {
-  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ",
+  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ", pp > 1 ? concat("pp ", pp, " x ") : std::string(),
                            islands > 1 ? concat(islands, " islands x ") : std::string(), "dp ", dp);
   if (ep > 1)
     out += concat(" (ep ", ep, ": ", dp / ep, dp / ep == 1 ? " group" : " groups", " of ", ep,
@@ -59,20 +65,23 @@ std::string MeshLayout::describe(const Topology& topo) const {
     for (int first = 0; first < world; first += tp)
       out += concat(" ", topo.hosts[topo.host_of_rank[first]], "[", rank_ranges(tp_group(first)), "]");
   }
-  if (islands > 1) {
-    out += "; islands";
-    for (int i = 0; i < islands; ++i) {
+  // "; stages a[0-1] b[2-3]": `count` runs of `size` consecutive ranks, each with its hosts
+  const auto runs = [&](const char* what, int count, int size) {
+    out += concat("; ", what);
+    for (int i = 0; i < count; ++i) {
       std::vector<int> ranks;
-      for (int r = i * island_size(); r < (i + 1) * island_size(); ++r) ranks.push_back(r);
+      for (int r = i * size; r < (i + 1) * size; ++r) ranks.push_back(r);
       const std::string& a = topo.hosts[topo.host_of_rank[ranks.front()]];
       const std::string& b = topo.hosts[topo.host_of_rank[ranks.back()]];
       out += concat(" ", a, a == b ? std::string() : "-" + b, "[", rank_ranges(ranks), "]");
     }
-  }
+  };
+  if (pp > 1) runs("stages", pp, stage_size());
+  if (islands > 1) runs("islands", islands, island_size());
   return out;
 }
 
-MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_t ep) {
+MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_t ep, int64_t pp) {
   if (tp < 1) throw UsageError(concat("parallel.tp must be >= 1, got ", tp));
   if (topo.size % tp != 0)
     throw UsageError(concat("parallel.tp: ", tp, " does not divide the world size ", topo.size,
@@ -86,6 +95,9 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_
                                 topo.hosts[topo.host_of_rank[r]],
                                 "; a tp group is consecutive ranks of one host: give every host a "
                                 "multiple of ", tp, " ranks (hostfile slots)"));
+  if (pp < 1 || topo.size % pp != 0 || (topo.size / pp) % tp != 0)
+    throw UsageError(concat("parallel.pp: ", pp, " does not divide the world size ", topo.size,
+                            " into stages of whole tp groups (world = pp x dp x tp)"));
   MeshLayout l;
   l.world = topo.size;
   l.tp = static_cast<int>(tp);
@@ -99,6 +111,7 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_
                                 topo.hosts.size(), " hosts): give every host the same number of slots, or a number "
                                 "of islands"));
   }
+  l.pp = static_cast<int>(pp);
   if (islands < 1 || topo.size % islands != 0)
     throw UsageError(concat("parallel.islands: ", islands, " does not divide the world size ", topo.size,
                             " (world = islands x dp x tp; every island as many ranks)"));
@@ -107,7 +120,7 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_
                             " ranks would split a tp group of parallel.tp ", tp,
                             " (an island is a whole number of tp groups)"));
   l.islands = static_cast<int>(islands);
-  l.dp = topo.size / l.tp / l.islands;
+  l.dp = topo.size / l.pp / l.tp / l.islands;
   if (ep < 1 || l.dp % ep != 0)
     throw UsageError(concat("parallel.ep: ", ep, " does not divide the ", l.dp, " data-parallel ranks (world ", topo.size,
                             " = dp ", l.dp, tp > 1 ? concat(" x tp ", tp) : std::string(),

@@ -754,19 +754,19 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
       ep_whole_ = dense.ptr();
       return;
     }
-    std::map<std::string, torch::Tensor> mine;
-    for (auto& [name, p] : named_params()) mine.emplace(name, p);
-    std::vector<std::string> names;
-    for (const auto& [name, p] : dense->named_params()) names.push_back(name);
-    size_t kept = 0;
-    dense->initialize([&](size_t k, const torch::Tensor& values) {
-      if (const auto it = mine.find(names[k]); it != mine.end()) {
-        torch::NoGradGuard no_grad;
-        it->second.copy_(values);
-        ++kept;
-      }
-    });
-    MPITRAIN_CHECK(kept == mine.size(), "expert parallelism: the whole model lacks some of this rank's parameters");
+    keep_draws(*dense);
+    return;
+  }
+  if (d.pp > 1) {
+    // A pipeline stage: the whole model's initial values likewise, each kept where this stage
+    // holds a parameter of that name (the last stage's copy of a tied embedding too).
+    MPITRAIN_CHECK(!deferred && d.tp == 1 && d.ep == 1, "pipeline parallelism: a stage of a whole model, made with values");
+    GPTDims whole = d;
+    whole.pp = 1, whole.pp_stage = 0;
+    GPT dense(whole, /*deferred=*/true);
+    build_modules(d, deferred);
+    collect_tp_splits();
+    keep_draws(*dense);
     return;
   }
   build_modules(d, deferred);
@@ -777,6 +777,22 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   }
   torch::NoGradGuard no_grad;
   for (auto& [name, p] : named_params()) draw_initial(name, p, d, c10::nullopt);
+}
+
+void GPTImpl::keep_draws(GPTImpl& whole) {
+  std::map<std::string, torch::Tensor> mine;
+  for (auto& [name, p] : named_params()) mine.emplace(name, p);
+  std::vector<std::string> names;
+  for (const auto& [name, p] : whole.named_params()) names.push_back(name);
+  size_t kept = 0;
+  whole.initialize([&](size_t k, const torch::Tensor& values) {
+    if (const auto it = mine.find(names[k]); it != mine.end()) {
+      torch::NoGradGuard no_grad;
+      it->second.copy_(values);
+      ++kept;
+    }
+  });
+  MPITRAIN_CHECK(kept == mine.size(), "the whole model lacks some of this rank's parameters");
 }
 
 void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
@@ -835,18 +851,27 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
     torch::NoGradGuard no_grad;
     if (made < rows) w.set_data(torch::cat({w, torch::zeros({rows - made, d.n_embd}, w.options())}));
   };
-  wte = register_module("wte", torch::nn::Embedding(made, d.n_embd));
-  pad_rows(wte->weight);
-  if (deferred) drop_values(*wte);
-  if (!d.llama()) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
+  // (A pipeline stage: the embedding on the first stage, and with tied embeddings on the last.)
+  const bool first = d.first_stage(), last = d.last_stage(), tied = !d.llama() || d.tie_embeddings;
+  if (first || (last && tied)) {
+    wte = register_module("wte", torch::nn::Embedding(made, d.n_embd));
+    pad_rows(wte->weight);
+    if (deferred) drop_values(*wte);
+  }
+  if (!d.llama() && first) wpe = register_module("wpe", torch::nn::Embedding(d.seq_len, d.n_embd));
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   // Gemma 3's local (windowed) layers: a table of their own rotary base.
   auto local_rotary = d.llama() && d.rope_local_theta > 0 ? std::make_shared<Rotary>(d, /*local=*/true) : rotary;
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < d.n_layer; ++i) {
+  for (int64_t i = 0; i < d.stage_end(); ++i) {
+    if (i < d.stage_begin()) {  // an earlier stage's block: an empty place, so that names stay h.<i>
+      h->push_back(std::make_shared<torch::nn::Module>());
+      continue;
+    }
     h->push_back(Block(d, d.local_layer(i) ? local_rotary : rotary, i, &router_log_));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
+  if (!last) return;
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.family_row().gemma_norms));
   if (d.llama() && !d.tie_embeddings) {
     lm_head = register_module("lm_head", linear(d.n_embd, made, false));
@@ -859,6 +884,12 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   router_log_.clear();
   aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
+  torch::Tensor x = embed(idx);
+  if (dims_.fused_kernels) return hidden_fused(x);
+  return ln_f(run_blocks(x));
+}
+
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
   if (units_) units_->need_outside_blocks();
@@ -868,10 +899,14 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   if (dims_.family_row().gemma_norms) x = x * std::sqrt(static_cast<double>(dims_.n_embd));
   if (is_training() && dims_.dropout > 0)
     x = F::dropout(x, F::DropoutFuncOptions().p(dims_.dropout).training(true));
-  if (dims_.fused_kernels) return hidden_fused(x);
+  return x;
+}
+
+torch::Tensor GPTImpl::run_blocks(torch::Tensor x) {
   for (size_t i = 0; i < h->size(); ++i) {
     const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
+    if (!block) continue;  // (a pipeline stage: another stage's block)
     before_block(b);
     if (!checkpointed(b)) {
       x = after_block(b, {block->forward(x)})[0];
@@ -884,7 +919,18 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
     };
     x = after_block(b, router_output(checkpointed_block(run, x, torch::Tensor(), dims_.ac == GPTDims::Ac::selective)))[0];
   }
-  return ln_f(x);
+  return x;
+}
+
+torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in) {
+  MPITRAIN_CHECK(dims_.pp > 1 && !dims_.fused_kernels, "stage_forward: a pipeline stage, unfused");
+  torch::Tensor x = run_blocks(dims_.first_stage() ? embed(in) : in);
+  return dims_.last_stage() ? ln_f(x) : x;
+}
+
+torch::Tensor GPTImpl::stage_loss(const torch::Tensor& out, const torch::Tensor& targets) {
+  MPITRAIN_CHECK(dims_.last_stage(), "stage_loss: the last stage's");
+  return lm_loss_of(out, targets);
 }
 
 // The residual stream x stays fp32 (the embeddings are; add_layernorm / add_rmsnorm add the
@@ -896,6 +942,7 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
   for (size_t i = 0; i < h->size(); ++i) {
     const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
+    if (!block) continue;  // (another stage's)
     before_block(b);
     if (!checkpointed(b)) {
       std::tie(x, delta) = block->forward_fused(x, delta, normed_dtype);
@@ -921,24 +968,31 @@ int64_t GPTImpl::live_rows() const {
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows;
   // hidden() first: it makes the output layer whole under ZeRO-3.
-  torch::Tensor x = column_input(hidden(idx), tp_of(dims_));
+  return head(column_input(hidden(idx), tp_of(dims_)));
+}
+
+// The output layer (tensor parallel: this rank's vocabulary columns), without padding rows.
+torch::Tensor GPTImpl::head(const torch::Tensor& x) {
   torch::Tensor logits = F::linear(x, output_weight().narrow(0, 0, live_rows()));
   const double cap = dims_.final_softcap;
   return cap > 0 ? torch::tanh(logits / cap) * cap : logits;  // Gemma's soft cap
 }
 
 torch::Tensor GPTImpl::lm_loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  return lm_loss_of(hidden(idx), targets);
+}
+
+torch::Tensor GPTImpl::lm_loss_of(const torch::Tensor& hidden, const torch::Tensor& targets) {
   Communicator* tp = tp_of(dims_);
-  const int64_t vocab_start = dims_.tp_rank * wte->weight.size(0);
+  const int64_t vocab_start = dims_.tp_rank * output_weight().size(0);
+  auto x = column_input(hidden, tp);
   if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
-    auto x = column_input(hidden(idx), tp);
     const torch::Tensor weight = output_weight().narrow(0, 0, live_rows());
     return linear_cross_entropy(x.reshape({-1, x.size(-1)}), weight, targets.reshape({-1}).to(torch::kLong),
                                 dims_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
   }
-  auto logits = forward(idx);
+  auto logits = head(x);
   if (tp)
     return vocab_parallel_cross_entropy(logits.view({targets.numel(), logits.size(-1)}), targets.reshape({-1}),
                                         vocab_start, *tp);  // (numel, not -1: a slice of padding has 0 columns)
@@ -972,7 +1026,7 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 std::vector<MoEImpl*> GPTImpl::moe_layers() const {
   std::vector<MoEImpl*> out;
   for (size_t i = 0; i < h->size(); ++i)
-    if (auto block = (*h)[i]->as<Block>(); block->moe) out.push_back(block->moe.get());
+    if (auto block = (*h)[i]->as<Block>(); block && block->moe) out.push_back(block->moe.get());
   return out;
 }
 
@@ -1207,7 +1261,8 @@ int64_t GPTImpl::num_params() const {
 int64_t GPTImpl::expert_params_times(const std::function<int64_t(const MoEImpl&)>& experts_left_out) const {
   int64_t n = 0;
   for (size_t i = 0; i < h->size(); ++i)
-    if (const auto& moe = (*h)[i]->as<Block>()->moe) {
+    if (auto block = (*h)[i]->as<Block>(); block && block->moe) {
+      const auto& moe = block->moe;
       int64_t expert = 0;
       for (const auto& p : moe->local.front()->parameters()) expert += p.numel();
       n += experts_left_out(*moe) * expert;

@@ -15,6 +15,7 @@
 #include "mpitrain/mesh.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/watchdog.h"
+#include "mpitrain/pipeline.h"
 #include "mpitrain/tensor_parallel.h"
 
 namespace mpitrain {
@@ -32,7 +33,7 @@ torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(
 Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims,
                          torch::Device device, int checkpoint_dir_blind_rank, MpiComm mpi_comm)
     : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), mpi_comm_(mpi_comm), device_(device),
-      tp_(mesh.layout().tp > 1), ep_(mesh.layout().ep > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
+      tp_(mesh.layout().tp > 1), ep_(mesh.layout().ep > 1), pp_(mesh.layout().pp > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
   // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
   // checkpoint.dir (checkpoint.writers: auto): with a sharded optimizer every rank, under tensor
   // parallelism rank 0's tp group; else rank 0 the whole state, gathered to it. Async writes of
@@ -44,14 +45,18 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   // diloco.h), which shares of every island's ranks would overwrite.
   const bool islands = mesh.layout().islands > 1;
   // (Expert parallelism: rank 0 alone, the experts gathered to it.)
-  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_ &&
+            !pp_;
   writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (ep_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
                      mesh_.layout().ep, " ranks of its ep group",
                      tp_ ? concat(", each tensor made whole over the ", mesh_.layout().tp, " ranks of its tp group first") : std::string(),
                      zero ? concat(", the shared parameters' ZeRO-", stage_, " state from every rank") : std::string(), ")"));
-  if (!spread || ep_ || topo_.rank != 0) return;
+  if (pp_ && topo_.rank == 0)
+    log::info(concat("checkpoint: rank 0 writes whole checkpoints (each of the ", mesh_.layout().pp,
+                     " stages' tensors sent to it, one at a time)"));
+  if (!spread || ep_ || pp_ || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
   const std::string share = zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
                             : zero      ? concat("every rank writes its ", stage, " share")
@@ -89,11 +94,25 @@ void Parallelism::apply(GPT model) {
   // Tensor parallel or ZeRO-3: when rank 0 writes checkpoints alone, it keeps a whole copy of the
   // model in host memory, into which the shards are gathered (ZeRO-3: one unit at a time, so no
   // rank holds the whole model on its device for it).
-  if ((tp_ || stage_ == 3 || ep_) && topo_.rank == 0 && !shares_) {
+  if ((tp_ || stage_ == 3 || ep_ || pp_) && topo_.rank == 0 && !shares_) {
     GPTDims d = dims_;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
+    d.pp = 1, d.pp_stage = 0;
     whole_model_.emplace(d);
+  }
+  if (pp_) {  // every rank: the whole model's names (a model without values; the run's stream as it was)
+    GPTDims d = dims_;
+    d.pp = 1, d.pp_stage = 0;
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    const torch::Tensor rng = gen.get_state();
+    GPT names(d, /*deferred=*/true);
+    gen.set_state(rng);
+    for (const auto& [name, p] : names->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
+    const bool tied = !dims_.llama() || dims_.tie_embeddings;
+    tied_copy_ = tied && (dims_.first_stage() || dims_.last_stage());  // both ends hold wte.weight
+    for (const auto& [name, p] : model_->named_params())
+      pp_counted_.push_back(!(tied && dims_.last_stage() && name == "wte.weight"));
   }
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
@@ -108,12 +127,7 @@ void Parallelism::apply(GPT model) {
                               "device thread, which needs MPI_THREAD_MULTIPLE, and this MPI does not provide it: set "
                               "comm.backend: nccl (or optim.zero: 2)"));
     });
-  Units units;
-  if (stage_ == 3) {
-    std::vector<std::string> names;
-    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
-    units = model_units(names, dims_.n_layer);
-  }
+  Units units;  // ZeRO-3's: of every parameter, or under expert parallelism of the shared ones
   // The experts' gradients apart from the shared parameters': under expert parallelism (each rank
   // holds its own experts), and under PowerSGD with any ep (which compresses the shared parameters'
   // only, so that ep 1 and ep k train alike).
@@ -158,6 +172,11 @@ void Parallelism::apply(GPT model) {
     // rank's own, averaged over their replicas) travel whole.
     if (powersgd) powersgd_.emplace(shared, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
     return;
+  }
+  if (stage_ == 3) {
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
+    units = model_units(names, dims_.n_layer);
   }
   // (comm.grad_dtype and comm.param_dtype are named as train.precision is, and validated)
   grad_sync_.emplace(params_, dp, cfg_.comm.bucket_mb, overlap, shards_optimizer(), dtype_named(cfg_.comm.grad_dtype),
@@ -269,7 +288,7 @@ std::string Parallelism::describe_initial_weights() const {
 }
 
 void Parallelism::make_optimizer(bool fused) {
-  std::vector<size_t> experts;  // expert parallelism with ZeRO-1/2: the parameters held whole
+  std::vector<size_t> experts;  // expert parallelism with ZeRO: the parameters held whole
   if (ep_)
     for (size_t k = 0; k < is_expert_.size(); ++k)
       if (is_expert_[k]) experts.push_back(k);
@@ -300,7 +319,8 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
   // ZeRO-3: each rank keeps its part of each tensor (at tp 1 one unit's bucket at a time, under tp
   // its slices of its tp shard), with no unit made whole.
   return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
-              units_ ? &units_->param_shards() : nullptr, ep_ && whole_model_ ? &*whole_model_ : nullptr);
+              units_ ? &units_->param_shards() : nullptr, (ep_ || pp_) && whole_model_ ? &*whole_model_ : nullptr,
+              pp_ ? &whole_names_ : nullptr);
 }
 
 std::string Parallelism::describe_buckets() const {
@@ -373,10 +393,30 @@ void Parallelism::reduce_gradients() {
     for (size_t k = 0; k < params_.size(); ++k)
       if (is_expert_[k] && params_[k].grad().defined()) params_[k].grad().div_(ep);
   }
+  if (tied_copy_) {  // a tied embedding's two gradients (its use as the embedding and as the head) summed
+    torch::NoGradGuard no_grad;
+    const auto params = model_->named_params();
+    size_t k = 0;
+    while (params[k].first != "wte.weight") ++k;
+    torch::Tensor& g = params_[k].mutable_grad();
+    const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
+    constexpr int kTiedTag = 32000;  // (above every micro-batch's activation and gradient tags)
+    PipeLink link(mesh_.pp_mpi());
+    link.send(g, other, kTiedTag);
+    const torch::Tensor theirs = link.recv(g.sizes(), other, kTiedTag, g.device());
+    link.finish();
+    g.add_(theirs.to(g.scalar_type()));
+  }
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
-  if (ep_) {  // the experts' gradients differ over the ep group (ZeRO-1/2: the slices over the dp
+  if (pp_) {  // each stage holds its blocks' gradients: the verdict and the norm agreed over the pipeline
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : params_) grads.push_back(p.grad());
+    const bool finite = scaler.unscale_and_check(grads, mesh_.pp(), device_);
+    return {finite, clip_pp_grad_norm_(params_, pp_counted_, max_norm, mesh_.pp())};
+  }
+  if (ep_) {  // the experts' gradients differ over the ep group (ZeRO: the slices over the dp
              // group): the verdict and the norm agreed over it
     std::vector<torch::Tensor> grads;
     for (size_t i = 0; i < opt_->size(); ++i) grads.push_back(opt_->grad(i));
@@ -429,7 +469,7 @@ bool Parallelism::params_finite() {
   }
   // Each rank checked its shards, or its island's parameters (DiLoCo: they differ between outer
   // steps): agree.
-  if (tp_ || ep_ || units_ || mesh_.layout().islands > 1) {
+  if (tp_ || ep_ || pp_ || units_ || mesh_.layout().islands > 1) {
     Watchdog::Scope watch("all_reduce(parameter check)");
     mpi::all_reduce(&finite, 1, ReduceOp::min, mpi_comm_);
   }
@@ -463,7 +503,11 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get());
   std::string path;
-  if (ep_) {  // the experts assembled on rank 0
+  if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks
+    if (first_replica)
+      gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_);
+    if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
+  } else if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
                     &gathered_, slice_owner_, tp_ ? &mesh.tp() : nullptr, units());
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
@@ -491,6 +535,18 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
 
 std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_params() {
   std::vector<std::pair<std::string, std::vector<float>>> out;
+  if (pp_) {  // the stages' tensors on rank 0 (the other ranks return none)
+    FullOptimState state;
+    if (whole_model_) state = host_optim_state_like(*whole_model_);
+    if (mesh_.dp_rank() == 0)
+      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &state);
+    if (whole_model_)
+      for (auto& [name, p] : (*whole_model_)->named_params()) {
+        torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
+        out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
+      }
+    return out;
+  }
   if (ep_) {  // each ep group's experts gathered within it
     GPTDims d = dims_;
     d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;

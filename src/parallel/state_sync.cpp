@@ -16,6 +16,7 @@
 #include "mpitrain/log.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/tensor_io.h"
+#include "mpitrain/pipeline.h"
 #include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
 
@@ -152,7 +153,7 @@ void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSy
 }
 
 // Expert parallelism: each parameter's whole slot in `opt` (an unsharded AdamW's slot k is
-// parameter k; under ZeRO-1/2 the experts' follow the shared parameters' slices), else none (-1).
+// parameter k; under ZeRO the experts' follow the shared parameters' slices), else none (-1).
 std::vector<int64_t> whole_slots(AdamW& opt, size_t n_params) {
   std::vector<int64_t> slot(n_params, -1);
   for (size_t i = 0; i < opt.size(); ++i)
@@ -160,7 +161,7 @@ std::vector<int64_t> whole_slots(AdamW& opt, size_t n_params) {
   return slot;
 }
 
-// Expert parallelism with ZeRO-1/2: the parameters the shared (sharded) GradSync holds, in its
+// Expert parallelism with ZeRO: the parameters the shared (sharded) GradSync holds, in its
 // order: every parameter that is not an expert's.
 std::vector<size_t> shared_params(const std::vector<std::pair<std::string, torch::Tensor>>& params) {
   std::vector<size_t> ids;
@@ -231,6 +232,36 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
             : part == Part::exp_avg ? opt.bucket_exp_avg(b)
                                     : opt.bucket_exp_avg_sq(b),
             comm, mpi_comm, /*keep=*/d.tp_rank == q);
+    }
+}
+
+// Pipeline parallel resume: rank 0 reads each tensor of the whole model (`file`, opened with its
+// names; null elsewhere) and broadcasts it over `comm` (the world); each stage keeps the ones it
+// holds (the last stage its copy of a tied embedding too).
+void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const ParamShapes& names, Communicator& comm,
+                       MpiComm mpi_comm) {
+  using Part = CheckpointParams::Part;
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "pipeline parallel resume: AdamW's slot k is parameter k");
+  std::map<std::string, size_t> mine, at;  // at: rank 0's file tensors by name
+  for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
+  if (file)
+    for (size_t k = 0; k < file->size(); ++k) at.emplace(file->name(k), k);
+  for (const auto& [name, shape] : names)
+    for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
+      torch::Tensor t = torch::empty(shape, torch::kFloat32);
+      agree(mpi_comm, [&] {
+        if (!file) return;
+        const auto it = at.find(name);
+        MPITRAIN_CHECK(it != at.end(), concat("pipeline parallel resume: the checkpoint has no tensor '", name, "'"));
+        t.copy_(file->read(it->second, part));
+      });
+      comm.broadcast(t, 0);
+      const auto it = mine.find(name);
+      if (it == mine.end()) continue;
+      const size_t k = it->second;
+      torch::Tensor dest = part == Part::param ? params[k].second : part == Part::exp_avg ? opt.exp_avg(k) : opt.exp_avg_sq(k);
+      dest.detach().copy_(t.view(dest.sizes()));
     }
 }
 
@@ -306,6 +337,51 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
         torch::Tensor dst = which == 0 ? into[w].second.detach() : which == 1 ? m.exp_avg : m.exp_avg_sq;
         dst.copy_(all[q].view(dst.sizes()));
       }
+    }
+  }
+}
+
+void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state) {
+  torch::NoGradGuard no_grad;
+  const GPTDims& d = model->dims();
+  const int me = mpi::rank(pp);  // (this rank's stage)
+  const auto params = model->named_params();
+  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "gather_pp_state: AdamW's slot k is parameter k");
+  std::map<std::string, size_t> mine;
+  for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
+  std::vector<std::pair<std::string, torch::Tensor>> into;
+  if (whole) {
+    into = (*whole)->named_params();
+    MPITRAIN_CHECK(into.size() == names.size(), "gather_pp_state: the whole model's names");
+    whole_state->steps_taken = opt.steps_taken();
+  }
+  for (size_t w = 0; w < names.size(); ++w) {
+    const auto& [name, shape] = names[w];
+    const int64_t owner = stage_of(name, d);
+    if (owner != me && me != 0) continue;
+    for (int part = 0; part < 3; ++part) {
+      torch::Tensor t;
+      if (owner == me) {
+        const size_t k = mine.at(name);
+        t = (part == 0 ? params[k].second : part == 1 ? opt.exp_avg(k) : opt.exp_avg_sq(k))
+                .detach()
+                .to(torch::kCPU, torch::kFloat32)
+                .contiguous();
+        if (me != 0) {  // to rank 0, which receives the tensors in this order
+          Watchdog::Scope watch("pipeline: a checkpoint's tensor to rank 0");
+          MpiRequest sent = mpi::isend(t.data_ptr<float>(), static_cast<size_t>(t.numel()) * sizeof(float), 0, part, pp);
+          mpi::wait(sent);
+          continue;
+        }
+      } else {
+        t = torch::empty(shape, torch::kFloat32);
+        Watchdog::Scope watch("pipeline: a checkpoint's tensor from its stage");
+        mpi::recv(t.data_ptr<float>(), static_cast<size_t>(t.numel()) * sizeof(float), static_cast<int>(owner), part, pp);
+      }
+      if (!whole) continue;
+      auto& m = whole_state->moments[w];
+      torch::Tensor dst = part == 0 ? into[w].second.detach() : part == 1 ? m.exp_avg : m.exp_avg_sq;
+      dst.copy_(t.view(dst.sizes()));
     }
   }
 }
@@ -594,7 +670,7 @@ std::vector<std::vector<uint8_t>> gather_rng_states(Communicator& comm, const to
 
 std::string resume_from(const std::vector<std::string>& candidates, GPT& model, AdamW& opt, const GradSync* shards,
                  TrainState& st, Communicator& comm, MpiComm mpi_comm, uint64_t seed, const torch::Device& device,
-                 const std::vector<torch::Tensor>* param_shards, GPT* whole) {
+                 const std::vector<torch::Tensor>* param_shards, GPT* whole, const ParamShapes* pp_names) {
   std::string path;
   // Rank 0 reads and verifies every tensor of the file (a damaged one falls back to the next
   // candidate before any rank has taken anything), then reads them again one at a time while
@@ -636,7 +712,10 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   torch::NoGradGuard no_grad;
   using Part = CheckpointParams::Part;
   CheckpointParams* from = file ? &*file : nullptr;
-  if (model->dims().ep > 1) {
+  if (model->dims().pp > 1) {
+    MPITRAIN_CHECK((comm.rank() != 0 || whole) && pp_names, "resume_from: a pipeline stage opens the file with the whole model");
+    keep_stage_params(from, model, opt, *pp_names, comm, mpi_comm);
+  } else if (model->dims().ep > 1) {
     MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
     keep_expert_shards(from, model, opt, shards, comm, mpi_comm, param_shards);
   } else if (tensor_parallel) {

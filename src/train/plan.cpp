@@ -184,6 +184,11 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
 void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   Startup run = start_up(cfg, mpi_comm, /*force_unlock=*/false, /*plan_only=*/true);
   const Topology& topo = run.topo;
+  if (run.layout.pp > 1)
+    agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
+      throw UsageError(concat("parallel.pp: ", run.layout.pp, ": plan does not model pipeline stages yet (their memory, "
+                              "the bubble and the activations between stages); plan the layout with parallel.pp: 1"));
+    }); });
   // Under parallel.tp every rank holds its tp shards (N below is rank 0's), and the activation
   // probe's models are tensor-parallel too: their forward is collective over each tp group, so
   // every rank measures (rank 0's figures are printed). The timing model is data parallelism's.

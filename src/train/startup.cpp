@@ -169,7 +169,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                          " or a quarter of the fastest link)"));
       islands = islands_of_groups(topo, group);
     }
-    layout = plan_layout(topo, cfg.parallel.tp, islands, cfg.parallel.ep);
+    layout = plan_layout(topo, cfg.parallel.tp, islands, cfg.parallel.ep, cfg.parallel.pp);
   }); });
   agree(mpi_comm, [&] { resolve_for_world(cfg, layout.replicas()); });
   log::set_level(log::parse_level(cfg.log.level));
@@ -234,6 +234,9 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                                 train_data->tokenizer_sha256().substr(0, 12), ")"));
     }
     dims = model_dims(cfg.model, train_data->vocab_size(), vocab_pad_multiple(cfg.model, device.is_cuda(), layout.tp));
+    if (layout.pp > 1 && device.is_cuda())
+      throw UsageError(concat("parallel.pp: ", layout.pp, " runs on the CPU only yet (its activations travel through "
+                              "host memory with MPI; NCCL's send/recv is not built): set parallel.pp: 1 on a GPU"));
     if (layout.tp > 1) check_tensor_parallel_dims(dims, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     // (Not with soft-capped logits, which it has no cap for: Gemma 2.)
@@ -273,6 +276,10 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
       dims.ep = layout.ep;
       dims.ep_rank = mesh->ep_rank();
       dims.ep_comm = &mesh->ep();
+    }
+    if (layout.pp > 1) {
+      dims.pp = layout.pp;
+      dims.pp_stage = mesh->stage();
     }
     const std::string attention = configure_attention(cfg.model.attention, dims, device, precision_dtype(precision));
     if (topo.rank == 0) log::info(concat("attention: ", attention));

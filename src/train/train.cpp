@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +47,7 @@
 #include "mpitrain/signals.h"
 #include "mpitrain/startup.h"
 #include "mpitrain/state_sync.h"
+#include "mpitrain/pipeline.h"
 #include "mpitrain/tensor_parallel.h"
 #include "mpitrain/watchdog.h"
 
@@ -92,9 +94,11 @@ torch::Tensor to_device(const torch::Tensor& t, const torch::Device& device) {
   return t.pin_memory().to(device, /*non_blocking=*/true);
 }
 
-// Mean validation loss over eval.batches micro-batches per rank: the same windows every time.
-double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const Config& cfg,
-                const torch::Device& device, Precision precision) {
+// Mean validation loss over eval.batches micro-batches per rank of `comm`: the same windows every
+// time. `loss_of(x, y, b)`: batch b's loss, under autocast (undefined: none on this rank).
+double evaluate_batches(GPT& model, const TokenDataset& val, Communicator& comm, const Config& cfg,
+                        const torch::Device& device, Precision precision,
+                        const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, int64_t)>& loss_of) {
   torch::NoGradGuard no_grad;
   model->eval();
   std::vector<int32_t> buf;
@@ -103,11 +107,40 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   for (int64_t b = 0; b < cfg.eval.batches; ++b) {
     auto [x, y] = get_batch(val, static_cast<uint64_t>(b * comm.size() * rows), comm.rank(), rows, buf);
     Autocast autocast(precision, device);
-    sum += model->loss(to_device(x, device), to_device(y, device)).to(torch::kFloat64);
+    if (const torch::Tensor loss = loss_of(x, y, b); loss.defined()) sum += loss.to(torch::kFloat64);
   }
   comm.all_reduce(sum, ReduceOp::avg);
   model->train();
   return sum.item<double>() / static_cast<double>(cfg.eval.batches);
+}
+
+double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const Config& cfg,
+                const torch::Device& device, Precision precision) {
+  return evaluate_batches(model, val, comm, cfg, device, precision, [&](const torch::Tensor& x, const torch::Tensor& y, int64_t) {
+    return model->loss(to_device(x, device), to_device(y, device));
+  });
+}
+
+// Pipeline parallelism: evaluate()'s batches through the stages, forward only (each batch's
+// activation to the next stage); the last stage's mean over its dp group (the replicas), then
+// summed over the pipeline, where only the last stage's is not zero.
+double evaluate_pipeline(GPT& model, const TokenDataset& val, Mesh& mesh, const Config& cfg, const torch::Device& device,
+                         Precision precision) {
+  const GPTDims& d = model->dims();
+  PipeLink link(mesh.pp_mpi());
+  const auto through = [&](const torch::Tensor& x, const torch::Tensor& y, int64_t b) {
+    const torch::Tensor in = d.first_stage() ? to_device(x, device)
+                                             : link.recv({x.size(0), x.size(1), d.n_embd}, d.pp_stage - 1, activation_tag(b), device);
+    const torch::Tensor out = model->stage_forward(in);
+    if (d.last_stage()) return model->stage_loss(out, to_device(y, device));
+    link.send(out, d.pp_stage + 1, activation_tag(b));
+    return torch::Tensor();
+  };
+  torch::Tensor mean = torch::full({1}, evaluate_batches(model, val, mesh.dp(), cfg, device, precision, through),
+                                   torch::dtype(torch::kFloat64).device(device));
+  link.finish();
+  mesh.pp().all_reduce(mean, ReduceOp::sum);
+  return mean.item<double>();
 }
 
 // optim.fused: PyTorch's fused AdamW kernel where this libtorch has one for the device.
@@ -158,6 +191,7 @@ class Run {
   bool done() const { return st_.step >= cfg_.train.steps; }
   void begin_step();
   void micro_batches();
+  void pipeline_micro_batches();  // parallel.pp: the step's micro-batches through the stages (pipeline.h)
   void sync_gradients();
   void clip_and_update();
   void outer_step();
@@ -245,6 +279,14 @@ void Run::build_model() {
     whole_params_ += n;
   }
   whole_params_ += model_->remote_expert_params();  // (expert parallelism: the experts other ranks hold)
+  if (par_.pipeline_parallel()) {  // every stage's
+    whole_params_ = 0;
+    for (const auto& [name, shape] : par_.whole_names()) {
+      int64_t n = 1;
+      for (int64_t e : shape) n *= e;
+      whole_params_ += n;
+    }
+  }
 }
 
 // AdamW over what this rank updates and the fp16 loss scaler.
@@ -287,6 +329,20 @@ void Run::describe() {
                    " sequences = ", tokens_per_step_, " tokens per step; ", par_.describe_buckets(), "; ", s_.threads,
                    " threads per rank; backend ", s_.mesh->dp().name()));
   if (const std::string traffic = par_.describe_gradient_traffic(accum_); !traffic.empty()) log::info(traffic);
+  if (par_.pipeline_parallel()) {
+    std::string stages;
+    for (int64_t s = 0; s < dims_.pp; ++s) {
+      GPTDims at = dims_;
+      at.pp_stage = s;
+      stages += concat(s ? " | " : "", at.stage_begin(), "-", at.stage_end() - 1);
+    }
+    const double kib = static_cast<double>(micro_ * T_ * dims_.n_embd * 4) / 1024;
+    log::info(concat("pipeline: ", dims_.pp, " stages of blocks ", stages, " (the embedding on the first, the head on the last",
+                     !dims_.llama() || dims_.tie_embeddings ? ", the tied embedding's gradient summed between them" : "",
+                     "); ", cfg_.parallel.pp_schedule, " over ", accum_, " micro-batches per step: bubble (pp - 1) / m = ",
+                     std::lround(100 * pipeline_bubble(dims_.pp, accum_)), "% of the ideal step; ", kib,
+                     " KiB per micro-batch's activation (and its gradient) between stages"));
+  }
   const TokenDataset& train = *s_.train_data;
   log::info(concat("data: ", train.num_tokens(), " train tokens in ", train.paths().size(), " shards (",
                    train.num_windows(), " windows/epoch)",
@@ -460,6 +516,7 @@ void Run::micro_batches() {
   loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   aux_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   z_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
+  if (par_.pipeline_parallel()) return pipeline_micro_batches();
   for (int64_t m = 0; m < accum_; ++m) {
     const auto& [x, y] = batches_[static_cast<size_t>(m)];
     torch::Tensor loss;
@@ -474,6 +531,51 @@ void Run::micro_batches() {
     if (model_->last_aux_loss().defined()) aux_sum_ += model_->last_aux_loss().detach().to(torch::kFloat64);
     if (model_->last_z_loss().defined()) z_sum_ += model_->last_z_loss().detach().to(torch::kFloat64);
   }
+}
+
+// Pipeline parallelism: the schedule's forwards and backwards of the step's micro-batches on this
+// stage (pipeline.h). A forward takes its input from the previous stage (the first: the token
+// ids), keeps it and its output for the backward and sends the output on; the last stage's is the
+// micro-batch's loss. A backward takes the output's gradient from the next stage (the last: the
+// loss's, scaled as the unpipelined step scales it) and sends the input's gradient back. Only the
+// last stage's loss_sum_ is the step's (log_step sums it over the pipeline).
+void Run::pipeline_micro_batches() {
+  const GPTDims& d = model_->dims();
+  const int64_t stage = d.pp_stage;
+  PipeLink link(s_.mesh->pp_mpi());
+  std::vector<torch::Tensor> inputs(static_cast<size_t>(accum_)), outputs(static_cast<size_t>(accum_));
+  const std::vector<int64_t> shape{micro_, T_, d.n_embd};
+  for (const PipeStep& s : pipeline_schedule(cfg_.parallel.pp_schedule, d.pp, stage, accum_)) {
+    const auto m = static_cast<size_t>(s.micro);
+    const auto& [x, y] = batches_[m];
+    if (s.forward) {
+      torch::Tensor in = d.first_stage() ? to_device(x, device_)
+                                         : link.recv(shape, stage - 1, activation_tag(s.micro), device_).requires_grad_(true);
+      torch::Tensor out;
+      {
+        Autocast autocast(precision_, device_);
+        out = model_->stage_forward(in);
+        if (d.last_stage()) out = model_->stage_loss(out, to_device(y, device_));
+      }
+      if (d.last_stage())
+        loss_sum_ += out.detach().to(torch::kFloat64);
+      else
+        link.send(out, stage + 1, activation_tag(s.micro));
+      inputs[m] = in, outputs[m] = out;
+      continue;
+    }
+    par_.before_backward(s.micro + 1 == accum_);  // (the backwards run in micro-batch order: the last completes the step)
+    if (d.last_stage()) {
+      scaler_.scale_loss(outputs[m] / static_cast<double>(accum_)).backward();
+    } else {
+      const torch::Tensor grad = link.recv(shape, stage + 1, gradient_tag(s.micro), device_);
+      outputs[m].backward(grad.to(outputs[m].scalar_type()));
+    }
+    par_.after_backward(s.micro + 1 == accum_);
+    if (!d.first_stage()) link.send(inputs[m].grad(), stage - 1, gradient_tag(s.micro));
+    inputs[m] = torch::Tensor(), outputs[m] = torch::Tensor();  // this micro-batch's activations go
+  }
+  link.finish();
 }
 
 // The gradients averaged over the data-parallel ranks (ZeRO-1: reduce-scattered, each rank holds
@@ -549,6 +651,7 @@ void Run::log_step() {
   const bool bad_norm = applied_ && !std::isfinite(grad_norm);
   auto reduced = torch::cat({loss_sum_, torch::full({1}, bad_norm ? 1.0 : 0.0, loss_sum_.options()), aux_sum_, z_sum_});
   s_.mesh->replicas_comm().all_reduce(reduced, ReduceOp::avg);
+  if (par_.pipeline_parallel()) s_.mesh->pp().all_reduce(reduced, ReduceOp::sum);  // (the last stage's loss; 0 elsewhere)
   double loss = 0, any_bad_norm = 0, aux = -1, z = -1;
   {
     Watchdog::Scope watch("device synchronize (loss)");  // a stuck GPU collective shows here
@@ -582,8 +685,10 @@ void Run::evaluate_if_due() {
 
 void Run::run_eval(int64_t at_step) {
   const double ep0 = ep_collective_seconds();
-  const double v = progress_->untimed(
-      [&] { return evaluate(model_, *s_.val_data, s_.mesh->replicas_comm(), cfg_, device_, precision_); });
+  const double v = progress_->untimed([&] {
+    return par_.pipeline_parallel() ? evaluate_pipeline(model_, *s_.val_data, *s_.mesh, cfg_, device_, precision_)
+                                    : evaluate(model_, *s_.val_data, s_.mesh->replicas_comm(), cfg_, device_, precision_);
+  });
   ep_in_eval_ += ep_collective_seconds() - ep0;
   result_.val_losses.emplace_back(at_step, v);
   if (topo_.rank == 0) progress_->report_val(at_step, v);
@@ -681,7 +786,7 @@ TrainResult Run::finish() {
   result_.max_units_whole = par_.units_peak();
   const bool wants_sample = topo_.rank == 0 && cfg_.sample.tokens > 0;
   if (!par_.can_sample() && wants_sample)
-    log::info(concat("sample: not generated by a tensor-parallel run; `mpitrain sample ", result_.last_checkpoint,
+    log::info(concat("sample: not generated by a tensor- or pipeline-parallel run; `mpitrain sample ", result_.last_checkpoint,
                      "` samples its checkpoint"));
   // ZeRO-3: every rank runs rank 0's sampling forward passes with it (the same prompt, seed and
   // gathered weights give every rank the same tokens), so each block is gathered around its use

@@ -1,0 +1,80 @@
+// Pipeline parallelism (parallel.pp): the model's blocks in pp stages of consecutive blocks, each
+// stage a run of ranks (layout.h), the step's micro-batches flowing through them.
+//
+// A stage is a GPT made with dims.pp / pp_stage (model.h: its blocks, the embedding on the first
+// stage, the final norm and the output layer on the last, with tied embeddings a copy of the
+// embedding there too; every name the whole model's). One optimizer step runs the schedule's
+// steps in order: a forward of micro-batch m takes its input from the previous stage (the first:
+// the token ids), keeps it and its output for m's backward and sends the output to the next stage;
+// the last stage's forward computes m's loss. A backward of m takes the gradient of m's output
+// from the next stage (the last: of its loss), runs backward through the stage and sends the
+// gradient of m's input to the previous stage. Each micro-batch's forward and backward are those
+// of the unpipelined step, so the loss and the gradients are the same numbers up to the order in
+// which a tied embedding's two gradients (the first stage's and the last's, summed between them
+// after backward) are added.
+//
+// Schedules (pipeline_schedule): gpipe, every forward then every backward; 1f1b (PipeDream-flush,
+// Megatron's default): stage s runs pp - 1 - s forwards ahead, then alternates one forward and one
+// backward, then the remaining backwards, so a stage holds at most pp - s micro-batches'
+// activations instead of all of them. Both run the backwards in micro-batch order, so their
+// gradients accumulate in the same order: the two schedules train bitwise the same.
+//
+// Activations and their gradients travel as fp32 with MPI's point-to-point (MPI_Isend, each send's
+// buffer kept until the step ends; a blocking MPI_Recv under the watchdog), on the CPU only yet.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mpitrain/model_fields.h"
+#include "mpitrain/mpi_ops.h"
+
+namespace mpitrain {
+
+struct PipeStep {
+  bool forward;   // else backward
+  int64_t micro;  // the micro-batch, 0-based
+};
+
+// Stage `stage`'s steps (of `stages`) for `micro_batches` micro-batches under `schedule` (1f1b |
+// gpipe): every micro-batch's forward and backward once, each backward after its forward.
+std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches);
+
+// The pipeline bubble of gpipe and 1f1b alike with m micro-batches: each stage idles pp - 1
+// forward-backward slots besides its m busy ones, (pp - 1) / m of the ideal step (Megatron's
+// bubble time fraction).
+double pipeline_bubble(int64_t stages, int64_t micro_batches);
+
+// The stage that holds (and, for a tied embedding, writes) the whole model's parameter `name`
+// under `d` (its pp): blocks by their index, the embeddings on the first stage, the final norm
+// and the output layer on the last.
+int64_t stage_of(const std::string& name, const GPTDims& d);
+
+// One rank's links to the neighbouring stages of its pipeline (`pp`: Mesh::pp_mpi(), rank s of it
+// in stage s). Sends are nonblocking; their buffers live until finish().
+class PipeLink {
+ public:
+  explicit PipeLink(MpiComm pp) : comm_(pp) {}
+  PipeLink(const PipeLink&) = delete;
+  PipeLink& operator=(const PipeLink&) = delete;
+  ~PipeLink();
+  // `t` (any dtype and device: sent as host fp32) to stage `to` with `tag`.
+  void send(const torch::Tensor& t, int64_t to, int tag);
+  // The tensor of `shape` (host fp32, then on `device`) that stage `from` sent with `tag`.
+  torch::Tensor recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device);
+  // Every send of this step delivered (their buffers may go).
+  void finish();
+
+ private:
+  MpiComm comm_;
+  std::vector<std::pair<torch::Tensor, MpiRequest>> sending_;
+};
+
+// The tags of micro-batch m's activation (forward) and its gradient (backward).
+inline int activation_tag(int64_t micro) { return static_cast<int>(2 * micro); }
+inline int gradient_tag(int64_t micro) { return static_cast<int>(2 * micro + 1); }
+
+}  // namespace mpitrain

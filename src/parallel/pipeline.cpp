@@ -1,0 +1,79 @@
+// Pipeline parallelism's schedules and point-to-point links (see pipeline.h).
+#include "mpitrain/pipeline.h"
+
+#include <algorithm>
+
+#include "mpitrain/error.h"
+#include "mpitrain/watchdog.h"
+
+namespace mpitrain {
+
+std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches) {
+  MPITRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_schedule: a stage of the pipeline");
+  std::vector<PipeStep> steps;
+  if (schedule == "gpipe") {
+    for (int64_t m = 0; m < micro_batches; ++m) steps.push_back({true, m});
+    for (int64_t m = 0; m < micro_batches; ++m) steps.push_back({false, m});
+    return steps;
+  }
+  MPITRAIN_CHECK(schedule == "1f1b", concat("pipeline_schedule: no schedule '", schedule, "'"));
+  const int64_t warmup = std::min(stages - 1 - stage, micro_batches);
+  int64_t forward = 0, backward = 0;
+  for (; forward < warmup; ++forward) steps.push_back({true, forward});
+  while (forward < micro_batches) {  // one forward, one backward
+    steps.push_back({true, forward++});
+    steps.push_back({false, backward++});
+  }
+  while (backward < micro_batches) steps.push_back({false, backward++});
+  return steps;
+}
+
+double pipeline_bubble(int64_t stages, int64_t micro_batches) {
+  return static_cast<double>(stages - 1) / static_cast<double>(std::max<int64_t>(micro_batches, 1));
+}
+
+int64_t stage_of(const std::string& name, const GPTDims& d) {
+  if (name.rfind("h.", 0) == 0) {
+    const int64_t block = std::stoll(name.substr(2, name.find('.', 2) - 2));
+    for (int64_t s = 0; s < d.pp; ++s) {
+      GPTDims at = d;
+      at.pp_stage = s;
+      if (block < at.stage_end()) return s;
+    }
+    MPITRAIN_CHECK(false, concat("stage_of: block ", block, " of ", d.n_layer));
+  }
+  return name.rfind("wte.", 0) == 0 || name.rfind("wpe.", 0) == 0 ? 0 : d.pp - 1;
+}
+
+PipeLink::~PipeLink() {
+  try {
+    finish();
+  } catch (...) {  // (a destructor: the job is ending anyway)
+  }
+}
+
+void PipeLink::send(const torch::Tensor& t, int64_t to, int tag) {
+  torch::Tensor host = t.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  const MpiRequest request = mpi::isend(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float),
+                                        static_cast<int>(to), tag, comm_);
+  sending_.emplace_back(std::move(host), request);
+}
+
+torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device) {
+  torch::Tensor host = torch::empty(shape, torch::kFloat32);
+  {
+    Watchdog::Scope watch("pipeline: receive from the neighbouring stage");
+    mpi::recv(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float), static_cast<int>(from), tag, comm_);
+  }
+  return host.to(device);
+}
+
+void PipeLink::finish() {
+  for (auto& [buffer, request] : sending_) {
+    Watchdog::Scope watch("pipeline: send to the neighbouring stage");
+    mpi::wait(request);
+  }
+  sending_.clear();
+}
+
+}  // namespace mpitrain

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Pipeline parallelism (parallel.pp, include/mpitrain/pipeline.h) by equivalence with real mpirun
+# runs: a 4-block GPT-2 and a 4-block Qwen3 (tied and untied) on the e2e corpus, 8 steps of 4
+# micro-batches (train.grad_accum) with test_train.cpp's SGD-like AdamW (lr / eps = 0.2, no decay,
+# no clip: a gradient's rounding error reaches the parameters linearly, where AdamW's own
+# normalisation would turn the last-bit noise of near-zero gradients into whole steps),
+# checkpoints at 4 and 8:
+#  - pp 2 and pp 4 (1f1b) train the one-rank run: its 8 losses and 3 validation losses within
+#    1e-5, its final parameters (the exports) within test_train.cpp's reordering bound (1.5e-3 of
+#    the last 4 steps' displacement; the tied embedding's two gradients, the first stage's and the
+#    last's, are summed in another order than one rank's backward sums them), bitwise for an
+#    untied Llama, whose stages add nothing in another order;
+#  - gpipe trains 1f1b's run bitwise (the backwards in the same micro-batch order);
+#  - pp 2 x dp 2 at np 4 with full activation checkpointing trains the np 2 (dp 2) run;
+#  - checkpoints move between pp degrees: pp 2's step-4 checkpoint resumed at pp 4 and the pp 4 one
+#    at pp 1 train the one-rank run's steps 5-8;
+#  - the start-up lines name the stages and the bubble; bad layouts refused by name, exit 2.
+#     bash tests/pp_test.sh BUILD/mpitrain [MPIRUN]
+set -uo pipefail
+BIN=$(realpath "$1")
+MPIRUN=${2:-mpirun}
+HERE=$(cd "$(dirname "$0")" && pwd)
+E2E_NAME=pp
+# shellcheck source=e2e_lib.sh
+. "$HERE/e2e_lib.sh"
+need_python 'import torch, numpy' 'python3-torch python3-numpy'
+
+common='data: {train: [data/c-train-*.h5], val: [data/c-val-*.h5]}
+train: {micro_batch: 2, steps: 8, threads: 1, grad_accum: 4}
+optim: {warmup_steps: 2, lr: 0.01}
+eval: {every: 4, batches: 2}
+log: {every: 1}
+checkpoint: {every: 4, keep: 2, resume: none}
+sample: {tokens: 0}'
+sgd=(--set optim.lr=4e3 --set optim.min_lr=4e2 --set optim.eps=2e4 --set optim.weight_decay=0 --set optim.grad_clip=0)
+printf 'model: {preset: custom, n_layer: 4, n_head: 4, n_embd: 32, seq_len: 32}\n%s\n' "$common" > gpt.yaml
+for tie in true false; do
+  printf 'model: {preset: custom, family: qwen3, n_layer: 4, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 64, seq_len: 32, tie_embeddings: %s}\n%s\n' \
+    "$tie" "$common" > llama_$tie.yaml
+done
+
+# run NAME NP YAML ARGS...: trains (run_NAME, ckpt_NAME, NAME.out), exports step 8 to hf_NAME
+declare -A rc_of
+run() {
+  local name=$1 np=$2 yaml=$3
+  shift 3
+  "$MPIRUN" -np "$np" --oversubscribe "$BIN" "$yaml" "${sgd[@]}" "$@" --set train.out_dir=run_$name --set checkpoint.dir=ckpt_$name \
+    > $name.out 2>&1
+  rc_of[$name]=$?
+  [ "${rc_of[$name]}" -eq 0 ] || tail -5 $name.out
+  "$BIN" export ckpt_$name/ckpt-00000008.h5 --format hf hf_$name > export_$name.out 2>&1 || cat export_$name.out
+}
+losses() { grep -o '"\(val_\)\?loss": [0-9.]*' run_$1/metrics.jsonl | tail -${2:-11} | grep -o '[0-9.]*$'; }
+# same A B [N]: B's last N losses (default all 11: 8 train, 3 val) those of A within 1e-5
+same() {
+  [ "${rc_of[$1]:-1}" -eq 0 ] && [ "${rc_of[$2]:-1}" -eq 0 ] &&
+    paste <(losses "$1" "${3:-11}") <(losses "$2" "${3:-11}") |
+    awk -v want="${3:-11}" '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 || $2 == "") bad = 1; n++ } END { exit bad || n != want }'
+}
+# close A B: B's final parameters within the reordering bound of A's (measured from A's step 4)
+close() {
+  "$BIN" export ckpt_$1/ckpt-00000004.h5 --format hf hf_$1_4 > /dev/null 2>&1
+  "$PY" - "$1" "$2" "$HERE" <<'PYEOF'
+import sys
+sys.path.insert(0, sys.argv[3])
+from llama_reference import parse_safetensors
+a, b = sys.argv[1], sys.argv[2]
+wa, wb = parse_safetensors(f"hf_{a}/model.safetensors"), parse_safetensors(f"hf_{b}/model.safetensors")
+w0 = parse_safetensors(f"hf_{a}_4/model.safetensors")
+gap = max((wa[k] - wb[k]).abs().max().item() for k in wa) if wa.keys() == wb.keys() else float("inf")
+moved = max((wa[k] - w0[k]).abs().max().item() for k in wa)
+print(f"  {b} against {a}: parameters max gap {gap:.2e}, {gap / moved:.2e} of steps 5-8's displacement {moved:.2e}")
+sys.exit(0 if gap <= 1.5e-3 * moved else 1)
+PYEOF
+}
+
+run g1 1 gpt.yaml
+run g2 2 gpt.yaml --set parallel.pp=2
+run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
+run g4 4 gpt.yaml --set parallel.pp=4
+for n in g2 g4; do
+  close g1 $n > close_$n.out 2>&1
+  rc=$?
+  cat close_$n.out
+  check "GPT-2 at parallel.pp ${n#g} (1f1b) trains the one-rank run: 8 losses and 3 val losses, final parameters (exit ${rc_of[$n]})" \
+    "same g1 $n && [ $rc -eq 0 ]"
+done
+check "gpipe trains 1f1b's run bitwise (pp 2)" "same g2 g2g && cmp -s hf_g2/model.safetensors hf_g2g/model.safetensors"
+check "the start-up lines name the stages, the schedule and the bubble" \
+  "grep -q 'mesh: 4 ranks = pp 4 x dp 1; stages' g4.out &&
+   grep -q 'pipeline: 2 stages of blocks 0-1 | 2-3 (the embedding on the first, the head on the last, the tied embedding.s gradient summed between them); 1f1b over 4 micro-batches per step: bubble (pp - 1) / m = 25% of the ideal step' g2.out &&
+   grep -q 'checkpoint: rank 0 writes whole checkpoints (each of the 4 stages. tensors sent to it' g4.out"
+
+run d2 2 gpt.yaml
+run g2d2 4 gpt.yaml --set parallel.pp=2 --set train.activation_checkpointing=full
+close d2 g2d2 > close_g2d2.out 2>&1
+rc=$?
+cat close_g2d2.out
+check "pp 2 x dp 2 with full checkpointing (np 4) trains the dp 2 run (exit ${rc_of[g2d2]})" \
+  "same d2 g2d2 && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = pp 2 x dp 2; stages' g2d2.out"
+
+run r24 4 gpt.yaml --set parallel.pp=4 --set checkpoint.resume=ckpt_g2/ckpt-00000004.h5
+run r41 1 gpt.yaml --set checkpoint.resume=ckpt_g4/ckpt-00000004.h5
+check "pp 2's step-4 checkpoint resumed at pp 4 trains the one-rank run's steps 5-8" "same g1 r24 5"
+check "pp 4's step-4 checkpoint resumed on one rank trains the same steps 5-8" "same g1 r41 5"
+
+for tie in true false; do
+  run l${tie}1 1 llama_$tie.yaml
+  run l${tie}4 4 llama_$tie.yaml --set parallel.pp=4
+done
+close ltrue1 ltrue4 > close_ltrue.out 2>&1
+rc=$?
+cat close_ltrue.out
+check "Qwen3 with tied embeddings at pp 4 trains the one-rank run (exit ${rc_of[ltrue4]})" "same ltrue1 ltrue4 && [ $rc -eq 0 ]"
+check "Qwen3 with an output layer of its own at pp 4: the one-rank run bitwise (exit ${rc_of[lfalse4]})" \
+  "same lfalse1 lfalse4 && cmp -s hf_lfalse1/model.safetensors hf_lfalse4/model.safetensors"
+
+expect_own_usage "more stages than blocks refused by name" "parallel.pp must be at most model.n_layer = 4 (each stage holds at least one block), got 5" \
+  "$BIN" gpt.yaml --set parallel.pp=5
+expect_own_usage "a pp that does not divide the world refused by name" "parallel.pp: 3 does not divide the world size 2" \
+  "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=3
+expect_own_usage "an unknown schedule refused by name" "parallel.pp_schedule must be one of 1f1b|gpipe (interleaved is not built yet)" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved
+expect_own_usage "pp with tensor parallelism refused by name" "parallel.tp must be 1 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.tp=2
+expect_own_usage "pp with ZeRO refused by name" "optim.zero must be 0 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=1
+expect_own_usage "plan with pp refused by name" "parallel.pp: 2: plan does not model pipeline stages yet" \
+  "$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2
+summary
