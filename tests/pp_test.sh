@@ -12,8 +12,9 @@
 #    untied Llama, whose stages add nothing in another order;
 #  - gpipe trains 1f1b's run bitwise (the backwards in the same micro-batch order);
 #  - pp 2 x dp 2 at np 4 with full activation checkpointing trains the np 2 (dp 2) run;
-#  - checkpoints move between pp degrees: pp 2's step-4 checkpoint resumed at pp 4 and the pp 4 one
-#    at pp 1 train the one-rank run's steps 5-8;
+#  - checkpoints move between pp degrees: pp 2's step-4 checkpoint (each stage's rank writing its
+#    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
+#    stage's tensors sent to rank 0) on one rank, train the one-rank run's steps 5-8;
 #  - the start-up lines name the stages and the bubble; bad layouts refused by name, exit 2.
 #     bash tests/pp_test.sh BUILD/mpitrain [MPIRUN]
 set -uo pipefail
@@ -77,7 +78,7 @@ PYEOF
 run g1 1 gpt.yaml
 run g2 2 gpt.yaml --set parallel.pp=2
 run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
-run g4 4 gpt.yaml --set parallel.pp=4
+run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0
 for n in g2 g4; do
   close g1 $n > close_$n.out 2>&1
   rc=$?
@@ -89,7 +90,8 @@ check "gpipe trains 1f1b's run bitwise (pp 2)" "same g2 g2g && cmp -s hf_g2/mode
 check "the start-up lines name the stages, the schedule and the bubble" \
   "grep -q 'mesh: 4 ranks = pp 4 x dp 1; stages' g4.out &&
    grep -q 'pipeline: 2 stages of blocks 0-1 | 2-3 (the embedding on the first, the head on the last, the tied embedding.s gradient summed between them); 1f1b over 4 micro-batches per step: bubble (pp - 1) / m = 25% of the ideal step' g2.out &&
-   grep -q 'checkpoint: rank 0 writes whole checkpoints (each of the 4 stages. tensors sent to it' g4.out"
+   grep -q 'checkpoint: rank 0 writes whole checkpoints (the 4 stages. tensors, one at a time, gathered to it): checkpoint.writers: rank0' g4.out &&
+   grep -q 'checkpoint: the first pipeline.s ranks write their stages. tensors (2 writers' g2.out"
 
 run d2 2 gpt.yaml
 run g2d2 4 gpt.yaml --set parallel.pp=2 --set train.activation_checkpointing=full

@@ -147,6 +147,9 @@ class Parallelism {
 
  private:
   bool shards_optimizer() const { return stage_ >= 1; }
+  // Pipeline parallelism: the whole model (pp 1), without values (its names and shapes) or with
+  // values to be overwritten; the run's random stream as it was.
+  GPT pp_whole_model(bool deferred) const;
   const Config& cfg_;
   Mesh& mesh_;
   const Topology& topo_;

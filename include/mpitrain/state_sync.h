@@ -100,8 +100,10 @@ struct CheckpointShare {
 // group), else nothing. copy: into host buffers (pinned for CUDA tensors), allocated on the first
 // call and reused by later ones; else the pieces reference the state where it already is host fp32
 // (a synchronous write on the calling thread).
+// Pipeline parallelism (`whole`: the whole model's names and shapes): the file is the whole model's,
+// of which this stage's rank writes the tensors its stage holds (a tied embedding: the first stage).
 void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
-                      const TrainState& st, bool copy);
+                      const TrainState& st, bool copy, const ParamShapes* whole = nullptr);
 
 // Writes one checkpoint from every rank's share; collective over `comm` (each rank passes its share
 // of the same step). Rank 0 creates the file (CheckpointFile: attributes, every dataset allocated)
@@ -119,7 +121,8 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 // writer's thread, so `comm` must be a communicator no other thread uses (CommDup) and MPI must
 // provide MPI_THREAD_MULTIPLE. `shards` and `holds_unsharded` as share_checkpoint.
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm);
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm,
+                        const ParamShapes* whole = nullptr);
 
 // A communicator of its own for one purpose (the checkpoint writer's collectives on a background
 // thread never meet the training loop's): MPI_Comm_dup, freed with the object. Collective.

@@ -40,28 +40,27 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   // shares need MPI collectives on the writer's thread.
   const bool async_collectives = !cfg.checkpoint.async || mpi_thread_multiple();
   const bool zero = shards_optimizer();
-  const bool spread = zero || tp_;  // state held in parts
+  const bool spread = zero || tp_ || pp_;  // state held in parts
   // DiLoCo's islands hold different states: rank 0 writes island 0's (the others' lie beside it,
   // diloco.h), which shares of every island's ranks would overwrite.
   const bool islands = mesh.layout().islands > 1;
-  // (Expert parallelism: rank 0 alone, the experts gathered to it.)
-  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_ &&
-            !pp_;
-  writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
+  // (Expert parallelism: rank 0 alone, the experts gathered to it. Pipeline stages: the first
+  // pipeline's ranks, each its stage's tensors.)
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
+  writer_count_ = !shares_ ? 1 : pp_ ? static_cast<int>(mesh_.layout().pp) : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (ep_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
                      mesh_.layout().ep, " ranks of its ep group",
                      tp_ ? concat(", each tensor made whole over the ", mesh_.layout().tp, " ranks of its tp group first") : std::string(),
                      zero ? concat(", the shared parameters' ZeRO-", stage_, " state from every rank") : std::string(), ")"));
-  if (pp_ && topo_.rank == 0)
-    log::info(concat("checkpoint: rank 0 writes whole checkpoints (each of the ", mesh_.layout().pp,
-                     " stages' tensors sent to it, one at a time)"));
-  if (!spread || ep_ || pp_ || topo_.rank != 0) return;
+  if (!spread || ep_ || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
-  const std::string share = zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
+  const std::string share = pp_         ? std::string("the first pipeline's ranks write their stages' tensors")
+                            : zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
                             : zero      ? concat("every rank writes its ", stage, " share")
                                         : "the ranks of rank 0's tp group write their tensor-parallel shards";
-  const std::string state = zero && tp_ ? concat("tensor-parallel shards and ", stage, " state")
+  const std::string state = pp_         ? concat("the ", mesh_.layout().pp, " stages' tensors, one at a time,")
+                            : zero && tp_ ? concat("tensor-parallel shards and ", stage, " state")
                             : zero      ? concat(stage, " state")
                                         : "tensor-parallel shards";
   const int blind = checkpoint_dir_blind_rank;
@@ -101,14 +100,8 @@ void Parallelism::apply(GPT model) {
     d.pp = 1, d.pp_stage = 0;
     whole_model_.emplace(d);
   }
-  if (pp_) {  // every rank: the whole model's names (a model without values; the run's stream as it was)
-    GPTDims d = dims_;
-    d.pp = 1, d.pp_stage = 0;
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    const torch::Tensor rng = gen.get_state();
-    GPT names(d, /*deferred=*/true);
-    gen.set_state(rng);
-    for (const auto& [name, p] : names->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
+  if (pp_) {  // every rank: the whole model's names
+    for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
     const bool tied = !dims_.llama() || dims_.tie_embeddings;
     tied_copy_ = tied && (dims_.first_stage() || dims_.last_stage());  // both ends hold wte.weight
     for (const auto& [name, p] : model_->named_params())
@@ -317,10 +310,23 @@ void Parallelism::make_optimizer(bool fused) {
 
 std::string Parallelism::resume(const std::vector<std::string>& candidates, TrainState& st) {
   // ZeRO-3: each rank keeps its part of each tensor (at tp 1 one unit's bucket at a time, under tp
-  // its slices of its tp shard), with no unit made whole.
+  // its slices of its tp shard), with no unit made whole. Pipeline stages whose ranks write their
+  // own shares have no whole copy on rank 0: it opens the file with the whole model's names.
+  std::optional<GPT> names;
+  if (pp_ && !whole_model_ && topo_.rank == 0) names.emplace(pp_whole_model(/*deferred=*/true));
+  GPT* whole = !(ep_ || pp_) ? nullptr : whole_model_ ? &*whole_model_ : names ? &*names : nullptr;
   return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
-              units_ ? &units_->param_shards() : nullptr, (ep_ || pp_) && whole_model_ ? &*whole_model_ : nullptr,
-              pp_ ? &whole_names_ : nullptr);
+                     units_ ? &units_->param_shards() : nullptr, whole, pp_ ? &whole_names_ : nullptr);
+}
+
+GPT Parallelism::pp_whole_model(bool deferred) const {
+  GPTDims d = dims_;
+  d.pp = 1, d.pp_stage = 0;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const torch::Tensor rng = gen.get_state();  // (making a model draws; the run's stream goes on as it was)
+  GPT whole(d, deferred);
+  gen.set_state(rng);
+  return whole;
 }
 
 std::string Parallelism::describe_buckets() const {
@@ -487,7 +493,8 @@ void Parallelism::prepare_checkpoints(AsyncCheckpointWriter& writer, const Train
   if (!writer.async()) return;
   // (ZeRO-3: the ranks' shares read the shards, AdamW's slots; rank 0 alone, its whole copy)
   if (shares_) {
-    share_checkpoint(share_buffers_, model_, *opt_, slice_owner_, mesh_.dp_rank() == 0, st, /*copy=*/true);
+    share_checkpoint(share_buffers_, model_, *opt_, slice_owner_, mesh_.dp_rank() == 0, st, /*copy=*/true,
+                     pp_ ? &whole_names_ : nullptr);
   } else if (whole_model_) {
     writer.prepare(*whole_model_, gathered_);
   } else if (topo_.rank == 0) {
@@ -501,7 +508,8 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   const bool first_replica = mesh.dp_rank() == 0;
   // ZeRO-3: each rank's share is read from its shards (AdamW's slots).
   if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
-    return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get());
+    return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get(),
+                       pp_ ? &whole_names_ : nullptr);
   std::string path;
   if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks
     if (first_replica)
@@ -536,12 +544,14 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
 std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_params() {
   std::vector<std::pair<std::string, std::vector<float>>> out;
   if (pp_) {  // the stages' tensors on rank 0 (the other ranks return none)
+    std::optional<GPT> made;
+    GPT* into = whole_model_ ? &*whole_model_ : nullptr;
+    if (!into && topo_.rank == 0) into = &made.emplace(pp_whole_model(/*deferred=*/false));
     FullOptimState state;
-    if (whole_model_) state = host_optim_state_like(*whole_model_);
-    if (mesh_.dp_rank() == 0)
-      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &state);
-    if (whole_model_)
-      for (auto& [name, p] : (*whole_model_)->named_params()) {
+    if (into) state = host_optim_state_like(*into);
+    if (mesh_.dp_rank() == 0) gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state);
+    if (into)
+      for (auto& [name, p] : (*into)->named_params()) {
         torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();
         out.emplace_back(name, std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel()));
       }

@@ -428,19 +428,34 @@ CommDup::CommDup(MpiComm comm) : comm_(mpi::dup(comm)) {}
 CommDup::~CommDup() { mpi::free(comm_); }
 
 void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
-                      const TrainState& st, bool copy) {
+                      const TrainState& st, bool copy, const ParamShapes* whole) {
   MPITRAIN_CHECK(!shards || (opt.sharded() && shards->owned_slices().size() == opt.size()),
                  "share_checkpoint: a sharded AdamW and its GradSync");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const auto params = model->named_params();
   const size_t n_params = params.size();
+  // The file's parameters: this model's, or (a pipeline stage) the whole model's, of which this
+  // stage writes the ones it holds (a tied embedding: the first stage).
+  std::vector<size_t> in_file(n_params);  // parameter k's place among the file's
+  size_t n_file = n_params;
   if (!copy || !into.built) {
     into.tensors.clear();
-    for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
-    for (const auto& [name, p] : params)
-      for (const char* m : {"/exp_avg", "/exp_avg_sq"})
-        into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
+    if (whole) {
+      std::map<std::string, size_t> at;
+      for (size_t w = 0; w < whole->size(); ++w) at.emplace((*whole)[w].first, w);
+      for (size_t k = 0; k < n_params; ++k) in_file[k] = at.at(params[k].first);
+      n_file = whole->size();
+      for (const auto& [name, shape] : *whole) into.tensors.push_back({"model/" + name, shape});
+      for (const auto& [name, shape] : *whole)
+        for (const char* m : {"/exp_avg", "/exp_avg_sq"}) into.tensors.push_back({"optim/" + name + m, shape});
+    } else {
+      for (size_t k = 0; k < n_params; ++k) in_file[k] = k;
+      for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
+      for (const auto& [name, p] : params)
+        for (const char* m : {"/exp_avg", "/exp_avg_sq"})
+          into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
+    }
     into.pieces.clear();
     into.copies.clear();
     // Elements [begin, begin + n) of parameter k's shard, from `live` (w: 0 the parameter, 1 and 2
@@ -448,13 +463,14 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
     auto add = [&](size_t k, int64_t begin, const torch::Tensor& live, int w) {
       const TpSplit split = model->tp_split(params[k].first);
       if (split == TpSplit::replicated && d.tp_rank != 0) return;
+      if (whole && stage_of(params[k].first, d) != d.pp_stage) return;  // (the last stage's tied embedding)
       const torch::Tensor flat = live.detach().reshape({-1});
       torch::Tensor host = copy ? torch::empty({flat.numel()}, torch::TensorOptions()
                                                                  .dtype(torch::kFloat32)
                                                                  .pinned_memory(flat.is_cuda()))
                                 : flat.to(torch::kCPU, torch::kFloat32).contiguous();
       into.copies.emplace_back(flat, host);
-      const size_t tensor = w == 0 ? k : n_params + 2 * k + static_cast<size_t>(w - 1);
+      const size_t tensor = w == 0 ? in_file[k] : n_file + 2 * in_file[k] + static_cast<size_t>(w - 1);
       for (const TpRun& run : tp_runs(split, params[k].second.sizes(), d.tp_rank, d.tp, begin, flat.numel()))
         into.pieces.push_back({tensor, run.whole, host.narrow(0, run.local, run.length)});
     };
@@ -484,6 +500,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
   }
   into.dims = d;
   into.dims.tp = 1, into.dims.tp_rank = 0, into.dims.tp_comm = nullptr;  // the file's: whole tensors
+  into.dims.pp = 1, into.dims.pp_stage = 0;                               // of the whole model
   into.steps_taken = opt.steps_taken();
   into.state = st;
 }
@@ -614,15 +631,16 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 }
 
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
-                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm) {
+                        const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm,
+                        const ParamShapes* whole) {
   if (!writer.async())
     return writer.save_with(st.step, [] {}, [&] {
       CheckpointShare share;
-      share_checkpoint(share, model, opt, shards, holds_unsharded, st, /*copy=*/false);
+      share_checkpoint(share, model, opt, shards, holds_unsharded, st, /*copy=*/false, whole);
       return write_checkpoint_shares(writer.dir(), share, writer.keep(), comm);
     });
   return writer.save_with(
-      st.step, [&] { share_checkpoint(buffers, model, opt, shards, holds_unsharded, st, /*copy=*/true); },
+      st.step, [&] { share_checkpoint(buffers, model, opt, shards, holds_unsharded, st, /*copy=*/true, whole); },
       [&writer, &buffers, comm] { return write_checkpoint_shares(writer.dir(), buffers, writer.keep(), comm); });
 }
 
