@@ -11,7 +11,11 @@
 #    last's, are summed in another order than one rank's backward sums them), bitwise for an
 #    untied Llama, whose stages add nothing in another order;
 #  - gpipe trains 1f1b's run bitwise (the backwards in the same micro-batch order);
-#  - pp 2 x dp 2 at np 4 with full activation checkpointing trains the np 2 (dp 2) run;
+#  - pp 2 x dp 2 at np 4 with ZeRO-1 and full activation checkpointing trains the np 2 (dp 2) run
+#    (each stage's state sliced over its dp pair; the tied embedding's averaged gradient gathered
+#    whole on each end, exchanged and added into each rank's slices), and its step-4 checkpoint
+#    resumed at ZeRO-2 with checkpoint.writers: rank0 (the stages' moments gathered over their dp
+#    pairs, then sent to rank 0) trains the same steps 5-8 and final parameters;
 #  - checkpoints move between pp degrees: pp 2's step-4 checkpoint (each stage's rank writing its
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
 #    stage's tensors sent to rank 0) on one rank, train the one-rank run's steps 5-8;
@@ -94,12 +98,18 @@ check "the start-up lines name the stages, the schedule and the bubble" \
    grep -q 'checkpoint: the first pipeline.s ranks write their stages. tensors (2 writers' g2.out"
 
 run d2 2 gpt.yaml
-run g2d2 4 gpt.yaml --set parallel.pp=2 --set train.activation_checkpointing=full
+run g2d2 4 gpt.yaml --set parallel.pp=2 --set optim.zero=1 --set train.activation_checkpointing=full
 close d2 g2d2 > close_g2d2.out 2>&1
 rc=$?
 cat close_g2d2.out
-check "pp 2 x dp 2 with full checkpointing (np 4) trains the dp 2 run (exit ${rc_of[g2d2]})" \
+check "pp 2 x dp 2 at ZeRO-1 with full checkpointing (np 4) trains the dp 2 run (exit ${rc_of[g2d2]})" \
   "same d2 g2d2 && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = pp 2 x dp 2; stages' g2d2.out"
+run z2 4 gpt.yaml --set parallel.pp=2 --set optim.zero=2 --set checkpoint.writers=rank0 --set checkpoint.resume=ckpt_g2d2/ckpt-00000004.h5
+close d2 z2 > close_z2.out 2>&1
+rc=$?
+cat close_z2.out
+check "its step-4 checkpoint resumed at ZeRO-2 (rank 0 writing) trains dp 2's steps 5-8 and parameters (exit ${rc_of[z2]})" \
+  "same d2 z2 5 && [ $rc -eq 0 ]"
 
 run r24 4 gpt.yaml --set parallel.pp=4 --set checkpoint.resume=ckpt_g2/ckpt-00000004.h5
 run r41 1 gpt.yaml --set checkpoint.resume=ckpt_g4/ckpt-00000004.h5
@@ -125,8 +135,8 @@ expect_own_usage "an unknown schedule refused by name" "parallel.pp_schedule mus
   "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved
 expect_own_usage "pp with tensor parallelism refused by name" "parallel.tp must be 1 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
   "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.tp=2
-expect_own_usage "pp with ZeRO refused by name" "optim.zero must be 0 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
-  "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=1
+expect_own_usage "pp with ZeRO-3 refused by name" "optim.zero must be 0, 1 or 2 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=3
 expect_own_usage "plan with pp refused by name" "parallel.pp: 2: plan does not model pipeline stages yet" \
   "$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2
 summary

@@ -1,6 +1,6 @@
 // How one run's model and optimizer are spread over the ranks: the one place that knows.
 //
-// Three parallelisms compose on the mesh (mesh.h; world = dp x tp):
+// The parallelisms compose on the mesh (mesh.h; world = pp x dp x tp):
 // - tensor parallelism (parallel.tp): the modules are made as this rank's shards (model.h's
 //   GPTDims tp; tensor_parallel.h's splits); here: the gradient norm over the tp group, a
 //   checkpoint's shards assembled (rank 0's whole copy, or each tp rank its share) and the
@@ -21,6 +21,10 @@
 //   rank's experts stay whole, their AdamW state in slots after the slices (optim.h). With tensor
 //   parallelism (any stage) each rank holds its tp shards of its experts; a checkpoint makes
 //   them whole over tp, then over ep.
+// - pipeline parallelism (parallel.pp, pipeline.h; optim.zero 0-2): each stage's model holds its
+//   blocks, the dp group is the stage's; here: a tied embedding's gradient summed between the
+//   first and last stage, the gradient norm over the pipeline, checkpoints of the whole model
+//   (each stage's rank writing its share, or rank 0 gathering them) and stages resumed from any.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
 // optimizer's slots and then ask after_update() as an update does.
 //
@@ -158,7 +162,7 @@ class Parallelism {
   const torch::Device device_;
   const bool tp_;
   const bool ep_;  // parallel.ep > 1
-  const bool pp_;  // parallel.pp > 1 (optim.zero 0, tp 1, ep 1, no islands: the config refuses the rest)
+  const bool pp_;  // parallel.pp > 1 (optim.zero 0-2, tp 1, ep 1, no islands: the config refuses the rest)
   // Pipeline parallelism: the whole model's names and shapes (every rank's), whether each of
   // params_ counts in the gradient norm (not the last stage's tied embedding), and whether this
   // stage holds a tied embedding that another stage holds too (its gradient summed between them).

@@ -62,7 +62,10 @@ using ParamShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // the first stage) to rank 0 of `pp` (the first pipeline: Mesh::pp_mpi() of the dp rank 0 ranks,
 // which call it), one tensor at a time, into rank 0's `whole` (the whole model, host) and
 // `whole_state`. `names`: the whole model's (whole's order).
-void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state);
+// ZeRO-1/2 (`stage_moments`: gather_optim_state over the stage's dp group, on its dp rank 0): the
+// moments from there.
+void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state,
+                     const FullOptimState* stage_moments = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 

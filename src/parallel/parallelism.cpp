@@ -404,23 +404,45 @@ void Parallelism::reduce_gradients() {
     const auto params = model_->named_params();
     size_t k = 0;
     while (params[k].first != "wte.weight") ++k;
-    torch::Tensor& g = params_[k].mutable_grad();
     const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
     constexpr int kTiedTag = 32000;  // (above every micro-batch's activation and gradient tags)
     PipeLink link(mesh_.pp_mpi());
-    link.send(g, other, kTiedTag);
-    const torch::Tensor theirs = link.recv(g.sizes(), other, kTiedTag, g.device());
+    if (!shards_optimizer()) {
+      torch::Tensor& g = params_[k].mutable_grad();
+      link.send(g, other, kTiedTag);
+      const torch::Tensor theirs = link.recv(g.sizes(), other, kTiedTag, g.device());
+      link.finish();
+      g.add_(theirs.to(g.scalar_type()));
+      return;
+    }
+    // ZeRO-1/2: the averaged gradient lies in slices over the stage's dp group (each end's bucket
+    // layout its own): gathered whole on each end, exchanged, and the partner's added to each
+    // rank's part of the slices.
+    const size_t b = grad_sync_->bucket_of(k);
+    const torch::Tensor& shard = grad_sync_->grad_shard(b);
+    torch::Tensor bucket = torch::empty({grad_sync_->padded_length(b)}, shard.options());
+    mesh_.dp().all_gather(shard, bucket);
+    const int64_t off = grad_sync_->flat_offset(k), n = params_[k].numel();
+    link.send(bucket.narrow(0, off, n), other, kTiedTag);
+    const torch::Tensor theirs = link.recv({n}, other, kTiedTag, shard.device());
     link.finish();
-    g.add_(theirs.to(g.scalar_type()));
+    const int64_t lo = mesh_.dp().rank() * shard.numel();  // this rank's part of the bucket
+    const int64_t from = std::max(lo, off), to = std::min(lo + shard.numel(), off + n);
+    if (from < to) shard.narrow(0, from - lo, to - from).add_(theirs.narrow(0, from - off, to - from));
   }
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
-  if (pp_) {  // each stage holds its blocks' gradients: the verdict and the norm agreed over the pipeline
+  if (pp_) {  // each stage holds its blocks' gradients (ZeRO: its rank its slices of them): the
+             // verdict and the norm agreed over the pipeline (and the stage's dp group)
     std::vector<torch::Tensor> grads;
-    for (const auto& p : params_) grads.push_back(p.grad());
-    const bool finite = scaler.unscale_and_check(grads, mesh_.pp(), device_);
-    return {finite, clip_pp_grad_norm_(params_, pp_counted_, max_norm, mesh_.pp())};
+    std::vector<bool> counted;
+    for (size_t i = 0; i < opt_->size(); ++i) {
+      grads.push_back(opt_->grad(i));
+      counted.push_back(pp_counted_[opt_->param_index(i)]);
+    }
+    const bool finite = scaler.unscale_and_check(grads, shards_optimizer() ? mesh_.world() : mesh_.pp(), device_);
+    return {finite, clip_pp_grad_norm_(grads, counted, max_norm, mesh_.pp(), shards_optimizer() ? &mesh_.dp() : nullptr)};
   }
   if (ep_) {  // the experts' gradients differ over the ep group (ZeRO: the slices over the dp
              // group): the verdict and the norm agreed over it
@@ -511,9 +533,12 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get(),
                        pp_ ? &whole_names_ : nullptr);
   std::string path;
-  if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks
+  if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks (ZeRO: the moments
+             // first gathered to them over each stage's dp group)
+    const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
     if (first_replica)
-      gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_);
+      gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_,
+                      shards_optimizer() ? &stage : nullptr);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
@@ -549,7 +574,9 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     if (!into && topo_.rank == 0) into = &made.emplace(pp_whole_model(/*deferred=*/false));
     FullOptimState state;
     if (into) state = host_optim_state_like(*into);
-    if (mesh_.dp_rank() == 0) gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state);
+    const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
+    if (mesh_.dp_rank() == 0)
+      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state, shards_optimizer() ? &stage : nullptr);
     if (into)
       for (auto& [name, p] : (*into)->named_params()) {
         torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();

@@ -238,11 +238,13 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 // Pipeline parallel resume: rank 0 reads each tensor of the whole model (`file`, opened with its
 // names; null elsewhere) and broadcasts it over `comm` (the world); each stage keeps the ones it
 // holds (the last stage its copy of a tied embedding too).
-void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const ParamShapes& names, Communicator& comm,
-                       MpiComm mpi_comm) {
+void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, const ParamShapes& names,
+                       Communicator& comm, MpiComm mpi_comm) {
   using Part = CheckpointParams::Part;
   const auto params = model->named_params();
-  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "pipeline parallel resume: AdamW's slot k is parameter k");
+  MPITRAIN_CHECK(opt.sharded() == (shards != nullptr), "pipeline parallel resume: a sharded AdamW with its GradSync");
+  std::vector<std::vector<size_t>> slots(params.size());  // each parameter's slots (ZeRO: its slices here)
+  for (size_t i = 0; i < opt.size(); ++i) slots[opt.param_index(i)].push_back(i);
   std::map<std::string, size_t> mine, at;  // at: rank 0's file tensors by name
   for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
   if (file)
@@ -260,8 +262,15 @@ void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const Par
       const auto it = mine.find(name);
       if (it == mine.end()) continue;
       const size_t k = it->second;
-      torch::Tensor dest = part == Part::param ? params[k].second : part == Part::exp_avg ? opt.exp_avg(k) : opt.exp_avg_sq(k);
-      dest.detach().copy_(t.view(dest.sizes()));
+      if (part == Part::param) {
+        params[k].second.detach().copy_(t.view(params[k].second.sizes()));
+        continue;
+      }
+      for (size_t i : slots[k]) {
+        torch::Tensor dest = part == Part::exp_avg ? opt.exp_avg(i) : opt.exp_avg_sq(i);
+        const int64_t begin = shards ? shards->owned_slices()[i].begin : 0;
+        dest.detach().copy_(t.view({-1}).narrow(0, begin, dest.numel()).view(dest.sizes()));
+      }
     }
 }
 
@@ -341,12 +350,14 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
   }
 }
 
-void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state) {
+void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state,
+                     const FullOptimState* stage_moments) {
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const int me = mpi::rank(pp);  // (this rank's stage)
   const auto params = model->named_params();
-  MPITRAIN_CHECK(!opt.sharded() && opt.size() == params.size(), "gather_pp_state: AdamW's slot k is parameter k");
+  MPITRAIN_CHECK(stage_moments ? stage_moments->moments.size() == params.size() : !opt.sharded() && opt.size() == params.size(),
+                 "gather_pp_state: AdamW's slot k is parameter k, or the stage's moments gathered");
   std::map<std::string, size_t> mine;
   for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
   std::vector<std::pair<std::string, torch::Tensor>> into;
@@ -363,7 +374,11 @@ void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& name
       torch::Tensor t;
       if (owner == me) {
         const size_t k = mine.at(name);
-        t = (part == 0 ? params[k].second : part == 1 ? opt.exp_avg(k) : opt.exp_avg_sq(k))
+        const auto moment = [&](bool first) -> torch::Tensor {
+          if (stage_moments) return first ? stage_moments->moments[k].exp_avg : stage_moments->moments[k].exp_avg_sq;
+          return first ? opt.exp_avg(k) : opt.exp_avg_sq(k);
+        };
+        t = (part == 0 ? params[k].second : moment(part == 1))
                 .detach()
                 .to(torch::kCPU, torch::kFloat32)
                 .contiguous();
@@ -732,7 +747,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   CheckpointParams* from = file ? &*file : nullptr;
   if (model->dims().pp > 1) {
     MPITRAIN_CHECK((comm.rank() != 0 || whole) && pp_names, "resume_from: a pipeline stage opens the file with the whole model");
-    keep_stage_params(from, model, opt, *pp_names, comm, mpi_comm);
+    keep_stage_params(from, model, opt, shards, *pp_names, comm, mpi_comm);
   } else if (model->dims().ep > 1) {
     MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
     keep_expert_shards(from, model, opt, shards, comm, mpi_comm, param_shards);

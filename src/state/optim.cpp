@@ -317,19 +317,19 @@ torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, do
   return clip_by(grads, squared, max_norm);
 }
 
-torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& params, const std::vector<bool>& counted,
-                                 double max_norm, Communicator& pp) {
+torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& grads, const std::vector<bool>& counted,
+                                 double max_norm, Communicator& pp, Communicator* sliced) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads, mine;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const torch::Tensor& g = params[i].grad();
-    if (!g.defined()) continue;
-    grads.push_back(g);
-    if (counted[i]) mine.push_back(g);
+  std::vector<torch::Tensor> held, mine;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    held.push_back(grads[i]);
+    if (counted[i]) mine.push_back(grads[i]);
   }
-  torch::Tensor squared = sum_of_squares(mine, params.front().device());
+  torch::Tensor squared = sum_of_squares(mine, held.empty() ? torch::Device(torch::kCPU) : held.front().device());
+  if (sliced) sliced->all_reduce(squared, ReduceOp::sum);
   pp.all_reduce(squared, ReduceOp::sum);
-  return clip_by(grads, squared, max_norm);
+  return clip_by(held, squared, max_norm);
 }
 
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
