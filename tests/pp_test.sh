@@ -19,7 +19,9 @@
 #  - checkpoints move between pp degrees: pp 2's step-4 checkpoint (each stage's rank writing its
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
 #    stage's tensors sent to rank 0) on one rank, train the one-rank run's steps 5-8;
-#  - the start-up lines name the stages and the bubble; bad layouts refused by name, exit 2.
+#  - the start-up lines name the stages and the bubble; each stage's measured waiting (the bubble,
+#    the transfers) on the progress line, in metrics.jsonl and per stage at the end; bad layouts
+#    refused by name, exit 2.
 #     bash tests/pp_test.sh BUILD/mpitrain [MPIRUN]
 set -uo pipefail
 BIN=$(realpath "$1")
@@ -96,6 +98,10 @@ check "the start-up lines name the stages, the schedule and the bubble" \
    grep -q 'pipeline: 2 stages of blocks 0-1 | 2-3 (the embedding on the first, the head on the last, the tied embedding.s gradient summed between them); 1f1b over 4 micro-batches per step: bubble (pp - 1) / m = 25% of the ideal step' g2.out &&
    grep -q 'checkpoint: rank 0 writes whole checkpoints (the 4 stages. tensors, one at a time, gathered to it): checkpoint.writers: rank0' g4.out &&
    grep -q 'checkpoint: the first pipeline.s ranks write their stages. tensors (2 writers' g2.out"
+check "the waiting for the neighbouring stages measured: progress line, metrics.jsonl, each stage's share at the end" \
+  "grep -q ' | pp wait [0-9]*% ' g4.out && grep -q '\"pp_wait_share\": 0\.[0-9]*' run_g4/metrics.jsonl &&
+   grep -q 'pipeline: waiting for the neighbouring stages: stage 0 [0-9.]*%, stage 1 [0-9.]*%, stage 2 [0-9.]*%, stage 3 [0-9.]*% of the micro-batches. time (the 1f1b bubble alone: (pp - 1) / (m + pp - 1) = 42.9%' g4.out &&
+   ! grep -q pp_wait_share run_g1/metrics.jsonl"
 
 run d2 2 gpt.yaml
 run g2d2 4 gpt.yaml --set parallel.pp=2 --set optim.zero=1 --set train.activation_checkpointing=full

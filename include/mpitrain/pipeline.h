@@ -73,6 +73,10 @@ class PipeLink {
   std::vector<std::pair<torch::Tensor, MpiRequest>> sending_;
 };
 
+// Seconds this process has spent waiting in the pipeline's receives and for its sends to complete
+// (PipeLink: the schedule's bubble and the transfers), since it started.
+double pipeline_wait_seconds();
+
 // The tags of micro-batch m's activation (forward) and its gradient (backward).
 inline int activation_tag(int64_t micro) { return static_cast<int>(2 * micro); }
 inline int gradient_tag(int64_t micro) { return static_cast<int>(2 * micro + 1); }

@@ -44,6 +44,9 @@ struct StepReport {
   // parallel.ep: rank 0's seconds inside the experts' all-to-alls (forward and backward, waiting for
   // the group included) since the last report, evaluation's excluded (< 0: no expert parallelism).
   double ep_seconds = -1;
+  // parallel.pp: rank 0's seconds waiting for the neighbouring stages (pipeline_wait_seconds) since
+  // the last report, evaluation's excluded (< 0: no pipeline).
+  double pp_wait_seconds = -1;
 };
 
 class Progress {

@@ -2,11 +2,27 @@
 #include "mpitrain/pipeline.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 
 #include "mpitrain/error.h"
 #include "mpitrain/watchdog.h"
 
 namespace mpitrain {
+
+namespace {
+std::atomic<int64_t> pipeline_wait_ns{0};
+
+// Runs fn, its wall time counted in pipeline_wait_ns.
+template <class Fn>
+void waited(Fn&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  pipeline_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+double pipeline_wait_seconds() { return static_cast<double>(pipeline_wait_ns.load()) * 1e-9; }
 
 std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches) {
   MPITRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_schedule: a stage of the pipeline");
@@ -63,7 +79,7 @@ torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, cons
   torch::Tensor host = torch::empty(shape, torch::kFloat32);
   {
     Watchdog::Scope watch("pipeline: receive from the neighbouring stage");
-    mpi::recv(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float), static_cast<int>(from), tag, comm_);
+    waited([&] { mpi::recv(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float), static_cast<int>(from), tag, comm_); });
   }
   return host.to(device);
 }
@@ -71,7 +87,7 @@ torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, cons
 void PipeLink::finish() {
   for (auto& [buffer, request] : sending_) {
     Watchdog::Scope watch("pipeline: send to the neighbouring stage");
-    mpi::wait(request);
+    waited([&] { mpi::wait(request); });
   }
   sending_.clear();
 }

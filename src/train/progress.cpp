@@ -81,6 +81,8 @@ void Progress::report(const StepReport& r) {
   if (r.dropped >= 0) line += format(" | dropped %.1f%%", 100 * r.dropped);
   const double a2a = r.ep_seconds >= 0 && interval > 0 ? std::min(1.0, r.ep_seconds / interval) : -1;
   if (a2a >= 0) line += format(" | a2a %.0f%%", 100 * a2a);
+  const double pp_wait = r.pp_wait_seconds >= 0 && interval > 0 ? std::min(1.0, r.pp_wait_seconds / interval) : -1;
+  if (pp_wait >= 0) line += format(" | pp wait %.0f%%", 100 * pp_wait);
   line += " | ETA " + human_duration(avg * static_cast<double>(cfg_.train.steps - r.step - 1));
   log::info(line);
 
@@ -122,6 +124,10 @@ void Progress::report(const StepReport& r) {
   if (a2a >= 0) {
     json += format(", \"all_to_all_share\": %.5f", a2a);
     scalars.emplace_back("moe/all_to_all_share", a2a);
+  }
+  if (pp_wait >= 0) {
+    json += format(", \"pp_wait_share\": %.5f", pp_wait);
+    scalars.emplace_back("perf/pp_wait_share", pp_wait);
   }
   if (metrics_.is_open()) metrics_ << json << "}\n" << std::flush;
   if (tensorboard_) tensorboard_->scalars(step, scalars);

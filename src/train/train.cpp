@@ -10,6 +10,7 @@
 #include "mpitrain/train.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <cstdint>
@@ -251,6 +252,9 @@ class Run {
   double lr_ = 0;
   // parallel.ep: ep_collective_seconds() at the last report, and evaluation's share since then
   double ep_mark_ = 0, ep_in_eval_ = 0;
+  // parallel.pp: pipeline_wait_seconds() likewise; and over the whole run, the steps' wall time
+  // (from their micro-batches to their update) and the waits within it
+  double pp_mark_ = 0, pp_in_eval_ = 0, step_seconds_ = 0, step_waits_ = 0;
 };
 
 // The model (this rank's modules: tp shards; ZeRO-3 without values), the parallelisms applied to
@@ -516,7 +520,14 @@ void Run::micro_batches() {
   loss_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   aux_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
   z_sum_ = torch::zeros({1}, torch::dtype(torch::kFloat64).device(device_));
-  if (par_.pipeline_parallel()) return pipeline_micro_batches();
+  if (par_.pipeline_parallel()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double w0 = pipeline_wait_seconds();
+    pipeline_micro_batches();
+    step_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    step_waits_ += pipeline_wait_seconds() - w0;
+    return;
+  }
   for (int64_t m = 0; m < accum_; ++m) {
     const auto& [x, y] = batches_[static_cast<size_t>(m)];
     torch::Tensor loss;
@@ -674,6 +685,11 @@ void Run::log_step() {
     report.ep_seconds = std::max(0.0, now - ep_mark_ - ep_in_eval_);
     ep_mark_ = now, ep_in_eval_ = 0;
   }
+  if (par_.pipeline_parallel()) {
+    const double now = pipeline_wait_seconds();
+    report.pp_wait_seconds = std::max(0.0, now - pp_mark_ - pp_in_eval_);
+    pp_mark_ = now, pp_in_eval_ = 0;
+  }
   if (topo_.rank == 0) progress_->report(report);
 }
 
@@ -684,12 +700,13 @@ void Run::evaluate_if_due() {
 }
 
 void Run::run_eval(int64_t at_step) {
-  const double ep0 = ep_collective_seconds();
+  const double ep0 = ep_collective_seconds(), pp0 = pipeline_wait_seconds();
   const double v = progress_->untimed([&] {
     return par_.pipeline_parallel() ? evaluate_pipeline(model_, *s_.val_data, *s_.mesh, cfg_, device_, precision_)
                                     : evaluate(model_, *s_.val_data, s_.mesh->replicas_comm(), cfg_, device_, precision_);
   });
   ep_in_eval_ += ep_collective_seconds() - ep0;
+  pp_in_eval_ += pipeline_wait_seconds() - pp0;
   result_.val_losses.emplace_back(at_step, v);
   if (topo_.rank == 0) progress_->report_val(at_step, v);
 }
@@ -768,6 +785,25 @@ TrainResult Run::finish() {
     s_.mesh->world().barrier();
   }
   result_.final_step = st_.step;
+  if (par_.pipeline_parallel()) {  // each stage's idle share of its forwards and backwards, against the bubble's
+    const double mine[2] = {step_waits_, step_seconds_};
+    std::vector<double> all(static_cast<size_t>(2 * topo_.size));
+    mpi::gather(mine, all.data(), sizeof mine, 0, mpi_comm_);
+    if (topo_.rank == 0) {
+      const MeshLayout& l = s_.layout;
+      std::string shares;
+      for (int s = 0; s < l.pp; ++s) {
+        double waits = 0, total = 0;
+        for (int r = s * l.stage_size(); r < (s + 1) * l.stage_size(); ++r)
+          waits += all[static_cast<size_t>(2 * r)], total += all[static_cast<size_t>(2 * r + 1)];
+        shares += concat(s ? ", " : "", "stage ", s, " ", static_cast<double>(std::lround(total > 0 ? 1000 * waits / total : 0.0)) / 10, "%");
+      }
+      const double bubble = static_cast<double>(l.pp - 1) / static_cast<double>(accum_ + l.pp - 1);
+      log::info(concat("pipeline: waiting for the neighbouring stages: ", shares, " of the micro-batches' time (the ",
+                       cfg_.parallel.pp_schedule, " bubble alone: (pp - 1) / (m + pp - 1) = ", static_cast<double>(std::lround(1000 * bubble)) / 10,
+                       "%; the rest is the transfers and the stages' unequal work)"));
+    }
+  }
   if (diloco_) {
     result_.outer_steps = diloco_->outer_steps();
     result_.island_bytes = diloco_->bytes_sent();
