@@ -492,16 +492,23 @@ check "comm.compress powersgd with ep 2 trains ep 1's run, the experts' gradient
 # checkpointing, whose second runs sum the experts' partial outputs again) trains an np 2 run's 8
 # steps (dp 2: the same global batch): losses and final parameters within the reordering bound.
 "$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml "${sgd[@]}" --set train.out_dir=run_sgd --set checkpoint.dir=ckpt_sgd > sgd.out 2>&1 || tail -5 sgd.out
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set train.activation_checkpointing=selective \
-  --set train.out_dir=run_tp --set checkpoint.dir=ckpt_tp > tp.out 2>&1
-tprc=$?
-[ $tprc -eq 0 ] || tail -5 tp.out
 to_hf sgd 8 sgd
 to_hf sgd 4 sgd_4
-to_hf tp 8 tp
-close sgd tp sgd_4 reorder > close_tp.out 2>&1
-rc=$?
-cat close_tp.out
+# tp_run NAME ARGS...: the SGD-like run with ARGS at np 4 (run_NAME; exit status in tprc), exported,
+# and close sgd NAME within the reordering bound (exit status in rc, its line printed).
+tp_run() {
+  local name=$1
+  shift
+  "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" "$@" --set train.out_dir=run_$name \
+    --set checkpoint.dir=ckpt_$name > $name.out 2>&1
+  tprc=$?
+  [ $tprc -eq 0 ] || tail -5 $name.out
+  to_hf $name 8 $name
+  close sgd $name sgd_4 reorder > close_$name.out 2>&1
+  rc=$?
+  cat close_$name.out
+}
+tp_run tp --set parallel.tp=2 --set train.activation_checkpointing=selective
 check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 2 run: losses and final parameters (exit $tprc)" \
   "[ $tprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 x tp 2' tp.out"
 # Expert parallelism with tensor parallelism: np 4 as tp 2 x dp 2 with ep 2 at ZeRO-1 (each rank
@@ -513,27 +520,13 @@ check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 
 # the same steps 5-8. The same layout at ZeRO-3 with selective checkpointing (the units holding the
 # shared tp shards, the model made without values and each rank drawing its own shards of its
 # experts) trains the dp 2 run too.
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1 \
-  --set train.out_dir=run_tpep --set checkpoint.dir=ckpt_tpep > tpep.out 2>&1
-tpeprc=$?
-[ $tpeprc -eq 0 ] || tail -5 tpep.out
-to_hf tpep 8 tpep
-close sgd tpep sgd_4 reorder > close_tpep.out 2>&1
-rc=$?
-cat close_tpep.out
-check "parallel.tp 2 with parallel.ep 2 at ZeRO-1 (np 4) trains the dp 2 run: losses and final parameters (exit $tpeprc)" \
-  "[ $tpeprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 (ep 2: 1 group of 2 ranks each holding 1/2 of the experts) x tp 2' tpep.out &&
+tp_run tpep --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1
+check "parallel.tp 2 with parallel.ep 2 at ZeRO-1 (np 4) trains the dp 2 run: losses and final parameters (exit $tprc)" \
+  "[ $tprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 (ep 2: 1 group of 2 ranks each holding 1/2 of the experts) x tp 2' tpep.out &&
    grep -q 'experts gathered to it from the 2 ranks of its ep group, each tensor made whole over the 2 ranks of its tp group first' tpep.out"
-"$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3 \
-  --set train.activation_checkpointing=selective --set train.out_dir=run_tpep3 --set checkpoint.dir=ckpt_tpep3 > tpep3.out 2>&1
-tpeprc=$?
-[ $tpeprc -eq 0 ] || tail -5 tpep3.out
-to_hf tpep3 8 tpep3
-close sgd tpep3 sgd_4 reorder > close_tpep3.out 2>&1
-rc=$?
-cat close_tpep3.out
-check "the same at ZeRO-3 with selective checkpointing trains the dp 2 run (exit $tpeprc)" \
-  "[ $tpeprc -eq 0 ] && [ $rc -eq 0 ]"
+tp_run tpep3 --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3 --set train.activation_checkpointing=selective
+check "the same at ZeRO-3 with selective checkpointing trains the dp 2 run (exit $tprc)" \
+  "[ $tprc -eq 0 ] && [ $rc -eq 0 ]"
 "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml "${sgd[@]}" --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=2 \
   --set train.out_dir=run_tpepres --set checkpoint.dir=ckpt_tpepres --set checkpoint.resume=ckpt_tpep/ckpt-00000004.h5 > tpepres.out 2>&1
 rc=$?

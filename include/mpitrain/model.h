@@ -390,6 +390,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // This model's parameters from `whole`'s draws (a model made without values whose parameters
   // include this one's by name: expert parallelism's, a pipeline stage's), one at a time.
   void keep_draws(GPTImpl& whole);
+  // `whole`'s draws (GPT::initialize) of this model's parameters, by name, handed to take(k, values)
+  // in this model's order, one parameter in memory at a time when both orders agree.
+  void draws_of(GPTImpl& whole, const std::function<void(size_t, const torch::Tensor&)>& take);
   GPTDims dims_;
   RouterLog router_log_;
   torch::Tensor aux_loss_, z_loss_;

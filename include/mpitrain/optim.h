@@ -116,6 +116,8 @@ class AdamW {
   int64_t t_ = 0;
   bool fused_ = false;
   torch::Tensor step_tensor_;  // the step count on the parameters' device (fused kernel)
+  // A slot holding parameter k (`p`) whole, its moments made here.
+  void add_whole(const std::string& name, const torch::Tensor& p, size_t k);
 };
 
 // Scales all gradients so their global L2 norm is at most max_norm (0 = no clipping); returns the

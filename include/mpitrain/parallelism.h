@@ -163,12 +163,11 @@ class Parallelism {
   const bool tp_;
   const bool ep_;  // parallel.ep > 1
   const bool pp_;  // parallel.pp > 1 (optim.zero 0-2, tp 1, ep 1, no islands: the config refuses the rest)
-  // Pipeline parallelism: the whole model's names and shapes (every rank's), whether each of
-  // params_ counts in the gradient norm (not the last stage's tied embedding), and whether this
-  // stage holds a tied embedding that another stage holds too (its gradient summed between them).
+  // Pipeline parallelism: the whole model's names and shapes (every rank's), and where this stage
+  // holds a tied embedding that the other end of the pipeline holds too, its index in params_ (its
+  // gradient summed between them; the first stage's counted in the gradient norm).
   ParamShapes whole_names_;
-  std::vector<bool> pp_counted_;
-  bool tied_copy_ = false;
+  std::optional<size_t> tied_;
   const int stage_;
   bool shares_ = false;
   int writer_count_ = 1;

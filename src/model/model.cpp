@@ -780,19 +780,31 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
 }
 
 void GPTImpl::keep_draws(GPTImpl& whole) {
-  std::map<std::string, torch::Tensor> mine;
-  for (auto& [name, p] : named_params()) mine.emplace(name, p);
+  const auto params = named_params();
+  draws_of(whole, [&](size_t k, const torch::Tensor& values) {
+    torch::NoGradGuard no_grad;
+    params[k].second.copy_(values);
+  });
+}
+
+void GPTImpl::draws_of(GPTImpl& whole, const std::function<void(size_t, const torch::Tensor&)>& take) {
+  std::map<std::string, size_t> mine;
+  const auto params = named_params();
+  for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
   std::vector<std::string> names;
   for (const auto& [name, p] : whole.named_params()) names.push_back(name);
-  size_t kept = 0;
+  std::vector<torch::Tensor> held(params.size());  // the draws come in the whole model's order
+  size_t next = 0;  // the next of this model's parameters to hand out
   whole.initialize([&](size_t k, const torch::Tensor& values) {
-    if (const auto it = mine.find(names[k]); it != mine.end()) {
-      torch::NoGradGuard no_grad;
-      it->second.copy_(values);
-      ++kept;
+    const auto it = mine.find(names[k]);
+    if (it == mine.end()) return;
+    held[it->second] = values;
+    for (; next < held.size() && held[next].defined(); ++next) {
+      take(next, held[next]);
+      held[next] = torch::Tensor();
     }
   });
-  MPITRAIN_CHECK(kept == mine.size(), "the whole model lacks some of this rank's parameters");
+  MPITRAIN_CHECK(next == params.size(), "the whole model lacks some of this rank's parameters");
 }
 
 void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
@@ -804,23 +816,7 @@ void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>
     return;
   }
   if (ep_whole_) {  // the whole model's draws, each of this rank's parameters taken in its own order
-    std::map<std::string, size_t> mine;
-    const auto params = named_params();
-    for (size_t k = 0; k < params.size(); ++k) mine.emplace(params[k].first, k);
-    std::vector<std::string> names;
-    for (const auto& [name, p] : ep_whole_->named_params()) names.push_back(name);
-    std::vector<torch::Tensor> held(params.size());  // the draws come in the whole model's order
-    size_t next = 0;  // the next of this rank's parameters to hand out
-    ep_whole_->initialize([&](size_t k, const torch::Tensor& values) {
-      const auto it = mine.find(names[k]);
-      if (it == mine.end()) return;
-      held[it->second] = values;
-      for (; next < held.size() && held[next].defined(); ++next) {
-        take(next, held[next]);
-        held[next] = torch::Tensor();
-      }
-    });
-    MPITRAIN_CHECK(next == params.size(), "expert parallelism: the whole model lacks some of this rank's parameters");
+    draws_of(*ep_whole_, take);
     return;
   }
   MPITRAIN_CHECK(init_generator_.has_value(), "GPT::initialize: the model was not made deferred");

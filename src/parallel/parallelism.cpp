@@ -102,10 +102,10 @@ void Parallelism::apply(GPT model) {
   }
   if (pp_) {  // every rank: the whole model's names
     for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
-    const bool tied = !dims_.llama() || dims_.tie_embeddings;
-    tied_copy_ = tied && (dims_.first_stage() || dims_.last_stage());  // both ends hold wte.weight
-    for (const auto& [name, p] : model_->named_params())
-      pp_counted_.push_back(!(tied && dims_.last_stage() && name == "wte.weight"));
+    const auto params = model_->named_params();
+    if (!dims_.llama() || dims_.tie_embeddings)  // both ends hold wte.weight (the middle stages none)
+      for (size_t k = 0; k < params.size(); ++k)
+        if (params[k].first == "wte.weight") tied_ = k;
   }
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
@@ -189,79 +189,47 @@ void Parallelism::apply(GPT model) {
 
 int64_t Parallelism::initial_weights(const std::string& init_from) {
   Communicator& dp = mesh_.dp();
-  const bool first_replica = mesh_.dp_rank() == 0;
-  if (ep_) {
-    // The first ep group's ranks read the files (each its own experts, and the rest); the dp
-    // broadcast gives every rank the rest, the expert replicas' broadcast the experts.
-    int64_t n = 0;
-    const bool first_group = mesh_.dp_rank() < mesh_.layout().ep;
-    if (units_) {
-      // ZeRO-3: one parameter at a time, drawn by every rank (the whole model's draws of its own
-      // parameters) or read by the first group's ranks and broadcast; each rank keeps its part of
-      // a shared one (its units' shards) and its experts whole.
-      std::vector<size_t> shared_index(params_.size(), 0);  // k's place among the shared parameters
-      for (size_t k = 0, j = 0; k < params_.size(); ++k)
-        if (!is_expert_[k]) shared_index[k] = j++;
-      auto keep = [&](size_t k, const torch::Tensor& v) {
-        torch::NoGradGuard no_grad;
-        if (is_expert_[k])
-          params_[k].copy_(v);
-        else
-          units_->set_param(shared_index[k], v);
-      };
-      if (init_from.empty()) {
-        model_->initialize(keep);
-        return 0;
-      }
-      std::unique_ptr<InitialWeights> files;
-      agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-        if (first_group) files = open_initial_weights(init_from, model_);
-      }); });
-      for (size_t k = 0; k < params_.size(); ++k) {
-        torch::Tensor v;
-        agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-          if (files) v = files->read(k).to(device_);
-        }); });
-        if (!v.defined()) v = torch::empty(params_[k].sizes(), torch::dtype(torch::kFloat32).device(device_));
-        (is_expert_[k] ? mesh_.expert_replicas() : dp).broadcast(v, 0);
-        keep(k, v);
-      }
-      return static_cast<int64_t>(params_.size());
-    }
-    if (!init_from.empty())
-      agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-        if (first_group) n = load_initial_weights(init_from, model_);
-      }); });
-    torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < params_.size(); ++k) (is_expert_[k] ? mesh_.expert_replicas() : dp).broadcast(params_[k], 0);
-    mpi::broadcast_value(n, 0, mpi_comm_);
-    return n;
-  }
+  // Who reads `init_from`: the first data-parallel replica (rank 0's tp group, on rank 0's host),
+  // or under expert parallelism the first ep group (each its own experts, and the rest), each only
+  // what it holds; a parameter then goes to the rest of its dp group, an expert to its replicas.
+  const bool reader = mesh_.dp_rank() < mesh_.layout().ep;
+  const auto expert = [&](size_t k) { return ep_ && is_expert_[k]; };
+  const auto group_of = [&](size_t k) -> Communicator& { return expert(k) ? mesh_.expert_replicas() : dp; };
   if (!units_) {
-    // The ranks of the first data-parallel replica (rank 0's tp group, on rank 0's host) read
-    // their shards of the files, each only what it holds; the dp broadcast does the rest, also of
-    // the drawn weights, whatever each rank's RNG did.
+    // The broadcast also gives every rank the drawn weights, whatever each rank's RNG did.
     int64_t n = 0;
     if (!init_from.empty())
       agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-        if (first_replica) n = load_initial_weights(init_from, model_);
+        if (reader) n = load_initial_weights(init_from, model_);
       }); });
     torch::NoGradGuard no_grad;
-    for (auto& p : params_) dp.broadcast(p, 0);
+    for (size_t k = 0; k < params_.size(); ++k) group_of(k).broadcast(params_[k], 0);
+    if (ep_) mpi::broadcast_value(n, 0, mpi_comm_);  // (every rank logs the first group's count)
     return n;
   }
-  // ZeRO-3: each rank's shards, one parameter whole at a time. Drawn: every rank draws each
+  // ZeRO-3: each rank's shards, one parameter whole at a time (under expert parallelism its
+  // experts whole, the units holding the shared parameters only). Drawn: every rank draws each
   // parameter as a model made whole would (GPT::initialize) and keeps its part, with no
-  // communication. init_from: the first replica's ranks read one tensor at a time, each its tp
-  // shard, and broadcast it over their dp group, each rank keeping its part; a read error found
-  // on the way ends every rank, naming the file.
+  // communication. init_from: the readers read one tensor at a time, each its tp shard, and
+  // broadcast it, each rank keeping its part; a read error found on the way ends every rank,
+  // naming the file.
+  std::vector<size_t> unit_index(params_.size(), 0);  // k's place among the units' parameters
+  for (size_t k = 0, j = 0; k < params_.size(); ++k)
+    if (!expert(k)) unit_index[k] = j++;
+  const auto keep = [&](size_t k, const torch::Tensor& v) {
+    torch::NoGradGuard no_grad;
+    if (expert(k))
+      params_[k].copy_(v);
+    else
+      units_->set_param(unit_index[k], v);
+  };
   if (init_from.empty()) {
-    model_->initialize([&](size_t k, const torch::Tensor& v) { units_->set_param(k, v); });
+    model_->initialize(keep);
     return 0;
   }
   std::unique_ptr<InitialWeights> files;
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-    if (first_replica) files = open_initial_weights(init_from, model_);
+    if (reader) files = open_initial_weights(init_from, model_);
   }); });
   for (size_t k = 0; k < params_.size(); ++k) {
     torch::Tensor v;
@@ -269,8 +237,8 @@ int64_t Parallelism::initial_weights(const std::string& init_from) {
       if (files) v = files->read(k).to(device_);
     }); });
     if (!v.defined()) v = torch::empty(params_[k].sizes(), torch::dtype(torch::kFloat32).device(device_));
-    dp.broadcast(v, 0);
-    units_->set_param(k, v);
+    group_of(k).broadcast(v, 0);
+    keep(k, v);
   }
   return static_cast<int64_t>(params_.size());
 }
@@ -399,11 +367,9 @@ void Parallelism::reduce_gradients() {
     for (size_t k = 0; k < params_.size(); ++k)
       if (is_expert_[k] && params_[k].grad().defined()) params_[k].grad().div_(ep);
   }
-  if (tied_copy_) {  // a tied embedding's two gradients (its use as the embedding and as the head) summed
+  if (tied_) {  // a tied embedding's two gradients (its use as the embedding and as the head) summed
     torch::NoGradGuard no_grad;
-    const auto params = model_->named_params();
-    size_t k = 0;
-    while (params[k].first != "wte.weight") ++k;
+    const size_t k = *tied_;
     const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
     constexpr int kTiedTag = 32000;  // (above every micro-batch's activation and gradient tags)
     PipeLink link(mesh_.pp_mpi());
@@ -439,7 +405,7 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
     std::vector<bool> counted;
     for (size_t i = 0; i < opt_->size(); ++i) {
       grads.push_back(opt_->grad(i));
-      counted.push_back(pp_counted_[opt_->param_index(i)]);
+      counted.push_back(!(tied_ && dims_.last_stage() && opt_->param_index(i) == *tied_));  // (the first stage's counts)
     }
     const bool finite = scaler.unscale_and_check(grads, shards_optimizer() ? mesh_.world() : mesh_.pp(), device_);
     return {finite, clip_pp_grad_norm_(grads, counted, max_norm, mesh_.pp(), shards_optimizer() ? &mesh_.dp() : nullptr)};

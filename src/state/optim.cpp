@@ -87,18 +87,20 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
   MPITRAIN_CHECK(!fused_ || named_params.empty() || fused_adamw_available(named_params.front().second.device().type()),
                  concat("AdamW: no fused kernel for these parameters' device in ", libtorch_version()));
   MPITRAIN_CHECK(!fused_ || !bf16_state_, "AdamW: the fused kernel keeps fp32 moments");
-  for (auto& [name, p] : named_params) {
-    key_.push_back(static_cast<int64_t>(names_.size()));
-    begin_.push_back(0);
-    names_.push_back(name);
-    params_.push_back(p);
-    // The moments in the parameters' dtype (fp32 master weights), or bf16.
-    const auto moment = bf16_state_ ? p.options().dtype(torch::kBFloat16) : p.options();
-    exp_avg_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
-    exp_avg_sq_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
-    // Decay matrices (linear weights, embeddings); biases and LayerNorm gains are 1-D.
-    decay_.push_back(p.dim() >= 2);
-  }
+  for (size_t k = 0; k < named_params.size(); ++k) add_whole(named_params[k].first, named_params[k].second, k);
+}
+
+void AdamW::add_whole(const std::string& name, const torch::Tensor& p, size_t k) {
+  key_.push_back(static_cast<int64_t>(k));
+  begin_.push_back(0);
+  names_.push_back(name);
+  params_.push_back(p);
+  // The moments in the parameters' dtype (fp32 master weights), or bf16.
+  const auto moment = bf16_state_ ? p.options().dtype(torch::kBFloat16) : p.options();
+  exp_avg_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
+  exp_avg_sq_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
+  // Decay matrices (linear weights, embeddings); biases and LayerNorm gains are 1-D.
+  decay_.push_back(p.dim() >= 2);
 }
 
 AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, const GradShards& shards,
@@ -133,17 +135,8 @@ AdamW::AdamW(std::vector<std::pair<std::string, torch::Tensor>> named_params, co
     exp_avg_sq_.push_back(bucket_exp_avg_sq_[s.bucket].narrow(0, s.shard_offset, s.length));
     decay_.push_back(p.dim() >= 2);  // the whole parameter's shape decides, as unsharded
   }
-  for (size_t k : whole) {  // held whole, as by the unsharded constructor (no gradient view: .grad())
-    const auto& [name, p] = named_params.at(k);
-    key_.push_back(static_cast<int64_t>(k));
-    begin_.push_back(0);
-    names_.push_back(name);
-    params_.push_back(p);
-    const auto moment = bf16_state_ ? p.options().dtype(torch::kBFloat16) : p.options();
-    exp_avg_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
-    exp_avg_sq_.push_back(torch::zeros_like(p, moment, torch::MemoryFormat::Contiguous));
-    decay_.push_back(p.dim() >= 2);
-  }
+  for (size_t k : whole)  // held whole, as by the unsharded constructor (no gradient view: .grad())
+    add_whole(named_params.at(k).first, named_params.at(k).second, k);
 }
 
 int64_t AdamW::state_bytes() const {

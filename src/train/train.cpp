@@ -252,8 +252,8 @@ class Run {
   double lr_ = 0;
   // parallel.ep: ep_collective_seconds() at the last report, and evaluation's share since then
   double ep_mark_ = 0, ep_in_eval_ = 0;
-  // parallel.pp: pipeline_wait_seconds() likewise; and over the whole run, the steps' wall time
-  // (from their micro-batches to their update) and the waits within it
+  // parallel.pp: pipeline_wait_seconds() likewise; and over the whole run, the wall time of the
+  // steps' micro-batches (pipeline_micro_batches) and the waits within it
   double pp_mark_ = 0, pp_in_eval_ = 0, step_seconds_ = 0, step_waits_ = 0;
 };
 
