@@ -10,7 +10,8 @@
 #    the last 4 steps' displacement; the tied embedding's two gradients, the first stage's and the
 #    last's, are summed in another order than one rank's backward sums them), bitwise for an
 #    untied Llama, whose stages add nothing in another order;
-#  - gpipe trains 1f1b's run bitwise (the backwards in the same micro-batch order);
+#  - gpipe and interleaved (2 chunks per stage: blocks 0 and 2 on the first, 1 and 3 on the
+#    second) train 1f1b's run bitwise (each chunk's backwards in the same micro-batch order);
 #  - pp 2 x dp 2 at np 4 with ZeRO-1 and full activation checkpointing trains the np 2 (dp 2) run
 #    (each stage's state sliced over its dp pair; the tied embedding's averaged gradient gathered
 #    whole on each end, exchanged and added into each rank's slices), and its step-4 checkpoint
@@ -18,7 +19,8 @@
 #    pairs, then sent to rank 0) trains the same steps 5-8 and final parameters;
 #  - checkpoints move between pp degrees: pp 2's step-4 checkpoint (each stage's rank writing its
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
-#    stage's tensors sent to rank 0) on one rank, train the one-rank run's steps 5-8;
+#    stage's tensors sent to rank 0) on one rank and at pp 2 interleaved, train the one-rank run's
+#    steps 5-8;
 #  - the start-up lines name the stages and the bubble; each stage's measured waiting (the bubble,
 #    the transfers) on the progress line, in metrics.jsonl and per stage at the end; bad layouts
 #    refused by name, exit 2.
@@ -84,6 +86,7 @@ PYEOF
 run g1 1 gpt.yaml
 run g2 2 gpt.yaml --set parallel.pp=2
 run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
+run g2i 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
 run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0
 for n in g2 g4; do
   close g1 $n > close_$n.out 2>&1
@@ -93,6 +96,9 @@ for n in g2 g4; do
     "same g1 $n && [ $rc -eq 0 ]"
 done
 check "gpipe trains 1f1b's run bitwise (pp 2)" "same g2 g2g && cmp -s hf_g2/model.safetensors hf_g2g/model.safetensors"
+check "interleaved with 2 chunks per stage trains 1f1b's run bitwise (pp 2; exit ${rc_of[g2i]})" \
+  "same g2 g2i && cmp -s hf_g2/model.safetensors hf_g2i/model.safetensors &&
+   grep -q 'pipeline: 2 stages of blocks 0-0 + 2-2 | 1-1 + 3-3 (.*); interleaved (2 chunks per stage) over 4 micro-batches per step: bubble (pp - 1) / (v m) = 13% of the ideal step' g2i.out"
 check "the start-up lines name the stages, the schedule and the bubble" \
   "grep -q 'mesh: 4 ranks = pp 4 x dp 1; stages' g4.out &&
    grep -q 'pipeline: 2 stages of blocks 0-1 | 2-3 (the embedding on the first, the head on the last, the tied embedding.s gradient summed between them); 1f1b over 4 micro-batches per step: bubble (pp - 1) / m = 25% of the ideal step' g2.out &&
@@ -119,8 +125,11 @@ check "its step-4 checkpoint resumed at ZeRO-2 (rank 0 writing) trains dp 2's st
 
 run r24 4 gpt.yaml --set parallel.pp=4 --set checkpoint.resume=ckpt_g2/ckpt-00000004.h5
 run r41 1 gpt.yaml --set checkpoint.resume=ckpt_g4/ckpt-00000004.h5
+run r2i 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 \
+  --set checkpoint.resume=ckpt_g4/ckpt-00000004.h5
 check "pp 2's step-4 checkpoint resumed at pp 4 trains the one-rank run's steps 5-8" "same g1 r24 5"
 check "pp 4's step-4 checkpoint resumed on one rank trains the same steps 5-8" "same g1 r41 5"
+check "pp 4's step-4 checkpoint resumed at pp 2 interleaved trains the same steps 5-8" "same g1 r2i 5"
 
 for tie in true false; do
   run l${tie}1 1 llama_$tie.yaml
@@ -137,8 +146,14 @@ expect_own_usage "more stages than blocks refused by name" "parallel.pp must be 
   "$BIN" gpt.yaml --set parallel.pp=5
 expect_own_usage "a pp that does not divide the world refused by name" "parallel.pp: 3 does not divide the world size 2" \
   "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=3
-expect_own_usage "an unknown schedule refused by name" "parallel.pp_schedule must be one of 1f1b|gpipe (interleaved is not built yet)" \
-  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved
+expect_own_usage "an unknown schedule refused by name" "parallel.pp_schedule must be one of 1f1b|gpipe|interleaved, got 'zb'" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=zb
+expect_own_usage "interleaved chunks that do not divide the blocks refused by name" \
+  "parallel.pp_virtual must be a number whose product with parallel.pp (2) divides model.n_layer = 4" \
+  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=3
+expect_own_usage "interleaved with micro-batches not in groups of pp refused by name" \
+  "parallel.pp_schedule: interleaved needs a multiple of parallel.pp = 2 micro-batches per step (train.grad_accum), got 3" \
+  "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 --set train.grad_accum=3
 expect_own_usage "pp with tensor parallelism refused by name" "parallel.tp must be 1 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
   "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.tp=2
 expect_own_usage "pp with ZeRO-3 refused by name" "optim.zero must be 0, 1 or 2 with parallel.pp: 2 (not built with pipeline parallelism yet)" \

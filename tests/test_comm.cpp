@@ -507,15 +507,16 @@ TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
   GPTDims d;
   d.n_layer = 3, d.n_head = 2, d.n_embd = 16, d.seq_len = 8, d.vocab_size = 40;
   for (const char* arch : {"gpt2", "llama"})
-    for (GPTDims::Ac ac : {GPTDims::Ac::none, GPTDims::Ac::full, GPTDims::Ac::selective}) {
+    for (RunOptions::Ac ac : {RunOptions::Ac::none, RunOptions::Ac::full, RunOptions::Ac::selective}) {
       d.arch = arch;
-      d.fused_kernels = std::string(arch) == "llama";
-      d.ac = ac;
-      const std::string what = concat(arch, ac == GPTDims::Ac::full        ? " with full checkpointing"
-                                             : ac == GPTDims::Ac::selective ? " with selective checkpointing"
+      RunOptions run;
+      run.fused_kernels = std::string(arch) == "llama";
+      run.ac = ac;
+      const std::string what = concat(arch, ac == RunOptions::Ac::full        ? " with full checkpointing"
+                                             : ac == RunOptions::Ac::selective ? " with selective checkpointing"
                                                                             : "");
-      const auto zero2 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, false);
-      const auto zero3 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true);
+      const auto zero2 = zero3_probe(d, run, *c, torch::kCPU, Precision::fp32, false);
+      const auto zero3 = zero3_probe(d, run, *c, torch::kCPU, Precision::fp32, true);
       EXPECT_TRUE(torch::equal(zero2.loss, zero3.loss)) << what;
       ASSERT_EQ(zero2.grad_shards.size(), zero3.grad_shards.size());
       for (size_t b = 0; b < zero2.grad_shards.size(); ++b) {
@@ -527,7 +528,7 @@ TEST(ParamShards, GradientsEqualZeroTwoWithAtMostTwoBlocksWhole) {
       EXPECT_TRUE(zero3.gather_all_exact) << what;
       // train's start-up: the model made without values, each parameter drawn on its own into
       // the shards (GPT::initialize, ParamShards::set_param): the same step, bit for bit.
-      const auto deferred = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true, torch::kFloat32, /*from_host=*/true);
+      const auto deferred = zero3_probe(d, run, *c, torch::kCPU, Precision::fp32, true, torch::kFloat32, /*from_host=*/true);
       EXPECT_TRUE(torch::equal(zero2.loss, deferred.loss)) << what << ", made deferred";
       for (size_t b = 0; b < zero2.grad_shards.size(); ++b)
         EXPECT_TRUE(torch::equal(zero2.grad_shards[b], deferred.grad_shards[b])) << what << ", made deferred: unit " << b;
@@ -547,9 +548,9 @@ TEST(ParamShards, SixteenBitGathersComputeWithTheRoundedWeights) {
   d.n_layer = 3, d.n_head = 2, d.n_embd = 16, d.seq_len = 8, d.vocab_size = 40;
   for (const char* arch : {"gpt2", "llama"}) {
     d.arch = arch;
-    const auto rounded = zero3_probe(d, *c, torch::kCPU, Precision::fp32, false, torch::kBFloat16);
-    const auto zero3 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true, torch::kBFloat16);
-    const auto fp32 = zero3_probe(d, *c, torch::kCPU, Precision::fp32, true);
+    const auto rounded = zero3_probe(d, RunOptions(), *c, torch::kCPU, Precision::fp32, false, torch::kBFloat16);
+    const auto zero3 = zero3_probe(d, RunOptions(), *c, torch::kCPU, Precision::fp32, true, torch::kBFloat16);
+    const auto fp32 = zero3_probe(d, RunOptions(), *c, torch::kCPU, Precision::fp32, true);
     EXPECT_TRUE(torch::equal(zero3.loss, rounded.loss)) << arch;
     EXPECT_FALSE(torch::equal(zero3.loss, fp32.loss)) << arch << ": the bf16 gathers rounded nothing";
     ASSERT_EQ(zero3.grad_shards.size(), rounded.grad_shards.size());

@@ -23,6 +23,13 @@ using namespace mpitrain;
 
 namespace {
 
+// Both fused paths (the fused ops and the fused loss, in chunks of `rows`: 0 automatic).
+RunOptions all_fused(int64_t rows = 0) {
+  RunOptions run;
+  run.fused_kernels = true, run.fused_loss = true, run.fused_loss_rows = rows;
+  return run;
+}
+
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, double rtol, double atol, const std::string& what) {
   ASSERT_EQ(got.defined(), want.defined()) << what;
   if (!got.defined()) return;
@@ -317,12 +324,9 @@ TEST(FusedEmu, LinearCrossEntropyThroughTheKernelMatchesTheReference) {
 
 TEST(FusedEmu, TheFusedModelMatchesTheUnfusedModel) {
   GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
-  d.fused_kernels = true;
-  d.fused_loss = true;
   torch::manual_seed(24);
   GPT fused(d);
-  d.fused_kernels = false;
-  d.fused_loss = false;
+  fused->apply(all_fused());
   torch::manual_seed(24);
   GPT plain(d);
   auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);
@@ -410,9 +414,8 @@ TEST(FusedEmu, TheFusedLlamaMatchesTheUnfusedLlama) {
     torch::manual_seed(29);
     GPT plain(d);
     perturb(plain);
-    d.fused_kernels = true;
-    d.fused_loss = true;
     GPT fused(d);
+    fused->apply(all_fused());
     {
       torch::NoGradGuard no_grad;
       auto pf = fused->named_params(), pp = plain->named_params();
@@ -456,14 +459,12 @@ TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
   GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
   torch::manual_seed(24);
   GPT plain(d);
-  d.fused_kernels = true;
-  d.fused_loss = true;
-  d.fused_loss_rows = 5;
   d.tp = 2;
   d.tp_rank = tp->rank();
   d.tp_comm = tp.get();
   torch::manual_seed(24);
   GPT fused(d);
+  fused->apply(all_fused(5));
   torch::manual_seed(25);  // the same batch on both ranks
   auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);
   auto lf = fused->loss(x, y), lp = plain->loss(x, y);
@@ -487,13 +488,11 @@ TEST(FusedEmuTensorParallel, TheFusedTpLlamaMatchesTheUnfusedDenseLlama) {
   torch::manual_seed(29);
   GPT plain(d);
   perturb(plain);
-  d.fused_kernels = true;
-  d.fused_loss = true;
-  d.fused_loss_rows = 5;
   d.tp = 2;
   d.tp_rank = tp->rank();
   d.tp_comm = tp.get();
   GPT fused(d);
+  fused->apply(all_fused(5));
   {
     torch::NoGradGuard no_grad;
     auto pf = fused->named_params(), pp = plain->named_params();

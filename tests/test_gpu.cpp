@@ -316,13 +316,14 @@ TEST(Gpu, FusedBiasGeluKernelMatchesReference) {
 
 namespace {
 
-// The model with d.fused_kernels on and off from the same seed, on the GPU: the same loss and
+// The model with RunOptions::fused_kernels on and off from the same seed, on the GPU: the same loss and
 // gradients in fp32, the same loss within bf16's precision under autocast.
 void expect_fused_model_matches_unfused(GPTDims d, uint64_t seed) {
-  d.fused_kernels = true;
   torch::manual_seed(seed);
   GPT fused(d);
-  d.fused_kernels = false;
+  RunOptions fused_ops;
+  fused_ops.fused_kernels = true;
+  fused->apply(fused_ops);
   torch::manual_seed(seed);
   GPT plain(d);
   fused->to(kGpu);
@@ -487,16 +488,18 @@ TEST(Gpu, ActivationCheckpointingEqualsNoCheckpointingOnCuda) {
       } else {
         d.dropout = 0.1;  // the masks the recomputation must draw again
       }
-      d.fused_kernels = fused_kernels_built();
+      RunOptions run;
+      run.fused_kernels = fused_kernels_built();
       auto x = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
       auto y = torch::randint(0, 96, {4, 32}, torch::dtype(torch::kLong)).to(kGpu);
-      const GPTDims::Ac modes[4] = {GPTDims::Ac::none, GPTDims::Ac::none, GPTDims::Ac::full, GPTDims::Ac::selective};
+      const RunOptions::Ac modes[4] = {RunOptions::Ac::none, RunOptions::Ac::none, RunOptions::Ac::full, RunOptions::Ac::selective};
       std::vector<torch::Tensor> runs[4];  // none, none again (control), full, selective
       int64_t attention_replayed = 0;
       for (int k = 0; k < 4; ++k) {
-        d.ac = modes[k];
+        run.ac = modes[k];
         torch::manual_seed(21);  // the same weights, and the same CUDA generator for dropout
         GPT m(d);
+        m->apply(run);
         m->to(kGpu);
         m->train();
         const int64_t before = recomputed_blocks(), linear_before = replayed_linear_layers(),
@@ -566,11 +569,12 @@ TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
         GPTDims d = tiny_dims();
         d.n_layer = 3;
         d.arch = arch;
-        d.fused_kernels = std::string(arch) == "llama" && fused_kernels_built();
-        d.ac = checkpointing ? GPTDims::Ac::full : GPTDims::Ac::none;
+        RunOptions run;
+        run.fused_kernels = std::string(arch) == "llama" && fused_kernels_built();
+        run.ac = checkpointing ? RunOptions::Ac::full : RunOptions::Ac::none;
         const std::string what = concat(arch, checkpointing ? ", checkpointing" : "", ", ", precision_name(precision));
-        const auto plain = zero3_probe(d, *c, kGpu, precision, false);
-        const auto sharded = zero3_probe(d, *c, kGpu, precision, true);
+        const auto plain = zero3_probe(d, run, *c, kGpu, precision, false);
+        const auto sharded = zero3_probe(d, run, *c, kGpu, precision, true);
         EXPECT_TRUE(torch::equal(plain.loss, sharded.loss)) << what;
         ASSERT_EQ(plain.grad_shards.size(), sharded.grad_shards.size());
         for (size_t b = 0; b < plain.grad_shards.size(); ++b)
@@ -579,15 +583,15 @@ TEST(Gpu, ZeroThreeShardsOnCudaEqualTheWholeModel) {
         EXPECT_TRUE(sharded.gather_all_exact) << what;
         // train's start-up: the model made on the host without values, each parameter drawn on
         // its own into the shards on the GPU.
-        const auto from_host = zero3_probe(d, *c, kGpu, precision, true, torch::kFloat32, /*from_host=*/true);
+        const auto from_host = zero3_probe(d, run, *c, kGpu, precision, true, torch::kFloat32, /*from_host=*/true);
         EXPECT_TRUE(torch::equal(plain.loss, from_host.loss)) << what << ", built on the host";
         for (size_t b = 0; b < plain.grad_shards.size(); ++b)
           EXPECT_TRUE(torch::equal(plain.grad_shards[b], from_host.grad_shards[b]))
               << what << ", built on the host: unit " << b;
         // comm.param_dtype bf16: the gathers (NCCL's bf16 all-gather, widened on the device)
         // compute with the weights rounded to bf16, as the whole model does with them rounded first.
-        const auto rounded = zero3_probe(d, *c, kGpu, precision, false, torch::kBFloat16);
-        const auto bf16_wire = zero3_probe(d, *c, kGpu, precision, true, torch::kBFloat16);
+        const auto rounded = zero3_probe(d, run, *c, kGpu, precision, false, torch::kBFloat16);
+        const auto bf16_wire = zero3_probe(d, run, *c, kGpu, precision, true, torch::kBFloat16);
         EXPECT_TRUE(torch::equal(rounded.loss, bf16_wire.loss)) << what << ", param_dtype bf16";
         for (size_t b = 0; b < rounded.grad_shards.size(); ++b)
           EXPECT_TRUE(torch::equal(rounded.grad_shards[b], bf16_wire.grad_shards[b]))

@@ -555,10 +555,11 @@ TEST(Model, FusedLinearCrossEntropyEqualsTheTextbookPath) {
   d.n_embd = 16;
   d.seq_len = 8;
   d.vocab_size = 40;
-  d.fused_loss = true;
   torch::manual_seed(5);
   GPT fused(d);
-  d.fused_loss = false;
+  RunOptions fused_loss;
+  fused_loss.fused_loss = true;
+  fused->apply(fused_loss);
   torch::manual_seed(5);
   GPT plain(d);
   auto x = torch::randint(0, 40, {3, 8}, torch::kLong), y = torch::randint(0, 40, {3, 8}, torch::kLong);
@@ -729,13 +730,16 @@ TEST(Model, FusedKernelsMatchTheUnfusedModel) {
           d.qkv_bias = dropout == 0, d.tie_embeddings = false;
           if (dropout > 0) d.head_size = 12, d.qk_norm = true;  // Qwen3-shaped: the fused rotary after the q/k norms
         }
-        d.fused_loss = fused_loss;
+        RunOptions run;
+        run.fused_loss = fused_loss;
         d.dropout = dropout;
         torch::manual_seed(41);
         GPT plain(d);
-        d.fused_kernels = true;
+        plain->apply(run);
+        run.fused_kernels = true;
         torch::manual_seed(41);
         GPT fused(d);
+        fused->apply(run);
         auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
         torch::manual_seed(42);
         auto lp = plain->loss(x, y);
@@ -779,11 +783,12 @@ TEST(Model, CheckpointingGivesBitwiseTheGradientsAtLargerShapes) {
       }
       torch::manual_seed(7);
       const auto x = torch::randint(0, 300, {4, 128}, torch::kLong), y = torch::randint(0, 300, {4, 128}, torch::kLong);
-      auto grads = [&](GPTDims::Ac ac) {
-        GPTDims da = d;
-        da.ac = ac;
+      auto grads = [&](RunOptions::Ac ac) {
+        RunOptions run;
+        run.ac = ac;
         torch::manual_seed(8);
-        GPT model(da);
+        GPT model(d);
+        model->apply(run);
         model->train();
         torch::manual_seed(9);
         torch::Tensor loss;
@@ -796,15 +801,15 @@ TEST(Model, CheckpointingGivesBitwiseTheGradientsAtLargerShapes) {
         for (auto& [name, p] : model->named_params()) out.emplace_back(name, p.grad());
         return out;
       };
-      const auto none = grads(GPTDims::Ac::none);
-      for (GPTDims::Ac ac : {GPTDims::Ac::selective, GPTDims::Ac::full}) {
+      const auto none = grads(RunOptions::Ac::none);
+      for (RunOptions::Ac ac : {RunOptions::Ac::selective, RunOptions::Ac::full}) {
         const int64_t linear_before = replayed_linear_layers();
         const auto got = grads(ac);
-        EXPECT_EQ(replayed_linear_layers() - linear_before, ac == GPTDims::Ac::selective ? 2 * (llama ? 7 : 4) : 0);
+        EXPECT_EQ(replayed_linear_layers() - linear_before, ac == RunOptions::Ac::selective ? 2 * (llama ? 7 : 4) : 0);
         ASSERT_EQ(got.size(), none.size());
         for (size_t i = 0; i < none.size(); ++i)
           EXPECT_TRUE(torch::equal(got[i].second, none[i].second))
-              << (ac == GPTDims::Ac::full ? "full: " : "selective: ") << none[i].first << " differs by "
+              << (ac == RunOptions::Ac::full ? "full: " : "selective: ") << none[i].first << " differs by "
               << (got[i].second - none[i].second).abs().max().item<double>();
       }
     }
@@ -815,9 +820,11 @@ TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
   GPTDims d = small_dims();
   torch::manual_seed(43);
   GPT plain(d);
-  d.fused_kernels = true;
   torch::manual_seed(43);
   GPT fused(d);
+  RunOptions fused_ops;
+  fused_ops.fused_kernels = true;
+  fused->apply(fused_ops);
   auto x = torch::randint(0, 50, {3, 16}, torch::kLong), y = torch::randint(0, 50, {3, 16}, torch::kLong);
   torch::Tensor lp, lf;
   {
@@ -841,16 +848,17 @@ TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
 }
 
 // Pipeline parallelism's stages (model.h's stage_forward / stage_loss, pipeline.h): a 3-block GPT-2
-// and a tied Qwen3 cut into 2 and 3 stages hold the whole model's parameters under the same names
+// and a tied Qwen3 cut into 2 and 3 stages (and a 4-block one into 2 stages of 2 interleaved chunks
+// each: blocks 0 and 2 on the first, 1 and 3 on the second) hold the whole model's parameters under the same names
 // with the same initial values; chaining the stages' forwards (each stage's input a new leaf, as
 // the received activation is) gives the whole model's loss bitwise, and each stage's backward,
 // fed the next stage's input gradient, every parameter's gradient bitwise, but the tied
 // embedding's, whose two halves (the first stage's and the last's) sum to the whole model's.
 TEST(Model, PipelineStagesChainToTheWholeModel) {
   for (const char* family : {"gpt2", "qwen3"}) {
-    for (int64_t pp : {2, 3}) {
+    for (const auto& [pp, v] : {std::pair<int64_t, int64_t>{2, 1}, {3, 1}, {2, 2}}) {
       GPTDims d = small_dims();
-      d.n_layer = 3;
+      d.n_layer = v > 1 ? 4 : 3;
       if (std::string(family) == "qwen3") {
         d.arch = "llama", d.family = "qwen3", d.n_kv_head = 1, d.intermediate_size = 48, d.qk_norm = true;
       }
@@ -860,7 +868,7 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
       std::vector<GPT> stages;
       for (int64_t s = 0; s < pp; ++s) {
         GPTDims at = d;
-        at.pp = pp, at.pp_stage = s;
+        at.pp = pp, at.pp_stage = s, at.pp_virtual = v;
         torch::manual_seed(7);
         stages.emplace_back(at);
       }
@@ -880,16 +888,16 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
       expected.backward();
       std::vector<torch::Tensor> ins, outs;
       torch::Tensor in = x;
-      for (int64_t s = 0; s < pp; ++s) {
+      for (int64_t u = 0; u < pp * v; ++u) {  // the virtual stages in order: chunk u / pp of stage u % pp
         ins.push_back(in);
-        torch::Tensor out = stages[static_cast<size_t>(s)]->stage_forward(in);
-        if (s + 1 == pp) out = stages.back()->stage_loss(out, y);
+        torch::Tensor out = stages[static_cast<size_t>(u % pp)]->stage_forward(in, u / pp);
+        if (u + 1 == pp * v) out = stages.back()->stage_loss(out, y);
         outs.push_back(out);
         in = out.detach().requires_grad_(true);
       }
       EXPECT_TRUE(torch::equal(outs.back(), expected)) << family << " pp " << pp;
       outs.back().backward();
-      for (int64_t s = pp - 2; s >= 0; --s) outs[static_cast<size_t>(s)].backward(ins[static_cast<size_t>(s) + 1].grad());
+      for (int64_t u = pp * v - 2; u >= 0; --u) outs[static_cast<size_t>(u)].backward(ins[static_cast<size_t>(u) + 1].grad());
       torch::Tensor tied = torch::zeros_like(all["wte.weight"]);
       for (auto& stage : stages)
         for (const auto& [name, p] : stage->named_params()) {
@@ -904,53 +912,64 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
   }
 }
 
-// The schedules (pipeline.h): every micro-batch's forward and backward once per stage, each
-// backward after its forward, the backwards in micro-batch order (so gpipe and 1f1b accumulate the
-// gradients alike); 1f1b's stage s runs pp - 1 - s forwards ahead and so holds at most pp - s
-// micro-batches' activations, gpipe all of them; and a stage's m-th forward can run once the stage
-// before has run its own (no schedule waits on a later step of an earlier stage: simulated).
+// The schedules: every chunk's forward and backward of every micro-batch once, each chunk's
+// forwards and its backwards in micro-batch order (so that gradients accumulate in the same order
+// under each schedule); 1f1b's stage s runs pp - 1 - s forwards ahead and so holds at most pp - s
+// micro-batches' activations, gpipe all of them, interleaved at most its 2 (pp - 1 - s) + (v - 1)
+// pp forwards ahead and one; and a virtual stage's m-th forward can run once the virtual stage
+// before has run its own (no schedule waits on a later step of an earlier stage: simulated, the
+// interleaved ranks' chunks going round the pipeline).
 TEST(Pipeline, SchedulesRunEachMicroBatchOnceInOrderAndDoNotDeadlock) {
-  for (const char* kind : {"gpipe", "1f1b"})
-    for (int64_t pp : {2, 4})
-      for (int64_t m : {1, 3, 8}) {
-        std::vector<std::vector<PipeStep>> steps;
-        for (int64_t s = 0; s < pp; ++s) {
-          steps.push_back(pipeline_schedule(kind, pp, s, m));
-          const auto& v = steps.back();
-          ASSERT_EQ(v.size(), static_cast<size_t>(2 * m));
-          int64_t held = 0, most = 0, next_forward = 0, next_backward = 0;
-          for (const PipeStep& p : v) {
-            if (p.forward) {
-              EXPECT_EQ(p.micro, next_forward++);
-              most = std::max(most, ++held);
-            } else {
-              EXPECT_EQ(p.micro, next_backward++);
-              EXPECT_LT(p.micro, next_forward) << "a backward before its forward";
-              --held;
+  for (const std::string kind : {"gpipe", "1f1b", "interleaved"})
+    for (int64_t pp : {2, 3, 4})
+      for (int64_t v : kind == "interleaved" ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{1})
+        for (int64_t m : kind == "interleaved" ? std::vector<int64_t>{pp, 2 * pp, 3 * pp} : std::vector<int64_t>{1, 3, 8}) {
+          SCOPED_TRACE(concat(kind, " pp ", pp, " v ", v, " m ", m));
+          const int64_t P = pp * v;
+          std::vector<std::vector<PipeStep>> steps;
+          for (int64_t s = 0; s < pp; ++s) {
+            steps.push_back(pipeline_schedule(kind, pp, s, m, v));
+            const auto& got = steps.back();
+            ASSERT_EQ(got.size(), static_cast<size_t>(2 * m * v));
+            std::vector<int64_t> next_forward(static_cast<size_t>(v)), next_backward(static_cast<size_t>(v));
+            int64_t held = 0, most = 0;
+            for (const PipeStep& p : got) {
+              ASSERT_TRUE(p.chunk >= 0 && p.chunk < v);
+              const auto c = static_cast<size_t>(p.chunk);
+              if (p.forward) {
+                EXPECT_EQ(p.micro, next_forward[c]++);
+                most = std::max(most, ++held);
+              } else {
+                EXPECT_EQ(p.micro, next_backward[c]++);
+                EXPECT_LT(p.micro, next_forward[c]) << "a backward before its forward";
+                --held;
+              }
+            }
+            const int64_t expected = kind == "gpipe" ? m
+                                     : kind == "1f1b" ? std::min(m, pp - s)
+                                                      : std::min(m * v, m == pp ? m * v : 2 * (pp - 1 - s) + (v - 1) * pp + 1);
+            EXPECT_EQ(most, expected) << "stage " << s;
+          }
+          // Run every stage's steps as far as its inputs allow: F(u, m) needs F(u - 1, m) of the
+          // virtual stage u - 1 before; B(u, m) needs B(u + 1, m) (the last: its own F).
+          std::vector<size_t> at(static_cast<size_t>(pp), 0);
+          std::vector<std::vector<bool>> fwd(static_cast<size_t>(P), std::vector<bool>(static_cast<size_t>(m))), bwd = fwd;
+          for (bool moved = true; moved;) {
+            moved = false;
+            for (int64_t s = 0; s < pp; ++s) {
+              const auto r = static_cast<size_t>(s);
+              if (at[r] == steps[r].size()) continue;
+              const PipeStep& p = steps[r][at[r]];
+              const auto u = static_cast<size_t>(p.chunk * pp + s), k = static_cast<size_t>(p.micro);
+              const bool ready = p.forward ? (u == 0 || fwd[u - 1][k]) : (u + 1 == static_cast<size_t>(P) ? fwd[u][k] : bwd[u + 1][k]);
+              if (!ready) continue;
+              (p.forward ? fwd : bwd)[u][k] = true;
+              ++at[r];
+              moved = true;
             }
           }
-          EXPECT_EQ(most, std::string(kind) == "gpipe" ? m : std::min(m, pp - s)) << kind << " stage " << s;
+          for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(at[static_cast<size_t>(s)], steps[static_cast<size_t>(s)].size()) << "deadlocks";
         }
-        // Run every stage's steps as far as its inputs allow: F(s, m) needs F(s - 1, m); B(s, m)
-        // needs B(s + 1, m) (the last stage: its own F).
-        std::vector<size_t> at(static_cast<size_t>(pp), 0);
-        std::vector<std::vector<bool>> fwd(static_cast<size_t>(pp), std::vector<bool>(static_cast<size_t>(m))),
-            bwd = fwd;
-        for (bool moved = true; moved;) {
-          moved = false;
-          for (int64_t s = 0; s < pp; ++s) {
-            const auto u = static_cast<size_t>(s);
-            if (at[u] == steps[u].size()) continue;
-            const PipeStep& p = steps[u][at[u]];
-            const auto k = static_cast<size_t>(p.micro);
-            const bool ready = p.forward ? (s == 0 || fwd[u - 1][k]) : (s + 1 == pp ? fwd[u][k] : bwd[u + 1][k]);
-            if (!ready) continue;
-            (p.forward ? fwd : bwd)[u][k] = true;
-            ++at[u];
-            moved = true;
-          }
-        }
-        for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(at[static_cast<size_t>(s)], steps[static_cast<size_t>(s)].size()) << kind << " deadlocks";
-      }
   EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8), 3.0 / 8);
+  EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8, 2), 3.0 / 16);
 }

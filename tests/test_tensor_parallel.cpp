@@ -46,15 +46,21 @@ struct TpGroup {
   }
 };
 
-GPTDims small_dims(bool fused) {
+GPTDims small_dims() {
   GPTDims d;
   d.n_layer = 2;
   d.n_head = 4;
   d.n_embd = 32;
   d.seq_len = 16;
   d.vocab_size = 64;
-  d.fused_kernels = fused;
   return d;
+}
+
+// The fused paths a model runs with (the tp model's loss in chunks of `rows`).
+RunOptions fused_paths(bool kernels, bool loss, int64_t rows = 0) {
+  RunOptions run;
+  run.fused_kernels = kernels, run.fused_loss = loss, run.fused_loss_rows = rows;
+  return run;
 }
 
 // Largest |a - b| relative to b's largest magnitude.
@@ -88,8 +94,7 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
       SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused block ops " << fused << ", fused loss " << fused_loss
                                       << ", llama " << llama << ", qwen3 " << qwen3 << ", gemma2 " << gemma2
                                       << ", gemma3 " << gemma3);
-      GPTDims dense_dims = small_dims(fused);
-      dense_dims.fused_loss = fused_loss;
+      GPTDims dense_dims = small_dims();
       if (llama) {
         dense_dims.arch = "llama";
         dense_dims.n_kv_head = tp;  // one kv head per rank, serving 4 / tp query heads
@@ -115,14 +120,15 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
         }
       }
       GPTDims tp_dims = dense_dims;
-      tp_dims.fused_loss_rows = 7;
       tp_dims.tp = tp;
       tp_dims.tp_rank = r;
       tp_dims.tp_comm = group.comm.get();
       torch::manual_seed(7);
       GPT dense(dense_dims);
+      dense->apply(fused_paths(fused, fused_loss));
       torch::manual_seed(7);
       GPT sharded(tp_dims);
+      sharded->apply(fused_paths(fused, fused_loss, 7));
 
       const auto whole = dense->named_params(), local = sharded->named_params();
       ASSERT_EQ(local.size(), whole.size());
@@ -185,9 +191,8 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
     for (int variant = 0; variant < 4; ++variant) {
       const bool fused_loss = variant % 2 == 1, llama = variant >= 2;
       SCOPED_TRACE(testing::Message() << "tp " << tp << ", fused loss " << fused_loss << ", llama " << llama);
-      GPTDims unpadded = small_dims(false);
+      GPTDims unpadded = small_dims();
       unpadded.vocab_size = kTokens;
-      unpadded.fused_loss = fused_loss;
       if (llama) {
         unpadded.arch = "llama";
         unpadded.n_kv_head = tp;
@@ -198,14 +203,16 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
       padded.vocab_size = kRows;
       padded.vocab_live = kTokens;
       GPTDims sharded_dims = padded;
-      sharded_dims.fused_loss_rows = 7;
       sharded_dims.tp = tp, sharded_dims.tp_rank = r, sharded_dims.tp_comm = group.comm.get();
       torch::manual_seed(5);
       GPT plain(unpadded);
+      plain->apply(fused_paths(false, fused_loss));
       torch::manual_seed(5);
       GPT dense(padded);
+      dense->apply(fused_paths(false, fused_loss));
       torch::manual_seed(5);
       GPT sharded(sharded_dims);
+      sharded->apply(fused_paths(false, fused_loss, 7));
 
       const auto want = plain->named_params(), whole = dense->named_params(), local = sharded->named_params();
       ASSERT_EQ(whole.size(), want.size());
@@ -317,7 +324,7 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
   mpi::broadcast(buf, sizeof buf, 0, mpi::world());
   const std::string root = buf;
   for (bool llama : {false, true}) {
-    GPTDims dense_dims = small_dims(false);
+    GPTDims dense_dims = small_dims();
     if (llama) {
       dense_dims.arch = "llama";
       dense_dims.n_kv_head = 4, dense_dims.intermediate_size = 24, dense_dims.max_position = 16;

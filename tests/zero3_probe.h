@@ -28,11 +28,12 @@ struct Zero3Probe {
 // does, the model is made on the host without values (GPT deferred), ParamShards makes its units'
 // buffers on `device`, and GPT::initialize's draws reach each rank's shards through set_param,
 // one parameter at a time: the same values as the model drawn whole.
-inline Zero3Probe zero3_probe(const GPTDims& d, Communicator& c, const torch::Device& device, Precision precision,
+inline Zero3Probe zero3_probe(const GPTDims& d, const RunOptions& run, Communicator& c, const torch::Device& device, Precision precision,
                               bool zero3, c10::ScalarType wire = torch::kFloat32, bool from_host = false) {
   torch::manual_seed(3);
   const bool deferred = zero3 && from_host;
   GPT model(d, deferred);
+  model->apply(run);
   if (!deferred) model->to(device);
   model->train();
   std::vector<torch::Tensor> params, drawn;

@@ -196,9 +196,12 @@ struct ParallelConfig {
   // Pipeline parallelism (pipeline.h): the blocks in pp stages of consecutive blocks (the embedding
   // on the first, the final norm and head on the last), each stage pp-th of the ranks (consecutive
   // runs: stage s is ranks [s world / pp, (s + 1) world / pp)); the step's micro-batches
-  // (train.grad_accum) flow through them in pp_schedule's order: 1f1b | gpipe.
+  // (train.grad_accum) flow through them in pp_schedule's order: 1f1b | gpipe | interleaved
+  // (each rank pp_virtual chunks of blocks, virtual stages s, s + pp, ...: Megatron's interleaved
+  // 1F1B, its bubble pp_virtual times smaller).
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";
+  int64_t pp_virtual = 1;
 };
 
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of

@@ -24,7 +24,7 @@
 // checkpoints, export) reads the parameters by name; the names are GPT-2's where the role is the
 // same (attn.c_proj is Llama's o_proj, mlp.c_proj its down_proj). Initialisation as GPT-2's: N(0, 0.02), residual projections
 // (c_proj) scaled by 1/sqrt(2 n_layer), norms one, biases zero.
-// With dims.fused_kernels the residual adds and norms (LayerNorm | RMSNorm), the MLP's bias + GELU |
+// With RunOptions::fused_kernels the residual adds and norms (LayerNorm | RMSNorm), the MLP's bias + GELU |
 // SwiGLU and the rotary embedding (llama) run as the fused ops of fused_ops.h; the parameters
 // (and so checkpoints) are the same either way.
 #pragma once
@@ -102,7 +102,7 @@ class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t dim, bool rms, double eps, Communicator* partial_grad = nullptr, bool unit_offset = false);
   torch::Tensor forward(const torch::Tensor& x);
-  // dims.fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
+  // RunOptions::fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
   // add_rmsnorm, fused_ops.h): {x + delta (fp32), norm(x + delta) in out_dtype}; delta may be undefined.
   std::pair<torch::Tensor, torch::Tensor> add_forward(const torch::Tensor& x, const torch::Tensor& delta,
                                                       c10::ScalarType out_dtype);
@@ -126,15 +126,16 @@ class Rotary {
  public:
   explicit Rotary(const GPTDims& d, bool local = false);
   // q or k [B, T, heads, head_dim] rotated by position: x cos + rotate_half(x) sin, with the
-  // tables in x's dtype (Hugging Face's roundings); with dims.fused_kernels as the fused op
-  // `rotary` (fused_ops.h), which rounds alike.
+  // tables in x's dtype (Hugging Face's roundings); set_fused (RunOptions::fused_kernels) as the
+  // fused op `rotary` (fused_ops.h), which rounds alike.
   torch::Tensor apply(const torch::Tensor& x);
+  void set_fused(bool fused) { fused_ = fused; }
   const torch::Tensor& inv_freq() const { return inv_freq_; }
 
  private:
   torch::Tensor inv_freq_, cos_, sin_;  // cos_/sin_ on the device last used
   int64_t seq_len_;
-  bool fused_;
+  bool fused_ = false;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
@@ -172,7 +173,7 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
-  // dims.fused_kernels: the same with c_fc's bias add and the GELU as one bias_gelu (gpt2), or
+  // RunOptions::fused_kernels: the same with c_fc's bias add and the GELU as one bias_gelu (gpt2), or
   // silu(gate) * up as one swiglu (llama).
   torch::Tensor forward_fused(const torch::Tensor& x);
   // Tensor parallel, llama block: this rank's share of forward(x) for an x already through
@@ -226,11 +227,14 @@ class MoEImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> experts;  // this rank's experts, each an MLP named by its index
   std::vector<MLP> local;                      // the same, in order: experts first .. first + local.size() - 1
   int64_t first = 0;
+  // The run's capacity and balancing (GPT::apply): capacity_factor, z_loss_coef, and routing_bias,
+  // which makes routing_bias below (zeros where it has none) or drops it.
+  void configure(const RunOptions& run);
   // In training, the last forward's router probabilities summed over its tokens [E], then with
-  // dims.z_loss_coef the sum of its tokens' logsumexp(router logits)^2 (one more element) (what the
+  // a z-loss coefficient the sum of its tokens' logsumexp(router logits)^2 (one more element) (what the
   // router log holds; a checkpointed block returns it as an output of its own: GPTImpl::hidden).
   torch::Tensor prob_sums;
-  // dims.routing_bias: the bias [E] (fp32) added to the router's probabilities to choose the top k
+  // RunOptions::routing_bias: the bias [E] (fp32) added to the router's probabilities to choose the top k
   // (not to weigh them): DeepSeek-V3's aux-loss-free balancing, moved by GPT::update_routing_bias.
   torch::Tensor routing_bias;
 
@@ -239,9 +243,9 @@ class MoEImpl : public torch::nn::Module {
   torch::Tensor run_local(const torch::Tensor& grouped, const int64_t* count);
   torch::Tensor run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts);
   int64_t top_k_, num_experts_;
-  double capacity_factor_;  // dims.capacity_factor (0: dropless)
+  double capacity_factor_ = 0;  // RunOptions::capacity_factor (0: dropless)
   bool norm_topk_;
-  bool z_loss_;             // dims.z_loss_coef > 0
+  bool z_loss_ = false;         // RunOptions::z_loss_coef > 0
   Communicator* ep_ = nullptr;  // dims.ep_comm (ep > 1)
   Communicator* tp_ = nullptr;  // dims.tp_comm (tp > 1)
   RouterLog* log_;  // GPT's (not owned)
@@ -253,7 +257,7 @@ class BlockImpl : public torch::nn::Module {
   // `log`: the GPT's router log, for a layer whose MLP is a mixture of experts.
   BlockImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0, RouterLog* log = nullptr);
   torch::Tensor forward(torch::Tensor x);
-  // dims.fused_kernels: each norm absorbs the residual add before it. Takes the residual
+  // RunOptions::fused_kernels: each norm absorbs the residual add before it. Takes the residual
   // stream x (fp32) and the previous block's MLP output `delta` (undefined for the first block),
   // returns the stream after the attention add and this block's MLP output, still to be added.
   // `normed_dtype` is the dtype of the norm outputs (autocast's, else fp32).
@@ -297,7 +301,16 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // `deferred` (ZeRO-3): the modules are made (their own draws included) but every parameter is
   // left without memory, one block at a time, so that no whole model ever exists; initialize()
   // then draws the values the model would have had, one parameter at a time.
+  // It runs with RunOptions' defaults (unfused, no checkpointing, dropless) until apply().
   explicit GPTImpl(const GPTDims& d, bool deferred = false);
+
+  // How the built model runs from the next call on (the fused paths, activation checkpointing,
+  // the experts' capacity and balancing): what Parallelism and the step apply, as torchtitan's
+  // parallelize applies its own, not part of what the model is. Refuses by name a switch this
+  // model has no path for (Gemma's norms unfused, a soft-capped loss unfused, a pipeline stage's
+  // blocks unfused).
+  void apply(const RunOptions& run);
+  const RunOptions& run() const { return run_; }
 
   // A deferred model's initial values: named_params()[k]'s values (this rank's tp shard of the
   // whole parameter, drawn as a model made without `deferred` draws it; under expert parallelism
@@ -311,26 +324,28 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // Mean cross-entropy of next-token prediction; targets [B, T]; in training, with experts, plus
   // the aux coefficient x transformers' load-balancing loss over every sparse layer's tokens
   // (load_balancing_loss_func: the experts' count x sum over experts of the share of the k choices it
-  // got times its mean router probability; last_aux_loss), and with dims.z_loss_coef that x the
+  // got times its mean router probability; last_aux_loss), and with RunOptions::z_loss_coef that x the
   // router z-loss (the mean over every sparse layer's tokens of logsumexp(router logits)^2;
-  // last_z_loss). With dims.fused_loss the
+  // last_z_loss). With RunOptions::fused_loss the
   // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
   // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
 
-  // Pipeline parallelism (dims.pp > 1): this stage's part of forward. `in`: the token ids on the
-  // first stage, else the previous stage's output [B, T, n_embd]; returns the residual stream after
-  // this stage's blocks (the last stage: after the final norm). stage_loss: the last stage's mean
-  // cross-entropy of that output against `targets` (as loss() computes it, without experts).
-  torch::Tensor stage_forward(const torch::Tensor& in);
+  // Pipeline parallelism (dims.pp > 1): this stage's part of forward, its chunk `chunk` of blocks
+  // (model_fields.h; 0 but under the interleaved schedule). `in`: the token ids on the first
+  // stage's chunk 0, else the previous virtual stage's output [B, T, n_embd]; returns the residual
+  // stream after the chunk's blocks (the last stage's last chunk: after the final norm).
+  // stage_loss: the last stage's mean cross-entropy of that output against `targets` (as loss()
+  // computes it, without experts).
+  torch::Tensor stage_forward(const torch::Tensor& in, int64_t chunk = 0);
   torch::Tensor stage_loss(const torch::Tensor& out, const torch::Tensor& targets);
 
   const GPTDims& dims() const { return dims_; }
   // The last forward's load-balancing loss (undefined: no experts or not training) and each sparse
   // layer's expert load, max / mean tokens per expert (empty: no experts).
   const torch::Tensor& last_aux_loss() const { return aux_loss_; }
-  const torch::Tensor& last_z_loss() const { return z_loss_; }  // undefined without dims.z_loss_coef
-  // dims.routing_bias: every sparse layer's routing bias [sparse layers, E] (fp32, on the host), and
+  const torch::Tensor& last_z_loss() const { return z_loss_; }  // undefined without a z-loss coefficient
+  // RunOptions::routing_bias: every sparse layer's routing bias [sparse layers, E] (fp32, on the host), and
   // set from such a tensor (a checkpoint's). update_routing_bias: the tokens each expert was
   // given by the training forwards since the last update, summed over `dp` (every rank's
   // router), move each bias by rate x sign(mean - load), centred (torchtitan's
@@ -371,7 +386,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
 
  private:
   void build_modules(const GPTDims& d, bool deferred);  // this rank's shapes (tensor parallel: its shards)
-  // Whether block `block` runs under activation checkpointing (dims.ac, in training with gradients).
+  // Whether block `block` runs under activation checkpointing (run_.ac, in training with gradients).
   bool checkpointed(int64_t block) const;
   // ZeRO-3 (units_ set): block i's parameters whole before it runs and given back after; its
   // outputs through the identity whose backward makes them whole again.
@@ -384,7 +399,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   void collect_tp_splits();  // every module's declarations, by full parameter name
   torch::Tensor lm_loss(const torch::Tensor& idx, const torch::Tensor& targets);  // loss() without the aux loss
   torch::Tensor embed(const torch::Tensor& idx);  // hidden()'s first part: the embeddings (dropout)
-  torch::Tensor run_blocks(torch::Tensor x);       // hidden()'s blocks (unfused), the ones this model holds
+  // hidden()'s blocks (unfused), those of [begin, end) this model holds.
+  torch::Tensor run_blocks(torch::Tensor x, int64_t begin = 0, int64_t end = INT64_MAX);
   torch::Tensor lm_loss_of(const torch::Tensor& hidden, const torch::Tensor& targets);  // after ln_f
   torch::Tensor head(const torch::Tensor& x);  // the logits of x (after ln_f and tp_copy)
   // This model's parameters from `whole`'s draws (a model made without values whose parameters
@@ -394,9 +410,11 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // in this model's order, one parameter in memory at a time when both orders agree.
   void draws_of(GPTImpl& whole, const std::function<void(size_t, const torch::Tensor&)>& take);
   GPTDims dims_;
+  RunOptions run_;
+  std::vector<std::shared_ptr<Rotary>> rotaries_;  // the blocks' tables (apply sets their fused path)
   RouterLog router_log_;
   torch::Tensor aux_loss_, z_loss_;
-  std::vector<torch::Tensor> routed_since_update_;  // dims.routing_bias: per sparse layer [E] int64
+  std::vector<torch::Tensor> routed_since_update_;  // run_.routing_bias: per sparse layer [E] int64
   std::vector<MoEImpl*> moe_layers() const;  // the sparse layers' MoE modules, in order
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;

@@ -69,9 +69,11 @@ int64_t window_of_config(const ModelConfig& c);
 
 // ---- the model's architecture and the run's options ----------------------------------------------
 // ModelArgs: what the model is (what a checkpoint and config.json record; one row of the table
-// below per field beyond the five dimensions). GPTDims: a ModelArgs and the options one run builds
-// it with (dropout, the fused paths, activation checkpointing, tensor parallelism), which no file
-// of the model records.
+// below per field beyond the five dimensions). GPTDims: a ModelArgs and this rank's place in the
+// layout (tensor, expert and pipeline parallelism), which decide the shapes of the modules it
+// builds, and dropout. RunOptions: how a built model runs (the fused paths, activation
+// checkpointing, the experts' capacity and balancing), which the step applies to it
+// (GPT::apply) and may change between calls; no file of the model records either.
 struct ModelArgs {
   int64_t n_layer = 0;
   int64_t n_head = 0;
@@ -144,17 +146,6 @@ struct ModelArgs {
 
 struct GPTDims : ModelArgs {
   double dropout = 0.0;
-  bool fused_loss = false;  // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
-  int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
-  bool fused_kernels = false;  // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
-  // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
-  // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
-  // backward; selective also keeps its linear layers' outputs and a fused attention kernel's
-  // graph, which the second run replays instead of computing again (checkpointing.h). The random
-  // state (dropout) and autocast of the first run are the second's, so gradients are bitwise
-  // those without it.
-  enum class Ac { none, full, selective } ac = Ac::none;
-  int64_t ac_every = 1;
   // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
   // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
   // and vocab_size divide by tp.
@@ -165,6 +156,39 @@ struct GPTDims : ModelArgs {
   // group's communicator (not owned; set when ep > 1). The experts' count divides by ep.
   int64_t ep = 1, ep_rank = 0;
   Communicator* ep_comm = nullptr;
+  int64_t local_experts() const { return num_experts / ep; }
+  // Pipeline parallelism (parallel.pp, pipeline.h): this rank's stage of `pp`, holding its
+  // `pp_virtual` chunks of blocks (1 but under the interleaved schedule): chunk j is virtual stage
+  // j pp + pp_stage of pp x pp_virtual, blocks [chunk_begin(j), chunk_end(j)) (the virtual stages'
+  // shares as even as the blocks allow, the later ones larger). The embedding is on the first
+  // stage (its chunk 0), the final norm and the output layer on the last (its last chunk; with
+  // tied embeddings a copy of the embedding there too). Names stay the whole model's.
+  int64_t pp = 1, pp_stage = 0, pp_virtual = 1;
+  int64_t virtual_stages() const { return pp * pp_virtual; }
+  int64_t chunk_begin(int64_t j) const { return (j * pp + pp_stage) * n_layer / virtual_stages(); }
+  int64_t chunk_end(int64_t j) const { return (j * pp + pp_stage + 1) * n_layer / virtual_stages(); }
+  bool holds_block(int64_t block) const {
+    for (int64_t j = 0; j < pp_virtual; ++j)
+      if (block >= chunk_begin(j) && block < chunk_end(j)) return true;
+    return false;
+  }
+  bool first_stage() const { return pp_stage == 0; }
+  bool last_stage() const { return pp_stage == pp - 1; }
+};
+
+// How a built model runs (GPT::apply; the step's switches, not the architecture's).
+struct RunOptions {
+  bool fused_loss = false;      // classifier + cross-entropy fused and chunked (see linear_cross_entropy)
+  int64_t fused_loss_rows = 0;  // rows per chunk of the fused loss (0: automatic; tests use small ones)
+  bool fused_kernels = false;   // residual add + norm, GELU | SwiGLU, rotary as fused ops (fused_ops.h)
+  // Activation checkpointing (train.activation_checkpointing) of every ac_every-th block (blocks
+  // ac_every - 1, 2 ac_every - 1, ...): full keeps a block's input only and runs the block again in
+  // backward; selective also keeps its linear layers' outputs and a fused attention kernel's
+  // graph, which the second run replays instead of computing again (checkpointing.h). The random
+  // state (dropout) and autocast of the first run are the second's, so gradients are bitwise
+  // those without it.
+  enum class Ac { none, full, selective } ac = Ac::none;
+  int64_t ac_every = 1;
   // train.moe_capacity_factor (0: dropless): each expert takes at most ceil(f x tokens x k / E) of a
   // forward's token copies, the first by position (model.h's MoE).
   double capacity_factor = 0;
@@ -173,16 +197,6 @@ struct GPTDims : ModelArgs {
   // train.moe_bias_update_rate > 0: each sparse layer keeps a routing bias for the top-k choice
   // (model.h's MoE), which the training loop moves after every step (GPT::update_routing_bias).
   bool routing_bias = false;
-  int64_t local_experts() const { return num_experts / ep; }
-  // Pipeline parallelism (parallel.pp, pipeline.h): this rank's stage of `pp`, holding blocks
-  // [stage_begin(), stage_end()) (the stages' shares as even as the blocks allow, the later ones
-  // larger), the embedding on the first stage, the final norm and the output layer on the last
-  // (with tied embeddings a copy of the embedding there too). Names stay the whole model's.
-  int64_t pp = 1, pp_stage = 0;
-  int64_t stage_begin() const { return pp_stage * n_layer / pp; }
-  int64_t stage_end() const { return (pp_stage + 1) * n_layer / pp; }
-  bool first_stage() const { return pp_stage == 0; }
-  bool last_stage() const { return pp_stage == pp - 1; }
 };
 
 // family_conflict over a model's own block, flags and window: the key it may not have, or nullptr.

@@ -82,8 +82,9 @@ class Parallelism {
 
   // ---- start-up, in order ----------------------------------------------------------------------
   // This rank's modules from the current seed: tp shards; on the device, or, under ZeRO-3, on the
-  // host without values (GPT deferred: at most one block exists while it is made).
-  GPT make_model();
+  // host without values (GPT deferred: at most one block exists while it is made); running as
+  // `run` says (GPT::apply).
+  GPT make_model(const RunOptions& run);
   // The stage applied to `model` (kept): gradient buckets and their hooks, PowerSGD's factors, and
   // under ZeRO-3 the units (the model's UnitHooks); rank 0's whole host copy when it assembles a
   // tensor-parallel checkpoint alone. A stage this MPI or device cannot run is exit 2 here.

@@ -16,8 +16,14 @@
 // Schedules (pipeline_schedule): gpipe, every forward then every backward; 1f1b (PipeDream-flush,
 // Megatron's default): stage s runs pp - 1 - s forwards ahead, then alternates one forward and one
 // backward, then the remaining backwards, so a stage holds at most pp - s micro-batches'
-// activations instead of all of them. Both run the backwards in micro-batch order, so their
-// gradients accumulate in the same order: the two schedules train bitwise the same.
+// activations instead of all of them; interleaved (Megatron's interleaved 1F1B): each rank holds
+// v = pp_virtual chunks of blocks (chunk j is virtual stage j pp + s of pp v, so a micro-batch goes
+// round the pipeline v times, the last stage's chunk j sending to the first stage's chunk j + 1);
+// the micro-batches in groups of pp, each group through chunk 0, then chunk 1, ..., with
+// 2 (pp - 1 - s) + (v - 1) pp forwards ahead (all of them when m = pp), then one forward and one
+// backward in turn: each rank idles pp - 1 chunk-sized slots of v m, a v times smaller bubble.
+// Every schedule runs each chunk's backwards in micro-batch order, so every parameter's gradient
+// accumulates in the same order: the three train bitwise the same.
 //
 // Activations and their gradients travel as fp32 with MPI's point-to-point (MPI_Isend, each send's
 // buffer kept until the step ends; a blocking MPI_Recv under the watchdog), on the CPU only yet.
@@ -35,22 +41,25 @@
 namespace mpitrain {
 
 struct PipeStep {
-  bool forward;   // else backward
-  int64_t micro;  // the micro-batch, 0-based
+  bool forward;       // else backward
+  int64_t micro;      // the micro-batch, 0-based
+  int64_t chunk = 0;  // the rank's chunk of blocks (interleaved; else 0)
 };
 
 // Stage `stage`'s steps (of `stages`) for `micro_batches` micro-batches under `schedule` (1f1b |
-// gpipe): every micro-batch's forward and backward once, each backward after its forward.
-std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches);
+// gpipe | interleaved with `chunks` chunks per rank, micro_batches a multiple of stages): every
+// micro-batch's forward and backward of each chunk once, each backward after its forward.
+std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches,
+                                        int64_t chunks = 1);
 
-// The pipeline bubble of gpipe and 1f1b alike with m micro-batches: each stage idles pp - 1
-// forward-backward slots besides its m busy ones, (pp - 1) / m of the ideal step (Megatron's
-// bubble time fraction).
-double pipeline_bubble(int64_t stages, int64_t micro_batches);
+// The pipeline bubble with m micro-batches and v chunks per rank: each stage idles pp - 1 slots of
+// a chunk's forward and backward besides its v m busy ones, (pp - 1) / (v m) of the ideal step
+// (Megatron's bubble time fraction; gpipe and 1f1b: v = 1).
+double pipeline_bubble(int64_t stages, int64_t micro_batches, int64_t chunks = 1);
 
 // The stage that holds (and, for a tied embedding, writes) the whole model's parameter `name`
-// under `d` (its pp): blocks by their index, the embeddings on the first stage, the final norm
-// and the output layer on the last.
+// under `d` (its pp and pp_virtual): blocks by their chunk, the embeddings on the first stage, the
+// final norm and the output layer on the last.
 int64_t stage_of(const std::string& name, const GPTDims& d);
 
 // One rank's links to the neighbouring stages of its pipeline (`pp`: Mesh::pp_mpi(), rank s of it
@@ -77,8 +86,14 @@ class PipeLink {
 // (PipeLink: the schedule's bubble and the transfers), since it started.
 double pipeline_wait_seconds();
 
-// The tags of micro-batch m's activation (forward) and its gradient (backward).
-inline int activation_tag(int64_t micro) { return static_cast<int>(2 * micro); }
-inline int gradient_tag(int64_t micro) { return static_cast<int>(2 * micro + 1); }
+// The tags of micro-batch m's activation leaving virtual stage `from` (forward) of `virtual_stages`
+// and its gradient (backward), below kPipeTagEnd (the tied embedding's exchange uses it).
+constexpr int kPipeTagEnd = 32000;
+inline int activation_tag(int64_t micro, int64_t from = 0, int64_t virtual_stages = 1) {
+  return static_cast<int>(2 * (micro * virtual_stages + from));
+}
+inline int gradient_tag(int64_t micro, int64_t from = 0, int64_t virtual_stages = 1) {
+  return activation_tag(micro, from, virtual_stages) + 1;
+}
 
 }  // namespace mpitrain

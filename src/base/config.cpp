@@ -106,6 +106,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, ep),        MPITRAIN_FIELD(parallel, islands),
     MPITRAIN_FIELD(parallel, slow_link_gbit), MPITRAIN_FIELD(parallel, pp),     MPITRAIN_FIELD(parallel, pp_schedule),
+    MPITRAIN_FIELD(parallel, pp_virtual),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
     MPITRAIN_FIELD(diloco, fragments),   MPITRAIN_FIELD(diloco, overlap),
@@ -746,14 +747,26 @@ void validate(const Config& c, const std::string& where) {
           show(c.parallel.ep));
   }
   check(c.parallel.pp >= 1, "parallel.pp", ">= 1", show(c.parallel.pp));
-  check(one_of(c.parallel.pp_schedule, {"1f1b", "gpipe"}), "parallel.pp_schedule",
-        "one of 1f1b|gpipe (interleaved is not built yet)", show(c.parallel.pp_schedule));
+  check(one_of(c.parallel.pp_schedule, {"1f1b", "gpipe", "interleaved"}), "parallel.pp_schedule",
+        "one of 1f1b|gpipe|interleaved", show(c.parallel.pp_schedule));
+  check(c.parallel.pp_virtual >= 1, "parallel.pp_virtual", ">= 1", show(c.parallel.pp_virtual));
+  const bool interleaved = c.parallel.pp_schedule == "interleaved";
+  check(!interleaved || c.parallel.pp_virtual >= 2, "parallel.pp_virtual",
+        ">= 2 with parallel.pp_schedule: interleaved (the chunks of blocks each rank holds)", show(c.parallel.pp_virtual));
+  check(interleaved || c.parallel.pp_virtual == 1, "parallel.pp_virtual",
+        concat("1 with parallel.pp_schedule: ", c.parallel.pp_schedule, " (virtual stages are the interleaved schedule's)"),
+        show(c.parallel.pp_virtual));
   if (c.parallel.pp > 1) {  // what pipeline parallelism composes with so far (pipeline.h)
     const auto pp_with = [&](bool ok, const char* key, const std::string& needed, const std::string& value) {
       check(ok, key, concat(needed, " with parallel.pp: ", c.parallel.pp, " (not built with pipeline parallelism yet)"), value);
     };
     check(m.n_layer == 0 || c.parallel.pp <= m.n_layer, "parallel.pp",
           concat("at most model.n_layer = ", m.n_layer, " (each stage holds at least one block)"), show(c.parallel.pp));
+    const int64_t chunks = c.parallel.pp * c.parallel.pp_virtual;
+    check(!interleaved || m.n_layer == 0 || m.n_layer % chunks == 0, "parallel.pp_virtual",
+          concat("a number whose product with parallel.pp (", c.parallel.pp, ") divides model.n_layer = ", m.n_layer,
+                 " (the interleaved schedule's chunks hold equal runs of blocks)"),
+          show(c.parallel.pp_virtual));
     pp_with(c.parallel.tp == 1, "parallel.tp", "1", show(c.parallel.tp));
     pp_with(c.parallel.ep == 1, "parallel.ep", "1", show(c.parallel.ep));
     pp_with(c.parallel.islands == "1", "parallel.islands", "1", show(c.parallel.islands));

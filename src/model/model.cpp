@@ -32,8 +32,6 @@ int64_t vocab_pad_multiple(const ModelConfig& cfg, bool cuda, int64_t tp) {
 
 GPTDims model_dims(const ModelConfig& cfg, int64_t data_vocab_size, int64_t pad_multiple) {
   GPTDims d = dims_of_config(cfg);  // the architecture (model_fields.h)
-  d.fused_loss = cfg.fused_loss == "on";  // "auto": the training loop decides by device
-  d.fused_kernels = cfg.fused_kernels == "on";  // likewise
   if (cfg.init_vocab > 0 && cfg.init_vocab < data_vocab_size)
     throw UsageError(concat("model.init_from: ", cfg.init_vocab_source, " is ", cfg.init_vocab,
                             ", smaller than the data's vocab_size ", data_vocab_size,
@@ -123,7 +121,7 @@ std::pair<torch::Tensor, torch::Tensor> NormImpl::add_forward(const torch::Tenso
 // and those between interpolated smoothly.
 // Gemma 3's local layers (`local`): rope_local_theta, unscaled; its global layers: rope_theta with
 // rope_scaling linear, every frequency divided by rope_factor.
-Rotary::Rotary(const GPTDims& d, bool local) : seq_len_(d.seq_len), fused_(d.fused_kernels) {
+Rotary::Rotary(const GPTDims& d, bool local) : seq_len_(d.seq_len) {
   const int64_t dim = d.head_dim();
   const double theta = local && d.rope_local_theta > 0 ? d.rope_local_theta : d.rope_theta;
   inv_freq_ = 1.0 / torch::pow(torch::tensor(theta, torch::kFloat32),
@@ -412,8 +410,7 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 
 // Experts: SwiGLU MLPs of moe_intermediate_size units, made as the dense MLP with that size.
 MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
-    : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), capacity_factor_(d.capacity_factor),
-      norm_topk_(d.norm_topk_prob), z_loss_(d.z_loss_coef > 0),
+    : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), norm_topk_(d.norm_topk_prob),
       ep_(d.ep > 1 ? d.ep_comm : nullptr), tp_(tp_of(d)), log_(log) {
   // (The config refuses these: args_conflict.)
   MPITRAIN_CHECK(top_k_ <= d.num_experts && d.moe_intermediate_size % d.tp == 0,
@@ -427,7 +424,15 @@ MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
   first = d.ep_rank * d.local_experts();
   for (int64_t e = first; e < first + d.local_experts(); ++e)
     local.push_back(experts->register_module(std::to_string(e), MLP(expert)));
-  if (d.routing_bias) routing_bias = torch::zeros({num_experts_}, torch::kFloat32);
+}
+
+void MoEImpl::configure(const RunOptions& run) {
+  capacity_factor_ = run.capacity_factor;
+  z_loss_ = run.z_loss_coef > 0;
+  if (!run.routing_bias)
+    routing_bias = torch::Tensor();
+  else if (!routing_bias.defined())
+    routing_bias = torch::zeros({num_experts_}, torch::kFloat32);
 }
 
 torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count) {
@@ -622,8 +627,8 @@ std::vector<torch::Tensor> GPTImpl::router_output(std::vector<torch::Tensor> out
 }
 
 bool GPTImpl::checkpointed(int64_t block) const {
-  return is_training() && torch::GradMode::is_enabled() && dims_.ac != GPTDims::Ac::none &&
-         (block + 1) % dims_.ac_every == 0;
+  return is_training() && torch::GradMode::is_enabled() && run_.ac != RunOptions::Ac::none &&
+         (block + 1) % run_.ac_every == 0;
 }
 
 // ---- GPT ---------------------------------------------------------------------------------------
@@ -711,9 +716,6 @@ at::Generator snapshot_of_default_generator() {
 GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
-  MPITRAIN_CHECK(!(d.fused_kernels && d.family_row().gemma_norms),
-                 "model dims: Gemma's norms have no fused ops (fused_kernels off)");
-  MPITRAIN_CHECK(!(d.fused_loss && d.final_softcap > 0), "model dims: the fused loss has no soft cap (fused_loss off)");
   MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
                      d.vocab_size % d.tp == 0,
                  "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");
@@ -762,7 +764,7 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     // holds a parameter of that name (the last stage's copy of a tied embedding too).
     MPITRAIN_CHECK(!deferred && d.tp == 1 && d.ep == 1, "pipeline parallelism: a stage of a whole model, made with values");
     GPTDims whole = d;
-    whole.pp = 1, whole.pp_stage = 0;
+    whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
     GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);
     collect_tp_splits();
@@ -777,6 +779,21 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   }
   torch::NoGradGuard no_grad;
   for (auto& [name, p] : named_params()) draw_initial(name, p, d, c10::nullopt);
+}
+
+void GPTImpl::apply(const RunOptions& run) {
+  if (run.fused_kernels && dims_.family_row().gemma_norms)
+    throw UsageError(concat("model.fused_kernels: the ", dims_.family_row().name, " family's norms have no fused ops (set it off)"));
+  if (run.fused_loss && dims_.final_softcap > 0)
+    throw UsageError("model.fused_loss: the fused loss has no soft cap for model.final_softcap (set it off)");
+  if (run.fused_kernels && dims_.pp > 1)
+    throw UsageError("model.fused_kernels: a pipeline stage's blocks run unfused (set it off or auto)");
+  MPITRAIN_CHECK(run.ac_every >= 1 && run.capacity_factor >= 0 && run.z_loss_coef >= 0,
+                 "RunOptions: ac_every >= 1, a capacity factor and a z-loss coefficient >= 0");
+  run_ = run;
+  for (const auto& r : rotaries_) r->set_fused(run.fused_kernels);
+  for (MoEImpl* m : moe_layers()) m->configure(run);
+  routed_since_update_.clear();
 }
 
 void GPTImpl::keep_draws(GPTImpl& whole) {
@@ -858,9 +875,11 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
   auto rotary = d.llama() ? std::make_shared<Rotary>(d) : nullptr;  // one table for every block
   // Gemma 3's local (windowed) layers: a table of their own rotary base.
   auto local_rotary = d.llama() && d.rope_local_theta > 0 ? std::make_shared<Rotary>(d, /*local=*/true) : rotary;
+  for (const auto& r : {rotary, local_rotary})
+    if (r) rotaries_.push_back(r);
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < d.stage_end(); ++i) {
-    if (i < d.stage_begin()) {  // an earlier stage's block: an empty place, so that names stay h.<i>
+  for (int64_t i = 0; i < d.chunk_end(d.pp_virtual - 1); ++i) {
+    if (!d.holds_block(i)) {  // another stage's block: an empty place, so that names stay h.<i>
       h->push_back(std::make_shared<torch::nn::Module>());
       continue;
     }
@@ -881,7 +900,7 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   router_log_.clear();
   aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
   torch::Tensor x = embed(idx);
-  if (dims_.fused_kernels) return hidden_fused(x);
+  if (run_.fused_kernels) return hidden_fused(x);
   return ln_f(run_blocks(x));
 }
 
@@ -898,8 +917,8 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   return x;
 }
 
-torch::Tensor GPTImpl::run_blocks(torch::Tensor x) {
-  for (size_t i = 0; i < h->size(); ++i) {
+torch::Tensor GPTImpl::run_blocks(torch::Tensor x, int64_t begin, int64_t end) {
+  for (auto i = static_cast<size_t>(begin); i < std::min(h->size(), static_cast<size_t>(end)); ++i) {
     const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
     if (!block) continue;  // (a pipeline stage: another stage's block)
@@ -913,15 +932,17 @@ torch::Tensor GPTImpl::run_blocks(torch::Tensor x) {
       if (block->moe) out.push_back(block->moe->prob_sums);  // the router's, for the aux loss's gradient
       return out;
     };
-    x = after_block(b, router_output(checkpointed_block(run, x, torch::Tensor(), dims_.ac == GPTDims::Ac::selective)))[0];
+    x = after_block(b, router_output(checkpointed_block(run, x, torch::Tensor(), run_.ac == RunOptions::Ac::selective)))[0];
   }
   return x;
 }
 
-torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in) {
-  MPITRAIN_CHECK(dims_.pp > 1 && !dims_.fused_kernels, "stage_forward: a pipeline stage, unfused");
-  torch::Tensor x = run_blocks(dims_.first_stage() ? embed(in) : in);
-  return dims_.last_stage() ? ln_f(x) : x;
+torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in, int64_t chunk) {
+  MPITRAIN_CHECK(dims_.pp > 1 && !run_.fused_kernels && chunk >= 0 && chunk < dims_.pp_virtual,
+                 "stage_forward: a chunk of a pipeline stage, unfused");
+  const bool first = dims_.first_stage() && chunk == 0, last = dims_.last_stage() && chunk + 1 == dims_.pp_virtual;
+  torch::Tensor x = run_blocks(first ? embed(in) : in, dims_.chunk_begin(chunk), dims_.chunk_end(chunk));
+  return last ? ln_f(x) : x;
 }
 
 torch::Tensor GPTImpl::stage_loss(const torch::Tensor& out, const torch::Tensor& targets) {
@@ -952,7 +973,7 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
       if (block->moe) outs.push_back(block->moe->prob_sums);
       return outs;
     };
-    const auto outs = after_block(b, router_output(checkpointed_block(run, x, delta, dims_.ac == GPTDims::Ac::selective), 2));
+    const auto outs = after_block(b, router_output(checkpointed_block(run, x, delta, run_.ac == RunOptions::Ac::selective), 2));
     x = outs[0], delta = outs[1];
   }
   return ln_f->add_forward(x, delta, normed_dtype).second;
@@ -983,10 +1004,10 @@ torch::Tensor GPTImpl::lm_loss_of(const torch::Tensor& hidden, const torch::Tens
   Communicator* tp = tp_of(dims_);
   const int64_t vocab_start = dims_.tp_rank * output_weight().size(0);
   auto x = column_input(hidden, tp);
-  if (dims_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
+  if (run_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
     const torch::Tensor weight = output_weight().narrow(0, 0, live_rows());
     return linear_cross_entropy(x.reshape({-1, x.size(-1)}), weight, targets.reshape({-1}).to(torch::kLong),
-                                dims_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
+                                run_.fused_loss_rows, FusedImpl::automatic, tp, vocab_start);
   }
   auto logits = head(x);
   if (tp)
@@ -1007,11 +1028,11 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   const torch::Tensor sums = torch::stack(router_log_.prob_sums).sum(0);  // [E], or [E + 1] with the z-loss's
   aux_loss_ = (share * sums.narrow(0, 0, dims_.num_experts)).sum() * (E / R);
   loss = loss + aux_loss_ * dims_.router_aux_loss_coef;
-  if (dims_.z_loss_coef > 0) {
+  if (run_.z_loss_coef > 0) {
     z_loss_ = sums[dims_.num_experts] / R;
-    loss = loss + z_loss_ * dims_.z_loss_coef;
+    loss = loss + z_loss_ * run_.z_loss_coef;
   }
-  if (dims_.routing_bias) {  // the step's load, for update_routing_bias
+  if (run_.routing_bias) {  // the step's load, for update_routing_bias
     if (routed_since_update_.empty())
       for (const torch::Tensor& c : router_log_.counts) routed_since_update_.push_back(torch::zeros_like(c));
     for (size_t i = 0; i < router_log_.counts.size(); ++i) routed_since_update_[i] += router_log_.counts[i];
@@ -1046,7 +1067,7 @@ void GPTImpl::set_routing_bias(const torch::Tensor& bias) {
 
 void GPTImpl::update_routing_bias(double rate, Communicator& dp) {
   const auto layers = moe_layers();
-  if (!dims_.routing_bias || routed_since_update_.size() != layers.size()) return;  // no training forward since
+  if (!run_.routing_bias || routed_since_update_.size() != layers.size()) return;  // no training forward since
   torch::Tensor load = torch::stack(routed_since_update_).to(torch::kFloat32);  // [layers, E], this rank's tokens
   routed_since_update_.clear();
   dp.all_reduce(load, ReduceOp::sum);
@@ -1060,7 +1081,7 @@ void GPTImpl::update_routing_bias(double rate, Communicator& dp) {
 }
 
 double GPTImpl::dropped_share() const {
-  if (dims_.capacity_factor <= 0 || router_log_.copies == 0) return -1;
+  if (run_.capacity_factor <= 0 || router_log_.copies == 0) return -1;
   return static_cast<double>(router_log_.dropped) / static_cast<double>(router_log_.copies);
 }
 

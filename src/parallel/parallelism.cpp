@@ -78,11 +78,12 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
 
 // ---- start-up ----------------------------------------------------------------------------------
 
-GPT Parallelism::make_model() {
+GPT Parallelism::make_model(const RunOptions& run) {
   // ZeRO-3: the model is made without its values (deferred; one block at a time exists while it
   // is made), which initial_weights() gives each rank's shards of once the units exist: no rank,
   // host or device, ever holds the whole model.
   GPT model(dims_, /*deferred=*/stage_ == 3);
+  model->apply(run);
   if (stage_ != 3) model->to(device_);
   return model;
 }
@@ -97,7 +98,7 @@ void Parallelism::apply(GPT model) {
     GPTDims d = dims_;
     d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
-    d.pp = 1, d.pp_stage = 0;
+    d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
     whole_model_.emplace(d);
   }
   if (pp_) {  // every rank: the whole model's names
@@ -289,7 +290,7 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
 
 GPT Parallelism::pp_whole_model(bool deferred) const {
   GPTDims d = dims_;
-  d.pp = 1, d.pp_stage = 0;
+  d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   const torch::Tensor rng = gen.get_state();  // (making a model draws; the run's stream goes on as it was)
   GPT whole(d, deferred);
@@ -371,7 +372,7 @@ void Parallelism::reduce_gradients() {
     torch::NoGradGuard no_grad;
     const size_t k = *tied_;
     const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
-    constexpr int kTiedTag = 32000;  // (above every micro-batch's activation and gradient tags)
+    constexpr int kTiedTag = kPipeTagEnd;  // (above every micro-batch's activation and gradient tags)
     PipeLink link(mesh_.pp_mpi());
     if (!shards_optimizer()) {
       torch::Tensor& g = params_[k].mutable_grad();

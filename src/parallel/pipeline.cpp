@@ -24,15 +24,36 @@ void waited(Fn&& fn) {
 
 double pipeline_wait_seconds() { return static_cast<double>(pipeline_wait_ns.load()) * 1e-9; }
 
-std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches) {
-  MPITRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1, "pipeline_schedule: a stage of the pipeline");
+std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches,
+                                        int64_t chunks) {
+  MPITRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1 && chunks >= 1,
+                 "pipeline_schedule: a stage of the pipeline");
   std::vector<PipeStep> steps;
+  if (schedule == "interleaved") {
+    MPITRAIN_CHECK(micro_batches % stages == 0, "pipeline_schedule: interleaved takes micro-batches in groups of pp");
+    // The k-th forward (backward) of this rank: micro-batch group k / (pp v), chunk (k / pp) mod v
+    // (backward: counted from the last chunk), micro-batch k mod pp of the group.
+    const int64_t total = micro_batches * chunks;
+    const auto step = [&](int64_t k, bool forward) {
+      const int64_t c = (k / stages) % chunks;
+      return PipeStep{forward, k / (stages * chunks) * stages + k % stages, forward ? c : chunks - 1 - c};
+    };
+    const int64_t warmup = micro_batches == stages ? total : std::min(total, 2 * (stages - 1 - stage) + (chunks - 1) * stages);
+    int64_t forward = 0, backward = 0;
+    for (; forward < warmup; ++forward) steps.push_back(step(forward, true));
+    while (forward < total) {
+      steps.push_back(step(forward++, true));
+      steps.push_back(step(backward++, false));
+    }
+    while (backward < total) steps.push_back(step(backward++, false));
+    return steps;
+  }
   if (schedule == "gpipe") {
     for (int64_t m = 0; m < micro_batches; ++m) steps.push_back({true, m});
     for (int64_t m = 0; m < micro_batches; ++m) steps.push_back({false, m});
     return steps;
   }
-  MPITRAIN_CHECK(schedule == "1f1b", concat("pipeline_schedule: no schedule '", schedule, "'"));
+  MPITRAIN_CHECK(schedule == "1f1b" && chunks == 1, concat("pipeline_schedule: no schedule '", schedule, "' of ", chunks, " chunks"));
   const int64_t warmup = std::min(stages - 1 - stage, micro_batches);
   int64_t forward = 0, backward = 0;
   for (; forward < warmup; ++forward) steps.push_back({true, forward});
@@ -44,8 +65,8 @@ std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t sta
   return steps;
 }
 
-double pipeline_bubble(int64_t stages, int64_t micro_batches) {
-  return static_cast<double>(stages - 1) / static_cast<double>(std::max<int64_t>(micro_batches, 1));
+double pipeline_bubble(int64_t stages, int64_t micro_batches, int64_t chunks) {
+  return static_cast<double>(stages - 1) / static_cast<double>(std::max<int64_t>(micro_batches * chunks, 1));
 }
 
 int64_t stage_of(const std::string& name, const GPTDims& d) {
@@ -54,7 +75,7 @@ int64_t stage_of(const std::string& name, const GPTDims& d) {
     for (int64_t s = 0; s < d.pp; ++s) {
       GPTDims at = d;
       at.pp_stage = s;
-      if (block < at.stage_end()) return s;
+      if (at.holds_block(block)) return s;
     }
     MPITRAIN_CHECK(false, concat("stage_of: block ", block, " of ", d.n_layer));
   }

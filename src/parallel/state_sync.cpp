@@ -515,7 +515,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
   }
   into.dims = d;
   into.dims.tp = 1, into.dims.tp_rank = 0, into.dims.tp_comm = nullptr;  // the file's: whole tensors
-  into.dims.pp = 1, into.dims.pp_stage = 0;                               // of the whole model
+  into.dims.pp = 1, into.dims.pp_stage = 0, into.dims.pp_virtual = 1;      // of the whole model
   into.steps_taken = opt.steps_taken();
   into.state = st;
 }
@@ -817,7 +817,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
                      ": RNG streams are reseeded (the data order continues exactly)"));
   }
   // The routing bias (train.moe_bias_update_rate): the file's, else zero (a run that had none).
-  if (model->dims().routing_bias) {
+  if (model->run().routing_bias) {
     torch::Tensor bias = comm.rank() == 0 && st.routing_bias.defined() ? st.routing_bias.clone()
                                                                        : torch::zeros_like(model->routing_bias());
     comm.broadcast(bias, 0);

@@ -141,15 +141,17 @@ double held_bytes(const torch::Device& device) {
 // and full checkpointing: per block, per checkpointed block of each kind and outside the blocks. Scaling by n_layer needs no model of
 // the real depth, so it also plans a model this device cannot hold whole. false where the
 // device's bytes cannot be read.
-bool activation_probe(const GPTDims& dims, Precision precision, const torch::Device& device, int64_t micro,
+bool activation_probe(const GPTDims& dims, const RunOptions& options, Precision precision, const torch::Device& device, int64_t micro,
                       MemoryInputs& out) {
   if (held_bytes(device) < 0) return false;
-  auto kept = [&](int64_t layers, GPTDims::Ac ac) {
+  auto kept = [&](int64_t layers, RunOptions::Ac ac) {
     GPTDims d = dims;
     d.n_layer = layers;
-    d.ac = ac;
-    d.ac_every = 1;
+    RunOptions o = options;
+    o.ac = ac;
+    o.ac_every = 1;
     GPT model(d);
+    model->apply(o);
     model->to(device);
     model->train();
     torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
@@ -166,12 +168,12 @@ bool activation_probe(const GPTDims& dims, Precision precision, const torch::Dev
   };
   // (A model that cannot be checkpointed, a mixture of experts: its none rows only.)
   out.checkpointing = args_conflict(dims, 1, "full").empty();
-  if (out.checkpointing) kept(1, GPTDims::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
-  const double none1 = kept(1, GPTDims::Ac::none), none2 = kept(2, GPTDims::Ac::none);
+  if (out.checkpointing) kept(1, RunOptions::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
+  const double none1 = kept(1, RunOptions::Ac::none), none2 = kept(2, RunOptions::Ac::none);
   out.block_none = std::max(0.0, none2 - none1);
   if (out.checkpointing) {
-    const double selective1 = kept(1, GPTDims::Ac::selective), selective2 = kept(2, GPTDims::Ac::selective);
-    const double full1 = kept(1, GPTDims::Ac::full), full2 = kept(2, GPTDims::Ac::full);
+    const double selective1 = kept(1, RunOptions::Ac::selective), selective2 = kept(2, RunOptions::Ac::selective);
+    const double full1 = kept(1, RunOptions::Ac::full), full2 = kept(2, RunOptions::Ac::full);
     out.block_selective = std::max(0.0, selective2 - selective1);
     out.block_full = std::max(0.0, full2 - full1);
   }
@@ -201,6 +203,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
   torch::manual_seed(cfg.train.seed);
   GPT model(dims);
+  model->apply(run.options);
   model->to(device);
   model->train();
   std::vector<torch::Tensor> params;
@@ -235,7 +238,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     mem.bucket_mb = cfg.comm.bucket_mb;
     mem.ac_every = cfg.train.ac_every;
     mem.moment_bytes = cfg.optim.state_dtype == "bf16" ? 2 : 4;
-    const bool measured = activation_probe(dims, run.precision, device, micro, mem);
+    const bool measured = activation_probe(dims, run.options, run.precision, device, micro, mem);
     double memory_gib = options.memory_gib;
     std::string memory_source = "--memory";
     if (memory_gib <= 0 && device.is_cuda()) {

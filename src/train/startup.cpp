@@ -21,6 +21,7 @@
 #include "mpitrain/log.h"
 #include "mpitrain/netcheck.h"
 #include "mpitrain/preflight.h"
+#include "mpitrain/pipeline.h"
 #include "mpitrain/signals.h"
 #include "mpitrain/watchdog.h"
 
@@ -240,21 +241,23 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
     if (layout.tp > 1) check_tensor_parallel_dims(dims, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     // (Not with soft-capped logits, which it has no cap for: Gemma 2.)
-    if (cfg.model.fused_loss == "auto") dims.fused_loss = device.is_cuda() && dims.final_softcap == 0;
+    RunOptions& opts = run.options;
+    opts.fused_loss = cfg.model.fused_loss == "on" || (cfg.model.fused_loss == "auto" && device.is_cuda() && dims.final_softcap == 0);
     // On the CPU, and in GPU builds made without nvcc, the fused ops run their ATen reference,
     // slower than libtorch's own kernels: auto takes them only where the CUDA kernels exist, and
     // for the norms they have (not Gemma's).
-    if (cfg.model.fused_kernels == "auto")
-      dims.fused_kernels = device.is_cuda() && fused_kernels_built() && !dims.family_row().gemma_norms;
+    opts.fused_kernels = cfg.model.fused_kernels == "on" ||
+                        (cfg.model.fused_kernels == "auto" && device.is_cuda() && fused_kernels_built() &&
+                         !dims.family_row().gemma_norms);
     const std::string& ac = cfg.train.activation_checkpointing;
-    dims.ac = ac == "full" ? GPTDims::Ac::full : ac == "selective" ? GPTDims::Ac::selective : GPTDims::Ac::none;
-    dims.ac_every = cfg.train.ac_every;
-    dims.capacity_factor = capacity_factor_of(cfg.train.moe_capacity_factor);
-    dims.z_loss_coef = cfg.train.moe_z_loss_coef;
-    dims.routing_bias = cfg.train.moe_bias_update_rate > 0;
-    if (topo.rank == 0 && (dims.fused_loss || dims.fused_kernels))
-      log::info(concat("fused: classifier loss ", dims.fused_loss ? "on" : "off", ", block ops ",
-                       dims.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
+    opts.ac = ac == "full" ? RunOptions::Ac::full : ac == "selective" ? RunOptions::Ac::selective : RunOptions::Ac::none;
+    opts.ac_every = cfg.train.ac_every;
+    opts.capacity_factor = capacity_factor_of(cfg.train.moe_capacity_factor);
+    opts.z_loss_coef = cfg.train.moe_z_loss_coef;
+    opts.routing_bias = cfg.train.moe_bias_update_rate > 0;
+    if (topo.rank == 0 && (opts.fused_loss || opts.fused_kernels))
+      log::info(concat("fused: classifier loss ", opts.fused_loss ? "on" : "off", ", block ops ",
+                       opts.fused_kernels ? (device.is_cuda() && fused_kernels_built() ? "on (CUDA kernels)"
                                                                                        : "on (ATen reference)")
                                           : "off"));
   }); });
@@ -280,6 +283,15 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
     if (layout.pp > 1) {
       dims.pp = layout.pp;
       dims.pp_stage = mesh->stage();
+      dims.pp_virtual = cfg.parallel.pp_virtual;
+      // Interleaved: the schedule's micro-batches go round the stages in groups of pp (Megatron's).
+      if (cfg.parallel.pp_schedule == "interleaved" && cfg.train.grad_accum % layout.pp != 0)
+        throw UsageError(concat("parallel.pp_schedule: interleaved needs a multiple of parallel.pp = ", layout.pp,
+                                " micro-batches per step (train.grad_accum), got ", cfg.train.grad_accum));
+      if (activation_tag(cfg.train.grad_accum, 0, dims.virtual_stages()) >= kPipeTagEnd)
+        throw UsageError(concat("train.grad_accum: at most ", kPipeTagEnd / (2 * dims.virtual_stages()) - 1,
+                                " micro-batches per step through ", dims.virtual_stages(),
+                                " (virtual) stages (MPI's message tags), got ", cfg.train.grad_accum));
     }
     const std::string attention = configure_attention(cfg.model.attention, dims, device, precision_dtype(precision));
     if (topo.rank == 0) log::info(concat("attention: ", attention));

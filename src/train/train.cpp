@@ -123,19 +123,24 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 }
 
 // Pipeline parallelism: evaluate()'s batches through the stages, forward only (each batch's
-// activation to the next stage); the last stage's mean over its dp group (the replicas), then
-// summed over the pipeline, where only the last stage's is not zero.
+// activation to the next virtual stage, round the pipeline once per chunk); the last stage's mean
+// over its dp group (the replicas), then summed over the pipeline, where only the last stage's is
+// not zero.
 double evaluate_pipeline(GPT& model, const TokenDataset& val, Mesh& mesh, const Config& cfg, const torch::Device& device,
                          Precision precision) {
   const GPTDims& d = model->dims();
   PipeLink link(mesh.pp_mpi());
+  const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
   const auto through = [&](const torch::Tensor& x, const torch::Tensor& y, int64_t b) {
-    const torch::Tensor in = d.first_stage() ? to_device(x, device)
-                                             : link.recv({x.size(0), x.size(1), d.n_embd}, d.pp_stage - 1, activation_tag(b), device);
-    const torch::Tensor out = model->stage_forward(in);
-    if (d.last_stage()) return model->stage_loss(out, to_device(y, device));
-    link.send(out, d.pp_stage + 1, activation_tag(b));
-    return torch::Tensor();
+    torch::Tensor out;
+    for (int64_t c = 0; c < d.pp_virtual; ++c) {
+      const int64_t vs = c * d.pp + d.pp_stage;  // this chunk's virtual stage
+      const torch::Tensor in = vs == 0 ? to_device(x, device)
+                                       : link.recv({x.size(0), x.size(1), d.n_embd}, prev, activation_tag(b, vs - 1, P), device);
+      out = model->stage_forward(in, c);
+      if (vs + 1 < P) link.send(out, next, activation_tag(b, vs, P));
+    }
+    return d.last_stage() ? model->stage_loss(out, to_device(y, device)) : torch::Tensor();
   };
   torch::Tensor mean = torch::full({1}, evaluate_batches(model, val, mesh.dp(), cfg, device, precision, through),
                                    torch::dtype(torch::kFloat64).device(device));
@@ -265,7 +270,7 @@ void Run::build_model() {
   // end (finish), as a GPU run reports its caching allocator's.
   if (!device_.is_cuda()) count_cpu_allocations();
   torch::manual_seed(cfg_.train.seed);
-  model_ = par_.make_model();
+  model_ = par_.make_model(s_.options);
   par_.apply(model_);
   if (!cfg_.model.init_from.empty() && s_.has_resume)
     log::info(concat("model: resuming from a checkpoint; model.init_from (", cfg_.model.init_from, ") is not read"));
@@ -338,14 +343,18 @@ void Run::describe() {
     for (int64_t s = 0; s < dims_.pp; ++s) {
       GPTDims at = dims_;
       at.pp_stage = s;
-      stages += concat(s ? " | " : "", at.stage_begin(), "-", at.stage_end() - 1);
+      stages += s ? " | " : "";
+      for (int64_t c = 0; c < at.pp_virtual; ++c) stages += concat(c ? " + " : "", at.chunk_begin(c), "-", at.chunk_end(c) - 1);
     }
+    const int64_t v = dims_.pp_virtual;
     const double kib = static_cast<double>(micro_ * T_ * dims_.n_embd * 4) / 1024;
     log::info(concat("pipeline: ", dims_.pp, " stages of blocks ", stages, " (the embedding on the first, the head on the last",
                      !dims_.llama() || dims_.tie_embeddings ? ", the tied embedding's gradient summed between them" : "",
-                     "); ", cfg_.parallel.pp_schedule, " over ", accum_, " micro-batches per step: bubble (pp - 1) / m = ",
-                     std::lround(100 * pipeline_bubble(dims_.pp, accum_)), "% of the ideal step; ", kib,
-                     " KiB per micro-batch's activation (and its gradient) between stages"));
+                     "); ", cfg_.parallel.pp_schedule, v > 1 ? concat(" (", v, " chunks per stage)") : std::string(), " over ",
+                     accum_, " micro-batches per step: bubble (pp - 1) / ", v > 1 ? "(v m)" : "m", " = ",
+                     std::lround(100 * pipeline_bubble(dims_.pp, accum_, v)), "% of the ideal step; ", kib,
+                     " KiB per micro-batch's activation (and its gradient) between stages",
+                     v > 1 ? concat(", ", v, " times each way") : std::string()));
   }
   const TokenDataset& train = *s_.train_data;
   log::info(concat("data: ", train.num_tokens(), " train tokens in ", train.paths().size(), " shards (",
@@ -552,39 +561,47 @@ void Run::micro_batches() {
 // last stage's loss_sum_ is the step's (log_step sums it over the pipeline).
 void Run::pipeline_micro_batches() {
   const GPTDims& d = model_->dims();
-  const int64_t stage = d.pp_stage;
   PipeLink link(s_.mesh->pp_mpi());
-  std::vector<torch::Tensor> inputs(static_cast<size_t>(accum_)), outputs(static_cast<size_t>(accum_));
+  // Per chunk and micro-batch (interleaved: a chunk j is virtual stage j pp + stage, whose
+  // neighbours are the previous and the next rank of the pipeline, round from the last to the first).
+  const int64_t v = d.pp_virtual, P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
+  std::vector<torch::Tensor> inputs(static_cast<size_t>(accum_ * v)), outputs(static_cast<size_t>(accum_ * v));
   const std::vector<int64_t> shape{micro_, T_, d.n_embd};
-  for (const PipeStep& s : pipeline_schedule(cfg_.parallel.pp_schedule, d.pp, stage, accum_)) {
-    const auto m = static_cast<size_t>(s.micro);
-    const auto& [x, y] = batches_[m];
+  const std::vector<PipeStep> steps = pipeline_schedule(cfg_.parallel.pp_schedule, d.pp, d.pp_stage, accum_, v);
+  const PipeStep last_step = steps.back();  // (every schedule's last step is a backward: it completes the step)
+  for (const PipeStep& s : steps) {
+    const auto& [x, y] = batches_[static_cast<size_t>(s.micro)];
+    const auto at = static_cast<size_t>(s.chunk * accum_ + s.micro);
+    const int64_t vs = s.chunk * d.pp + d.pp_stage;
     if (s.forward) {
-      torch::Tensor in = d.first_stage() ? to_device(x, device_)
-                                         : link.recv(shape, stage - 1, activation_tag(s.micro), device_).requires_grad_(true);
+      torch::Tensor in = vs == 0 ? to_device(x, device_)
+                                 : link.recv(shape, prev, activation_tag(s.micro, vs - 1, P), device_).requires_grad_(true);
       torch::Tensor out;
       {
         Autocast autocast(precision_, device_);
-        out = model_->stage_forward(in);
-        if (d.last_stage()) out = model_->stage_loss(out, to_device(y, device_));
+        out = model_->stage_forward(in, s.chunk);
+        if (vs + 1 == P) out = model_->stage_loss(out, to_device(y, device_));
       }
-      if (d.last_stage())
+      if (vs + 1 == P)
         loss_sum_ += out.detach().to(torch::kFloat64);
       else
-        link.send(out, stage + 1, activation_tag(s.micro));
-      inputs[m] = in, outputs[m] = out;
+        link.send(out, next, activation_tag(s.micro, vs, P));
+      inputs[at] = in, outputs[at] = out;
       continue;
     }
-    par_.before_backward(s.micro + 1 == accum_);  // (the backwards run in micro-batch order: the last completes the step)
-    if (d.last_stage()) {
-      scaler_.scale_loss(outputs[m] / static_cast<double>(accum_)).backward();
+    // (Overlapped gradient reduction armed for the last backward: the gradients of a chunk whose
+    // backwards ended before it are read whole when the step reduces them.)
+    const bool completes = s.micro == last_step.micro && s.chunk == last_step.chunk;
+    par_.before_backward(completes);
+    if (vs + 1 == P) {
+      scaler_.scale_loss(outputs[at] / static_cast<double>(accum_)).backward();
     } else {
-      const torch::Tensor grad = link.recv(shape, stage + 1, gradient_tag(s.micro), device_);
-      outputs[m].backward(grad.to(outputs[m].scalar_type()));
+      const torch::Tensor grad = link.recv(shape, next, gradient_tag(s.micro, vs, P), device_);
+      outputs[at].backward(grad.to(outputs[at].scalar_type()));
     }
-    par_.after_backward(s.micro + 1 == accum_);
-    if (!d.first_stage()) link.send(inputs[m].grad(), stage - 1, gradient_tag(s.micro));
-    inputs[m] = torch::Tensor(), outputs[m] = torch::Tensor();  // this micro-batch's activations go
+    par_.after_backward(completes);
+    if (vs > 0) link.send(inputs[at].grad(), prev, gradient_tag(s.micro, vs - 1, P));
+    inputs[at] = torch::Tensor(), outputs[at] = torch::Tensor();  // this micro-batch's activations go
   }
   link.finish();
 }
@@ -759,7 +776,7 @@ void Run::save() {
     st_.rng_states = std::move(rng);
     st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;
     st_.loss_scale_good_steps = scaler_.good_steps();
-    if (model_->dims().routing_bias) st_.routing_bias = model_->routing_bias();
+    if (model_->run().routing_bias) st_.routing_bias = model_->routing_bias();
   }
   const std::string path = par_.save(*checkpoints_, st_);  // collective
   if (topo_.rank == 0) result_.last_checkpoint = path;
@@ -798,9 +815,11 @@ TrainResult Run::finish() {
           waits += all[static_cast<size_t>(2 * r)], total += all[static_cast<size_t>(2 * r + 1)];
         shares += concat(s ? ", " : "", "stage ", s, " ", static_cast<double>(std::lround(total > 0 ? 1000 * waits / total : 0.0)) / 10, "%");
       }
-      const double bubble = static_cast<double>(l.pp - 1) / static_cast<double>(accum_ + l.pp - 1);
+      const int64_t v = dims_.pp_virtual;
+      const double bubble = static_cast<double>(l.pp - 1) / static_cast<double>(v * accum_ + l.pp - 1);
       log::info(concat("pipeline: waiting for the neighbouring stages: ", shares, " of the micro-batches' time (the ",
-                       cfg_.parallel.pp_schedule, " bubble alone: (pp - 1) / (m + pp - 1) = ", static_cast<double>(std::lround(1000 * bubble)) / 10,
+                       cfg_.parallel.pp_schedule, " bubble alone: (pp - 1) / (", v > 1 ? "v m" : "m", " + pp - 1) = ",
+                       static_cast<double>(std::lround(1000 * bubble)) / 10,
                        "%; the rest is the transfers and the stages' unequal work)"));
     }
   }
