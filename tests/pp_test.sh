@@ -21,6 +21,8 @@
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
 #    stage's tensors sent to rank 0) on one rank and at pp 2 interleaved, train the one-rank run's
 #    steps 5-8;
+#  - plan at pp 2 interleaved prints each stage's table and its predicted idle share (bench/pp.sh
+#    compares that prediction with training's measured waiting);
 #  - the start-up lines name the stages and the bubble; each stage's measured waiting (the bubble,
 #    the transfers) on the progress line, in metrics.jsonl and per stage at the end; bad layouts
 #    refused by name, exit 2.
@@ -158,6 +160,13 @@ expect_own_usage "pp with tensor parallelism refused by name" "parallel.tp must 
   "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.tp=2
 expect_own_usage "pp with ZeRO-3 refused by name" "optim.zero must be 0, 1 or 2 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
   "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=3
-expect_own_usage "plan with pp refused by name" "parallel.pp: 2: plan does not model pipeline stages yet" \
-  "$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2
+"$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 \
+  > plan.out 2>&1
+rc=$?
+check "plan at pp 2 interleaved: each stage's chunks, state, activations, times and predicted idle beside the schedule's bubble (exit $rc)" \
+  "[ $rc -eq 0 ] && grep -q '^plan: pipeline parallel: 2 stages x dp 1; interleaved (2 chunks per stage) over 4 micro-batches' plan.out &&
+   grep -Eq '^\| 0 \| 0-0 \+ 2-2 \| [0-9]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+% \|$' plan.out &&
+   grep -Eq '^\| 1 \| 1-1 \+ 3-3 \| ' plan.out &&
+   grep -q '^bubble: the schedule.s (pp - 1) / (v m) = 12.5% of the ideal step, 11.1% of the micro-batches. time' plan.out &&
+   grep -q '^point-to-point: 8 KiB per activation (fp32 \[2, 32, 32\]) each way per stage boundary and micro-batch x 2 chunks: 0.13 MiB per boundary per step' plan.out"
 summary

@@ -973,3 +973,27 @@ TEST(Pipeline, SchedulesRunEachMicroBatchOnceInOrderAndDoNotDeadlock) {
   EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8), 3.0 / 8);
   EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8, 2), 3.0 / 16);
 }
+
+// The schedule simulated from per-chunk times (plan's bubble): equal stages without transfer
+// time take Megatron's (m + (pp - 1) / v) (F + B) on the first stage, which is busy m (F + B) of
+// it, for gpipe, 1f1b and interleaved (each chunk F / v, B / v); a transfer delays the pipeline; a
+// slower stage makes the others wait.
+TEST(Pipeline, TheSimulatedStepHasTheBubbleOfTheSchedule) {
+  const double F = 1, B = 2;
+  for (const std::string kind : {"gpipe", "1f1b", "interleaved"})
+    for (int64_t pp : {2, 4}) {
+      const int64_t v = kind == "interleaved" ? 2 : 1, m = 2 * pp;
+      SCOPED_TRACE(concat(kind, " pp ", pp));
+      const std::vector<std::vector<double>> f(static_cast<size_t>(pp), std::vector<double>(static_cast<size_t>(v), F / v)),
+          b(static_cast<size_t>(pp), std::vector<double>(static_cast<size_t>(v), B / v));
+      const PipelineTimes t = simulate_pipeline(kind, m, f, b, std::vector<double>(static_cast<size_t>(pp), 0.0));
+      EXPECT_NEAR(t.end[0], (m + static_cast<double>(pp - 1) / v) * (F + B), 1e-9);
+      EXPECT_NEAR(t.busy[0], m * (F + B), 1e-9);
+      EXPECT_NEAR(1 - t.busy[0] / t.end[0], static_cast<double>(pp - 1) / (v * m + pp - 1), 1e-9);
+      const PipelineTimes slow = simulate_pipeline(kind, m, f, b, std::vector<double>(static_cast<size_t>(pp), 0.25));
+      EXPECT_GT(slow.end[0], t.end[0]);
+      auto heavy = f;
+      heavy[1][0] *= 3;
+      EXPECT_GT(simulate_pipeline(kind, m, heavy, b, std::vector<double>(static_cast<size_t>(pp), 0.0)).end[0], t.end[0]);
+    }
+}

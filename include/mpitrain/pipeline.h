@@ -57,6 +57,19 @@ std::vector<PipeStep> pipeline_schedule(const std::string& schedule, int64_t sta
 // (Megatron's bubble time fraction; gpipe and 1f1b: v = 1).
 double pipeline_bubble(int64_t stages, int64_t micro_batches, int64_t chunks = 1);
 
+// One step of the schedule simulated from measured times (plan's prediction of the bubble):
+// forward[s][c] and backward[s][c] the seconds of stage s's chunk c per micro-batch, latency[s] the
+// seconds an activation (or its gradient) takes from stage s to the next (s + 1 mod pp; the same
+// both ways). Sends never wait (as PipeLink's); a step starts when its input has arrived and the
+// stage is free. Per stage: when its last step ends (`end`) and the seconds it computed (`busy`);
+// its idle share of its micro-batches' time is 1 - busy / end, what training measures (pp wait).
+struct PipelineTimes {
+  std::vector<double> end, busy;
+};
+PipelineTimes simulate_pipeline(const std::string& schedule, int64_t micro_batches,
+                                const std::vector<std::vector<double>>& forward,
+                                const std::vector<std::vector<double>>& backward, const std::vector<double>& latency);
+
 // The stage that holds (and, for a tied embedding, writes) the whole model's parameter `name`
 // under `d` (its pp and pp_virtual): blocks by their chunk, the embeddings on the first stage, the
 // final norm and the output layer on the last.

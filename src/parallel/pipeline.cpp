@@ -69,6 +69,49 @@ double pipeline_bubble(int64_t stages, int64_t micro_batches, int64_t chunks) {
   return static_cast<double>(stages - 1) / static_cast<double>(std::max<int64_t>(micro_batches * chunks, 1));
 }
 
+PipelineTimes simulate_pipeline(const std::string& schedule, int64_t micro_batches,
+                                const std::vector<std::vector<double>>& forward,
+                                const std::vector<std::vector<double>>& backward, const std::vector<double>& latency) {
+  const auto pp = static_cast<int64_t>(forward.size());
+  MPITRAIN_CHECK(pp >= 1 && backward.size() == forward.size() && latency.size() == forward.size() && !forward[0].empty(),
+                 "simulate_pipeline: times per stage and chunk");
+  const auto v = static_cast<int64_t>(forward[0].size()), P = pp * v;
+  const auto U = static_cast<size_t>(P), M = static_cast<size_t>(micro_batches);
+  std::vector<std::vector<PipeStep>> steps;
+  for (int64_t s = 0; s < pp; ++s) steps.push_back(pipeline_schedule(schedule, pp, s, micro_batches, v));
+  // When virtual stage u's forward (backward) of micro-batch k ended; < 0: not yet.
+  std::vector<std::vector<double>> f_end(U, std::vector<double>(M, -1)), b_end = f_end;
+  PipelineTimes out{std::vector<double>(static_cast<size_t>(pp), 0.0), std::vector<double>(static_cast<size_t>(pp), 0.0)};
+  std::vector<size_t> at(static_cast<size_t>(pp), 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int64_t s = 0; s < pp; ++s) {
+      const auto r = static_cast<size_t>(s);
+      while (at[r] < steps[r].size()) {
+        const PipeStep& p = steps[r][at[r]];
+        const auto u = static_cast<size_t>(p.chunk * pp + s), k = static_cast<size_t>(p.micro);
+        double ready = 0;  // when its input is here
+        if (p.forward && u > 0) {
+          if (f_end[u - 1][k] < 0) break;
+          ready = f_end[u - 1][k] + latency[(r + static_cast<size_t>(pp) - 1) % static_cast<size_t>(pp)];
+        } else if (!p.forward && u + 1 < U) {
+          if (b_end[u + 1][k] < 0) break;
+          ready = b_end[u + 1][k] + latency[r];
+        }
+        const double t = (p.forward ? forward : backward)[r][static_cast<size_t>(p.chunk)];
+        const double end = std::max(out.end[r], ready) + t;
+        (p.forward ? f_end : b_end)[u][k] = end;
+        out.end[r] = end;
+        out.busy[r] += t;
+        ++at[r];
+        moved = true;
+      }
+    }
+  }
+  for (size_t r = 0; r < at.size(); ++r) MPITRAIN_CHECK(at[r] == steps[r].size(), "simulate_pipeline: the schedule deadlocks");
+  return out;
+}
+
 int64_t stage_of(const std::string& name, const GPTDims& d) {
   if (name.rfind("h.", 0) == 0) {
     const int64_t block = std::stoll(name.substr(2, name.find('.', 2) - 2));

@@ -4,6 +4,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -20,6 +21,7 @@
 #include "mpitrain/model.h"
 #include "mpitrain/mpi_env.h"
 #include "mpitrain/optim.h"
+#include "mpitrain/pipeline.h"
 #include "mpitrain/powersgd.h"
 #include "mpitrain/startup.h"
 #include "mpitrain/tensor_parallel.h"
@@ -181,16 +183,166 @@ bool activation_probe(const GPTDims& dims, const RunOptions& options, Precision 
   return true;
 }
 
+// Median of `iters` local runs of fn (after one warm-up), seconds: each rank its own stage's.
+template <class Fn>
+double timed_here(int64_t iters, const torch::Device& device, Fn&& fn) {
+  std::vector<double> t;
+  for (int64_t i = 0; i < iters + 1; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    if (i >= 1) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// parallel.pp: every rank builds its stage and measures, all at once as training runs them, each
+// chunk's forward and backward of one micro-batch, the activations a forward keeps, and the time
+// an activation takes to the next stage (a ping-pong over the pipeline's link); rank 0 simulates
+// the schedule from the first pipeline's figures (simulate_pipeline) and prints each stage's
+// memory, times and predicted idle share (the bubble, transfers included) beside the schedule's.
+void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, MpiComm mpi_comm) {
+  const GPTDims& d = run.dims;
+  const torch::Device device = run.device;
+  const int64_t micro = cfg.train.micro_batch, T = d.seq_len, m = cfg.train.grad_accum, v = d.pp_virtual, pp = d.pp;
+  torch::manual_seed(cfg.train.seed);
+  GPT model(d);
+  model->apply(run.options);
+  model->to(device);
+  model->train();
+  int64_t params = 0;
+  for (const auto& [name, p] : model->named_params()) params += p.numel();
+  const torch::Tensor tokens = torch::randint(d.classes(), {micro, T}, torch::kInt64).to(device);
+  const torch::Tensor hidden = torch::randn({micro, T, d.n_embd}, torch::TensorOptions().device(device));
+  // Per chunk: forward, backward, and the bytes its forward keeps; then the link's time, the parameters.
+  std::vector<double> mine(static_cast<size_t>(3 * v + 2), 0.0);
+  for (int64_t c = 0; c < v; ++c) {
+    const bool first = d.first_stage() && c == 0, last = d.last_stage() && c + 1 == v;
+    torch::Tensor out;
+    const auto forward = [&] {
+      torch::Tensor in = first ? tokens : hidden.detach().requires_grad_(true);
+      Autocast autocast(run.precision, device);
+      out = model->stage_forward(in, c);
+      if (last) out = model->stage_loss(out, tokens);
+    };
+    const auto backward = [&] {
+      if (last)
+        out.backward();
+      else
+        out.backward(torch::ones_like(out));
+      out = torch::Tensor();
+      for (auto& [name, p] : model->named_params()) p.mutable_grad() = torch::Tensor();
+    };
+    const double f = timed_here(options.iters, device, [&] {
+      forward();
+      out = torch::Tensor();
+    });
+    const double fb = timed_here(options.iters, device, [&] {
+      forward();
+      backward();
+    });
+    const double before = held_bytes(device);
+    forward();
+    const double kept = held_bytes(device) - before;
+    backward();
+    mine[static_cast<size_t>(c)] = f, mine[static_cast<size_t>(v + c)] = std::max(0.0, fb - f);
+    mine[static_cast<size_t>(2 * v + c)] = std::max(0.0, kept);
+  }
+  // The link to the next stage (s + 1 mod pp): boundary b's two ends ping-pong one activation.
+  {
+    PipeLink link(run.mesh->pp_mpi());
+    const int64_t s = d.pp_stage;
+    for (int64_t b = 0; b < pp; ++b) {
+      const int64_t to = (b + 1) % pp;
+      if (s != b && s != to) continue;
+      const double t = timed_here(options.iters, device, [&] {
+        if (s == b) {
+          link.send(hidden, to, 0);
+          link.recv(hidden.sizes(), to, 1, device);
+        } else {
+          link.recv(hidden.sizes(), b, 0, device);
+          link.send(hidden, b, 1);
+        }
+        link.finish();
+      });
+      if (s == b) mine[static_cast<size_t>(3 * v)] = t / 2;
+    }
+  }
+  mine[static_cast<size_t>(3 * v + 1)] = static_cast<double>(params);
+  std::vector<double> all(mine.size() * static_cast<size_t>(run.topo.size));
+  mpi::gather(mine.data(), all.data(), mine.size() * sizeof(double), 0, mpi_comm);
+  if (run.topo.rank != 0) return;
+
+  const MeshLayout& l = run.layout;
+  const auto P = static_cast<size_t>(pp);
+  std::vector<std::vector<double>> fwd(P), bwd(P), kept(P);
+  std::vector<double> latency(P), stage_params(P);
+  for (size_t u = 0; u < P; ++u) {  // the first pipeline: stage u's first rank
+    const double* r = &all[u * static_cast<size_t>(l.stage_size()) * mine.size()];
+    fwd[u].assign(r, r + v), bwd[u].assign(r + v, r + 2 * v), kept[u].assign(r + 2 * v, r + 3 * v);
+    latency[u] = r[3 * v], stage_params[u] = r[3 * v + 1];
+  }
+  const PipelineTimes t = simulate_pipeline(cfg.parallel.pp_schedule, m, fwd, bwd, latency);
+  const double mib = 1024.0 * 1024.0;
+  const auto tenths = [](double x) { return static_cast<double>(std::lround(x * 10)) / 10; };
+  const int64_t dp = l.dp, zero = dp > 1 ? cfg.optim.zero : 0, moment = cfg.optim.state_dtype == "bf16" ? 2 : 4;
+  std::string out = concat("plan: pipeline parallel: ", pp, " stages x dp ", dp, "; ", cfg.parallel.pp_schedule,
+                           v > 1 ? concat(" (", v, " chunks per stage)") : std::string(), " over ", m, " micro-batches of ",
+                           micro, " x ", T, " tokens; ", precision_name(run.precision),
+                           "; every rank measured its stage at once, as training runs them\n");
+  out += "| stage | blocks | parameters | weights + gradients + AdamW MiB | activations held, peak MiB "
+         "| forward ms | backward ms | to the next stage ms | idle, predicted |\n"
+         "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  double step = 0;
+  for (int64_t s = 0; s < pp; ++s) {
+    const auto u = static_cast<size_t>(s);
+    GPTDims at = d;
+    at.pp_stage = s;
+    std::string blocks;
+    for (int64_t c = 0; c < v; ++c) blocks += concat(c ? " + " : "", at.chunk_begin(c), "-", at.chunk_end(c) - 1);
+    // The state: fp32 weights, gradients (ZeRO-2: a 1/dp slice) and two moments (ZeRO-1/2: 1/dp).
+    const double n = stage_params[u];
+    const double state = n * 4 + n * 4 / (zero >= 2 ? static_cast<double>(dp) : 1.0) +
+                         n * 2.0 * static_cast<double>(moment) / (zero >= 1 ? static_cast<double>(dp) : 1.0);
+    // The activations the schedule keeps at once: each forward's until its backward.
+    double held = 0, peak = 0;
+    for (const PipeStep& p : pipeline_schedule(cfg.parallel.pp_schedule, pp, s, m, v)) {
+      held += (p.forward ? 1 : -1) * kept[u][static_cast<size_t>(p.chunk)];
+      peak = std::max(peak, held);
+    }
+    double f = 0, b = 0;
+    for (size_t c = 0; c < static_cast<size_t>(v); ++c) f += fwd[u][c], b += bwd[u][c];
+    out += concat("| ", s, " | ", blocks, " | ", static_cast<int64_t>(n), " | ", tenths(state / mib), " | ", tenths(peak / mib),
+                  " | ", tenths(f * 1e3), " | ", tenths(b * 1e3), " | ", static_cast<double>(std::lround(latency[u] * 1e5)) / 100,
+                  " | ", tenths(100 * (1 - t.busy[u] / t.end[u])), "% |\n");
+    step = std::max(step, t.end[u]);
+  }
+  const double p2p = 2.0 * static_cast<double>(m * v * micro * T * d.n_embd * 4);
+  const double act_kib = static_cast<double>(micro * T * d.n_embd * 4) / 1024;
+  out += concat("bubble: the schedule's (pp - 1) / ", v > 1 ? "(v m)" : "m", " = ", tenths(100 * pipeline_bubble(pp, m, v)),
+                "% of the ideal step, ",
+                tenths(100.0 * static_cast<double>(pp - 1) / static_cast<double>(v * m + pp - 1)),
+                "% of the micro-batches' time; the predicted idle above is the schedule simulated from the measured "
+                "times, transfers included (training measures it: 'pipeline: waiting for the neighbouring stages')\n");
+  out += concat("point-to-point: ", act_kib, " KiB per activation (fp32 [", micro, ", ", T, ", ", d.n_embd,
+                "]) each way per stage boundary and micro-batch", v > 1 ? concat(" x ", v, " chunks") : std::string(), ": ",
+                static_cast<double>(std::lround(p2p / mib * 100)) / 100, " MiB per boundary per step, forward and back\n");
+  out += concat("predicted: the micro-batches take ", tenths(step * 1e3), " ms per step (the optimizer and dp's all-reduce ",
+                "besides) -> at most ", std::lround(static_cast<double>(m * micro * T * l.replicas()) / step), " tokens/s\n");
+  std::printf("%s", out.c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   Startup run = start_up(cfg, mpi_comm, /*force_unlock=*/false, /*plan_only=*/true);
   const Topology& topo = run.topo;
-  if (run.layout.pp > 1)
-    agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
-      throw UsageError(concat("parallel.pp: ", run.layout.pp, ": plan does not model pipeline stages yet (their memory, "
-                              "the bubble and the activations between stages); plan the layout with parallel.pp: 1"));
-    }); });
+  if (run.layout.pp > 1) {
+    plan_pipeline(cfg, run, options, mpi_comm);
+    return;
+  }
   // Under parallel.tp every rank holds its tp shards (N below is rank 0's), and the activation
   // probe's models are tensor-parallel too: their forward is collective over each tp group, so
   // every rank measures (rank 0's figures are printed). The timing model is data parallelism's.
