@@ -17,6 +17,10 @@
 #    whole on each end, exchanged and added into each rank's slices), and its step-4 checkpoint
 #    resumed at ZeRO-2 with checkpoint.writers: rank0 (the stages' moments gathered over their dp
 #    pairs, then sent to rank 0) trains the same steps 5-8 and final parameters;
+#  - tp 2 x pp 2 (np 4) with a tied Qwen3 trains the one-rank run (its checkpoints written by each
+#    stage's tp ranks into the one file), the one-rank checkpoint resumes there with rank 0
+#    writing (the stages' shards made whole over tp, then sent to rank 0), and pp 2 x dp 2 x tp 2
+#    at ZeRO-1 (np 8) trains the dp 2 run;
 #  - checkpoints move between pp degrees: pp 2's step-4 checkpoint (each stage's rank writing its
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
 #    stage's tensors sent to rank 0) on one rank and at pp 2 interleaved, train the one-rank run's
@@ -144,6 +148,29 @@ check "Qwen3 with tied embeddings at pp 4 trains the one-rank run (exit ${rc_of[
 check "Qwen3 with an output layer of its own at pp 4: the one-rank run bitwise (exit ${rc_of[lfalse4]})" \
   "same lfalse1 lfalse4 && cmp -s hf_lfalse1/model.safetensors hf_lfalse4/model.safetensors"
 
+# Tensor parallelism inside each stage (the tied Qwen3, its vocabulary padded to 258 rows for tp 2).
+v258=(--set model.vocab_size=258)
+run t1 1 llama_true.yaml "${v258[@]}"
+run t4 4 llama_true.yaml "${v258[@]}" --set parallel.pp=2 --set parallel.tp=2
+close t1 t4 > close_t4.out 2>&1
+rc=$?
+cat close_t4.out
+check "tp 2 x pp 2 (np 4; each stage's checkpoint shards written by its tp ranks) trains the one-rank run (exit ${rc_of[t4]})" \
+  "same t1 t4 && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = pp 2 x dp 1 x tp 2; tp groups [^ ]*\[0-1\] [^ ]*\[2-3\]; stages' t4.out"
+run t4r 4 llama_true.yaml "${v258[@]}" --set parallel.pp=2 --set parallel.tp=2 --set checkpoint.writers=rank0 \
+  --set checkpoint.resume=ckpt_t1/ckpt-00000004.h5
+close t1 t4r > close_t4r.out 2>&1
+rc=$?
+cat close_t4r.out
+check "the one-rank step-4 checkpoint resumed at tp 2 x pp 2 (rank 0 writing, the shards made whole over tp) trains steps 5-8 (exit ${rc_of[t4r]})" \
+  "same t1 t4r 5 && [ $rc -eq 0 ]"
+run td2 2 llama_true.yaml "${v258[@]}"
+run t8 8 llama_true.yaml "${v258[@]}" --set parallel.pp=2 --set parallel.tp=2 --set optim.zero=1
+close td2 t8 > close_t8.out 2>&1
+rc=$?
+cat close_t8.out
+check "pp 2 x dp 2 x tp 2 at ZeRO-1 (np 8) trains the dp 2 run (exit ${rc_of[t8]})" "same td2 t8 && [ $rc -eq 0 ]"
+
 expect_own_usage "more stages than blocks refused by name" "parallel.pp must be at most model.n_layer = 4 (each stage holds at least one block), got 5" \
   "$BIN" gpt.yaml --set parallel.pp=5
 expect_own_usage "a pp that does not divide the world refused by name" "parallel.pp: 3 does not divide the world size 2" \
@@ -156,8 +183,6 @@ expect_own_usage "interleaved chunks that do not divide the blocks refused by na
 expect_own_usage "interleaved with micro-batches not in groups of pp refused by name" \
   "parallel.pp_schedule: interleaved needs a multiple of parallel.pp = 2 micro-batches per step (train.grad_accum), got 3" \
   "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 --set train.grad_accum=3
-expect_own_usage "pp with tensor parallelism refused by name" "parallel.tp must be 1 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
-  "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.tp=2
 expect_own_usage "pp with ZeRO-3 refused by name" "optim.zero must be 0, 1 or 2 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
   "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=3
 "$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 \

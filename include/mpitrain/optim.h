@@ -143,10 +143,12 @@ torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, do
                                  Communicator& dp, Communicator* tp = nullptr, const std::vector<bool>& replicated = {});
 // Pipeline parallelism: each rank of `pp` holds its stage's gradients `grads` (undefined: none;
 // `counted[i]` false for a copy another stage counts: the last stage's tied embedding, whose
-// gradient the two ends summed between them); the squared norms summed over `dp` first when they
-// are ZeRO's slices (`sliced`), then over `pp`.
+// gradient the two ends summed between them; tensor parallel: a parameter every tp rank holds
+// whole, on tp ranks but the first); the squared norms summed over `dp` first when they are ZeRO's
+// slices (`sliced`), then over `tp` (tensor parallel: each rank's shards), then over `pp`.
 torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& grads, const std::vector<bool>& counted,
-                                 double max_norm, Communicator& pp, Communicator* sliced = nullptr);
+                                 double max_norm, Communicator& pp, Communicator* sliced = nullptr,
+                                 Communicator* tp = nullptr);
 // The same, returning the norm as a double (synchronises).
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 

@@ -183,7 +183,7 @@ class Parallelism {
   // gradient already sums its whole ep group's tokens).
   std::optional<GradSync> expert_sync_;
   std::vector<bool> is_expert_;  // per params_ entry
-  std::vector<bool> tp_replicated_;  // per params_ entry (with is_expert_): whole on every tp rank
+  std::vector<bool> tp_replicated_;  // per params_ entry (ep, pp): whole on every tp rank
   std::optional<ParamShards> units_;   // ZeRO-3
   std::optional<PowerSgd> powersgd_;   // comm.compress: powersgd
   std::optional<AdamW> opt_;

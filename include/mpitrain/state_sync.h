@@ -63,9 +63,10 @@ using ParamShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // which call it), one tensor at a time, into rank 0's `whole` (the whole model, host) and
 // `whole_state`. `names`: the whole model's (whole's order).
 // ZeRO-1/2 (`stage_moments`: gather_optim_state over the stage's dp group, on its dp rank 0): the
-// moments from there.
+// moments from there. Tensor parallel (`tp`: the stage's tp group, every rank of which calls it):
+// each tensor made whole over it first (tp_unshard), then sent by tp rank 0's pipeline.
 void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state,
-                     const FullOptimState* stage_moments = nullptr);
+                     const FullOptimState* stage_moments = nullptr, Communicator* tp = nullptr);
 // Whole-parameter host fp32 tensors (zeros) for AdamW's moments, named as the parameters.
 FullOptimState host_optim_state_like(GPT& model);
 

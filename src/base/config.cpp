@@ -767,7 +767,6 @@ void validate(const Config& c, const std::string& where) {
           concat("a number whose product with parallel.pp (", c.parallel.pp, ") divides model.n_layer = ", m.n_layer,
                  " (the interleaved schedule's chunks hold equal runs of blocks)"),
           show(c.parallel.pp_virtual));
-    pp_with(c.parallel.tp == 1, "parallel.tp", "1", show(c.parallel.tp));
     pp_with(c.parallel.ep == 1, "parallel.ep", "1", show(c.parallel.ep));
     pp_with(c.parallel.islands == "1", "parallel.islands", "1", show(c.parallel.islands));
     pp_with(c.optim.zero <= 2, "optim.zero", "0, 1 or 2", show(c.optim.zero));

@@ -12,10 +12,10 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   const int size = mpi::size(world);
   MPITRAIN_CHECK(size == layout_.world, concat("Mesh: layout for ", layout_.world, " ranks on a world of ", size));
   world_ = make_communicator(backend, world, device);
-  // Ranks of one tp group share their replica (rank / tp); ranks of one dp group share their
-  // island and tp coordinate. Both splits are collective over the world, so every rank makes both
-  // even when one is trivial.
-  tp_mpi_ = mpi::split(world, layout_.replica(rank_), rank_);
+  // Ranks of one tp group share their stage and their replica in it; ranks of one dp group share
+  // their stage, island and tp coordinate. Both splits are collective over the world, so every
+  // rank makes both even when one is trivial.
+  tp_mpi_ = mpi::split(world, layout_.stage(rank_) * (layout_.stage_size() / layout_.tp) + layout_.replica(rank_), rank_);
   const int stage_key = layout_.stage(rank_) * layout_.islands * layout_.tp;  // (0 without pipeline stages)
   dp_mpi_ = mpi::split(world, stage_key + layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
   if (layout_.tp > 1 || layout_.islands > 1 || layout_.pp > 1) dp_ = make_communicator(backend, dp_mpi_, device);

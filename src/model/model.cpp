@@ -886,13 +886,13 @@ void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
     h->push_back(Block(d, d.local_layer(i) ? local_rotary : rotary, i, &router_log_));
     if (deferred) drop_values(*h->ptr(static_cast<size_t>(i)));
   }
+  for (const char* m : {"wte", "lm_head"}) tp_declare(m, TpSplit::rows);  // the vocabulary's rows
   if (!last) return;
   ln_f = register_module("ln_f", Norm(d.n_embd, d.llama(), d.norm_eps, nullptr, d.family_row().gemma_norms));
   if (d.llama() && !d.tie_embeddings) {
     lm_head = register_module("lm_head", linear(d.n_embd, made, false));
     pad_rows(lm_head->weight);
   }
-  for (const char* m : {"wte", "lm_head"}) tp_declare(m, TpSplit::rows);  // the vocabulary's rows
   if (deferred) drop_values(*this);
 }
 

@@ -47,7 +47,7 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   // (Expert parallelism: rank 0 alone, the experts gathered to it. Pipeline stages: the first
   // pipeline's ranks, each its stage's tensors.)
   shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
-  writer_count_ = !shares_ ? 1 : pp_ ? static_cast<int>(mesh_.layout().pp) : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
+  writer_count_ = !shares_ ? 1 : pp_ ? static_cast<int>(mesh_.layout().pp * mesh_.layout().tp) : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (ep_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
                      mesh_.layout().ep, " ranks of its ep group",
@@ -107,6 +107,7 @@ void Parallelism::apply(GPT model) {
     if (!dims_.llama() || dims_.tie_embeddings)  // both ends hold wte.weight (the middle stages none)
       for (size_t k = 0; k < params.size(); ++k)
         if (params[k].first == "wte.weight") tied_ = k;
+    for (const auto& [name, p] : params) tp_replicated_.push_back(tp_ && model_->tp_split(name) == TpSplit::replicated);
   }
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
@@ -291,6 +292,7 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
 GPT Parallelism::pp_whole_model(bool deferred) const {
   GPTDims d = dims_;
   d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
+  d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;  // (whole tensors: a checkpoint's)
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   const torch::Tensor rng = gen.get_state();  // (making a model draws; the run's stream goes on as it was)
   GPT whole(d, deferred);
@@ -406,10 +408,13 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
     std::vector<bool> counted;
     for (size_t i = 0; i < opt_->size(); ++i) {
       grads.push_back(opt_->grad(i));
-      counted.push_back(!(tied_ && dims_.last_stage() && opt_->param_index(i) == *tied_));  // (the first stage's counts)
+      const size_t k = opt_->param_index(i);
+      counted.push_back(!(tied_ && dims_.last_stage() && k == *tied_) &&  // (the first stage's counts)
+                        !(dims_.tp_rank != 0 && tp_replicated_[k]));      // (tp rank 0's counts)
     }
-    const bool finite = scaler.unscale_and_check(grads, shards_optimizer() ? mesh_.world() : mesh_.pp(), device_);
-    return {finite, clip_pp_grad_norm_(grads, counted, max_norm, mesh_.pp(), shards_optimizer() ? &mesh_.dp() : nullptr)};
+    const bool finite = scaler.unscale_and_check(grads, shards_optimizer() || tp_ ? mesh_.world() : mesh_.pp(), device_);
+    return {finite, clip_pp_grad_norm_(grads, counted, max_norm, mesh_.pp(), shards_optimizer() ? &mesh_.dp() : nullptr,
+                                       tp_ ? &mesh_.tp() : nullptr)};
   }
   if (ep_) {  // the experts' gradients differ over the ep group (ZeRO: the slices over the dp
              // group): the verdict and the norm agreed over it
@@ -505,7 +510,7 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
     const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
     if (first_replica)
       gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_,
-                      shards_optimizer() ? &stage : nullptr);
+                      shards_optimizer() ? &stage : nullptr, tp_ ? &mesh.tp() : nullptr);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
@@ -543,7 +548,8 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     if (into) state = host_optim_state_like(*into);
     const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
     if (mesh_.dp_rank() == 0)
-      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state, shards_optimizer() ? &stage : nullptr);
+      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state, shards_optimizer() ? &stage : nullptr,
+                      tp_ ? &mesh_.tp() : nullptr);
     if (into)
       for (auto& [name, p] : (*into)->named_params()) {
         torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();

@@ -237,7 +237,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 
 // Pipeline parallel resume: rank 0 reads each tensor of the whole model (`file`, opened with its
 // names; null elsewhere) and broadcasts it over `comm` (the world); each stage keeps the ones it
-// holds (the last stage its copy of a tied embedding too).
+// holds (the last stage its copy of a tied embedding too; tensor parallel: its tp shards).
 void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, const ParamShapes& names,
                        Communicator& comm, MpiComm mpi_comm) {
   using Part = CheckpointParams::Part;
@@ -262,14 +262,16 @@ void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const Gra
       const auto it = mine.find(name);
       if (it == mine.end()) continue;
       const size_t k = it->second;
+      const GPTDims& d = model->dims();  // (tensor parallel: this rank's shard of the whole tensor)
+      const torch::Tensor held = d.tp > 1 ? tp_shard(t, model->tp_split(name), d.tp_rank, d.tp).contiguous() : t;
       if (part == Part::param) {
-        params[k].second.detach().copy_(t.view(params[k].second.sizes()));
+        params[k].second.detach().copy_(held.view(params[k].second.sizes()));
         continue;
       }
       for (size_t i : slots[k]) {
         torch::Tensor dest = part == Part::exp_avg ? opt.exp_avg(i) : opt.exp_avg_sq(i);
         const int64_t begin = shards ? shards->owned_slices()[i].begin : 0;
-        dest.detach().copy_(t.view({-1}).narrow(0, begin, dest.numel()).view(dest.sizes()));
+        dest.detach().copy_(held.view({-1}).narrow(0, begin, dest.numel()).view(dest.sizes()));
       }
     }
 }
@@ -351,10 +353,11 @@ void gather_ep_state(GPT& model, AdamW& opt, Communicator& ep, bool first_ep_gro
 }
 
 void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& names, GPT* whole, FullOptimState* whole_state,
-                     const FullOptimState* stage_moments) {
+                     const FullOptimState* stage_moments, Communicator* tp) {
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
   const int me = mpi::rank(pp);  // (this rank's stage)
+  const bool assembles = !tp || tp->rank() == 0;  // (tensor parallel: tp rank 0's pipeline sends and receives)
   const auto params = model->named_params();
   MPITRAIN_CHECK(stage_moments ? stage_moments->moments.size() == params.size() : !opt.sharded() && opt.size() == params.size(),
                  "gather_pp_state: AdamW's slot k is parameter k, or the stage's moments gathered");
@@ -369,7 +372,7 @@ void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& name
   for (size_t w = 0; w < names.size(); ++w) {
     const auto& [name, shape] = names[w];
     const int64_t owner = stage_of(name, d);
-    if (owner != me && me != 0) continue;
+    if (owner != me && (me != 0 || !assembles)) continue;
     for (int part = 0; part < 3; ++part) {
       torch::Tensor t;
       if (owner == me) {
@@ -382,6 +385,8 @@ void gather_pp_state(GPT& model, AdamW& opt, MpiComm pp, const ParamShapes& name
                 .detach()
                 .to(torch::kCPU, torch::kFloat32)
                 .contiguous();
+        if (tp) t = tp_unshard(t, model->tp_split(name), *tp).contiguous();  // (every tp rank of the stage)
+        if (!assembles) continue;
         if (me != 0) {  // to rank 0, which receives the tensors in this order
           Watchdog::Scope watch("pipeline: a checkpoint's tensor to rank 0");
           MpiRequest sent = mpi::isend(t.data_ptr<float>(), static_cast<size_t>(t.numel()) * sizeof(float), 0, part, pp);

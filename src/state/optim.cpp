@@ -311,7 +311,7 @@ torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, do
 }
 
 torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& grads, const std::vector<bool>& counted,
-                                 double max_norm, Communicator& pp, Communicator* sliced) {
+                                 double max_norm, Communicator& pp, Communicator* sliced, Communicator* tp) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> held, mine;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -321,6 +321,7 @@ torch::Tensor clip_pp_grad_norm_(const std::vector<torch::Tensor>& grads, const 
   }
   torch::Tensor squared = sum_of_squares(mine, held.empty() ? torch::Device(torch::kCPU) : held.front().device());
   if (sliced) sliced->all_reduce(squared, ReduceOp::sum);
+  if (tp) tp->all_reduce(squared, ReduceOp::sum);
   pp.all_reduce(squared, ReduceOp::sum);
   return clip_by(held, squared, max_norm);
 }
