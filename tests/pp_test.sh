@@ -171,6 +171,23 @@ rc=$?
 cat close_t8.out
 check "pp 2 x dp 2 x tp 2 at ZeRO-1 (np 8) trains the dp 2 run (exit ${rc_of[t8]})" "same td2 t8 && [ $rc -eq 0 ]"
 
+# model.init_from: a Hugging Face export read by each stage's ranks (their stage's tensors, under tp
+# their shards): the first two steps' losses and the first evaluation of the one-rank run's.
+init_run() {
+  local name=$1 np=$2 yaml=$3 from=$4
+  shift 4
+  "$MPIRUN" -np "$np" --oversubscribe "$BIN" "$yaml" "${sgd[@]}" "$@" --set model.init_from=hf:$from --set train.steps=2 \
+    --set checkpoint.every=0 --set eval.every=2 --set train.out_dir=run_$name --set checkpoint.dir=ckpt_$name > $name.out 2>&1
+  rc_of[$name]=$?
+  [ "${rc_of[$name]}" -eq 0 ] || tail -5 $name.out
+}
+init_run i1 1 llama_true.yaml hf_t1 "${v258[@]}"
+init_run i4 4 llama_true.yaml hf_t1 "${v258[@]}" --set parallel.pp=2 --set parallel.tp=2
+init_run u1 1 llama_false.yaml hf_lfalse1
+init_run u4 4 llama_false.yaml hf_lfalse1 --set parallel.pp=4
+check "model.init_from at tp 2 x pp 2 (tied) and at pp 4 (untied: the output layer the last stage's) starts the one-rank run: its losses (exit ${rc_of[i4]}, ${rc_of[u4]})" \
+  "same i1 i4 4 && same u1 u4 4 && grep -q 'each of the 2 stages. first replica read its stage.s tensors' i4.out"
+
 expect_own_usage "more stages than blocks refused by name" "parallel.pp must be at most model.n_layer = 4 (each stage holds at least one block), got 5" \
   "$BIN" gpt.yaml --set parallel.pp=5
 expect_own_usage "a pp that does not divide the world refused by name" "parallel.pp: 3 does not divide the world size 2" \

@@ -609,6 +609,20 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
         if (expert_of(name) >= 0)
           for (int64_t e = 0; e < d.local_experts() * d.ep; ++e)
             if (const std::string hf = hf_name(with_expert(name, e), d); !ours.count(hf)) peers.insert(hf);
+    // Pipeline parallelism: the other stages' blocks (every block has this stage's blocks' names),
+    // and the embeddings, final norm and output layer where another stage holds them.
+    if (d.pp > 1) {
+      std::set<std::string> in_block;  // "attn.c_attn.weight", ...
+      for (const auto& [name, p] : params)
+        if (block_of(name) >= 0) in_block.insert(name.substr(name.find('.', 2) + 1));
+      std::vector<std::string> whole{"wte.weight", "ln_f.weight"};
+      if (!d.llama()) whole.insert(whole.end(), {"wpe.weight", "ln_f.bias"});
+      if (d.llama() && !d.tie_embeddings) whole.push_back("lm_head.weight");
+      for (int64_t i = 0; i < d.n_layer; ++i)
+        for (const std::string& rest : in_block) whole.push_back(concat("h.", i, ".", rest));
+      for (const std::string& name : whole)
+        if (const std::string hf = hf_name(name, d); !ours.count(hf)) peers.insert(hf);
+    }
     auto& found = weights->found;
     const Entry* lm_head = nullptr;
     SafetensorsFile* lm_head_file = nullptr;
@@ -641,7 +655,7 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
           if (d.family_row().name == std::string("mixtral") && ends_with(name, v5_router))
             name = name.substr(0, name.size() - v5_router.size()) + ".block_sparse_moe.gate.weight";
         }
-        if (name == "lm_head.weight" && !ours.count(name)) {
+        if (name == "lm_head.weight" && !ours.count(name) && !peers.count(name)) {
           lm_head = &e, lm_head_file = f.get();
         } else {
           enter(name, f.get(), &e);
@@ -670,7 +684,9 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
                                     : concat(" (model.n_layer, n_head, n_kv_head, n_embd, head_dim (", d.head_dim(),
                                              ") and intermediate_size must equal the file's)")));
     }
-    const Entry* wte = found[hf_name("wte.weight", d)].second;
+    // (A pipeline stage without the embedding leaves a tied copy of lm_head to the stages with it.)
+    if (!found.count(hf_name("wte.weight", d))) lm_head = nullptr;
+    const Entry* wte = lm_head ? found[hf_name("wte.weight", d)].second : nullptr;
     if (lm_head && lm_head->shape != wte->shape)
       throw UsageError(concat(lm_head_file->path, ": lm_head.weight has shape ", shape_text(lm_head->shape), ", not the embedding's"));
     // Every header check passed. The values are read twice, one tensor at a time: once to check

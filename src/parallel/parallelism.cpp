@@ -246,7 +246,9 @@ int64_t Parallelism::initial_weights(const std::string& init_from) {
 }
 
 std::string Parallelism::describe_initial_weights() const {
-  return concat(tp_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards") : std::string(),
+  return concat(pp_ ? concat("; each of the ", dims_.pp, " stages' first replica read its stage's tensors (rank 0's counted)")
+                   : std::string(),
+                tp_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards") : std::string(),
                 units_ ? "; one tensor at a time, broadcast over the dp group, each rank keeping its shard" : "");
 }
 
