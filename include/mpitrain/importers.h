@@ -1,7 +1,8 @@
 // `mpitrain pack`'s inputs: finding the files, cutting text into documents, and the token-array
-// formats: nanoGPT .bin (headerless uint16), llm.c .bin (1024-byte header) and numpy .npy (1-D
-// integer arrays). Token arrays are memory-mapped, validated and copied out by token range, so a
-// rank touches only its share of a large file. Every bad file is a UsageError naming it.
+// formats: nanoGPT .bin (headerless uint16), llm.c .bin (1024-byte header), numpy .npy (1-D
+// integer arrays) and Megatron-LM's indexed datasets (PREFIX.bin + PREFIX.idx). Token arrays are
+// memory-mapped, validated and copied out by token range, so a rank touches only its share of a
+// large file. Every bad file is a UsageError naming it.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +32,7 @@ std::vector<std::pair<size_t, size_t>> split_documents(std::string_view text,
 
 // ---- token-array formats -----------------------------------------------------------------------
 
-enum class InputFormat { text, nanogpt, llmc, npy, jsonl };
+enum class InputFormat { text, nanogpt, llmc, npy, jsonl, megatron };
 enum class Dtype { u8, i8, u16, i16, u32, i32, u64, i64 };
 
 const char* format_name(InputFormat f);
@@ -43,20 +44,50 @@ constexpr int32_t kLlmcMagicV1 = 20240520;   // version 1: uint16 tokens (GPT-2)
 constexpr int32_t kLlmcMagicV7 = 20240801;   // version 7: uint32 tokens (Llama 3)
 constexpr uint64_t kLlmcHeaderBytes = 1024;  // 256 int32; [0] magic, [1] version, [2] count
 
-// Format by name: *.npy is npy, *.jsonl is jsonl, *.bin is llm.c when it starts with an llm.c
-// magic and nanoGPT otherwise, *.h5 / *.hdf5 are refused (UsageError), anything else is text.
+// Format by name: *.npy is npy, *.jsonl is jsonl, *.idx is Megatron, *.bin is Megatron when a
+// *.idx of the same name is beside it, else llm.c when it starts with an llm.c magic and nanoGPT
+// otherwise, *.h5 / *.hdf5 are refused (UsageError), anything else is text.
 InputFormat detect_format(const std::string& path);
+
+// ---- Megatron-LM indexed datasets --------------------------------------------------------------
+
+// PREFIX.idx: magic "MMIDIDX\0\0", uint64 version 1, uint8 dtype code, uint64 sequence count S,
+// uint64 document_indices count D; then int32 sequence_lengths[S], int64 sequence_pointers[S]
+// (byte offsets in PREFIX.bin), int64 document_indices[D] (0, ..., S: document k is the
+// sequences [doc[k], doc[k + 1])), and optionally int8 sequence_modes[S] (multimodal; ignored).
+// PREFIX.bin: the tokens of every sequence at its pointer.
+constexpr uint64_t kMegatronHeaderBytes = 34;
+
+// A Megatron input's PREFIX: the path without its .bin or .idx ending.
+std::string megatron_prefix(const std::string& path);
+// An input named by its Megatron PREFIX ("data/x": no such file, but data/x.idx or data/x.bin is
+// there) stands for PREFIX.idx; any other input is returned as it is.
+std::string resolve_megatron_input(const std::string& input);
+
+// What every rank needs of a Megatron index besides the dtype and the token count: its counts
+// and the two files' sizes (re-checked when a rank maps them), and marks that let a rank find the
+// first document of its token range without summing every length before it.
+struct MegatronLayout {
+  uint64_t sequences = 0;  // S
+  uint64_t documents = 0;  // D - 1
+  uint64_t idx_bytes = 0, bin_bytes = 0;
+  uint64_t mark_stride = 0;     // documents between marks
+  std::vector<uint64_t> marks;  // marks[j]: tokens of the documents before document j * mark_stride
+};
 
 // Where a token array's tokens are in its file.
 struct TokenLayout {
   Dtype dtype = Dtype::u16;
   uint64_t offset = 0;  // header bytes before the first token
-  uint64_t count = 0;   // tokens
+  // tokens; Megatron: of all sequences, the file's token order being the documents' concatenated
+  uint64_t count = 0;
+  MegatronLayout megatron;  // megatron only
 };
 
 // Reads and checks a token file's header and size (not the tokens): llm.c magic, version and
-// exact size; npy magic, version, dtype, order, 1-D shape and exact size; nanoGPT even size.
-// Empty arrays are refused ("no tokens").
+// exact size; npy magic, version, dtype, order, 1-D shape and exact size; nanoGPT even size;
+// Megatron (`path` is the PREFIX) the whole index against the .bin's size. Empty arrays are
+// refused ("no tokens").
 TokenLayout read_token_layout(const std::string& path, InputFormat format);
 
 // ---- numpy .npy headers (token arrays here; model.init_from's weights: checkpoint.h) -----------
@@ -99,6 +130,33 @@ struct TokenView {
   const unsigned char* data = nullptr;
   Dtype dtype = Dtype::u16;
   uint64_t count = 0;
+};
+
+// A Megatron dataset mapped by a rank: the index read in place, the .bin as one token array.
+class MegatronDataset {
+ public:
+  // Maps PREFIX.idx and PREFIX.bin; sizes other than the plan's are a UsageError (changed while
+  // packing).
+  MegatronDataset(const std::string& prefix, const TokenLayout& layout);
+  // The whole .bin, positions indexing its tokens.
+  TokenView tokens() const;
+  // The documents holding at least one token whose first token is at [begin, end) of the file's
+  // token order, each as its sequences [first, last). Documents of no tokens are left out.
+  std::vector<std::pair<uint64_t, uint64_t>> documents_starting_in(uint64_t begin,
+                                                                   uint64_t end) const;
+  // Sequence i's tokens: [first, first + count) of tokens(). Checked again against the .bin (a
+  // file rewritten in place since the plan must not make a rank read past its map).
+  struct Span {
+    uint64_t first, count;
+  };
+  Span sequence(uint64_t i) const;
+
+ private:
+  uint64_t document(uint64_t k) const;  // document_indices[k]
+  [[noreturn]] void changed(const std::string& what) const;
+  std::string prefix_;
+  TokenLayout layout_;
+  MappedFile idx_, bin_;
 };
 
 // Checks tokens [begin, end) are in [0, vocab_size) and returns the positions holding `eot`.

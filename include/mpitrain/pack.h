@@ -1,5 +1,5 @@
 // `mpitrain pack`: text and JSON Lines (byte, GPT-2 BPE or Hugging Face tokenizer.json) and token arrays (nanoGPT .bin, llm.c .bin,
-// .npy) into HDF5 token shards with a per-document train/val split. Collective over an MPI
+// .npy, Megatron-LM .bin + .idx) into HDF5 token shards with a per-document train/val split. Collective over an MPI
 // communicator: ranks share the input, and the shards are the same whatever the number of ranks
 // (docs/pack.md).
 #pragma once
@@ -15,7 +15,7 @@ namespace mpitrain {
 struct PackOptions {
   std::vector<std::string> inputs;    // files or directories (regular files, recursively)
   std::string output_prefix;          // shards are <prefix>-<split>-<index:05>.h5
-  std::string format = "auto";        // auto | text | nanogpt | llmc | npy (auto: by extension)
+  std::string format = "auto";        // auto | text | jsonl | nanogpt | llmc | npy | megatron (auto: by name)
   std::string tokenizer;              // byte | gpt2 | hf; "" = byte for text (token arrays: below)
   std::string bpe_dir;                // gpt2: vocab.json + merges.txt or encoder.json + vocab.bpe
   std::string bpe_vocab, bpe_merges;  // gpt2: the two files named directly (instead of bpe_dir)
@@ -57,8 +57,8 @@ constexpr int64_t kGpt2Vocab = 50257;
 constexpr int64_t kGpt2Eot = 50256;
 
 // Packs on every rank of `comm` (collective; MPI_COMM_SELF packs alone). Every document becomes
-// EOT followed by its tokens (text), or keeps its tokens as they are (token arrays, whose
-// documents start at their EOTs); /doc_offsets records each EOT. A document goes to val when
+// EOT followed by its tokens (text, and a Megatron index's documents), or keeps its tokens as they
+// are (token arrays, whose documents start at their EOTs); /doc_offsets records each EOT. A document goes to val when
 // hash(seed, global document index) < val_fraction. Bad input is a UsageError naming the file,
 // thrown on every rank with the same message.
 PackResult pack(const PackOptions& opts, MpiComm comm);

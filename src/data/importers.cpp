@@ -1,5 +1,5 @@
 // Inputs of `mpitrain pack`: the file walk, text documents, and the token-array formats (nanoGPT,
-// llm.c, npy): header parsing, size checks, memory maps and typed scans over token ranges.
+// llm.c, npy, Megatron): header parsing, size checks, memory maps and typed scans over token ranges.
 #include "mpitrain/importers.h"
 
 #include <fcntl.h>
@@ -186,6 +186,142 @@ T load(const unsigned char* data, uint64_t i) {
   return v;
 }
 
+// ---- Megatron index ----------------------------------------------------------------------------
+
+constexpr char kMegatronMagic[] = "MMIDIDX\0\0";  // 9 bytes (the literal adds a 10th, unused)
+// A rank starts from the last mark at or before its range and walks at most one stride of
+// documents to it. The marks travel in the plan, so a file has at most kMaxMarks of them: past
+// kMinMarkStride * kMaxMarks documents the stride grows.
+constexpr uint64_t kMinMarkStride = 1024, kMaxMarks = 65536;
+
+// Megatron's DType codes. Its float codes exist for other data; token ids are integers.
+Dtype megatron_dtype(const std::string& idx_path, unsigned code) {
+  switch (code) {
+    case 1: return Dtype::u8;
+    case 2: return Dtype::i8;
+    case 3: return Dtype::i16;
+    case 4: return Dtype::i32;
+    case 5: return Dtype::i64;
+    case 8: return Dtype::u16;
+    case 6:
+    case 7:
+      throw UsageError(concat(idx_path, ": dtype code ", code, " (", code == 6 ? "float64" : "float32",
+                              ") is not an integer type: token ids are 1 uint8, 2 int8, 3 int16, "
+                              "4 int32, 5 int64 or 8 uint16"));
+  }
+  throw UsageError(concat(idx_path, ": dtype code ", code,
+                          " is not Megatron's (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16)"));
+}
+
+void need_megatron_file(const std::string& path, const std::string& prefix) {
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw UsageError(concat(path, ": no such file (a Megatron dataset is the pair ", prefix,
+                            ".bin + ", prefix, ".idx)"));
+  if (!fs::is_regular_file(path, ec)) throw UsageError(path + ": not a regular file");
+}
+
+// Rank 0's check of a whole index, read in place from its map: nothing is allocated by the
+// counts it announces (they are checked against the file's size first) except the marks.
+TokenLayout megatron_layout(const std::string& prefix) {
+  const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+  need_megatron_file(idx_path, prefix);
+  need_megatron_file(bin_path, prefix);
+  const MappedFile idx(idx_path);
+  const uint64_t size = idx.size();
+  if (size < kMegatronHeaderBytes)
+    throw UsageError(concat(idx_path, ": ", size, " bytes, too short for the ", kMegatronHeaderBytes,
+                            "-byte Megatron index header"));
+  const unsigned char* p = idx.data();
+  if (std::memcmp(p, kMegatronMagic, 9) != 0)
+    throw UsageError(idx_path + ": bad magic (a Megatron .idx starts with MMIDIDX\\x00\\x00)");
+  const auto version = load<uint64_t>(p + 9, 0);
+  if (version != 1) throw UsageError(concat(idx_path, ": version ", version, ", expected 1"));
+  TokenLayout t;
+  t.dtype = megatron_dtype(idx_path, p[17]);
+  const uint64_t item = dtype_bytes(t.dtype);
+  MegatronLayout& m = t.megatron;
+  const uint64_t S = m.sequences = load<uint64_t>(p + 18, 0);
+  const auto D = load<uint64_t>(p + 26, 0);
+  m.idx_bytes = size;
+
+  const uint64_t room = size - kMegatronHeaderBytes;
+  if (S > room / 12 || D > (room - 12 * S) / 8)
+    throw UsageError(concat(idx_path, ": sequence count ", S, " and document count ", D,
+                            " need more than the ", room,
+                            " bytes after the header (truncated, or the counts are wrong)"));
+  // Newer Megatron writes int8 sequence_modes[S] after the arrays for multimodal data.
+  const uint64_t extra = room - 12 * S - 8 * D;
+  if (extra != 0 && extra != S)
+    throw UsageError(concat(idx_path, ": ", extra, " bytes after document_indices (trailing data: ",
+                            "only sequence_modes, ", S, " bytes, may follow it)"));
+  if (D == 0)
+    throw UsageError(concat(idx_path, ": document count 0, but document_indices starts with 0 and "
+                            "ends with the sequence count ", S));
+  const unsigned char* lengths = p + kMegatronHeaderBytes;
+  const unsigned char* pointers = lengths + 4 * S;
+  const unsigned char* docs = pointers + 8 * S;
+
+  // Every sequence inside the .bin, and together exactly its size: a .bin of another index, or
+  // a truncated one, is refused rather than read as other tokens.
+  m.bin_bytes = file_size(bin_path);
+  const uint64_t bin_tokens = m.bin_bytes / item;
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < S; ++i) {
+    const auto len = load<int32_t>(lengths, i);
+    const auto ptr = load<int64_t>(pointers, i);
+    if (len < 0)
+      throw UsageError(concat(idx_path, ": sequence_lengths[", i, "] = ", len, " is negative"));
+    if (ptr < 0 || static_cast<uint64_t>(ptr) % item != 0)
+      throw UsageError(concat(idx_path, ": sequence_pointers[", i, "] = ", ptr,
+                              " is not a byte offset of a token (a non-negative multiple of the ",
+                              "dtype's ", item, " bytes)"));
+    const auto at = static_cast<uint64_t>(ptr), bytes = static_cast<uint64_t>(len) * item;
+    if (at > m.bin_bytes)
+      throw UsageError(concat(idx_path, ": sequence_pointers[", i, "] = ", ptr, " is past the end of ",
+                              bin_path, " (", m.bin_bytes, " bytes)"));
+    if (bytes > m.bin_bytes - at)
+      throw UsageError(concat(idx_path, ": sequence ", i, " (sequence_pointers[", i, "] = ", ptr,
+                              ", sequence_lengths[", i, "] = ", len, ") ends at byte ", at + bytes,
+                              ", past the end of ", bin_path, " (", m.bin_bytes, " bytes)"));
+    total += static_cast<uint64_t>(len);  // stops below 2^64: each step adds < 2^31
+    if (total > bin_tokens) break;
+  }
+  if (total * item != m.bin_bytes)
+    throw UsageError(concat(idx_path, ": sequence_lengths add up to ",
+                            total > bin_tokens ? "more than " : "", total, " tokens (",
+                            total * item, " bytes), but ", bin_path, " holds ", m.bin_bytes,
+                            " bytes (a .bin of another index, or truncated?)"));
+
+  // Documents: runs of sequences from the first to the last, in order.
+  const auto first = load<int64_t>(docs, 0);
+  if (first != 0)
+    throw UsageError(concat(idx_path, ": document_indices[0] = ", first, ", expected 0"));
+  for (uint64_t k = 1; k < D; ++k) {
+    const auto prev = load<int64_t>(docs, k - 1), cur = load<int64_t>(docs, k);
+    if (cur < prev)
+      throw UsageError(concat(idx_path, ": document_indices[", k, "] = ", cur,
+                              " is less than document_indices[", k - 1, "] = ", prev,
+                              " (the indices never decrease)"));
+  }
+  const auto last = load<int64_t>(docs, D - 1);
+  if (static_cast<uint64_t>(last) != S)
+    throw UsageError(concat(idx_path, ": document_indices[", D - 1, "] = ", last,
+                            ", expected the sequence count ", S));
+  if (total == 0) throw UsageError(idx_path + ": no tokens (every sequence is empty)");
+
+  m.documents = D - 1;
+  m.mark_stride = std::max(kMinMarkStride, (m.documents + kMaxMarks - 1) / kMaxMarks);
+  uint64_t before = 0, seq = 0;
+  for (uint64_t k = 0; k < m.documents; ++k) {
+    if (k % m.mark_stride == 0) m.marks.push_back(before);
+    for (const auto next = static_cast<uint64_t>(load<int64_t>(docs, k + 1)); seq < next; ++seq)
+      before += static_cast<uint64_t>(load<int32_t>(lengths, seq));
+  }
+  t.count = total;
+  return t;
+}
+
 }  // namespace
 
 // ---- files and text documents ------------------------------------------------------------------
@@ -297,15 +433,17 @@ const char* format_name(InputFormat f) {
     case InputFormat::llmc: return "llmc";
     case InputFormat::npy: return "npy";
     case InputFormat::jsonl: return "jsonl";
+    case InputFormat::megatron: return "megatron";
   }
   return "?";
 }
 
 InputFormat parse_format(const std::string& name) {
-  for (InputFormat f :
-       {InputFormat::text, InputFormat::nanogpt, InputFormat::llmc, InputFormat::npy, InputFormat::jsonl})
+  for (InputFormat f : {InputFormat::text, InputFormat::nanogpt, InputFormat::llmc, InputFormat::npy,
+                        InputFormat::jsonl, InputFormat::megatron})
     if (name == format_name(f)) return f;
-  throw UsageError("pack: --format '" + name + "' is not one of auto, text, jsonl, nanogpt, llmc, npy");
+  throw UsageError("pack: --format '" + name +
+                   "' is not one of auto, text, jsonl, nanogpt, llmc, npy, megatron");
 }
 
 size_t dtype_bytes(Dtype d) {
@@ -315,10 +453,16 @@ size_t dtype_bytes(Dtype d) {
 InputFormat detect_format(const std::string& path) {
   // Packing a shard (or any HDF5 file) as text would quietly make bytes of it.
   if (ends_with(path, ".h5") || ends_with(path, ".hdf5"))
-    throw UsageError(path + ": an HDF5 file; pack reads text, .bin (nanoGPT, llm.c) and .npy");
+    throw UsageError(path + ": an HDF5 file; pack reads text, .bin (nanoGPT, llm.c) and .npy, and "
+                            "Megatron .bin + .idx pairs");
   if (ends_with(path, ".npy")) return InputFormat::npy;
   if (ends_with(path, ".jsonl")) return InputFormat::jsonl;
+  // An index is never text; a .bin beside one is its data, whatever its first bytes read as (a
+  // uint16 Megatron .bin would otherwise pack as nanoGPT, without its documents).
+  if (ends_with(path, ".idx")) return InputFormat::megatron;
   if (!ends_with(path, ".bin")) return InputFormat::text;
+  std::error_code ec;
+  if (fs::is_regular_file(megatron_prefix(path) + ".idx", ec)) return InputFormat::megatron;
   const std::string pre = read_prefix(path, 4);
   int32_t magic = 0;
   if (pre.size() == 4) std::memcpy(&magic, pre.data(), 4);
@@ -326,6 +470,7 @@ InputFormat detect_format(const std::string& path) {
 }
 
 TokenLayout read_token_layout(const std::string& path, InputFormat format) {
+  if (format == InputFormat::megatron) return megatron_layout(path);  // PREFIX: not a file
   const uint64_t size = file_size(path);
   TokenLayout t;
   if (format == InputFormat::nanogpt) {
@@ -371,6 +516,76 @@ TokenLayout read_token_layout(const std::string& path, InputFormat format) {
   }
   if (t.count == 0) throw UsageError(path + ": no tokens (empty array)");
   return t;
+}
+
+// ---- Megatron inputs ---------------------------------------------------------------------------
+
+std::string megatron_prefix(const std::string& path) {
+  if (ends_with(path, ".bin") || ends_with(path, ".idx")) return path.substr(0, path.size() - 4);
+  return path;
+}
+
+std::string resolve_megatron_input(const std::string& input) {
+  std::error_code ec;
+  if (fs::exists(input, ec)) return input;
+  if (fs::exists(input + ".idx", ec) || fs::exists(input + ".bin", ec)) return input + ".idx";
+  return input;
+}
+
+MegatronDataset::MegatronDataset(const std::string& prefix, const TokenLayout& layout)
+    : prefix_(prefix), layout_(layout), idx_(prefix + ".idx"), bin_(prefix + ".bin") {
+  const MegatronLayout& m = layout_.megatron;
+  if (idx_.size() != m.idx_bytes || bin_.size() != m.bin_bytes)
+    changed(concat(".idx ", idx_.size(), " and .bin ", bin_.size(), " bytes, expected ", m.idx_bytes,
+                   " and ", m.bin_bytes));
+}
+
+void MegatronDataset::changed(const std::string& what) const {
+  throw UsageError(concat(prefix_, ".idx: changed while packing (", what, ")"));
+}
+
+TokenView MegatronDataset::tokens() const {
+  return TokenView{bin_.data(), layout_.dtype, bin_.size() / dtype_bytes(layout_.dtype)};
+}
+
+uint64_t MegatronDataset::document(uint64_t k) const {
+  const MegatronLayout& m = layout_.megatron;
+  const auto v = load<int64_t>(idx_.data() + kMegatronHeaderBytes + 12 * m.sequences, k);
+  if (v < 0 || static_cast<uint64_t>(v) > m.sequences)
+    changed(concat("document_indices[", k, "] = ", v));
+  return static_cast<uint64_t>(v);
+}
+
+MegatronDataset::Span MegatronDataset::sequence(uint64_t i) const {
+  const MegatronLayout& m = layout_.megatron;
+  const unsigned char* lengths = idx_.data() + kMegatronHeaderBytes;
+  const auto len = load<int32_t>(lengths, i);
+  const auto ptr = load<int64_t>(lengths + 4 * m.sequences, i);
+  const uint64_t item = dtype_bytes(layout_.dtype);
+  if (len < 0 || ptr < 0 || static_cast<uint64_t>(ptr) % item != 0 ||
+      static_cast<uint64_t>(ptr) > m.bin_bytes ||
+      static_cast<uint64_t>(len) * item > m.bin_bytes - static_cast<uint64_t>(ptr))
+    changed(concat("sequence ", i, ": pointer ", ptr, ", length ", len));
+  return Span{static_cast<uint64_t>(ptr) / item, static_cast<uint64_t>(len)};
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> MegatronDataset::documents_starting_in(
+    uint64_t begin, uint64_t end) const {
+  const MegatronLayout& m = layout_.megatron;
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  if (m.marks.empty() || begin >= end) return out;
+  // The last mark at or before `begin`: no document before it starts in the range.
+  const size_t j = std::upper_bound(m.marks.begin(), m.marks.end(), begin) - m.marks.begin() - 1;
+  uint64_t at = m.marks[j], k = j * m.mark_stride, seq = document(k);
+  for (; k < m.documents && at < end; ++k) {
+    const uint64_t first = seq, last = document(k + 1);
+    if (last < first) changed(concat("document_indices[", k + 1, "] = ", last));
+    uint64_t n = 0;
+    for (; seq < last; ++seq) n += sequence(seq).count;
+    if (n > 0 && at >= begin) out.emplace_back(first, last);
+    at += n;
+  }
+  return out;
 }
 
 // ---- memory maps -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-// `mpitrain pack`, collective over a communicator: rank 0 plans (walks the inputs, reads headers,
-// resolves the tokenizer), every rank tokenizes a contiguous share of the input, documents are
-// numbered globally (an exclusive scan) and split train/val by a hash of that number, and each
-// shard — cut at fixed positions of the global token order — is written by exactly one rank, so
-// the output is the same on any number of ranks.
+// `mpitrain pack`, collective over a communicator: rank 0 plans (walks the inputs, reads headers
+// and Megatron indexes, resolves the tokenizer), every rank tokenizes a contiguous share of the
+// input, documents are numbered globally (an exclusive scan) and split train/val by a hash of that
+// number, and each shard — cut at fixed positions of the global token order — is written by
+// exactly one rank, so the output is the same on any number of ranks.
 #include "mpitrain/pack.h"
 #include "mpitrain/mpi_native.h"
 
@@ -83,6 +83,57 @@ struct Unit {
   TokenView view;
   std::vector<uint64_t> starts;  // where each owned document starts
   uint64_t end = 0;              // where the last owned document ends
+
+  // Megatron: the unit's positions are its documents, each the EOT and then its sequences' tokens,
+  // read from the mapped .bin (`view`) where they lie rather than copied. Piece p covers positions
+  // [pieces[p].at, pieces[p + 1].at) (the last one up to `end`): view's tokens from pieces[p].from
+  // on, or the EOT alone when from is kEotPiece.
+  static constexpr uint64_t kEotPiece = UINT64_MAX;
+  struct Piece {
+    uint64_t at, from;
+  };
+  std::unique_ptr<MegatronDataset> megatron;
+  std::vector<Piece> pieces;
+  uint32_t eot = 0;
+
+  // Positions [begin, stop) into dst.
+  void copy(uint64_t begin, uint64_t stop, uint32_t* dst) const {
+    visit(
+        begin, stop,
+        [&](uint64_t b, uint64_t e) {
+          copy_tokens(view, b, e, dst);
+          dst += e - b;
+        },
+        [&] { *dst++ = eot; });
+  }
+  // Adds positions [begin, stop) into counts[token].
+  void count(uint64_t begin, uint64_t stop, uint64_t* counts) const {
+    visit(
+        begin, stop, [&](uint64_t b, uint64_t e) { count_tokens(view, b, e, counts); },
+        [&] { ++counts[eot]; });
+  }
+
+ private:
+  // Calls tokens(b, e) for each stretch [b, e) of view within positions [begin, stop), and eot()
+  // for each EOT piece, in order.
+  template <class Tokens, class Eot>
+  void visit(uint64_t begin, uint64_t stop, Tokens&& tokens, Eot&& eot_piece) const {
+    if (pieces.empty()) {
+      tokens(begin, stop);
+      return;
+    }
+    size_t p = std::upper_bound(pieces.begin(), pieces.end(), begin,
+                                [](uint64_t x, const Piece& q) { return x < q.at; }) -
+               pieces.begin() - 1;
+    for (; begin < stop; ++p) {
+      const uint64_t e = std::min(stop, p + 1 < pieces.size() ? pieces[p + 1].at : end);
+      if (pieces[p].from == kEotPiece)
+        eot_piece();
+      else
+        tokens(pieces[p].from + (begin - pieces[p].at), pieces[p].from + (e - pieces[p].at));
+      begin = e;
+    }
+  }
 };
 
 // A text file (documents per --doc-separator) or a JSON Lines file (one document per line), each
@@ -139,6 +190,31 @@ void load_tokens(Unit& u, const PackInput& f, const PackRange& r, const ShardMet
   u.end = u.starts.empty() ? r.end : next_eot(u.view, r.end, meta.eot_token);
 }
 
+// A Megatron dataset's documents that start in tokens [r.begin, r.end) of its token order (the
+// index's documents concatenated), each as the EOT followed by its tokens, so that a document of
+// the index is a document of the shards, marked in /doc_offsets like a text document. The last
+// one runs past r.end as far as it goes; the next rank starts with the next document.
+void load_megatron(Unit& u, const PackInput& f, const PackRange& r, const ShardMeta& meta) {
+  u.megatron = std::make_unique<MegatronDataset>(f.path, f.layout);
+  const MegatronDataset& m = *u.megatron;
+  u.view = m.tokens();
+  u.eot = static_cast<uint32_t>(meta.eot_token);
+  const std::string bin = f.path + ".bin";
+  uint64_t at = 0;
+  for (const auto& [first, last] : m.documents_starting_in(r.begin, r.end)) {
+    u.starts.push_back(at);
+    u.pieces.push_back({at++, Unit::kEotPiece});
+    for (uint64_t s = first; s < last; ++s) {
+      const MegatronDataset::Span q = m.sequence(s);
+      if (q.count == 0) continue;
+      scan_tokens(u.view, q.first, q.first + q.count, meta.vocab_size, meta.eot_token, bin);
+      u.pieces.push_back({at, q.first});
+      at += q.count;
+    }
+  }
+  u.end = at;
+}
+
 // ---- one split's stream on this rank -----------------------------------------------------------
 
 // The split's tokens on this rank, in global order, as ranges of units.
@@ -168,7 +244,7 @@ struct Stream {
       const Segment& s = segments[i];
       const uint64_t b = s.begin + (from - first[i]);
       const uint64_t e = std::min(s.end, b + (to - from));
-      copy_tokens(s.unit->view, b, e, dst);
+      s.unit->copy(b, e, dst);
       dst += e - b;
       from += e - b;
     }
@@ -316,6 +392,10 @@ PackResult pack(const PackOptions& opts, MpiComm comm_handle) {
       const PackInput& f = plan.files[r.file];
       units.emplace_back();
       units.back().file = r.file;
+      if (f.format == InputFormat::megatron) {
+        load_megatron(units.back(), f, r, meta);
+        continue;
+      }
       if (!is_text_like(f.format)) {
         load_tokens(units.back(), f, r, meta);
         continue;
@@ -364,7 +444,7 @@ PackResult pack(const PackOptions& opts, MpiComm comm_handle) {
   if (meta.vocab_size <= kMaxDenseVocab) {
     std::vector<uint64_t> counts(static_cast<size_t>(meta.vocab_size), 0), all(counts.size());
     for (const Stream::Segment& s : streams[0].segments)
-      count_tokens(s.unit->view, s.begin, s.end, counts.data());
+      s.unit->count(s.begin, s.end, counts.data());
     MPI_CHECK(MPI_Allreduce(counts.data(), all.data(), static_cast<int>(all.size()), MPI_UINT64_T,
                             MPI_SUM, comm));
     uint64_t n = 0;

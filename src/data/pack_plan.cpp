@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <system_error>
 
 #include <nlohmann/json.hpp>
@@ -145,11 +146,22 @@ PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok) {
   const bool automatic = o.format.empty() || o.format == "auto";
   const InputFormat forced = automatic ? InputFormat::text : parse_format(o.format);
 
+  // A Megatron dataset may be named by its PREFIX, which is no file; its .bin and .idx (both
+  // found in a directory, or both named) are one input.
+  std::vector<std::string> inputs = o.inputs;
+  if (automatic || forced == InputFormat::megatron)
+    for (std::string& in : inputs) in = resolve_megatron_input(in);
+  std::set<std::string> megatron_seen;
+
   PackPlan plan;
-  std::array<int, 5> per_format{};
-  for (std::string& path : collect_input_files(o.inputs)) {
+  std::array<int, 6> per_format{};
+  for (std::string& path : collect_input_files(inputs)) {
     PackInput f;
     f.format = automatic ? detect_format(path) : forced;
+    if (f.format == InputFormat::megatron) {
+      path = megatron_prefix(path);
+      if (!megatron_seen.insert(path).second) continue;
+    }
     if (is_text_like(f.format)) {
       std::error_code ec;
       f.bytes = fs::file_size(path, ec);
@@ -167,7 +179,7 @@ PackPlan make_pack_plan(const PackOptions& o, TextTokenizer& tok) {
   std::string names, counts;
   for (const std::string& in : o.inputs) names += (names.empty() ? "" : ", ") + in;
   if (names.size() > 400) names = names.substr(0, 400) + "...";
-  for (int k = 0; k < 5; ++k)
+  for (int k = 0; k < static_cast<int>(per_format.size()); ++k)
     if (per_format[k] > 0)
       counts += concat(counts.empty() ? "" : ", ", per_format[k], " ",
                        format_name(static_cast<InputFormat>(k)));
@@ -204,6 +216,11 @@ void broadcast_pack_plan(PackPlan& plan, MpiComm comm_handle) {
       for (uint64_t v : {static_cast<uint64_t>(f.format), f.bytes,
                          static_cast<uint64_t>(f.layout.dtype), f.layout.offset, f.layout.count})
         put(v);
+      const MegatronLayout& m = f.layout.megatron;
+      for (uint64_t v : {m.sequences, m.documents, m.idx_bytes, m.bin_bytes, m.mark_stride,
+                         static_cast<uint64_t>(m.marks.size())})
+        put(v);
+      for (uint64_t v : m.marks) put(v);
     }
     put(static_cast<uint64_t>(plan.meta.vocab_size));
     put(static_cast<uint64_t>(plan.meta.eot_token));
@@ -240,6 +257,14 @@ void broadcast_pack_plan(PackPlan& plan, MpiComm comm_handle) {
     f.layout.dtype = static_cast<Dtype>(get());
     f.layout.offset = get();
     f.layout.count = get();
+    MegatronLayout& m = f.layout.megatron;
+    m.sequences = get();
+    m.documents = get();
+    m.idx_bytes = get();
+    m.bin_bytes = get();
+    m.mark_stride = get();
+    m.marks.resize(get());
+    for (uint64_t& v : m.marks) v = get();
   }
   plan.meta.vocab_size = static_cast<int64_t>(get());
   plan.meta.eot_token = static_cast<int64_t>(get());
