@@ -95,8 +95,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   pack_cmd->add_option("-o,--output", pack.output_prefix, "output prefix: <prefix>-<split>-NNNNN.h5")
       ->required();
   pack_cmd->add_option("--format", pack.format,
-                       "auto (by extension: .bin llm.c or nanoGPT, .npy, .jsonl, else text) | text | "
-                       "jsonl | nanogpt | llmc | npy")
+                       "auto (by extension: .idx, or .bin beside one, Megatron; .bin llm.c or nanoGPT, .npy, "
+                       ".jsonl, else text) | text | jsonl | nanogpt | llmc | npy | megatron (PREFIX.bin + PREFIX.idx)")
       ->capture_default_str();
   pack_cmd->add_option("--tokenizer", pack.tokenizer, "text: byte (default) | gpt2 | hf");
   pack_cmd->add_option("--tokenizer-file", pack.tokenizer_file,
