@@ -144,6 +144,11 @@ struct OptimConfig {
 struct EvalConfig {
   int64_t every = 100;   // optimizer steps between validation passes (0 = never)
   int64_t batches = 20;  // micro-batches per rank per validation pass, > 0
+  // Multiple-choice tasks (mc_eval.h), each "NAME=FILE@LIMIT" (NAME= and @LIMIT optional: the
+  // file's stem, every example) or in YAML {name, file, limit}; scored every tasks_every steps
+  // (0: with each validation pass, eval.every) and at the last step.
+  std::vector<std::string> tasks;
+  int64_t tasks_every = 0;
 };
 
 struct LogConfig {
@@ -207,6 +212,14 @@ struct ParallelConfig {
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of
 // them (refused).
 int64_t islands_count(const std::string& spec);
+// One eval.tasks entry ("NAME=FILE@LIMIT"; `key` names it in messages): its name (the file's stem
+// without NAME=), file and limit (0: every example). A bad entry is a UsageError.
+struct TaskSpec {
+  std::string name, file;
+  int64_t limit = 0;
+};
+TaskSpec parse_task_spec(const std::string& spec, const std::string& key);
+
 // train.moe_capacity_factor as a number: 0 for none, f for a number f > 0, -1 for anything else (refused).
 double capacity_factor_of(const std::string& spec);
 

@@ -330,6 +330,10 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // logits never exist in full (linear_cross_entropy); tensor parallel, never on one rank
   // (vocab_parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // Per position the log-probability of `targets` [B, T] after idx [B, T]: [B, T] in fp32, over
+  // the classes (tensor parallel: the ranks' vocabulary slices combined over the tp group, as
+  // vocab_parallel_cross_entropy does). Multiple-choice evaluation's (mc_eval.h).
+  torch::Tensor target_log_probs(const torch::Tensor& idx, const torch::Tensor& targets);
 
   // Pipeline parallelism (dims.pp > 1): this stage's part of forward, its chunk `chunk` of blocks
   // (model_fields.h; 0 but under the interleaved schedule). `in`: the token ids on the first

@@ -64,6 +64,9 @@ class Progress {
   // share = exposed gradient communication / the interval's time.
   void report(const StepReport& r);
   void report_val(int64_t step, double val_loss);
+  // eval.tasks: a task's accuracy at `step` (log line, metrics.jsonl, TensorBoard's tasks/ scalars)
+  // and its examples per second (the scoring's wall time, kept out of the step timings).
+  void report_task(int64_t step, const std::string& task, double acc, double acc_norm, int64_t examples, double seconds);
   // DiLoCo's outer step `outer` after step `step`: the MiB rank 0 has sent between islands and the
   // seconds spent in outer steps so far, and that time's share of the training time so far (log
   // line, metrics.jsonl, TensorBoard's diloco/ scalars).

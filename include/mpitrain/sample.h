@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "mpitrain/mpi_ops.h"
+
 namespace mpitrain {
 
 // `mpitrain sample CHECKPOINT`: loads a checkpoint and returns generated text (any rank count;
@@ -29,6 +31,19 @@ std::string run_sample(const SampleArgs& args);
 // file otherwise.
 class HfTokenizer;
 struct TrainState;
+
+// `mpitrain eval CHECKPOINT|hf:DIR --task NAME=FILE@LIMIT ...` under mpirun: multiple-choice tasks
+// scored as in training (mc_eval.h), the examples split over the ranks (each holding the whole
+// model, on the CPU); rank 0 prints each task's acc and acc_norm and, with --scores, writes every
+// example's choices' scores as JSON ({task: {acc, acc_norm, examples, scores}}).
+struct EvalArgs {
+  std::string model;                // a checkpoint .h5, or hf:DIR
+  std::vector<std::string> tasks;   // eval.tasks entries
+  std::string tokenizer_file;       // tokenizer.json ("" = the checkpoint's shards' or DIR's; byte = bytes)
+  int64_t rows = 8;                 // choices per forward
+  std::string scores;               // rank 0 writes the scores here ("" = none)
+};
+std::string run_eval_command(const EvalArgs& args, MpiComm world);
 HfTokenizer checkpoint_tokenizer(const TrainState& st, const std::string& override_path, const std::string& checkpoint);
 
 }  // namespace mpitrain

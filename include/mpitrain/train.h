@@ -25,6 +25,12 @@ struct TrainResult {
   int64_t num_params = 0;
   std::vector<std::pair<int64_t, double>> losses;      // (step, train loss) at every logged step
   std::vector<std::pair<int64_t, double>> val_losses;  // (step, val loss) at every evaluation
+  struct TaskAccuracy {
+    int64_t step;
+    std::string task;
+    double acc, acc_norm;
+  };
+  std::vector<TaskAccuracy> task_accuracies;  // eval.tasks: every scoring
   std::string last_checkpoint;                         // path of the newest checkpoint written
   int checkpoint_writers = 1;                          // ranks that write each checkpoint (ZeRO-1 shares: all)
   std::string sample;                                  // generated text (rank 0, sample.tokens > 0)

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <type_traits>
 #include <utility>
@@ -92,6 +93,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(optim, reshard_after_forward),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
+    MPITRAIN_FIELD(eval, tasks),         MPITRAIN_FIELD(eval, tasks_every),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(log, tensorboard),
     MPITRAIN_FIELD(log, peak_tflops),    MPITRAIN_FIELD(log, rank_files),
@@ -252,6 +254,17 @@ void set_field(const Field& f, const YAML::Node& node, Config& cfg, const std::s
         list.push_back(text);
       } else if (node.IsSequence()) {
         for (const YAML::Node& item : node) {
+          if (item.IsMap() && std::string(f.name) == "eval.tasks") {  // {name, file, limit}: "NAME=FILE@LIMIT"
+            std::string name, file, limit;
+            for (const auto& kv : item) {
+              const std::string k = kv.first.Scalar();
+              if (!kv.second.IsScalar() || (k != "name" && k != "file" && k != "limit"))
+                throw UsageError(concat(where, ": eval.tasks entries take name, file and limit, got ", describe(item)));
+              (k == "name" ? name : k == "file" ? file : limit) = kv.second.Scalar();
+            }
+            list.push_back(concat(name.empty() ? "" : name + "=", file, limit.empty() ? "" : "@" + limit));
+            continue;
+          }
           if (!item.IsScalar()) throw type_error();
           list.push_back(item.Scalar());
         }
@@ -634,6 +647,16 @@ void validate(const Config& c, const std::string& where) {
             "; set it to 0 to skip validation)"),
         show(d.val));
   check(c.eval.batches > 0, "eval.batches", "> 0", show(c.eval.batches));
+  check(c.eval.tasks_every >= 0, "eval.tasks_every", ">= 0 (0 = with each validation pass)", show(c.eval.tasks_every));
+  {
+    std::set<std::string> names;
+    for (const std::string& spec : c.eval.tasks) {
+      const TaskSpec t = parse_task_spec(spec, concat(where, ": eval.tasks"));
+      check(names.insert(t.name).second, "eval.tasks", "a list of tasks with different names", show(c.eval.tasks));
+    }
+    check(c.eval.tasks.empty() || c.parallel.pp == 1, "eval.tasks",
+          concat("empty with parallel.pp: ", c.parallel.pp, " (scoring through the stages is not built yet)"), show(c.eval.tasks));
+  }
 
   const TrainConfig& t = c.train;
   check(t.micro_batch > 0, "train.micro_batch", "> 0", show(t.micro_batch));
@@ -807,6 +830,26 @@ void validate(const Config& c, const std::string& where) {
 }  // namespace
 
 // ---- public API ---------------------------------------------------------------------------------
+
+TaskSpec parse_task_spec(const std::string& spec, const std::string& key) {
+  TaskSpec t;
+  std::string rest = spec;
+  if (const size_t eq = rest.find('='); eq != std::string::npos) t.name = rest.substr(0, eq), rest = rest.substr(eq + 1);
+  if (const size_t at = rest.rfind('@'); at != std::string::npos) {
+    const std::string n = rest.substr(at + 1);
+    if (n.empty() || n.size() > 12 || n.find_first_not_of("0123456789") != std::string::npos)
+      throw UsageError(concat(key, ": '", spec, "': the limit after @ must be a number of examples (0 = all)"));
+    t.limit = std::stoll(n);
+    rest = rest.substr(0, at);
+  }
+  t.file = rest;
+  if (t.file.empty()) throw UsageError(concat(key, ": '", spec, "' names no file (NAME=FILE@LIMIT)"));
+  if (t.name.empty()) t.name = std::filesystem::path(t.file).stem().string();
+  if (t.name.empty() || t.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
+                            std::string::npos)
+    throw UsageError(concat(key, ": '", spec, "': a task's name is letters, digits, _ . and - (got '", t.name, "')"));
+  return t;
+}
 
 double capacity_factor_of(const std::string& spec) {
   if (spec == "none") return 0;

@@ -35,7 +35,7 @@
 namespace mpitrain {
 namespace {
 
-const char* const kCommands[] = {"train", "pack", "inspect", "sample", "export", "netcheck", "plan"};
+const char* const kCommands[] = {"train", "pack", "inspect", "sample", "eval", "export", "netcheck", "plan"};
 
 // Commands other than training, keyed by their first argument; anything else means `train`.
 bool is_command(const std::string& a) {
@@ -56,7 +56,7 @@ void check_command_word(const std::vector<std::string>& args) {
     if (const size_t d = edit_distance(w, c); d < best) best = d, nearest = c;
   throw UsageError(concat("command line: unknown command '", w, "'",
                           nearest ? concat(" (did you mean '", nearest, "'?)") : std::string(),
-                          "; the commands are train, pack, inspect, sample, export, netcheck, plan, and "
+                          "; the commands are train, pack, inspect, sample, eval, export, netcheck, plan, and "
                           "'mpitrain CONFIG.yaml' trains"));
 }
 
@@ -141,6 +141,17 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   sample_cmd->add_option("--tokenizer-file", sample.tokenizer_file,
                          "hf checkpoints: the tokenizer.json (default: the one the shards were packed with)");
 
+  EvalArgs eval_args;
+  auto* eval_cmd = app.add_subcommand(
+      "eval", "under mpirun: score multiple-choice tasks (HellaSwag or {context, choices, answer} JSON Lines) as "
+              "lm-evaluation-harness does, the examples split over the ranks");
+  eval_cmd->add_option("model", eval_args.model, "checkpoint .h5, or hf:DIR (a Hugging Face model directory)")->required();
+  eval_cmd->add_option("--task", eval_args.tasks, "NAME=FILE@LIMIT (NAME= and @LIMIT optional; repeatable)")->required();
+  eval_cmd->add_option("--tokenizer-file", eval_args.tokenizer_file,
+                       "the tokenizer.json (default: the checkpoint's shards', or DIR/tokenizer.json); byte: the byte tokenizer");
+  eval_cmd->add_option("--rows", eval_args.rows, "choices per forward")->capture_default_str();
+  eval_cmd->add_option("--scores", eval_args.scores, "rank 0 writes every example's choices' scores here (JSON)");
+
   ExportArgs export_args;
   auto* export_cmd = app.add_subcommand("export", "write a checkpoint as a Hugging Face GPT-2 or Llama model directory");
   export_cmd->add_option("checkpoint", export_args.checkpoint, "checkpoint .h5")->required();
@@ -215,6 +226,7 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
       need(sample.top_k >= 0, "--top-k", ">= 0 (0 = no top-k)", std::to_string(sample.top_k));
     }
     if (*plan_cmd) need(plan.iters >= 1, "--iters", ">= 1", std::to_string(plan.iters));
+    if (*eval_cmd) need(eval_args.rows >= 1, "--rows", ">= 1", std::to_string(eval_args.rows));
     if (*plan_cmd)
       need(plan.memory_gib >= 0 && plan.memory_gib < 1e9, "--memory", "GiB per rank, > 0 (0: the GPU's memory)",
            std::to_string(plan.memory_gib));
@@ -272,6 +284,11 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
       if (mpi.rank() != 0) return;
       std::printf("%s\n", run_sample(sample).c_str());  // the prompt and its continuation
     });
+    return 0;
+  }
+  if (*eval_cmd) {
+    const std::string out = run_eval_command(eval_args, mpi::world());
+    if (mpi.rank() == 0) std::printf("%s", out.c_str());
     return 0;
   }
   if (*export_cmd) {

@@ -1017,6 +1017,24 @@ torch::Tensor GPTImpl::lm_loss_of(const torch::Tensor& hidden, const torch::Tens
                           targets.reshape({-1}).to(torch::kLong));
 }
 
+torch::Tensor GPTImpl::target_log_probs(const torch::Tensor& idx, const torch::Tensor& targets) {
+  Communicator* tp = tp_of(dims_);
+  const torch::Tensor logits = head(column_input(hidden(idx), tp)).to(torch::kFloat32);  // [B, T, this rank's classes]
+  const torch::Tensor t = targets.to(torch::kLong).to(logits.device());
+  if (!tp) return torch::log_softmax(logits, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1);
+  const int64_t start = dims_.tp_rank * output_weight().size(0), n = logits.size(-1);
+  const auto options = logits.options();
+  torch::Tensor top = n > 0 ? std::get<0>(logits.max(-1)) : torch::full(t.sizes(), -INFINITY, options);
+  tp->all_reduce(top, ReduceOp::max);
+  torch::Tensor sum = n > 0 ? (logits - top.unsqueeze(-1)).exp().sum(-1) : torch::zeros(t.sizes(), options);
+  tp->all_reduce(sum, ReduceOp::sum);
+  const torch::Tensor local = t - start, here = (local >= 0) & (local < n);  // the target's logit: one rank's
+  torch::Tensor picked = n > 0 ? logits.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * here.to(torch::kFloat32)
+                               : torch::zeros(t.sizes(), options);
+  tp->all_reduce(picked, ReduceOp::sum);
+  return picked - top - sum.log();
+}
+
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   torch::Tensor loss = lm_loss(idx, targets);
   if (router_log_.prob_sums.empty()) return loss;

@@ -133,6 +133,22 @@ void Progress::report(const StepReport& r) {
   if (tensorboard_) tensorboard_->scalars(step, scalars);
 }
 
+void Progress::report_task(int64_t step, const std::string& task, double acc, double acc_norm, int64_t examples,
+                           double seconds) {
+  const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
+  log::info(format("step %lld | task %s acc %.4f acc_norm %.4f | %lld examples, %.1f examples/s",
+                   static_cast<long long>(step), task.c_str(), acc, acc_norm, static_cast<long long>(examples), rate));
+  if (metrics_.is_open())
+    metrics_ << format("{\"step\": %lld, \"task\": \"%s\", \"acc\": %.6f, \"acc_norm\": %.6f, \"examples\": %lld, "
+                       "\"examples_per_s\": %.3f}",
+                       static_cast<long long>(step), task.c_str(), acc, acc_norm, static_cast<long long>(examples), rate)
+             << "\n"
+             << std::flush;
+  if (tensorboard_)
+    tensorboard_->scalars(step, {{"tasks/" + task + "/acc", acc}, {"tasks/" + task + "/acc_norm", acc_norm},
+                                 {"tasks/" + task + "/examples_per_s", rate}});
+}
+
 void Progress::report_outer(int64_t step, int64_t outer, double mib, double seconds) {
   const double wall = elapsed_ + std::chrono::duration<double>(Clock::now() - interval_start_).count();
   const double share = wall > 0 ? seconds / wall : 0.0;

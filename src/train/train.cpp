@@ -33,7 +33,9 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/host_memory.h"
+#include "mpitrain/hf_tokenizer.h"
 #include "mpitrain/libtorch_version.h"
+#include "mpitrain/mc_eval.h"
 #include "mpitrain/log.h"
 #include "mpitrain/memory_plan.h"
 #include "mpitrain/mesh.h"
@@ -213,6 +215,8 @@ class Run {
   int64_t step_number() const { return st_.step + 1; }  // the step under way, 1-based
   bool last_step() const { return step_number() == cfg_.train.steps; }
   void run_eval(int64_t at_step);
+  void load_tasks();
+  void run_tasks(int64_t at_step);
   void save();
   void diverged(int64_t at_step, const std::string& what);  // exit 2 on every rank (agree)
 
@@ -246,6 +250,9 @@ class Run {
   // over the world a step's compute later (mpi_env.h), so that no step waits on the slow links.
   std::optional<LaggedAgreement> step_checks_;
   int agreed_signal_ = 0;  // the world's highest stop signal as of the step's start (step_checks_)
+  // eval.tasks: each task's name and examples, and the shards' tokenizer that encodes them.
+  std::vector<std::pair<std::string, std::vector<McExample>>> tasks_;
+  TextEncoder encode_;
   std::string resumed_from_;      // rank 0: the checkpoint resumed
   bool resumed_diloco_ = false;   // it was a DiLoCo run's: each rank's state lies beside it
   void check_resumed_layout();    // (st_ still the checkpoint's)
@@ -480,7 +487,61 @@ void Run::open_outputs() {
     startup_cpu_peak_ = cpu_peak_allocated_bytes();
     reset_cpu_peak();
   }
+  load_tasks();
   if (s_.val_data && cfg_.eval.every > 0 && st_.step == 0) run_eval(0);  // the untrained baseline
+  if (!tasks_.empty() && (cfg_.eval.tasks_every > 0 || cfg_.eval.every > 0) && st_.step == 0) run_tasks(0);
+}
+
+// eval.tasks: every rank reads each task file (as it reads the shards) with the shards' tokenizer.
+void Run::load_tasks() {
+  if (cfg_.eval.tasks.empty()) return;
+  agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
+    const TokenDataset& data = *s_.train_data;
+    if (data.tokenizer() == "byte") {
+      encode_ = [](const std::string& text) {  // (ids are the bytes: unsigned)
+        std::vector<int64_t> ids;
+        for (const char c : text) ids.push_back(static_cast<unsigned char>(c));
+        return ids;
+      };
+    } else if (data.tokenizer() == "hf") {
+      auto tok = std::make_shared<HfTokenizer>(data.tokenizer_file());
+      encode_ = [tok](const std::string& text) {
+        std::vector<int64_t> ids;
+        for (uint32_t id : tok->encode(text)) ids.push_back(id);
+        return ids;
+      };
+    } else {
+      throw UsageError(concat("eval.tasks: the shards were packed with the '", data.tokenizer(),
+                              "' tokenizer; tasks are read with the byte tokenizer or a Hugging Face tokenizer.json (pack "
+                              "with --tokenizer hf)"));
+    }
+    for (const std::string& spec : cfg_.eval.tasks) {
+      const TaskSpec t = parse_task_spec(spec, "eval.tasks");
+      tasks_.emplace_back(t.name, read_mc_task(t.file, t.limit));
+    }
+  }); });
+  if (topo_.rank == 0) {
+    std::string list;
+    for (const auto& [name, examples] : tasks_) list += concat(list.empty() ? "" : ", ", name, " (", examples.size(), " examples)");
+    log::info(concat("eval.tasks: ", list, ", scored ",
+                     cfg_.eval.tasks_every > 0 ? concat("every ", cfg_.eval.tasks_every, " steps")
+                                               : concat("with each validation pass (every ", cfg_.eval.every, " steps)"),
+                     " and at the end, split over ", s_.mesh->replicas_comm().size(), " replicas (acc and acc_norm as "
+                     "lm-evaluation-harness scores them)"));
+  }
+}
+
+void Run::run_tasks(int64_t at_step) {
+  for (const auto& [name, examples] : tasks_) {
+    const double ep0 = ep_collective_seconds();
+    Communicator& replicas = s_.mesh->replicas_comm();
+    const McResult r = progress_->untimed([&] {
+      return score_mc(model_, examples, encode_, replicas.rank(), replicas.size(), replicas, device_, precision_, micro_);
+    });
+    ep_in_eval_ += ep_collective_seconds() - ep0;
+    result_.task_accuracies.push_back({at_step, name, r.acc, r.acc_norm});
+    if (topo_.rank == 0) progress_->report_task(at_step, name, r.acc, r.acc_norm, r.examples, r.seconds);
+  }
 }
 
 void Run::begin_step() {
@@ -714,6 +775,8 @@ void Run::evaluate_if_due() {
   const int64_t step = st_.step;
   if (s_.val_data && (every(step, cfg_.eval.every) || (step == cfg_.train.steps && cfg_.eval.every > 0)))
     run_eval(step);
+  const int64_t tasks_every = cfg_.eval.tasks_every > 0 ? cfg_.eval.tasks_every : cfg_.eval.every;
+  if (!tasks_.empty() && (every(step, tasks_every) || step == cfg_.train.steps)) run_tasks(step);
 }
 
 void Run::run_eval(int64_t at_step) {
