@@ -502,6 +502,91 @@ TEST(TokenDataset, WindowContentsAndOrder) {
 
 // ---- path expansion ----------------------------------------------------------------------------
 
+// A weighted mixture (data.weights): every prefix of the global order holds each source's windows
+// within one of its share of the period (for weights of every kind: uneven, equal, a tiny one, four
+// sources), each source's windows in its own order (its shards' seeded permutation, wrapping on its
+// own), and the windows counted per source (metrics' tokens per source) are those served. Sources
+// of another vocabulary or tokenizer are refused, naming the entry.
+TEST(TokenDataset, MixtureKeepsEveryPrefixWithinOneWindowOfItsShare) {
+  TempDir dir;
+  std::vector<std::vector<std::string>> sources;
+  const uint32_t bases[4] = {0, 10000, 20000, 30000};
+  for (size_t i = 0; i < 4; ++i) {
+    sources.push_back({dir / ("m" + std::to_string(i) + "-train-00000.h5")});
+    write_shard(sources.back()[0], ramp(50 + 40 * i, bases[i]), {}, meta(70000));  // a window's first token: its source
+  }
+  const int64_t seq = 4;
+  const uint64_t P = TokenDataset::kMixturePeriod;
+  for (const std::vector<double>& weights : std::vector<std::vector<double>>{{0.7, 0.3}, {1, 1}, {0.999, 0.001}, {3, 1, 1, 0.5}}) {
+    SCOPED_TRACE(concat("weights ", weights.size(), " first ", weights[0]));
+    const std::vector<std::vector<std::string>> mine(sources.begin(), sources.begin() + static_cast<long>(weights.size()));
+    std::vector<std::string> names;
+    for (size_t i = 0; i < weights.size(); ++i) names.push_back(concat("data.train[", i, "]"));
+    TokenDataset mix(mine, weights, names, seq, 7, true);
+    ASSERT_EQ(mix.sources(), weights.size());
+    double total = 0;
+    for (double w : weights) total += w;
+    uint64_t slots = 0;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      slots += mix.source_slots()[i];
+      EXPECT_GE(mix.source_slots()[i], 1u);
+      EXPECT_NEAR(static_cast<double>(mix.source_slots()[i]) / P, weights[i] / total, 1.0 / static_cast<double>(P) + weights.size() / static_cast<double>(P));
+    }
+    EXPECT_EQ(slots, P);
+    std::vector<std::unique_ptr<TokenDataset>> alone;  // each source's own order
+    for (size_t i = 0; i < weights.size(); ++i)
+      alone.push_back(std::make_unique<TokenDataset>(mine[i], seq, 7 + 0x9E3779B97F4A7C15ull * (i + 1), true));
+    std::vector<uint64_t> seen(weights.size(), 0);
+    for (uint64_t g = 0; g < 3 * P + 17; ++g) {
+      const auto w = get_window(mix, g);
+      const auto i = static_cast<size_t>(w[0] / 10000);
+      ASSERT_LT(i, weights.size());
+      ASSERT_EQ(w, get_window(*alone[i], seen[i])) << "window " << g;
+      ++seen[i];
+      const auto counted = mix.source_windows(g + 1);
+      for (size_t s = 0; s < weights.size(); ++s) {
+        ASSERT_EQ(counted[s], seen[s]) << "after " << g + 1;
+        const double share = static_cast<double>(mix.source_slots()[s]) / static_cast<double>(P) * static_cast<double>(g + 1);
+        ASSERT_LT(std::abs(static_cast<double>(seen[s]) - share), 1.0) << "source " << s << " after " << g + 1 << " windows";
+      }
+    }
+  }
+  // data.stages: from window 1234 other weights (one source dropped): each source goes on with its
+  // own next windows, the new shares held within one window from there on.
+  {
+    const std::vector<std::vector<std::string>> three(sources.begin(), sources.begin() + 3);
+    TokenDataset mix(three, {0.5, 0.3, 0.2}, {"a", "b", "c"}, seq, 7, true, {{1234, {0.1, 0, 0.9}}});
+    std::vector<std::unique_ptr<TokenDataset>> alone;
+    for (size_t i = 0; i < 3; ++i)
+      alone.push_back(std::make_unique<TokenDataset>(three[i], seq, 7 + 0x9E3779B97F4A7C15ull * (i + 1), true));
+    std::vector<uint64_t> seen(3, 0), at_switch;
+    for (uint64_t g = 0; g < 1234 + 2 * P + 5; ++g) {
+      if (g == 1234) at_switch = seen;
+      const auto w = get_window(mix, g);
+      const auto i = static_cast<size_t>(w[0] / 10000);
+      ASSERT_EQ(w, get_window(*alone[i], seen[i])) << "window " << g;
+      ++seen[i];
+      ASSERT_EQ(mix.source_windows(g + 1), seen) << "after " << g + 1;
+      if (g < 1234) continue;
+      for (size_t s2 = 0; s2 < 3; ++s2) {
+        const double share = static_cast<double>(mix.source_slots(1)[s2]) / static_cast<double>(P) * static_cast<double>(g + 1 - 1234);
+        ASSERT_LT(std::abs(static_cast<double>(seen[s2] - at_switch[s2]) - share), 1.0) << "source " << s2 << " after " << g + 1;
+      }
+    }
+    EXPECT_EQ(mix.source_slots(1), (std::vector<uint64_t>{100, 0, 900}));
+  }
+  // Another vocabulary, another tokenizer: refused by name.
+  const std::string other = dir / "o-train-00000.h5", named = dir / "n-train-00000.h5";
+  write_shard(other, ramp(50), {}, meta(80000));
+  ShardMeta hf = meta(70000);
+  hf.tokenizer = "hf", hf.tokenizer_sha256 = std::string(64, 'a');
+  write_shard(named, ramp(50), {}, hf);
+  expect_usage([&] { TokenDataset({sources[0], {other}}, {1, 1}, {"data.train[0]", "data.train[1]"}, seq, 1, true); },
+               "data.train[1]: ", "vocab_size 80000 differs from data.train[0]'s 70000");
+  expect_usage([&] { TokenDataset({sources[0], {named}}, {1, 1}, {"data.train[0]", "data.train[1]"}, seq, 1, true); },
+               "data.train[1]: ", "packed with another tokenizer");
+}
+
 TEST(ExpandShardPaths, DirGlobFileAndNothing) {
   TempDir dir;
   fs::create_directory(dir / "d");

@@ -87,6 +87,14 @@ struct ModelConfig {
 
 struct DataConfig {
   std::vector<std::string> train;  // shard files, directories or glob patterns (non-empty)
+  // A weighted mixture: one weight (> 0) per data.train entry, each entry a source (shards.h's
+  // mixture TokenDataset); empty: every shard one source. YAML may give data.train entries as
+  // {path, weight} maps instead.
+  std::vector<std::string> weights;
+  // The mixture's later stages (annealing): "STEP:W0/W1/..." (YAML may give {step, weights}): from
+  // optimizer step STEP on (its first window: STEP x train.global_batch), these weights (>= 0, one
+  // > 0), each source going on from the windows it had given. Steps increasing, > 0.
+  std::vector<std::string> stages;
   std::vector<std::string> val;    // the same for validation; may be empty if eval.every == 0
   uint64_t seed = 1337;            // seed of the global sample order
   bool shuffle = true;             // shuffle the training windows (val is never shuffled)
@@ -219,6 +227,9 @@ struct TaskSpec {
   int64_t limit = 0;
 };
 TaskSpec parse_task_spec(const std::string& spec, const std::string& key);
+
+// One data.stages entry ("STEP:W0/W1/..."; `key` names it in messages) for `sources` sources.
+std::pair<int64_t, std::vector<double>> parse_stage_spec(const std::string& spec, size_t sources, const std::string& key);
 
 // train.moe_capacity_factor as a number: 0 for none, f for a number f > 0, -1 for anything else (refused).
 double capacity_factor_of(const std::string& spec);

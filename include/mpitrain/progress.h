@@ -47,6 +47,8 @@ struct StepReport {
   // parallel.pp: rank 0's seconds waiting for the neighbouring stages (pipeline_wait_seconds) since
   // the last report, evaluation's excluded (< 0: no pipeline).
   double pp_wait_seconds = -1;
+  // data.weights: the tokens trained from each source of the mixture so far (empty: no mixture).
+  std::vector<double> source_tokens{};
 };
 
 class Progress {

@@ -81,6 +81,19 @@ class TokenDataset {
   // Throws UsageError for bad shards, mixed vocab sizes, vocab_size > 2^31 (tokens are served as
   // int32), or shards shorter than one window.
   TokenDataset(const std::vector<std::string>& paths, int64_t seq_len, uint64_t seed, bool shuffle);
+  // A weighted mixture (data.weights): source i is the shards `sources[i]` (their own seeded order,
+  // epochs wrapping on their own), `weights` > 0 (any scale). The global window order interleaves
+  // the sources by a fixed schedule of kMixturePeriod slots (each source's slots its weight's share,
+  // rounded by largest remainders, at least one), laid out so that every prefix of the order holds
+  // each source's windows within one of its share (the slot with the largest deficit next): the same
+  // order on any number of ranks, and exact on resume (the cursor is the global window count).
+  // Sources of different vocab sizes or tokenizers are refused, naming the entry (`names[i]`).
+  // `later` (data.stages): from global window `first`, other weights (>= 0, one > 0): each source
+  // goes on from the windows it had given there, the new shares laid out the same way.
+  TokenDataset(const std::vector<std::vector<std::string>>& sources, const std::vector<double>& weights,
+               const std::vector<std::string>& names, int64_t seq_len, uint64_t seed, bool shuffle,
+               const std::vector<std::pair<uint64_t, std::vector<double>>>& later = {});
+  static constexpr uint64_t kMixturePeriod = 1000;
   ~TokenDataset();
   TokenDataset(const TokenDataset&) = delete;
   TokenDataset& operator=(const TokenDataset&) = delete;
@@ -107,6 +120,12 @@ class TokenDataset {
   // global windows start + rank*rows + i for i in [0, rows).
   void batch(uint64_t start, int rank, int64_t rows, int32_t* dst) const;
 
+  // A mixture's sources (0: not a mixture), each source's slots of the kMixturePeriod, and how many
+  // windows of each the first `windows` global windows hold.
+  size_t sources() const { return sources_.size(); }
+  const std::vector<uint64_t>& source_slots(size_t stage = 0) const { return stages_.at(stage).slots; }
+  std::vector<uint64_t> source_windows(uint64_t windows) const;
+
  private:
   struct Shard;
   // Global window index -> the first of its seq_len+1 tokens (native uint16/uint32) and their width.
@@ -114,6 +133,18 @@ class TokenDataset {
   // Throws the UsageError naming the shard and position of the first token >= vocab_size in the
   // window copied from `window` into `row`.
   [[noreturn]] void report_out_of_vocabulary(const unsigned char* window, const int32_t* row, int64_t width) const;
+  // A mixture: the sources, the period's schedule (the source of each slot), each source's slots
+  // and, per source, its windows among the schedule's first k slots (k = 0..period).
+  std::vector<std::unique_ptr<TokenDataset>> sources_;
+  struct MixStage {
+    uint64_t from = 0;                         // its first global window
+    std::vector<uint64_t> slots, base;         // per source: its slots; its windows before `from`
+    std::vector<uint32_t> schedule;            // the source of each slot of the period
+    std::vector<std::vector<uint32_t>> before;  // per source, its windows among the first k slots
+  };
+  std::vector<MixStage> stages_;
+  static MixStage make_stage(const std::vector<double>& weights, uint64_t from, std::vector<uint64_t> base);
+  const MixStage& stage_at(uint64_t window) const;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::string> paths_;
   std::vector<uint64_t> first_window_;  // prefix sums of windows per shard

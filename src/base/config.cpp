@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <sstream>
 #include <type_traits>
 #include <utility>
 
@@ -76,7 +77,8 @@ const Field kFields[] = {
     MPITRAIN_FIELD(model, fused_kernels), MPITRAIN_FIELD(model, attention),
     MPITRAIN_FIELD(model, init_from),    MPITRAIN_FIELD(data, train),
     MPITRAIN_FIELD(data, val),           MPITRAIN_FIELD(data, seed),
-    MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(train, micro_batch),
+    MPITRAIN_FIELD(data, shuffle),       MPITRAIN_FIELD(data, weights),
+    MPITRAIN_FIELD(data, stages),        MPITRAIN_FIELD(train, micro_batch),
     MPITRAIN_FIELD(train, grad_accum),   MPITRAIN_FIELD(train, global_batch),
     MPITRAIN_FIELD(train, steps),        MPITRAIN_FIELD(train, seed),
     MPITRAIN_FIELD(train, threads),      MPITRAIN_FIELD(train, out_dir),
@@ -254,6 +256,30 @@ void set_field(const Field& f, const YAML::Node& node, Config& cfg, const std::s
         list.push_back(text);
       } else if (node.IsSequence()) {
         for (const YAML::Node& item : node) {
+          if (item.IsMap() && std::string(f.name) == "data.train") {  // {path, weight}: the entry, and its weight
+            std::string path, weight;
+            for (const auto& kv : item) {
+              const std::string k = kv.first.Scalar();
+              if (!kv.second.IsScalar() || (k != "path" && k != "weight"))
+                throw UsageError(concat(where, ": data.train entries take path and weight, got ", describe(item)));
+              (k == "path" ? path : weight) = kv.second.Scalar();
+            }
+            if (path.empty() || weight.empty())
+              throw UsageError(concat(where, ": a data.train entry as a map needs both path and weight, got ", describe(item)));
+            list.push_back(path);
+            cfg.data.weights.resize(list.size() - 1);  // (entries before it without weights: refused by validate)
+            cfg.data.weights.push_back(weight);
+            continue;
+          }
+          if (item.IsMap() && std::string(f.name) == "data.stages") {  // {step, weights: [...]}: "STEP:W0/W1"
+            const YAML::Node step = item["step"], weights = item["weights"];
+            if (item.size() != 2 || !step || !step.IsScalar() || !weights || !weights.IsSequence())
+              throw UsageError(concat(where, ": data.stages entries take step and weights (a list), got ", describe(item)));
+            std::string text = step.Scalar() + ":";
+            for (size_t w = 0; w < weights.size(); ++w) text += (w ? "/" : "") + weights[w].Scalar();
+            list.push_back(text);
+            continue;
+          }
           if (item.IsMap() && std::string(f.name) == "eval.tasks") {  // {name, file, limit}: "NAME=FILE@LIMIT"
             std::string name, file, limit;
             for (const auto& kv : item) {
@@ -640,6 +666,20 @@ void validate(const Config& c, const std::string& where) {
   check(!d.train.empty() && !has_empty(d.train), "data.train",
         "a non-empty list of shard files, directories or globs", show(d.train));
   check(!has_empty(d.val), "data.val", "a list of non-empty paths", show(d.val));
+  check(d.weights.empty() || d.weights.size() == d.train.size(), "data.weights",
+        concat("one weight per data.train entry (", d.train.size(), "), or none"), show(d.weights));
+  for (const std::string& w : d.weights) {
+    double v = 0;
+    check(parse_number(w, v) && v > 0, "data.weights", "numbers > 0 (each data.train entry's share)", show(d.weights));
+  }
+  check(d.stages.empty() || !d.weights.empty(), "data.stages", "empty without data.weights (the stages change a mixture)",
+        show(d.stages));
+  for (size_t i = 0, last = 0; i < d.stages.size(); ++i) {
+    const auto [step, w] = parse_stage_spec(d.stages[i], d.weights.size(), concat(where, ": data.stages"));
+    check(step > static_cast<int64_t>(last) && step < c.train.steps, "data.stages",
+          concat("steps increasing, each in [1, train.steps); entry ", i, " is step ", step), show(d.stages));
+    last = static_cast<size_t>(step);
+  }
 
   check(c.eval.every >= 0, "eval.every", ">= 0 (0 = never)", show(c.eval.every));
   check(c.eval.every == 0 || !d.val.empty(), "data.val",
@@ -830,6 +870,27 @@ void validate(const Config& c, const std::string& where) {
 }  // namespace
 
 // ---- public API ---------------------------------------------------------------------------------
+
+std::pair<int64_t, std::vector<double>> parse_stage_spec(const std::string& spec, size_t sources, const std::string& key) {
+  const size_t colon = spec.find(':');
+  const auto bad = [&](const std::string& why) {
+    return UsageError(concat(key, ": '", spec, "': ", why, " (STEP:W0/W1/... with one weight per data.train entry)"));
+  };
+  int64_t step = 0;
+  if (colon == std::string::npos || !parse_integer(spec.substr(0, colon), step)) throw bad("no step before ':'");
+  std::vector<double> weights;
+  std::stringstream list(spec.substr(colon + 1));
+  std::string item;
+  double total = 0;
+  while (std::getline(list, item, '/')) {
+    double v = 0;
+    if (!parse_number(item, v) || v < 0) throw bad(concat("'", item, "' is not a weight >= 0"));
+    weights.push_back(v), total += v;
+  }
+  if (weights.size() != sources) throw bad(concat(weights.size(), " weights for ", sources, " sources"));
+  if (total <= 0) throw bad("no weight > 0");
+  return {step, weights};
+}
 
 TaskSpec parse_task_spec(const std::string& spec, const std::string& key) {
   TaskSpec t;

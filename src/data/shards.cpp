@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -459,6 +460,105 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, int64_t seq_le
   }
 }
 
+TokenDataset::TokenDataset(const std::vector<std::vector<std::string>>& sources, const std::vector<double>& weights,
+                           const std::vector<std::string>& names, int64_t seq_len, uint64_t seed, bool shuffle,
+                           const std::vector<std::pair<uint64_t, std::vector<double>>>& later)
+    : seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
+  MPITRAIN_CHECK(!sources.empty() && sources.size() == weights.size() && names.size() == sources.size(),
+                 "TokenDataset: a weight and a name per source");
+  for (size_t i = 0; i < sources.size(); ++i) {
+    // Each source its own order: the run's seed mixed with the source's place.
+    auto d = std::make_unique<TokenDataset>(sources[i], seq_len, seed + 0x9E3779B97F4A7C15ull * (i + 1), shuffle);
+    if (i > 0) {
+      const TokenDataset& first = *sources_.front();
+      if (d->vocab_size() != first.vocab_size())
+        throw UsageError(concat(names[i], ": vocab_size ", d->vocab_size(), " differs from ", names[0], "'s ",
+                                first.vocab_size(), " (a mixture's sources share one vocabulary)"));
+      if (d->tokenizer() != first.tokenizer() || d->tokenizer_sha256() != first.tokenizer_sha256() ||
+          d->special_tokens_ != first.special_tokens_)
+        throw UsageError(concat(names[i], ": packed with another tokenizer (", d->tokenizer(),
+                                d->tokenizer_sha256().empty() ? std::string() : " " + d->tokenizer_sha256().substr(0, 12),
+                                ") than ", names[0], " (", first.tokenizer(),
+                                first.tokenizer_sha256().empty() ? std::string() : " " + first.tokenizer_sha256().substr(0, 12),
+                                "): the same ids would mean other text"));
+    }
+    paths_.insert(paths_.end(), d->paths().begin(), d->paths().end());
+    total_windows_ += d->num_windows();
+    total_tokens_ += d->num_tokens();
+    sources_.push_back(std::move(d));
+  }
+  const TokenDataset& first = *sources_.front();
+  vocab_size_ = first.vocab_size_, eot_token_ = first.eot_token_, tokenizer_ = first.tokenizer_;
+  tokenizer_file_ = first.tokenizer_file_, tokenizer_sha256_ = first.tokenizer_sha256_, special_tokens_ = first.special_tokens_;
+  stages_.push_back(make_stage(weights, 0, std::vector<uint64_t>(sources.size(), 0)));
+  for (const auto& [first, w] : later) {
+    MPITRAIN_CHECK(w.size() == sources.size() && first > stages_.back().from, "TokenDataset: a later stage's weights, later");
+    stages_.push_back(make_stage(w, first, source_windows(first)));
+  }
+}
+
+// Each source's slots: its share of the period (largest remainders; one at least for a weight
+// > 0), then the schedule: each slot to the source
+// furthest behind its share (k + 1) slots / period (the first of equals), so that after any k slots
+// each source holds its share within one window.
+TokenDataset::MixStage TokenDataset::make_stage(const std::vector<double>& weights, uint64_t from, std::vector<uint64_t> base) {
+  const size_t S = weights.size();
+  MixStage st;
+  st.from = from;
+  st.base = std::move(base);
+  double total = 0;
+  for (double w : weights) total += w;
+  MPITRAIN_CHECK(total > 0, "TokenDataset: a mixture's weights (one > 0)");
+  // The period's slots by largest remainders of the exact quotas; then a weight > 0 left without
+  // a slot takes one from the source with the most.
+  st.slots.assign(S, 0);
+  uint64_t given = 0;
+  std::vector<std::pair<double, size_t>> remainders;
+  for (size_t i = 0; i < S; ++i) {
+    const double quota = weights[i] / total * static_cast<double>(kMixturePeriod);
+    const auto whole = static_cast<uint64_t>(std::floor(quota));
+    st.slots[i] = whole, given += whole;
+    remainders.emplace_back(quota - static_cast<double>(whole), i);
+  }
+  std::stable_sort(remainders.begin(), remainders.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t r = 0; given < kMixturePeriod; ++r, ++given) ++st.slots[remainders[r % S].second];
+  for (size_t i = 0; i < S; ++i)
+    if (weights[i] > 0 && st.slots[i] == 0) {
+      --*std::max_element(st.slots.begin(), st.slots.end());
+      st.slots[i] = 1;
+    }
+  std::vector<uint64_t> taken(S, 0);
+  st.before.assign(S, std::vector<uint32_t>(kMixturePeriod + 1, 0));
+  for (uint64_t k = 0; k < kMixturePeriod; ++k) {
+    size_t pick = 0;
+    double most = -1e300;
+    for (size_t i = 0; i < S; ++i) {
+      const double behind = static_cast<double>(st.slots[i] * (k + 1)) / static_cast<double>(kMixturePeriod) -
+                            static_cast<double>(taken[i]);
+      if (taken[i] < st.slots[i] && behind > most) most = behind, pick = i;
+    }
+    st.schedule.push_back(static_cast<uint32_t>(pick));
+    ++taken[pick];
+    for (size_t i = 0; i < S; ++i) st.before[i][k + 1] = static_cast<uint32_t>(taken[i]);
+  }
+  return st;
+}
+
+const TokenDataset::MixStage& TokenDataset::stage_at(uint64_t window) const {
+  size_t i = 0;
+  while (i + 1 < stages_.size() && stages_[i + 1].from <= window) ++i;
+  return stages_[i];
+}
+
+std::vector<uint64_t> TokenDataset::source_windows(uint64_t windows) const {
+  std::vector<uint64_t> out;
+  const MixStage& st = stage_at(windows);
+  const uint64_t local = windows - st.from;
+  for (size_t i = 0; i < sources_.size(); ++i)
+    out.push_back(st.base[i] + local / kMixturePeriod * st.slots[i] + st.before[i][local % kMixturePeriod]);
+  return out;
+}
+
 TokenDataset::~TokenDataset() = default;
 
 const unsigned char* TokenDataset::locate(uint64_t k, int* dtype_bytes) const {
@@ -479,6 +579,16 @@ void TokenDataset::batch(uint64_t start, int rank, int64_t rows, int32_t* dst) c
     throw Error(concat("TokenDataset::batch: bad rank ", rank, " or rows ", rows));
   const uint64_t first = start + static_cast<uint64_t>(rank) * static_cast<uint64_t>(rows);
   const int64_t width = seq_len_ + 1;
+  if (!sources_.empty()) {  // a mixture: global window g is its slot's source's next window
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint64_t g = first + static_cast<uint64_t>(r);
+      const MixStage& st = stage_at(g);
+      const uint64_t local = g - st.from, slot = local % kMixturePeriod;
+      const uint32_t s = st.schedule[slot];
+      sources_[s]->batch(st.base[s] + local / kMixturePeriod * st.slots[s] + st.before[s][slot], 0, 1, dst + r * width);
+    }
+    return;
+  }
   // A batch's windows almost always share one epoch: build its permutation once.
   std::optional<Permutation> perm;
   uint64_t perm_epoch = 0;

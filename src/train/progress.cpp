@@ -129,6 +129,14 @@ void Progress::report(const StepReport& r) {
     json += format(", \"pp_wait_share\": %.5f", pp_wait);
     scalars.emplace_back("perf/pp_wait_share", pp_wait);
   }
+  if (!r.source_tokens.empty()) {
+    json += ", \"source_tokens\": [";
+    for (size_t i = 0; i < r.source_tokens.size(); ++i) {
+      json += format(i ? ", %.0f" : "%.0f", r.source_tokens[i]);
+      scalars.emplace_back(concat("data/source_", i, "_tokens"), r.source_tokens[i]);
+    }
+    json += "]";
+  }
   if (metrics_.is_open()) metrics_ << json << "}\n" << std::flush;
   if (tensorboard_) tensorboard_->scalars(step, scalars);
 }

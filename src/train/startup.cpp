@@ -221,8 +221,37 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                        "; rank 0 on ", where.describe, "; precision ", precision_name(precision)));
     if (precision == Precision::fp16 && !where.cuda)
       throw UsageError("train.precision: fp16 needs CUDA (this run trains on the CPU); use bf16 or fp32");
-    train_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.train, "data.train"),
-                                                cfg.model.seq_len, cfg.data.seed, cfg.data.shuffle);
+    if (cfg.data.weights.empty()) {
+      train_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.train, "data.train"),
+                                                  cfg.model.seq_len, cfg.data.seed, cfg.data.shuffle);
+    } else {  // a weighted mixture: each entry a source
+      std::vector<std::vector<std::string>> sources;
+      std::vector<double> weights;
+      std::vector<std::string> names;
+      for (size_t i = 0; i < cfg.data.train.size(); ++i) {
+        names.push_back(concat("data.train[", i, "] (", cfg.data.train[i], ")"));
+        sources.push_back(expand_shard_paths({cfg.data.train[i]}, names.back()));
+        weights.push_back(std::stod(cfg.data.weights[i]));
+      }
+      std::vector<std::pair<uint64_t, std::vector<double>>> later;  // data.stages: from their first windows
+      for (const std::string& spec : cfg.data.stages) {
+        const auto [step, w] = parse_stage_spec(spec, sources.size(), "data.stages");
+        later.emplace_back(static_cast<uint64_t>(step * cfg.train.global_batch), w);
+      }
+      train_data = std::make_unique<TokenDataset>(sources, weights, names, cfg.model.seq_len, cfg.data.seed,
+                                                  cfg.data.shuffle, later);
+      if (topo.rank == 0) {
+        std::string list;
+        for (size_t i = 0; i < names.size(); ++i)
+          list += concat(i ? ", " : "", cfg.data.train[i], " ", train_data->source_slots()[i], "/", TokenDataset::kMixturePeriod);
+        for (size_t k = 0; k < later.size(); ++k) {
+          list += concat("; from step ", later[k].first / static_cast<uint64_t>(cfg.train.global_batch), ":");
+          for (size_t i = 0; i < names.size(); ++i) list += concat(" ", train_data->source_slots(k + 1)[i]);
+        }
+        log::info(concat("data: a mixture of ", names.size(), " sources, windows per ", TokenDataset::kMixturePeriod, ": ", list,
+                         " (every prefix of the run within one window of each share; tokens per source in metrics.jsonl)"));
+      }
+    }
     if (!cfg.data.val.empty()) {
       val_data = std::make_unique<TokenDataset>(expand_shard_paths(cfg.data.val, "data.val"),
                                                 cfg.model.seq_len, cfg.data.seed, /*shuffle=*/false);

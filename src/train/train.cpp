@@ -757,6 +757,8 @@ void Run::log_step() {
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
                     scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
   if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
+  if (s_.train_data->sources() > 0)  // the windows trained so far, per source, as tokens (each window's seq_len targets)
+    for (uint64_t w : s_.train_data->source_windows(st_.data_cursor)) report.source_tokens.push_back(static_cast<double>(w * T_));
   report.z_loss = z;
   if (par_.expert_parallel()) {
     const double now = ep_collective_seconds();
