@@ -93,6 +93,7 @@ run g1 1 gpt.yaml
 run g2 2 gpt.yaml --set parallel.pp=2
 run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
 run g2i 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
+run g2f 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_first_stage_blocks=1
 run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0
 for n in g2 g4; do
   close g1 $n > close_$n.out 2>&1
@@ -102,6 +103,8 @@ for n in g2 g4; do
     "same g1 $n && [ $rc -eq 0 ]"
 done
 check "gpipe trains 1f1b's run bitwise (pp 2)" "same g2 g2g && cmp -s hf_g2/model.safetensors hf_g2g/model.safetensors"
+check "parallel.pp_first_stage_blocks 1 (stages of blocks 0 | 1-3) trains 1f1b's run bitwise (exit ${rc_of[g2f]})" \
+  "same g2 g2f && cmp -s hf_g2/model.safetensors hf_g2f/model.safetensors && grep -q 'pipeline: 2 stages of blocks 0-0 | 1-3 ' g2f.out"
 check "interleaved with 2 chunks per stage trains 1f1b's run bitwise (pp 2; exit ${rc_of[g2i]})" \
   "same g2 g2i && cmp -s hf_g2/model.safetensors hf_g2i/model.safetensors &&
    grep -q 'pipeline: 2 stages of blocks 0-0 + 2-2 | 1-1 + 3-3 (.*); interleaved (2 chunks per stage) over 4 micro-batches per step: bubble (pp - 1) / (v m) = 13% of the ideal step' g2i.out"
@@ -200,6 +203,9 @@ expect_own_usage "interleaved chunks that do not divide the blocks refused by na
 expect_own_usage "interleaved with micro-batches not in groups of pp refused by name" \
   "parallel.pp_schedule: interleaved needs a multiple of parallel.pp = 2 micro-batches per step (train.grad_accum), got 3" \
   "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 --set train.grad_accum=3
+expect_own_usage "a first stage that leaves the others no block refused by name" \
+  "parallel.pp_first_stage_blocks must be small enough to leave at least a block to each of the other 3 stages (model.n_layer 4)" \
+  "$BIN" gpt.yaml --set parallel.pp=4 --set parallel.pp_first_stage_blocks=2
 expect_own_usage "pp with ZeRO-3 refused by name" "optim.zero must be 0, 1 or 2 with parallel.pp: 2 (not built with pipeline parallelism yet)" \
   "$BIN" gpt.yaml --set parallel.pp=2 --set optim.zero=3
 "$MPIRUN" -np 2 "$BIN" plan gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 \

@@ -856,7 +856,8 @@ TEST(Model, FusedKernelsUnderBf16AutocastTrackTheUnfusedModel) {
 // embedding's, whose two halves (the first stage's and the last's) sum to the whole model's.
 TEST(Model, PipelineStagesChainToTheWholeModel) {
   for (const char* family : {"gpt2", "qwen3"}) {
-    for (const auto& [pp, v] : {std::pair<int64_t, int64_t>{2, 1}, {3, 1}, {2, 2}}) {
+    // (pp 2 with first = 2: parallel.pp_first_stage_blocks, blocks 0-1 on the first stage, 2 on the last)
+    for (const auto& [pp, v, first] : {std::tuple<int64_t, int64_t, int64_t>{2, 1, 0}, {3, 1, 0}, {2, 2, 0}, {2, 1, 2}}) {
       GPTDims d = small_dims();
       d.n_layer = v > 1 ? 4 : 3;
       if (std::string(family) == "qwen3") {
@@ -868,7 +869,10 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
       std::vector<GPT> stages;
       for (int64_t s = 0; s < pp; ++s) {
         GPTDims at = d;
-        at.pp = pp, at.pp_stage = s, at.pp_virtual = v;
+        at.pp = pp, at.pp_stage = s, at.pp_virtual = v, at.pp_first_blocks = first;
+        if (first > 0) {
+          EXPECT_EQ(at.chunk_end(0) - at.chunk_begin(0), s == 0 ? first : d.n_layer - first);
+        }
         torch::manual_seed(7);
         stages.emplace_back(at);
       }

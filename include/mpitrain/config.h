@@ -215,6 +215,10 @@ struct ParallelConfig {
   int64_t pp = 1;
   std::string pp_schedule = "1f1b";
   int64_t pp_virtual = 1;
+  // The first and the last stage's blocks (0: as even as the blocks allow), to even out their extra
+  // work (the embedding; the final norm, output layer and loss), as torchtitan's
+  // first/last_stage_less_layers; the other stages share the rest as evenly. Not with interleaved.
+  int64_t pp_first_stage_blocks = 0, pp_last_stage_blocks = 0;
 };
 
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of

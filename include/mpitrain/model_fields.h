@@ -163,10 +163,20 @@ struct GPTDims : ModelArgs {
   // shares as even as the blocks allow, the later ones larger). The embedding is on the first
   // stage (its chunk 0), the final norm and the output layer on the last (its last chunk; with
   // tied embeddings a copy of the embedding there too). Names stay the whole model's.
-  int64_t pp = 1, pp_stage = 0, pp_virtual = 1;
+  // (parallel.pp_first_stage_blocks / pp_last_stage_blocks, pp_virtual 1: the first or the last
+  // stage that many blocks, the other stages the rest as evenly; 0: as evenly as all.)
+  int64_t pp = 1, pp_stage = 0, pp_virtual = 1, pp_first_blocks = 0, pp_last_blocks = 0;
   int64_t virtual_stages() const { return pp * pp_virtual; }
-  int64_t chunk_begin(int64_t j) const { return (j * pp + pp_stage) * n_layer / virtual_stages(); }
-  int64_t chunk_end(int64_t j) const { return (j * pp + pp_stage + 1) * n_layer / virtual_stages(); }
+  // Where virtual stage u begins (u = 0 .. virtual_stages()).
+  int64_t stage_boundary(int64_t u) const {
+    const int64_t P = virtual_stages(), F = pp_first_blocks, B = pp_last_blocks;
+    if ((F == 0 && B == 0) || P == 1 || u == 0 || u == P) return u * n_layer / P;
+    if (B == 0) return F + (u - 1) * (n_layer - F) / (P - 1);
+    if (F == 0) return u * (n_layer - B) / (P - 1);
+    return P == 2 ? F : F + (u - 1) * (n_layer - F - B) / (P - 2);
+  }
+  int64_t chunk_begin(int64_t j) const { return stage_boundary(j * pp + pp_stage); }
+  int64_t chunk_end(int64_t j) const { return stage_boundary(j * pp + pp_stage + 1); }
   bool holds_block(int64_t block) const {
     for (int64_t j = 0; j < pp_virtual; ++j)
       if (block >= chunk_begin(j) && block < chunk_end(j)) return true;

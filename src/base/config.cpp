@@ -111,6 +111,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, ep),        MPITRAIN_FIELD(parallel, islands),
     MPITRAIN_FIELD(parallel, slow_link_gbit), MPITRAIN_FIELD(parallel, pp),     MPITRAIN_FIELD(parallel, pp_schedule),
     MPITRAIN_FIELD(parallel, pp_virtual),
+    MPITRAIN_FIELD(parallel, pp_first_stage_blocks), MPITRAIN_FIELD(parallel, pp_last_stage_blocks),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
     MPITRAIN_FIELD(diloco, fragments),   MPITRAIN_FIELD(diloco, overlap),
@@ -825,6 +826,20 @@ void validate(const Config& c, const std::string& where) {
     };
     check(m.n_layer == 0 || c.parallel.pp <= m.n_layer, "parallel.pp",
           concat("at most model.n_layer = ", m.n_layer, " (each stage holds at least one block)"), show(c.parallel.pp));
+    const int64_t first = c.parallel.pp_first_stage_blocks, last = c.parallel.pp_last_stage_blocks, pp = c.parallel.pp;
+    for (const auto& [key, n] : {std::pair<const char*, int64_t>{"parallel.pp_first_stage_blocks", first},
+                                 {"parallel.pp_last_stage_blocks", last}}) {
+      check(n >= 0, key, ">= 0 (0: as even as the blocks allow)", show(n));
+      check(n == 0 || !interleaved, key, "0 with parallel.pp_schedule: interleaved", show(n));
+    }
+    if (m.n_layer > 0 && (first > 0 || last > 0)) {
+      const int64_t others = pp - (first > 0) - (last > 0);  // stages sharing the rest
+      const int64_t rest = m.n_layer - first - last;
+      check(others == 0 ? rest == 0 : rest >= others, first > 0 ? "parallel.pp_first_stage_blocks" : "parallel.pp_last_stage_blocks",
+            concat(others == 0 ? "with parallel.pp_last_stage_blocks exactly model.n_layer = " : "small enough to leave at least a block to each of the other ",
+                   others == 0 ? m.n_layer : others, others == 0 ? " blocks between them" : concat(" stages (model.n_layer ", m.n_layer, ")")),
+            show(first > 0 ? first : last));
+    }
     const int64_t chunks = c.parallel.pp * c.parallel.pp_virtual;
     check(!interleaved || m.n_layer == 0 || m.n_layer % chunks == 0, "parallel.pp_virtual",
           concat("a number whose product with parallel.pp (", c.parallel.pp, ") divides model.n_layer = ", m.n_layer,

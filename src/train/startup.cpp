@@ -313,6 +313,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
       dims.pp = layout.pp;
       dims.pp_stage = mesh->stage();
       dims.pp_virtual = cfg.parallel.pp_virtual;
+      dims.pp_first_blocks = cfg.parallel.pp_first_stage_blocks, dims.pp_last_blocks = cfg.parallel.pp_last_stage_blocks;
       // Interleaved: the schedule's micro-batches go round the stages in groups of pp (Megatron's).
       if (cfg.parallel.pp_schedule == "interleaved" && cfg.train.grad_accum % layout.pp != 0)
         throw UsageError(concat("parallel.pp_schedule: interleaved needs a multiple of parallel.pp = ", layout.pp,
