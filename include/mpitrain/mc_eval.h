@@ -42,6 +42,9 @@ std::string hellaswag_preprocess(const std::string& text);
 
 // A text's token ids under the run's tokenizer.
 using TextEncoder = std::function<std::vector<int64_t>(const std::string&)>;
+// Per position the log-probability of targets [B, T] after idx [B, T] (GPT::target_log_probs);
+// undefined where this rank does not compute it (a pipeline's stages but the last).
+using LogProbs = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets)>;
 
 struct McResult {
   double acc = 0, acc_norm = 0;
@@ -55,7 +58,10 @@ struct McResult {
 // the replicas (every rank of it calls this, with the same examples). Every rank of `group` runs the
 // same number of forwards (padded with one-token ones), so the collectives inside the model (ZeRO-3's
 // gathers, the experts' all-to-alls, tp's all-reduces) pair up. `rows`: choices per forward.
+// `log_probs` (default: the model's target_log_probs) and `pipeline` (pipeline parallelism: every
+// stage runs the same batches through log_probs, the last stage's scores summed over it).
 McResult score_mc(GPT& model, const std::vector<McExample>& examples, const TextEncoder& encode, int64_t replica,
-                  int64_t replicas, Communicator& group, const torch::Device& device, Precision precision, int64_t rows);
+                  int64_t replicas, Communicator& group, const torch::Device& device, Precision precision, int64_t rows,
+                  const LogProbs& log_probs = {}, Communicator* pipeline = nullptr);
 
 }  // namespace mpitrain

@@ -334,6 +334,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // the classes (tensor parallel: the ranks' vocabulary slices combined over the tp group, as
   // vocab_parallel_cross_entropy does). Multiple-choice evaluation's (mc_eval.h).
   torch::Tensor target_log_probs(const torch::Tensor& idx, const torch::Tensor& targets);
+  // The same from the last stage's stage_forward output (pipeline parallelism).
+  torch::Tensor stage_target_log_probs(const torch::Tensor& out, const torch::Tensor& targets);
 
   // Pipeline parallelism (dims.pp > 1): this stage's part of forward, its chunk `chunk` of blocks
   // (model_fields.h; 0 but under the interleaved schedule). `in`: the token ids on the first

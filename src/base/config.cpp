@@ -695,8 +695,6 @@ void validate(const Config& c, const std::string& where) {
       const TaskSpec t = parse_task_spec(spec, concat(where, ": eval.tasks"));
       check(names.insert(t.name).second, "eval.tasks", "a list of tasks with different names", show(c.eval.tasks));
     }
-    check(c.eval.tasks.empty() || c.parallel.pp == 1, "eval.tasks",
-          concat("empty with parallel.pp: ", c.parallel.pp, " (scoring through the stages is not built yet)"), show(c.eval.tasks));
   }
 
   const TrainConfig& t = c.train;

@@ -1018,8 +1018,12 @@ torch::Tensor GPTImpl::lm_loss_of(const torch::Tensor& hidden, const torch::Tens
 }
 
 torch::Tensor GPTImpl::target_log_probs(const torch::Tensor& idx, const torch::Tensor& targets) {
+  return stage_target_log_probs(hidden(idx), targets);
+}
+
+torch::Tensor GPTImpl::stage_target_log_probs(const torch::Tensor& out, const torch::Tensor& targets) {
   Communicator* tp = tp_of(dims_);
-  const torch::Tensor logits = head(column_input(hidden(idx), tp)).to(torch::kFloat32);  // [B, T, this rank's classes]
+  const torch::Tensor logits = head(column_input(out, tp)).to(torch::kFloat32);  // [B, T, this rank's classes]
   const torch::Tensor t = targets.to(torch::kLong).to(logits.device());
   if (!tp) return torch::log_softmax(logits, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1);
   const int64_t start = dims_.tp_rank * output_weight().size(0), n = logits.size(-1);

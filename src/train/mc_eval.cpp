@@ -133,8 +133,12 @@ std::vector<McExample> read_mc_task(const std::string& path, int64_t limit) {
 }
 
 McResult score_mc(GPT& model, const std::vector<McExample>& examples, const TextEncoder& encode, int64_t replica,
-                  int64_t replicas, Communicator& group, const torch::Device& device, Precision precision, int64_t rows) {
+                  int64_t replicas, Communicator& group, const torch::Device& device, Precision precision, int64_t rows,
+                  const LogProbs& log_probs, Communicator* pipeline) {
   const auto t0 = std::chrono::steady_clock::now();
+  const LogProbs forward = log_probs ? log_probs : LogProbs([&](const torch::Tensor& x, const torch::Tensor& y) {
+    return model->target_log_probs(x, y);
+  });
   const int64_t T = model->dims().seq_len;
   // This replica's choices: (example, choice) with its tokens and how many of them are scored.
   struct Row {
@@ -174,7 +178,7 @@ McResult score_mc(GPT& model, const std::vector<McExample>& examples, const Text
     for (int64_t b = 0; b < forwards; ++b) {
       if (b >= batches) {  // another rank's batch: a one-token forward of no example, for the collectives
         Autocast autocast(precision, device);
-        (void)model->target_log_probs(torch::zeros({1, 1}, torch::kLong).to(device), torch::zeros({1, 1}, torch::kLong));
+        (void)forward(torch::zeros({1, 1}, torch::kLong).to(device), torch::zeros({1, 1}, torch::kLong));
         continue;
       }
       const size_t first = static_cast<size_t>(b * rows), last = std::min(mine.size(), first + static_cast<size_t>(rows));
@@ -195,8 +199,9 @@ McResult score_mc(GPT& model, const std::vector<McExample>& examples, const Text
       torch::Tensor logp;
       {
         Autocast autocast(precision, device);
-        logp = model->target_log_probs(x.to(device), y);
+        logp = forward(x.to(device), y);
       }
+      if (!logp.defined()) continue;  // (a pipeline stage before the last)
       const torch::Tensor sums = (logp.to(torch::kCPU, torch::kFloat64) * mask).sum(1);
       for (int64_t r = 0; r < n; ++r) {
         const Row& row = mine[order[first + static_cast<size_t>(r)]];
@@ -207,6 +212,7 @@ McResult score_mc(GPT& model, const std::vector<McExample>& examples, const Text
   if (was_training) model->train();
   scores = scores.to(device);
   group.all_reduce(scores, ReduceOp::sum);  // (each example's row from its one replica; the others' zeros)
+  if (pipeline) pipeline->all_reduce(scores, ReduceOp::sum);  // (the last stage's)
   scores = scores.cpu();
   McResult out;
   out.examples = static_cast<int64_t>(examples.size());

@@ -535,8 +535,30 @@ void Run::run_tasks(int64_t at_step) {
   for (const auto& [name, examples] : tasks_) {
     const double ep0 = ep_collective_seconds();
     Communicator& replicas = s_.mesh->replicas_comm();
+    LogProbs through;  // pipeline parallelism: each batch through the stages' chunks, forward only
+    std::optional<PipeLink> link;
+    int64_t batch = 0;
+    if (par_.pipeline_parallel()) {
+      link.emplace(s_.mesh->pp_mpi());
+      through = [&](const torch::Tensor& x, const torch::Tensor& y) {
+        const GPTDims& d = model_->dims();
+        const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
+        // (tags below the tied embedding's, reused after kPipeTagEnd / 2P batches: each batch's sends are done before the next)
+        const int64_t b = batch++ % (kPipeTagEnd / (2 * P));
+        torch::Tensor out;
+        for (int64_t c = 0; c < d.pp_virtual; ++c) {
+          const int64_t vs = c * d.pp + d.pp_stage;
+          const torch::Tensor in = vs == 0 ? x : link->recv({x.size(0), x.size(1), d.n_embd}, prev, activation_tag(b, vs - 1, P), device_);
+          out = model_->stage_forward(in, c);
+          if (vs + 1 < P) link->send(out, next, activation_tag(b, vs, P));
+        }
+        link->finish();
+        return d.last_stage() ? model_->stage_target_log_probs(out, y) : torch::Tensor();
+      };
+    }
     const McResult r = progress_->untimed([&] {
-      return score_mc(model_, examples, encode_, replicas.rank(), replicas.size(), replicas, device_, precision_, micro_);
+      return score_mc(model_, examples, encode_, replicas.rank(), replicas.size(), replicas, device_, precision_, micro_,
+                      through, par_.pipeline_parallel() ? &s_.mesh->pp() : nullptr);
     });
     ep_in_eval_ += ep_collective_seconds() - ep0;
     result_.task_accuracies.push_back({at_step, name, r.acc, r.acc_norm});
