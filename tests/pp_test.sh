@@ -89,12 +89,12 @@ sys.exit(0 if gap <= 1.5e-3 * moved else 1)
 PYEOF
 }
 
-run g1 1 gpt.yaml
+run g1 1 gpt.yaml --set sample.tokens=30
 run g2 2 gpt.yaml --set parallel.pp=2
 run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
 run g2i 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
 run g2f 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_first_stage_blocks=1
-run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0
+run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0 --set sample.tokens=30
 for n in g2 g4; do
   close g1 $n > close_$n.out 2>&1
   rc=$?
@@ -102,6 +102,9 @@ for n in g2 g4; do
   check "GPT-2 at parallel.pp ${n#g} (1f1b) trains the one-rank run: 8 losses and 3 val losses, final parameters (exit ${rc_of[$n]})" \
     "same g1 $n && [ $rc -eq 0 ]"
 done
+sample_of() { sed -n '/ sample:$/,$p' $1.out | sed -n 2p; }
+check "the final sample generated through pp 4's stages is the one-rank run's" \
+  "[ -n \"\$(sample_of g1)\" ] && [ \"\$(sample_of g1)\" = \"\$(sample_of g4)\" ]"
 check "gpipe trains 1f1b's run bitwise (pp 2)" "same g2 g2g && cmp -s hf_g2/model.safetensors hf_g2g/model.safetensors"
 check "parallel.pp_first_stage_blocks 1 (stages of blocks 0 | 1-3) trains 1f1b's run bitwise (exit ${rc_of[g2f]})" \
   "same g2 g2f && cmp -s hf_g2/model.safetensors hf_g2f/model.safetensors && grep -q 'pipeline: 2 stages of blocks 0-0 | 1-3 ' g2f.out"

@@ -336,6 +336,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::Tensor target_log_probs(const torch::Tensor& idx, const torch::Tensor& targets);
   // The same from the last stage's stage_forward output (pipeline parallelism).
   torch::Tensor stage_target_log_probs(const torch::Tensor& out, const torch::Tensor& targets);
+  // The logits of the last stage's stage_forward output (not tensor parallel).
+  torch::Tensor stage_logits(const torch::Tensor& out) { return head(out); }
 
   // Pipeline parallelism (dims.pp > 1): this stage's part of forward, its chunk `chunk` of blocks
   // (model_fields.h; 0 but under the interleaved schedule). `in`: the token ids on the first
@@ -457,8 +459,11 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
 
 // Autoregressive sampling from `prompt` (non-empty): `n` new tokens, temperature and top-k
 // (0 = all), seeded so that the same call gives the same tokens.
+// `last_logits` (pipeline parallelism): the logits [classes] of a window's last position, from
+// wherever they are computed (default: model's forward), the same on every rank that samples.
 std::vector<int64_t> generate(GPT& model, std::vector<int64_t> prompt, int64_t n,
-                              double temperature, int64_t top_k, uint64_t seed);
+                              double temperature, int64_t top_k, uint64_t seed,
+                              const std::function<torch::Tensor(const torch::Tensor&)>& last_logits = {});
 
 // Byte tokens as printable text: `eot` as "\n<|endoftext|>\n", newlines, tabs and bytes from 32
 // up kept, other tokens escaped as "\x..".

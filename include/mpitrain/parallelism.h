@@ -140,7 +140,7 @@ class Parallelism {
   // Whether `generate` can run here: not under tensor parallelism; under ZeRO-3 on every rank at
   // once (each block gathered around its use).
   // Expert parallelism: on every rank too (each sparse layer exchanges tokens over the ep group).
-  bool can_sample() const { return !tp_ && !pp_; }
+  bool can_sample() const { return !tp_; }
   bool samples_on_every_rank() const { return units_.has_value() || ep_; }
   // The whole final parameters (tests; collective): tp shards gathered, ZeRO-3 units gathered.
   std::vector<std::pair<std::string, std::vector<float>>> whole_params();

@@ -1318,20 +1318,21 @@ int64_t GPTImpl::inactive_params() const {
 }
 
 std::vector<int64_t> generate(GPT& model, std::vector<int64_t> tokens, int64_t n, double temperature,
-                              int64_t top_k, uint64_t seed) {
+                              int64_t top_k, uint64_t seed, const std::function<torch::Tensor(const torch::Tensor&)>& last_logits) {
   MPITRAIN_CHECK(!tokens.empty(), "generate needs a non-empty prompt");
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();
   auto gen = at::detail::createCPUGenerator(seed);
-  const torch::Device device = model->wte->weight.device();
+  const torch::Device device = model->parameters().front().device();  // (a pipeline stage may have no embedding)
   const int64_t ctx = model->dims().seq_len;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t from = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - ctx);
     torch::Tensor idx = torch::tensor(std::vector<int64_t>(tokens.begin() + from, tokens.end()), torch::kInt64)
                             .view({1, -1})
                             .to(device);
-    torch::Tensor logits = model->forward(idx).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32);
+    torch::Tensor logits = (last_logits ? last_logits(idx) : model->forward(idx).select(1, -1).squeeze(0))
+                               .to(torch::kCPU, torch::kFloat32);
     logits = logits / temperature;
     if (top_k > 0 && top_k < logits.size(0)) {
       auto kth = std::get<0>(logits.topk(top_k)).index({top_k - 1});
