@@ -40,8 +40,11 @@ std::vector<McExample> read_mc_task(const std::string& path, int64_t limit);
 // HellaSwag's preprocessing of a text (lm-evaluation-harness's hellaswag.preprocess).
 std::string hellaswag_preprocess(const std::string& text);
 
-// A text's token ids under the run's tokenizer.
+// A text's token ids under the run's tokenizer: the byte tokenizer's (the UTF-8 bytes), or a
+// Hugging Face tokenizer.json's (HfTokenizer::encode; a bad file is its UsageError).
 using TextEncoder = std::function<std::vector<int64_t>(const std::string&)>;
+TextEncoder byte_encoder();
+TextEncoder tokenizer_encoder(const std::string& tokenizer_json);
 // Per position the log-probability of targets [B, T] after idx [B, T] (GPT::target_log_probs);
 // undefined where this rank does not compute it (a pipeline's stages but the last).
 using LogProbs = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets)>;

@@ -19,27 +19,6 @@
 
 namespace mpitrain {
 
-namespace {
-
-TextEncoder byte_encoder() {
-  return [](const std::string& text) {
-    std::vector<int64_t> ids;
-    for (const char c : text) ids.push_back(static_cast<unsigned char>(c));
-    return ids;
-  };
-}
-
-TextEncoder tokenizer_encoder(const std::string& path) {
-  auto tok = std::make_shared<HfTokenizer>(path);
-  return [tok](const std::string& text) {
-    std::vector<int64_t> ids;
-    for (uint32_t id : tok->encode(text)) ids.push_back(id);
-    return ids;
-  };
-}
-
-}  // namespace
-
 std::string run_eval_command(const EvalArgs& args, MpiComm world) {
   // The model and its tokenizer; every rank reads them (a failure on any rank ends every rank).
   GPT model{nullptr};

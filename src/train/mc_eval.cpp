@@ -5,11 +5,13 @@
 #include <cctype>
 #include <chrono>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <regex>
 
 #include "mpitrain/error.h"
+#include "mpitrain/hf_tokenizer.h"
 
 namespace mpitrain {
 
@@ -45,6 +47,23 @@ size_t mc_argmax(const std::vector<double>& v) {
 }
 
 }  // namespace
+
+TextEncoder byte_encoder() {
+  return [](const std::string& text) {
+    std::vector<int64_t> ids;
+    for (const char c : text) ids.push_back(static_cast<unsigned char>(c));  // (ids are the bytes: unsigned)
+    return ids;
+  };
+}
+
+TextEncoder tokenizer_encoder(const std::string& tokenizer_json) {
+  auto tok = std::make_shared<HfTokenizer>(tokenizer_json);
+  return [tok](const std::string& text) {
+    std::vector<int64_t> ids;
+    for (uint32_t id : tok->encode(text)) ids.push_back(id);
+    return ids;
+  };
+}
 
 std::string hellaswag_preprocess(const std::string& text) {
   static const std::regex tag("\\[.*?\\]");

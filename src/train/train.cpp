@@ -33,7 +33,6 @@
 #include "mpitrain/h5.h"
 #include "mpitrain/hf_format.h"
 #include "mpitrain/host_memory.h"
-#include "mpitrain/hf_tokenizer.h"
 #include "mpitrain/libtorch_version.h"
 #include "mpitrain/mc_eval.h"
 #include "mpitrain/log.h"
@@ -128,21 +127,30 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
 // activation to the next virtual stage, round the pipeline once per chunk); the last stage's mean
 // over its dp group (the replicas), then summed over the pipeline, where only the last stage's is
 // not zero.
+// Pipeline parallelism, forward only: token ids `x` [B, T] through this rank's chunks, each chunk's
+// input from the previous virtual stage and its output sent to the next (round the pipeline once
+// per chunk), tagged as micro-batch `tag`; returns the last chunk's output (on the last stage:
+// after the final norm). Evaluation, the tasks' scoring and the final sample share it.
+torch::Tensor pipeline_forward(GPT& model, PipeLink& link, const torch::Tensor& x, int64_t tag, const torch::Device& device) {
+  const GPTDims& d = model->dims();
+  const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
+  torch::Tensor out;
+  for (int64_t c = 0; c < d.pp_virtual; ++c) {
+    const int64_t vs = c * d.pp + d.pp_stage;  // this chunk's virtual stage
+    const torch::Tensor in = vs == 0 ? to_device(x, device)
+                                     : link.recv({x.size(0), x.size(1), d.n_embd}, prev, activation_tag(tag, vs - 1, P), device);
+    out = model->stage_forward(in, c);
+    if (vs + 1 < P) link.send(out, next, activation_tag(tag, vs, P));
+  }
+  return out;
+}
+
 double evaluate_pipeline(GPT& model, const TokenDataset& val, Mesh& mesh, const Config& cfg, const torch::Device& device,
                          Precision precision) {
-  const GPTDims& d = model->dims();
   PipeLink link(mesh.pp_mpi());
-  const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
   const auto through = [&](const torch::Tensor& x, const torch::Tensor& y, int64_t b) {
-    torch::Tensor out;
-    for (int64_t c = 0; c < d.pp_virtual; ++c) {
-      const int64_t vs = c * d.pp + d.pp_stage;  // this chunk's virtual stage
-      const torch::Tensor in = vs == 0 ? to_device(x, device)
-                                       : link.recv({x.size(0), x.size(1), d.n_embd}, prev, activation_tag(b, vs - 1, P), device);
-      out = model->stage_forward(in, c);
-      if (vs + 1 < P) link.send(out, next, activation_tag(b, vs, P));
-    }
-    return d.last_stage() ? model->stage_loss(out, to_device(y, device)) : torch::Tensor();
+    const torch::Tensor out = pipeline_forward(model, link, x, b, device);
+    return model->dims().last_stage() ? model->stage_loss(out, to_device(y, device)) : torch::Tensor();
   };
   torch::Tensor mean = torch::full({1}, evaluate_batches(model, val, mesh.dp(), cfg, device, precision, through),
                                    torch::dtype(torch::kFloat64).device(device));
@@ -498,18 +506,9 @@ void Run::load_tasks() {
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
     const TokenDataset& data = *s_.train_data;
     if (data.tokenizer() == "byte") {
-      encode_ = [](const std::string& text) {  // (ids are the bytes: unsigned)
-        std::vector<int64_t> ids;
-        for (const char c : text) ids.push_back(static_cast<unsigned char>(c));
-        return ids;
-      };
+      encode_ = byte_encoder();
     } else if (data.tokenizer() == "hf") {
-      auto tok = std::make_shared<HfTokenizer>(data.tokenizer_file());
-      encode_ = [tok](const std::string& text) {
-        std::vector<int64_t> ids;
-        for (uint32_t id : tok->encode(text)) ids.push_back(id);
-        return ids;
-      };
+      encode_ = tokenizer_encoder(data.tokenizer_file());
     } else {
       throw UsageError(concat("eval.tasks: the shards were packed with the '", data.tokenizer(),
                               "' tokenizer; tasks are read with the byte tokenizer or a Hugging Face tokenizer.json (pack "
@@ -541,19 +540,11 @@ void Run::run_tasks(int64_t at_step) {
     if (par_.pipeline_parallel()) {
       link.emplace(s_.mesh->pp_mpi());
       through = [&](const torch::Tensor& x, const torch::Tensor& y) {
-        const GPTDims& d = model_->dims();
-        const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
         // (tags below the tied embedding's, reused after kPipeTagEnd / 2P batches: each batch's sends are done before the next)
-        const int64_t b = batch++ % (kPipeTagEnd / (2 * P));
-        torch::Tensor out;
-        for (int64_t c = 0; c < d.pp_virtual; ++c) {
-          const int64_t vs = c * d.pp + d.pp_stage;
-          const torch::Tensor in = vs == 0 ? x : link->recv({x.size(0), x.size(1), d.n_embd}, prev, activation_tag(b, vs - 1, P), device_);
-          out = model_->stage_forward(in, c);
-          if (vs + 1 < P) link->send(out, next, activation_tag(b, vs, P));
-        }
+        const int64_t b = batch++ % (kPipeTagEnd / (2 * model_->dims().virtual_stages()));
+        const torch::Tensor out = pipeline_forward(model_, *link, x, b, device_);
         link->finish();
-        return d.last_stage() ? model_->stage_target_log_probs(out, y) : torch::Tensor();
+        return model_->dims().last_stage() ? model_->stage_target_log_probs(out, y) : torch::Tensor();
       };
     }
     const McResult r = progress_->untimed([&] {
@@ -946,14 +937,7 @@ TrainResult Run::finish() {
       link.emplace(s_.mesh->pp_mpi());
       last_logits = [&](const torch::Tensor& idx) {
         const GPTDims& d = model_->dims();
-        const int64_t P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
-        torch::Tensor out;
-        for (int64_t c = 0; c < d.pp_virtual; ++c) {
-          const int64_t vs = c * d.pp + d.pp_stage;
-          const torch::Tensor in = vs == 0 ? idx : link->recv({idx.size(0), idx.size(1), d.n_embd}, prev, activation_tag(0, vs - 1, P), device_);
-          out = model_->stage_forward(in, c);
-          if (vs + 1 < P) link->send(out, next, activation_tag(0, vs, P));
-        }
+        const torch::Tensor out = pipeline_forward(model_, *link, idx, 0, device_);
         link->finish();
         torch::Tensor logits = d.last_stage() ? model_->stage_logits(out).select(1, -1).squeeze(0).to(torch::kFloat32).contiguous()
                                               : torch::empty({d.classes()}, torch::dtype(torch::kFloat32).device(device_));
