@@ -323,7 +323,7 @@ expect_own_usage "model.init_from: missing and extra .npy files" \
 expect_own_usage "parallel.tp that does not divide the world" "cfg.yaml: parallel.tp: 2 does not divide the world size 3" \
   "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.tp=2
 expect_own_usage "parallel.islands that do not divide the world" \
-  "cfg.yaml: parallel.islands: 2 does not divide the world size 3 (world = islands x dp x tp; every island as many ranks)" \
+  "cfg.yaml: parallel.islands: 2 does not divide the world size 3 (world = islands x pp x dp x tp; every island as many ranks)" \
   "$MPIRUN" -np 3 "$BIN" cfg.yaml --set parallel.islands=2
 expect_own_usage "parallel.islands that would split a tp group" \
   "cfg.yaml: parallel.islands: 2 islands of 1 ranks would split a tp group of parallel.tp 2 (an island is a whole number of tp groups)" \

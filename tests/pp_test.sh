@@ -25,6 +25,10 @@
 #    own tensors into the one file) resumed at pp 4, and pp 4's (checkpoint.writers: rank0: each
 #    stage's tensors sent to rank 0) on one rank and at pp 2 interleaved, train the one-rank run's
 #    steps 5-8;
+#  - a mixture of experts (Qwen3-MoE, the load-balancing loss over every stage's sparse layers)
+#    at pp 4 and pp 2 interleaved trains the one-rank run;
+#  - DiLoCo's islands with a pipeline inside each: 2 islands x pp 2 (np 4) trains the 2 islands of
+#    one rank (np 2);
 #  - plan at pp 2 interleaved prints each stage's table and its predicted idle share (bench/pp.sh
 #    compares that prediction with training's measured waiting);
 #  - the start-up lines name the stages and the bubble; each stage's measured waiting (the bubble,
@@ -193,6 +197,47 @@ init_run u1 1 llama_false.yaml hf_lfalse1
 init_run u4 4 llama_false.yaml hf_lfalse1 --set parallel.pp=4
 check "model.init_from at tp 2 x pp 2 (tied) and at pp 4 (untied: the output layer the last stage's) starts the one-rank run: its losses (exit ${rc_of[i4]}, ${rc_of[u4]})" \
   "same i1 i4 4 && same u1 u4 4 && grep -q 'each of the 2 stages. first replica read its stage.s tensors' i4.out"
+
+# A mixture of experts (Qwen3-MoE, moe_test.sh's: sparse layers 1 and 3, 8 experts, top 2, the aux
+# loss x 0.5 and a z-loss): pp 4 (stage 0 holds no sparse layer) and pp 2 interleaved (each stage
+# a dense and a sparse chunk) train the one-rank run: losses, final parameters, and the aux loss,
+# z-loss and each sparse layer's expert load in metrics.jsonl.
+printf 'model: {preset: custom, family: qwen3_moe, n_layer: 4, n_head: 4, n_kv_head: 2, n_embd: 32, head_dim: 16, intermediate_size: 64, seq_len: 32, vocab_size: 258, tie_embeddings: false, num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 16, norm_topk_prob: true, decoder_sparse_step: 2, router_aux_loss_coef: 0.5}\n%s\n' \
+  "$common" > moe.yaml
+run m1 1 moe.yaml --set train.moe_z_loss_coef=0.01
+run m4 4 moe.yaml --set train.moe_z_loss_coef=0.01 --set parallel.pp=4
+run m2i 2 moe.yaml --set train.moe_z_loss_coef=0.01 --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
+moe_metrics() {  # A B: every logged step's aux loss and z-loss within 1e-5, expert loads within 1e-3
+  "$PY" - "run_$1/metrics.jsonl" "run_$2/metrics.jsonl" <<'PYEOF'
+import json, sys
+def rows(p):
+    return [r for r in map(json.loads, open(p)) if "aux_loss" in r]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+ok = len(a) == len(b) == 8 and all(
+    abs(x["aux_loss"] - y["aux_loss"]) <= 1e-5 and abs(x["z_loss"] - y["z_loss"]) <= 1e-5 and
+    len(x["expert_load"]) == len(y["expert_load"]) == 2 and
+    all(abs(p - q) <= 1e-3 for p, q in zip(x["expert_load"], y["expert_load"]))
+    for x, y in zip(a, b))
+last = (b[-1]["aux_loss"], b[-1]["expert_load"]) if b else None
+print(f"  {sys.argv[2]}: {len(b)} steps with an aux loss; the last {last} against {(a[-1]['aux_loss'], a[-1]['expert_load']) if a else None}")
+sys.exit(0 if ok else 1)
+PYEOF
+}
+for n in m4 m2i; do
+  { close m1 $n && moe_metrics m1 $n; } > close_$n.out 2>&1
+  rc=$?
+  cat close_$n.out
+  what="pp 4 (stage 0 without a sparse layer)"
+  [ $n = m2i ] && what="pp 2 interleaved"
+  check "a mixture of experts (aux loss and z-loss over every stage's sparse layers) at $what trains the one-rank run: losses, final parameters, aux loss, z-loss and expert loads (exit ${rc_of[$n]})" \
+    "same m1 $n && [ $rc -eq 0 ]"
+done
+
+run dl2 2 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3
+run dlpp 4 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3 --set parallel.pp=2
+check "DiLoCo with a pipeline inside each island: 2 islands x pp 2 (np 4) trains 2 islands of one rank (np 2): its losses, validation losses and final parameters, island 0's first pipeline writing the checkpoints (exit ${rc_of[dlpp]})" \
+  "same dl2 dlpp && close dl2 dlpp && grep -q 'mesh: 4 ranks = 2 islands x pp 2 x dp 1; stages [^ ]*\[0\] [^ ]*\[1\] [^ ]*\[2\] [^ ]*\[3\]; islands [^ ]*\[0-1\] [^ ]*\[2-3\]' dlpp.out &&
+   [ -f ckpt_dlpp/ckpt-00000008.diloco/rank-00003.h5 ]"
 
 expect_own_usage "more stages than blocks refused by name" "parallel.pp must be at most model.n_layer = 4 (each stage holds at least one block), got 5" \
   "$BIN" gpt.yaml --set parallel.pp=5

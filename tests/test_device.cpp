@@ -111,6 +111,27 @@ TEST(Layout, PipelineStagesAreRunsOfRanksEachWithItsOwnDpGroup) {
   EXPECT_THROW(plan_layout(topo, 1, 1, 1, 3), UsageError);
 }
 
+// DiLoCo's islands are the outermost runs, a pipeline inside each: 2 hosts x 4 ranks as 2 islands
+// (one per host) x pp 2 x dp 2. A stage's dp group and a pipeline stay inside their island; the
+// replica group of a stage and the island group (the outer all-reduce) cross the islands.
+TEST(Layout, IslandsHoldWholePipelines) {
+  const Topology topo = hosts_of({{"a", 4}, {"b", 4}});
+  const MeshLayout l = plan_layout(topo, 1, -1, 1, 2);  // islands: host
+  EXPECT_EQ(l.islands, 2);
+  EXPECT_EQ(l.dp, 2);
+  EXPECT_EQ(l.island(5), 1);
+  EXPECT_EQ(l.stage(5), 0);
+  EXPECT_EQ(l.stage(6), 1);
+  EXPECT_EQ(l.dp_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.pp_group(5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(l.replica(5), 3);
+  EXPECT_EQ(l.replica(7), 3);  // every stage of a pipeline reads its replica's data
+  EXPECT_EQ(l.replica_group(6), (std::vector<int>{2, 3, 6, 7}));
+  EXPECT_EQ(l.island_group(6), (std::vector<int>{2, 6}));
+  EXPECT_EQ(l.describe(topo), "mesh: 8 ranks = 2 islands x pp 2 x dp 2; stages a[0-1] a[2-3] b[4-5] b[6-7]; islands a[0-3] b[4-7]");
+  EXPECT_THROW(plan_layout(hosts_of({{"a", 3}, {"b", 3}}), 1, -1, 1, 2), UsageError);  // an island of 3 ranks in 2 stages
+}
+
 TEST(Layout, ALayoutThatDoesNotFitTheHostsIsRefusedNamingKeyAndHost) {
   try {
     plan_layout(hosts_of({{"a", 3}, {"b", 3}}), 2);  // ranks 2-3 would span a and b

@@ -1378,6 +1378,7 @@ void expect_same_run(const TrainResult& got, const TrainResult& ref, const std::
   for (size_t i = 0; i < ref.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i].second, ref.losses[i].second, kReorderTolerance * std::abs(ref.losses[i].second))
         << what << ", step " << ref.losses[i].first;
+  if (got.params.empty() && world_rank() != 0) return;  // (pipeline stages: rank 0 holds the whole model's)
   const Gap gap = worst_relative_gap(got, ref, theta0);
   if (world_rank() == 0)
     std::printf("[ info ] %s vs 2 islands of 1 rank: worst parameter gap %.3g (%s), tolerance %.3g\n", what.c_str(),
@@ -1445,7 +1446,7 @@ TEST(Train, DilocoOneIslandIsPlainAndOneInnerSgdStepIsDataParallel) {
 // The same DiLoCo run (2 islands, H = 3, Nesterov 0.7 / 0.9: outer steps after steps 3, 6 and the
 // last, 7) under the layouts an island can have: each island one rank (the reference, on a pair
 // of ranks), dp 2 (each rank reduces half the model across the islands), ZeRO-1 and ZeRO-3 (each
-// its slices or shards), tp 2. The islands see the same windows in every layout, so the runs
+// its slices or shards), tp 2, a pipeline of 2 stages in each island. The islands see the same windows in every layout, so the runs
 // differ in the order of fp32 additions only (kReorderTolerance). The bytes each rank hands to
 // the outer all-reduces: (outer steps) x (its part) x 4, bf16 half of it; a data-parallel run
 // hands the whole model every step.
@@ -1483,13 +1484,15 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
   }
   ASSERT_EQ(n, 4) << "run under mpirun -np 2 or 4";
   Config dp2 = dl("dl-dp2", 1), zero1 = dl("dl-zero1", 1), zero3 = dl("dl-zero3", 1), tp2 = dl("dl-tp2", 2);
+  Config pp2 = dl("dl-pp2", 2);
+  pp2.parallel.pp = 2;
   zero1.optim.zero = 1;
   zero3.optim.zero = 3;
   tp2.parallel.tp = 2;
   tp2.model.n_head = 2;
   for (const auto& [what, cfg] : std::vector<std::pair<std::string, Config>>{
            {"2 islands x dp 2", dp2}, {"2 islands x dp 2, ZeRO-1", zero1}, {"2 islands x dp 2, ZeRO-3", zero3},
-           {"2 islands x tp 2", tp2}}) {
+           {"2 islands x tp 2", tp2}, {"2 islands x pp 2", pp2}}) {
     const TrainResult got = train(cfg, mpi::world(), keep);
     EXPECT_EQ(got.outer_steps, 3) << what;
     if (what == "2 islands x dp 2") {  // half the model each (the parts rounded up)
@@ -1503,17 +1506,21 @@ TEST(Train, DilocoLayoutsOfAnIslandGiveTheSameRun) {
 // and resumed is the run that never stopped, bit for bit: losses, evaluations and parameters.
 // Each rank's theta_outer part, momentum, its island's parameters and AdamW moments come back
 // from ckpt-4.diloco/ (the file itself holds island 0's). Under the layouts an island can have:
-// one rank; with 4 ranks dp 2 without and with ZeRO-1. Then the same checkpoint under another
+// one rank; with 4 ranks dp 2 without and with ZeRO-1, and a pipeline of 2 stages in each island
+// (each stage's ranks their own files; island 0's first pipeline writes the checkpoint). Then the same checkpoint under another
 // layout is refused by name, and a plain checkpoint starts a DiLoCo run (theta_outer = its weights).
 TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
   const int n = world_size();
-  // (optim.zero, diloco.dtype): int8 also resumes its error feedback
-  std::vector<std::pair<int64_t, std::string>> variants = {{0, "fp32"}};
-  variants.emplace_back(n == 4 ? 1 : 0, n == 4 ? "fp32" : "int8");
-  for (const auto& [zero, dtype] : variants) {
-    auto cfg_for = [&, zero = zero, dtype = dtype](const std::string& run) {
-      Config c = with_islands(small_config(concat(run, "-z", zero, dtype), n == 4 ? 1 : 2, 8), 2, 3, 0.7, 0.9);
+  // (optim.zero, diloco.dtype, parallel.pp): int8 also resumes its error feedback
+  std::vector<std::tuple<int64_t, std::string, int64_t>> variants = {{0, "fp32", 1}};
+  variants.emplace_back(n == 4 ? 1 : 0, n == 4 ? "fp32" : "int8", 1);
+  if (n == 4) variants.emplace_back(0, "fp32", 2);
+  for (const auto& [zero, dtype, pp] : variants) {
+    auto cfg_for = [&, zero = zero, dtype = dtype, pp = pp](const std::string& run) {
+      Config c = with_islands(small_config(concat(run, "-z", zero, dtype, pp > 1 ? "-pp" : ""), n == 4 && pp == 1 ? 1 : 2, 8), 2,
+                              3, 0.7, 0.9);
       c.model.dropout = 0.1;  // the dropout streams resume too
+      c.parallel.pp = pp;
       c.optim.zero = zero;
       c.diloco.dtype = dtype;
       c.eval.every = 3;
@@ -1540,7 +1547,7 @@ TEST(Train, DilocoResumeIsBitwiseExactInItsLayout) {
     EXPECT_EQ(vals, straight.val_losses) << "zero " << zero;
     EXPECT_TRUE(same_params(second, straight)) << "zero " << zero << ": bitwise";
     if (world_rank() == 0) {  // each rank's file beside the checkpoints kept (keep 2, one spare)
-      const std::string dir = shared_data_dir() + concat("/dl-resumed-z", zero, dtype, "-ckpt");
+      const std::string dir = shared_data_dir() + concat("/dl-resumed-z", zero, dtype, pp > 1 ? "-pp" : "", "-ckpt");
       for (int r = 0; r < n; ++r) {
         char name[64];
         std::snprintf(name, sizeof name, "/ckpt-00000008.diloco/rank-%05d.h5", r);
@@ -1637,7 +1644,8 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
       EXPECT_LT(got.losses.back().second, got.losses.front().second - 0.05) << what << ": it learned";
     }
   }
-  // 3 and 4: 2 ranks: islands of one rank; 4 ranks: dp 2 in each island (and ZeRO-1, ZeRO-3 for 3).
+  // 3 and 4: 2 ranks: islands of one rank; 4 ranks: dp 2 in each island (and ZeRO-1, ZeRO-3, and
+  // a pipeline of 2 stages in each, whose first stage holds no parameter of fragment 1, for 3).
   TrainHooks keep;
   keep.keep_params = true;
   const int64_t micro = n == 4 ? 1 : 2;
@@ -1645,12 +1653,14 @@ TEST(Train, DilocoStreamingSyncsFragmentsOnTheirSteps) {
   if (n == 4) {
     const auto theta0 = initial_params(cfg("dls-ref", 2, 1, 0.5));
     const TrainResult ref = train(cfg(concat("dls-ref-", r / 2), 2, 1, 0.5), pair, keep);
-    Config zero1 = cfg("dls-zero1", 1, 1, 0.5), zero3 = cfg("dls-zero3", 1, 1, 0.5);
+    Config zero1 = cfg("dls-zero1", 1, 1, 0.5), zero3 = cfg("dls-zero3", 1, 1, 0.5), pp2 = cfg("dls-pp2", 2, 1, 0.5);
     zero1.optim.zero = 1;
     zero3.optim.zero = 3;
+    pp2.parallel.pp = 2;
     for (const auto& [what, got] : {std::pair<std::string, TrainResult>{"2 islands x dp 2", straight},
                                     {"2 islands x dp 2, ZeRO-1", train(zero1, mpi::world(), keep)},
-                                    {"2 islands x dp 2, ZeRO-3", train(zero3, mpi::world(), keep)}}) {
+                                    {"2 islands x dp 2, ZeRO-3", train(zero3, mpi::world(), keep)},
+                                    {"2 islands x pp 2", train(pp2, mpi::world(), keep)}}) {
       EXPECT_EQ(got.outer_steps, 6) << what;
       expect_same_run(got, ref, theta0, "streaming DiLoCo " + what);
     }

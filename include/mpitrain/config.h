@@ -194,7 +194,7 @@ struct CommConfig {
   int64_t powersgd_start = 10;      // PowerSGD: steps before this one all-reduce plainly, >= 0
 };
 
-// The layout of the ranks (mesh.h): world = islands x dp x tp, tp groups consecutive ranks of one
+// The layout of the ranks (mesh.h): world = islands x pp x dp x tp, tp groups consecutive ranks of one
 // host, islands consecutive ranks.
 struct ParallelConfig {
   int64_t tp = 1;  // tensor-parallel degree, >= 1

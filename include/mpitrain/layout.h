@@ -1,4 +1,4 @@
-// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = pp x islands x dp x tp.
+// The parallel layout of a job, as numbers (torchtitan's ParallelDims): world = islands x pp x dp x tp.
 // Pipeline stages (pp) are the outermost runs of consecutive ranks (stage s: ranks [s world / pp,
 // (s + 1) world / pp)), so that a pipeline spans hosts and its stages' dp and tp groups stay
 // within one stage; everything below applies within a stage, whose ranks are numbered from 0.
@@ -21,23 +21,24 @@ struct MeshLayout {
   int world = 1;
   int dp = 1;       // data-parallel ranks per island (the whole world's without islands)
   int tp = 1;
-  int islands = 1;  // DiLoCo's islands (diloco.h): world = islands x dp x tp, each island consecutive ranks
+  int islands = 1;  // DiLoCo's islands (diloco.h): world = islands x pp x dp x tp, each island consecutive ranks
   // Expert parallelism (parallel.ep): each run of ep consecutive dp ranks is an ep group, whose
   // ranks hold one share of the experts each and exchange tokens (dp = ep groups x ep).
   int ep = 1;
-  // Pipeline parallelism (parallel.pp, pipeline.h): the stages, each world / pp consecutive ranks.
+  // Pipeline parallelism (parallel.pp, pipeline.h): the stages, each island's ranks in pp runs of
+  // consecutive ranks (a pipeline inside each island).
   int pp = 1;
 
-  int stage_size() const { return world / pp; }
-  int stage(int rank) const { return rank / stage_size(); }
-  int island_size() const { return stage_size() / islands; }
-  int island(int rank) const { return (rank % stage_size()) / island_size(); }
-  int dp_rank(int rank) const { return (rank % island_size()) / tp; }  // within its island
+  int island_size() const { return world / islands; }
+  int island(int rank) const { return rank / island_size(); }
+  int stage_size() const { return island_size() / pp; }  // one stage's ranks in one island
+  int stage(int rank) const { return (rank % island_size()) / stage_size(); }
+  int dp_rank(int rank) const { return (rank % stage_size()) / tp; }  // within its island
   int tp_rank(int rank) const { return rank % tp; }
   // Data replicas over all islands: each reads its own windows (rank's is island x dp + dp_rank);
   // every stage of a pipeline reads its replica's.
   int replicas() const { return islands * dp; }
-  int replica(int rank) const { return (rank % stage_size()) / tp; }
+  int replica(int rank) const { return island(rank) * dp + dp_rank(rank); }
   // The rank's place in its ep group: its share of the experts.
   int ep_rank(int rank) const { return dp_rank(rank) % ep; }
   // The ranks of rank's tp group, of its dp group (its island's ranks with its tp coordinate), of

@@ -1,4 +1,4 @@
-// The device mesh: the one object that knows the job's layout (layout.h: world = pp x islands x dp x tp,
+// The device mesh: the one object that knows the job's layout (layout.h: world = islands x pp x dp x tp,
 // this rank's coordinates) and holds one Communicator per group: the world, this rank's dp group
 // and its tp group; with DiLoCo's islands also its replica group (every island's ranks of its tp
 // coordinate), its island group (its place in every island) and its island (every rank of it);

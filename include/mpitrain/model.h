@@ -347,6 +347,18 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // computes it, without experts).
   torch::Tensor stage_forward(const torch::Tensor& in, int64_t chunk = 0);
   torch::Tensor stage_loss(const torch::Tensor& out, const torch::Tensor& targets);
+  // With experts: the router log of the last stage_forward (in training: its chunk's sparse layers'
+  // token counts and probability sums, and the rows they routed), handed over and cleared.
+  // router_counts: a log's counts per expert summed over its layers, and its rows (int64 [E + 1]
+  // on the host; an empty log's are zeros). loss()'s load-balancing terms are linear in each
+  // layer's probability sums once the counts and rows of every sparse layer are known, so each
+  // stage adds its own layers' part: router_terms gives `log`'s, given the whole model's
+  // router_counts (summed over every stage's logs): aux coefficient x its share of the aux loss
+  // (+ z-loss coefficient x its share of the z-loss), setting last_aux_loss / last_z_loss to the
+  // unweighted shares (undefined: no sparse layer in `log`).
+  RouterLog take_router_log();
+  torch::Tensor router_counts(const RouterLog& log) const;
+  torch::Tensor router_terms(const RouterLog& log, const torch::Tensor& routing);
 
   const GPTDims& dims() const { return dims_; }
   // The last forward's load-balancing loss (undefined: no experts or not training) and each sparse
@@ -362,6 +374,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   void set_routing_bias(const torch::Tensor& bias);
   void update_routing_bias(double rate, Communicator& dp);
   std::vector<double> expert_load() const;
+  static std::vector<double> expert_load(const RouterLog& log);  // each of its sparse layers' max / mean
   // With train.moe_capacity_factor: the share of the last forward's token copies dropped (-1: dropless).
   double dropped_share() const;
   // ZeRO-3: who makes the blocks' parameters whole (not owned; null: they always are).

@@ -1,6 +1,6 @@
 // How one run's model and optimizer are spread over the ranks: the one place that knows.
 //
-// The parallelisms compose on the mesh (mesh.h; world = pp x dp x tp):
+// The parallelisms compose on the mesh (mesh.h; world = islands x pp x dp x tp):
 // - tensor parallelism (parallel.tp): the modules are made as this rank's shards (model.h's
 //   GPTDims tp; tensor_parallel.h's splits); here: the gradient norm over the tp group, a
 //   checkpoint's shards assembled (rank 0's whole copy, or each tp rank its share) and the

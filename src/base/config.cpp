@@ -844,13 +844,11 @@ void validate(const Config& c, const std::string& where) {
                  " (the interleaved schedule's chunks hold equal runs of blocks)"),
           show(c.parallel.pp_virtual));
     pp_with(c.parallel.ep == 1, "parallel.ep", "1", show(c.parallel.ep));
-    pp_with(c.parallel.islands == "1", "parallel.islands", "1", show(c.parallel.islands));
     pp_with(c.optim.zero <= 2, "optim.zero", "0, 1 or 2", show(c.optim.zero));
     pp_with(c.comm.compress == "none", "comm.compress", "none", show(c.comm.compress));
     pp_with(m.fused_kernels != "on", "model.fused_kernels", "auto or off", show(m.fused_kernels));
     pp_with(c.train.precision != "fp16", "train.precision", "fp32 or bf16", show(c.train.precision));
-    check(m.arch != "llama" || !dims_of_config(m).has_experts(), "parallel.pp",
-          "1 for a mixture of experts (its load-balancing loss spans the stages; not built yet)", show(c.parallel.pp));
+    pp_with(c.train.moe_bias_update_rate == 0, "train.moe_bias_update_rate", "0", show(c.train.moe_bias_update_rate));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

@@ -15,11 +15,13 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   // Ranks of one tp group share their stage and their replica in it; ranks of one dp group share
   // their stage, island and tp coordinate. Both splits are collective over the world, so every
   // rank makes both even when one is trivial.
-  tp_mpi_ = mpi::split(world, layout_.stage(rank_) * (layout_.stage_size() / layout_.tp) + layout_.replica(rank_), rank_);
-  const int stage_key = layout_.stage(rank_) * layout_.islands * layout_.tp;  // (0 without pipeline stages)
-  dp_mpi_ = mpi::split(world, stage_key + layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
+  tp_mpi_ = mpi::split(world, rank_ / layout_.tp, rank_);  // (a tp group: tp consecutive ranks)
+  // A dp group: one island's ranks of one stage at one tp coordinate.
+  const int dp_group_key = (layout_.island(rank_) * layout_.pp + layout_.stage(rank_)) * layout_.tp + layout_.tp_rank(rank_);
+  dp_mpi_ = mpi::split(world, dp_group_key, rank_);
   if (layout_.tp > 1 || layout_.islands > 1 || layout_.pp > 1) dp_ = make_communicator(backend, dp_mpi_, device);
-  pp_mpi_ = mpi::split(world, rank_ % layout_.stage_size(), rank_);
+  // A pipeline: the rank at its place in each stage of its island.
+  pp_mpi_ = mpi::split(world, layout_.island(rank_) * layout_.stage_size() + rank_ % layout_.stage_size(), rank_);
   pp_ = layout_.pp > 1 ? make_communicator(backend, pp_mpi_, device) : make_mpi_communicator(pp_mpi_);
   if (layout_.tp > 1) {
     tp_ = make_communicator(backend, tp_mpi_, device);
@@ -28,14 +30,13 @@ Mesh::Mesh(MpiComm world, const MeshLayout& layout, const std::string& backend, 
   }
   // Expert parallelism: an ep group is ep consecutive ranks of a dp group; its expert replicas
   // the dp group's ranks at the same place in theirs (both collective over the world).
-  const int dp_group_key = stage_key + layout_.island(rank_) * layout_.tp + layout_.tp_rank(rank_);
   ep_mpi_ = mpi::split(world, dp_group_key * layout_.dp + layout_.dp_rank(rank_) / layout_.ep, rank_);
   expert_replicas_mpi_ = mpi::split(world, dp_group_key * layout_.ep + layout_.ep_rank(rank_), rank_);
   ep_ = layout_.ep > 1 ? make_communicator(backend, ep_mpi_, device) : make_mpi_communicator(ep_mpi_);
   expert_replicas_ = layout_.ep > 1 && layout_.dp > layout_.ep ? make_communicator(backend, expert_replicas_mpi_, device)
                                                                 : make_mpi_communicator(expert_replicas_mpi_);
   if (layout_.islands > 1) {  // DiLoCo: every island's replicas (data, evaluation); the outer all-reduce
-    replicas_mpi_ = mpi::split(world, layout_.tp_rank(rank_), rank_);
+    replicas_mpi_ = mpi::split(world, layout_.stage(rank_) * layout_.tp + layout_.tp_rank(rank_), rank_);
     islands_mpi_ = mpi::split(world, rank_ % layout_.island_size(), rank_);
     island_mpi_ = mpi::split(world, layout_.island(rank_), rank_);
     replicas_ = make_communicator(backend, replicas_mpi_, device);

@@ -16,26 +16,27 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 std::vector<int> MeshLayout::dp_group(int rank) const {
   std::vector<int> ranks;
-  const int first = stage(rank) * stage_size() + island(rank) * island_size();
+  const int first = island(rank) * island_size() + stage(rank) * stage_size();
   for (int d = 0; d < dp; ++d) ranks.push_back(first + d * tp + tp_rank(rank));
   return ranks;
 }
 
 std::vector<int> MeshLayout::replica_group(int rank) const {
   std::vector<int> ranks;
-  for (int d = 0; d < replicas(); ++d) ranks.push_back(stage(rank) * stage_size() + d * tp + tp_rank(rank));
+  for (int i = 0; i < islands; ++i)
+    for (int d = 0; d < dp; ++d) ranks.push_back(i * island_size() + stage(rank) * stage_size() + d * tp + tp_rank(rank));
   return ranks;
 }
 
 std::vector<int> MeshLayout::island_group(int rank) const {
   std::vector<int> ranks;
-  for (int i = 0; i < islands; ++i) ranks.push_back(stage(rank) * stage_size() + i * island_size() + rank % island_size());
+  for (int i = 0; i < islands; ++i) ranks.push_back(i * island_size() + rank % island_size());
   return ranks;
 }
 
 std::vector<int> MeshLayout::pp_group(int rank) const {
   std::vector<int> ranks;
-  for (int s = 0; s < pp; ++s) ranks.push_back(s * stage_size() + rank % stage_size());
+  for (int s = 0; s < pp; ++s) ranks.push_back(island(rank) * island_size() + s * stage_size() + rank % stage_size());
   return ranks;
 }
 
@@ -55,8 +56,8 @@ std::vector<int> MeshLayout::expert_replica_group(int rank) const {
 }
 
 std::string MeshLayout::describe(const Topology& topo) const {
-  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ", pp > 1 ? concat("pp ", pp, " x ") : std::string(),
-                           islands > 1 ? concat(islands, " islands x ") : std::string(), "dp ", dp);
+  std::string out = concat("mesh: ", world, world == 1 ? " rank" : " ranks", " = ", islands > 1 ? concat(islands, " islands x ") : std::string(),
+                           pp > 1 ? concat("pp ", pp, " x ") : std::string(), "dp ", dp);
   if (ep > 1)
     out += concat(" (ep ", ep, ": ", dp / ep, dp / ep == 1 ? " group" : " groups", " of ", ep,
                   " ranks each holding 1/", ep, " of the experts)");
@@ -76,7 +77,7 @@ std::string MeshLayout::describe(const Topology& topo) const {
       out += concat(" ", a, a == b ? std::string() : "-" + b, "[", rank_ranges(ranks), "]");
     }
   };
-  if (pp > 1) runs("stages", pp, stage_size());
+  if (pp > 1) runs("stages", islands * pp, stage_size());
   if (islands > 1) runs("islands", islands, island_size());
   return out;
 }
@@ -114,12 +115,15 @@ MeshLayout plan_layout(const Topology& topo, int64_t tp, int64_t islands, int64_
   l.pp = static_cast<int>(pp);
   if (islands < 1 || topo.size % islands != 0)
     throw UsageError(concat("parallel.islands: ", islands, " does not divide the world size ", topo.size,
-                            " (world = islands x dp x tp; every island as many ranks)"));
+                            " (world = islands x pp x dp x tp; every island as many ranks)"));
   if ((topo.size / islands) % tp != 0)
     throw UsageError(concat("parallel.islands: ", islands, " islands of ", topo.size / islands,
                             " ranks would split a tp group of parallel.tp ", tp,
                             " (an island is a whole number of tp groups)"));
   l.islands = static_cast<int>(islands);
+  if ((topo.size / islands) % (pp * tp) != 0)
+    throw UsageError(concat("parallel.pp: ", pp, " does not divide each of the ", islands, " islands' ", topo.size / islands,
+                            " ranks into stages of whole tp groups (an island = pp x dp x tp)"));
   l.dp = topo.size / l.pp / l.tp / l.islands;
   if (ep < 1 || l.dp % ep != 0)
     throw UsageError(concat("parallel.ep: ", ep, " does not divide the ", l.dp, " data-parallel ranks (world ", topo.size,

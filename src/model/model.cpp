@@ -941,6 +941,8 @@ torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in, int64_t chunk) {
   MPITRAIN_CHECK(dims_.pp > 1 && !run_.fused_kernels && chunk >= 0 && chunk < dims_.pp_virtual,
                  "stage_forward: a chunk of a pipeline stage, unfused");
   const bool first = dims_.first_stage() && chunk == 0, last = dims_.last_stage() && chunk + 1 == dims_.pp_virtual;
+  router_log_.clear();
+  aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
   torch::Tensor x = run_blocks(first ? embed(in) : in, dims_.chunk_begin(chunk), dims_.chunk_end(chunk));
   return last ? ln_f(x) : x;
 }
@@ -1039,21 +1041,50 @@ torch::Tensor GPTImpl::stage_target_log_probs(const torch::Tensor& out, const to
   return picked - top - sum.log();
 }
 
+RouterLog GPTImpl::take_router_log() {
+  RouterLog out = std::move(router_log_);
+  router_log_.clear();
+  return out;
+}
+
+torch::Tensor GPTImpl::router_counts(const RouterLog& log) const {
+  torch::Tensor out = torch::zeros({dims_.num_experts + 1}, torch::kLong);
+  for (const torch::Tensor& c : log.counts) out.narrow(0, 0, dims_.num_experts) += c.to(torch::kCPU, torch::kLong);
+  out[dims_.num_experts] = log.rows;
+  return out;
+}
+
+torch::Tensor GPTImpl::router_terms(const RouterLog& log, const torch::Tensor& routing) {
+  const torch::Tensor counts = routing.narrow(0, 0, dims_.num_experts);
+  const int64_t rows = routing[dims_.num_experts].item<int64_t>();
+  // transformers' load_balancing_loss_func over every sparse layer's R tokens at once: E x sum_e
+  // (choices of e / R) x (mean router probability of e), the choices constant (no gradient), the
+  // probabilities the router's: this log's layers' probability sums against every layer's counts.
+  if (log.prob_sums.empty()) {
+    aux_loss_ = z_loss_ = torch::Tensor();
+    return torch::zeros({}, torch::kFloat32);
+  }
+  const auto E = static_cast<double>(dims_.num_experts), R = static_cast<double>(rows);
+  const torch::Tensor sums = torch::stack(log.prob_sums).sum(0);  // [E], or [E + 1] with the z-loss's
+  const torch::Tensor share = counts.to(sums.device(), torch::kFloat32) / R;
+  aux_loss_ = (share * sums.narrow(0, 0, dims_.num_experts)).sum() * (E / R);
+  torch::Tensor terms = aux_loss_ * dims_.router_aux_loss_coef;
+  z_loss_ = torch::Tensor();
+  if (run_.z_loss_coef > 0) {
+    z_loss_ = sums[dims_.num_experts] / R;
+    terms = terms + z_loss_ * run_.z_loss_coef;
+  }
+  return terms;
+}
+
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   torch::Tensor loss = lm_loss(idx, targets);
   if (router_log_.prob_sums.empty()) return loss;
-  // transformers' load_balancing_loss_func over every sparse layer's R tokens at once: E x sum_e
-  // (choices of e / R) x (mean router probability of e), the choices constant (no gradient), the
-  // probabilities the router's.
-  const auto E = static_cast<double>(dims_.num_experts), R = static_cast<double>(router_log_.rows);
-  const torch::Tensor share = torch::stack(router_log_.counts).sum(0).to(torch::kFloat32) / R;
-  const torch::Tensor sums = torch::stack(router_log_.prob_sums).sum(0);  // [E], or [E + 1] with the z-loss's
-  aux_loss_ = (share * sums.narrow(0, 0, dims_.num_experts)).sum() * (E / R);
+  const torch::Tensor routing = torch::cat({torch::stack(router_log_.counts).sum(0).to(torch::kLong),
+                                             torch::full({1}, router_log_.rows, torch::dtype(torch::kLong).device(router_log_.counts[0].device()))});
+  router_terms(router_log_, routing);  // (aux_loss_, z_loss_)
   loss = loss + aux_loss_ * dims_.router_aux_loss_coef;
-  if (run_.z_loss_coef > 0) {
-    z_loss_ = sums[dims_.num_experts] / R;
-    loss = loss + z_loss_ * run_.z_loss_coef;
-  }
+  if (z_loss_.defined()) loss = loss + z_loss_ * run_.z_loss_coef;
   if (run_.routing_bias) {  // the step's load, for update_routing_bias
     if (routed_since_update_.empty())
       for (const torch::Tensor& c : router_log_.counts) routed_since_update_.push_back(torch::zeros_like(c));
@@ -1107,9 +1138,11 @@ double GPTImpl::dropped_share() const {
   return static_cast<double>(router_log_.dropped) / static_cast<double>(router_log_.copies);
 }
 
-std::vector<double> GPTImpl::expert_load() const {
+std::vector<double> GPTImpl::expert_load() const { return expert_load(router_log_); }
+
+std::vector<double> GPTImpl::expert_load(const RouterLog& log) {
   std::vector<double> load;
-  for (const torch::Tensor& c : router_log_.counts) {
+  for (const torch::Tensor& c : log.counts) {
     const torch::Tensor f = c.to(torch::kFloat64);
     load.push_back((f.max() / f.mean().clamp_min(1e-12)).item<double>());
   }

@@ -57,7 +57,9 @@ int64_t fragment_of(const std::string& name, int64_t fragments) {
 }
 
 std::string diloco_layout(int64_t world, int64_t islands, int64_t dp, int64_t tp, int64_t zero) {
-  return concat(world, " ranks = ", islands, islands == 1 ? " island" : " islands", " x dp ", dp, " x tp ", tp,
+  const int64_t pp = world / std::max<int64_t>(1, islands * dp * tp);  // (a pipeline inside each island)
+  return concat(world, " ranks = ", islands, islands == 1 ? " island" : " islands", pp > 1 ? concat(" x pp ", pp) : std::string(),
+                " x dp ", dp, " x tp ", tp,
                 ", optim.zero ", zero);
 }
 

@@ -510,7 +510,7 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks (ZeRO: the moments
              // first gathered to them over each stage's dp group)
     const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
-    if (first_replica)
+    if (mesh.replica() == 0)  // (with islands: island 0's first pipeline)
       gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_,
                       shards_optimizer() ? &stage : nullptr, tp_ ? &mesh.tp() : nullptr);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
@@ -549,7 +549,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     FullOptimState state;
     if (into) state = host_optim_state_like(*into);
     const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
-    if (mesh_.dp_rank() == 0)
+    if (mesh_.replica() == 0)
       gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state, shards_optimizer() ? &stage : nullptr,
                       tp_ ? &mesh_.tp() : nullptr);
     if (into)

@@ -156,7 +156,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
   Startup run;
   run.topo = Topology::discover(mpi_comm);
   const Topology& topo = run.topo;
-  // The layout: world = islands x dp x tp. The batch arithmetic counts data replicas (all islands').
+  // The layout: world = islands x pp x dp x tp. The batch arithmetic counts data replicas (all islands').
   MeshLayout& layout = run.layout;
   int64_t islands = islands_count(cfg.parallel.islands);
   std::vector<std::vector<double>> gbit;

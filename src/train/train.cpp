@@ -123,9 +123,21 @@ double evaluate(GPT& model, const TokenDataset& val, Communicator& comm, const C
   });
 }
 
+// Pipeline parallelism with experts: the whole model's router counts (GPT::router_counts, int64)
+// ride behind an activation or its gradient as fp32 values, each as 4096 hi + lo (exact to 2^36).
+torch::Tensor pack_pipeline_routing(const torch::Tensor& routing) {
+  const torch::Tensor c = routing.to(torch::kCPU, torch::kLong);
+  return torch::cat({torch::div(c, 4096, "floor"), torch::remainder(c, 4096)}).to(torch::kFloat32);
+}
+torch::Tensor unpack_pipeline_routing(const torch::Tensor& values) {
+  const torch::Tensor v = values.to(torch::kCPU, torch::kLong);
+  const int64_t k = v.numel() / 2;
+  return v.narrow(0, 0, k) * 4096 + v.narrow(0, k, k);
+}
+
 // Pipeline parallelism: evaluate()'s batches through the stages, forward only (each batch's
 // activation to the next virtual stage, round the pipeline once per chunk); the last stage's mean
-// over its dp group (the replicas), then summed over the pipeline, where only the last stage's is
+// over the replicas (with islands: every island's), then summed over the pipeline, where only the last stage's is
 // not zero.
 // Pipeline parallelism, forward only: token ids `x` [B, T] through this rank's chunks, each chunk's
 // input from the previous virtual stage and its output sent to the next (round the pipeline once
@@ -152,7 +164,7 @@ double evaluate_pipeline(GPT& model, const TokenDataset& val, Mesh& mesh, const 
     const torch::Tensor out = pipeline_forward(model, link, x, b, device);
     return model->dims().last_stage() ? model->stage_loss(out, to_device(y, device)) : torch::Tensor();
   };
-  torch::Tensor mean = torch::full({1}, evaluate_batches(model, val, mesh.dp(), cfg, device, precision, through),
+  torch::Tensor mean = torch::full({1}, evaluate_batches(model, val, mesh.replicas_comm(), cfg, device, precision, through),
                                    torch::dtype(torch::kFloat64).device(device));
   link.finish();
   mesh.pp().all_reduce(mean, ReduceOp::sum);
@@ -267,6 +279,11 @@ class Run {
 
   // The step under way.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches_;  // its micro-batches (inputs, targets)
+  void add_router_sums();  // the model's last aux and z-loss (if any) into aux_sum_, z_sum_
+  // parallel.pp with experts: every sparse layer's expert load of the step's last micro-batch
+  // (collective over the pipeline), and the share of its token copies dropped (-1: dropless).
+  std::pair<std::vector<double>, double> pipeline_expert_load();
+  std::vector<RouterLog> last_logs_;  // parallel.pp with experts: per chunk, the step's last micro-batch's
   torch::Tensor loss_sum_, aux_sum_, z_sum_, norm_;  // aux_sum_, z_sum_: the experts' load-balancing and z-loss
   bool applied_ = true;  // the step's update was applied (false: fp16 overflowed, skipped)
   double lr_ = 0;
@@ -622,9 +639,36 @@ void Run::micro_batches() {
     scaler_.scale_loss(loss / static_cast<double>(accum_)).backward();
     par_.after_backward(m + 1 == accum_);
     loss_sum_ += loss.detach().to(torch::kFloat64);
-    if (model_->last_aux_loss().defined()) aux_sum_ += model_->last_aux_loss().detach().to(torch::kFloat64);
-    if (model_->last_z_loss().defined()) z_sum_ += model_->last_z_loss().detach().to(torch::kFloat64);
+    add_router_sums();
   }
+}
+
+void Run::add_router_sums() {
+  if (model_->last_aux_loss().defined()) aux_sum_ += model_->last_aux_loss().detach().to(torch::kFloat64);
+  if (model_->last_z_loss().defined()) z_sum_ += model_->last_z_loss().detach().to(torch::kFloat64);
+}
+
+std::pair<std::vector<double>, double> Run::pipeline_expert_load() {
+  const GPTDims& d = model_->dims();
+  torch::Tensor load = torch::full({d.n_layer}, -1.0, torch::kFloat64);
+  torch::Tensor dropped = torch::zeros({2}, torch::kFloat64);  // copies dropped, copies routed
+  for (int64_t c = 0; c < d.pp_virtual && static_cast<size_t>(c) < last_logs_.size(); ++c) {
+    const RouterLog& log = last_logs_[static_cast<size_t>(c)];
+    const std::vector<double> mine = GPTImpl::expert_load(log);
+    size_t k = 0;
+    for (int64_t b = d.chunk_begin(c); b < d.chunk_end(c) && k < mine.size(); ++b)
+      if (d.moe_layer(b)) load[b] = mine[k++];
+    dropped[0] += static_cast<double>(log.dropped), dropped[1] += static_cast<double>(log.copies);
+  }
+  s_.mesh->pp().all_reduce(load, ReduceOp::max);
+  s_.mesh->pp().all_reduce(dropped, ReduceOp::sum);
+  std::vector<double> out;
+  for (int64_t b = 0; b < d.n_layer; ++b)
+    if (load[b].item<double>() >= 0) out.push_back(load[b].item<double>());
+  const double share = model_->run().capacity_factor > 0 && dropped[1].item<double>() > 0
+                           ? dropped[0].item<double>() / dropped[1].item<double>()
+                           : -1;
+  return {out, share};
 }
 
 // Pipeline parallelism: the schedule's forwards and backwards of the step's micro-batches on this
@@ -632,7 +676,8 @@ void Run::micro_batches() {
 // ids), keeps it and its output for the backward and sends the output on; the last stage's is the
 // micro-batch's loss. A backward takes the output's gradient from the next stage (the last: the
 // loss's, scaled as the unpipelined step scales it) and sends the input's gradient back. Only the
-// last stage's loss_sum_ is the step's (log_step sums it over the pipeline).
+// last stage's loss_sum_ (with experts: and every stage's load-balancing terms) is the step's
+// (log_step sums it over the pipeline).
 void Run::pipeline_micro_batches() {
   const GPTDims& d = model_->dims();
   PipeLink link(s_.mesh->pp_mpi());
@@ -641,6 +686,24 @@ void Run::pipeline_micro_batches() {
   const int64_t v = d.pp_virtual, P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
   std::vector<torch::Tensor> inputs(static_cast<size_t>(accum_ * v)), outputs(static_cast<size_t>(accum_ * v));
   const std::vector<int64_t> shape{micro_, T_, d.n_embd};
+  // With experts, the load-balancing loss needs every sparse layer's token counts: each forward
+  // sends the counts and rows of the virtual stages so far behind its activation, the last one
+  // adds its own to the whole model's and adds its layers' terms to the loss, and each backward
+  // hands those totals back behind its gradient, so every chunk adds its layers' terms
+  // (GPT::router_terms) before its backward.
+  const bool routed = d.has_experts();
+  const int64_t n = micro_ * T_ * d.n_embd, extra = routed ? 2 * model_->router_counts(RouterLog()).numel() : 0;
+  std::vector<RouterLog> logs(routed ? static_cast<size_t>(accum_ * v) : 0);
+  if (routed) last_logs_.resize(static_cast<size_t>(v));
+  std::vector<torch::Tensor> totals(logs.size());  // the whole model's router_counts
+  const auto receive = [&](int64_t from, int tag, torch::Tensor* routing) {
+    torch::Tensor got = link.recv({n + extra}, from, tag, device_);
+    if (routed) *routing = unpack_pipeline_routing(got.narrow(0, n, extra));
+    return got.narrow(0, 0, n).view(shape);
+  };
+  const auto send = [&](const torch::Tensor& t, int64_t to, int tag, const torch::Tensor& routing) {
+    link.send(routed ? torch::cat({t.reshape({-1}).to(torch::kFloat32), pack_pipeline_routing(routing).to(t.device())}) : t, to, tag);
+  };
   const std::vector<PipeStep> steps = pipeline_schedule(cfg_.parallel.pp_schedule, d.pp, d.pp_stage, accum_, v);
   const PipeStep last_step = steps.back();  // (every schedule's last step is a backward: it completes the step)
   for (const PipeStep& s : steps) {
@@ -648,18 +711,31 @@ void Run::pipeline_micro_batches() {
     const auto at = static_cast<size_t>(s.chunk * accum_ + s.micro);
     const int64_t vs = s.chunk * d.pp + d.pp_stage;
     if (s.forward) {
+      torch::Tensor routing;  // the counts and rows of the virtual stages before this one
       torch::Tensor in = vs == 0 ? to_device(x, device_)
-                                 : link.recv(shape, prev, activation_tag(s.micro, vs - 1, P), device_).requires_grad_(true);
+                                 : receive(prev, activation_tag(s.micro, vs - 1, P), &routing).requires_grad_(true);
       torch::Tensor out;
       {
         Autocast autocast(precision_, device_);
         out = model_->stage_forward(in, s.chunk);
-        if (vs + 1 == P) out = model_->stage_loss(out, to_device(y, device_));
+        if (routed) {
+          logs[at] = model_->take_router_log();
+          const torch::Tensor mine = model_->router_counts(logs[at]);
+          routing = routing.defined() ? routing + mine : mine;
+        }
+        if (vs + 1 == P) {
+          out = model_->stage_loss(out, to_device(y, device_));
+          if (routed) {
+            totals[at] = routing;
+            out = out + model_->router_terms(logs[at], routing);
+            add_router_sums();
+          }
+        }
       }
       if (vs + 1 == P)
         loss_sum_ += out.detach().to(torch::kFloat64);
       else
-        link.send(out, next, activation_tag(s.micro, vs, P));
+        send(out, next, activation_tag(s.micro, vs, P), routing);
       inputs[at] = in, outputs[at] = out;
       continue;
     }
@@ -670,12 +746,23 @@ void Run::pipeline_micro_batches() {
     if (vs + 1 == P) {
       scaler_.scale_loss(outputs[at] / static_cast<double>(accum_)).backward();
     } else {
-      const torch::Tensor grad = link.recv(shape, next, gradient_tag(s.micro, vs, P), device_);
-      outputs[at].backward(grad.to(outputs[at].scalar_type()));
+      const torch::Tensor grad = receive(next, gradient_tag(s.micro, vs, P), routed ? &totals[at] : nullptr)
+                                     .to(outputs[at].scalar_type());
+      if (routed && !logs[at].prob_sums.empty()) {  // this chunk's layers' load-balancing terms
+        const torch::Tensor terms = model_->router_terms(logs[at], totals[at]);
+        add_router_sums();
+        loss_sum_ += terms.detach().to(torch::kFloat64);
+        const torch::Tensor scaled = scaler_.scale_loss(terms / static_cast<double>(accum_));
+        torch::autograd::backward({outputs[at], scaled}, {grad, torch::ones_like(scaled)});
+      } else {
+        outputs[at].backward(grad);
+      }
     }
     par_.after_backward(completes);
-    if (vs > 0) link.send(inputs[at].grad(), prev, gradient_tag(s.micro, vs - 1, P));
+    if (vs > 0) send(inputs[at].grad(), prev, gradient_tag(s.micro, vs - 1, P), routed ? totals[at] : torch::Tensor());
+    if (routed && s.micro + 1 == accum_) last_logs_[static_cast<size_t>(s.chunk)] = std::move(logs[at]);  // (the load reported)
     inputs[at] = torch::Tensor(), outputs[at] = torch::Tensor();  // this micro-batch's activations go
+    if (routed) logs[at] = RouterLog(), totals[at] = torch::Tensor();
   }
   link.finish();
 }
@@ -760,8 +847,11 @@ void Run::log_step() {
     const auto host = reduced.cpu();
     loss = host[0].item<double>() / static_cast<double>(accum_);
     any_bad_norm = host[1].item<double>();
-    if (model_->last_aux_loss().defined()) aux = host[2].item<double>() / static_cast<double>(accum_);
-    if (model_->last_z_loss().defined()) z = host[3].item<double>() / static_cast<double>(accum_);
+    // (a pipeline: a stage may hold no sparse layer, but the sums are the pipeline's)
+    const bool routed = par_.pipeline_parallel() && dims_.sparse_layers() > 0;
+    if (model_->last_aux_loss().defined() || routed) aux = host[2].item<double>() / static_cast<double>(accum_);
+    if (model_->last_z_loss().defined() || (routed && model_->run().z_loss_coef > 0))
+      z = host[3].item<double>() / static_cast<double>(accum_);
   }
   result_.losses.emplace_back(step, loss);
   if (!std::isfinite(loss) || any_bad_norm > 0)  // the same values on every rank
@@ -769,7 +859,10 @@ void Run::log_step() {
                           any_bad_norm > 0 && !bad_norm ? " here, not finite on another rank" : ""));
   StepReport report{step - 1, loss, lr_, grad_norm, comm_wait_->take_seconds(),
                     scaler_.enabled() ? scaler_.scale() : 0.0, aux, {}};
-  if (topo_.rank == 0 && aux >= 0) report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
+  if (par_.pipeline_parallel() && aux >= 0)  // (collective over the pipeline)
+    std::tie(report.expert_load, report.dropped) = pipeline_expert_load();
+  else if (topo_.rank == 0 && aux >= 0)
+    report.expert_load = model_->expert_load(), report.dropped = model_->dropped_share();
   if (s_.train_data->sources() > 0)  // the windows trained so far, per source, as tokens (each window's seq_len targets)
     for (uint64_t w : s_.train_data->source_windows(st_.data_cursor)) report.source_tokens.push_back(static_cast<double>(w * T_));
   report.z_loss = z;
@@ -928,7 +1021,7 @@ TrainResult Run::finish() {
   // the last stage's logits broadcast over the pipeline, every stage sampling the same token.
   const bool pipeline = par_.pipeline_parallel();
   if (par_.can_sample() && cfg_.sample.tokens > 0 && st_.tokenizer == "byte" &&
-      (wants_sample || par_.samples_on_every_rank() || (pipeline && s_.mesh->dp_rank() == 0))) {
+      (wants_sample || par_.samples_on_every_rank() || (pipeline && s_.mesh->replica() == 0))) {
     std::vector<int64_t> prompt{st_.eot_token};
     for (unsigned char c : cfg_.sample.prompt) prompt.push_back(c);
     std::function<torch::Tensor(const torch::Tensor&)> last_logits;
