@@ -334,6 +334,121 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
   std::fflush(stdout);
 }
 
+// The data-parallel plan of a run over several hosts weighs pipeline parallelism across them: one
+// stage per host (parallel.pp = the hosts, each host's ranks its stage's replicas), only the
+// activations at a stage boundary crossing the link instead of every gradient. Rank 0 and the
+// first rank of the second host ping-pong one activation ([micro, T, n_embd] fp32) over the link;
+// then every rank at once (as the stages run) times a model of one block and one of a stage's
+// blocks (ceil(n_layer / hosts)), which split a stage's micro-batch into what a block takes and
+// what the rest (embedding, final norm, head and loss) takes. (A model of a stage's blocks runs
+// faster per block than the whole model where the two differ in what the caches hold.)
+struct HostLink {
+  double seconds = -1;                   // one activation one way over the link between hosts (rank 0)
+  double block_f = 0, block_b = 0;       // one block's forward, backward, per micro-batch
+  double outside_f = 0, outside_b = 0;   // the rest of the model's
+};
+
+HostLink measure_host_link(const Topology& topo, const GPTDims& dims, const RunOptions& options, Precision precision,
+                           const torch::Device& device, int64_t micro, int64_t iters, double t_forward, double t_backward,
+                           MpiComm comm) {
+  HostLink out;
+  const auto hosts = static_cast<int64_t>(topo.hosts.size());
+  if (hosts < 2 || dims.n_layer < 2) return out;
+  const auto peer = static_cast<int>(std::find(topo.host_of_rank.begin(), topo.host_of_rank.end(), 1) - topo.host_of_rank.begin());
+  const torch::Tensor act = torch::randn({micro, dims.seq_len, dims.n_embd});
+  if (topo.rank == 0 || topo.rank == peer) {
+    PipeLink link(comm);
+    const double t = timed_here(iters, torch::Device(torch::kCPU), [&] {
+      if (topo.rank == 0) {
+        link.send(act, peer, 0);
+        link.recv(act.sizes(), peer, 1, torch::Device(torch::kCPU));
+      } else {
+        link.recv(act.sizes(), 0, 0, torch::Device(torch::kCPU));
+        link.send(act, 0, 1);
+      }
+      link.finish();
+    });
+    if (topo.rank == 0) out.seconds = t / 2;
+  }
+  // Forward, and forward + backward, of a model of `layers` blocks: every rank at once.
+  const auto time_model = [&](int64_t layers) {
+    GPTDims d = dims;
+    d.n_layer = layers;
+    GPT m(d);
+    m->apply(options);
+    m->to(device);
+    m->train();
+    torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
+    torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
+    torch::Tensor loss;
+    const auto forward = [&] {
+      Autocast autocast(precision, device);
+      loss = m->loss(x, y);
+    };
+    const double f = timed(comm, iters, device, [&] {
+      forward();
+      loss = torch::Tensor();
+    });
+    const double fb = timed(comm, iters, device, [&] {
+      forward();
+      loss.backward();
+      loss = torch::Tensor();
+      for (auto& [name, p] : m->named_params()) p.mutable_grad() = torch::Tensor();
+    });
+    return std::pair<double, double>{f, std::max(0.0, fb - f)};
+  };
+  const int64_t k = (dims.n_layer + hosts - 1) / hosts;  // a stage's blocks (the largest stage's)
+  const auto [f1, b1] = time_model(1);
+  // (k = 1: the whole model measured before gives the block's share instead)
+  const auto [fk, bk] = k > 1 ? time_model(k) : std::pair<double, double>{t_forward, t_backward};
+  const auto span = static_cast<double>(k > 1 ? k - 1 : dims.n_layer - 1);
+  out.block_f = std::max(0.0, (fk - f1) / span);
+  out.block_b = std::max(0.0, (bk - b1) / span);
+  out.outside_f = std::max(0.0, f1 - out.block_f);
+  out.outside_b = std::max(0.0, b1 - out.block_b);
+  return out;
+}
+
+// Per data-parallel accumulation: pp = hosts over accum x hosts micro-batches (1f1b), the same
+// global batch as the data-parallel row. A stage's time: its blocks' share of the measured
+// micro-batch, the last stage also the rest of the model (the embedding's lookup is left out);
+// each boundary's transfer the measured one times the host's ranks (their pipelines share the
+// link); after the micro-batches the stage's AdamW (1/hosts of the measured) and its gradients'
+// all-reduce among the host's ranks (1/hosts of the measured host all-reduce, not overlapped).
+struct HostPipelineRow {
+  int64_t accum = 0, micro_batches = 0;
+  double step = 0, idle = 0, tok_s = 0, vs_one_host = 0;
+};
+
+std::vector<HostPipelineRow> host_pipeline_rows(const HostLink& link, const GPTDims& dims, int64_t micro, int hosts,
+                                                int per_host, double t_micro, double t_optimizer, double host_all_reduce) {
+  std::vector<HostPipelineRow> rows;
+  const auto H = static_cast<size_t>(hosts);
+  std::vector<std::vector<double>> fwd(H), bwd(H);
+  GPTDims g = dims;
+  g.pp = hosts;
+  for (size_t s = 0; s < H; ++s) {
+    g.pp_stage = static_cast<int64_t>(s);
+    const auto blocks = static_cast<double>(g.chunk_end(0) - g.chunk_begin(0));
+    const bool last = s + 1 == H;
+    fwd[s] = {blocks * link.block_f + (last ? link.outside_f : 0)};
+    bwd[s] = {blocks * link.block_b + (last ? link.outside_b : 0)};
+  }
+  const std::vector<double> latency(H, link.seconds * per_host);
+  const double tokens = static_cast<double>(micro * dims.seq_len * per_host);
+  for (int64_t accum : {1, 2, 4, 8, 16}) {
+    const int64_t m = accum * hosts;
+    const PipelineTimes t = simulate_pipeline("1f1b", m, fwd, bwd, latency);
+    double end = 0, idle = 0;
+    for (size_t s = 0; s < H; ++s) end = std::max(end, t.end[s]), idle = std::max(idle, 1 - t.busy[s] / t.end[s]);
+    const double after = (t_optimizer + (per_host > 1 ? host_all_reduce : 0)) / hosts;
+    const double step = end + after;
+    const double one_host = static_cast<double>(m) * t_micro + t_optimizer + (per_host > 1 ? host_all_reduce : 0);
+    rows.push_back({accum, m, step, idle, static_cast<double>(m) * tokens / step, one_host / step});
+  }
+  return rows;
+}
+
 }  // namespace
 
 void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
@@ -476,6 +591,13 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   for (double* v : {&local.fp32, &local.bf16, &local.last_fp32, &local.last_bf16, &local.powersgd})
     mpi::all_reduce(v, 1, ReduceOp::max, mpi_comm);
   mpi::free(host_mpi);
+  // Pipeline parallelism across the hosts, one stage per host (the same number of ranks on each).
+  const int hosts = static_cast<int>(topo.hosts.size());
+  const bool host_pipeline = hosts > 1 && topo.size % hosts == 0 && topo.local_size == topo.size / hosts &&
+                             dims.n_layer >= hosts && !dims.has_experts();
+  const HostLink link = host_pipeline ? measure_host_link(topo, dims, run.options, run.precision, device, micro, options.iters,
+                                                          t_forward, t_backward, mpi_comm)
+                                      : HostLink{};
   if (topo.rank != 0) return;
   const std::string memory = memory_table();
 
@@ -550,6 +672,53 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
                 topo.hosts.size() > 1 ? concat(", ", static_cast<int>(pick->speedup * 100 + 0.5) / 100.0, "x one host").c_str()
                                       : " (one host: nothing to compare)");
   out += line;
+  if (link.seconds >= 0) {  // pipeline parallelism across the hosts, at each row's global batch
+    const std::vector<HostPipelineRow> pp_rows =
+        host_pipeline_rows(link, dims, micro, hosts, per_host, t_micro, t_optimizer, local.fp32);
+    GPTDims g = dims;
+    g.pp = hosts;
+    std::vector<double> stage_params(static_cast<size_t>(hosts), 0.0);
+    for (const auto& [name, p] : model->named_params()) {
+      stage_params[static_cast<size_t>(stage_of(name, g))] += static_cast<double>(p.numel());
+      if (name == "wte.weight" && (!dims.llama() || dims.tie_embeddings))  // the last stage's copy
+        stage_params.back() += static_cast<double>(p.numel());
+    }
+    const double largest = *std::max_element(stage_params.begin(), stage_params.end());
+    const double moment = cfg.optim.state_dtype == "bf16" ? 2 : 4, per_param = 4 + 4 + 2 * moment;
+    out += concat("\npipeline parallel across the hosts (parallel.pp: ", hosts, ", one stage per host, its ", per_host,
+                  per_host == 1 ? " rank" : " ranks", " the stage's replicas; 1f1b): an activation (", micro * T * dims.n_embd * 4 / 1024,
+                  " KiB) crosses the link in ", link.seconds * 1e3, " ms measured", per_host > 1 ? concat(" (x ", per_host, ": the host's pipelines share it)") : std::string(),
+                  "; a block's micro-batch ", (link.block_f + link.block_b) * 1e3, " ms, the rest of the model's ",
+                  (link.outside_f + link.outside_b) * 1e3, " ms on the last stage; weights, gradients and AdamW ",
+                  largest * per_param / (1 << 20), " MiB on the largest stage against ",
+                  static_cast<double>(n_params) * per_param / (1 << 20), " MiB whole\n",
+                  "| grad_accum (dp) | parallel.pp micro-batches | step ms | idle, largest stage | tokens/s | vs one host | vs dp fp32 |\n",
+                  "|---:|---:|---:|---:|---:|---:|---:|\n");
+    const HostPipelineRow* pp_pick = nullptr;
+    for (const HostPipelineRow& r : pp_rows) {
+      double dp_fp32 = 0;
+      for (const Row& d : rows)
+        if (d.accum == r.accum && d.dtype == "fp32" && d.overlap) dp_fp32 = d.tok_s;
+      std::snprintf(line, sizeof line, "| %lld | %lld | %.1f | %.1f%% | %.0f | %.2fx | %.2fx |\n", static_cast<long long>(r.accum),
+                    static_cast<long long>(r.micro_batches), r.step * 1e3, 100 * r.idle, r.tok_s, r.vs_one_host,
+                    dp_fp32 > 0 ? r.tok_s / dp_fp32 : 0.0);
+      out += line;
+      if (r.accum == pick->accum) pp_pick = &r;
+    }
+    // At the recommendation's global batch, pipeline parallelism wins by more than the 3% that
+    // counts as a tie, or ties a lossy recommendation (bf16 or PowerSGD gradients): it is the
+    // recommendation (its gradients are exact, as fp32 data parallelism's).
+    const bool lossy = pick->dtype != "fp32";
+    if (pp_pick && (pp_pick->tok_s > 1.03 * pick->tok_s || (lossy && pp_pick->tok_s >= 0.97 * pick->tok_s)))
+      out += concat("recommendation, instead: parallel.pp: ", hosts, ", parallel.pp_schedule: 1f1b, train.grad_accum: ",
+                    pp_pick->micro_batches, " (the same global batch) -> predicted ", std::lround(pp_pick->tok_s),
+                    " tokens/s, ", static_cast<int>(pp_pick->tok_s / pick->tok_s * 100 + 0.5) / 100.0,
+                    "x the data-parallel recommendation; the hosts' link carries activations only");
+    else if (pp_pick)
+      out += concat("pipeline parallelism across the hosts is not faster at this global batch (",
+                    static_cast<int>(pp_pick->tok_s / pick->tok_s * 100 + 0.5) / 100.0,
+                    "x the recommendation); it still divides the model's memory by ", hosts);
+  }
   if (topo.hosts.size() > 1 && pick->speedup < 1.1)
     out += concat("\nwarning: the other hosts add little (", pick->speedup,
                   "x): the network is the bottleneck at these sizes; more accumulation or a faster link is needed");

@@ -2,7 +2,8 @@
 # Training over a slow network, for real: two namespace hosts whose links are limited to
 # SLOW_TEST_RATE (default 100mbit, tc tbf: lib.sh NETNS_RATE), one rank each, the demo model.
 # Asserted (none of it timed):
-#  1. `mpitrain plan` under the training's mpirun exits 0 and recommends a setting;
+#  1. `mpitrain plan` under the training's mpirun exits 0 and recommends a setting, and weighs
+#     pipeline parallelism across the hosts;
 #  2. short trainings with comm.grad_dtype fp32 and bf16 exit 0;
 #  3. the bytes the two hosts sent (their eth0 tx counters, before and after each training): fp32's
 #     carry at least one copy of the gradients per step, and bf16's at most 0.6x fp32's. Derivation:
@@ -68,6 +69,11 @@ sed -n '/^plan: /,/^recommendation/p' plan.out | sed 's/^/  /'
 check "mpitrain plan on 2 hosts predicts DiLoCo with an island per host (H 10-500, fp32/bf16/int8; streaming as configured)" \
   "grep -q '^DiLoCo, parallel.islands: host.*streaming: diloco.fragments 3, diloco.overlap 2)' plan.out && grep -q '^| 500 | int8 |' plan.out"
 sed -n '/^DiLoCo, parallel/,/^| 500 | int8/p' plan.out | sed 's/^/  /'
+check "mpitrain plan on 2 hosts weighs pipeline parallelism across them (one stage per host, the link's activation time measured, every global batch)" \
+  "grep -Eq '^pipeline parallel across the hosts \(parallel.pp: 2, one stage per host.*crosses the link in [0-9.]+ ms measured' plan.out &&
+   grep -Eq '^\| 16 \| 32 \| [0-9.]+ \| [0-9.]+% \| [0-9]+ \| [0-9.]+x \| [0-9.]+x \|$' plan.out &&
+   grep -Eq '^(recommendation, instead: parallel.pp: 2|pipeline parallelism across the hosts is not faster)' plan.out"
+sed -n '/^pipeline parallel across/,/^| 16 | 32/p' plan.out | sed 's/^/  /'
 # the predicted share with overlap (5th column) of the row "| 1 | <dtype> | ..."
 predicted() { awk -F'|' -v d="$1" '$2 ~ /^ *1 *$/ && $3 ~ d { gsub(/[ %]/, "", $6); print $6 / 100; exit }' plan.out; }
 # the fp32 gradients' size, from "gradient all-reduce of 3.21436 MiB over all ranks"
