@@ -12,6 +12,9 @@
 #  - in training (model.init_from the export, eval.tasks scored at step 0) at np 1, dp 2, tp 2,
 #    dp 2 at ZeRO-3, dp 4 and pp 2 x dp 2 (the batches through the stages): the same acc and
 #    acc_norm as `mpitrain eval`, in metrics.jsonl and on the log line with examples/s;
+#  - on GPT-2 BPE shards (pack --tokenizer gpt2), eval.tokenizer naming the BPE directory: the
+#    tasks scored in training as `mpitrain eval --tokenizer-file DIR` scores the checkpoint; without
+#    it, or with a tokenizer larger than the shards' vocabulary, refused naming eval.tokenizer;
 #  - bad task lines and specs refused by name (file and line), exit 2.
 #     bash tests/mc_eval_test.sh BUILD/mpitrain [MPIRUN]
 set -uo pipefail
@@ -112,6 +115,42 @@ done
 check "the log line has the task's accuracy and its examples/s" \
   "grep -q 'step 0 | task hs acc [0-9.]* acc_norm [0-9.]* | 36 examples, [0-9.]* examples/s' l4.out &&
    grep -q 'eval.tasks: hs (36 examples), gen (30 examples), scored every 1 steps and at the end, split over 4 replicas' l4.out"
+
+# GPT-2 BPE shards (pack --tokenizer gpt2, whose files the shards do not record): eval.tokenizer
+# names the BPE directory; a tiny GPT-2 trained 6 steps on them scores the tasks at the end as
+# `mpitrain eval --tokenizer-file DIR` scores its checkpoint (choices of GPT-2 tokens, not bytes).
+"$BIN" pack corpus -o data/g --doc-separator % --val-fraction 0.2 --tokenizer gpt2 --bpe-dir "$HERE/data/gpt2" > pack_g.out 2>&1 ||
+  cat pack_g.out
+gpt2_run=(g.yaml --set 'eval.tasks=[hs=hs.jsonl,gen.jsonl]' --set eval.tasks_every=6)
+cat > g.yaml <<'EOF'
+model: {preset: custom, n_layer: 1, n_head: 2, n_embd: 32, seq_len: 32}
+data: {train: [data/g-train-*.h5], val: [data/g-val-*.h5]}
+train: {micro_batch: 4, steps: 6, threads: 1}
+optim: {warmup_steps: 1, lr: 0.01}
+eval: {every: 0}
+log: {every: 3}
+checkpoint: {every: 6, keep: 1, resume: none}
+sample: {tokens: 0}
+EOF
+"$BIN" "${gpt2_run[@]}" --set "eval.tokenizer=$HERE/data/gpt2" --set train.out_dir=run_g --set checkpoint.dir=ckpt_g > g.out 2>&1
+rc_g=$?
+"$MPIRUN" -np 2 "$BIN" eval ckpt_g/ckpt-00000006.h5 --task hs=hs.jsonl --task gen.jsonl --tokenizer-file "$HERE/data/gpt2" \
+  --scores s_g.json > e_g.out 2>&1
+rc_ge=$?
+got_g=$(grep '"task"' run_g/metrics.jsonl | tail -2 | grep -o '"\(task\|acc\|acc_norm\|examples\)": [^,]*' | tr '\n' ' ')
+want_g=$("$PY" -c "
+import json; a = json.load(open('s_g.json'))
+print(' '.join(f'\"task\": \"{t}\" \"acc\": {a[t][\"acc\"]:.6f} \"acc_norm\": {a[t][\"acc_norm\"]:.6f} \"examples\": {a[t][\"examples\"]}' for t in ['hs', 'gen']))" 2>&1)
+echo "  gpt2 shards, training: $got_g"
+echo "  mpitrain eval:         $want_g"
+check "GPT-2 BPE shards: eval.tokenizer (the BPE directory) scores the tasks in training as mpitrain eval --tokenizer-file DIR does at np 2 (exit $rc_g, $rc_ge)" \
+  "[ $rc_g -eq 0 ] && [ $rc_ge -eq 0 ] && [ -n \"$got_g\" ] && [ \"$(echo $got_g)\" = \"$(echo $want_g)\" ] &&
+   grep -q 'model: gpt2, .*vocab 50257' g.out"
+expect_own_usage "GPT-2 BPE shards without eval.tokenizer: tasks refused naming the key" \
+  "eval.tokenizer: the shards were packed with the 'gpt2' tokenizer, whose files they do not record" "$BIN" "${gpt2_run[@]}"
+expect_own_usage "an eval.tokenizer with more tokens than the shards refused naming the key" \
+  "eval.tokenizer: $HERE/data/gpt2 has 50257 tokens, the shards' vocabulary 257: not the tokenizer they were packed with" \
+  "$BIN" m.yaml --set 'eval.tasks=[gen.jsonl]' --set "eval.tokenizer=$HERE/data/gpt2"
 
 printf '{"context": "x", "choices": ["a"], "answer": 0}\n' > one.jsonl
 printf '{"ctx": "x", "endings": ["a", "b"], "label": "2"}\n' > label.jsonl

@@ -157,6 +157,10 @@ struct EvalConfig {
   // (0: with each validation pass, eval.every) and at the last step.
   std::vector<std::string> tasks;
   int64_t tasks_every = 0;
+  // What the task files are read with ("": the shards' tokenizer, byte or the tokenizer.json they
+  // were packed with): a tokenizer.json, or a GPT-2 BPE directory (shards packed with --tokenizer
+  // gpt2 record no files: this names them).
+  std::string tokenizer;
 };
 
 struct LogConfig {

@@ -45,6 +45,10 @@ std::string hellaswag_preprocess(const std::string& text);
 using TextEncoder = std::function<std::vector<int64_t>(const std::string&)>;
 TextEncoder byte_encoder();
 TextEncoder tokenizer_encoder(const std::string& tokenizer_json);
+// The encoder `path` names: "byte", a GPT-2 BPE directory (vocab.json + merges.txt or encoder.json
+// + vocab.bpe: Gpt2Bpe) or a tokenizer.json; its vocabulary's size in *vocab (byte: 256). Bad or
+// missing files are a UsageError naming them.
+TextEncoder encoder_at(const std::string& path, int64_t* vocab = nullptr);
 // Per position the log-probability of targets [B, T] after idx [B, T] (GPT::target_log_probs);
 // undefined where this rank does not compute it (a pipeline's stages but the last).
 using LogProbs = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& targets)>;

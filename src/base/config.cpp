@@ -95,7 +95,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(optim, zero),
     MPITRAIN_FIELD(optim, reshard_after_forward),
     MPITRAIN_FIELD(eval, every),         MPITRAIN_FIELD(eval, batches),
-    MPITRAIN_FIELD(eval, tasks),         MPITRAIN_FIELD(eval, tasks_every),
+    MPITRAIN_FIELD(eval, tasks),         MPITRAIN_FIELD(eval, tasks_every),  MPITRAIN_FIELD(eval, tokenizer),
     MPITRAIN_FIELD(log, every),          MPITRAIN_FIELD(log, level),
     MPITRAIN_FIELD(log, metrics),        MPITRAIN_FIELD(log, tensorboard),
     MPITRAIN_FIELD(log, peak_tflops),    MPITRAIN_FIELD(log, rank_files),

@@ -33,13 +33,11 @@ std::string run_eval_command(const EvalArgs& args, MpiComm world) {
       model = GPT(model_dims(cfg.model, cfg.model.init_vocab, 1));
       load_initial_weights(args.model, model, "eval");
       const std::string file = args.tokenizer_file.empty() ? dir + "/tokenizer.json" : args.tokenizer_file;
-      if (args.tokenizer_file == "byte")
-        encode = byte_encoder();
-      else if (std::ifstream(file).good())
-        encode = tokenizer_encoder(file);
+      if (args.tokenizer_file == "byte" || !args.tokenizer_file.empty() || std::ifstream(file).good())
+        encode = encoder_at(file);
       else
-        throw UsageError(concat(args.model, ": no tokenizer.json: give --tokenizer-file FILE, or --tokenizer-file byte for "
-                                "a byte-level model"));
+        throw UsageError(concat(args.model, ": no tokenizer.json: give --tokenizer-file FILE (or a GPT-2 BPE directory), "
+                                "or --tokenizer-file byte for a byte-level model"));
     } else {
       model = GPT(checkpoint_dims(args.model));
       TrainState st;
@@ -47,11 +45,13 @@ std::string run_eval_command(const EvalArgs& args, MpiComm world) {
       if (st.routing_bias.defined()) model->set_routing_bias(st.routing_bias);  // as training chose experts
       if (args.tokenizer_file == "byte" || (st.tokenizer == "byte" && args.tokenizer_file.empty()))
         encode = byte_encoder();
-      else if (st.tokenizer == "hf" || !args.tokenizer_file.empty())
-        encode = tokenizer_encoder(args.tokenizer_file.empty() ? checkpoint_tokenizer(st, "", args.model).path()
-                                                               : args.tokenizer_file);
+      else if (!args.tokenizer_file.empty())
+        encode = encoder_at(args.tokenizer_file);
+      else if (st.tokenizer == "hf")
+        encode = tokenizer_encoder(checkpoint_tokenizer(st, "", args.model).path());
       else
-        throw UsageError(concat(args.model, ": trained on '", st.tokenizer, "' ids: give its --tokenizer-file"));
+        throw UsageError(concat(args.model, ": trained on '", st.tokenizer, "' ids: give its --tokenizer-file (a GPT-2 BPE "
+                                "directory or a tokenizer.json)"));
     }
     for (const std::string& spec : args.tasks) {
       TaskSpec t = parse_task_spec(spec, "--task");

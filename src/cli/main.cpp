@@ -148,7 +148,8 @@ int run_cli(int argc, char** argv, MpiSession& mpi) {
   eval_cmd->add_option("model", eval_args.model, "checkpoint .h5, or hf:DIR (a Hugging Face model directory)")->required();
   eval_cmd->add_option("--task", eval_args.tasks, "NAME=FILE@LIMIT (NAME= and @LIMIT optional; repeatable)")->required();
   eval_cmd->add_option("--tokenizer-file", eval_args.tokenizer_file,
-                       "the tokenizer.json (default: the checkpoint's shards', or DIR/tokenizer.json); byte: the byte tokenizer");
+                       "the tokenizer.json or GPT-2 BPE directory (vocab.json + merges.txt or encoder.json + vocab.bpe; "
+                       "default: the checkpoint's shards', or DIR/tokenizer.json); byte: the byte tokenizer");
   eval_cmd->add_option("--rows", eval_args.rows, "choices per forward")->capture_default_str();
   eval_cmd->add_option("--scores", eval_args.scores, "rank 0 writes every example's choices' scores here (JSON)");
 

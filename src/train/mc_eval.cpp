@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <regex>
 
+#include "mpitrain/bpe.h"
 #include "mpitrain/error.h"
 #include "mpitrain/hf_tokenizer.h"
 
@@ -58,6 +60,30 @@ TextEncoder byte_encoder() {
 
 TextEncoder tokenizer_encoder(const std::string& tokenizer_json) {
   auto tok = std::make_shared<HfTokenizer>(tokenizer_json);
+  return [tok](const std::string& text) {
+    std::vector<int64_t> ids;
+    for (uint32_t id : tok->encode(text)) ids.push_back(id);
+    return ids;
+  };
+}
+
+TextEncoder encoder_at(const std::string& path, int64_t* vocab) {
+  if (path == "byte") {
+    if (vocab) *vocab = 256;
+    return byte_encoder();
+  }
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    auto bpe = std::make_shared<Gpt2Bpe>(find_bpe_files(path));
+    if (vocab) *vocab = bpe->vocab_size();
+    return [bpe](const std::string& text) {
+      std::vector<int64_t> ids;
+      for (uint32_t id : bpe->encode(text)) ids.push_back(id);
+      return ids;
+    };
+  }
+  auto tok = std::make_shared<HfTokenizer>(path);
+  if (vocab) *vocab = tok->vocab_size();
   return [tok](const std::string& text) {
     std::vector<int64_t> ids;
     for (uint32_t id : tok->encode(text)) ids.push_back(id);

@@ -522,14 +522,24 @@ void Run::load_tasks() {
   if (cfg_.eval.tasks.empty()) return;
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
     const TokenDataset& data = *s_.train_data;
-    if (data.tokenizer() == "byte") {
+    if (!cfg_.eval.tokenizer.empty()) {  // named: its vocabulary must be the shards'
+      int64_t vocab = 0;
+      try {
+        encode_ = encoder_at(cfg_.eval.tokenizer, &vocab);
+      } catch (const UsageError& e) {
+        throw UsageError(concat("eval.tokenizer: ", e.what()));
+      }
+      if (vocab > data.vocab_size())
+        throw UsageError(concat("eval.tokenizer: ", cfg_.eval.tokenizer, " has ", vocab, " tokens, the shards' vocabulary ",
+                                data.vocab_size(), ": not the tokenizer they were packed with"));
+    } else if (data.tokenizer() == "byte") {
       encode_ = byte_encoder();
     } else if (data.tokenizer() == "hf") {
       encode_ = tokenizer_encoder(data.tokenizer_file());
     } else {
-      throw UsageError(concat("eval.tasks: the shards were packed with the '", data.tokenizer(),
-                              "' tokenizer; tasks are read with the byte tokenizer or a Hugging Face tokenizer.json (pack "
-                              "with --tokenizer hf)"));
+      throw UsageError(concat("eval.tokenizer: the shards were packed with the '", data.tokenizer(),
+                              "' tokenizer, whose files they do not record: name them (a GPT-2 BPE directory with "
+                              "vocab.json + merges.txt or encoder.json + vocab.bpe, or a tokenizer.json)"));
     }
     for (const std::string& spec : cfg_.eval.tasks) {
       const TaskSpec t = parse_task_spec(spec, "eval.tasks");
