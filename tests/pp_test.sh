@@ -26,7 +26,8 @@
 #    stage's tensors sent to rank 0) on one rank and at pp 2 interleaved, train the one-rank run's
 #    steps 5-8;
 #  - a mixture of experts (Qwen3-MoE, the load-balancing loss over every stage's sparse layers)
-#    at pp 4 and pp 2 interleaved trains the one-rank run;
+#    at pp 4 and pp 2 interleaved trains the one-rank run; with the routing bias (aux-loss-free
+#    balancing) pp 4 too, and its checkpoint resumes at pp 2 interleaved;
 #  - DiLoCo's islands with a pipeline inside each: 2 islands x pp 2 (np 4) trains the 2 islands of
 #    one rank (np 2);
 #  - plan at pp 2 interleaved prints each stage's table and its predicted idle share (bench/pp.sh
@@ -232,6 +233,20 @@ for n in m4 m2i; do
   check "a mixture of experts (aux loss and z-loss over every stage's sparse layers) at $what trains the one-rank run: losses, final parameters, aux loss, z-loss and expert loads (exit ${rc_of[$n]})" \
     "same m1 $n && [ $rc -eq 0 ]"
 done
+
+# Aux-loss-free balancing (train.moe_bias_update_rate: each sparse layer's routing bias moved by
+# the step's load, kept by the stage holding the layer): pp 4 trains the one-rank run, and its
+# step-4 checkpoint (the stages' rows gathered into the whole model's bias) resumed at pp 2
+# interleaved trains the one-rank run's steps 5-8.
+run m1b 1 moe.yaml --set train.moe_bias_update_rate=0.05
+run m4b 4 moe.yaml --set train.moe_bias_update_rate=0.05 --set parallel.pp=4
+run m2b 2 moe.yaml --set train.moe_bias_update_rate=0.05 --set parallel.pp=2 --set parallel.pp_schedule=interleaved \
+  --set parallel.pp_virtual=2 --set checkpoint.resume=ckpt_m4b/ckpt-00000004.h5
+close m1b m4b > close_m4b.out 2>&1
+rc=$?
+cat close_m4b.out
+check "the routing bias (aux-loss-free balancing) at pp 4 trains the one-rank run, and its checkpoint resumed at pp 2 interleaved trains steps 5-8 (exit ${rc_of[m4b]}, ${rc_of[m2b]})" \
+  "same m1b m4b && [ $rc -eq 0 ] && same m1b m2b 5"
 
 run dl2 2 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3
 run dlpp 4 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3 --set parallel.pp=2

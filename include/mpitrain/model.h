@@ -370,9 +370,13 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // given by the training forwards since the last update, summed over `dp` (every rank's
   // router), move each bias by rate x sign(mean - load), centred (torchtitan's
   // _update_expert_bias); the same result on every rank. Collective over dp.
+  // (A pipeline stage: the whole model's rows, its own layers' filled and the others' zero; set
+  // from the whole model's, taking its own layers' rows.) count_routed: a forward's log (a
+  // pipeline stage's chunk `chunk`) into the load update_routing_bias uses.
   torch::Tensor routing_bias() const;
   void set_routing_bias(const torch::Tensor& bias);
   void update_routing_bias(double rate, Communicator& dp);
+  void count_routed(const RouterLog& log, int64_t chunk = 0);
   std::vector<double> expert_load() const;
   static std::vector<double> expert_load(const RouterLog& log);  // each of its sparse layers' max / mean
   // With train.moe_capacity_factor: the share of the last forward's token copies dropped (-1: dropless).
@@ -437,6 +441,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::Tensor aux_loss_, z_loss_;
   std::vector<torch::Tensor> routed_since_update_;  // run_.routing_bias: per sparse layer [E] int64
   std::vector<MoEImpl*> moe_layers() const;  // the sparse layers' MoE modules, in order
+  std::vector<int64_t> held_sparse_rows() const;  // their rows among the whole model's sparse layers
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules

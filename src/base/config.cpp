@@ -848,7 +848,6 @@ void validate(const Config& c, const std::string& where) {
     pp_with(c.comm.compress == "none", "comm.compress", "none", show(c.comm.compress));
     pp_with(m.fused_kernels != "on", "model.fused_kernels", "auto or off", show(m.fused_kernels));
     pp_with(c.train.precision != "fp16", "train.precision", "fp32 or bf16", show(c.train.precision));
-    pp_with(c.train.moe_bias_update_rate == 0, "train.moe_bias_update_rate", "0", show(c.train.moe_bias_update_rate));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

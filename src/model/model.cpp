@@ -1085,11 +1085,7 @@ torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   router_terms(router_log_, routing);  // (aux_loss_, z_loss_)
   loss = loss + aux_loss_ * dims_.router_aux_loss_coef;
   if (z_loss_.defined()) loss = loss + z_loss_ * run_.z_loss_coef;
-  if (run_.routing_bias) {  // the step's load, for update_routing_bias
-    if (routed_since_update_.empty())
-      for (const torch::Tensor& c : router_log_.counts) routed_since_update_.push_back(torch::zeros_like(c));
-    for (size_t i = 0; i < router_log_.counts.size(); ++i) routed_since_update_[i] += router_log_.counts[i];
-  }
+  count_routed(router_log_);  // (routing bias: the step's load, for update_routing_bias)
   return loss;
 }
 
@@ -1100,27 +1096,54 @@ std::vector<MoEImpl*> GPTImpl::moe_layers() const {
   return out;
 }
 
+std::vector<int64_t> GPTImpl::held_sparse_rows() const {
+  std::vector<int64_t> rows;
+  for (int64_t b = 0, row = 0; b < dims_.n_layer; ++b)
+    if (dims_.moe_layer(b)) {
+      if (dims_.pp == 1 || dims_.holds_block(b)) rows.push_back(row);
+      ++row;
+    }
+  return rows;
+}
+
 torch::Tensor GPTImpl::routing_bias() const {
-  std::vector<torch::Tensor> rows;
-  for (MoEImpl* m : moe_layers()) rows.push_back(m->routing_bias.defined() ? m->routing_bias.cpu()
-                                                                      : torch::zeros({dims_.num_experts}));
-  return rows.empty() ? torch::zeros({0, dims_.num_experts}) : torch::stack(rows);
+  torch::Tensor out = torch::zeros({dims_.sparse_layers(), dims_.num_experts});
+  const auto layers = moe_layers();
+  const std::vector<int64_t> rows = held_sparse_rows();
+  for (size_t i = 0; i < layers.size(); ++i)
+    if (layers[i]->routing_bias.defined()) out[rows[i]] = layers[i]->routing_bias.cpu();
+  return out;
 }
 
 void GPTImpl::set_routing_bias(const torch::Tensor& bias) {
   const auto layers = moe_layers();
-  MPITRAIN_CHECK(bias.dim() == 2 && bias.size(0) == static_cast<int64_t>(layers.size()) &&
-                     bias.size(1) == dims_.num_experts,
-                 "set_routing_bias: one row of every expert's bias per sparse layer");
+  const std::vector<int64_t> rows = held_sparse_rows();
+  MPITRAIN_CHECK(bias.dim() == 2 && bias.size(0) == dims_.sparse_layers() && bias.size(1) == dims_.num_experts &&
+                     rows.size() == layers.size(),
+                 "set_routing_bias: one row of every expert's bias per sparse layer of the whole model");
   for (size_t i = 0; i < layers.size(); ++i) {
     MoEImpl& m = *layers[i];
-    m.routing_bias = bias[static_cast<int64_t>(i)].to(torch::kFloat32).clone();
+    m.routing_bias = bias[rows[i]].to(torch::kFloat32).clone();
   }
+}
+
+void GPTImpl::count_routed(const RouterLog& log, int64_t chunk) {
+  if (!run_.routing_bias || log.counts.empty()) return;
+  const size_t layers = moe_layers().size();
+  if (routed_since_update_.size() != layers) {
+    routed_since_update_.clear();
+    for (size_t i = 0; i < layers; ++i) routed_since_update_.push_back(torch::zeros_like(log.counts[0]));
+  }
+  size_t at = 0;  // this chunk's first sparse layer among the model's (a pipeline stage: its chunks in block order)
+  for (int64_t j = 0; j < chunk; ++j)
+    for (int64_t b = dims_.chunk_begin(j); b < dims_.chunk_end(j); ++b) at += dims_.moe_layer(b) ? 1 : 0;
+  MPITRAIN_CHECK(at + log.counts.size() <= layers, "count_routed: a chunk's sparse layers");
+  for (size_t i = 0; i < log.counts.size(); ++i) routed_since_update_[at + i] += log.counts[i];
 }
 
 void GPTImpl::update_routing_bias(double rate, Communicator& dp) {
   const auto layers = moe_layers();
-  if (!run_.routing_bias || routed_since_update_.size() != layers.size()) return;  // no training forward since
+  if (!run_.routing_bias || layers.empty() || routed_since_update_.size() != layers.size()) return;  // (none since, or a stage without)
   torch::Tensor load = torch::stack(routed_since_update_).to(torch::kFloat32);  // [layers, E], this rank's tokens
   routed_since_update_.clear();
   dp.all_reduce(load, ReduceOp::sum);

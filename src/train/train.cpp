@@ -730,6 +730,7 @@ void Run::pipeline_micro_batches() {
         out = model_->stage_forward(in, s.chunk);
         if (routed) {
           logs[at] = model_->take_router_log();
+          model_->count_routed(logs[at], s.chunk);
           const torch::Tensor mine = model_->router_counts(logs[at]);
           routing = routing.defined() ? routing + mine : mine;
         }
@@ -953,11 +954,16 @@ void Run::save() {
     agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { diloco_->save(dir, st_.step, cfg_.checkpoint.keep); }); });
   }
   auto rng = gather_rng_states(mesh.world(), device_);
+  torch::Tensor bias;  // the whole model's routing bias (a pipeline: each stage's rows summed into it)
+  if (model_->run().routing_bias) {
+    bias = model_->routing_bias();
+    if (par_.pipeline_parallel()) mesh.pp().all_reduce(bias, ReduceOp::sum);
+  }
   if (topo_.rank == 0) {
     st_.rng_states = std::move(rng);
     st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;
     st_.loss_scale_good_steps = scaler_.good_steps();
-    if (model_->run().routing_bias) st_.routing_bias = model_->routing_bias();
+    if (bias.defined()) st_.routing_bias = bias;
   }
   const std::string path = par_.save(*checkpoints_, st_);  // collective
   if (topo_.rank == 0) result_.last_checkpoint = path;
