@@ -23,7 +23,9 @@
 #  - the balancing options: a router z-loss and aux-loss-free balancing (a routing bias moved after
 #    every step) at 0.01 each: 20 steps equal the reference's (which without the bias differs); a
 #    resume from step 10 continues bitwise (the bias is in the checkpoint); the export says the
-#    Hugging Face files cannot carry the bias;
+#    Hugging Face files cannot carry the bias; with 2 DiLoCo islands each island's bias its own
+#    between outer steps (they differ mid-round in the state files), averaged by the outer step
+#    (equal after it), and a mid-round resume continues bitwise;
 #  - the start-up line describes the experts; bad configurations refused by name (exit 2, one line).
 # Usage (KEEP=1 keeps the work directory): moe_test.sh PATH/TO/mpitrain PATH/TO/hf_logits [mpirun]
 set -u
@@ -482,6 +484,36 @@ grep -o '"loss": [0-9.]*' run_dl2/metrics.jsonl | tail -4 > dl2.losses
 grep -o '"loss": [0-9.]*' run_dlres/metrics.jsonl > dlres.losses 2>/dev/null
 check "islands x ep 2 resumed from step 4 (each rank's DiLoCo state beside the checkpoint): the same steps 5-8 (exit $rc)" \
   "[ $rc -eq 0 ] && [ \$(wc -l < dlres.losses) -eq 4 ] && cmp -s dl2.losses dlres.losses"
+# Aux-loss-free balancing with DiLoCo islands: each island moves its own routing bias between
+# outer steps, and the outer step averages them (2 islands of one rank, an outer step every 4
+# steps and after the last, checkpoints every 3): the state files of step 3 (mid-round) hold the
+# islands' own biases, which differ; those of step 8 (after the last outer step) equal ones; the
+# step-3 checkpoint resumed (each island its own bias back) trains steps 4-8 bitwise.
+bias_dl=(--set parallel.islands=2 --set diloco.inner_steps=4 --set train.moe_bias_update_rate=0.05 --set checkpoint.every=3
+         --set checkpoint.keep=3)
+"$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml "${sgd[@]}" "${bias_dl[@]}" --set train.out_dir=run_bd --set checkpoint.dir=ckpt_bd > bd.out 2>&1
+rc1=$?
+"$MPIRUN" -np 2 "$BIN" qwen3_moe.yaml "${sgd[@]}" "${bias_dl[@]}" --set train.out_dir=run_bdr --set checkpoint.dir=ckpt_bdr \
+  --set checkpoint.resume=ckpt_bd/ckpt-00000003.h5 > bdr.out 2>&1
+rc2=$?
+grep -o '"loss": [0-9.]*' run_bd/metrics.jsonl | tail -5 > bd.losses
+grep -o '"loss": [0-9.]*' run_bdr/metrics.jsonl > bdr.losses 2>/dev/null
+"$PY" - > bd_state.out 2>&1 <<'PYEOF'
+import sys
+import h5py, numpy as np
+def bias(step, rank):
+    with h5py.File(f"ckpt_bd/ckpt-{step:08d}.diloco/rank-{rank:05d}.h5", "r") as f:
+        return np.array(f["island_state"])
+mid = np.abs(bias(3, 0) - bias(3, 1)).max()
+after = np.abs(bias(8, 0) - bias(8, 1)).max()
+moved = np.abs(bias(8, 0)).max()
+print(f"  routing bias: islands apart by {mid:.3g} at step 3 (mid-round), {after:.3g} at step 8 (after the last outer step); largest |bias| {moved:.3g}")
+sys.exit(0 if mid > 0 and after == 0 and moved > 0 else 1)
+PYEOF
+rc3=$?
+cat bd_state.out
+check "the routing bias with 2 DiLoCo islands: each island's own between outer steps, averaged by them, resumed mid-round bitwise (exit $rc1, $rc2)" \
+  "[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] && [ \$(wc -l < bdr.losses) -eq 5 ] && cmp -s bd.losses bdr.losses"
 # PowerSGD with experts: the shared parameters' gradients compressed (rank 4, from step 3), the
 # experts' whole (averaged over their replicas) at any ep, so ep 2 trains ep 1's run.
 ep_pair ps --set comm.compress=powersgd --set comm.powersgd_start=2
@@ -568,8 +600,6 @@ expect_own_usage "a capacity factor on a dense model refused by name" "train.moe
   "$BIN" dense.yaml --set train.moe_capacity_factor=1.5
 expect_own_usage "a z-loss on a dense model refused by name" "train.moe_z_loss_coef must be 0 for a model without experts" \
   "$BIN" dense.yaml --set train.moe_z_loss_coef=0.01
-expect_own_usage "aux-loss-free balancing with DiLoCo islands refused by name" "train.moe_bias_update_rate must be 0 with parallel.islands: 2" \
-  "$BIN" qwen3_moe.yaml --set train.moe_bias_update_rate=0.001 --set parallel.islands=2
 expect_own_usage "a negative bias update rate refused" "train.moe_bias_update_rate must be >= 0" \
   "$BIN" qwen3_moe.yaml --set train.moe_bias_update_rate=-1
 expect_own_usage "a non-integer num_experts refused" "model.num_experts must be an integer, got 'x'" \

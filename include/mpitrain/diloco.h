@@ -83,6 +83,12 @@ class Diloco {
   // all but the newest keep + 1 state directories beside it are removed (one spare: a checkpoint
   // whose main file was never completed). UsageError naming the file when it cannot be written.
   void save(const std::string& dir, int64_t step, int64_t keep);
+  // A state of this rank's island that is not a parameter (the routing bias: each island moves
+  // its own between outer steps): set before save() to be written beside the rest; set to a tensor
+  // of its shape before load() and read after it, holding the file's values (unchanged when the file
+  // has none).
+  void set_island_state(const torch::Tensor& t) { island_state_ = t; }
+  const torch::Tensor& island_state() const { return island_state_; }
   // This rank's state back from `dir`, written at `step` by a run of this very layout (UsageError
   // naming the file and what differs otherwise). The caller then runs after_update(). Collective
   // over the island's dp groups (ZeRO off: the first rank's slots and moments broadcast).
@@ -137,6 +143,7 @@ class Diloco {
   torch::Tensor outer_, momentum_;  // this rank's part, fp32
   torch::Tensor error_;             // int8: what rounding left out, sent at the next outer step
   uint64_t bytes_ = 0;
+  torch::Tensor island_state_;  // set_island_state
   int64_t outer_steps_ = 0;
   double seconds_ = 0;
 };

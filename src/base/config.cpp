@@ -727,10 +727,6 @@ void validate(const Config& c, const std::string& where) {
         show(t.moe_bias_update_rate));
   check(t.moe_bias_update_rate == 0 || experts(), "train.moe_bias_update_rate", "0 for a model without experts",
         show(t.moe_bias_update_rate));
-  check(t.moe_bias_update_rate == 0 || c.parallel.islands == "1", "train.moe_bias_update_rate",
-        concat("0 with parallel.islands: ", c.parallel.islands,
-               " (each island would balance its own experts: the routing bias is not an outer-step state yet)"),
-        show(t.moe_bias_update_rate));
   check(one_of(t.precision, {"fp32", "bf16", "fp16"}), "train.precision", "one of fp32|bf16|fp16",
         show(t.precision));
 

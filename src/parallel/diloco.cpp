@@ -381,6 +381,7 @@ void Diloco::save(const std::string& dir, int64_t step, int64_t keep) {
       write_vector(root, "outer", outer_);
       write_vector(root, "momentum", momentum_);
       if (error_.defined()) write_vector(root, "int8_error", error_);
+      if (island_state_.defined()) write_vector(root, "island_state", island_state_.reshape({-1}).to(torch::kFloat32));
       h5::set_attr(root, "fragments", cfg_.fragments);
       h5::set_attr(root, "exchanges", static_cast<int64_t>(pending_.size()));
       for (size_t i = 0; i < pending_.size(); ++i) {
@@ -453,6 +454,8 @@ void Diloco::load(const std::string& dir, int64_t step) {
     outer_.copy_(read_vector(root, path, "outer", length_));
     momentum_.copy_(read_vector(root, path, "momentum", length_));
     if (error_.defined()) error_.copy_(read_vector(root, path, "int8_error", length_));
+    if (island_state_.defined() && h5::exists(root, "island_state"))
+      island_state_ = read_vector(root, path, "island_state", island_state_.numel()).view(island_state_.sizes()).clone();
     outer_steps_ = h5::get_attr_int(root, "outer_steps").value_or(0);
     // Exchanges in flight when it was written: applied after the steps they were due.
     const int64_t exchanges = h5::get_attr_int(root, "exchanges").value_or(0);

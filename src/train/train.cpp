@@ -503,7 +503,9 @@ void Run::open_outputs() {
     step_checks_.emplace(mpi_comm_, s_.mesh->island_mpi());
     if (resumed_diloco_) {  // each rank's state beside the checkpoint
       const std::string dir = allgather_text(mpi_comm_, Diloco::state_dir(resumed_from_), 1 << 16)[0];  // rank 0's
+      if (model_->run().routing_bias) diloco_->set_island_state(model_->routing_bias());  // (its island's own)
       diloco_->load(dir, st_.step);
+      if (model_->run().routing_bias) model_->set_routing_bias(diloco_->island_state());
     }
     par_.after_update();
     if (topo_.rank == 0) log::info(diloco_->describe(whole_params_));
@@ -829,6 +831,11 @@ void Run::outer_step() {
   comm_wait_->begin();
   const bool changed = diloco_->after_step(st_.step, cfg_.train.steps);
   if (changed) par_.after_update();
+  if (changed && model_->run().routing_bias) {  // the islands' routing biases averaged with the outer step
+    torch::Tensor bias = model_->routing_bias().to(device_);
+    s_.mesh->islands()->all_reduce(bias, ReduceOp::avg);
+    model_->set_routing_bias(bias.cpu());
+  }
   comm_wait_->end();
   if (changed && topo_.rank == 0)
     progress_->report_outer(st_.step, diloco_->outer_steps(), static_cast<double>(diloco_->bytes_sent()) / (1 << 20),
@@ -951,6 +958,7 @@ void Run::save() {
   }
   if (diloco_) {  // every rank's DiLoCo state first, beside the checkpoint that names it (diloco.h)
     const std::string dir = Diloco::state_dir(concat(cfg_.checkpoint.dir, "/", checkpoint_name(st_.step)));
+    if (model_->run().routing_bias) diloco_->set_island_state(model_->routing_bias());  // (its island's own)
     agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { diloco_->save(dir, st_.step, cfg_.checkpoint.keep); }); });
   }
   auto rng = gather_rng_states(mesh.world(), device_);
