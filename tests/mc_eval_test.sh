@@ -10,8 +10,9 @@
 #  - `mpitrain eval` on the checkpoint under mpirun -np 1, 2 and 4 (the examples split over the
 #    ranks): the same acc, acc_norm and scores;
 #  - in training (model.init_from the export, eval.tasks scored at step 0) at np 1, dp 2, tp 2,
-#    dp 2 at ZeRO-3, dp 4 and pp 2 x dp 2 (the batches through the stages): the same acc and
-#    acc_norm as `mpitrain eval`, in metrics.jsonl and on the log line with examples/s;
+#    dp 2 at ZeRO-3, dp 4, pp 2 x dp 2 (the batches through the stages) and 2 DiLoCo islands x pp 2:
+#    the same acc and acc_norm as `mpitrain eval`, in metrics.jsonl and on the log line with
+#    examples/s;
 #  - on GPT-2 BPE shards (pack --tokenizer gpt2), eval.tokenizer naming the BPE directory: the
 #    tasks scored in training as `mpitrain eval --tokenizer-file DIR` scores the checkpoint; without
 #    it, or with a tokenizer larger than the shards' vocabulary, refused naming eval.tokenizer;
@@ -99,7 +100,7 @@ acc_of() { grep '"task"' run_$1/metrics.jsonl | head -2 | grep -o '"\(task\|acc\
 want=$("$PY" -c "
 import json; a = json.load(open('s_hf.json'))
 print(' '.join(f'\"task\": \"{t}\" \"acc\": {a[t][\"acc\"]:.6f} \"acc_norm\": {a[t][\"acc_norm\"]:.6f} \"examples\": {a[t][\"examples\"]}' for t in ['hs', 'gen']))")
-layouts=("1:" "2:" "2:--set parallel.tp=2" "2:--set optim.zero=3" "4:" "4:--set parallel.pp=2")
+layouts=("1:" "2:" "2:--set parallel.tp=2" "2:--set optim.zero=3" "4:" "4:--set parallel.pp=2" "4:--set parallel.islands=2 --set parallel.pp=2")
 for i in "${!layouts[@]}"; do
   np=${layouts[$i]%%:*} extra=${layouts[$i]#*:}
   # shellcheck disable=SC2086
