@@ -50,15 +50,7 @@ HOSTS=(dl-node1 dl-node2)
 ID=mdl$$
 NETNS_TMP=/tmp/mpt-diloco-XXXXXX
 NETNS_TOOLS=(mpirun tc)
-read -r NETNS_RATE _ <<< "$RATES"
-netns_begin
-exec 3>&2
-netns_setup >&2
-cd "$T" || setup_fail "cd $T"
-run_quiet "$BIN" pack /usr/share/games/fortunes -o "$T/data/f" --doc-separator % --val-fraction 0.02
-netns_mpi_env "$REPO" >&2
-echo "${ADDRS[0]} slots=1" > "$T/hosts-1"
-printf "%s slots=1\n" "${ADDRS[@]}" > "$T/hosts-2"
+netns_bench_hosts "$BIN" "$RATES" "$REPO"
 
 
 warmup=$((STEPS / 10))
@@ -84,11 +76,9 @@ train() {  # name hostfile np extra-args... -> "tok_s mib val" in $T/name.row
     echo "nan nan nan" > "$T/$name.row"
     return
   fi
-  local m=$T/run-$name/metrics.jsonl tokens ms val
-  tokens=$(sed -n 's/.* = \([0-9]*\) tokens per step.*/\1/p' "$T/$name.out" | head -1)
-  ms=$(grep '"ms_per_step"' "$m" | tail -n +2 | sed 's/.*"ms_per_step": \([0-9.]*\).*/\1/' | awk '{ s += $1; n++ } END { print n ? s / n : "nan" }')
+  local m=$T/run-$name/metrics.jsonl val
   val=$(grep '"val_loss"' "$m" | tail -1 | sed 's/.*"val_loss": \([0-9.]*\).*/\1/')
-  echo "$(awk -v t="${tokens:-0}" -v ms="$ms" 'BEGIN { print (ms == "nan" || ms == 0) ? "nan" : t / ms * 1000 }') \
+  echo "$(run_tokens_per_s "$T/$name.out" "$m") \
 $(awk -v a="$after" -v b="$before" 'BEGIN { printf "%.1f", (a - b) / 1048576 }') ${val:-nan}" > "$T/$name.row"
 }
 

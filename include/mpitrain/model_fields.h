@@ -131,10 +131,12 @@ struct ModelArgs {
   std::string local_layers() const;
   // Whether layer `layer`'s MLP is a mixture of experts.
   bool has_experts() const { return num_experts > 0; }
-  // The sparse layers, and the token copies a forward of `tokens` tokens routes to experts in each.
-  int64_t sparse_layers() const {
+  // The sparse layers among layers [0, end) (so a sparse layer's row among the model's sparse
+  // layers is sparse_layers(layer)), and the token copies a forward of `tokens` tokens routes to
+  // experts in each.
+  int64_t sparse_layers(int64_t end = -1) const {
     int64_t n = 0;
-    for (int64_t l = 0; l < n_layer; ++l) n += moe_layer(l) ? 1 : 0;
+    for (int64_t l = 0; l < (end < 0 ? n_layer : end); ++l) n += moe_layer(l) ? 1 : 0;
     return n;
   }
   int64_t routed_copies(int64_t tokens) const { return tokens * num_experts_per_tok; }

@@ -33,7 +33,7 @@ std::string run_eval_command(const EvalArgs& args, MpiComm world) {
       model = GPT(model_dims(cfg.model, cfg.model.init_vocab, 1));
       load_initial_weights(args.model, model, "eval");
       const std::string file = args.tokenizer_file.empty() ? dir + "/tokenizer.json" : args.tokenizer_file;
-      if (args.tokenizer_file == "byte" || !args.tokenizer_file.empty() || std::ifstream(file).good())
+      if (!args.tokenizer_file.empty() || std::ifstream(file).good())  // (encoder_at: byte, a BPE directory or a file)
         encode = encoder_at(file);
       else
         throw UsageError(concat(args.model, ": no tokenizer.json: give --tokenizer-file FILE (or a GPT-2 BPE directory), "

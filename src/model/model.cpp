@@ -1080,9 +1080,7 @@ torch::Tensor GPTImpl::router_terms(const RouterLog& log, const torch::Tensor& r
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   torch::Tensor loss = lm_loss(idx, targets);
   if (router_log_.prob_sums.empty()) return loss;
-  const torch::Tensor routing = torch::cat({torch::stack(router_log_.counts).sum(0).to(torch::kLong),
-                                             torch::full({1}, router_log_.rows, torch::dtype(torch::kLong).device(router_log_.counts[0].device()))});
-  router_terms(router_log_, routing);  // (aux_loss_, z_loss_)
+  router_terms(router_log_, router_counts(router_log_));  // (aux_loss_, z_loss_)
   loss = loss + aux_loss_ * dims_.router_aux_loss_coef;
   if (z_loss_.defined()) loss = loss + z_loss_ * run_.z_loss_coef;
   count_routed(router_log_);  // (routing bias: the step's load, for update_routing_bias)
@@ -1098,11 +1096,8 @@ std::vector<MoEImpl*> GPTImpl::moe_layers() const {
 
 std::vector<int64_t> GPTImpl::held_sparse_rows() const {
   std::vector<int64_t> rows;
-  for (int64_t b = 0, row = 0; b < dims_.n_layer; ++b)
-    if (dims_.moe_layer(b)) {
-      if (dims_.pp == 1 || dims_.holds_block(b)) rows.push_back(row);
-      ++row;
-    }
+  for (int64_t b = 0; b < dims_.n_layer; ++b)
+    if (dims_.moe_layer(b) && dims_.holds_block(b)) rows.push_back(dims_.sparse_layers(b));
   return rows;
 }
 
@@ -1136,7 +1131,7 @@ void GPTImpl::count_routed(const RouterLog& log, int64_t chunk) {
   }
   size_t at = 0;  // this chunk's first sparse layer among the model's (a pipeline stage: its chunks in block order)
   for (int64_t j = 0; j < chunk; ++j)
-    for (int64_t b = dims_.chunk_begin(j); b < dims_.chunk_end(j); ++b) at += dims_.moe_layer(b) ? 1 : 0;
+    at += static_cast<size_t>(dims_.sparse_layers(dims_.chunk_end(j)) - dims_.sparse_layers(dims_.chunk_begin(j)));
   MPITRAIN_CHECK(at + log.counts.size() <= layers, "count_routed: a chunk's sparse layers");
   for (size_t i = 0; i < log.counts.size(); ++i) routed_since_update_[at + i] += log.counts[i];
 }

@@ -58,13 +58,21 @@ TextEncoder byte_encoder() {
   };
 }
 
-TextEncoder tokenizer_encoder(const std::string& tokenizer_json) {
-  auto tok = std::make_shared<HfTokenizer>(tokenizer_json);
+namespace {
+// `tok`'s encode (HfTokenizer's or Gpt2Bpe's) as a TextEncoder, its vocabulary's size in *vocab.
+template <class Tokenizer>
+TextEncoder encoder_of(std::shared_ptr<Tokenizer> tok, int64_t* vocab) {
+  if (vocab) *vocab = tok->vocab_size();
   return [tok](const std::string& text) {
     std::vector<int64_t> ids;
     for (uint32_t id : tok->encode(text)) ids.push_back(id);
     return ids;
   };
+}
+}  // namespace
+
+TextEncoder tokenizer_encoder(const std::string& tokenizer_json) {
+  return encoder_of(std::make_shared<HfTokenizer>(tokenizer_json), nullptr);
 }
 
 TextEncoder encoder_at(const std::string& path, int64_t* vocab) {
@@ -73,22 +81,8 @@ TextEncoder encoder_at(const std::string& path, int64_t* vocab) {
     return byte_encoder();
   }
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    auto bpe = std::make_shared<Gpt2Bpe>(find_bpe_files(path));
-    if (vocab) *vocab = bpe->vocab_size();
-    return [bpe](const std::string& text) {
-      std::vector<int64_t> ids;
-      for (uint32_t id : bpe->encode(text)) ids.push_back(id);
-      return ids;
-    };
-  }
-  auto tok = std::make_shared<HfTokenizer>(path);
-  if (vocab) *vocab = tok->vocab_size();
-  return [tok](const std::string& text) {
-    std::vector<int64_t> ids;
-    for (uint32_t id : tok->encode(text)) ids.push_back(id);
-    return ids;
-  };
+  if (std::filesystem::is_directory(path, ec)) return encoder_of(std::make_shared<Gpt2Bpe>(find_bpe_files(path)), vocab);
+  return encoder_of(std::make_shared<HfTokenizer>(path), vocab);
 }
 
 std::string hellaswag_preprocess(const std::string& text) {

@@ -138,6 +138,36 @@ double held_bytes(const torch::Device& device) {
 #endif
 }
 
+// A model of `d`, run as `options`, on `device`, in training mode: what plan measures.
+GPT probe_model(const GPTDims& d, const RunOptions& options, const torch::Device& device) {
+  GPT model(d);
+  model->apply(options);
+  model->to(device);
+  model->train();
+  return model;
+}
+
+// One micro-batch of random tokens through `model` (its loss under `precision`'s autocast), every
+// rank of `comm` at once: the forward's seconds and the forward + backward's (timed()).
+std::pair<double, double> time_micro_batch(GPT& model, Precision precision, const torch::Device& device, int64_t micro,
+                                           int64_t iters, MpiComm comm) {
+  const GPTDims& d = model->dims();
+  torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
+  torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
+  torch::Tensor loss;
+  const auto forward = [&] {
+    Autocast autocast(precision, device);
+    loss = model->loss(x, y);
+  };
+  const double f = timed(comm, iters, device, forward);
+  const double fb = timed(comm, iters, device, [&] {
+    forward();
+    loss.backward();
+    for (auto& [name, p] : model->named_params()) p.mutable_grad() = torch::Tensor();
+  });
+  return {f, fb};
+}
+
 // What one micro-batch's forward keeps for backward (the loss's graph), measured on `device`
 // with models of one and two blocks of these dimensions, without checkpointing and with selective
 // and full checkpointing: per block, per checkpointed block of each kind and outside the blocks. Scaling by n_layer needs no model of
@@ -152,10 +182,7 @@ bool activation_probe(const GPTDims& dims, const RunOptions& options, Precision 
     RunOptions o = options;
     o.ac = ac;
     o.ac_every = 1;
-    GPT model(d);
-    model->apply(o);
-    model->to(device);
-    model->train();
+    GPT model = probe_model(d, o, device);
     torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
     torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
     const double before = held_bytes(device);
@@ -207,10 +234,7 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
   const torch::Device device = run.device;
   const int64_t micro = cfg.train.micro_batch, T = d.seq_len, m = cfg.train.grad_accum, v = d.pp_virtual, pp = d.pp;
   torch::manual_seed(cfg.train.seed);
-  GPT model(d);
-  model->apply(run.options);
-  model->to(device);
-  model->train();
+  GPT model = probe_model(d, run.options, device);
   int64_t params = 0;
   for (const auto& [name, p] : model->named_params()) params += p.numel();
   const torch::Tensor tokens = torch::randint(d.classes(), {micro, T}, torch::kInt64).to(device);
@@ -370,31 +394,12 @@ HostLink measure_host_link(const Topology& topo, const GPTDims& dims, const RunO
     });
     if (topo.rank == 0) out.seconds = t / 2;
   }
-  // Forward, and forward + backward, of a model of `layers` blocks: every rank at once.
+  // Forward, and backward, of a model of `layers` blocks: every rank at once.
   const auto time_model = [&](int64_t layers) {
     GPTDims d = dims;
     d.n_layer = layers;
-    GPT m(d);
-    m->apply(options);
-    m->to(device);
-    m->train();
-    torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
-    torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
-    torch::Tensor loss;
-    const auto forward = [&] {
-      Autocast autocast(precision, device);
-      loss = m->loss(x, y);
-    };
-    const double f = timed(comm, iters, device, [&] {
-      forward();
-      loss = torch::Tensor();
-    });
-    const double fb = timed(comm, iters, device, [&] {
-      forward();
-      loss.backward();
-      loss = torch::Tensor();
-      for (auto& [name, p] : m->named_params()) p.mutable_grad() = torch::Tensor();
-    });
+    GPT m = probe_model(d, options, device);
+    const auto [f, fb] = time_micro_batch(m, precision, device, micro, iters, comm);
     return std::pair<double, double>{f, std::max(0.0, fb - f)};
   };
   const int64_t k = (dims.n_layer + hosts - 1) / hosts;  // a stage's blocks (the largest stage's)
@@ -469,10 +474,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   const GPTDims& dims = run.dims;
   const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
   torch::manual_seed(cfg.train.seed);
-  GPT model(dims);
-  model->apply(run.options);
-  model->to(device);
-  model->train();
+  GPT model = probe_model(dims, run.options, device);
   std::vector<torch::Tensor> params;
   for (auto& [name, p] : model->named_params()) params.push_back(p);
 
@@ -553,21 +555,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   }
 
   // ---- compute: one micro-batch forward and backward on every rank at once ----
-  torch::Tensor x = torch::randint(dims.classes(), {micro, T}, torch::kInt32).to(device);
-  torch::Tensor y = torch::randint(dims.classes(), {micro, T}, torch::kInt64).to(device);
-  torch::Tensor loss;
-  const double t_forward = timed(mpi_comm, options.iters, device, [&] {
-    Autocast autocast(run.precision, device);
-    loss = model->loss(x, y);
-  });
-  const double t_micro = timed(mpi_comm, options.iters, device, [&] {
-    {
-      Autocast autocast(run.precision, device);
-      loss = model->loss(x, y);
-    }
-    loss.backward();
-    for (auto& p : params) p.mutable_grad() = torch::Tensor();
-  });
+  const auto [t_forward, t_micro] = time_micro_batch(model, run.precision, device, micro, options.iters, mpi_comm);
   const double t_backward = std::max(0.0, t_micro - t_forward);
   // The optimizer step (gradient clipping and AdamW), once per step whatever the accumulation.
   AdamW opt(model->named_params(), cfg.optim,

@@ -662,21 +662,19 @@ void Run::add_router_sums() {
 
 std::pair<std::vector<double>, double> Run::pipeline_expert_load() {
   const GPTDims& d = model_->dims();
-  torch::Tensor load = torch::full({d.n_layer}, -1.0, torch::kFloat64);
+  // Each sparse layer's load at its row among the model's (every row some stage's; max over the
+  // pipeline: the others leave it at 0, a load is >= 1).
+  torch::Tensor load = torch::zeros({d.sparse_layers()}, torch::kFloat64);
   torch::Tensor dropped = torch::zeros({2}, torch::kFloat64);  // copies dropped, copies routed
   for (int64_t c = 0; c < d.pp_virtual && static_cast<size_t>(c) < last_logs_.size(); ++c) {
     const RouterLog& log = last_logs_[static_cast<size_t>(c)];
     const std::vector<double> mine = GPTImpl::expert_load(log);
-    size_t k = 0;
-    for (int64_t b = d.chunk_begin(c); b < d.chunk_end(c) && k < mine.size(); ++b)
-      if (d.moe_layer(b)) load[b] = mine[k++];
+    for (size_t k = 0; k < mine.size(); ++k) load[d.sparse_layers(d.chunk_begin(c)) + static_cast<int64_t>(k)] = mine[k];
     dropped[0] += static_cast<double>(log.dropped), dropped[1] += static_cast<double>(log.copies);
   }
   s_.mesh->pp().all_reduce(load, ReduceOp::max);
   s_.mesh->pp().all_reduce(dropped, ReduceOp::sum);
-  std::vector<double> out;
-  for (int64_t b = 0; b < d.n_layer; ++b)
-    if (load[b].item<double>() >= 0) out.push_back(load[b].item<double>());
+  const std::vector<double> out(load.data_ptr<double>(), load.data_ptr<double>() + load.numel());
   const double share = model_->run().capacity_factor > 0 && dropped[1].item<double>() > 0
                            ? dropped[0].item<double>() / dropped[1].item<double>()
                            : -1;
@@ -956,17 +954,17 @@ void Run::save() {
     write_file_durably(cfg_.train.out_dir + "/config.yaml", st_.config_yaml);
     config_recorded_ = true;
   }
-  if (diloco_) {  // every rank's DiLoCo state first, beside the checkpoint that names it (diloco.h)
-    const std::string dir = Diloco::state_dir(concat(cfg_.checkpoint.dir, "/", checkpoint_name(st_.step)));
-    if (model_->run().routing_bias) diloco_->set_island_state(model_->routing_bias());  // (its island's own)
-    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { diloco_->save(dir, st_.step, cfg_.checkpoint.keep); }); });
-  }
-  auto rng = gather_rng_states(mesh.world(), device_);
   torch::Tensor bias;  // the whole model's routing bias (a pipeline: each stage's rows summed into it)
   if (model_->run().routing_bias) {
     bias = model_->routing_bias();
     if (par_.pipeline_parallel()) mesh.pp().all_reduce(bias, ReduceOp::sum);
   }
+  if (diloco_) {  // every rank's DiLoCo state first, beside the checkpoint that names it (diloco.h)
+    const std::string dir = Diloco::state_dir(concat(cfg_.checkpoint.dir, "/", checkpoint_name(st_.step)));
+    if (bias.defined()) diloco_->set_island_state(bias);  // (its island's own)
+    agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] { diloco_->save(dir, st_.step, cfg_.checkpoint.keep); }); });
+  }
+  auto rng = gather_rng_states(mesh.world(), device_);
   if (topo_.rank == 0) {
     st_.rng_states = std::move(rng);
     st_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0.0;

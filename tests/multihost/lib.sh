@@ -282,6 +282,22 @@ netns_limit_link() {  # node namespace, its switch port (replace: sets the rate 
   run_quiet tc -n "$SWITCH_NS" qdisc replace dev "$2" root tbf rate "$NETNS_RATE" burst "$burst" latency 50ms
 }
 
+# The two-host benches (bench/diloco.sh, bench/pp_hosts.sh), after their NET, HOSTS, ID,
+# NETNS_TMP and NETNS_TOOLS: the hosts up with every link at the first of RATES, cd to $T, the
+# fortunes corpus packed into $T/data/f, the MPI settings exported, and the hostfiles $T/hosts-1
+# (node 1) and $T/hosts-2 (every node) written; the set-up's lines to stderr.
+netns_bench_hosts() {  # mpitrain binary, RATES, repository root
+  read -r NETNS_RATE _ <<< "$2"
+  netns_begin
+  exec 3>&2
+  netns_setup >&2
+  cd "$T" || setup_fail "cd $T"
+  run_quiet "$1" pack /usr/share/games/fortunes -o "$T/data/f" --doc-separator % --val-fraction 0.02
+  netns_mpi_env "$3" >&2
+  echo "${ADDRS[0]} slots=1" > "$T/hosts-1"
+  printf "%s slots=1\n" "${ADDRS[@]}" > "$T/hosts-2"
+}
+
 netns_set_rate() {  # rate: every node's link shaped anew to it (after netns_setup; bench/diloco.sh)
   NETNS_RATE=$1
   local i
