@@ -14,7 +14,8 @@
 #   test     mpirun -np 1 test_gpu: every test must run and pass, none skipped
 #   train    a small byte-level GPT on Python's own sources: CPU fp32 reference; CUDA fp32 + NCCL
 #            (learns like the CPU run); 2 ranks sharing the GPU (comm.backend mpi, the same
-#            global batch: the same losses); GPU -> CPU -> GPU resume (losses continue); bf16;
+#            global batch: the same losses); pp 2 on the GPU (2 stages sharing it, comm mpi:
+#            the same losses); GPU -> CPU -> GPU resume (losses continue); bf16;
 #            fp16 with loss scaling. TRAIN_STEPS steps (default 200); the mid-run checkpoint
 #            and the shards are kept in OUTDIR/handoff for a resume on a CPU machine.
 #   llama    the Llama 3.2 1B shape (preset llama3.2-1b: 16 layers, 32/8 heads, width 2048, SwiGLU
@@ -345,6 +346,17 @@ EOF
     check train "2 ranks x micro 8 on one $d (comm mpi) = 1 rank x 16" "$detail" test $? -eq 0
   else
     row train "2 ranks sharing one $d (comm mpi)" FAIL "exit status, see train/gpu-2ranks.log"
+  fi
+  # Pipeline parallelism on the device: 2 stages sharing it, 2 micro-batches of 8 (the same
+  # batch of 16; evaluation's 16 batches of 8 the same sequences); the activations go through host
+  # memory over MPI (pipeline.h), the GPU's fused block ops where built (fused: auto) in each stage.
+  if train_run gpu-pp2 2 --set train.device=$d --set comm.backend=mpi --set parallel.pp=2 \
+       --set train.micro_batch=8 --set train.grad_accum=2 --set eval.batches=16; then
+    grep -E "pipeline:|fused:" "$work/gpu-pp2.log" | head -n 2 | sed 's/^/    /'
+    detail=$(compare same-run "$work/gpu-pp2" "$work/gpu-fp32")
+    check train "pp 2 (1f1b, 2 micro-batches of 8) on one $d (comm mpi) = 1 rank x 16" "$detail" test $? -eq 0
+  else
+    row train "pp 2 on one $d (comm mpi)" FAIL "exit status, see train/gpu-pp2.log"
   fi
   # GPU -> CPU -> GPU: resume the GPU run's mid-run checkpoint on the CPU for a quarter of the
   # that checkpoint on the GPU to the end.

@@ -23,8 +23,8 @@ check "gpu_check.sh exits 0 (exit $rc)" "[ $rc -eq 0 ]"
 check "no FAIL rows" "! grep -q -P '\tFAIL\t' $tsv"
 check "GPU build, test_gpu and fp16 are SKIP rows, not passes" \
   "has build 'GPU build' SKIP && has test test_gpu SKIP && has train fp16 SKIP"
-check "the train stage's checks PASS: learns like the CPU run, 2 ranks = 1 rank, resume across devices, bf16" \
-  "has train 'learns like the CPU run' PASS && has train '2 ranks x micro 8' PASS && has train 'losses continue' PASS && (has train 'bf16 trains like fp32' PASS || has train 'bf16' SKIP)"
+check "the train stage's checks PASS: learns like the CPU run, 2 ranks = 1 rank, pp 2 = 1 rank, resume across devices, bf16" \
+  "has train 'learns like the CPU run' PASS && has train '2 ranks x micro 8' PASS && has train 'pp 2 .1f1b, 2 micro-batches of 8. on one' PASS && has train 'losses continue' PASS && (has train 'bf16 trains like fp32' PASS || has train 'bf16' SKIP)"
 check "the resumed runs continue bit for bit on one device (first steps within 0)" \
   "grep -q -P 'losses continue\tPASS\t.*within 0.0e\+00 / 0.0e\+00' $tsv"
 check "the memory stage runs zero 0/1/2 x checkpointing none/full (6 rows, each a finished run)" \

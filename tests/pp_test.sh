@@ -159,6 +159,16 @@ check "Qwen3 with tied embeddings at pp 4 trains the one-rank run (exit ${rc_of[
 check "Qwen3 with an output layer of its own at pp 4: the one-rank run bitwise (exit ${rc_of[lfalse4]})" \
   "same lfalse1 lfalse4 && cmp -s hf_lfalse1/model.safetensors hf_lfalse4/model.safetensors"
 
+# The fused block ops (here their ATen reference; on a GPU the CUDA kernels): a chunk's last MLP
+# output added to the residual stream before it travels, the next stage's first fused norm adding
+# nothing, so the stream is the unpipelined one (and fused is not unfused: the check can fail).
+fk=(--set model.fused_kernels=on)
+run fk1 1 llama_false.yaml "${fk[@]}"
+run fk2i 2 llama_false.yaml "${fk[@]}" --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
+check "model.fused_kernels: on at pp 2 interleaved: the fused one-rank run bitwise, which is not the unfused run's (exit ${rc_of[fk2i]})" \
+  "same fk1 fk2i && cmp -s hf_fk1/model.safetensors hf_fk2i/model.safetensors &&
+   ! cmp -s hf_fk1/model.safetensors hf_lfalse1/model.safetensors"
+
 # Tensor parallelism inside each stage (the tied Qwen3, its vocabulary padded to 258 rows for tp 2).
 v258=(--set model.vocab_size=258)
 run t1 1 llama_true.yaml "${v258[@]}"

@@ -418,7 +418,9 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   void before_block(int64_t block);
   std::vector<torch::Tensor> after_block(int64_t block, std::vector<torch::Tensor> outs);
   torch::Tensor hidden(const torch::Tensor& idx);
-  torch::Tensor hidden_fused(torch::Tensor x);  // blocks and ln_f with the fused norms (add_forward)
+  // hidden()'s blocks of [begin, end) with the fused norms: the residual stream and the last
+  // block's MLP output, which the next norm adds (add_forward).
+  std::pair<torch::Tensor, torch::Tensor> run_blocks_fused(torch::Tensor x, int64_t begin, int64_t end);
   int64_t expert_params_times(const std::function<int64_t(const MoEImpl&)>& experts_left_out) const;
   std::vector<torch::Tensor> router_output(std::vector<torch::Tensor> outs, size_t block_outputs = 1);
   void collect_tp_splits();  // every module's declarations, by full parameter name

@@ -26,7 +26,12 @@
 // accumulates in the same order: the three train bitwise the same.
 //
 // Activations and their gradients travel as fp32 with MPI's point-to-point (MPI_Isend, each send's
-// buffer kept until the step ends; a blocking MPI_Recv under the watchdog), on the CPU only yet.
+// buffer kept until the step ends; a blocking MPI_Recv under the watchdog). On a GPU they go
+// through host memory: a device-to-host copy before each send (which waits for the stage's work
+// so far) and a host-to-device copy after each receive, whatever comm.backend is (NCCL's
+// send/recv is not built: one GPU cannot test it, NCCL refusing two ranks on one device).
+// With the fused block ops a chunk's last MLP output is added to the residual stream before it
+// travels (GPT::stage_forward), so every stage's stream is the unpipelined one.
 #pragma once
 
 #include <torch/torch.h>

@@ -786,8 +786,6 @@ void GPTImpl::apply(const RunOptions& run) {
     throw UsageError(concat("model.fused_kernels: the ", dims_.family_row().name, " family's norms have no fused ops (set it off)"));
   if (run.fused_loss && dims_.final_softcap > 0)
     throw UsageError("model.fused_loss: the fused loss has no soft cap for model.final_softcap (set it off)");
-  if (run.fused_kernels && dims_.pp > 1)
-    throw UsageError("model.fused_kernels: a pipeline stage's blocks run unfused (set it off or auto)");
   MPITRAIN_CHECK(run.ac_every >= 1 && run.capacity_factor >= 0 && run.z_loss_coef >= 0,
                  "RunOptions: ac_every >= 1, a capacity factor and a z-loss coefficient >= 0");
   run_ = run;
@@ -900,8 +898,10 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   router_log_.clear();
   aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
   torch::Tensor x = embed(idx);
-  if (run_.fused_kernels) return hidden_fused(x);
-  return ln_f(run_blocks(x));
+  if (!run_.fused_kernels) return ln_f(run_blocks(x));
+  const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
+  const auto [sum, delta] = run_blocks_fused(x, 0, INT64_MAX);
+  return ln_f->add_forward(sum, delta, normed_dtype).second;
 }
 
 torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
@@ -938,13 +938,20 @@ torch::Tensor GPTImpl::run_blocks(torch::Tensor x, int64_t begin, int64_t end) {
 }
 
 torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in, int64_t chunk) {
-  MPITRAIN_CHECK(dims_.pp > 1 && !run_.fused_kernels && chunk >= 0 && chunk < dims_.pp_virtual,
-                 "stage_forward: a chunk of a pipeline stage, unfused");
+  MPITRAIN_CHECK(dims_.pp > 1 && chunk >= 0 && chunk < dims_.pp_virtual, "stage_forward: a chunk of a pipeline stage");
   const bool first = dims_.first_stage() && chunk == 0, last = dims_.last_stage() && chunk + 1 == dims_.pp_virtual;
   router_log_.clear();
   aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
-  torch::Tensor x = run_blocks(first ? embed(in) : in, dims_.chunk_begin(chunk), dims_.chunk_end(chunk));
-  return last ? ln_f(x) : x;
+  const torch::Tensor x = first ? embed(in) : in;
+  const int64_t begin = dims_.chunk_begin(chunk), end = dims_.chunk_end(chunk);
+  if (!run_.fused_kernels) return last ? ln_f(run_blocks(x, begin, end)) : run_blocks(x, begin, end);
+  // Fused: the chunk's last MLP output is added to the residual stream by ln_f's fused add on the
+  // last stage, elsewhere by a plain fp32 add before it travels: the sum the next block's fused
+  // add would have formed (fp32 + the block output promoted), so the stream is the unpipelined one.
+  const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
+  const auto [sum, delta] = run_blocks_fused(x, begin, end);
+  if (last) return ln_f->add_forward(sum, delta, normed_dtype).second;
+  return delta.defined() ? sum + delta : sum;
 }
 
 torch::Tensor GPTImpl::stage_loss(const torch::Tensor& out, const torch::Tensor& targets) {
@@ -954,11 +961,11 @@ torch::Tensor GPTImpl::stage_loss(const torch::Tensor& out, const torch::Tensor&
 
 // The residual stream x stays fp32 (the embeddings are; add_layernorm / add_rmsnorm add the
 // bf16/fp16 block outputs of an autocast region in fp32, as the unfused path's type promotion
-// does); each block's MLP output is added by the next norm, the last one's by ln_f.
-torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
-  const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
+// does); each block's MLP output is added by the next norm, the last one's by the caller (ln_f).
+std::pair<torch::Tensor, torch::Tensor> GPTImpl::run_blocks_fused(torch::Tensor x, int64_t begin, int64_t end) {
   torch::Tensor delta;
-  for (size_t i = 0; i < h->size(); ++i) {
+  const c10::ScalarType normed_dtype = autocast_dtype_or(x.device().type(), torch::kFloat32);
+  for (auto i = static_cast<size_t>(begin); i < std::min(h->size(), static_cast<size_t>(end)); ++i) {
     const auto b = static_cast<int64_t>(i);
     auto block = (*h)[i]->as<Block>();
     if (!block) continue;  // (another stage's)
@@ -978,7 +985,7 @@ torch::Tensor GPTImpl::hidden_fused(torch::Tensor x) {
     const auto outs = after_block(b, router_output(checkpointed_block(run, x, delta, run_.ac == RunOptions::Ac::selective), 2));
     x = outs[0], delta = outs[1];
   }
-  return ln_f->add_forward(x, delta, normed_dtype).second;
+  return {x, delta};
 }
 
 int64_t GPTImpl::live_rows() const {

@@ -264,9 +264,6 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                                 train_data->tokenizer_sha256().substr(0, 12), ")"));
     }
     dims = model_dims(cfg.model, train_data->vocab_size(), vocab_pad_multiple(cfg.model, device.is_cuda(), layout.tp));
-    if (layout.pp > 1 && device.is_cuda())
-      throw UsageError(concat("parallel.pp: ", layout.pp, " runs on the CPU only yet (its activations travel through "
-                              "host memory with MPI; NCCL's send/recv is not built): set parallel.pp: 1 on a GPU"));
     if (layout.tp > 1) check_tensor_parallel_dims(dims, layout.tp);
     // The fused loss saves GPU memory; on the CPU with small vocabularies the plain path is faster.
     // (Not with soft-capped logits, which it has no cap for: Gemma 2.)
