@@ -258,6 +258,34 @@ cat close_m4b.out
 check "the routing bias (aux-loss-free balancing) at pp 4 trains the one-rank run, and its checkpoint resumed at pp 2 interleaved trains steps 5-8 (exit ${rc_of[m4b]}, ${rc_of[m2b]})" \
   "same m1b m4b && [ $rc -eq 0 ] && same m1b m2b 5"
 
+# Expert parallelism inside each stage (each stage's experts split over its ep ranks, the
+# all-to-alls inside the stage's dp group): ep 2 x pp 2 at ZeRO-1 (np 4) trains the dp 2 run (np 2,
+# the same global batch of 8): losses, final parameters, aux loss, z-loss and expert loads; its
+# step-4 checkpoint (each stage's experts gathered, then the stages' tensors to rank 0) resumed at
+# dp 2, and the dp 2 run's resumed at tp 2 x ep 2 x pp 2 (np 8), train dp 2's steps 5-8;
+# model.init_from at ep 2 x pp 2 and at pp 4 (stage 0 without a sparse layer: the experts of
+# every other stage are theirs, not unknown) starts the runs it should.
+ez=(--set train.moe_z_loss_coef=0.01 --set train.grad_accum=2)
+run ed2 2 moe.yaml "${ez[@]}"
+run e2p2 4 moe.yaml "${ez[@]}" --set parallel.ep=2 --set parallel.pp=2 --set optim.zero=1
+run e2p2r 2 moe.yaml "${ez[@]}" --set checkpoint.resume=ckpt_e2p2/ckpt-00000004.h5
+run te2p2r 8 moe.yaml "${ez[@]}" --set parallel.tp=2 --set parallel.ep=2 --set parallel.pp=2 --set checkpoint.resume=ckpt_ed2/ckpt-00000004.h5
+norms() { grep -o '"grad_norm": [0-9.e+-]*' run_$1/metrics.jsonl | grep -o '[0-9.e+-]*$'; }
+same_norms() {  # A B: every step's gradient norm (the experts' summed over ep, the stages' over pp) within 1e-5 relative
+  paste <(norms "$1") <(norms "$2") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * $1 || $2 == "") bad = 1; n++ } END { exit bad || n != 8 }'
+}
+{ close ed2 e2p2 && moe_metrics ed2 e2p2 && same_norms ed2 e2p2 && close ed2 e2p2r && close ed2 te2p2r; } > close_e2p2.out 2>&1
+rc=$?
+cat close_e2p2.out
+check "ep 2 x pp 2 at ZeRO-1 (np 4) trains the dp 2 run: losses, parameters, gradient norms, aux loss, z-loss, expert loads; its checkpoint resumed at dp 2 and dp 2's at tp 2 x ep 2 x pp 2 (np 8) train steps 5-8 (exit ${rc_of[e2p2]}, ${rc_of[e2p2r]}, ${rc_of[te2p2r]})" \
+  "same ed2 e2p2 && [ $rc -eq 0 ] && same ed2 e2p2r 5 && same ed2 te2p2r 5"
+init_run ei2 2 moe.yaml hf_ed2 "${ez[@]}"
+init_run ei4 4 moe.yaml hf_ed2 "${ez[@]}" --set parallel.ep=2 --set parallel.pp=2
+init_run ej1 1 moe.yaml hf_ed2
+init_run ej4 4 moe.yaml hf_ed2 --set parallel.pp=4
+check "model.init_from of a mixture of experts at ep 2 x pp 2 and at pp 4 (a stage without a sparse layer) starts the dp 2 and one-rank runs: their losses (exit ${rc_of[ei4]}, ${rc_of[ej4]})" \
+  "same ei2 ei4 4 && same ej1 ej4 4"
+
 run dl2 2 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3
 run dlpp 4 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3 --set parallel.pp=2
 check "DiLoCo with a pipeline inside each island: 2 islands x pp 2 (np 4) trains 2 islands of one rank (np 2): its losses, validation losses and final parameters, island 0's first pipeline writing the checkpoints (exit ${rc_of[dlpp]})" \

@@ -456,6 +456,10 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
 };
 TORCH_MODULE(GPT);
 
+// The whole model's parameter names under `d` (tp, ep and pp 1), in order, from a model made
+// without values; the default generator's stream goes on as it was.
+std::vector<std::string> whole_model_names(const GPTDims& d);
+
 // mean(cross_entropy(hidden @ weight^T, targets)) without materialising the [N, V] logits: the
 // rows go through the vocabulary in chunks of about 256 MiB of logits (64 Mi in fp32; 128 Mi on
 // the CUDA kernel path under 16-bit autocast, which keeps no fp32 copy), and, when gradients are

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -138,9 +139,11 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
 // on ep rank 0); the squared norms summed over `ep`. ZeRO (a sharded AdamW, `expert` whole
 // slots): the slices' squared norms are summed over `dp` (each rank holds its own) and added.
 // Tensor parallelism (`tp`; `replicated[k]`: parameter k is whole on every tp rank, counted on tp
-// rank 0 only): the sum then over `tp` as well.
+// rank 0 only): the sum then over `tp` as well. Pipeline parallelism (`pp`): the stages' sums
+// summed over it, parameter `elsewhere` left out (the last stage's tied embedding: the first's counts).
 torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
-                                 Communicator& dp, Communicator* tp = nullptr, const std::vector<bool>& replicated = {});
+                                 Communicator& dp, Communicator* tp = nullptr, const std::vector<bool>& replicated = {},
+                                 Communicator* pp = nullptr, std::optional<size_t> elsewhere = std::nullopt);
 // Pipeline parallelism: each rank of `pp` holds its stage's gradients `grads` (undefined: none;
 // `counted[i]` false for a copy another stage counts: the last stage's tied embedding, whose
 // gradient the two ends summed between them; tensor parallel: a parameter every tp rank holds

@@ -154,7 +154,11 @@ class Parallelism {
   bool shards_optimizer() const { return stage_ >= 1; }
   // Pipeline parallelism: the whole model (pp 1), without values (its names and shapes) or with
   // values to be overwritten; the run's random stream as it was.
-  GPT pp_whole_model(bool deferred) const;
+  // `stage`: this stage's part of it (its blocks whole over tp and ep).
+  GPT pp_whole_model(bool deferred, bool stage = false) const;
+  // Pipeline parallelism: the whole model's parameters and moments on rank 0 (`into`, `state`:
+  // rank 0's, else null; collective over the world).
+  void gather_stages(GPT* into, FullOptimState* state);
   const Config& cfg_;
   Mesh& mesh_;
   const Topology& topo_;
@@ -163,7 +167,7 @@ class Parallelism {
   const torch::Device device_;
   const bool tp_;
   const bool ep_;  // parallel.ep > 1
-  const bool pp_;  // parallel.pp > 1 (optim.zero 0-2, tp 1, ep 1, no islands: the config refuses the rest)
+  const bool pp_;  // parallel.pp > 1 (optim.zero 0-2: the config refuses ZeRO-3)
   // Pipeline parallelism: the whole model's names and shapes (every rank's), and where this stage
   // holds a tied embedding that the other end of the pipeline holds too, its index in params_ (its
   // gradient summed between them; the first stage's counted in the gradient norm).
@@ -192,6 +196,10 @@ class Parallelism {
   std::optional<CommDup> checkpoint_comm_;  // the writer thread's collectives (shares)
   CheckpointShare share_buffers_;           // shares + async: this rank's host copies
   FullOptimState gathered_;                 // rank 0 writing alone: the assembled optimizer state
+  // Pipeline and expert parallelism: the first pipeline's ranks' host copy of their stage, whole
+  // over ep (and tp), into which gather_stages gathers the stage's experts before sending it on.
+  std::optional<GPT> ep_stage_whole_;
+  FullOptimState ep_stage_state_;
 };
 
 }  // namespace mpitrain

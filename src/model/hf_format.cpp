@@ -601,28 +601,12 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
     const auto params = model->named_params();
     std::map<std::string, std::string> ours;  // HF name -> mpitrain name
     for (const auto& [name, p] : params) ours[hf_name(name, d)] = name;
-    // Expert parallelism: the files hold every expert; those this rank does not hold are its ep
-    // peers' (read by them), not unknown tensors.
+    // Expert and pipeline parallelism: the files hold every expert and block; those this rank
+    // does not hold are its ep peers' and the other stages' (read by them), not unknown tensors.
     std::set<std::string> peers;
-    if (d.ep > 1)
-      for (const auto& [name, p] : params)
-        if (expert_of(name) >= 0)
-          for (int64_t e = 0; e < d.local_experts() * d.ep; ++e)
-            if (const std::string hf = hf_name(with_expert(name, e), d); !ours.count(hf)) peers.insert(hf);
-    // Pipeline parallelism: the other stages' blocks (every block has this stage's blocks' names),
-    // and the embeddings, final norm and output layer where another stage holds them.
-    if (d.pp > 1) {
-      std::set<std::string> in_block;  // "attn.c_attn.weight", ...
-      for (const auto& [name, p] : params)
-        if (block_of(name) >= 0) in_block.insert(name.substr(name.find('.', 2) + 1));
-      std::vector<std::string> whole{"wte.weight", "ln_f.weight"};
-      if (!d.llama()) whole.insert(whole.end(), {"wpe.weight", "ln_f.bias"});
-      if (d.llama() && !d.tie_embeddings) whole.push_back("lm_head.weight");
-      for (int64_t i = 0; i < d.n_layer; ++i)
-        for (const std::string& rest : in_block) whole.push_back(concat("h.", i, ".", rest));
-      for (const std::string& name : whole)
+    if (d.ep > 1 || d.pp > 1)
+      for (const std::string& name : whole_model_names(d))
         if (const std::string hf = hf_name(name, d); !ours.count(hf)) peers.insert(hf);
-    }
     auto& found = weights->found;
     const Entry* lm_head = nullptr;
     SafetensorsFile* lm_head_file = nullptr;

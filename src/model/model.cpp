@@ -713,6 +713,27 @@ at::Generator snapshot_of_default_generator() {
 }
 }  // namespace
 
+std::vector<std::string> whole_model_names(const GPTDims& d) {
+  GPTDims whole = d;
+  whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
+  whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
+  whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();  // (making a model draws)
+  }
+  GPT model(whole, /*deferred=*/true);
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, p] : model->named_params()) names.push_back(name);
+  return names;
+}
+
 GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
@@ -749,6 +770,7 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     // Deferred (ZeRO-3): initialize() makes those draws.
     GPTDims whole = d;
     whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
+    whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;  // (a pipeline stage: the whole model's too)
     GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);
     collect_tp_splits();

@@ -49,10 +49,13 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
   writer_count_ = !shares_ ? 1 : pp_ ? static_cast<int>(mesh_.layout().pp * mesh_.layout().tp) : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
   if (ep_ && topo_.rank == 0)
-    log::info(concat("checkpoint: rank 0 writes whole checkpoints (the experts gathered to it from the ",
-                     mesh_.layout().ep, " ranks of its ep group",
+    log::info(concat("checkpoint: rank 0 writes whole checkpoints (",
+                     pp_ ? concat("each of the ", mesh_.layout().pp, " stages' experts gathered from the ", mesh_.layout().ep,
+                                  " ranks of its first ep group, then its tensors sent to rank 0 one at a time")
+                         : concat("the experts gathered to it from the ", mesh_.layout().ep, " ranks of its ep group"),
                      tp_ ? concat(", each tensor made whole over the ", mesh_.layout().tp, " ranks of its tp group first") : std::string(),
-                     zero ? concat(", the shared parameters' ZeRO-", stage_, " state from every rank") : std::string(), ")"));
+                     zero ? concat(", the shared parameters' ZeRO-", stage_, " state from ", pp_ ? "the stage's dp group" : "every rank")
+                          : std::string(), ")"));
   if (!spread || ep_ || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
   const std::string share = pp_         ? std::string("the first pipeline's ranks write their stages' tensors")
@@ -103,11 +106,16 @@ void Parallelism::apply(GPT model) {
   }
   if (pp_) {  // every rank: the whole model's names
     for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
+    if (ep_ && mesh_.replica() == 0 && mesh_.tp_rank() == 0) {  // (the first pipeline: its stage's experts gathered into it)
+      ep_stage_whole_.emplace(pp_whole_model(/*deferred=*/false, /*stage=*/true));
+      ep_stage_state_ = host_optim_state_like(*ep_stage_whole_);
+    }
     const auto params = model_->named_params();
     if (!dims_.llama() || dims_.tie_embeddings)  // both ends hold wte.weight (the middle stages none)
       for (size_t k = 0; k < params.size(); ++k)
         if (params[k].first == "wte.weight") tied_ = k;
-    for (const auto& [name, p] : params) tp_replicated_.push_back(tp_ && model_->tp_split(name) == TpSplit::replicated);
+    if (!ep_)  // (expert parallelism's below)
+      for (const auto& [name, p] : params) tp_replicated_.push_back(tp_ && model_->tp_split(name) == TpSplit::replicated);
   }
   // On CUDA the backward hooks run on autograd's device threads; MPI collectives (and their
   // watchdog scopes) stay on the main thread, so there the MPI backend reduces after backward.
@@ -291,10 +299,11 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
                      units_ ? &units_->param_shards() : nullptr, whole, pp_ ? &whole_names_ : nullptr);
 }
 
-GPT Parallelism::pp_whole_model(bool deferred) const {
+GPT Parallelism::pp_whole_model(bool deferred, bool stage) const {
   GPTDims d = dims_;
-  d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
+  if (!stage) d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
   d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;  // (whole tensors: a checkpoint's)
+  d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   const torch::Tensor rng = gen.get_state();  // (making a model draws; the run's stream goes on as it was)
   GPT whole(d, deferred);
@@ -389,11 +398,13 @@ void Parallelism::reduce_gradients() {
     // ZeRO-1/2: the averaged gradient lies in slices over the stage's dp group (each end's bucket
     // layout its own): gathered whole on each end, exchanged, and the partner's added to each
     // rank's part of the slices.
-    const size_t b = grad_sync_->bucket_of(k);
+    // (Expert parallelism: grad_sync_ holds the parameters but the experts, in order.)
+    const auto j = static_cast<size_t>(ep_ ? std::count(is_expert_.begin(), is_expert_.begin() + static_cast<std::ptrdiff_t>(k), false) : k);
+    const size_t b = grad_sync_->bucket_of(j);
     const torch::Tensor& shard = grad_sync_->grad_shard(b);
     torch::Tensor bucket = torch::empty({grad_sync_->padded_length(b)}, shard.options());
     mesh_.dp().all_gather(shard, bucket);
-    const int64_t off = grad_sync_->flat_offset(k), n = params_[k].numel();
+    const int64_t off = grad_sync_->flat_offset(j), n = params_[k].numel();
     link.send(bucket.narrow(0, off, n), other, kTiedTag);
     const torch::Tensor theirs = link.recv({n}, other, kTiedTag, shard.device());
     link.finish();
@@ -404,6 +415,15 @@ void Parallelism::reduce_gradients() {
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {
+  if (pp_ && ep_) {  // a stage's experts apart over its ep group (expert parallelism's norm), then
+                    // the stages' summed over the pipeline
+    std::vector<torch::Tensor> grads;
+    for (size_t i = 0; i < opt_->size(); ++i) grads.push_back(opt_->grad(i));
+    const bool finite = scaler.unscale_and_check(grads, mesh_.world(), device_);
+    const std::optional<size_t> elsewhere = tied_ && dims_.last_stage() ? tied_ : std::nullopt;
+    return {finite, clip_ep_grad_norm_(*opt_, is_expert_, max_norm, mesh_.ep(), mesh_.dp(), tp_ ? &mesh_.tp() : nullptr,
+                                       tp_replicated_, &mesh_.pp(), elsewhere)};
+  }
   if (pp_) {  // each stage holds its blocks' gradients (ZeRO: its rank its slices of them): the
              // verdict and the norm agreed over the pipeline (and the stage's dp group)
     std::vector<torch::Tensor> grads;
@@ -507,12 +527,8 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get(),
                        pp_ ? &whole_names_ : nullptr);
   std::string path;
-  if (pp_) {  // each stage's tensors sent to rank 0 by the first pipeline's ranks (ZeRO: the moments
-             // first gathered to them over each stage's dp group)
-    const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
-    if (mesh.replica() == 0)  // (with islands: island 0's first pipeline)
-      gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, whole_model_ ? &*whole_model_ : nullptr, &gathered_,
-                      shards_optimizer() ? &stage : nullptr, tp_ ? &mesh.tp() : nullptr);
+  if (pp_) {
+    gather_stages(whole_model_ ? &*whole_model_ : nullptr, &gathered_);
     if (topo_.rank == 0) path = writer.save(*whole_model_, gathered_, st);
   } else if (ep_) {  // the experts assembled on rank 0
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, whole_model_ ? &*whole_model_ : nullptr,
@@ -540,6 +556,24 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   return path;
 }
 
+// Each stage's tensors sent to rank 0 by the first pipeline's ranks (with islands: island 0's),
+// one at a time (ZeRO: the moments first gathered to them over each stage's dp group; expert
+// parallelism: the stage's experts first gathered from its first ep group into its host copy).
+void Parallelism::gather_stages(GPT* into, FullOptimState* state) {
+  Mesh& mesh = mesh_;
+  if (ep_) {
+    const bool assembles = ep_stage_whole_.has_value();
+    gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, assembles ? &*ep_stage_whole_ : nullptr,
+                    &ep_stage_state_, slice_owner_, tp_ ? &mesh.tp() : nullptr, units());
+    if (assembles) gather_pp_state(*ep_stage_whole_, *opt_, mesh.pp_mpi(), whole_names_, into, state, &ep_stage_state_, nullptr);
+    return;
+  }
+  const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
+  if (mesh.replica() == 0)
+    gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, into, state, shards_optimizer() ? &stage : nullptr,
+                    tp_ ? &mesh.tp() : nullptr);
+}
+
 std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_params() {
   std::vector<std::pair<std::string, std::vector<float>>> out;
   if (pp_) {  // the stages' tensors on rank 0 (the other ranks return none)
@@ -548,10 +582,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     if (!into && topo_.rank == 0) into = &made.emplace(pp_whole_model(/*deferred=*/false));
     FullOptimState state;
     if (into) state = host_optim_state_like(*into);
-    const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
-    if (mesh_.replica() == 0)
-      gather_pp_state(model_, *opt_, mesh_.pp_mpi(), whole_names_, into, &state, shards_optimizer() ? &stage : nullptr,
-                      tp_ ? &mesh_.tp() : nullptr);
+    gather_stages(into, &state);
     if (into)
       for (auto& [name, p] : (*into)->named_params()) {
         torch::Tensor c = p.detach().to(torch::kFloat32).contiguous();

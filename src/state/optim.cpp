@@ -284,13 +284,15 @@ torch::Tensor clip_tp_grad_norm_(AdamW& opt, const GPT& model, double max_norm, 
 }
 
 torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, double max_norm, Communicator& ep,
-                                 Communicator& dp, Communicator* tp, const std::vector<bool>& replicated) {
+                                 Communicator& dp, Communicator* tp, const std::vector<bool>& replicated,
+                                 Communicator* pp, std::optional<size_t> elsewhere) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads, counted, slices;  // counted: summed over ep; slices: over dp
   for (size_t i = 0; i < opt.size(); ++i) {
     const torch::Tensor g = opt.grad(i);
     if (!g.defined()) continue;
     grads.push_back(g);
+    if (elsewhere == opt.param_index(i)) continue;  // (counted by another stage)
     const bool once = !tp || tp->rank() == 0 || !replicated[opt.param_index(i)];  // (a replicated tensor on tp rank 0)
     if (!opt.holds_whole(i)) {
       if (once) slices.push_back(g);
@@ -307,6 +309,7 @@ torch::Tensor clip_ep_grad_norm_(AdamW& opt, const std::vector<bool>& expert, do
     squared = squared + sliced;
   }
   if (tp) tp->all_reduce(squared, ReduceOp::sum);
+  if (pp) pp->all_reduce(squared, ReduceOp::sum);
   return clip_by(grads, squared, max_norm);
 }
 
