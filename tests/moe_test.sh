@@ -359,10 +359,14 @@ to_hf() {
 # 4 ranks, whatever holds which experts; the bias travels in the checkpoint across ep degrees).
 ep_balancing=(--set train.moe_bias_update_rate=0.01 --set train.moe_z_loss_coef=0.01)
 ep_zero=([1]=0 [2]=3 [4]=2)
+# Checkpoints: ep 2 (ZeRO-3), and the resumed runs below, each rank writing its share into the one
+# file (its experts whole from the first ep group, its ZeRO slices of the rest); ep 4 through rank 0
+# (checkpoint.writers: rank0: the experts gathered to it).
 for ep in 1 2 4; do
-  ac=none
-  [ $ep = 4 ] && ac=selective  # (and the exchanges run again in backward's second run of each block)
+  ac=none writers=auto
+  [ $ep = 4 ] && ac=selective writers=rank0  # (and the exchanges run again in backward's second run of each block)
   "$MPIRUN" -np 4 --oversubscribe "$BIN" qwen3_moe.yaml --set parallel.ep=$ep --set train.activation_checkpointing=$ac \
+    --set checkpoint.writers=$writers \
     --set optim.zero=${ep_zero[$ep]} --set train.out_dir=run_ep$ep "${ep_balancing[@]}" \
     --set checkpoint.dir=ckpt_ep$ep --set log.every=1 --set eval.every=4 --set train.steps=8 --set checkpoint.every=4 \
     --set checkpoint.keep=2 > ep$ep.out 2>&1
@@ -424,6 +428,7 @@ done
 check "the start-up lines name the ep groups and the experts' buckets; the progress line and metrics.jsonl the all-to-alls' share of the step" \
   "grep -q 'mesh: 4 ranks = dp 4 (ep 2: 2 groups of 2 ranks each holding 1/2 of the experts)' ep2.out &&
    grep -q 'and 1 of the experts. over their 2 replicas' ep2.out && grep -q 'experts gathered to it from the 4 ranks' ep4.out &&
+   grep -q 'checkpoint: every rank writes its ZeRO-3 share, the 2 ranks of the first ep group each its experts whole (4 writers' ep2.out &&
    grep -q 'ZeRO-3: sharded over 4 data-parallel ranks; the experts. whole on each of their replicas' ep2.out &&
    grep -q ' | a2a [0-9]*% ' ep2.out && grep -q '\"all_to_all_share\": 0\.[0-9]*' run_ep2/metrics.jsonl &&
    ! grep -q 'all_to_all_share' run_ep1/metrics.jsonl"
@@ -555,7 +560,7 @@ check "parallel.tp 2 with experts (np 4, selective checkpointing) trains the dp 
 tp_run tpep --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=1
 check "parallel.tp 2 with parallel.ep 2 at ZeRO-1 (np 4) trains the dp 2 run: losses and final parameters (exit $tprc)" \
   "[ $tprc -eq 0 ] && [ $rc -eq 0 ] && grep -q 'mesh: 4 ranks = dp 2 (ep 2: 1 group of 2 ranks each holding 1/2 of the experts) x tp 2' tpep.out &&
-   grep -q 'experts gathered to it from the 2 ranks of its ep group, each tensor made whole over the 2 ranks of its tp group first' tpep.out"
+   grep -q 'every rank writes its ZeRO-1 slices of its tensor-parallel shards, the 2 ranks of the first ep group each its experts whole' tpep.out"
 tp_run tpep3 --set parallel.tp=2 --set parallel.ep=2 --set optim.zero=3 --set train.activation_checkpointing=selective
 check "the same at ZeRO-3 with selective checkpointing trains the dp 2 run (exit $tprc)" \
   "[ $tprc -eq 0 ] && [ $rc -eq 0 ]"

@@ -261,13 +261,14 @@ check "the routing bias (aux-loss-free balancing) at pp 4 trains the one-rank ru
 # Expert parallelism inside each stage (each stage's experts split over its ep ranks, the
 # all-to-alls inside the stage's dp group): ep 2 x pp 2 at ZeRO-1 (np 4) trains the dp 2 run (np 2,
 # the same global batch of 8): losses, final parameters, aux loss, z-loss and expert loads; its
-# step-4 checkpoint (each stage's experts gathered, then the stages' tensors to rank 0) resumed at
-# dp 2, and the dp 2 run's resumed at tp 2 x ep 2 x pp 2 (np 8), train dp 2's steps 5-8;
+# step-4 checkpoint (rank 0 writing: each stage's experts gathered, then the stages' tensors sent
+# to it) resumed at dp 2, and the dp 2 run's resumed at tp 2 x ep 2 x pp 2 (np 8, whose step-8
+# checkpoint its ranks write as shares: each stage's first ep group its experts), train dp 2's steps 5-8;
 # model.init_from at ep 2 x pp 2 and at pp 4 (stage 0 without a sparse layer: the experts of
 # every other stage are theirs, not unknown) starts the runs it should.
 ez=(--set train.moe_z_loss_coef=0.01 --set train.grad_accum=2)
 run ed2 2 moe.yaml "${ez[@]}"
-run e2p2 4 moe.yaml "${ez[@]}" --set parallel.ep=2 --set parallel.pp=2 --set optim.zero=1
+run e2p2 4 moe.yaml "${ez[@]}" --set parallel.ep=2 --set parallel.pp=2 --set optim.zero=1 --set checkpoint.writers=rank0
 run e2p2r 2 moe.yaml "${ez[@]}" --set checkpoint.resume=ckpt_e2p2/ckpt-00000004.h5
 run te2p2r 8 moe.yaml "${ez[@]}" --set parallel.tp=2 --set parallel.ep=2 --set parallel.pp=2 --set checkpoint.resume=ckpt_ed2/ckpt-00000004.h5
 norms() { grep -o '"grad_norm": [0-9.e+-]*' run_$1/metrics.jsonl | grep -o '[0-9.e+-]*$'; }
@@ -278,7 +279,9 @@ same_norms() {  # A B: every step's gradient norm (the experts' summed over ep, 
 rc=$?
 cat close_e2p2.out
 check "ep 2 x pp 2 at ZeRO-1 (np 4) trains the dp 2 run: losses, parameters, gradient norms, aux loss, z-loss, expert loads; its checkpoint resumed at dp 2 and dp 2's at tp 2 x ep 2 x pp 2 (np 8) train steps 5-8 (exit ${rc_of[e2p2]}, ${rc_of[e2p2r]}, ${rc_of[te2p2r]})" \
-  "same ed2 e2p2 && [ $rc -eq 0 ] && same ed2 e2p2r 5 && same ed2 te2p2r 5"
+  "same ed2 e2p2 && [ $rc -eq 0 ] && same ed2 e2p2r 5 && same ed2 te2p2r 5 &&
+   grep -q 'each of the 2 stages. experts gathered from the 2 ranks of its first ep group' e2p2.out &&
+   grep -q 'the first pipeline.s ranks write their stages. tensors, the 2 ranks of the first ep group of each stage each its experts whole (8 writers' te2p2r.out"
 init_run ei2 2 moe.yaml hf_ed2 "${ez[@]}"
 init_run ei4 4 moe.yaml hf_ed2 "${ez[@]}" --set parallel.ep=2 --set parallel.pp=2
 init_run ej1 1 moe.yaml hf_ed2

@@ -16,7 +16,8 @@
 // - expert parallelism (parallel.ep, a mixture of experts): each ep group of
 //   consecutive dp ranks holds every expert once between them (model.h's MoE exchanges the tokens);
 //   here: the experts' gradients averaged over their replicas, the gradient norm over the ep
-//   group, a checkpoint's experts gathered to rank 0 and handed out again on resume. ZeRO-1/2/3
+//   group, a checkpoint's experts written whole by the ranks of the first ep group (each rank
+//   writing its share), or gathered to rank 0, and handed out again on resume. ZeRO-1/2/3
 //   shard the shared parameters over the dp group as above (ZeRO-3's units hold them only); each
 //   rank's experts stay whole, their AdamW state in slots after the slices (optim.h). With tensor
 //   parallelism (any stage) each rank holds its tp shards of its experts; a checkpoint makes

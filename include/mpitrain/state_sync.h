@@ -106,8 +106,12 @@ struct CheckpointShare {
 // (a synchronous write on the calling thread).
 // Pipeline parallelism (`whole`: the whole model's names and shapes): the file is the whole model's,
 // of which this stage's rank writes the tensors its stage holds (a tied embedding: the first stage).
+// Expert parallelism (`whole` too; `expert[k]`: parameter k is one of this rank's experts, which
+// it writes whole when `holds_experts`, the ranks of the first ep group; the other parameters as
+// above, AdamW's slots past the GradSync's slices being the experts).
 void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
-                      const TrainState& st, bool copy, const ParamShapes* whole = nullptr);
+                      const TrainState& st, bool copy, const ParamShapes* whole = nullptr,
+                      const std::vector<bool>* expert = nullptr, bool holds_experts = false);
 
 // Writes one checkpoint from every rank's share; collective over `comm` (each rank passes its share
 // of the same step). Rank 0 creates the file (CheckpointFile: attributes, every dataset allocated)
@@ -126,7 +130,8 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 // provide MPI_THREAD_MULTIPLE. `shards` and `holds_unsharded` as share_checkpoint.
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
                         const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm,
-                        const ParamShapes* whole = nullptr);
+                        const ParamShapes* whole = nullptr, const std::vector<bool>* expert = nullptr,
+                        bool holds_experts = false);
 
 // A communicator of its own for one purpose (the checkpoint writer's collectives on a background
 // thread never meet the training loop's): MPI_Comm_dup, freed with the object. Collective.

@@ -40,15 +40,16 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
   // shares need MPI collectives on the writer's thread.
   const bool async_collectives = !cfg.checkpoint.async || mpi_thread_multiple();
   const bool zero = shards_optimizer();
-  const bool spread = zero || tp_ || pp_;  // state held in parts
+  const bool spread = zero || tp_ || pp_ || ep_;  // state held in parts
   // DiLoCo's islands hold different states: rank 0 writes island 0's (the others' lie beside it,
   // diloco.h), which shares of every island's ranks would overwrite.
   const bool islands = mesh.layout().islands > 1;
-  // (Expert parallelism: rank 0 alone, the experts gathered to it. Pipeline stages: the first
-  // pipeline's ranks, each its stage's tensors.)
-  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands && !ep_;
-  writer_count_ = !shares_ ? 1 : pp_ ? static_cast<int>(mesh_.layout().pp * mesh_.layout().tp) : zero ? topo_.size : static_cast<int>(mesh_.layout().tp);
-  if (ep_ && topo_.rank == 0)
+  // (Pipeline stages: the first pipeline's ranks, each its stage's tensors. Expert parallelism:
+  // the first ep group's ranks each its experts, its first rank the rest.)
+  shares_ = spread && cfg.checkpoint.writers == "auto" && checkpoint_dir_blind_rank < 0 && async_collectives && !islands;
+  const MeshLayout& l = mesh_.layout();
+  writer_count_ = !shares_ ? 1 : zero ? topo_.size : static_cast<int>(l.pp * l.tp * (ep_ ? l.ep : 1));
+  if (ep_ && !shares_ && topo_.rank == 0)
     log::info(concat("checkpoint: rank 0 writes whole checkpoints (",
                      pp_ ? concat("each of the ", mesh_.layout().pp, " stages' experts gathered from the ", mesh_.layout().ep,
                                   " ranks of its first ep group, then its tensors sent to rank 0 one at a time")
@@ -56,12 +57,16 @@ Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, co
                      tp_ ? concat(", each tensor made whole over the ", mesh_.layout().tp, " ranks of its tp group first") : std::string(),
                      zero ? concat(", the shared parameters' ZeRO-", stage_, " state from ", pp_ ? "the stage's dp group" : "every rank")
                           : std::string(), ")"));
-  if (!spread || ep_ || topo_.rank != 0) return;
+  if (!spread || (ep_ && !shares_) || topo_.rank != 0) return;
   const std::string stage = concat("ZeRO-", stage_);  // (the log names the stage that runs)
-  const std::string share = pp_         ? std::string("the first pipeline's ranks write their stages' tensors")
-                            : zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
-                            : zero      ? concat("every rank writes its ", stage, " share")
-                                        : "the ranks of rank 0's tp group write their tensor-parallel shards";
+  const std::string share = concat(zero && tp_ ? concat("every rank writes its ", stage, " slices of its tensor-parallel shards")
+                                   : zero      ? concat("every rank writes its ", stage, " share")
+                                   : pp_       ? std::string("the first pipeline's ranks write their stages' tensors")
+                                   : tp_       ? std::string("the ranks of rank 0's tp group write their tensor-parallel shards")
+                                               : std::string("rank 0 writes the parameters but the experts"),
+                                   ep_ ? concat(", the ", l.ep, " ranks of the first ep group", pp_ ? " of each stage" : "",
+                                                " each its experts whole")
+                                       : std::string());
   const std::string state = pp_         ? concat("the ", mesh_.layout().pp, " stages' tensors, one at a time,")
                             : zero && tp_ ? concat("tensor-parallel shards and ", stage, " state")
                             : zero      ? concat(stage, " state")
@@ -104,8 +109,9 @@ void Parallelism::apply(GPT model) {
     d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
     whole_model_.emplace(d);
   }
-  if (pp_) {  // every rank: the whole model's names
+  if (pp_ || (ep_ && shares_))  // every rank: the whole model's names (the file's, when ranks write their shares)
     for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
+  if (pp_) {
     if (ep_ && mesh_.replica() == 0 && mesh_.tp_rank() == 0) {  // (the first pipeline: its stage's experts gathered into it)
       ep_stage_whole_.emplace(pp_whole_model(/*deferred=*/false, /*stage=*/true));
       ep_stage_state_ = host_optim_state_like(*ep_stage_whole_);
@@ -293,7 +299,7 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
   // its slices of its tp shard), with no unit made whole. Pipeline stages whose ranks write their
   // own shares have no whole copy on rank 0: it opens the file with the whole model's names.
   std::optional<GPT> names;
-  if (pp_ && !whole_model_ && topo_.rank == 0) names.emplace(pp_whole_model(/*deferred=*/true));
+  if ((pp_ || ep_) && !whole_model_ && topo_.rank == 0) names.emplace(pp_whole_model(/*deferred=*/true));
   GPT* whole = !(ep_ || pp_) ? nullptr : whole_model_ ? &*whole_model_ : names ? &*names : nullptr;
   return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
                      units_ ? &units_->param_shards() : nullptr, whole, pp_ ? &whole_names_ : nullptr);
@@ -510,7 +516,7 @@ void Parallelism::prepare_checkpoints(AsyncCheckpointWriter& writer, const Train
   // (ZeRO-3: the ranks' shares read the shards, AdamW's slots; rank 0 alone, its whole copy)
   if (shares_) {
     share_checkpoint(share_buffers_, model_, *opt_, slice_owner_, mesh_.dp_rank() == 0, st, /*copy=*/true,
-                     pp_ ? &whole_names_ : nullptr);
+                     pp_ || ep_ ? &whole_names_ : nullptr, ep_ ? &is_expert_ : nullptr, mesh_.dp_rank() < mesh_.layout().ep);
   } else if (whole_model_) {
     writer.prepare(*whole_model_, gathered_);
   } else if (topo_.rank == 0) {
@@ -525,7 +531,8 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
   // ZeRO-3: each rank's share is read from its shards (AdamW's slots).
   if (shares_)  // collective: nobody runs ahead of a synchronous save that may yet fail
     return save_shares(writer, share_buffers_, model_, *opt_, slice_owner_, first_replica, st, checkpoint_comm_->get(),
-                       pp_ ? &whole_names_ : nullptr);
+                       pp_ || ep_ ? &whole_names_ : nullptr, ep_ ? &is_expert_ : nullptr,
+                       mesh.dp_rank() < mesh.layout().ep);
   std::string path;
   if (pp_) {
     gather_stages(whole_model_ ? &*whole_model_ : nullptr, &gathered_);

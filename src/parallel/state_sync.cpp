@@ -448,8 +448,11 @@ CommDup::CommDup(MpiComm comm) : comm_(mpi::dup(comm)) {}
 CommDup::~CommDup() { mpi::free(comm_); }
 
 void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradSync* shards, bool holds_unsharded,
-                      const TrainState& st, bool copy, const ParamShapes* whole) {
-  MPITRAIN_CHECK(!shards || (opt.sharded() && shards->owned_slices().size() == opt.size()),
+                      const TrainState& st, bool copy, const ParamShapes* whole, const std::vector<bool>* expert,
+                      bool holds_experts) {
+  // (Expert parallelism: AdamW's slots past the GradSync's slices hold the experts whole.)
+  const size_t slices = shards ? shards->owned_slices().size() : 0;
+  MPITRAIN_CHECK(!shards || (opt.sharded() && (expert ? slices <= opt.size() : slices == opt.size())),
                  "share_checkpoint: a sharded AdamW and its GradSync");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
@@ -494,19 +497,19 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
       for (const TpRun& run : tp_runs(split, params[k].second.sizes(), d.tp_rank, d.tp, begin, flat.numel()))
         into.pieces.push_back({tensor, run.whole, host.narrow(0, run.local, run.length)});
     };
+    const auto add_slot = [&](size_t i, int64_t begin) {
+      const size_t k = opt.param_index(i);
+      add(k, begin, opt.param(i), 0);
+      add(k, begin, opt.exp_avg(i), 1);
+      add(k, begin, opt.exp_avg_sq(i), 2);
+    };
     if (shards) {
-      for (size_t i = 0; i < opt.size(); ++i) {
-        const GradSync::Slice& s = shards->owned_slices()[i];
-        add(s.param, s.begin, opt.param(i), 0);
-        add(s.param, s.begin, opt.exp_avg(i), 1);
-        add(s.param, s.begin, opt.exp_avg_sq(i), 2);
-      }
-    } else if (holds_unsharded) {
-      for (size_t k = 0; k < n_params; ++k) {
-        add(k, 0, params[k].second, 0);
-        add(k, 0, opt.exp_avg(k), 1);
-        add(k, 0, opt.exp_avg_sq(k), 2);
-      }
+      for (size_t i = 0; i < slices; ++i) add_slot(i, shards->owned_slices()[i].begin);
+      if (holds_experts)
+        for (size_t i = slices; i < opt.size(); ++i) add_slot(i, 0);
+    } else {
+      for (size_t k = 0; k < n_params; ++k)
+        if (expert && (*expert)[k] ? holds_experts : holds_unsharded) add_slot(k, 0);
     }
     into.built = copy;
   }
@@ -521,6 +524,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
   into.dims = d;
   into.dims.tp = 1, into.dims.tp_rank = 0, into.dims.tp_comm = nullptr;  // the file's: whole tensors
   into.dims.pp = 1, into.dims.pp_stage = 0, into.dims.pp_virtual = 1;      // of the whole model
+  into.dims.ep = 1, into.dims.ep_rank = 0, into.dims.ep_comm = nullptr;
   into.steps_taken = opt.steps_taken();
   into.state = st;
 }
@@ -652,15 +656,16 @@ std::string write_checkpoint_shares(const std::string& dir, const CheckpointShar
 
 std::string save_shares(AsyncCheckpointWriter& writer, CheckpointShare& buffers, GPT& model, AdamW& opt,
                         const GradSync* shards, bool holds_unsharded, const TrainState& st, MpiComm comm,
-                        const ParamShapes* whole) {
+                        const ParamShapes* whole, const std::vector<bool>* expert, bool holds_experts) {
   if (!writer.async())
     return writer.save_with(st.step, [] {}, [&] {
       CheckpointShare share;
-      share_checkpoint(share, model, opt, shards, holds_unsharded, st, /*copy=*/false, whole);
+      share_checkpoint(share, model, opt, shards, holds_unsharded, st, /*copy=*/false, whole, expert, holds_experts);
       return write_checkpoint_shares(writer.dir(), share, writer.keep(), comm);
     });
   return writer.save_with(
-      st.step, [&] { share_checkpoint(buffers, model, opt, shards, holds_unsharded, st, /*copy=*/true, whole); },
+      st.step,
+      [&] { share_checkpoint(buffers, model, opt, shards, holds_unsharded, st, /*copy=*/true, whole, expert, holds_experts); },
       [&writer, &buffers, comm] { return write_checkpoint_shares(writer.dir(), buffers, writer.keep(), comm); });
 }
 
