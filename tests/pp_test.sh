@@ -289,6 +289,22 @@ init_run ej4 4 moe.yaml hf_ed2 --set parallel.pp=4
 check "model.init_from of a mixture of experts at ep 2 x pp 2 and at pp 4 (a stage without a sparse layer) starts the dp 2 and one-rank runs: their losses (exit ${rc_of[ei4]}, ${rc_of[ej4]})" \
   "same ei2 ei4 4 && same ej1 ej4 4"
 
+# PowerSGD (comm.compress) over each stage's dp group: each matrix's first Q drawn from its name, so
+# a stage draws what the whole model does; a tied embedding's two halves summed between the ends
+# before it is compressed (the compression is not linear). pp 2 x dp 2 (np 4) trains the dp 2 run:
+# the untied Qwen3 bitwise, GPT-2 within the reordering bound, which the uncompressed dp 2 run is not.
+ps=(--set comm.compress=powersgd --set comm.powersgd_rank=2 --set comm.powersgd_start=2)
+run psq2 2 llama_false.yaml "${ps[@]}"
+run psqp2 4 llama_false.yaml "${ps[@]}" --set parallel.pp=2
+run psd2 2 gpt.yaml "${ps[@]}"
+run psp2 4 gpt.yaml "${ps[@]}" --set parallel.pp=2
+{ close psd2 psp2 && ! close psd2 d2; } > close_ps.out 2>&1
+rc=$?
+cat close_ps.out
+check "PowerSGD at pp 2 x dp 2 (np 4) trains the dp 2 run: the untied Qwen3 bitwise, GPT-2 (tied) within the reordering bound, unlike dp 2 uncompressed (exit ${rc_of[psqp2]}, ${rc_of[psp2]})" \
+  "same psq2 psqp2 && cmp -s hf_psq2/model.safetensors hf_psqp2/model.safetensors && same psd2 psp2 && [ $rc -eq 0 ] &&
+   grep -q 'PowerSGD rank 2 from step 3' psp2.out"
+
 run dl2 2 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3
 run dlpp 4 gpt.yaml --set parallel.islands=2 --set diloco.inner_steps=3 --set parallel.pp=2
 check "DiLoCo with a pipeline inside each island: 2 islands x pp 2 (np 4) trains 2 islands of one rank (np 2): its losses, validation losses and final parameters, island 0's first pipeline writing the checkpoints (exit ${rc_of[dlpp]})" \

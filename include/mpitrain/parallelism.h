@@ -160,6 +160,7 @@ class Parallelism {
   // Pipeline parallelism: the whole model's parameters and moments on rank 0 (`into`, `state`:
   // rank 0's, else null; collective over the world).
   void gather_stages(GPT* into, FullOptimState* state);
+  void exchange_tied();  // pipeline parallelism: a tied embedding's gradient summed between its two ends
   const Config& cfg_;
   Mesh& mesh_;
   const Topology& topo_;

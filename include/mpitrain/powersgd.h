@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "mpitrain/comm.h"
@@ -31,7 +32,9 @@ namespace mpitrain {
 class PowerSgd {
  public:
   // params: the model's parameters (their .grad() are reduced in place); rank: comm.powersgd_rank.
-  PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_t rank, uint64_t seed);
+  // Each compressed matrix's first Q is drawn from `seed` and its name in `names` (empty: its index).
+  PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_t rank, uint64_t seed,
+           const std::vector<std::string>& names = {});
 
   // Replaces every .grad() by the (approximate, for compressed matrices) mean over the ranks;
   // the same values on every rank. Parameters without a gradient count as zeros.

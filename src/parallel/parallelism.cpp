@@ -179,7 +179,7 @@ void Parallelism::apply(GPT model) {
     }
     // PowerSGD compresses the shared parameters' gradients over the dp group; the experts' (each
     // rank's own, averaged over their replicas) travel whole.
-    if (powersgd) powersgd_.emplace(shared, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
+    if (powersgd) powersgd_.emplace(shared, dp, cfg_.comm.powersgd_rank, cfg_.train.seed, shared_names);
     return;
   }
   if (stage_ == 3) {
@@ -193,7 +193,11 @@ void Parallelism::apply(GPT model) {
                      stage_ == 3 ? c10::optional<torch::Device>(device_) : c10::nullopt);
   if (shards_optimizer()) slice_owner_ = &*grad_sync_;
   if (powersgd)
-    powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed);
+  {
+    std::vector<std::string> names;
+    for (const auto& [name, p] : model_->named_params()) names.push_back(name);
+    powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed, names);
+  }
   else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
     log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
   if (stage_ == 3) {
@@ -376,6 +380,9 @@ void Parallelism::after_backward(bool completes_step) {
 }
 
 void Parallelism::reduce_gradients() {
+  // PowerSGD under pp: a tied embedding's two halves summed first (its error feedback and low-rank
+  // approximation then those of the one gradient, as without stages: the compression is not linear).
+  if (compressed_ && tied_) exchange_tied();
   if (compressed_)
     powersgd_->reduce_grads();
   else
@@ -387,37 +394,41 @@ void Parallelism::reduce_gradients() {
     for (size_t k = 0; k < params_.size(); ++k)
       if (is_expert_[k] && params_[k].grad().defined()) params_[k].grad().div_(ep);
   }
-  if (tied_) {  // a tied embedding's two gradients (its use as the embedding and as the head) summed
-    torch::NoGradGuard no_grad;
-    const size_t k = *tied_;
-    const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
-    constexpr int kTiedTag = kPipeTagEnd;  // (above every micro-batch's activation and gradient tags)
-    PipeLink link(mesh_.pp_mpi());
-    if (!shards_optimizer()) {
-      torch::Tensor& g = params_[k].mutable_grad();
-      link.send(g, other, kTiedTag);
-      const torch::Tensor theirs = link.recv(g.sizes(), other, kTiedTag, g.device());
-      link.finish();
-      g.add_(theirs.to(g.scalar_type()));
-      return;
-    }
-    // ZeRO-1/2: the averaged gradient lies in slices over the stage's dp group (each end's bucket
-    // layout its own): gathered whole on each end, exchanged, and the partner's added to each
-    // rank's part of the slices.
-    // (Expert parallelism: grad_sync_ holds the parameters but the experts, in order.)
-    const auto j = static_cast<size_t>(ep_ ? std::count(is_expert_.begin(), is_expert_.begin() + static_cast<std::ptrdiff_t>(k), false) : k);
-    const size_t b = grad_sync_->bucket_of(j);
-    const torch::Tensor& shard = grad_sync_->grad_shard(b);
-    torch::Tensor bucket = torch::empty({grad_sync_->padded_length(b)}, shard.options());
-    mesh_.dp().all_gather(shard, bucket);
-    const int64_t off = grad_sync_->flat_offset(j), n = params_[k].numel();
-    link.send(bucket.narrow(0, off, n), other, kTiedTag);
-    const torch::Tensor theirs = link.recv({n}, other, kTiedTag, shard.device());
+  if (tied_ && !compressed_) exchange_tied();
+}
+
+// A tied embedding's two gradients (its use as the embedding and as the head) summed between the
+// pipeline's first and last stage.
+void Parallelism::exchange_tied() {
+  torch::NoGradGuard no_grad;
+  const size_t k = *tied_;
+  const int64_t other = dims_.first_stage() ? dims_.pp - 1 : 0;
+  constexpr int kTiedTag = kPipeTagEnd;  // (above every micro-batch's activation and gradient tags)
+  PipeLink link(mesh_.pp_mpi());
+  if (!shards_optimizer()) {
+    torch::Tensor& g = params_[k].mutable_grad();
+    link.send(g, other, kTiedTag);
+    const torch::Tensor theirs = link.recv(g.sizes(), other, kTiedTag, g.device());
     link.finish();
-    const int64_t lo = mesh_.dp().rank() * shard.numel();  // this rank's part of the bucket
-    const int64_t from = std::max(lo, off), to = std::min(lo + shard.numel(), off + n);
-    if (from < to) shard.narrow(0, from - lo, to - from).add_(theirs.narrow(0, from - off, to - from));
+    g.add_(theirs.to(g.scalar_type()));
+    return;
   }
+  // ZeRO-1/2: the averaged gradient lies in slices over the stage's dp group (each end's bucket
+  // layout its own): gathered whole on each end, exchanged, and the partner's added to each
+  // rank's part of the slices.
+  // (Expert parallelism: grad_sync_ holds the parameters but the experts, in order.)
+  const auto j = static_cast<size_t>(ep_ ? std::count(is_expert_.begin(), is_expert_.begin() + static_cast<std::ptrdiff_t>(k), false) : k);
+  const size_t b = grad_sync_->bucket_of(j);
+  const torch::Tensor& shard = grad_sync_->grad_shard(b);
+  torch::Tensor bucket = torch::empty({grad_sync_->padded_length(b)}, shard.options());
+  mesh_.dp().all_gather(shard, bucket);
+  const int64_t off = grad_sync_->flat_offset(j), n = params_[k].numel();
+  link.send(bucket.narrow(0, off, n), other, kTiedTag);
+  const torch::Tensor theirs = link.recv({n}, other, kTiedTag, shard.device());
+  link.finish();
+  const int64_t lo = mesh_.dp().rank() * shard.numel();  // this rank's part of the bucket
+  const int64_t from = std::max(lo, off), to = std::min(lo + shard.numel(), off + n);
+  if (from < to) shard.narrow(0, from - lo, to - from).add_(theirs.narrow(0, from - off, to - from));
 }
 
 std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler, double max_norm) {

@@ -4,6 +4,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <string>
+
+#include "mpitrain/error.h"
 
 namespace mpitrain {
 
@@ -20,10 +23,19 @@ void orthonormalize_columns(torch::Tensor& p) {
   }
 }
 
-PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_t rank, uint64_t seed)
+namespace {
+// FNV-1a: a parameter's name as a number, the same on every machine.
+uint64_t name_hash(const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ULL;
+  for (const unsigned char c : name) h = (h ^ c) * 0x100000001B3ULL;
+  return h;
+}
+}  // namespace
+
+PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_t rank, uint64_t seed,
+                   const std::vector<std::string>& names)
     : params_(std::move(params)), comm_(comm) {
-  // One generator for every Q, the same draws on every rank (the seed is the run's).
-  at::Generator gen = at::detail::createCPUGenerator(seed + 0x9E3779B97F4A7C15ULL);
+  MPITRAIN_CHECK(names.empty() || names.size() == params_.size(), "PowerSgd: a name for every parameter");
   std::vector<torch::Tensor> plain;
   for (size_t k = 0; k < params_.size(); ++k) {
     const torch::Tensor& p = params_[k];
@@ -34,6 +46,10 @@ PowerSgd::PowerSgd(std::vector<torch::Tensor> params, Communicator& comm, int64_
       continue;
     }
     Matrix m{k, rows, cols, r, {}, {}};
+    // Each Q from a generator of its own, keyed by the run's seed and the parameter's name: the same
+    // draws on every rank, and whichever parameters a rank holds (a pipeline stage's, the shared ones).
+    at::Generator gen = at::detail::createCPUGenerator(seed + 0x9E3779B97F4A7C15ULL +
+                                                       name_hash(names.empty() ? std::to_string(k) : names[k]));
     m.q = at::randn({cols, r}, gen, torch::dtype(torch::kFloat32)).to(p.device());
     orthonormalize_columns(m.q);
     m.error = torch::zeros({rows, cols}, p.options().dtype(torch::kFloat32));
