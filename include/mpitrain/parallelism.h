@@ -198,8 +198,9 @@ class Parallelism {
   std::optional<CommDup> checkpoint_comm_;  // the writer thread's collectives (shares)
   CheckpointShare share_buffers_;           // shares + async: this rank's host copies
   FullOptimState gathered_;                 // rank 0 writing alone: the assembled optimizer state
-  // Pipeline and expert parallelism: the first pipeline's ranks' host copy of their stage, whole
-  // over ep (and tp), into which gather_stages gathers the stage's experts before sending it on.
+  // Pipeline and expert parallelism, rank 0 writing: the first pipeline's ranks' host copy of their
+  // stage, whole over ep (and tp), into which gather_stages gathers the stage's experts before
+  // sending them on (made at the first save).
   std::optional<GPT> ep_stage_whole_;
   FullOptimState ep_stage_state_;
 };

@@ -112,10 +112,6 @@ void Parallelism::apply(GPT model) {
   if (pp_ || (ep_ && shares_))  // every rank: the whole model's names (the file's, when ranks write their shares)
     for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
   if (pp_) {
-    if (ep_ && mesh_.replica() == 0 && mesh_.tp_rank() == 0) {  // (the first pipeline: its stage's experts gathered into it)
-      ep_stage_whole_.emplace(pp_whole_model(/*deferred=*/false, /*stage=*/true));
-      ep_stage_state_ = host_optim_state_like(*ep_stage_whole_);
-    }
     const auto params = model_->named_params();
     if (!dims_.llama() || dims_.tie_embeddings)  // both ends hold wte.weight (the middle stages none)
       for (size_t k = 0; k < params.size(); ++k)
@@ -192,13 +188,11 @@ void Parallelism::apply(GPT model) {
                      stage_ >= 2, units.groups,
                      stage_ == 3 ? c10::optional<torch::Device>(device_) : c10::nullopt);
   if (shards_optimizer()) slice_owner_ = &*grad_sync_;
-  if (powersgd)
-  {
+  if (powersgd) {
     std::vector<std::string> names;
     for (const auto& [name, p] : model_->named_params()) names.push_back(name);
     powersgd_.emplace(params_, dp, cfg_.comm.powersgd_rank, cfg_.train.seed, names);
-  }
-  else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
+  } else if (cfg_.comm.compress == "powersgd" && topo_.rank == 0)
     log::info("comm.compress: powersgd has nothing to compress with one data-parallel rank");
   if (stage_ == 3) {
     units_.emplace(params_, *grad_sync_, std::move(units), cfg_.optim.reshard_after_forward,
@@ -580,7 +574,11 @@ std::string Parallelism::save(AsyncCheckpointWriter& writer, const TrainState& s
 void Parallelism::gather_stages(GPT* into, FullOptimState* state) {
   Mesh& mesh = mesh_;
   if (ep_) {
-    const bool assembles = ep_stage_whole_.has_value();
+    const bool assembles = mesh.replica() == 0 && mesh.tp_rank() == 0;  // (the first pipeline)
+    if (assembles && !ep_stage_whole_) {  // made at the first save, kept
+      ep_stage_whole_.emplace(pp_whole_model(/*deferred=*/false, /*stage=*/true));
+      ep_stage_state_ = host_optim_state_like(*ep_stage_whole_);
+    }
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, assembles ? &*ep_stage_whole_ : nullptr,
                     &ep_stage_state_, slice_owner_, tp_ ? &mesh.tp() : nullptr, units());
     if (assembles) gather_pp_state(*ep_stage_whole_, *opt_, mesh.pp_mpi(), whole_names_, into, state, &ep_stage_state_, nullptr);
