@@ -456,8 +456,11 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
 };
 TORCH_MODULE(GPT);
 
-// The whole model's parameter names under `d` (tp, ep and pp 1), in order, from a model made
-// without values; the default generator's stream goes on as it was.
+// The whole model under `d`: tp and ep 1, and pp 1 unless `stage` (then this stage's part, its
+// blocks whole over tp and ep); made without values when `deferred` (its names and shapes), else
+// with the initial ones, to be overwritten. The default generator's stream goes on as it was.
+GPT whole_model(const GPTDims& d, bool deferred, bool stage = false);
+// Its parameter names (stage false), in order.
 std::vector<std::string> whole_model_names(const GPTDims& d);
 
 // mean(cross_entropy(hidden @ weight^T, targets)) without materialising the [N, V] logits: the

@@ -153,10 +153,6 @@ class Parallelism {
 
  private:
   bool shards_optimizer() const { return stage_ >= 1; }
-  // Pipeline parallelism: the whole model (pp 1), without values (its names and shapes) or with
-  // values to be overwritten; the run's random stream as it was.
-  // `stage`: this stage's part of it (its blocks whole over tp and ep).
-  GPT pp_whole_model(bool deferred, bool stage = false) const;
   // Pipeline parallelism: the whole model's parameters and moments on rank 0 (`into`, `state`:
   // rank 0's, else null; collective over the world).
   void gather_stages(GPT* into, FullOptimState* state);

@@ -713,24 +713,28 @@ at::Generator snapshot_of_default_generator() {
 }
 }  // namespace
 
-std::vector<std::string> whole_model_names(const GPTDims& d) {
+GPT whole_model(const GPTDims& d, bool deferred, bool stage) {
   GPTDims whole = d;
   whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
   whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
-  whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
+  if (!stage) whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   torch::Tensor rng;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
     rng = gen.get_state();  // (making a model draws)
   }
-  GPT model(whole, /*deferred=*/true);
+  GPT model(whole, deferred);
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(rng);
   }
+  return model;
+}
+
+std::vector<std::string> whole_model_names(const GPTDims& d) {
   std::vector<std::string> names;
-  for (const auto& [name, p] : model->named_params()) names.push_back(name);
+  for (const auto& [name, p] : whole_model(d, /*deferred=*/true)->named_params()) names.push_back(name);
   return names;
 }
 

@@ -110,7 +110,7 @@ void Parallelism::apply(GPT model) {
     whole_model_.emplace(d);
   }
   if (pp_ || (ep_ && shares_))  // every rank: the whole model's names (the file's, when ranks write their shares)
-    for (const auto& [name, p] : pp_whole_model(/*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
+    for (const auto& [name, p] : whole_model(dims_, /*deferred=*/true)->named_params()) whole_names_.emplace_back(name, p.sizes().vec());
   if (pp_) {
     const auto params = model_->named_params();
     if (!dims_.llama() || dims_.tie_embeddings)  // both ends hold wte.weight (the middle stages none)
@@ -297,22 +297,10 @@ std::string Parallelism::resume(const std::vector<std::string>& candidates, Trai
   // its slices of its tp shard), with no unit made whole. Pipeline stages whose ranks write their
   // own shares have no whole copy on rank 0: it opens the file with the whole model's names.
   std::optional<GPT> names;
-  if ((pp_ || ep_) && !whole_model_ && topo_.rank == 0) names.emplace(pp_whole_model(/*deferred=*/true));
+  if ((pp_ || ep_) && !whole_model_ && topo_.rank == 0) names.emplace(whole_model(dims_, /*deferred=*/true));
   GPT* whole = !(ep_ || pp_) ? nullptr : whole_model_ ? &*whole_model_ : names ? &*names : nullptr;
   return resume_from(candidates, model_, *opt_, slice_owner_, st, mesh_.world(), mpi_comm_, cfg_.train.seed, device_,
                      units_ ? &units_->param_shards() : nullptr, whole, pp_ ? &whole_names_ : nullptr);
-}
-
-GPT Parallelism::pp_whole_model(bool deferred, bool stage) const {
-  GPTDims d = dims_;
-  if (!stage) d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
-  d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;  // (whole tensors: a checkpoint's)
-  d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  const torch::Tensor rng = gen.get_state();  // (making a model draws; the run's stream goes on as it was)
-  GPT whole(d, deferred);
-  gen.set_state(rng);
-  return whole;
 }
 
 std::string Parallelism::describe_buckets() const {
@@ -576,7 +564,7 @@ void Parallelism::gather_stages(GPT* into, FullOptimState* state) {
   if (ep_) {
     const bool assembles = mesh.replica() == 0 && mesh.tp_rank() == 0;  // (the first pipeline)
     if (assembles && !ep_stage_whole_) {  // made at the first save, kept
-      ep_stage_whole_.emplace(pp_whole_model(/*deferred=*/false, /*stage=*/true));
+      ep_stage_whole_.emplace(whole_model(dims_, /*deferred=*/false, /*stage=*/true));
       ep_stage_state_ = host_optim_state_like(*ep_stage_whole_);
     }
     gather_ep_state(model_, *opt_, mesh.ep(), mesh.dp_rank() < mesh.layout().ep, assembles ? &*ep_stage_whole_ : nullptr,
@@ -595,7 +583,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
   if (pp_) {  // the stages' tensors on rank 0 (the other ranks return none)
     std::optional<GPT> made;
     GPT* into = whole_model_ ? &*whole_model_ : nullptr;
-    if (!into && topo_.rank == 0) into = &made.emplace(pp_whole_model(/*deferred=*/false));
+    if (!into && topo_.rank == 0) into = &made.emplace(whole_model(dims_, /*deferred=*/false));
     FullOptimState state;
     if (into) state = host_optim_state_like(*into);
     gather_stages(into, &state);
@@ -607,13 +595,7 @@ std::vector<std::pair<std::string, std::vector<float>>> Parallelism::whole_param
     return out;
   }
   if (ep_) {  // each ep group's experts gathered within it
-    GPTDims d = dims_;
-    d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
-    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    const torch::Tensor rng = gen.get_state();  // (making the model draws; the run's stream goes on as it was)
-    GPT whole(d);
-    gen.set_state(rng);
+    GPT whole = whole_model(dims_, /*deferred=*/false);
     FullOptimState state = host_optim_state_like(whole);
     gather_ep_state(model_, *opt_, mesh_.ep(), true, &whole, &state, slice_owner_, tp_ ? &mesh_.tp() : nullptr, units());
     for (auto& [name, p] : whole->named_params()) {
