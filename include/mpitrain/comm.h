@@ -61,6 +61,10 @@ class Communicator {
   // The same for all_gather (ZeRO-3's prefetch): `in` and `out` stay alive, `in` unchanged and
   // `out` unread until wait().
   virtual std::unique_ptr<Work> all_gather_async(const torch::Tensor& in, torch::Tensor& out);
+  // The same for all_to_all (expert parallelism's dispatch, overlapped with the experts that need
+  // no exchange): `in` and `out` stay alive, `in` unchanged and `out` unread until wait().
+  virtual std::unique_ptr<Work> all_to_all_async(const torch::Tensor& in, const std::vector<int64_t>& in_rows,
+                                                 torch::Tensor& out, const std::vector<int64_t>& out_rows);
   // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
   virtual void check_async_errors() {}
 

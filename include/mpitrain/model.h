@@ -213,11 +213,13 @@ struct RouterLog {
 // Tensor parallelism (dims.tp > 1): the router is replicated (every rank of the tp group routes the
 // same tokens alike) and each expert split as the dense MLP is (gate/up by their units, c_proj by
 // its inputs); the grouped rows enter through one tp_copy and the experts' partial outputs leave
-// through one tp_reduce for the whole layer (not one per expert).
+// through one tp_reduce for the whole layer (not one per expert; under ep one for this rank's own
+// rows and one for the others').
 // Expert parallelism (dims.ep > 1): this rank holds its ep group's share of the experts (named by
 // their index in the whole layer); each token copy goes to the rank holding its expert and comes
-// back by all-to-all over the ep group (ep_all_to_all), so every rank of the group must run each
-// sparse layer's forward (and backward) together.
+// back by all-to-all over the ep group, so every rank of the group must run each sparse layer's
+// forward (and backward) together. The copies this rank routes to its own experts stay here and
+// run while the others' travel (EpExchange: the dispatch forward, its gradients backward).
 class MoEImpl : public torch::nn::Module {
  public:
   MoEImpl(const GPTDims& d, RouterLog* log);

@@ -61,7 +61,29 @@ torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tens
 // order; backward sends the gradients back the same way (an all_to_all each way, comm.h).
 torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
                             const std::vector<int64_t>& recv_rows, Communicator& ep);
-// Seconds this process has spent in those exchanges since it started.
+// What each rank of `ep` sends this one: `counts` [ep, n] (int64, on the CPU) holds this rank's row
+// counts for each rank's n experts, the result rank q's for this rank's (an all-to-all of one row each).
+torch::Tensor ep_exchange_counts(const torch::Tensor& counts, Communicator& ep);
+// The same exchange split in two, so that work which needs no exchange runs while it is in flight:
+// the constructor starts it, wait() returns what arrived (ep_all_to_all's result). In backward the
+// gradients go back the same way, started where wait() was called and finished where the exchange
+// started, so the work between the two in forward also runs while they travel. Every rank of `ep`
+// starts its exchanges in the same order.
+struct EpPending;
+class EpExchange {
+ public:
+  EpExchange(const torch::Tensor& x, std::vector<int64_t> send_rows, std::vector<int64_t> recv_rows, Communicator& ep);
+  ~EpExchange();
+  EpExchange(const EpExchange&) = delete;
+  EpExchange& operator=(const EpExchange&) = delete;
+  torch::Tensor wait();
+
+ private:
+  c10::intrusive_ptr<EpPending> pending_;
+  torch::Tensor started_;
+};
+// Seconds this process has spent in those exchanges since it started (waiting included; an
+// exchange in flight counts only its start and its wait).
 double ep_collective_seconds();
 
 // A communicator carried through an autograd function's arguments or saved data, as an integer.

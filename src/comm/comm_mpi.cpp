@@ -99,6 +99,12 @@ class DoneWork final : public Work {
   void wait() override {}
 };
 
+// MPI_Ialltoallv's counts and displacements (bytes), which must outlive the call.
+struct AllToAllCounts {
+  explicit AllToAllCounts(int size) : sc(size), sd(size), rc(size), rd(size) {}
+  std::vector<int> sc, sd, rc, rd;
+};
+
 // A non-blocking collective whose result lands in a contiguous host buffer (the tensor itself, or
 // a staging copy of a device tensor that wait() copies back); `input` keeps a staged input alive.
 // `what` names it in watchdog messages (a string literal).
@@ -114,6 +120,7 @@ class MpiWork final : public Work {
     }
   }
   std::vector<MPI_Request>& requests() { return requests_; }
+  void keep(std::unique_ptr<AllToAllCounts> counts) { counts_ = std::move(counts); }
 
   void progress() override {
     if (done_) return;
@@ -138,6 +145,7 @@ class MpiWork final : public Work {
   ReduceOp op_;
   int size_;
   std::vector<MPI_Request> requests_;
+  std::unique_ptr<AllToAllCounts> counts_;
   bool done_ = false;
 };
 
@@ -198,25 +206,9 @@ class MpiCommunicator final : public Communicator {
     reduce_scatter_async(in, out, op)->wait();
   }
 
-  // MPI_Alltoallv in bytes (any dtype): counts and displacements must fit MPI's int.
   void all_to_all(const torch::Tensor& in, const std::vector<int64_t>& in_rows, torch::Tensor& out,
                   const std::vector<int64_t>& out_rows) override {
-    const int64_t row = check_all_to_all(in, in_rows, out, out_rows, size_);
-    std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
-    int64_t so = 0, ro = 0;
-    for (int q = 0; q < size_; ++q) {
-      if ((so + in_rows[q]) * row > INT_MAX || (ro + out_rows[q]) * row > INT_MAX)
-        throw Error("all_to_all: more than 2 GiB for one MPI call");
-      sc[q] = static_cast<int>(in_rows[q] * row), sd[q] = static_cast<int>(so * row);
-      rc[q] = static_cast<int>(out_rows[q] * row), rd[q] = static_cast<int>(ro * row);
-      so += in_rows[q], ro += out_rows[q];
-    }
-    Watchdog::Scope watch("all_to_all");
-    torch::Tensor hin = host_copy(in);
-    with_host_copy(out, /*copy_back=*/true, [&](torch::Tensor& hout) {
-      MPI_CHECK(MPI_Alltoallv(hin.data_ptr(), sc.data(), sd.data(), MPI_BYTE, hout.data_ptr(), rc.data(), rd.data(),
-                              MPI_BYTE, comm_));
-    });
+    all_to_all_async(in, in_rows, out, out_rows)->wait();
   }
 
   void barrier() override {
@@ -256,6 +248,30 @@ class MpiCommunicator final : public Communicator {
     work->requests().emplace_back();
     MPI_CHECK(MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(out.numel()),
                                         mpi_type(hin), mpi_op(op, hin), comm_, &work->requests().back()));
+    return work;
+  }
+
+  // MPI_Ialltoallv in bytes (any dtype): counts and displacements must fit MPI's int.
+  std::unique_ptr<Work> all_to_all_async(const torch::Tensor& in, const std::vector<int64_t>& in_rows,
+                                         torch::Tensor& out, const std::vector<int64_t>& out_rows) override {
+    const int64_t row = check_all_to_all(in, in_rows, out, out_rows, size_);
+    auto counts = std::make_unique<AllToAllCounts>(size_);
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < size_; ++q) {
+      if ((so + in_rows[q]) * row > INT_MAX || (ro + out_rows[q]) * row > INT_MAX)
+        throw Error("all_to_all: more than 2 GiB for one MPI call");
+      counts->sc[q] = static_cast<int>(in_rows[q] * row), counts->sd[q] = static_cast<int>(so * row);
+      counts->rc[q] = static_cast<int>(out_rows[q] * row), counts->rd[q] = static_cast<int>(ro * row);
+      so += in_rows[q], ro += out_rows[q];
+    }
+    torch::Tensor hin = host_copy(in);
+    const bool staged = !(out.is_cpu() && out.is_contiguous());
+    torch::Tensor hout = staged ? host_output(out, hin.options()) : out;
+    auto work = std::make_unique<MpiWork>("all_to_all", hout, staged ? out : torch::Tensor(), ReduceOp::sum, size_, hin);
+    work->requests().emplace_back();
+    MPI_CHECK(MPI_Ialltoallv(hin.data_ptr(), counts->sc.data(), counts->sd.data(), MPI_BYTE, hout.data_ptr(),
+                             counts->rc.data(), counts->rd.data(), MPI_BYTE, comm_, &work->requests().back()));
+    work->keep(std::move(counts));  // MPI may read the arrays until the request completes
     return work;
   }
 
@@ -302,6 +318,12 @@ std::unique_ptr<Work> Communicator::all_reduce_async(torch::Tensor& t, ReduceOp 
 
 std::unique_ptr<Work> Communicator::all_gather_async(const torch::Tensor& in, torch::Tensor& out) {
   all_gather(in, out);
+  return std::make_unique<DoneWork>();
+}
+
+std::unique_ptr<Work> Communicator::all_to_all_async(const torch::Tensor& in, const std::vector<int64_t>& in_rows,
+                                                     torch::Tensor& out, const std::vector<int64_t>& out_rows) {
+  all_to_all(in, in_rows, out, out_rows);
   return std::make_unique<DoneWork>();
 }
 

@@ -235,20 +235,16 @@ class NcclCommunicator final : public Communicator {
     if (!in.is_cuda() || !on_device(out)) return host_->all_to_all(in, in_rows, out, out_rows);
     const int64_t row = check_all_to_all(in, in_rows, out, out_rows, size_);
     Watchdog::Scope watch("ncclSend/ncclRecv(all_to_all)");
-    const char* src = static_cast<const char*>(in.data_ptr());
-    char* dst = static_cast<char*>(out.data_ptr());
-    nccl_check(ncclGroupStart(), comm_, "ncclGroupStart");
-    int64_t so = 0, ro = 0;
-    for (int q = 0; q < size_; so += in_rows[q], ro += out_rows[q], ++q) {
-      if (in_rows[q] > 0)
-        nccl_check(ncclSend(src + so * row, static_cast<size_t>(in_rows[q] * row), ncclUint8, q, comm_, current()), comm_,
-                   "ncclSend");
-      if (out_rows[q] > 0)
-        nccl_check(ncclRecv(dst + ro * row, static_cast<size_t>(out_rows[q] * row), ncclUint8, q, comm_, current()), comm_,
-                   "ncclRecv");
-    }
-    nccl_check(ncclGroupEnd(), comm_, "ncclGroupEnd");
+    send_recv_rows(in, in_rows, out, out_rows, row, current());
     check_async_errors();
+  }
+
+  // On the communication stream, so the experts that need no exchange run meanwhile.
+  std::unique_ptr<Work> all_to_all_async(const torch::Tensor& in, const std::vector<int64_t>& in_rows,
+                                         torch::Tensor& out, const std::vector<int64_t>& out_rows) override {
+    if (!in.is_cuda() || !on_device(out)) return host_->all_to_all_async(in, in_rows, out, out_rows);
+    const int64_t row = check_all_to_all(in, in_rows, out, out_rows, size_);
+    return on_comm_stream({in, out}, [&](cudaStream_t s) { send_recv_rows(in, in_rows, out, out_rows, row, s); });
   }
 
   // Waits for this rank's GPU work (under the watchdog: a stuck NCCL kernel shows here), then
@@ -316,6 +312,24 @@ class NcclCommunicator final : public Communicator {
     cuda_check(cudaEventRecord(done, stream_->stream()), "cudaEventRecord");
     check_async_errors();
     return work;
+  }
+
+  // all_to_all's rows as one group of ncclSend/ncclRecv on stream `s` (`row` bytes each).
+  void send_recv_rows(const torch::Tensor& in, const std::vector<int64_t>& in_rows, torch::Tensor& out,
+                      const std::vector<int64_t>& out_rows, int64_t row, cudaStream_t s) {
+    const char* src = static_cast<const char*>(in.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    nccl_check(ncclGroupStart(), comm_, "ncclGroupStart");
+    int64_t so = 0, ro = 0;
+    for (int q = 0; q < size_; so += in_rows[q], ro += out_rows[q], ++q) {
+      if (in_rows[q] > 0)
+        nccl_check(ncclSend(src + so * row, static_cast<size_t>(in_rows[q] * row), ncclUint8, q, comm_, s), comm_,
+                   "ncclSend");
+      if (out_rows[q] > 0)
+        nccl_check(ncclRecv(dst + ro * row, static_cast<size_t>(out_rows[q] * row), ncclUint8, q, comm_, s), comm_,
+                   "ncclRecv");
+    }
+    nccl_check(ncclGroupEnd(), comm_, "ncclGroupEnd");
   }
 
   void check_async_errors() override {

@@ -450,37 +450,49 @@ torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* co
 // Each rank of the ep group sends rank q the rows for q's experts (contiguous: the rows are
 // sorted by expert), learns first how many of each of its own experts every rank sends, runs its
 // experts on what arrives (each expert's rows from every rank together) and sends the outputs back.
+// Its own rows for its own experts need no exchange: they run while the others' are in flight
+// (forward), and their backward while the gradients of the others' travel back (EpExchange).
 torch::Tensor MoEImpl::run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts) {
   Communicator& ep = *ep_;
-  const int P = ep.size();
+  const int P = ep.size(), me = ep.rank();
   const auto L = static_cast<int64_t>(local.size());
   // counts[q][j]: this rank's rows for rank q's expert j; arriving[q][j]: rank q's rows for mine.
   const torch::Tensor counts = host_counts.view({P, L}).contiguous();
-  torch::Tensor arriving = torch::empty({P, L}, torch::kInt64);
-  const std::vector<int64_t> ones(static_cast<size_t>(P), 1);
-  ep.all_to_all(counts, ones, arriving, ones);
+  const torch::Tensor arriving = ep_exchange_counts(counts, ep);
   const int64_t* c = counts.data_ptr<int64_t>();
   const int64_t* a = arriving.data_ptr<int64_t>();
   std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0);
-  std::vector<int64_t> per_expert(static_cast<size_t>(L), 0);
+  std::vector<int64_t> per_expert(static_cast<size_t>(L), 0);  // the other ranks' rows for each of mine
   for (int q = 0; q < P; ++q)
     for (int64_t j = 0; j < L; ++j) {
       send[q] += c[q * L + j], recv[q] += a[q * L + j];
-      per_expert[j] += a[q * L + j];
+      if (q != me) per_expert[j] += a[q * L + j];
     }
-  const torch::Tensor got = ep_all_to_all(grouped, send, recv, ep);  // by sender, then by expert
+  int64_t mine_at = 0;  // where my rows for my own experts begin in `grouped`
+  for (int q = 0; q < me; ++q) mine_at += send[q];
+  const int64_t mine = send[me];
+  send[me] = recv[me] = 0;
+  EpExchange dispatch(torch::cat({grouped.narrow(0, 0, mine_at), grouped.narrow(0, mine_at + mine, grouped.size(0) - mine_at - mine)}),
+                      send, recv, ep);
+  const torch::Tensor own = run_local(grouped.narrow(0, mine_at, mine), c + me * L);
+  const torch::Tensor got = dispatch.wait();  // by sender, then by expert
   // Expert-major order (expert j: its rows from rank 0, then rank 1, ...) and back.
   std::vector<int64_t> order;
   order.reserve(static_cast<size_t>(got.size(0)));
   std::vector<int64_t> start(static_cast<size_t>(P * L));
-  for (int64_t i = 0, off = 0; i < P * L; off += a[i], ++i) start[i] = off;
+  for (int64_t i = 0, off = 0; i < P * L; ++i) {
+    start[i] = off;
+    if (i / L != me) off += a[i];
+  }
   for (int64_t j = 0; j < L; ++j)
     for (int q = 0; q < P; ++q)
-      for (int64_t r = 0; r < a[q * L + j]; ++r) order.push_back(start[q * L + j] + r);
+      if (q != me)
+        for (int64_t r = 0; r < a[q * L + j]; ++r) order.push_back(start[q * L + j] + r);
   const torch::Tensor perm = torch::tensor(order, torch::kInt64).to(grouped.device());
   const torch::Tensor out = run_local(got.index_select(0, perm), per_expert.data());
   const torch::Tensor back = torch::empty_like(perm).index_copy_(0, perm, torch::arange(perm.size(0), perm.options()));
-  return ep_all_to_all(out.index_select(0, back), recv, send, ep);
+  const torch::Tensor returned = ep_all_to_all(out.index_select(0, back), recv, send, ep);
+  return torch::cat({returned.narrow(0, 0, mine_at), own, returned.narrow(0, mine_at, returned.size(0) - mine_at)});
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x) {

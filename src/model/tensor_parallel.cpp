@@ -87,6 +87,77 @@ class EpAllToAll : public torch::autograd::Function<EpAllToAll> {
   }
 };
 
+}  // namespace
+
+// An exchange in flight: started by EpPost, finished by EpWait; in backward the gradients go back
+// the other way, started by EpWait's backward and finished by EpPost's. The autograd engine runs
+// what lies between the two in the forward order (the experts that need no exchange) between the
+// two backwards too: it runs the ready function created last first.
+struct EpPending : torch::CustomClassHolder {
+  std::vector<int64_t> send, recv;
+  Communicator* comm = nullptr;
+  std::unique_ptr<Work> work;
+  torch::Tensor in, out;  // kept alive while the exchange reads and fills them
+
+  void start(const torch::Tensor& x, const std::vector<int64_t>& to, const std::vector<int64_t>& from) {
+    int64_t rows = 0;
+    for (int64_t r : from) rows += r;
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = rows;
+    out = torch::empty(shape, x.options());
+    in = x.contiguous();
+    const auto t0 = std::chrono::steady_clock::now();
+    work = comm->all_to_all_async(in, to, out, from);
+    ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  torch::Tensor finish() {
+    MPITRAIN_CHECK(work, "expert exchange: finished before it started");
+    const auto t0 = std::chrono::steady_clock::now();
+    work->wait();
+    ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    work.reset();
+    in = torch::Tensor();
+    return std::exchange(out, torch::Tensor());
+  }
+};
+
+namespace {
+
+c10::intrusive_ptr<EpPending> pending_of(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<EpPending>(ctx->saved_data["pending"].toCapsule());
+}
+
+class EpPost : public torch::autograd::Function<EpPost> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const c10::intrusive_ptr<EpPending>& pending) {
+    ctx->saved_data["pending"] = c10::IValue::make_capsule(pending);
+    pending->start(x, pending->send, pending->recv);
+    return pending->out;  // filled by the time EpWait returns it
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list) {
+    return {pending_of(ctx)->finish(), torch::Tensor()};
+  }
+};
+
+class EpWait : public torch::autograd::Function<EpWait> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& started,
+                               const c10::intrusive_ptr<EpPending>& pending) {
+    ctx->saved_data["pending"] = c10::IValue::make_capsule(pending);
+    torch::Tensor out = pending->finish();
+    MPITRAIN_CHECK(out.is_same(started), "expert exchange: waited for another exchange");
+    return out;
+  }
+  // Starts the gradients' way back; EpPost's backward receives them. The gradient handed on is a
+  // stand-in of the right shape (the exchange reads it until then, and EpPost ignores it).
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    const c10::intrusive_ptr<EpPending> pending = pending_of(ctx);
+    pending->start(g[0], pending->recv, pending->send);
+    return {g[0], torch::Tensor()};
+  }
+};
+
 // Ids from `start` in a slice of `n`: which of `ids` fall in it, and their index in it (0 where
 // they do not).
 std::pair<torch::Tensor, torch::Tensor> in_slice(const torch::Tensor& ids, int64_t start, int64_t n) {
@@ -117,6 +188,31 @@ Communicator& comm_from_handle(int64_t handle) { return *reinterpret_cast<Commun
 torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
                             const std::vector<int64_t>& recv_rows, Communicator& ep) {
   return apply_autograd_function<EpAllToAll>(x, send_rows, recv_rows, comm_handle(ep));
+}
+
+torch::Tensor ep_exchange_counts(const torch::Tensor& counts, Communicator& ep) {
+  torch::Tensor arriving = torch::empty_like(counts);
+  const std::vector<int64_t> ones(static_cast<size_t>(ep.size()), 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  ep.all_to_all(counts, ones, arriving, ones);
+  ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return arriving;
+}
+
+EpExchange::EpExchange(const torch::Tensor& x, std::vector<int64_t> send_rows, std::vector<int64_t> recv_rows,
+                       Communicator& ep)
+    : pending_(c10::make_intrusive<EpPending>()) {
+  pending_->send = std::move(send_rows);
+  pending_->recv = std::move(recv_rows);
+  pending_->comm = &ep;
+  started_ = apply_autograd_function<EpPost>(x, pending_);
+}
+
+EpExchange::~EpExchange() = default;
+
+torch::Tensor EpExchange::wait() {
+  MPITRAIN_CHECK(started_.defined(), "expert exchange: waited for twice");
+  return apply_autograd_function<EpWait>(std::exchange(started_, torch::Tensor()), pending_);
 }
 
 double ep_collective_seconds() { return static_cast<double>(ep_ns.load()) * 1e-9; }
