@@ -22,8 +22,8 @@
 //   rank's experts stay whole, their AdamW state in slots after the slices (optim.h). With tensor
 //   parallelism (any stage) each rank holds its tp shards of its experts; a checkpoint makes
 //   them whole over tp, then over ep.
-// - pipeline parallelism (parallel.pp, pipeline.h; optim.zero 0-2): each stage's model holds its
-//   blocks, the dp group is the stage's; here: a tied embedding's gradient summed between the
+// - pipeline parallelism (parallel.pp, pipeline.h; any optim.zero, over each stage's dp group):
+//   each stage's model holds its blocks, the dp group is the stage's; here: a tied embedding's gradient summed between the
 //   first and last stage, the gradient norm over the pipeline, checkpoints of the whole model
 //   (each stage's rank writing its share, or rank 0 gathering them) and stages resumed from any.
 // With DiLoCo's islands (diloco.h) the dp group is the island's; the outer steps act on the
@@ -165,7 +165,7 @@ class Parallelism {
   const torch::Device device_;
   const bool tp_;
   const bool ep_;  // parallel.ep > 1
-  const bool pp_;  // parallel.pp > 1 (optim.zero 0-2: the config refuses ZeRO-3)
+  const bool pp_;  // parallel.pp > 1
   // Pipeline parallelism: the whole model's names and shapes (every rank's), and where this stage
   // holds a tied embedding that the other end of the pipeline holds too, its index in params_ (its
   // gradient summed between them; the first stage's counted in the gradient norm).

@@ -44,12 +44,14 @@
 namespace mpitrain {
 
 // The units of a model with `n_layer` blocks, from its parameter names (named_params order):
-// the GradSync groups (blocks n_layer - 1 .. 0, then the parameters outside the blocks), and
-// which group each block is (block_unit[i]) and the outside one.
+// the GradSync groups (the blocks it holds, n_layer - 1 .. 0, then the parameters outside the
+// blocks), and which group each block is (block_unit[i]) and the outside one; `none` for a block
+// it does not hold and for an outside unit without parameters (a pipeline stage's model).
 struct Units {
+  static constexpr size_t none = static_cast<size_t>(-1);
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> block_unit;
-  size_t outside = 0;
+  size_t outside = none;
 };
 Units model_units(const std::vector<std::string>& names, int64_t n_layer);
 
@@ -70,7 +72,9 @@ class ParamShards : public UnitHooks {
   ParamShards(const ParamShards&) = delete;
   ParamShards& operator=(const ParamShards&) = delete;
 
-  void need_outside_blocks() override { gather(units_.outside); }
+  void need_outside_blocks() override {
+    if (units_.outside != Units::none) gather(units_.outside);
+  }
   void need_block(int64_t block, bool backward) override;
   void done_with_block(int64_t block) override;
 

@@ -839,7 +839,6 @@ void validate(const Config& c, const std::string& where) {
           concat("a number whose product with parallel.pp (", c.parallel.pp, ") divides model.n_layer = ", m.n_layer,
                  " (the interleaved schedule's chunks hold equal runs of blocks)"),
           show(c.parallel.pp_virtual));
-    pp_with(c.optim.zero <= 2, "optim.zero", "0, 1 or 2", show(c.optim.zero));
     pp_with(c.train.precision != "fp16", "train.precision", "fp32 or bf16", show(c.train.precision));
   }
   const int64_t islands = islands_count(c.parallel.islands);

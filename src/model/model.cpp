@@ -587,6 +587,8 @@ std::pair<torch::Tensor, torch::Tensor> BlockImpl::forward_fused(const torch::Te
 
 namespace {
 
+constexpr int64_t kOutside = -1;  // BlockBoundary's "block" for the parameters outside the blocks
+
 // ZeRO-3: the identity on a block's outputs (the residual stream, and the fused path's MLP output
 // still to be added) whose backward, which runs before the block's own (it needs these
 // gradients), asks for the block's parameters whole again. Tensor arguments, not a variable_list:
@@ -603,8 +605,12 @@ class BlockBoundary : public torch::autograd::Function<BlockBoundary> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    reinterpret_cast<UnitHooks*>(ctx->saved_data["units"].toInt())
-        ->need_block(ctx->saved_data["block"].toInt(), /*backward=*/true);
+    auto* units = reinterpret_cast<UnitHooks*>(ctx->saved_data["units"].toInt());
+    const int64_t block = ctx->saved_data["block"].toInt();
+    if (block == kOutside)
+      units->need_outside_blocks();
+    else
+      units->need_block(block, /*backward=*/true);
     return {grads[0], grads.size() > 1 ? grads[1] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -799,13 +805,18 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   }
   if (d.pp > 1) {
     // A pipeline stage: the whole model's initial values likewise, each kept where this stage
-    // holds a parameter of that name (the last stage's copy of a tied embedding too).
-    MPITRAIN_CHECK(!deferred && d.tp == 1 && d.ep == 1, "pipeline parallelism: a stage of a whole model, made with values");
+    // holds a parameter of that name (the last stage's copy of a tied embedding too); deferred
+    // (ZeRO-3), drawn one parameter at a time when initialize() asks.
+    MPITRAIN_CHECK(d.tp == 1 && d.ep == 1, "pipeline parallelism: a stage of a whole model");
     GPTDims whole = d;
     whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
     GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);
     collect_tp_splits();
+    if (deferred) {
+      ep_whole_ = dense.ptr();
+      return;
+    }
     keep_draws(*dense);
     return;
   }
@@ -982,6 +993,7 @@ torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in, int64_t chunk) {
   aux_loss_ = torch::Tensor(), z_loss_ = torch::Tensor();
   const torch::Tensor x = first ? embed(in) : in;
   const int64_t begin = dims_.chunk_begin(chunk), end = dims_.chunk_end(chunk);
+  if (last && units_) units_->need_outside_blocks();  // (ZeRO-3: the final norm and the output layer)
   if (!run_.fused_kernels) return last ? ln_f(run_blocks(x, begin, end)) : run_blocks(x, begin, end);
   // Fused: the chunk's last MLP output is added to the residual stream by ln_f's fused add on the
   // last stage, elsewhere by a plain fp32 add before it travels: the sum the next block's fused
@@ -994,7 +1006,12 @@ torch::Tensor GPTImpl::stage_forward(const torch::Tensor& in, int64_t chunk) {
 
 torch::Tensor GPTImpl::stage_loss(const torch::Tensor& out, const torch::Tensor& targets) {
   MPITRAIN_CHECK(dims_.last_stage(), "stage_loss: the last stage's");
-  return lm_loss_of(out, targets);
+  const torch::Tensor loss = lm_loss_of(out, targets);
+  // ZeRO-3: another micro-batch's backward may have released the outside unit (its gradient
+  // bucket filled) before this one's: its backward makes it whole again first.
+  if (!units_ || !torch::GradMode::is_enabled() || !loss.requires_grad()) return loss;
+  return apply_autograd_function<BlockBoundary>(loss, c10::nullopt, static_cast<int64_t>(reinterpret_cast<intptr_t>(units_)),
+                                                kOutside)[0];
 }
 
 // The residual stream x stays fp32 (the embeddings are; add_layernorm / add_rmsnorm add the

@@ -245,11 +245,17 @@ int64_t Parallelism::initial_weights(const std::string& init_from) {
   agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
     if (reader) files = open_initial_weights(init_from, model_);
   }); });
-  for (size_t k = 0; k < params_.size(); ++k) {
+  // (Pipeline stages hold different numbers of tensors, and each read's verdict is agreed over
+  // every rank: as many rounds as the largest stage has tensors.)
+  int64_t rounds = static_cast<int64_t>(params_.size());
+  if (pp_) mpi::all_reduce(&rounds, 1, ReduceOp::max, mpi_comm_);
+  for (size_t k = 0; k < static_cast<size_t>(rounds); ++k) {
+    const bool mine = k < params_.size();
     torch::Tensor v;
     agree(mpi_comm_, [&] { naming_config_file(cfg_, [&] {
-      if (files) v = files->read(k).to(device_);
+      if (files && mine) v = files->read(k).to(device_);
     }); });
+    if (!mine) continue;
     if (!v.defined()) v = torch::empty(params_[k].sizes(), torch::dtype(torch::kFloat32).device(device_));
     group_of(k).broadcast(v, 0);
     keep(k, v);
@@ -573,6 +579,9 @@ void Parallelism::gather_stages(GPT* into, FullOptimState* state) {
     return;
   }
   const FullOptimState stage = shards_optimizer() ? gather_optim_state(*opt_, slice_owner_, model_) : FullOptimState{};
+  // ZeRO-3: the stage's units whole on its dp group while its first replica sends them (a
+  // collective over it; the stage, not the model, on each rank).
+  WholeParams whole(units());
   if (mesh.replica() == 0)
     gather_pp_state(model_, *opt_, mesh.pp_mpi(), whole_names_, into, state, shards_optimizer() ? &stage : nullptr,
                     tp_ ? &mesh.tp() : nullptr);

@@ -238,8 +238,10 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
 // Pipeline parallel resume: rank 0 reads each tensor of the whole model (`file`, opened with its
 // names; null elsewhere) and broadcasts it over `comm` (the world); each stage keeps the ones it
 // holds (the last stage its copy of a tied embedding too; tensor parallel: its tp shards).
+// (zero3: the parameters are views of released units, and AdamW's slots those of this rank's
+// shards, which take their part of each parameter as its moments do.)
 void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, const ParamShapes& names,
-                       Communicator& comm, MpiComm mpi_comm) {
+                       Communicator& comm, MpiComm mpi_comm, bool zero3) {
   using Part = CheckpointParams::Part;
   const auto params = model->named_params();
   MPITRAIN_CHECK(opt.sharded() == (shards != nullptr), "pipeline parallel resume: a sharded AdamW with its GradSync");
@@ -264,13 +266,14 @@ void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const Gra
       const size_t k = it->second;
       const GPTDims& d = model->dims();  // (tensor parallel: this rank's shard of the whole tensor)
       const torch::Tensor held = d.tp > 1 ? tp_shard(t, model->tp_split(name), d.tp_rank, d.tp).contiguous() : t;
-      if (part == Part::param) {
+      if (part == Part::param && !zero3) {
         params[k].second.detach().copy_(held.view(params[k].second.sizes()));
         continue;
       }
       for (size_t i : slots[k]) {
-        torch::Tensor dest = part == Part::exp_avg ? opt.exp_avg(i) : opt.exp_avg_sq(i);
-        const int64_t begin = shards ? shards->owned_slices()[i].begin : 0;
+        torch::Tensor dest = part == Part::param ? opt.param(i) : part == Part::exp_avg ? opt.exp_avg(i) : opt.exp_avg_sq(i);
+        // (a slice's run of the parameter; an expert's slot, after the slices, holds it whole)
+        const int64_t begin = shards && !opt.holds_whole(i) ? shards->owned_slices()[i].begin : 0;
         dest.detach().copy_(held.view({-1}).narrow(0, begin, dest.numel()).view(dest.sizes()));
       }
     }
@@ -757,7 +760,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   CheckpointParams* from = file ? &*file : nullptr;
   if (model->dims().pp > 1) {
     MPITRAIN_CHECK((comm.rank() != 0 || whole) && pp_names, "resume_from: a pipeline stage opens the file with the whole model");
-    keep_stage_params(from, model, opt, shards, *pp_names, comm, mpi_comm);
+    keep_stage_params(from, model, opt, shards, *pp_names, comm, mpi_comm, /*zero3=*/param_shards != nullptr);
   } else if (model->dims().ep > 1) {
     MPITRAIN_CHECK(comm.rank() != 0 || whole, "resume_from: expert parallelism opens the file with the whole model");
     keep_expert_shards(from, model, opt, shards, comm, mpi_comm, param_shards);

@@ -35,21 +35,25 @@ void give_memory(const torch::Tensor& t, c10::DataPtr memory, size_t nbytes) {
 }  // namespace
 
 Units model_units(const std::vector<std::string>& names, int64_t n_layer) {
-  Units u;
-  u.groups.resize(static_cast<size_t>(n_layer) + 1);
-  u.block_unit.resize(static_cast<size_t>(n_layer));
-  for (int64_t i = 0; i < n_layer; ++i) u.block_unit[static_cast<size_t>(i)] = static_cast<size_t>(n_layer - 1 - i);
-  u.outside = static_cast<size_t>(n_layer);
-  for (size_t k = 0; k < names.size(); ++k) {
-    size_t group = u.outside;
-    if (const int64_t block = block_of(names[k]); block >= 0) {
-      MPITRAIN_CHECK(block >= 0 && block < n_layer, concat("ZeRO-3: parameter ", names[k], " of no block"));
-      group = u.block_unit[static_cast<size_t>(block)];
-    }
-    u.groups[group].push_back(k);
+  // The blocks this model holds (a pipeline stage: its chunks'), and whether it holds any
+  // parameter outside them (a middle stage holds none).
+  std::vector<bool> held(static_cast<size_t>(n_layer), false);
+  bool outside = false;
+  for (const std::string& name : names) {
+    const int64_t block = block_of(name);
+    MPITRAIN_CHECK(block < n_layer, concat("ZeRO-3: parameter ", name, " of no block"));
+    if (block >= 0) held[static_cast<size_t>(block)] = true;
+    else outside = true;
   }
-  MPITRAIN_CHECK(std::none_of(u.groups.begin(), u.groups.end(), [](const auto& g) { return g.empty(); }),
-                 "ZeRO-3: a unit without parameters");
+  Units u;
+  u.block_unit.assign(static_cast<size_t>(n_layer), Units::none);
+  for (int64_t i = n_layer - 1; i >= 0; --i)
+    if (held[static_cast<size_t>(i)]) u.block_unit[static_cast<size_t>(i)] = u.groups.size(), u.groups.emplace_back();
+  if (outside) u.outside = u.groups.size(), u.groups.emplace_back();
+  for (size_t k = 0; k < names.size(); ++k) {
+    const int64_t block = block_of(names[k]);
+    u.groups[block >= 0 ? u.block_unit[static_cast<size_t>(block)] : u.outside].push_back(k);
+  }
   return u;
 }
 
@@ -101,9 +105,11 @@ ParamShards::~ParamShards() {
 
 void ParamShards::need_block(int64_t block, bool backward) {
   const size_t n_layer = units_.block_unit.size(), b = static_cast<size_t>(block);
-  gather(units_.block_unit.at(b));
-  if (!backward && b + 1 < n_layer) prefetch(units_.block_unit[b + 1]);
-  if (backward && b > 0) prefetch(units_.block_unit[b - 1]);
+  MPITRAIN_CHECK(b < n_layer && units_.block_unit[b] != Units::none, concat("ZeRO-3: block ", block, " is not held here"));
+  gather(units_.block_unit[b]);
+  // The next block to run, where this model holds it (a pipeline stage's chunk ends before it).
+  const size_t next = !backward ? b + 1 : b - 1;  // (b = 0 in backward: wraps past n_layer)
+  if (next < n_layer && units_.block_unit[next] != Units::none) prefetch(units_.block_unit[next]);
 }
 
 void ParamShards::done_with_block(int64_t block) {

@@ -325,9 +325,10 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
     at.pp_stage = s;
     std::string blocks;
     for (int64_t c = 0; c < v; ++c) blocks += concat(c ? " + " : "", at.chunk_begin(c), "-", at.chunk_end(c) - 1);
-    // The state: fp32 weights, gradients (ZeRO-2: a 1/dp slice) and two moments (ZeRO-1/2: 1/dp).
+    // The state: fp32 weights (ZeRO-3: a 1/dp shard; the units gathered around their use come on
+    // top), gradients (ZeRO-2/3: a 1/dp slice) and two moments (ZeRO-1/2/3: 1/dp).
     const double n = stage_params[u];
-    const double state = n * 4 + n * 4 / (zero >= 2 ? static_cast<double>(dp) : 1.0) +
+    const double state = n * 4 / (zero >= 3 ? static_cast<double>(dp) : 1.0) + n * 4 / (zero >= 2 ? static_cast<double>(dp) : 1.0) +
                          n * 2.0 * static_cast<double>(moment) / (zero >= 1 ? static_cast<double>(dp) : 1.0);
     // The activations the schedule keeps at once: each forward's until its backward.
     double held = 0, peak = 0;
