@@ -449,10 +449,10 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   std::unordered_map<std::string, TpSplit> tp_splits_;  // by parameter name
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules
-  // Deferred under expert parallelism: the whole model (ep 1, without values) whose draws
-  // initialize() hands out, this rank's parameters only.
-  std::shared_ptr<GPTImpl> ep_whole_;
-  // Deferred under tensor and expert parallelism: the tp 1 model (itself with ep_whole_) whose
+  // Deferred under expert or pipeline parallelism: the whole model (ep and pp 1, without values)
+  // whose draws initialize() hands out, this rank's parameters only.
+  std::shared_ptr<GPTImpl> whole_draws_;
+  // Deferred under tensor and expert parallelism: the tp 1 model (itself with whole_draws_) whose
   // initialize() gives this rank's parameters whole, of which it takes its tp shards.
   std::shared_ptr<GPTImpl> tp_dense_;
 };

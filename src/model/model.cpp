@@ -774,7 +774,7 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     for (size_t k = 0; k < all.size(); ++k)
       MPITRAIN_CHECK(mine[k].first == all[k].first, "tensor parallel: the dense model has other parameters");
     if (deferred) {  // the dense model's draws, made by initialize() one parameter at a time
-      if (dense->ep_whole_)  // (expert parallelism: its own parameters' draws, then this rank's tp shards)
+      if (dense->whole_draws_)  // (expert parallelism: its own parameters' draws, then this rank's tp shards)
         tp_dense_ = dense.ptr();
       else
         init_generator_ = dense->init_generator_;
@@ -797,7 +797,7 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     build_modules(d, deferred);
     collect_tp_splits();
     if (deferred) {
-      ep_whole_ = dense.ptr();
+      whole_draws_ = dense.ptr();
       return;
     }
     keep_draws(*dense);
@@ -814,7 +814,7 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
     build_modules(d, deferred);
     collect_tp_splits();
     if (deferred) {
-      ep_whole_ = dense.ptr();
+      whole_draws_ = dense.ptr();
       return;
     }
     keep_draws(*dense);
@@ -879,8 +879,8 @@ void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>
     });
     return;
   }
-  if (ep_whole_) {  // the whole model's draws, each of this rank's parameters taken in its own order
-    draws_of(*ep_whole_, take);
+  if (whole_draws_) {  // the whole model's draws, each of this rank's parameters taken in its own order
+    draws_of(*whole_draws_, take);
     return;
   }
   MPITRAIN_CHECK(init_generator_.has_value(), "GPT::initialize: the model was not made deferred");

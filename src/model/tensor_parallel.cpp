@@ -18,12 +18,12 @@ namespace {
 
 std::atomic<int64_t> collective_ns{0}, ep_ns{0};
 
-// Times one tp collective into collective_ns.
+// Times one collective (or its start, or its wait) into `into`: tp's collective_ns, ep's ep_ns.
 template <class Fn>
-void timed(Fn&& fn) {
+void timed(Fn&& fn, std::atomic<int64_t>& into = collective_ns) {
   const auto t0 = std::chrono::steady_clock::now();
   fn();
-  collective_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  into += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // The sum over the tp ranks. 16-bit activations (autocast) are summed in fp32, then rounded once:
@@ -65,9 +65,7 @@ torch::Tensor exchanged(const torch::Tensor& x, const std::vector<int64_t>& send
   shape[0] = rows;
   torch::Tensor out = torch::empty(shape, x.options());
   const torch::Tensor in = x.contiguous();
-  const auto t0 = std::chrono::steady_clock::now();
-  comm.all_to_all(in, send, out, recv);
-  ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  timed([&] { comm.all_to_all(in, send, out, recv); }, ep_ns);
   return out;
 }
 
@@ -106,15 +104,11 @@ struct EpPending : torch::CustomClassHolder {
     shape[0] = rows;
     out = torch::empty(shape, x.options());
     in = x.contiguous();
-    const auto t0 = std::chrono::steady_clock::now();
-    work = comm->all_to_all_async(in, to, out, from);
-    ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    timed([&] { work = comm->all_to_all_async(in, to, out, from); }, ep_ns);
   }
   torch::Tensor finish() {
     MPITRAIN_CHECK(work, "expert exchange: finished before it started");
-    const auto t0 = std::chrono::steady_clock::now();
-    work->wait();
-    ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    timed([&] { work->wait(); }, ep_ns);
     work.reset();
     in = torch::Tensor();
     return std::exchange(out, torch::Tensor());
@@ -193,9 +187,7 @@ torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& 
 torch::Tensor ep_exchange_counts(const torch::Tensor& counts, Communicator& ep) {
   torch::Tensor arriving = torch::empty_like(counts);
   const std::vector<int64_t> ones(static_cast<size_t>(ep.size()), 1);
-  const auto t0 = std::chrono::steady_clock::now();
-  ep.all_to_all(counts, ones, arriving, ones);
-  ep_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  timed([&] { ep.all_to_all(counts, ones, arriving, ones); }, ep_ns);
   return arriving;
 }
 
