@@ -785,30 +785,14 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
       mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
     return;
   }
-  if (d.ep > 1) {
-    // The whole model's initial values from the same generator state (made without values, so
-    // that at most one of its blocks exists at once), drawn one parameter at a time in its order,
-    // each kept where this rank holds a parameter of that name (its experts and every other one).
-    // Deferred (ZeRO-3): initialize() makes those draws.
+  if (d.ep > 1 || d.pp > 1) {
+    // Expert parallelism or a pipeline stage: the whole model's initial values from the same
+    // generator state (made without values, so that at most one of its blocks exists at once),
+    // drawn one parameter at a time in its order, each kept where this rank holds a parameter of
+    // that name (its experts and every other one; a stage's blocks, the last stage's copy of a
+    // tied embedding too). Deferred (ZeRO-3): initialize() makes those draws.
     GPTDims whole = d;
     whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
-    whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;  // (a pipeline stage: the whole model's too)
-    GPT dense(whole, /*deferred=*/true);
-    build_modules(d, deferred);
-    collect_tp_splits();
-    if (deferred) {
-      whole_draws_ = dense.ptr();
-      return;
-    }
-    keep_draws(*dense);
-    return;
-  }
-  if (d.pp > 1) {
-    // A pipeline stage: the whole model's initial values likewise, each kept where this stage
-    // holds a parameter of that name (the last stage's copy of a tied embedding too); deferred
-    // (ZeRO-3), drawn one parameter at a time when initialize() asks.
-    MPITRAIN_CHECK(d.tp == 1 && d.ep == 1, "pipeline parallelism: a stage of a whole model");
-    GPTDims whole = d;
     whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
     GPT dense(whole, /*deferred=*/true);
     build_modules(d, deferred);

@@ -56,14 +56,20 @@ class TpReduce : public torch::autograd::Function<TpReduce> {
   }
 };
 
-// rows -> every rank -> rows: `x` (contiguous) exchanged over `comm`.
-torch::Tensor exchanged(const torch::Tensor& x, const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
-                        Communicator& comm) {
+// An uninitialised tensor of x's row shape and options for the sum of `recv` rows: what an exchange
+// of x's rows receives.
+torch::Tensor received_rows(const torch::Tensor& x, const std::vector<int64_t>& recv) {
   int64_t rows = 0;
   for (int64_t r : recv) rows += r;
   std::vector<int64_t> shape = x.sizes().vec();
   shape[0] = rows;
-  torch::Tensor out = torch::empty(shape, x.options());
+  return torch::empty(shape, x.options());
+}
+
+// rows -> every rank -> rows: `x` (contiguous) exchanged over `comm`.
+torch::Tensor exchanged(const torch::Tensor& x, const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
+                        Communicator& comm) {
+  torch::Tensor out = received_rows(x, recv);
   const torch::Tensor in = x.contiguous();
   timed([&] { comm.all_to_all(in, send, out, recv); }, ep_ns);
   return out;
@@ -98,11 +104,7 @@ struct EpPending : torch::CustomClassHolder {
   torch::Tensor in, out;  // kept alive while the exchange reads and fills them
 
   void start(const torch::Tensor& x, const std::vector<int64_t>& to, const std::vector<int64_t>& from) {
-    int64_t rows = 0;
-    for (int64_t r : from) rows += r;
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape[0] = rows;
-    out = torch::empty(shape, x.options());
+    out = received_rows(x, from);
     in = x.contiguous();
     timed([&] { work = comm->all_to_all_async(in, to, out, from); }, ep_ns);
   }
