@@ -73,11 +73,9 @@ void run(int argc, char** argv) {
   MPI_Comm_split(MPI_COMM_WORLD, rank % tp, rank, &dp_mpi);
   {
     auto tp_comm = make_mpi_communicator(from_mpi(tp_mpi)), dp_comm = make_mpi_communicator(from_mpi(dp_mpi));
-    d.tp = tp;
-    d.tp_rank = tp_comm->rank();
-    d.tp_comm = tp_comm.get();
     torch::manual_seed(1);
     GPT model(d);
+    model->parallelize(TpPlace{tp, tp_comm->rank(), tp_comm.get()});
     std::vector<torch::Tensor> params;
     for (auto& [name, p] : model->named_params()) params.push_back(p);
     GradSync grads(params, *dp_comm, 25.0, /*overlap=*/true);

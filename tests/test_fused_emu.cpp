@@ -459,11 +459,9 @@ TEST(FusedEmuTensorParallel, TheFusedTpModelMatchesTheUnfusedDenseModel) {
   GPTDims d{/*n_layer=*/2, /*n_head=*/2, /*n_embd=*/32, /*seq_len=*/8, /*vocab_size=*/48};
   torch::manual_seed(24);
   GPT plain(d);
-  d.tp = 2;
-  d.tp_rank = tp->rank();
-  d.tp_comm = tp.get();
   torch::manual_seed(24);
   GPT fused(d);
+  fused->parallelize(TpPlace{2, tp->rank(), tp.get()});
   fused->apply(all_fused(5));
   torch::manual_seed(25);  // the same batch on both ranks
   auto x = torch::randint(0, 48, {2, 8}, torch::kLong), y = torch::randint(0, 48, {2, 8}, torch::kLong);
@@ -488,10 +486,8 @@ TEST(FusedEmuTensorParallel, TheFusedTpLlamaMatchesTheUnfusedDenseLlama) {
   torch::manual_seed(29);
   GPT plain(d);
   perturb(plain);
-  d.tp = 2;
-  d.tp_rank = tp->rank();
-  d.tp_comm = tp.get();
   GPT fused(d);
+  fused->parallelize(TpPlace{2, tp->rank(), tp.get()});
   fused->apply(all_fused(5));
   {
     torch::NoGradGuard no_grad;

@@ -1,7 +1,8 @@
 // Tensor parallelism (tensor_parallel.h) under a real mpirun (-np 2 and -np 4), proven by
 // equivalence with the dense model on every rank:
-//  - a tp-sharded GPT built from the same seed holds exactly the shards of the dense model's
-//    parameters (tp_shard), for tp = 2 (groups of consecutive ranks) and tp = 4 (-np 4);
+//  - a GPT built from the same seed and sharded by GPT::parallelize holds exactly the shards of
+//    the dense model's parameters (tp_shard), for tp = 2 (groups of consecutive ranks) and tp = 4
+//    (-np 4); a deferred one (ZeRO-3's) parallelized, then initialised, draws the same shards;
 //  - on the same batch its loss is the dense loss, its local logits are the dense logits' columns
 //    of its vocabulary slice, and after backward every parameter's gradient is the shard of the
 //    dense gradient (replicated parameters: the whole dense gradient on every tp rank), with the
@@ -119,15 +120,12 @@ TEST(TensorParallel, ShardedGptEqualsTheDenseModelInLossLogitsAndGradients) {
           }
         }
       }
-      GPTDims tp_dims = dense_dims;
-      tp_dims.tp = tp;
-      tp_dims.tp_rank = r;
-      tp_dims.tp_comm = group.comm.get();
       torch::manual_seed(7);
       GPT dense(dense_dims);
       dense->apply(fused_paths(fused, fused_loss));
       torch::manual_seed(7);
-      GPT sharded(tp_dims);
+      GPT sharded(dense_dims);
+      sharded->parallelize(TpPlace{tp, r, group.comm.get()});
       sharded->apply(fused_paths(fused, fused_loss, 7));
 
       const auto whole = dense->named_params(), local = sharded->named_params();
@@ -202,8 +200,6 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
       GPTDims padded = unpadded;
       padded.vocab_size = kRows;
       padded.vocab_live = kTokens;
-      GPTDims sharded_dims = padded;
-      sharded_dims.tp = tp, sharded_dims.tp_rank = r, sharded_dims.tp_comm = group.comm.get();
       torch::manual_seed(5);
       GPT plain(unpadded);
       plain->apply(fused_paths(false, fused_loss));
@@ -211,7 +207,8 @@ TEST(TensorParallel, PaddedVocabularyIsOutsideTheLossOnEveryLayout) {
       GPT dense(padded);
       dense->apply(fused_paths(false, fused_loss));
       torch::manual_seed(5);
-      GPT sharded(sharded_dims);
+      GPT sharded(padded);
+      sharded->parallelize(TpPlace{tp, r, group.comm.get()});
       sharded->apply(fused_paths(false, fused_loss, 7));
 
       const auto want = plain->named_params(), whole = dense->named_params(), local = sharded->named_params();
@@ -348,20 +345,21 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
       if (world % tp != 0) continue;
       TpGroup group(tp);
       const int64_t r = group.comm->rank();
-      GPTDims tp_dims = dense_dims;
-      tp_dims.tp = tp, tp_dims.tp_rank = r, tp_dims.tp_comm = group.comm.get();
+      const TpPlace place{tp, r, group.comm.get()};
       const auto whole = dense->named_params();
       for (const std::string& from : {"hf:" + hf, "hf:" + sharded_hf, npy}) {
         SCOPED_TRACE(testing::Message() << (llama ? "llama" : "gpt2") << ", tp " << tp << ", " << from);
         torch::manual_seed(99);  // other values than the files'
-        GPT sharded(tp_dims);
+        GPT sharded(dense_dims);
+        sharded->parallelize(place);
         EXPECT_EQ(load_initial_weights(from, sharded), static_cast<int64_t>(sharded->named_params().size()));
         const auto local = sharded->named_params();
         for (size_t i = 0; i < whole.size(); ++i)
           EXPECT_TRUE(torch::equal(local[i].second, tp_shard(whole[i].second, dense->tp_split(whole[i].first), r, tp)))
               << whole[i].first;
         // ZeRO-3's way: a model without values, the files read one parameter at a time.
-        GPT empty(tp_dims, /*deferred=*/true);
+        GPT empty(dense_dims, /*deferred=*/true);
+        empty->parallelize(place);
         const auto files = open_initial_weights(from, empty);
         ASSERT_EQ(files->size(), whole.size());
         for (size_t i = 0; i < whole.size(); ++i)
@@ -370,7 +368,8 @@ TEST(TensorParallel, EachRankReadsItsShardsOfTheInitialWeightFiles) {
       // A deferred tp rank draws, one parameter at a time, its shards of the dense model's draws:
       // what a tp rank made whole holds, bitwise.
       torch::manual_seed(7);
-      GPT deferred(tp_dims, /*deferred=*/true);
+      GPT deferred(dense_dims, /*deferred=*/true);
+      deferred->parallelize(place);
       size_t seen = 0;
       deferred->initialize([&](size_t k, const torch::Tensor& v) {
         ASSERT_EQ(k, seen++);

@@ -70,10 +70,10 @@ int64_t block_of(const std::string& name);
 
 // model.attention: restricts libtorch's scaled_dot_product_attention to the chosen kernel (auto:
 // libtorch's own choice, unchanged) and returns which kernel runs for this model's attention on
-// `device` with q/k/v in `dtype`, for the start-up line "attention: ...". A kernel that cannot run
-// there (or a libtorch without SDPA, < 2.0, for anything but auto|math) is a UsageError naming the
-// key. The choice is process-wide (libtorch's global context).
-std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
+// `device` with q/k/v in `dtype` (a rank's heads: n_head / tp), for the start-up line "attention:
+// ...". A kernel that cannot run there (or a libtorch without SDPA, < 2.0, for anything but
+// auto|math) is a UsageError naming the key. The choice is process-wide (libtorch's global context).
+std::string configure_attention(const std::string& choice, const GPTDims& d, int64_t tp, const torch::Device& device,
                                 c10::ScalarType dtype);
 
 // A module that declares, where it makes its parameters, how tensor parallelism splits them
@@ -102,6 +102,7 @@ class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t dim, bool rms, double eps, Communicator* partial_grad = nullptr, bool unit_offset = false);
   torch::Tensor forward(const torch::Tensor& x);
+  void set_partial_grad(Communicator* group) { partial_grad_ = group; }  // (GPT::parallelize)
   // RunOptions::fused_kernels: the residual add before the norm and the norm as one op (add_layernorm or
   // add_rmsnorm, fused_ops.h): {x + delta (fp32), norm(x + delta) in out_dtype}; delta may be undefined.
   std::pair<torch::Tensor, torch::Tensor> add_forward(const torch::Tensor& x, const torch::Tensor& delta,
@@ -143,6 +144,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
   // Block `layer`'s attention (its window: ModelArgs::window_of_layer).
   CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer = 0);
   torch::Tensor forward(const torch::Tensor& x);
+  // Tensor parallel (GPT::parallelize, which has replaced the parameters by their shards): this
+  // rank's n_head / tp and n_kv_head / tp heads, q/k/v column- and c_proj row-parallel.
+  void parallelize(const TpPlace& tp);
 
   // gpt2: c_attn ([q; k; v]); llama: q_proj, k_proj, v_proj. Both: c_proj, the output projection.
   torch::nn::Linear c_attn{nullptr}, q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, c_proj{nullptr};
@@ -157,7 +161,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public TpDeclared {
   // The other (Gemma's; Mistral's cutting window on libtorch 1.x): scores q k^T scaled, soft-capped, masked (causal and window), softmax
   // in fp32 and cast back, as Hugging Face's eager attention.
   torch::Tensor capped_core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p);
-  Communicator* tp_;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)
+  Communicator* tp_ = nullptr;  // tensor parallel: q/k/v column-, c_proj row-parallel (null: tp = 1)
   int64_t n_head_, n_kv_head_, head_dim_;  // this rank's heads (tensor parallel: its share)
   double dropout_;
   int64_t window_;  // this layer's attention window (0: none)
@@ -173,6 +177,8 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
  public:
   explicit MLPImpl(const GPTDims& d);
   torch::Tensor forward(const torch::Tensor& x);
+  // Tensor parallel (GPT::parallelize): c_fc (gate/up) column-, c_proj row-parallel over tp.
+  void parallelize(const TpPlace& tp) { tp_ = tp.sharded() ? tp.comm : nullptr; }
   // RunOptions::fused_kernels: the same with c_fc's bias add and the GELU as one bias_gelu (gpt2), or
   // silu(gate) * up as one swiglu (llama).
   torch::Tensor forward_fused(const torch::Tensor& x);
@@ -186,7 +192,7 @@ class MLPImpl : public torch::nn::Module, public TpDeclared {
  private:
   torch::Tensor gated(const torch::Tensor& in);  // llama block: act(gate_proj(in)) x up_proj(in)
   bool geglu_;        // llama block: the gate's GELU (tanh) instead of silu (Gemma)
-  Communicator* tp_;  // tensor parallel: c_fc / gate / up column-, c_proj row-parallel (null: tp = 1)
+  Communicator* tp_ = nullptr;  // tensor parallel: c_fc / gate / up column-, c_proj row-parallel (null: tp = 1)
 };
 TORCH_MODULE(MLP);
 
@@ -210,7 +216,7 @@ struct RouterLog {
 // tokens gets an empty product, so every parameter has a gradient); the outputs, times their
 // weights, are summed back per token. Under activation checkpointing the block's second run (in
 // backward) does not log again (recomputing()).
-// Tensor parallelism (dims.tp > 1): the router is replicated (every rank of the tp group routes the
+// Tensor parallelism (GPT::parallelize): the router is replicated (every rank of the tp group routes the
 // same tokens alike) and each expert split as the dense MLP is (gate/up by their units, c_proj by
 // its inputs); the grouped rows enter through one tp_copy and the experts' partial outputs leave
 // through one tp_reduce for the whole layer (not one per expert; under ep one for this rank's own
@@ -218,12 +224,14 @@ struct RouterLog {
 // Expert parallelism (dims.ep > 1): this rank holds its ep group's share of the experts (named by
 // their index in the whole layer); each token copy goes to the rank holding its expert and comes
 // back by all-to-all over the ep group, so every rank of the group must run each sparse layer's
-// forward (and backward) together. The copies this rank routes to its own experts stay here and
-// run while the others' travel (EpExchange: the dispatch forward, its gradients backward).
+// forward (and backward) together. The copies this rank routes to its own experts stay here:
+// those of its first half of experts run while the others' copies travel here, the rest while the
+// outputs travel back (EpExchange both ways; in backward, while their gradients travel).
 class MoEImpl : public torch::nn::Module {
  public:
   MoEImpl(const GPTDims& d, RouterLog* log);
   torch::Tensor forward(const torch::Tensor& x);
+  void parallelize(const TpPlace& tp);  // (GPT::parallelize, which switches its experts' MLPs too)
 
   torch::nn::Linear gate{nullptr};
   std::shared_ptr<torch::nn::Module> experts;  // this rank's experts, each an MLP named by its index
@@ -241,15 +249,16 @@ class MoEImpl : public torch::nn::Module {
   torch::Tensor routing_bias;
 
  private:
-  // The grouped rows' expert outputs: rows [N k, C] sorted by expert, counts[e] of expert e's.
-  torch::Tensor run_local(const torch::Tensor& grouped, const int64_t* count);
+  // The grouped rows' outputs through this rank's experts [begin, end): rows [n, C] sorted by
+  // expert, count[e] of expert e's (the rows begin with expert begin's).
+  torch::Tensor run_local(const torch::Tensor& grouped, const int64_t* count, size_t begin = 0, size_t end = SIZE_MAX);
   torch::Tensor run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts);
   int64_t top_k_, num_experts_;
   double capacity_factor_ = 0;  // RunOptions::capacity_factor (0: dropless)
   bool norm_topk_;
   bool z_loss_ = false;         // RunOptions::z_loss_coef > 0
   Communicator* ep_ = nullptr;  // dims.ep_comm (ep > 1)
-  Communicator* tp_ = nullptr;  // dims.tp_comm (tp > 1)
+  Communicator* tp_ = nullptr;  // parallelize()'s (tp > 1)
   RouterLog* log_;  // GPT's (not owned)
 };
 TORCH_MODULE(MoE);
@@ -306,6 +315,15 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // It runs with RunOptions' defaults (unfused, no checkpointing, dropless) until apply().
   explicit GPTImpl(const GPTDims& d, bool deferred = false);
 
+  // Tensor parallelism applied to the built model, as torchtitan's parallelize applies it: every
+  // parameter a module declared split (tp_split) replaced by this rank's shard of it (its values,
+  // or its shape alone in a deferred model, whose initialize() then gives the shards of the whole
+  // draws), and each module switched to its sharded path (its share of the heads and hidden
+  // units, the all-reduces of tp.comm). Once, before the optimizer takes the parameters and
+  // before the model moves to its device; tp.size 1 changes nothing.
+  void parallelize(const TpPlace& tp);
+  const TpPlace& tp() const { return tp_; }
+
   // How the built model runs from the next call on (the fused paths, activation checkpointing,
   // the experts' capacity and balancing): what Parallelism and the step apply, as torchtitan's
   // parallelize applies its own, not part of what the model is. Refuses by name a switch this
@@ -314,8 +332,8 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   void apply(const RunOptions& run);
   const RunOptions& run() const { return run_; }
 
-  // A deferred model's initial values: named_params()[k]'s values (this rank's tp shard of the
-  // whole parameter, drawn as a model made without `deferred` draws it; under expert parallelism
+  // A deferred model's initial values: named_params()[k]'s values (after parallelize, this rank's
+  // tp shard of the whole parameter, drawn as a model made without `deferred` draws it; under expert parallelism
   // the whole model's draws of this rank's parameters) to `take(k, values)`, in order, one
   // parameter in memory at a time. Touches no generator's state; any number of times.
   void initialize(const std::function<void(size_t, const torch::Tensor&)>& take);
@@ -412,7 +430,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   torch::nn::Linear lm_head{nullptr};  // llama with tie_embeddings false
 
  private:
-  void build_modules(const GPTDims& d, bool deferred);  // this rank's shapes (tensor parallel: its shards)
+  void build_modules(const GPTDims& d, bool deferred);  // this rank's modules (whole over tp)
   // Whether block `block` runs under activation checkpointing (run_.ac, in training with gradients).
   bool checkpointed(int64_t block) const;
   // ZeRO-3 (units_ set): block i's parameters whole before it runs and given back after; its
@@ -439,6 +457,7 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   // in this model's order, one parameter in memory at a time when both orders agree.
   void draws_of(GPTImpl& whole, const std::function<void(size_t, const torch::Tensor&)>& take);
   GPTDims dims_;
+  TpPlace tp_;  // parallelize()'s
   RunOptions run_;
   std::vector<std::shared_ptr<Rotary>> rotaries_;  // the blocks' tables (apply sets their fused path)
   RouterLog router_log_;
@@ -450,16 +469,14 @@ class GPTImpl : public torch::nn::Module, public TpDeclared {
   UnitHooks* units_ = nullptr;
   c10::optional<at::Generator> init_generator_;  // deferred: the generator's state after making the modules
   // Deferred under expert or pipeline parallelism: the whole model (ep and pp 1, without values)
-  // whose draws initialize() hands out, this rank's parameters only.
+  // whose draws initialize() hands out, this rank's parameters only (their tp shards after
+  // parallelize).
   std::shared_ptr<GPTImpl> whole_draws_;
-  // Deferred under tensor and expert parallelism: the tp 1 model (itself with whole_draws_) whose
-  // initialize() gives this rank's parameters whole, of which it takes its tp shards.
-  std::shared_ptr<GPTImpl> tp_dense_;
 };
 TORCH_MODULE(GPT);
 
-// The whole model under `d`: tp and ep 1, and pp 1 unless `stage` (then this stage's part, its
-// blocks whole over tp and ep); made without values when `deferred` (its names and shapes), else
+// The whole model under `d`: ep 1, and pp 1 unless `stage` (then this stage's part, its
+// blocks whole over ep; a built model is whole over tp until parallelize); made without values when `deferred` (its names and shapes), else
 // with the initial ones, to be overwritten. The default generator's stream goes on as it was.
 GPT whole_model(const GPTDims& d, bool deferred, bool stage = false);
 // Its parameter names (stage false), in order.

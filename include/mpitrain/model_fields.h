@@ -69,11 +69,13 @@ int64_t window_of_config(const ModelConfig& c);
 
 // ---- the model's architecture and the run's options ----------------------------------------------
 // ModelArgs: what the model is (what a checkpoint and config.json record; one row of the table
-// below per field beyond the five dimensions). GPTDims: a ModelArgs and this rank's place in the
-// layout (tensor, expert and pipeline parallelism), which decide the shapes of the modules it
-// builds, and dropout. RunOptions: how a built model runs (the fused paths, activation
-// checkpointing, the experts' capacity and balancing), which the step applies to it
-// (GPT::apply) and may change between calls; no file of the model records either.
+// below per field beyond the five dimensions). GPTDims: a ModelArgs and which of the model's
+// parts this rank builds (its experts, its pipeline stage's blocks), and dropout. TpPlace:
+// tensor parallelism, which Parallelism applies to a built model (GPT::parallelize: each
+// split parameter replaced by this rank's shard, each module switched to its sharded path).
+// RunOptions: how a built model runs (the fused paths, activation checkpointing, the experts'
+// capacity and balancing), which the step applies to it (GPT::apply) and may change between
+// calls. No file of the model records the last three.
 struct ModelArgs {
   int64_t n_layer = 0;
   int64_t n_head = 0;
@@ -148,11 +150,6 @@ struct ModelArgs {
 
 struct GPTDims : ModelArgs {
   double dropout = 0.0;
-  // Tensor parallelism (tensor_parallel.h): this rank's place in its tp group of `tp` ranks, and
-  // the group's communicator (not owned; set when tp > 1). n_head, n_kv_head, intermediate_size
-  // and vocab_size divide by tp.
-  int64_t tp = 1, tp_rank = 0;
-  Communicator* tp_comm = nullptr;
   // Expert parallelism (parallel.ep; model.h's MoE): this rank's place in its ep group of `ep`
   // ranks, which holds experts [ep_rank E / ep, (ep_rank + 1) E / ep) of every sparse layer, and the
   // group's communicator (not owned; set when ep > 1). The experts' count divides by ep.
@@ -186,6 +183,15 @@ struct GPTDims : ModelArgs {
   }
   bool first_stage() const { return pp_stage == 0; }
   bool last_stage() const { return pp_stage == pp - 1; }
+};
+
+// Tensor parallelism (tensor_parallel.h) as GPT::parallelize applies it: this rank's place in its
+// tp group of `size` ranks, and the group's communicator (not owned; set when size > 1).
+// n_head, n_kv_head, intermediate_size (and moe_intermediate_size) and vocab_size divide by size.
+struct TpPlace {
+  int64_t size = 1, rank = 0;
+  Communicator* comm = nullptr;
+  bool sharded() const { return size > 1; }
 };
 
 // How a built model runs (GPT::apply; the step's switches, not the architecture's).

@@ -62,10 +62,11 @@ namespace mpitrain {
 
 class Parallelism {
  public:
-  // `mesh`: the dp and tp groups; `checkpoint_dir_blind_rank`: the lowest rank that does not see
+  // `mesh`: the dp and tp groups; `tp`: this rank's place in its tp group, which make_model
+  // applies to the model; `checkpoint_dir_blind_rank`: the lowest rank that does not see
   // checkpoint.dir, or -1 (startup.h).
-  Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims, torch::Device device,
-              int checkpoint_dir_blind_rank, MpiComm mpi_comm);
+  Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims, const TpPlace& tp,
+              torch::Device device, int checkpoint_dir_blind_rank, MpiComm mpi_comm);
   Parallelism(const Parallelism&) = delete;
   Parallelism& operator=(const Parallelism&) = delete;
 
@@ -161,6 +162,7 @@ class Parallelism {
   Mesh& mesh_;
   const Topology& topo_;
   const GPTDims dims_;
+  const TpPlace tp_place_;
   MpiComm mpi_comm_;
   const torch::Device device_;
   const bool tp_;

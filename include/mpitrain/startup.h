@@ -33,6 +33,7 @@ struct Startup {
   Precision precision = Precision::fp32;
   std::unique_ptr<TokenDataset> train_data, val_data;  // val_data null without data.val
   GPTDims dims;
+  TpPlace tp;          // this rank's tp group (Parallelism::make_model applies it: GPT::parallelize)
   RunOptions options;  // how the built model runs (GPT::apply; Parallelism::make_model applies it)
   int threads = 1;                  // torch threads per rank
   std::vector<std::string> resume;  // rank 0: checkpoints to resume from, best first

@@ -56,19 +56,16 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local_logits, co
 torch::Tensor vocab_parallel_chunk_loss(torch::Tensor& logits, const torch::Tensor& targets, int64_t vocab_start,
                                        Communicator& tp, double grad_scale);
 
-// Expert parallelism's exchange (model.h's MoE): x's rows to the ranks of `ep`, send_rows[q] of
-// them (in order) to rank q, and what every rank sends here, recv_rows[q] rows from rank q in rank
-// order; backward sends the gradients back the same way (an all_to_all each way, comm.h).
-torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
-                            const std::vector<int64_t>& recv_rows, Communicator& ep);
 // What each rank of `ep` sends this one: `counts` [ep, n] (int64, on the CPU) holds this rank's row
 // counts for each rank's n experts, the result rank q's for this rank's (an all-to-all of one row each).
 torch::Tensor ep_exchange_counts(const torch::Tensor& counts, Communicator& ep);
-// The same exchange split in two, so that work which needs no exchange runs while it is in flight:
-// the constructor starts it, wait() returns what arrived (ep_all_to_all's result). In backward the
-// gradients go back the same way, started where wait() was called and finished where the exchange
-// started, so the work between the two in forward also runs while they travel. Every rank of `ep`
-// starts its exchanges in the same order.
+// Expert parallelism's exchange (model.h's MoE), an all_to_all (comm.h) split in two so that work
+// which needs no exchange runs while it is in flight: the constructor starts sending x's rows to
+// the ranks of `ep`, send_rows[q] of them (in order) to rank q; wait() returns what every rank
+// sent here, recv_rows[q] rows from rank q, in rank order. In backward the gradients go back the
+// same way, started where wait() was called and finished where the exchange started, so the work
+// between the two in forward also runs while they travel. Every rank of `ep` starts its exchanges
+// in the same order.
 struct EpPending;
 class EpExchange {
  public:
@@ -117,8 +114,10 @@ std::vector<TpRun> tp_runs(TpSplit split, c10::IntArrayRef shard, int64_t rank, 
 // forward, the cross-entropy's), since it started: what tensor parallelism costs a step.
 double tp_collective_seconds();
 
-// The shape of the whole parameter whose shards have shape `shard`.
+// The shape of the whole parameter whose shards have shape `shard`, and the shards' shape of a
+// whole parameter of shape `whole`.
 std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64_t size);
+std::vector<int64_t> tp_shard_shape(c10::IntArrayRef whole, TpSplit split, int64_t size);
 
 // The whole parameter from every tp rank's `shard` (all ranks of `tp` call it): an all-gather,
 // then the shards put back in their places.

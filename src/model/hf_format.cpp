@@ -243,25 +243,26 @@ struct SafetensorsFile {
 // else the whole tensor read (one at a time) and cut.
 torch::Tensor read_part(SafetensorsFile& f, const Entry& e, const std::string& name, GPT& model) {
   const GPTDims& d = model->dims();
+  const TpPlace& tp = model->tp();
   const TpSplit split = model->tp_split(name);
   const bool transposed = hf_transposed(name, d);
   if (vocab_rows(name) && e.shape.size() == 2 && e.shape[0] < d.vocab_size) {
     // The file has the classes' rows, the model automatic padding's too: those start at zero, as
     // in a model that was never exported. Each tp rank reads only the file rows it holds.
-    MPITRAIN_CHECK(split == TpSplit::rows && d.vocab_size % d.tp == 0, "the vocabulary's rows split over tp");
-    const int64_t n = d.vocab_size / d.tp, first = d.tp_rank * n;
+    MPITRAIN_CHECK(split == TpSplit::rows && d.vocab_size % tp.size == 0, "the vocabulary's rows split over tp");
+    const int64_t n = d.vocab_size / tp.size, first = tp.rank * n;
     const int64_t have = std::clamp<int64_t>(e.shape[0] - first, 0, n);
     torch::Tensor out = torch::zeros({n, e.shape[1]}, torch::kFloat32);
     if (have > 0) out.narrow(0, 0, have).copy_(read_rows(f.path, f.in, f.data_start, e, first, have));
     return out;
   }
-  if (d.tp > 1 && split == TpSplit::rows && !transposed) {
-    const int64_t n = e.shape[0] / d.tp;
-    return read_rows(f.path, f.in, f.data_start, e, d.tp_rank * n, n);
+  if (tp.sharded() && split == TpSplit::rows && !transposed) {
+    const int64_t n = e.shape[0] / tp.size;
+    return read_rows(f.path, f.in, f.data_start, e, tp.rank * n, n);
   }
   torch::Tensor t = read_tensor(f.path, f.in, f.data_start, e);
   if (transposed) t = t.t();
-  return d.tp > 1 ? tp_shard(t, split, d.tp_rank, d.tp) : t;
+  return tp_shard(t, split, tp.rank, tp.size);
 }
 
 // One file, opened and its header checked.
@@ -497,7 +498,7 @@ std::vector<std::string> foreign_model_files(const std::string& dir) {
 std::string write_hf_model(const std::string& dir, GPT& model, int64_t eot_token, const HfWriteOptions& opts,
                            const std::function<torch::Tensor(size_t)>& values) {
   const GPTDims& d = model->dims();
-  MPITRAIN_CHECK(d.tp == 1, "write_hf_model needs a whole (tp = 1) model");
+  MPITRAIN_CHECK(!model->tp().sharded(), "write_hf_model needs a whole (tp = 1) model");
   const torch::ScalarType type = opts.dtype == "bf16" ? torch::kBFloat16 : opts.dtype == "fp16" ? torch::kFloat16 : torch::kFloat32;
   const char* type_name = opts.dtype == "bf16" ? "BF16" : opts.dtype == "fp16" ? "F16" : "F32";
   std::error_code ec;
@@ -657,7 +658,7 @@ std::unique_ptr<InitialWeights> open_hf_safetensors(const std::string& path, GPT
                                         : " (Hugging Face GPT-2 names, e.g. transformer.h.0.attn.c_attn.weight)"));
     for (const auto& [name, p] : params) {
       const auto& [file, e] = found[hf_name(name, d)];
-      std::vector<int64_t> want = tp_whole_shape(p.sizes(), model->tp_split(name), d.tp);  // the files hold whole tensors
+      std::vector<int64_t> want = tp_whole_shape(p.sizes(), model->tp_split(name), model->tp().size);  // the files hold whole tensors
       if (vocab_rows(name)) want[0] = d.classes();  // without automatic padding's rows (write_hf_model)
       if (hf_transposed(name, d)) std::reverse(want.begin(), want.end());
       if (e->shape != want)
@@ -799,8 +800,8 @@ class NpyWeights : public InitialWeights {
 
  private:
   torch::Tensor read_values(size_t k) override {
-    const GPTDims& d = model_->dims();
-    return tp_shard(read_npy_weight(files.at(k), shapes.at(k)), model_->tp_split(names_.at(k)), d.tp_rank, d.tp);
+    return tp_shard(read_npy_weight(files.at(k), shapes.at(k)), model_->tp_split(names_.at(k)), model_->tp().rank,
+                    model_->tp().size);
   }
 };
 
@@ -847,7 +848,7 @@ std::unique_ptr<InitialWeights> open_npy_weights(const std::string& dir, GPT& mo
     // of which a tensor-parallel rank keeps its shard.
     const GPTDims& d = model->dims();
     for (const auto& [name, p] : params) {
-      weights->shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), d.tp));
+      weights->shapes.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), model->tp().size));
       weights->files.push_back(
           check_npy_weight((fs::path(dir) / (name + ".npy")).string(), name, weights->shapes.back(), d));
     }

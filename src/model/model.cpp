@@ -84,11 +84,6 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
-Communicator* tp_of(const GPTDims& d) {
-  MPITRAIN_CHECK(d.tp == 1 || d.tp_comm, "tensor parallel dims without a tp communicator");
-  return d.tp > 1 ? d.tp_comm : nullptr;
-}
-
 }  // namespace
 
 // ---- norm and rotary positions --------------------------------------------------------------
@@ -170,15 +165,14 @@ torch::Tensor window_mask(int64_t T, int64_t window, const torch::Device& device
 }
 }  // namespace
 
-// Tensor parallel: this rank holds n_head / tp query heads and n_kv_head / tp key/value heads
-// (c_attn: 3 E / tp rows; q/k/v_proj: their heads' rows), c_proj their input columns and the
-// whole bias (gpt2).
+// Made whole; tensor parallel (parallelize): this rank holds n_head / tp query heads and n_kv_head
+// / tp key/value heads (c_attn: 3 E / tp rows; q/k/v_proj: their heads' rows), c_proj their input
+// columns and the whole bias (gpt2).
 // Gemma's attention scores are computed as Hugging Face's eager attention computes them (capped_core),
 // whatever their cap and scale, so that the two agree to the rounding.
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_ptr<Rotary> rotary, int64_t layer)
-    : tp_(tp_of(d)),
-      n_head_(d.n_head / d.tp),
-      n_kv_head_(d.n_kv_head / d.tp),
+    : n_head_(d.n_head),
+      n_kv_head_(d.n_kv_head),
       head_dim_(d.head_dim()),
       dropout_(d.dropout),
       window_(d.window_of_layer(layer)),
@@ -200,8 +194,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
     const bool gemma = d.family_row().gemma_norms;
     // OLMoE: over the whole projections (its experts refuse tp, whose shards would each see part)
     whole_qk_norm_ = d.family_row().qk_norm_whole;
-    q_norm = register_module("q_norm", Norm(whole_qk_norm_ ? q_width : head_dim_, true, d.norm_eps, tp_, gemma));
-    k_norm = register_module("k_norm", Norm(whole_qk_norm_ ? kv_width : head_dim_, true, d.norm_eps, tp_, gemma));
+    q_norm = register_module("q_norm", Norm(whole_qk_norm_ ? q_width : head_dim_, true, d.norm_eps, nullptr, gemma));
+    k_norm = register_module("k_norm", Norm(whole_qk_norm_ ? kv_width : head_dim_, true, d.norm_eps, nullptr, gemma));
   }
   // Column-parallel by whole heads: [q; k; v] each in tp blocks (gpt2), or q and k/v (llama); the
   // output projection row-parallel (its input columns; its bias whole).
@@ -210,6 +204,15 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
   else
     tp_declare("c_attn", TpSplit::qkv_rows);
   tp_declare("c_proj.weight", TpSplit::cols);
+}
+
+void CausalSelfAttentionImpl::parallelize(const TpPlace& tp) {
+  // (OLMoE's whole-projection norms: its experts refuse tp, args_conflict.)
+  MPITRAIN_CHECK(!whole_qk_norm_ || !tp.sharded(), "tensor parallel: q/k norms over the whole projections");
+  tp_ = tp.sharded() ? tp.comm : nullptr;
+  n_head_ /= tp.size, n_kv_head_ /= tp.size;
+  for (Norm* n : {&q_norm, &k_norm})
+    if (*n) (*n)->set_partial_grad(tp_);
 }
 
 namespace {
@@ -305,9 +308,9 @@ std::string first_line_of(const std::string& text) { return text.substr(0, text.
 }  // namespace
 #endif
 
-std::string configure_attention(const std::string& choice, const GPTDims& d, const torch::Device& device,
+std::string configure_attention(const std::string& choice, const GPTDims& d, int64_t tp, const torch::Device& device,
                                 c10::ScalarType dtype) {
-  const int64_t heads = d.n_head / d.tp, head_dim = d.head_dim();
+  const int64_t heads = d.n_head / tp, head_dim = d.head_dim();
   // Mistral's window where it cuts the context: a banded mask instead of SDPA's causal flag.
   const bool gemma = d.family_row().gemma_norms;
   const bool band = d.llama() && !gemma && d.sliding_window > 0 && d.sliding_window < d.seq_len;
@@ -366,11 +369,11 @@ std::string configure_attention(const std::string& choice, const GPTDims& d, con
 
 // ---- MLP and block -----------------------------------------------------------------------------
 
-// Tensor parallel: c_fc (gate_proj, up_proj) holds intermediate_size / tp of the hidden units,
-// c_proj their input columns.
+// Made whole; tensor parallel (parallelize): c_fc (gate_proj, up_proj) holds intermediate_size / tp
+// of the hidden units, c_proj their input columns.
 MLPImpl::MLPImpl(const GPTDims& d)
-    : geglu_(d.llama() && std::string(d.family_row().mlp_act) == "gelu_pytorch_tanh"), tp_(tp_of(d)) {
-  const int64_t hidden = d.intermediate_size / d.tp;
+    : geglu_(d.llama() && std::string(d.family_row().mlp_act) == "gelu_pytorch_tanh") {
+  const int64_t hidden = d.intermediate_size;
   if (d.llama()) {
     gate_proj = register_module("gate_proj", linear(d.n_embd, hidden, false));
     up_proj = register_module("up_proj", linear(d.n_embd, hidden, false));
@@ -411,10 +414,9 @@ torch::Tensor MLPImpl::forward_fused(const torch::Tensor& x) {
 // Experts: SwiGLU MLPs of moe_intermediate_size units, made as the dense MLP with that size.
 MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
     : top_k_(d.num_experts_per_tok), num_experts_(d.num_experts), norm_topk_(d.norm_topk_prob),
-      ep_(d.ep > 1 ? d.ep_comm : nullptr), tp_(tp_of(d)), log_(log) {
+      ep_(d.ep > 1 ? d.ep_comm : nullptr), log_(log) {
   // (The config refuses these: args_conflict.)
-  MPITRAIN_CHECK(top_k_ <= d.num_experts && d.moe_intermediate_size % d.tp == 0,
-                 "mixture of experts: more chosen than there are experts, or a tp that does not split them");
+  MPITRAIN_CHECK(top_k_ <= d.num_experts, "mixture of experts: more chosen than there are experts");
   MPITRAIN_CHECK(d.ep >= 1 && d.num_experts % d.ep == 0 && (d.ep == 1 || d.ep_comm),
                  "expert parallelism: ep must divide num_experts, with its communicator");
   gate = register_module("gate", linear(d.n_embd, d.num_experts, false));
@@ -426,6 +428,8 @@ MoEImpl::MoEImpl(const GPTDims& d, RouterLog* log)
     local.push_back(experts->register_module(std::to_string(e), MLP(expert)));
 }
 
+void MoEImpl::parallelize(const TpPlace& tp) { tp_ = tp.sharded() ? tp.comm : nullptr; }
+
 void MoEImpl::configure(const RunOptions& run) {
   capacity_factor_ = run.capacity_factor;
   z_loss_ = run.z_loss_coef > 0;
@@ -435,12 +439,14 @@ void MoEImpl::configure(const RunOptions& run) {
     routing_bias = torch::zeros({num_experts_}, torch::kFloat32);
 }
 
-torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count) {
+torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* count, size_t begin, size_t end) {
+  end = std::min(end, local.size());
+  if (begin >= end) return grouped.new_empty({0, grouped.size(1)});
   std::vector<torch::Tensor> outs;
-  outs.reserve(local.size());
+  outs.reserve(end - begin);
   const torch::Tensor in = column_input(grouped, tp_);
   int64_t start = 0;
-  for (size_t e = 0; e < local.size(); start += count[e], ++e) {
+  for (size_t e = begin; e < end; start += count[e], ++e) {
     const torch::Tensor rows = in.narrow(0, start, count[e]);
     outs.push_back(tp_ ? local[e]->forward_partial(rows) : local[e]->forward(rows));
   }
@@ -450,8 +456,10 @@ torch::Tensor MoEImpl::run_local(const torch::Tensor& grouped, const int64_t* co
 // Each rank of the ep group sends rank q the rows for q's experts (contiguous: the rows are
 // sorted by expert), learns first how many of each of its own experts every rank sends, runs its
 // experts on what arrives (each expert's rows from every rank together) and sends the outputs back.
-// Its own rows for its own experts need no exchange: they run while the others' are in flight
-// (forward), and their backward while the gradients of the others' travel back (EpExchange).
+// Its own rows for its own experts need no exchange: those of its first half of experts run while
+// the others' rows travel here, those of the second half while the outputs travel back (forward),
+// and their backward while the gradients travel each way (EpExchange). (One expert per rank:
+// its own rows overlap the dispatch only.)
 torch::Tensor MoEImpl::run_parallel(const torch::Tensor& grouped, const torch::Tensor& host_counts) {
   Communicator& ep = *ep_;
   const int P = ep.size(), me = ep.rank();
@@ -474,7 +482,10 @@ torch::Tensor MoEImpl::run_parallel(const torch::Tensor& grouped, const torch::T
   send[me] = recv[me] = 0;
   EpExchange dispatch(torch::cat({grouped.narrow(0, 0, mine_at), grouped.narrow(0, mine_at + mine, grouped.size(0) - mine_at - mine)}),
                       send, recv, ep);
-  const torch::Tensor own = run_local(grouped.narrow(0, mine_at, mine), c + me * L);
+  const size_t half = static_cast<size_t>(L + 1) / 2;  // own experts [0, half) during the dispatch, the rest during the return
+  int64_t first_rows = 0;
+  for (size_t j = 0; j < half; ++j) first_rows += c[me * L + static_cast<int64_t>(j)];
+  const torch::Tensor own_first = run_local(grouped.narrow(0, mine_at, first_rows), c + me * L, 0, half);
   const torch::Tensor got = dispatch.wait();  // by sender, then by expert
   // Expert-major order (expert j: its rows from rank 0, then rank 1, ...) and back.
   std::vector<int64_t> order;
@@ -491,8 +502,10 @@ torch::Tensor MoEImpl::run_parallel(const torch::Tensor& grouped, const torch::T
   const torch::Tensor perm = torch::tensor(order, torch::kInt64).to(grouped.device());
   const torch::Tensor out = run_local(got.index_select(0, perm), per_expert.data());
   const torch::Tensor back = torch::empty_like(perm).index_copy_(0, perm, torch::arange(perm.size(0), perm.options()));
-  const torch::Tensor returned = ep_all_to_all(out.index_select(0, back), recv, send, ep);
-  return torch::cat({returned.narrow(0, 0, mine_at), own, returned.narrow(0, mine_at, returned.size(0) - mine_at)});
+  EpExchange ret(out.index_select(0, back), recv, send, ep);
+  const torch::Tensor own_rest = run_local(grouped.narrow(0, mine_at + first_rows, mine - first_rows), c + me * L, half);
+  const torch::Tensor returned = ret.wait();
+  return torch::cat({returned.narrow(0, 0, mine_at), own_first, own_rest, returned.narrow(0, mine_at, returned.size(0) - mine_at)});
 }
 
 torch::Tensor MoEImpl::forward(const torch::Tensor& x) {
@@ -733,7 +746,6 @@ at::Generator snapshot_of_default_generator() {
 
 GPT whole_model(const GPTDims& d, bool deferred, bool stage) {
   GPTDims whole = d;
-  whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
   whole.ep = 1, whole.ep_rank = 0, whole.ep_comm = nullptr;
   if (!stage) whole.pp = 1, whole.pp_stage = 0, whole.pp_virtual = 1;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
@@ -759,32 +771,6 @@ std::vector<std::string> whole_model_names(const GPTDims& d) {
 GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   const GPTDims& d = dims_;
   MPITRAIN_CHECK(d.n_head % d.n_kv_head == 0, "model dims: n_kv_head must divide n_head");
-  MPITRAIN_CHECK(d.tp >= 1 && d.n_head % d.tp == 0 && d.n_kv_head % d.tp == 0 && d.intermediate_size % d.tp == 0 &&
-                     d.vocab_size % d.tp == 0,
-                 "tensor parallel: n_head, n_kv_head, intermediate_size and vocab_size must divide by tp");
-  if (d.tp > 1) {
-    // The dense model's initial values from the same generator state, then this rank's shards.
-    GPTDims whole = d;
-    whole.tp = 1, whole.tp_rank = 0, whole.tp_comm = nullptr;
-    GPT dense(whole, deferred);
-    build_modules(d, deferred);
-    collect_tp_splits();
-    const auto mine = named_params(), all = dense->named_params();  // the same modules, in the same order
-    MPITRAIN_CHECK(mine.size() == all.size(), "tensor parallel: the dense model has other parameters");
-    for (size_t k = 0; k < all.size(); ++k)
-      MPITRAIN_CHECK(mine[k].first == all[k].first, "tensor parallel: the dense model has other parameters");
-    if (deferred) {  // the dense model's draws, made by initialize() one parameter at a time
-      if (dense->whole_draws_)  // (expert parallelism: its own parameters' draws, then this rank's tp shards)
-        tp_dense_ = dense.ptr();
-      else
-        init_generator_ = dense->init_generator_;
-      return;
-    }
-    torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < all.size(); ++k)
-      mine[k].second.copy_(tp_shard(all[k].second, tp_split(all[k].first), d.tp_rank, d.tp));
-    return;
-  }
   if (d.ep > 1 || d.pp > 1) {
     // Expert parallelism or a pipeline stage: the whole model's initial values from the same
     // generator state (made without values, so that at most one of its blocks exists at once),
@@ -812,6 +798,33 @@ GPTImpl::GPTImpl(const GPTDims& given, bool deferred) : dims_(complete(given)) {
   }
   torch::NoGradGuard no_grad;
   for (auto& [name, p] : named_params()) draw_initial(name, p, d, c10::nullopt);
+}
+
+void GPTImpl::parallelize(const TpPlace& tp) {
+  MPITRAIN_CHECK(!tp_.sharded(), "GPT::parallelize: the model is sharded already");
+  if (!tp.sharded()) return;
+  const GPTDims& d = dims_;
+  MPITRAIN_CHECK(tp.comm && tp.rank >= 0 && tp.rank < tp.size, "GPT::parallelize: a tp place without its group");
+  MPITRAIN_CHECK(d.n_head % tp.size == 0 && d.n_kv_head % tp.size == 0 && d.intermediate_size % tp.size == 0 &&
+                     d.vocab_size % tp.size == 0 && (!d.has_experts() || d.moe_intermediate_size % tp.size == 0),
+                 "tensor parallel: n_head, n_kv_head, intermediate_size (moe_intermediate_size) and vocab_size must "
+                 "divide by tp");
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, p] : named_params()) {
+    const TpSplit split = tp_split(name);
+    if (split == TpSplit::replicated) continue;
+    torch::Tensor param = p;  // (set_data swaps what the shared TensorImpl holds)
+    if (param_has_values(p))
+      param.set_data(tp_shard(p.detach(), split, tp.rank, tp.size).clone(at::MemoryFormat::Contiguous));
+    else  // deferred: initialize() gives the values
+      param.set_data(torch::zeros({1}, p.options()).expand(tp_shard_shape(p.sizes(), split, tp.size)));
+  }
+  for (const auto& m : modules(/*include_self=*/false)) {
+    if (auto* a = m->as<CausalSelfAttentionImpl>()) a->parallelize(tp);
+    else if (auto* e = m->as<MoEImpl>()) e->parallelize(tp);
+    else if (auto* f = m->as<MLPImpl>()) f->parallelize(tp);  // (the dense MLPs and the experts)
+  }
+  tp_ = tp;
 }
 
 void GPTImpl::apply(const RunOptions& run) {
@@ -856,41 +869,35 @@ void GPTImpl::draws_of(GPTImpl& whole, const std::function<void(size_t, const to
 }
 
 void GPTImpl::initialize(const std::function<void(size_t, const torch::Tensor&)>& take) {
-  if (tp_dense_) {  // tensor and expert parallelism: the tp 1 model's draws (the same names, in order)
-    const auto params = named_params();
-    tp_dense_->initialize([&](size_t k, const torch::Tensor& values) {
-      take(k, tp_shard(values, tp_split(params[k].first), dims_.tp_rank, dims_.tp));
-    });
-    return;
-  }
+  const auto params = named_params();
+  const auto shard = [&](size_t k, const torch::Tensor& whole) {  // (parallelize's shard of the whole draw)
+    return tp_.sharded() ? tp_shard(whole, tp_split(params[k].first), tp_.rank, tp_.size) : whole;
+  };
   if (whole_draws_) {  // the whole model's draws, each of this rank's parameters taken in its own order
-    draws_of(*whole_draws_, take);
+    draws_of(*whole_draws_, [&](size_t k, const torch::Tensor& values) { take(k, shard(k, values)); });
     return;
   }
   MPITRAIN_CHECK(init_generator_.has_value(), "GPT::initialize: the model was not made deferred");
   torch::NoGradGuard no_grad;
-  const GPTDims& d = dims_;
   at::Generator gen = init_generator_->clone();  // initialize() draws the same values each time
-  const auto params = named_params();
   for (size_t k = 0; k < params.size(); ++k) {
     const auto& [name, p] = params[k];
-    const TpSplit split = tp_split(name);
-    torch::Tensor whole = torch::empty(tp_whole_shape(p.sizes(), split, d.tp), p.options().requires_grad(false));
-    draw_initial(name, whole, d, gen);
-    take(k, d.tp > 1 ? tp_shard(whole, split, d.tp_rank, d.tp) : whole);
+    torch::Tensor whole = torch::empty(tp_whole_shape(p.sizes(), tp_split(name), tp_.size), p.options().requires_grad(false));
+    draw_initial(name, whole, dims_, gen);
+    take(k, shard(k, whole));
   }
 }
 
-// Tensor parallel: wte holds this rank's vocab_size / tp rows.
-// Llama's untied lm_head likewise.
-// Vocabulary padding (the whole model, tp 1): the vocabulary's layers are made with the tokens'
+// Made whole over tp (parallelize then keeps this rank's vocab_size / tp rows of wte and of Llama's
+// untied lm_head).
+// Vocabulary padding: the vocabulary's layers are made with the tokens'
 // rows only and the zero padding rows appended after, so that making the modules draws what an
 // unpadded model's draws (libtorch's modules initialise themselves when made) and the
 // initialisation below then draws the same values too.
 // `deferred`: each module's values are dropped as soon as it is made (its draws are made all the
 // same), so that no more than one block and the embedding exist at once.
 void GPTImpl::build_modules(const GPTDims& d, bool deferred) {
-  const int64_t rows = d.vocab_size / d.tp, made = d.tp > 1 ? rows : d.classes();
+  const int64_t rows = d.vocab_size, made = d.classes();
   auto pad_rows = [&](torch::Tensor& w) {
     torch::NoGradGuard no_grad;
     if (made < rows) w.set_data(torch::cat({w, torch::zeros({rows - made, d.n_embd}, w.options())}));
@@ -941,8 +948,8 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   MPITRAIN_CHECK(T <= dims_.seq_len, concat("sequence of ", T, " tokens exceeds seq_len ", dims_.seq_len));
   if (units_) units_->need_outside_blocks();
-  torch::Tensor x = tp_of(dims_) ? vocab_parallel_embedding(idx, wte->weight, dims_.tp_rank * wte->weight.size(0), *dims_.tp_comm)
-                                 : wte(idx);
+  torch::Tensor x = tp_.sharded() ? vocab_parallel_embedding(idx, wte->weight, tp_.rank * wte->weight.size(0), *tp_.comm)
+                                  : wte(idx);
   if (wpe) x = x + wpe(torch::arange(T, torch::dtype(torch::kLong).device(idx.device())));
   if (dims_.family_row().gemma_norms) x = x * std::sqrt(static_cast<double>(dims_.n_embd));
   if (is_training() && dims_.dropout > 0)
@@ -1028,13 +1035,13 @@ std::pair<torch::Tensor, torch::Tensor> GPTImpl::run_blocks_fused(torch::Tensor 
 }
 
 int64_t GPTImpl::live_rows() const {
-  const int64_t rows = output_weight().size(0), start = dims_.tp_rank * rows;
+  const int64_t rows = output_weight().size(0), start = tp_.rank * rows;
   return std::clamp<int64_t>(dims_.classes() - start, 0, rows);
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   // hidden() first: it makes the output layer whole under ZeRO-3.
-  return head(column_input(hidden(idx), tp_of(dims_)));
+  return head(column_input(hidden(idx), tp_.comm));
 }
 
 // The output layer (tensor parallel: this rank's vocabulary columns), without padding rows.
@@ -1049,8 +1056,8 @@ torch::Tensor GPTImpl::lm_loss(const torch::Tensor& idx, const torch::Tensor& ta
 }
 
 torch::Tensor GPTImpl::lm_loss_of(const torch::Tensor& hidden, const torch::Tensor& targets) {
-  Communicator* tp = tp_of(dims_);
-  const int64_t vocab_start = dims_.tp_rank * output_weight().size(0);
+  Communicator* tp = tp_.comm;
+  const int64_t vocab_start = tp_.rank * output_weight().size(0);
   auto x = column_input(hidden, tp);
   if (run_.fused_loss) {  // tensor parallel: not even this rank's slice of the logits exists whole
     const torch::Tensor weight = output_weight().narrow(0, 0, live_rows());
@@ -1070,11 +1077,11 @@ torch::Tensor GPTImpl::target_log_probs(const torch::Tensor& idx, const torch::T
 }
 
 torch::Tensor GPTImpl::stage_target_log_probs(const torch::Tensor& out, const torch::Tensor& targets) {
-  Communicator* tp = tp_of(dims_);
+  Communicator* tp = tp_.comm;
   const torch::Tensor logits = head(column_input(out, tp)).to(torch::kFloat32);  // [B, T, this rank's classes]
   const torch::Tensor t = targets.to(torch::kLong).to(logits.device());
   if (!tp) return torch::log_softmax(logits, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1);
-  const int64_t start = dims_.tp_rank * output_weight().size(0), n = logits.size(-1);
+  const int64_t start = tp_.rank * output_weight().size(0), n = logits.size(-1);
   const auto options = logits.options();
   torch::Tensor top = n > 0 ? std::get<0>(logits.max(-1)) : torch::full(t.sizes(), -INFINITY, options);
   tp->all_reduce(top, ReduceOp::max);

@@ -66,31 +66,6 @@ torch::Tensor received_rows(const torch::Tensor& x, const std::vector<int64_t>& 
   return torch::empty(shape, x.options());
 }
 
-// rows -> every rank -> rows: `x` (contiguous) exchanged over `comm`.
-torch::Tensor exchanged(const torch::Tensor& x, const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
-                        Communicator& comm) {
-  torch::Tensor out = received_rows(x, recv);
-  const torch::Tensor in = x.contiguous();
-  timed([&] { comm.all_to_all(in, send, out, recv); }, ep_ns);
-  return out;
-}
-
-class EpAllToAll : public torch::autograd::Function<EpAllToAll> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const std::vector<int64_t>& send, const std::vector<int64_t>& recv, int64_t comm) {
-    ctx->saved_data["send"] = send;
-    ctx->saved_data["recv"] = recv;
-    ctx->saved_data["comm"] = comm;
-    return exchanged(x, send, recv, comm_from_handle(comm));
-  }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
-    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
-    return {exchanged(g[0], recv, send, comm_from_handle(ctx->saved_data["comm"].toInt())), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
-  }
-};
-
 }  // namespace
 
 // An exchange in flight: started by EpPost, finished by EpWait; in backward the gradients go back
@@ -180,11 +155,6 @@ torch::Tensor held_target_logit(const torch::Tensor& logits, const torch::Tensor
 
 int64_t comm_handle(Communicator& comm) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&comm)); }
 Communicator& comm_from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(static_cast<intptr_t>(handle)); }
-
-torch::Tensor ep_all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_rows,
-                            const std::vector<int64_t>& recv_rows, Communicator& ep) {
-  return apply_autograd_function<EpAllToAll>(x, send_rows, recv_rows, comm_handle(ep));
-}
 
 torch::Tensor ep_exchange_counts(const torch::Tensor& counts, Communicator& ep) {
   torch::Tensor arriving = torch::empty_like(counts);
@@ -324,6 +294,17 @@ std::vector<int64_t> tp_whole_shape(c10::IntArrayRef shard, TpSplit split, int64
   if (split == TpSplit::rows || split == TpSplit::qkv_rows) whole[0] *= size;
   if (split == TpSplit::cols) whole[1] *= size;
   return whole;
+}
+
+std::vector<int64_t> tp_shard_shape(c10::IntArrayRef whole, TpSplit split, int64_t size) {
+  std::vector<int64_t> shard = whole.vec();
+  const size_t dim = split == TpSplit::cols ? 1 : 0;
+  if (split != TpSplit::replicated) {
+    MPITRAIN_CHECK(shard.size() > dim && shard[dim] % (split == TpSplit::qkv_rows ? 3 * size : size) == 0,
+                   "tp_shard_shape: a dimension the tp degree does not split");
+    shard[dim] /= size;
+  }
+  return shard;
 }
 
 torch::Tensor tp_unshard(const torch::Tensor& shard, TpSplit split, Communicator& tp) {

@@ -30,9 +30,9 @@ torch::ScalarType dtype_named(const std::string& name) { return precision_dtype(
 
 }  // namespace
 
-Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims,
+Parallelism::Parallelism(const Config& cfg, Mesh& mesh, const Topology& topo, const GPTDims& dims, const TpPlace& tp,
                          torch::Device device, int checkpoint_dir_blind_rank, MpiComm mpi_comm)
-    : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), mpi_comm_(mpi_comm), device_(device),
+    : cfg_(cfg), mesh_(mesh), topo_(topo), dims_(dims), tp_place_(tp), mpi_comm_(mpi_comm), device_(device),
       tp_(mesh.layout().tp > 1), ep_(mesh.layout().ep > 1), pp_(mesh.layout().pp > 1), stage_(mesh.layout().dp > 1 ? static_cast<int>(cfg.optim.zero) : 0) {
   // Who writes checkpoints: the ranks that hold the state each its share, when all ranks see
   // checkpoint.dir (checkpoint.writers: auto): with a sharded optimizer every rank, under tensor
@@ -91,6 +91,7 @@ GPT Parallelism::make_model(const RunOptions& run) {
   // is made), which initial_weights() gives each rank's shards of once the units exist: no rank,
   // host or device, ever holds the whole model.
   GPT model(dims_, /*deferred=*/stage_ == 3);
+  model->parallelize(tp_place_);
   model->apply(run);
   if (stage_ != 3) model->to(device_);
   return model;
@@ -104,7 +105,6 @@ void Parallelism::apply(GPT model) {
   // rank holds the whole model on its device for it).
   if ((tp_ || stage_ == 3 || ep_ || pp_) && topo_.rank == 0 && !shares_) {
     GPTDims d = dims_;
-    d.tp = 1, d.tp_rank = 0, d.tp_comm = nullptr;
     d.ep = 1, d.ep_rank = 0, d.ep_comm = nullptr;
     d.pp = 1, d.pp_stage = 0, d.pp_virtual = 1;
     whole_model_.emplace(d);
@@ -266,7 +266,7 @@ int64_t Parallelism::initial_weights(const std::string& init_from) {
 std::string Parallelism::describe_initial_weights() const {
   return concat(pp_ ? concat("; each of the ", dims_.pp, " stages' first replica read its stage's tensors (rank 0's counted)")
                    : std::string(),
-                tp_ ? concat("; each of the ", dims_.tp, " ranks of rank 0's tp group read its shards") : std::string(),
+                tp_ ? concat("; each of the ", tp_place_.size, " ranks of rank 0's tp group read its shards") : std::string(),
                 units_ ? "; one tensor at a time, broadcast over the dp group, each rank keeping its shard" : "");
 }
 
@@ -437,7 +437,7 @@ std::pair<bool, torch::Tensor> Parallelism::unscale_and_clip(LossScaler& scaler,
       grads.push_back(opt_->grad(i));
       const size_t k = opt_->param_index(i);
       counted.push_back(!(tied_ && dims_.last_stage() && k == *tied_) &&  // (the first stage's counts)
-                        !(dims_.tp_rank != 0 && tp_replicated_[k]));      // (tp rank 0's counts)
+                        !(tp_place_.rank != 0 && tp_replicated_[k]));      // (tp rank 0's counts)
     }
     const bool finite = scaler.unscale_and_check(grads, shards_optimizer() || tp_ ? mesh_.world() : mesh_.pp(), device_);
     return {finite, clip_pp_grad_norm_(grads, counted, max_norm, mesh_.pp(), shards_optimizer() ? &mesh_.dp() : nullptr,

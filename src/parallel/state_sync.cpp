@@ -118,7 +118,7 @@ void broadcast_from_file(CheckpointParams* file, size_t k, CheckpointParams::Par
 void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSync* shards, Communicator& comm,
                     MpiComm mpi_comm, bool zero3) {
   using Part = CheckpointParams::Part;
-  const GPTDims& d = model->dims();
+  const TpPlace& tp = model->tp();
   const auto params = model->named_params();
   // Slot i of an unsharded AdamW is parameter i; a sharded one's slots are owned slices.
   std::vector<std::vector<size_t>> slots(params.size());
@@ -127,12 +127,12 @@ void keep_tp_shards(CheckpointParams* file, GPT& model, AdamW& opt, const GradSy
     const torch::Tensor& p = params[k].second;  // (a lambda may not capture a structured binding in C++17)
     const TpSplit split = model->tp_split(params[k].first);
     auto shard_of = [&](Part part) {
-      torch::Tensor t = torch::empty(tp_whole_shape(p.sizes(), split, d.tp), torch::kFloat32);
+      torch::Tensor t = torch::empty(tp_whole_shape(p.sizes(), split, tp.size), torch::kFloat32);
       agree(mpi_comm, [&] {
         if (file) t = file->read(k, part);
       });
       comm.broadcast(t, 0);
-      return tp_shard(t, split, d.tp_rank, d.tp).contiguous();
+      return tp_shard(t, split, tp.rank, tp.size).contiguous();
     };
     const torch::Tensor w = shard_of(Part::param);
     if (!zero3) p.copy_(w);
@@ -179,6 +179,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
                         MpiComm mpi_comm, const std::vector<torch::Tensor>* param_shards) {
   using Part = CheckpointParams::Part;
   const GPTDims& d = model->dims();
+  const TpPlace& tp = model->tp();
   const auto params = model->named_params();
   const std::vector<int64_t> slot = whole_slots(opt, params.size());
   MPITRAIN_CHECK(opt.sharded() == (shards != nullptr), "expert parallel resume: a sharded AdamW with its GradSync");
@@ -201,7 +202,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
       const int64_t copies = e < 0 ? 1 : d.ep;
       // (tensor parallel: the whole tensor travels, each rank keeping its tp shard of it)
       const TpSplit split = model->tp_split(name);
-      const std::vector<int64_t> shape = tp_whole_shape(dest.sizes(), split, d.tp);
+      const std::vector<int64_t> shape = tp_whole_shape(dest.sizes(), split, tp.size);
       const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
       torch::Tensor all = torch::empty({copies, numel}, torch::kFloat32);
       agree(mpi_comm, [&] {
@@ -210,7 +211,7 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
           all[q].copy_(read(e < 0 ? name : with_expert(name, e + q * d.local_experts()), part).reshape({-1}));
       });
       comm.broadcast(all, 0);
-      dest.detach().copy_(tp_shard(all[e < 0 ? 0 : d.ep_rank].view(shape), split, d.tp_rank, d.tp));
+      dest.detach().copy_(tp_shard(all[e < 0 ? 0 : d.ep_rank].view(shape), split, tp.rank, tp.size));
     }
   }
   if (!shards) return;
@@ -220,18 +221,18 @@ void keep_expert_shards(CheckpointParams* file, GPT& model, AdamW& opt, const Gr
   for (size_t b = 0; b < shards->num_buckets(); ++b)
     for (Part part : {Part::param, Part::exp_avg, Part::exp_avg_sq}) {
       if (part == Part::param && !param_shards) continue;
-      for (int64_t q = 0; q < d.tp; ++q)
+      for (int64_t q = 0; q < tp.size; ++q)
         scatter_bucket(
             *shards, b,
             [&](size_t j) {
               const auto& [name, p] = params[shared.at(j)];
               const TpSplit split = model->tp_split(name);
-              return tp_shard(read(name, part).view(tp_whole_shape(p.sizes(), split, d.tp)), split, q, d.tp).contiguous();
+              return tp_shard(read(name, part).view(tp_whole_shape(p.sizes(), split, tp.size)), split, q, tp.size).contiguous();
             },
             part == Part::param     ? param_shards->at(b)
             : part == Part::exp_avg ? opt.bucket_exp_avg(b)
                                     : opt.bucket_exp_avg_sq(b),
-            comm, mpi_comm, /*keep=*/d.tp_rank == q);
+            comm, mpi_comm, /*keep=*/tp.rank == q);
     }
 }
 
@@ -264,8 +265,8 @@ void keep_stage_params(CheckpointParams* file, GPT& model, AdamW& opt, const Gra
       const auto it = mine.find(name);
       if (it == mine.end()) continue;
       const size_t k = it->second;
-      const GPTDims& d = model->dims();  // (tensor parallel: this rank's shard of the whole tensor)
-      const torch::Tensor held = d.tp > 1 ? tp_shard(t, model->tp_split(name), d.tp_rank, d.tp).contiguous() : t;
+      const TpPlace& tp = model->tp();  // (tensor parallel: this rank's shard of the whole tensor)
+      const torch::Tensor held = tp.sharded() ? tp_shard(t, model->tp_split(name), tp.rank, tp.size).contiguous() : t;
       if (part == Part::param && !zero3) {
         params[k].second.detach().copy_(held.view(params[k].second.sizes()));
         continue;
@@ -459,6 +460,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
                  "share_checkpoint: a sharded AdamW and its GradSync");
   torch::NoGradGuard no_grad;
   const GPTDims& d = model->dims();
+  const TpPlace& tp = model->tp();
   const auto params = model->named_params();
   const size_t n_params = params.size();
   // The file's parameters: this model's, or (a pipeline stage) the whole model's, of which this
@@ -477,10 +479,10 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
         for (const char* m : {"/exp_avg", "/exp_avg_sq"}) into.tensors.push_back({"optim/" + name + m, shape});
     } else {
       for (size_t k = 0; k < n_params; ++k) in_file[k] = k;
-      for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
+      for (const auto& [name, p] : params) into.tensors.push_back({"model/" + name, tp_whole_shape(p.sizes(), model->tp_split(name), tp.size)});
       for (const auto& [name, p] : params)
         for (const char* m : {"/exp_avg", "/exp_avg_sq"})
-          into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), model->tp_split(name), d.tp)});
+          into.tensors.push_back({"optim/" + name + m, tp_whole_shape(p.sizes(), model->tp_split(name), tp.size)});
     }
     into.pieces.clear();
     into.copies.clear();
@@ -488,7 +490,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
     // its moments), as runs of the whole tensor. A replicated parameter is written by tp rank 0.
     auto add = [&](size_t k, int64_t begin, const torch::Tensor& live, int w) {
       const TpSplit split = model->tp_split(params[k].first);
-      if (split == TpSplit::replicated && d.tp_rank != 0) return;
+      if (split == TpSplit::replicated && tp.rank != 0) return;
       if (whole && stage_of(params[k].first, d) != d.pp_stage) return;  // (the last stage's tied embedding)
       const torch::Tensor flat = live.detach().reshape({-1});
       torch::Tensor host = copy ? torch::empty({flat.numel()}, torch::TensorOptions()
@@ -497,7 +499,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
                                 : flat.to(torch::kCPU, torch::kFloat32).contiguous();
       into.copies.emplace_back(flat, host);
       const size_t tensor = w == 0 ? in_file[k] : n_file + 2 * in_file[k] + static_cast<size_t>(w - 1);
-      for (const TpRun& run : tp_runs(split, params[k].second.sizes(), d.tp_rank, d.tp, begin, flat.numel()))
+      for (const TpRun& run : tp_runs(split, params[k].second.sizes(), tp.rank, tp.size, begin, flat.numel()))
         into.pieces.push_back({tensor, run.whole, host.narrow(0, run.local, run.length)});
     };
     const auto add_slot = [&](size_t i, int64_t begin) {
@@ -525,8 +527,7 @@ void share_checkpoint(CheckpointShare& into, GPT& model, AdamW& opt, const GradS
     if (gpu >= 0) torch::cuda::synchronize(gpu);
   }
   into.dims = d;
-  into.dims.tp = 1, into.dims.tp_rank = 0, into.dims.tp_comm = nullptr;  // the file's: whole tensors
-  into.dims.pp = 1, into.dims.pp_stage = 0, into.dims.pp_virtual = 1;      // of the whole model
+  into.dims.pp = 1, into.dims.pp_stage = 0, into.dims.pp_virtual = 1;  // the file's: the whole model's tensors
   into.dims.ep = 1, into.dims.ep_rank = 0, into.dims.ep_comm = nullptr;
   into.steps_taken = opt.steps_taken();
   into.state = st;
@@ -723,7 +724,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   // handing them out: no rank holds the whole model or its state for a resume, in any layout (the
   // second read comes mostly from the page cache). Tensor parallel: every rank keeps its tp shards
   // of each tensor; ZeRO: each its part of each bucket; else the whole tensors.
-  const bool tensor_parallel = model->dims().tp > 1;
+  const bool tensor_parallel = model->tp().size > 1;
   MPITRAIN_CHECK(!param_shards || (shards && opt.sharded()), "resume_from: ZeRO-3's shards with their GradSync");
   std::optional<CheckpointParams> file;
   // The data's tokenizer (st holds it until the checkpoint's state replaces it).
@@ -837,7 +838,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
     model->set_routing_bias(bias);
   }
   // Reseeded per data-parallel rank, as at the start (the ranks of a tp group share a stream).
-  const int dp_rank = comm.rank() / static_cast<int>(model->dims().tp);
+  const int dp_rank = comm.rank() / static_cast<int>(model->tp().size);
   if (!restored) torch::manual_seed(seed + 7919 * static_cast<uint64_t>(dp_rank + 1) + st.step);
   log::info(concat("resumed from ", path, " at step ", st.step, " (", st.tokens_seen, " tokens seen)"));
   return path;

@@ -818,7 +818,7 @@ CheckpointParams::CheckpointParams(const std::string& path, GPT& model, TrainSta
   const uint64_t file_size = file_size_of(path);
   for (const auto& [name, p] : model->named_params()) {
     names_.push_back(name);
-    shapes_.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), model->dims().tp));
+    shapes_.push_back(tp_whole_shape(p.sizes(), model->tp_split(name), model->tp().size));
     const torch::Tensor shape = torch::zeros({1}).expand(shapes_.back());
     plan_read(f.get(), path, "model/" + name, shape, file_size);
     if (!with_optim) continue;

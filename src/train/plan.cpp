@@ -138,9 +138,11 @@ double held_bytes(const torch::Device& device) {
 #endif
 }
 
-// A model of `d`, run as `options`, on `device`, in training mode: what plan measures.
-GPT probe_model(const GPTDims& d, const RunOptions& options, const torch::Device& device) {
+// A model of `d`, sharded over `tp`, run as `options`, on `device`, in training mode: what plan
+// measures.
+GPT probe_model(const GPTDims& d, const TpPlace& tp, const RunOptions& options, const torch::Device& device) {
   GPT model(d);
+  model->parallelize(tp);
   model->apply(options);
   model->to(device);
   model->train();
@@ -173,7 +175,7 @@ std::pair<double, double> time_micro_batch(GPT& model, Precision precision, cons
 // and full checkpointing: per block, per checkpointed block of each kind and outside the blocks. Scaling by n_layer needs no model of
 // the real depth, so it also plans a model this device cannot hold whole. false where the
 // device's bytes cannot be read.
-bool activation_probe(const GPTDims& dims, const RunOptions& options, Precision precision, const torch::Device& device, int64_t micro,
+bool activation_probe(const GPTDims& dims, const TpPlace& tp, const RunOptions& options, Precision precision, const torch::Device& device, int64_t micro,
                       MemoryInputs& out) {
   if (held_bytes(device) < 0) return false;
   auto kept = [&](int64_t layers, RunOptions::Ac ac) {
@@ -182,7 +184,7 @@ bool activation_probe(const GPTDims& dims, const RunOptions& options, Precision 
     RunOptions o = options;
     o.ac = ac;
     o.ac_every = 1;
-    GPT model = probe_model(d, o, device);
+    GPT model = probe_model(d, tp, o, device);
     torch::Tensor x = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt32).to(device);
     torch::Tensor y = torch::randint(d.classes(), {micro, d.seq_len}, torch::kInt64).to(device);
     const double before = held_bytes(device);
@@ -234,7 +236,7 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
   const torch::Device device = run.device;
   const int64_t micro = cfg.train.micro_batch, T = d.seq_len, m = cfg.train.grad_accum, v = d.pp_virtual, pp = d.pp;
   torch::manual_seed(cfg.train.seed);
-  GPT model = probe_model(d, run.options, device);
+  GPT model = probe_model(d, run.tp, run.options, device);
   int64_t params = 0;
   for (const auto& [name, p] : model->named_params()) params += p.numel();
   const torch::Tensor tokens = torch::randint(d.classes(), {micro, T}, torch::kInt64).to(device);
@@ -373,7 +375,7 @@ struct HostLink {
   double outside_f = 0, outside_b = 0;   // the rest of the model's
 };
 
-HostLink measure_host_link(const Topology& topo, const GPTDims& dims, const RunOptions& options, Precision precision,
+HostLink measure_host_link(const Topology& topo, const GPTDims& dims, const TpPlace& tp, const RunOptions& options, Precision precision,
                            const torch::Device& device, int64_t micro, int64_t iters, double t_forward, double t_backward,
                            MpiComm comm) {
   HostLink out;
@@ -399,7 +401,7 @@ HostLink measure_host_link(const Topology& topo, const GPTDims& dims, const RunO
   const auto time_model = [&](int64_t layers) {
     GPTDims d = dims;
     d.n_layer = layers;
-    GPT m = probe_model(d, options, device);
+    GPT m = probe_model(d, tp, options, device);
     const auto [f, fb] = time_micro_batch(m, precision, device, micro, iters, comm);
     return std::pair<double, double>{f, std::max(0.0, fb - f)};
   };
@@ -475,7 +477,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   const GPTDims& dims = run.dims;
   const int64_t micro = cfg.train.micro_batch, T = dims.seq_len;
   torch::manual_seed(cfg.train.seed);
-  GPT model = probe_model(dims, run.options, device);
+  GPT model = probe_model(dims, run.tp, run.options, device);
   std::vector<torch::Tensor> params;
   for (auto& [name, p] : model->named_params()) params.push_back(p);
 
@@ -484,10 +486,10 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   for (const auto& p : params) n_params += p.numel();
   for (const auto& [name, p] : model->named_params()) {
     int64_t whole = 1;
-    for (int64_t e : tp_whole_shape(p.sizes(), model->tp_split(name), dims.tp)) whole *= e;
+    for (int64_t e : tp_whole_shape(p.sizes(), model->tp_split(name), run.tp.size)) whole *= e;
     n_whole_params += whole;
   }
-  n_whole_params += model->remote_expert_params() * dims.tp;  // (every expert parameter is split over tp)
+  n_whole_params += model->remote_expert_params() * run.tp.size;  // (every expert parameter is split over tp)
   auto memory_table = [&] {
     MemoryInputs mem;
     mem.params = n_params;
@@ -508,7 +510,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
     mem.bucket_mb = cfg.comm.bucket_mb;
     mem.ac_every = cfg.train.ac_every;
     mem.moment_bytes = cfg.optim.state_dtype == "bf16" ? 2 : 4;
-    const bool measured = activation_probe(dims, run.options, run.precision, device, micro, mem);
+    const bool measured = activation_probe(dims, run.tp, run.options, run.precision, device, micro, mem);
     double memory_gib = options.memory_gib;
     std::string memory_source = "--memory";
     if (memory_gib <= 0 && device.is_cuda()) {
@@ -584,7 +586,7 @@ void run_plan(Config cfg, MpiComm mpi_comm, const PlanOptions& options) {
   const int hosts = static_cast<int>(topo.hosts.size());
   const bool host_pipeline = hosts > 1 && topo.size % hosts == 0 && topo.local_size == topo.size / hosts &&
                              dims.n_layer >= hosts && !dims.has_experts();
-  const HostLink link = host_pipeline ? measure_host_link(topo, dims, run.options, run.precision, device, micro, options.iters,
+  const HostLink link = host_pipeline ? measure_host_link(topo, dims, run.tp, run.options, run.precision, device, micro, options.iters,
                                                           t_forward, t_backward, mpi_comm)
                                       : HostLink{};
   if (topo.rank != 0) return;

@@ -296,11 +296,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
 
   agree(mpi_comm, [&] { naming_config_file(cfg, [&] {
     mesh = std::make_unique<Mesh>(mpi_comm, layout, cfg.comm.backend, device);
-    if (layout.tp > 1) {
-      dims.tp = layout.tp;
-      dims.tp_rank = mesh->tp_rank();
-      dims.tp_comm = &mesh->tp();
-    }
+    if (layout.tp > 1) run.tp = TpPlace{layout.tp, mesh->tp_rank(), &mesh->tp()};
     if (layout.ep > 1) {
       dims.ep = layout.ep;
       dims.ep_rank = mesh->ep_rank();
@@ -320,7 +316,7 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
                                 " micro-batches per step through ", dims.virtual_stages(),
                                 " (virtual) stages (MPI's message tags), got ", cfg.train.grad_accum));
     }
-    const std::string attention = configure_attention(cfg.model.attention, dims, device, precision_dtype(precision));
+    const std::string attention = configure_attention(cfg.model.attention, dims, layout.tp, device, precision_dtype(precision));
     if (topo.rank == 0) log::info(concat("attention: ", attention));
   }); });
 

@@ -200,7 +200,7 @@ class Run {
  public:
   Run(Config& cfg, Startup& startup, MpiComm mpi_comm, const TrainHooks& hooks)
       : cfg_(cfg), s_(startup), mpi_comm_(mpi_comm), hooks_(hooks), topo_(startup.topo), dims_(startup.dims),
-        device_(startup.device), precision_(startup.precision), par_(cfg, *startup.mesh, startup.topo, startup.dims, startup.device,
+        device_(startup.device), precision_(startup.precision), par_(cfg, *startup.mesh, startup.topo, startup.dims, startup.tp, startup.device,
                                                          startup.checkpoint_dir_blind_rank, mpi_comm),
         T_(startup.dims.seq_len),
         micro_(cfg.train.micro_batch), accum_(cfg.train.grad_accum),
@@ -316,7 +316,7 @@ void Run::build_model() {
   torch::manual_seed(cfg_.train.seed + 7919 * static_cast<uint64_t>(s_.mesh->replica() + 1));
   for (const auto& [name, p] : model_->named_params()) {
     int64_t n = 1;
-    for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), dims_.tp)) n *= e;
+    for (int64_t e : tp_whole_shape(p.sizes(), model_->tp_split(name), model_->tp().size)) n *= e;
     whole_params_ += n;
   }
   whole_params_ += model_->remote_expert_params();  // (expert parallelism: the experts other ranks hold)
