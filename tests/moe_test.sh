@@ -611,4 +611,7 @@ expect_own_usage "a non-integer num_experts refused" "model.num_experts must be 
   "$BIN" qwen3_moe.yaml --set model.num_experts=x
 expect_own_usage "a tp that does not divide the experts' units refused by name" "parallel.tp: 2 does not divide model.moe_intermediate_size (15)" \
   "$BIN" qwen3_moe.yaml --set parallel.tp=2 --set model.moe_intermediate_size=15
+expect_own_usage "olmoe's whole-projection q/k norms refuse tp by name" \
+  "parallel.tp: 2: olmoe's q/k norms are over the whole projections (every head at once), which tensor parallelism would split (1)" \
+  "$BIN" olqwen3_moe.yaml --set parallel.tp=2
 summary

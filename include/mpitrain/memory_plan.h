@@ -52,9 +52,6 @@ struct MemoryInputs {
   // without checkpointing, with selective and with full checkpointing, and everything outside the
   // blocks.
   double block_none = 0, block_selective = 0, block_full = 0, outside = 0;
-  // Whether the model can be checkpointed (a mixture of experts cannot yet: args_conflict): the
-  // selective and full rows only where it can.
-  bool checkpointing = true;
 };
 
 struct MemoryRow {

@@ -300,10 +300,11 @@ struct ModelPreset {
 const std::vector<ModelPreset>& model_presets();
 
 // What a model's fields refuse together and with a run's layout, for the config's validation: a
-// message "model.<key>: ..." or "<section>.<key>: ..." naming the key, or "" (none). The experts:
-// no more chosen than there are; not yet split by tensor parallelism nor checkpointed; split by
-// expert parallelism (`ep`) only when there are experts and ep divides their count.
-std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& activation_checkpointing, int64_t ep = 1);
+// message "model.<key>: ..." or "<section>.<key>: ..." naming the key, or "" (none). OLMoE's q/k
+// norms over the whole projections: not split by tensor parallelism. The experts:
+// no more chosen than there are; each expert's units split by tensor parallelism (`tp` dividing
+// them); split by expert parallelism (`ep`) only when there are experts and ep divides their count.
+std::string args_conflict(const ModelArgs& a, int64_t tp, int64_t ep = 1);
 
 // The model's dimensions from a resolved config (model.h's model_dims adds the vocabulary): the
 // five dimensions, the family and its block, every field of the table that applies to the block,

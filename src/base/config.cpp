@@ -797,7 +797,7 @@ void validate(const Config& c, const std::string& where) {
   }
   check(c.parallel.tp >= 1, "parallel.tp", ">= 1", show(c.parallel.tp));
   if (m.arch == "llama")
-    if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, t.activation_checkpointing, c.parallel.ep); !conflict.empty())
+    if (const std::string conflict = args_conflict(dims_of_config(m), c.parallel.tp, c.parallel.ep); !conflict.empty())
       throw UsageError(concat(where, ": ", conflict));
   check(c.parallel.ep >= 1, "parallel.ep", ">= 1", show(c.parallel.ep));
   if (c.parallel.ep > 1) {  // a mixture of experts' experts (args_conflict), at optim.zero 0-2

@@ -492,7 +492,11 @@ const std::vector<ModelPreset>& model_presets() {
 #undef MPITRAIN_LLAMA3_ROPE
 #undef MPITRAIN_QWEN_ROPE
 
-std::string args_conflict(const ModelArgs& a, int64_t tp, const std::string& /*activation_checkpointing*/, int64_t ep) {
+std::string args_conflict(const ModelArgs& a, int64_t tp, int64_t ep) {
+  if (tp > 1 && a.qk_norm && a.family_row().qk_norm_whole)
+    return concat("parallel.tp: ", tp, ": ", a.family_row().name,
+                  "'s q/k norms are over the whole projections (every head at once), which tensor parallelism would "
+                  "split (1)");
   if (a.num_experts == 0)
     return ep > 1 ? concat("parallel.ep: ", ep, ": a model without experts has none to split (1)") : std::string();
   if (ep > 1 && a.num_experts % ep != 0)

@@ -207,7 +207,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTDims& d, std::shared_p
 }
 
 void CausalSelfAttentionImpl::parallelize(const TpPlace& tp) {
-  // (OLMoE's whole-projection norms: its experts refuse tp, args_conflict.)
+  // (OLMoE's whole-projection norms: the config refuses tp for them, args_conflict.)
   MPITRAIN_CHECK(!whole_qk_norm_ || !tp.sharded(), "tensor parallel: q/k norms over the whole projections");
   tp_ = tp.sharded() ? tp.comm : nullptr;
   n_head_ /= tp.size, n_kv_head_ /= tp.size;

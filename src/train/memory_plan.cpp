@@ -28,7 +28,6 @@ std::vector<MemoryRow> memory_rows(const MemoryInputs& in) {
   std::vector<MemoryRow> rows;
   for (int zero = 0; zero <= 3; ++zero)
     for (const char* ac : {"none", "selective", "full"}) {
-      if (!in.checkpointing && std::string(ac) != "none") continue;
       MemoryRow r;
       r.zero = zero;
       r.ac = ac;
@@ -71,10 +70,8 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   const auto rows = memory_rows(in);
   std::string out = concat("memory per rank (MiB; ", in.params, " parameters, dp ", in.dp,
                            "; activations of one micro-batch as measured: ", mib(in.block_none), " MiB per block, ",
-                           in.checkpointing ? concat(mib(in.block_selective), " MiB per selectively checkpointed block, ",
-                                                     mib(in.block_full), " MiB per fully checkpointed block, ")
-                                            : std::string("no activation checkpointing for this model, "),
-                           mib(in.outside),
+                           mib(in.block_selective), " MiB per selectively checkpointed block, ", mib(in.block_full),
+                           " MiB per fully checkpointed block, ", mib(in.outside),
                            " MiB outside the blocks; peak = the sum of the terms, not a bound: on an H100 0.89x-1.41x of it was measured, bench/RESULTS.md):\n");
   out += "| optim.zero | activation_checkpointing | weights | gradients | gradient buffers | optimizer state | "
          "activations | peak |\n|---:|---|---:|---:|---:|---:|---:|---:|\n";
@@ -94,7 +91,6 @@ std::string memory_report(const MemoryInputs& in, double memory_gib, const std::
   std::string why;
   for (const char* ac : {"none", "selective", "full"})
     for (int zero = 0; zero <= (in.dp > 1 ? 3 : 0); ++zero) {
-      if (!in.checkpointing && std::string(ac) != "none") continue;
       const MemoryRow r = memory_row(in, zero, ac);
       if (r.peak() <= limit) {
         out += concat("memory recommendation (", memory_source, ": ", memory_gib, " GiB): optim.zero: ", r.zero,

@@ -197,17 +197,13 @@ bool activation_probe(const GPTDims& dims, const TpPlace& tp, const RunOptions& 
     loss = torch::Tensor();  // the graph and everything it kept go
     return after - before;
   };
-  // (A model that cannot be checkpointed, a mixture of experts: its none rows only.)
-  out.checkpointing = args_conflict(dims, 1, "full").empty();
-  if (out.checkpointing) kept(1, RunOptions::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
+  kept(1, RunOptions::Ac::full);  // once unmeasured: what the first checkpointed run sets up lazily stays
   const double none1 = kept(1, RunOptions::Ac::none), none2 = kept(2, RunOptions::Ac::none);
   out.block_none = std::max(0.0, none2 - none1);
-  if (out.checkpointing) {
-    const double selective1 = kept(1, RunOptions::Ac::selective), selective2 = kept(2, RunOptions::Ac::selective);
-    const double full1 = kept(1, RunOptions::Ac::full), full2 = kept(2, RunOptions::Ac::full);
-    out.block_selective = std::max(0.0, selective2 - selective1);
-    out.block_full = std::max(0.0, full2 - full1);
-  }
+  const double selective1 = kept(1, RunOptions::Ac::selective), selective2 = kept(2, RunOptions::Ac::selective);
+  const double full1 = kept(1, RunOptions::Ac::full), full2 = kept(2, RunOptions::Ac::full);
+  out.block_selective = std::max(0.0, selective2 - selective1);
+  out.block_full = std::max(0.0, full2 - full1);
   out.outside = std::max(0.0, none1 - out.block_none);
   return true;
 }
