@@ -2,8 +2,9 @@
 # Pipeline parallelism: plan's predicted idle share per stage against what training measures, for
 # each schedule, on PP ranks of this machine (one rank per core: the stages run at once, as on
 # separate machines). For each of 1f1b, gpipe and interleaved (pp_virtual V): `mpitrain plan` (each
-# stage's chunks timed, the schedule simulated from those times and the link's measured transfer
-# time: simulate_pipeline), then STEPS training steps, whose end line says each stage's measured
+# stage's chunks timed inside a few steps of the schedule, the schedule simulated from those times
+# and the link's measured transfer time: simulate_pipeline), then STEPS training steps, whose end
+# line says each stage's measured
 # share of its micro-batches' time spent waiting for the neighbouring stages. The table: per
 # stage the schedule's bubble alone ((pp - 1) / (v m + pp - 1)), plan's prediction, the measured
 # share and prediction / measured; then the step's ms and tokens/s, predicted and measured (median
@@ -12,12 +13,12 @@
 #     bash bench/pp.sh [build/mpitrain]
 #
 # Environment: PP (2), V (2), N_LAYER (8), N_EMBD (256), N_HEAD (4), SEQ (128), MICRO_BATCH (4),
-# ACCUM (8), STEPS (12), WARMUP (3), THREADS (1).
+# ACCUM (8), STEPS (12), WARMUP (3), THREADS (1), PLAN_ITERS (5: plan --iters, its timed steps).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-$REPO/build/mpitrain}")
 PP=${PP:-2} V=${V:-2} L=${N_LAYER:-8} D=${N_EMBD:-256} H=${N_HEAD:-4} T=${SEQ:-128} B=${MICRO_BATCH:-4}
-M=${ACCUM:-8} STEPS=${STEPS:-12} WARMUP=${WARMUP:-3} THREADS=${THREADS:-1}
+M=${ACCUM:-8} STEPS=${STEPS:-12} WARMUP=${WARMUP:-3} THREADS=${THREADS:-1} PLAN_ITERS=${PLAN_ITERS:-5}
 WORK=$(mktemp -d /tmp/mpitrain-bench-pp-XXXXXX)
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
@@ -49,7 +50,7 @@ summary=""
 for sched in 1f1b gpipe interleaved; do
   set -- --set parallel.pp="$PP" --set parallel.pp_schedule=$sched
   [ $sched = interleaved ] && set -- "$@" --set parallel.pp_virtual="$V"
-  mpirun -np "$PP" --oversubscribe "$BIN" plan m.yaml "$@" > plan_$sched.out 2>&1 || { tail -5 plan_$sched.out; exit 1; }
+  mpirun -np "$PP" --oversubscribe "$BIN" plan m.yaml --iters "$PLAN_ITERS" "$@" > plan_$sched.out 2>&1 || { tail -5 plan_$sched.out; exit 1; }
   mpirun -np "$PP" --oversubscribe "$BIN" m.yaml "$@" --set train.out_dir=run_$sched --set checkpoint.dir=ck_$sched \
     > train_$sched.out 2>&1 || { tail -5 train_$sched.out; exit 1; }
   v=1

@@ -62,10 +62,15 @@ std::vector<std::vector<uint64_t>> gather_lists(const std::vector<uint64_t>& min
 
 // Point to point (pipeline parallelism's activations and their gradients): a nonblocking send of
 // `bytes` at `data` to rank `dest` of `comm` with `tag` (the buffer stays alive and unchanged until
-// wait()), and a blocking receive of exactly `bytes` from `source` with `tag`.
+// wait()), a blocking receive of exactly `bytes` from `source` with `tag`, and a nonblocking one
+// (the buffer stays alive and untouched until wait_received(), which checks that `bytes` came).
 MpiRequest isend(const void* data, size_t bytes, int dest, int tag, MpiComm comm);
 void recv(void* data, size_t bytes, int source, int tag, MpiComm comm);
+MpiRequest irecv(void* data, size_t bytes, int source, int tag, MpiComm comm);
 void wait(MpiRequest& request);  // MPI_Wait; the request becomes MPI_REQUEST_NULL
+void wait_received(MpiRequest& request, size_t bytes);
+void cancel(MpiRequest& request);  // a receive not waited for: MPI_Cancel, then MPI_Wait
+MpiRequest null_request();         // MPI_REQUEST_NULL (what wait() leaves; cancel() ignores it)
 
 // MPI_Comm_split: color < 0 is MPI_UNDEFINED (this rank gets MpiComm{}).
 MpiComm split(MpiComm comm, int color, int key);

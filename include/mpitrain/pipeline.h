@@ -26,7 +26,8 @@
 // accumulates in the same order: the three train bitwise the same.
 //
 // Activations and their gradients travel as fp32 with MPI's point-to-point (MPI_Isend, each send's
-// buffer kept until the step ends; a blocking MPI_Recv under the watchdog). On a GPU they go
+// buffer kept until the step ends; MPI_Irecv, each receive posted one step of the schedule ahead
+// and waited for under the watchdog: run_pipeline_steps). On a GPU they go
 // through host memory: a device-to-host copy before each send (which waits for the stage's work
 // so far) and a host-to-device copy after each receive, whatever comm.backend is (NCCL's
 // send/recv is not built: one GPU cannot test it, NCCL refusing two ranks on one device).
@@ -37,6 +38,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -92,6 +94,20 @@ class PipeLink {
   void send(const torch::Tensor& t, int64_t to, int tag);
   // The tensor of `shape` (host fp32, then on `device`) that stage `from` sent with `tag`.
   torch::Tensor recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device);
+  // The same split in two: post() starts receiving into a host buffer (MPI_Irecv), so that the
+  // message travels while the caller computes; take() waits for it and returns it on `device`. One
+  // never taken (an error on the way) is cancelled when it goes, before its buffer does.
+  struct Incoming {
+    torch::Tensor host;
+    MpiRequest request = mpi::null_request();
+    Incoming() = default;
+    explicit Incoming(torch::Tensor h) : host(std::move(h)) {}
+    Incoming(Incoming&& o) noexcept : host(std::move(o.host)), request(std::exchange(o.request, mpi::null_request())) {}
+    Incoming& operator=(Incoming&& o) noexcept;
+    ~Incoming();
+  };
+  Incoming post(c10::IntArrayRef shape, int64_t from, int tag);
+  torch::Tensor take(Incoming& incoming, const torch::Device& device);
   // Every send of this step delivered (their buffers may go).
   void finish();
 
@@ -99,6 +115,19 @@ class PipeLink {
   MpiComm comm_;
   std::vector<std::pair<torch::Tensor, MpiRequest>> sending_;
 };
+
+// One optimizer step's micro-batches through this rank's stage (stage `stage` of `stages`, `chunks`
+// chunks: pipeline_schedule's steps) with their transfers over `link`. A forward of virtual stage
+// vs = chunk x stages + stage takes its input from virtual stage vs - 1 (vs 0: none, the tokens), a
+// backward its output's gradient from vs + 1 (the last: none, the loss), each `numel` fp32 values
+// whose receive is posted one step ahead (PipeLink::post), so that it travels while the step before
+// runs. forward(step, received) and backward(step, received) run the step on what arrived
+// (undefined at the ends) and return what goes on: the activation to vs + 1, the input's gradient
+// to vs - 1 (at the ends: nothing, an undefined tensor), sent at once (nonblocking). Every send is
+// delivered when it returns.
+using PipeStepFn = std::function<torch::Tensor(const PipeStep&, const torch::Tensor&)>;
+void run_pipeline_steps(PipeLink& link, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage, int64_t chunks,
+                        int64_t numel, const torch::Device& device, const PipeStepFn& forward, const PipeStepFn& backward);
 
 // Seconds this process has spent waiting in the pipeline's receives and for its sends to complete
 // (PipeLink: the schedule's bubble and the transfers), since it started.

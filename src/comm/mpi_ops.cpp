@@ -126,10 +126,37 @@ void recv(void* data, size_t bytes, int source, int tag, MpiComm comm) {
   MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi::recv: ", got, " bytes from rank ", source, ", expected ", bytes));
 }
 
+MpiRequest irecv(void* data, size_t bytes, int source, int tag, MpiComm comm) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_CHECK(MPI_Irecv(data, byte_count(bytes), MPI_BYTE, source, tag, to_mpi(comm), &request));
+  return static_cast<MpiRequest>((std::intptr_t)request);  // NOLINT
+}
+
 void wait(MpiRequest& request) {
   MPI_Request r = (MPI_Request)static_cast<std::intptr_t>(request);  // NOLINT
   MPI_CHECK(MPI_Wait(&r, MPI_STATUS_IGNORE));
   request = static_cast<MpiRequest>((std::intptr_t)r);  // NOLINT
+}
+
+MpiRequest null_request() { return static_cast<MpiRequest>((std::intptr_t)MPI_REQUEST_NULL); }  // NOLINT
+
+void cancel(MpiRequest& request) {
+  MPI_Request r = (MPI_Request)static_cast<std::intptr_t>(request);  // NOLINT
+  if (r == MPI_REQUEST_NULL) return;
+  MPI_Cancel(&r);  // (errors ignored: a job on its way out)
+  MPI_Wait(&r, MPI_STATUS_IGNORE);
+  request = static_cast<MpiRequest>((std::intptr_t)r);  // NOLINT
+}
+
+void wait_received(MpiRequest& request, size_t bytes) {
+  MPI_Request r = (MPI_Request)static_cast<std::intptr_t>(request);  // NOLINT
+  MPI_Status status;
+  MPI_CHECK(MPI_Wait(&r, &status));
+  request = static_cast<MpiRequest>((std::intptr_t)r);  // NOLINT
+  int got = 0;
+  MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
+  MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi::wait_received: ", got, " bytes from rank ", status.MPI_SOURCE,
+                                                           ", expected ", bytes));
 }
 
 MpiComm split(MpiComm comm, int color, int key) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <utility>
 
 #include "mpitrain/error.h"
 #include "mpitrain/watchdog.h"
@@ -148,12 +149,62 @@ torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, cons
   return host.to(device);
 }
 
+PipeLink::Incoming& PipeLink::Incoming::operator=(Incoming&& o) noexcept {
+  if (this != &o) {
+    mpi::cancel(request);
+    host = std::move(o.host);
+    request = std::exchange(o.request, mpi::null_request());
+  }
+  return *this;
+}
+
+PipeLink::Incoming::~Incoming() { mpi::cancel(request); }
+
+PipeLink::Incoming PipeLink::post(c10::IntArrayRef shape, int64_t from, int tag) {
+  Incoming in(torch::empty(shape, torch::kFloat32));
+  in.request = mpi::irecv(in.host.data_ptr<float>(), static_cast<size_t>(in.host.numel()) * sizeof(float),
+                          static_cast<int>(from), tag, comm_);
+  return in;
+}
+
+torch::Tensor PipeLink::take(Incoming& incoming, const torch::Device& device) {
+  {
+    Watchdog::Scope watch("pipeline: receive from the neighbouring stage");
+    waited([&] { mpi::wait_received(incoming.request, static_cast<size_t>(incoming.host.numel()) * sizeof(float)); });
+  }
+  return std::exchange(incoming.host, torch::Tensor()).to(device);
+}
+
 void PipeLink::finish() {
   for (auto& [buffer, request] : sending_) {
     Watchdog::Scope watch("pipeline: send to the neighbouring stage");
     waited([&] { mpi::wait(request); });
   }
   sending_.clear();
+}
+
+void run_pipeline_steps(PipeLink& link, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage, int64_t chunks,
+                        int64_t numel, const torch::Device& device, const PipeStepFn& forward, const PipeStepFn& backward) {
+  const int64_t P = stages * chunks, prev = (stage + stages - 1) % stages, next = (stage + 1) % stages;
+  const auto virtual_stage = [&](const PipeStep& s) { return s.chunk * stages + stage; };
+  // Step k's input posted (none at the ends).
+  const auto post = [&](size_t k) {
+    const PipeStep& s = steps[k];
+    const int64_t vs = virtual_stage(s);
+    if (s.forward) return vs > 0 ? link.post({numel}, prev, activation_tag(s.micro, vs - 1, P)) : PipeLink::Incoming{};
+    return vs + 1 < P ? link.post({numel}, next, gradient_tag(s.micro, vs, P)) : PipeLink::Incoming{};
+  };
+  PipeLink::Incoming ahead = steps.empty() ? PipeLink::Incoming{} : post(0);
+  for (size_t k = 0; k < steps.size(); ++k) {
+    PipeLink::Incoming mine = std::exchange(ahead, k + 1 < steps.size() ? post(k + 1) : PipeLink::Incoming{});
+    const PipeStep& s = steps[k];
+    const int64_t vs = virtual_stage(s);
+    const torch::Tensor received = mine.host.defined() ? link.take(mine, device) : torch::Tensor();
+    const torch::Tensor out = (s.forward ? forward : backward)(s, received);
+    if (s.forward && vs + 1 < P) link.send(out, next, activation_tag(s.micro, vs, P));
+    if (!s.forward && vs > 0) link.send(out, prev, gradient_tag(s.micro, vs - 1, P));
+  }
+  link.finish();
 }
 
 }  // namespace mpitrain

@@ -223,8 +223,9 @@ double timed_here(int64_t iters, const torch::Device& device, Fn&& fn) {
 }
 
 // parallel.pp: every rank builds its stage and measures, all at once as training runs them, each
-// chunk's forward and backward of one micro-batch, the activations a forward keeps, and the time
-// an activation takes to the next stage (a ping-pong over the pipeline's link); rank 0 simulates
+// chunk's forward and backward of one micro-batch (inside a few steps of the schedule), the
+// activations a forward keeps, and the time an activation takes to the next stage (a ping-pong
+// over the pipeline's link); rank 0 simulates
 // the schedule from the first pipeline's figures (simulate_pipeline) and prints each stage's
 // memory, times and predicted idle share (the bubble, transfers included) beside the schedule's.
 void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, MpiComm mpi_comm) {
@@ -239,37 +240,70 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
   const torch::Tensor hidden = torch::randn({micro, T, d.n_embd}, torch::TensorOptions().device(device));
   // Per chunk: forward, backward, and the bytes its forward keeps; then the link's time, the parameters.
   std::vector<double> mine(static_cast<size_t>(3 * v + 2), 0.0);
-  for (int64_t c = 0; c < v; ++c) {
-    const bool first = d.first_stage() && c == 0, last = d.last_stage() && c + 1 == v;
-    torch::Tensor out;
-    const auto forward = [&] {
-      torch::Tensor in = first ? tokens : hidden.detach().requires_grad_(true);
+  const auto zero_grads = [&] {
+    for (auto& [name, p] : model->named_params()) p.mutable_grad() = torch::Tensor();
+  };
+  for (int64_t c = 0; c < v; ++c) {  // the bytes, one chunk alone
+    torch::Tensor in = d.first_stage() && c == 0 ? tokens : hidden.detach().requires_grad_(true), out;
+    const double before = held_bytes(device);
+    {
       Autocast autocast(run.precision, device);
       out = model->stage_forward(in, c);
-      if (last) out = model->stage_loss(out, tokens);
+      if (d.last_stage() && c + 1 == v) out = model->stage_loss(out, tokens);
+    }
+    mine[static_cast<size_t>(2 * v + c)] = std::max(0.0, held_bytes(device) - before);
+    out.dim() == 0 ? out.backward() : out.backward(torch::ones_like(out));
+    zero_grads();
+  }
+  // The times inside the schedule itself: 1 + iters steps of the run's m micro-batches through the
+  // stages as training runs them (run_pipeline_steps, training's own walk of the schedule), each
+  // forward's and backward's compute timed without the waits for its input (which the
+  // simulation below predicts) and without its send. A chunk timed alone runs
+  // a few percent faster than between the others' steps, holding other micro-batches' activations
+  // and beside the other stages' transfers (bench/RESULTS-pp.md), which shifts interleaved's small
+  // idle shares by as much as they are.
+  {
+    const int64_t P = d.virtual_stages();
+    const std::vector<int64_t> shape{micro, T, d.n_embd};
+    const std::vector<PipeStep> steps = pipeline_schedule(cfg.parallel.pp_schedule, pp, d.pp_stage, m, v);
+    std::vector<double> spent(static_cast<size_t>(2 * v), 0.0);
+    std::vector<torch::Tensor> inputs(static_cast<size_t>(m * v)), outputs(inputs.size());
+    bool warm = false;  // (the first step warms up)
+    const auto count = [&](const PipeStep& s, std::chrono::steady_clock::time_point t0) {
+      if (device.is_cuda()) torch::cuda::synchronize(device.index());
+      if (warm) spent[static_cast<size_t>((s.forward ? 0 : v) + s.chunk)] +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    const auto backward = [&] {
-      if (last)
-        out.backward();
-      else
-        out.backward(torch::ones_like(out));
-      out = torch::Tensor();
-      for (auto& [name, p] : model->named_params()) p.mutable_grad() = torch::Tensor();
+    const auto forward = [&](const PipeStep& s, const torch::Tensor& got) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto at = static_cast<size_t>(s.chunk * m + s.micro);
+      const int64_t vs = s.chunk * pp + d.pp_stage;
+      inputs[at] = vs == 0 ? tokens : got.view(shape).requires_grad_(true);
+      {
+        Autocast autocast(run.precision, device);
+        outputs[at] = model->stage_forward(inputs[at], s.chunk);
+        if (vs + 1 == P) outputs[at] = model->stage_loss(outputs[at], tokens);
+      }
+      count(s, t0);
+      return outputs[at];
     };
-    const double f = timed_here(options.iters, device, [&] {
-      forward();
-      out = torch::Tensor();
-    });
-    const double fb = timed_here(options.iters, device, [&] {
-      forward();
-      backward();
-    });
-    const double before = held_bytes(device);
-    forward();
-    const double kept = held_bytes(device) - before;
-    backward();
-    mine[static_cast<size_t>(c)] = f, mine[static_cast<size_t>(v + c)] = std::max(0.0, fb - f);
-    mine[static_cast<size_t>(2 * v + c)] = std::max(0.0, kept);
+    const auto backward = [&](const PipeStep& s, const torch::Tensor& got) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto at = static_cast<size_t>(s.chunk * m + s.micro);
+      const int64_t vs = s.chunk * pp + d.pp_stage;
+      vs + 1 == P ? outputs[at].backward() : outputs[at].backward(got.view(shape).to(outputs[at].scalar_type()));
+      const torch::Tensor back = vs > 0 ? inputs[at].grad() : torch::Tensor();
+      inputs[at] = outputs[at] = torch::Tensor();
+      count(s, t0);
+      return back;
+    };
+    for (int64_t it = 0; it <= options.iters; ++it) {
+      PipeLink link(run.mesh->pp_mpi());
+      run_pipeline_steps(link, steps, pp, d.pp_stage, v, micro * T * d.n_embd, device, forward, backward);
+      zero_grads();
+      warm = true;
+    }
+    for (size_t k = 0; k < spent.size(); ++k) mine[k] = spent[k] / static_cast<double>(options.iters * m);
   }
   // The link to the next stage (s + 1 mod pp): boundary b's two ends ping-pong one activation.
   {

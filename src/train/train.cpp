@@ -693,7 +693,7 @@ void Run::pipeline_micro_batches() {
   PipeLink link(s_.mesh->pp_mpi());
   // Per chunk and micro-batch (interleaved: a chunk j is virtual stage j pp + stage, whose
   // neighbours are the previous and the next rank of the pipeline, round from the last to the first).
-  const int64_t v = d.pp_virtual, P = d.virtual_stages(), prev = (d.pp_stage + d.pp - 1) % d.pp, next = (d.pp_stage + 1) % d.pp;
+  const int64_t v = d.pp_virtual, P = d.virtual_stages();
   std::vector<torch::Tensor> inputs(static_cast<size_t>(accum_ * v)), outputs(static_cast<size_t>(accum_ * v));
   const std::vector<int64_t> shape{micro_, T_, d.n_embd};
   // With experts, the load-balancing loss needs every sparse layer's token counts: each forward
@@ -706,50 +706,48 @@ void Run::pipeline_micro_batches() {
   std::vector<RouterLog> logs(routed ? static_cast<size_t>(accum_ * v) : 0);
   if (routed) last_logs_.resize(static_cast<size_t>(v));
   std::vector<torch::Tensor> totals(logs.size());  // the whole model's router_counts
-  const auto receive = [&](int64_t from, int tag, torch::Tensor* routing) {
-    torch::Tensor got = link.recv({n + extra}, from, tag, device_);
-    if (routed) *routing = unpack_pipeline_routing(got.narrow(0, n, extra));
+  const auto unpack = [&](const torch::Tensor& got, torch::Tensor* routing) {  // a received activation or gradient
+    if (routed && routing) *routing = unpack_pipeline_routing(got.narrow(0, n, extra));
     return got.narrow(0, 0, n).view(shape);
   };
-  const auto send = [&](const torch::Tensor& t, int64_t to, int tag, const torch::Tensor& routing) {
-    link.send(routed ? torch::cat({t.reshape({-1}).to(torch::kFloat32), pack_pipeline_routing(routing).to(t.device())}) : t, to, tag);
+  const auto pack = [&](const torch::Tensor& t, const torch::Tensor& routing) {
+    return routed ? torch::cat({t.reshape({-1}).to(torch::kFloat32), pack_pipeline_routing(routing).to(t.device())}) : t;
   };
   const std::vector<PipeStep> steps = pipeline_schedule(cfg_.parallel.pp_schedule, d.pp, d.pp_stage, accum_, v);
   const PipeStep last_step = steps.back();  // (every schedule's last step is a backward: it completes the step)
-  for (const PipeStep& s : steps) {
-    const auto& [x, y] = batches_[static_cast<size_t>(s.micro)];
+  const auto forward = [&](const PipeStep& s, const torch::Tensor& got) {
     const auto at = static_cast<size_t>(s.chunk * accum_ + s.micro);
     const int64_t vs = s.chunk * d.pp + d.pp_stage;
-    if (s.forward) {
-      torch::Tensor routing;  // the counts and rows of the virtual stages before this one
-      torch::Tensor in = vs == 0 ? to_device(x, device_)
-                                 : receive(prev, activation_tag(s.micro, vs - 1, P), &routing).requires_grad_(true);
-      torch::Tensor out;
-      {
-        Autocast autocast(precision_, device_);
-        out = model_->stage_forward(in, s.chunk);
+    torch::Tensor routing;  // the counts and rows of the virtual stages before this one
+    torch::Tensor in = vs == 0 ? to_device(batches_[static_cast<size_t>(s.micro)].first, device_)
+                               : unpack(got, &routing).requires_grad_(true);
+    torch::Tensor out;
+    {
+      Autocast autocast(precision_, device_);
+      out = model_->stage_forward(in, s.chunk);
+      if (routed) {
+        logs[at] = model_->take_router_log();
+        model_->count_routed(logs[at], s.chunk);
+        const torch::Tensor mine = model_->router_counts(logs[at]);
+        routing = routing.defined() ? routing + mine : mine;
+      }
+      if (vs + 1 == P) {
+        out = model_->stage_loss(out, to_device(batches_[static_cast<size_t>(s.micro)].second, device_));
         if (routed) {
-          logs[at] = model_->take_router_log();
-          model_->count_routed(logs[at], s.chunk);
-          const torch::Tensor mine = model_->router_counts(logs[at]);
-          routing = routing.defined() ? routing + mine : mine;
-        }
-        if (vs + 1 == P) {
-          out = model_->stage_loss(out, to_device(y, device_));
-          if (routed) {
-            totals[at] = routing;
-            out = out + model_->router_terms(logs[at], routing);
-            add_router_sums();
-          }
+          totals[at] = routing;
+          out = out + model_->router_terms(logs[at], routing);
+          add_router_sums();
         }
       }
-      if (vs + 1 == P)
-        loss_sum_ += out.detach().to(torch::kFloat64);
-      else
-        send(out, next, activation_tag(s.micro, vs, P), routing);
-      inputs[at] = in, outputs[at] = out;
-      continue;
     }
+    inputs[at] = in, outputs[at] = out;
+    if (vs + 1 < P) return pack(out, routing);
+    loss_sum_ += out.detach().to(torch::kFloat64);
+    return torch::Tensor();
+  };
+  const auto backward = [&](const PipeStep& s, const torch::Tensor& got) {
+    const auto at = static_cast<size_t>(s.chunk * accum_ + s.micro);
+    const int64_t vs = s.chunk * d.pp + d.pp_stage;
     // (Overlapped gradient reduction armed for the last backward: the gradients of a chunk whose
     // backwards ended before it are read whole when the step reduces them.)
     const bool completes = s.micro == last_step.micro && s.chunk == last_step.chunk;
@@ -757,8 +755,7 @@ void Run::pipeline_micro_batches() {
     if (vs + 1 == P) {
       scaler_.scale_loss(outputs[at] / static_cast<double>(accum_)).backward();
     } else {
-      const torch::Tensor grad = receive(next, gradient_tag(s.micro, vs, P), routed ? &totals[at] : nullptr)
-                                     .to(outputs[at].scalar_type());
+      const torch::Tensor grad = unpack(got, routed ? &totals[at] : nullptr).to(outputs[at].scalar_type());
       if (routed && !logs[at].prob_sums.empty()) {  // this chunk's layers' load-balancing terms
         const torch::Tensor terms = model_->router_terms(logs[at], totals[at]);
         add_router_sums();
@@ -770,12 +767,13 @@ void Run::pipeline_micro_batches() {
       }
     }
     par_.after_backward(completes);
-    if (vs > 0) send(inputs[at].grad(), prev, gradient_tag(s.micro, vs - 1, P), routed ? totals[at] : torch::Tensor());
+    const torch::Tensor back = vs > 0 ? pack(inputs[at].grad(), routed ? totals[at] : torch::Tensor()) : torch::Tensor();
     if (routed && s.micro + 1 == accum_) last_logs_[static_cast<size_t>(s.chunk)] = std::move(logs[at]);  // (the load reported)
     inputs[at] = torch::Tensor(), outputs[at] = torch::Tensor();  // this micro-batch's activations go
     if (routed) logs[at] = RouterLog(), totals[at] = torch::Tensor();
-  }
-  link.finish();
+    return back;
+  };
+  run_pipeline_steps(link, steps, d.pp, d.pp_stage, v, n + extra, device_, forward, backward);
 }
 
 // The gradients averaged over the data-parallel ranks (ZeRO-1: reduce-scattered, each rank holds
