@@ -258,10 +258,9 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
   // The times inside the schedule itself: 1 + iters steps of the run's m micro-batches through the
   // stages as training runs them (run_pipeline_steps, training's own walk of the schedule), each
   // forward's and backward's compute timed without the waits for its input (which the
-  // simulation below predicts) and without its send. A chunk timed alone runs
-  // a few percent faster than between the others' steps, holding other micro-batches' activations
-  // and beside the other stages' transfers (bench/RESULTS-pp.md), which shifts interleaved's small
-  // idle shares by as much as they are.
+  // simulation below predicts) and without its send. A chunk timed alone ran 2-3% faster than
+  // inside training (bench/RESULTS-pp.md), which moved interleaved's small idle shares by as much
+  // as they are.
   {
     const int64_t P = d.virtual_stages();
     const std::vector<int64_t> shape{micro, T, d.n_embd};
