@@ -305,6 +305,7 @@ class UnitHooks {
 // its shape kept, its memory one element expanded to that shape. param_has_values: whether it
 // holds every element's memory.
 void drop_param_values(const torch::Tensor& p);
+void drop_param_values(const torch::Tensor& p, c10::IntArrayRef shape);  // ... at `shape` (a tp shard's)
 bool param_has_values(const torch::Tensor& p);
 
 class GPTImpl : public torch::nn::Module, public TpDeclared {

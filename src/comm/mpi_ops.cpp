@@ -118,12 +118,20 @@ MpiRequest isend(const void* data, size_t bytes, int dest, int tag, MpiComm comm
   return static_cast<MpiRequest>((std::intptr_t)request);  // NOLINT (a pointer or an int, as MPI_Comm)
 }
 
+namespace {
+// A receive that completed with `status` brought exactly `bytes`.
+void check_received(const MPI_Status& status, size_t bytes) {
+  int got = 0;
+  MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
+  MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi: received ", got, " bytes from rank ", status.MPI_SOURCE,
+                                                           ", expected ", bytes));
+}
+}  // namespace
+
 void recv(void* data, size_t bytes, int source, int tag, MpiComm comm) {
   MPI_Status status;
   MPI_CHECK(MPI_Recv(data, byte_count(bytes), MPI_BYTE, source, tag, to_mpi(comm), &status));
-  int got = 0;
-  MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
-  MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi::recv: ", got, " bytes from rank ", source, ", expected ", bytes));
+  check_received(status, bytes);
 }
 
 MpiRequest irecv(void* data, size_t bytes, int source, int tag, MpiComm comm) {
@@ -153,10 +161,7 @@ void wait_received(MpiRequest& request, size_t bytes) {
   MPI_Status status;
   MPI_CHECK(MPI_Wait(&r, &status));
   request = static_cast<MpiRequest>((std::intptr_t)r);  // NOLINT
-  int got = 0;
-  MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
-  MPITRAIN_CHECK(static_cast<size_t>(got) == bytes, concat("mpi::wait_received: ", got, " bytes from rank ", status.MPI_SOURCE,
-                                                           ", expected ", bytes));
+  check_received(status, bytes);
 }
 
 MpiComm split(MpiComm comm, int color, int key) {

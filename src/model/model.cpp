@@ -696,10 +696,12 @@ std::string with_expert(const std::string& name, int64_t e) {
   return name.substr(0, from) + std::to_string(e) + name.substr(to);
 }
 
-void drop_param_values(const torch::Tensor& p) {
+void drop_param_values(const torch::Tensor& p) { drop_param_values(p, p.sizes()); }
+
+void drop_param_values(const torch::Tensor& p, c10::IntArrayRef shape) {
   torch::NoGradGuard no_grad;
   torch::Tensor param = p;  // (set_data swaps what the shared TensorImpl holds)
-  param.set_data(torch::zeros({1}, p.options()).expand(p.sizes()));
+  param.set_data(torch::zeros({1}, p.options()).expand(shape));
 }
 
 bool param_has_values(const torch::Tensor& p) {
@@ -817,7 +819,7 @@ void GPTImpl::parallelize(const TpPlace& tp) {
     if (param_has_values(p))
       param.set_data(tp_shard(p.detach(), split, tp.rank, tp.size).clone(at::MemoryFormat::Contiguous));
     else  // deferred: initialize() gives the values
-      param.set_data(torch::zeros({1}, p.options()).expand(tp_shard_shape(p.sizes(), split, tp.size)));
+      drop_param_values(p, tp_shard_shape(p.sizes(), split, tp.size));
   }
   for (const auto& m : modules(/*include_self=*/false)) {
     if (auto* a = m->as<CausalSelfAttentionImpl>()) a->parallelize(tp);

@@ -141,12 +141,8 @@ void PipeLink::send(const torch::Tensor& t, int64_t to, int tag) {
 }
 
 torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device) {
-  torch::Tensor host = torch::empty(shape, torch::kFloat32);
-  {
-    Watchdog::Scope watch("pipeline: receive from the neighbouring stage");
-    waited([&] { mpi::recv(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float), static_cast<int>(from), tag, comm_); });
-  }
-  return host.to(device);
+  Incoming incoming = post(shape, from, tag);
+  return take(incoming, device);
 }
 
 PipeLink::Incoming& PipeLink::Incoming::operator=(Incoming&& o) noexcept {

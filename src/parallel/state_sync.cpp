@@ -724,7 +724,7 @@ std::string resume_from(const std::vector<std::string>& candidates, GPT& model, 
   // handing them out: no rank holds the whole model or its state for a resume, in any layout (the
   // second read comes mostly from the page cache). Tensor parallel: every rank keeps its tp shards
   // of each tensor; ZeRO: each its part of each bucket; else the whole tensors.
-  const bool tensor_parallel = model->tp().size > 1;
+  const bool tensor_parallel = model->tp().sharded();
   MPITRAIN_CHECK(!param_shards || (shards && opt.sharded()), "resume_from: ZeRO-3's shards with their GradSync");
   std::optional<CheckpointParams> file;
   // The data's tokenizer (st holds it until the checkpoint's state replaces it).
