@@ -16,7 +16,7 @@
 #            (learns like the CPU run); 2 ranks sharing the GPU (comm.backend mpi, the same
 #            global batch: the same losses); pp 2 on the GPU (2 stages sharing it, comm mpi:
 #            the same losses); GPU -> CPU -> GPU resume (losses continue); bf16;
-#            fp16 with loss scaling. TRAIN_STEPS steps (default 200); the mid-run checkpoint
+#            fp16 with loss scaling, and pp 2 in fp16. TRAIN_STEPS steps (default 200); the mid-run checkpoint
 #            and the shards are kept in OUTDIR/handoff for a resume on a CPU machine.
 #   llama    the Llama 3.2 1B shape (preset llama3.2-1b: 16 layers, 32/8 heads, width 2048, SwiGLU
 #            8192, vocab 128256), bf16, micro-batch 4 x seq 2048, on random tokens: tokens/s, MFU
@@ -422,6 +422,18 @@ EOF
     check train "$d fp16 with loss scaling trains like fp32" "$detail" test $? -eq 0
   else
     row train "$d fp16 with loss scaling" FAIL "exit status, see train/gpu-fp16.log"
+  fi
+  # fp16 through the pipeline: the last stage scales its loss, every stage unscales its gradients
+  # and the overflow verdict is agreed over the stages (tests/pp_test.sh checks that logic on the
+  # CPU, where fp16 cannot train).
+  if [ "$rehearse" = 1 ]; then
+    row train "pp 2 in fp16 on one cuda" SKIP "rehearsal: fp16 needs CUDA"
+  elif train_run gpu-pp2-fp16 2 --set train.device=$d --set comm.backend=mpi --set parallel.pp=2 \
+       --set train.precision=fp16 --set train.micro_batch=8 --set train.grad_accum=2 --set eval.batches=16; then
+    detail=$(compare learns-like "$work/gpu-pp2-fp16" "$work/gpu-fp16" --tolerance 0.05 --loss-scale)
+    check train "pp 2 in fp16 on one $d (comm mpi) trains like 1 rank in fp16" "$detail" test $? -eq 0
+  else
+    row train "pp 2 in fp16 on one $d (comm mpi)" FAIL "exit status, see train/gpu-pp2-fp16.log"
   fi
   row train "train stage time" INFO "$(seconds_since "$t0") s"
 }

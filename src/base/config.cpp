@@ -814,10 +814,7 @@ void validate(const Config& c, const std::string& where) {
   check(interleaved || c.parallel.pp_virtual == 1, "parallel.pp_virtual",
         concat("1 with parallel.pp_schedule: ", c.parallel.pp_schedule, " (virtual stages are the interleaved schedule's)"),
         show(c.parallel.pp_virtual));
-  if (c.parallel.pp > 1) {  // what pipeline parallelism composes with so far (pipeline.h)
-    const auto pp_with = [&](bool ok, const char* key, const std::string& needed, const std::string& value) {
-      check(ok, key, concat(needed, " with parallel.pp: ", c.parallel.pp, " (not built with pipeline parallelism yet)"), value);
-    };
+  if (c.parallel.pp > 1) {  // the stages (pipeline.h)
     check(m.n_layer == 0 || c.parallel.pp <= m.n_layer, "parallel.pp",
           concat("at most model.n_layer = ", m.n_layer, " (each stage holds at least one block)"), show(c.parallel.pp));
     const int64_t first = c.parallel.pp_first_stage_blocks, last = c.parallel.pp_last_stage_blocks, pp = c.parallel.pp;
@@ -839,7 +836,6 @@ void validate(const Config& c, const std::string& where) {
           concat("a number whose product with parallel.pp (", c.parallel.pp, ") divides model.n_layer = ", m.n_layer,
                  " (the interleaved schedule's chunks hold equal runs of blocks)"),
           show(c.parallel.pp_virtual));
-    pp_with(c.train.precision != "fp16", "train.precision", "fp32 or bf16", show(c.train.precision));
   }
   const int64_t islands = islands_count(c.parallel.islands);
   check(islands != 0, "parallel.islands",

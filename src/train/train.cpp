@@ -58,10 +58,12 @@ namespace {
 
 bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
 
-// Test fault (tests/cli_test.sh): MPITRAIN_TEST_NONFINITE=STEP:RANK:WHAT makes something of step
-// STEP not finite on RANK (or "all" ranks): "norm" its gradient norm (the update applied),
-// "skipped" its gradient norm with the update skipped as after an fp16 overflow (which only the
-// fp16 loss scaler does, on a GPU), "param" a parameter after the update. "" when none.
+// Test fault (tests/cli_test.sh, tests/pp_test.sh): MPITRAIN_TEST_NONFINITE=STEP:RANK:WHAT makes
+// something of step STEP not finite on RANK (or "all" ranks): "norm" its gradient norm (the update
+// applied), "skipped" its gradient norm with the update skipped as after an fp16 overflow (which
+// only the fp16 loss scaler does, on a GPU), "grad" one of this rank's gradients before the loss
+// scaler's overflow check (with the scaler, see loss_scale_for_test: the step skipped wherever the
+// check is agreed), "param" a parameter after the update. "" when none.
 std::string nonfinite_for_test(int64_t step, int rank) {
   const char* spec = std::getenv("MPITRAIN_TEST_NONFINITE");
   if (!spec) return "";
@@ -71,6 +73,14 @@ std::string nonfinite_for_test(int64_t step, int rank) {
   if (std::string(who) != "all" && std::atoi(who) != rank) return "";
   log::any_rank(log::Level::warn, concat("test fault MPITRAIN_TEST_NONFINITE: ", what, " at step ", step));
   return what;
+}
+
+// Test hook (tests/pp_test.sh): MPITRAIN_TEST_LOSS_SCALE=S runs fp16's dynamic loss scaler, from
+// scale S, in an fp32 or bf16 run, as fp16 itself cannot on a CPU (a power of two leaves fp32's
+// gradients bitwise). 0 when unset.
+double loss_scale_for_test() {
+  const char* s = std::getenv("MPITRAIN_TEST_LOSS_SCALE");
+  return s ? std::atof(s) : 0.0;
 }
 
 // Inputs [rows, T] (int32: the embedding takes them as they are) and targets [rows, T] (int64:
@@ -333,7 +343,8 @@ void Run::build_model() {
 // AdamW over what this rank updates and the fp16 loss scaler.
 void Run::build_optimizer() {
   par_.make_optimizer(choose_fused_adamw(cfg_, mpi_comm_, device_, topo_.rank));
-  scaler_ = LossScaler(precision_ == Precision::fp16);
+  const double test_scale = loss_scale_for_test();
+  scaler_ = test_scale > 0 ? LossScaler(true, test_scale) : LossScaler(precision_ == Precision::fp16);
   if (topo_.rank == 0 && device_.is_cuda()) warn_if_state_does_not_fit();
 }
 
@@ -787,8 +798,12 @@ void Run::sync_gradients() {
 // fp16's overflow check, gradient clipping and the AdamW update (ZeRO-1: then the all-gather of
 // the updated slices); the step's counters advance either way.
 void Run::clip_and_update() {
-  auto [finite, norm] = par_.unscale_and_clip(scaler_, cfg_.optim.grad_clip);  // the same verdict on every rank
   const std::string fault = nonfinite_for_test(step_number(), topo_.rank);
+  if (fault == "grad" && par_.optimizer().size() > 0 && par_.optimizer().grad(0).defined()) {
+    torch::NoGradGuard no_grad;
+    par_.optimizer().grad(0).fill_(std::numeric_limits<double>::infinity());
+  }
+  auto [finite, norm] = par_.unscale_and_clip(scaler_, cfg_.optim.grad_clip);  // the same verdict on every rank
   if (fault == "norm" || fault == "skipped") norm = torch::full_like(norm, std::numeric_limits<double>::infinity());
   if (fault == "skipped") finite = false;
   norm_ = norm;
