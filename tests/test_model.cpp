@@ -916,6 +916,19 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
   }
 }
 
+// fn(schedule, pp, v, m) for each schedule at pp 2-4: gpipe and 1f1b with 1, 3 and 8 micro-batches,
+// interleaved with 2 and 3 chunks per rank and 1-3 groups of pp micro-batches.
+template <class Fn>
+void for_each_schedule(Fn&& fn) {
+  for (const std::string kind : {"gpipe", "1f1b", "interleaved"})
+    for (int64_t pp : {2, 3, 4})
+      for (int64_t v : kind == "interleaved" ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{1})
+        for (int64_t m : kind == "interleaved" ? std::vector<int64_t>{pp, 2 * pp, 3 * pp} : std::vector<int64_t>{1, 3, 8}) {
+          SCOPED_TRACE(concat(kind, " pp ", pp, " v ", v, " m ", m));
+          fn(kind, pp, v, m);
+        }
+}
+
 // The schedules: every chunk's forward and backward of every micro-batch once, each chunk's
 // forwards and its backwards in micro-batch order (so that gradients accumulate in the same order
 // under each schedule); 1f1b's stage s runs pp - 1 - s forwards ahead and so holds at most pp - s
@@ -924,58 +937,71 @@ TEST(Model, PipelineStagesChainToTheWholeModel) {
 // before has run its own (no schedule waits on a later step of an earlier stage: simulated, the
 // interleaved ranks' chunks going round the pipeline).
 TEST(Pipeline, SchedulesRunEachMicroBatchOnceInOrderAndDoNotDeadlock) {
-  for (const std::string kind : {"gpipe", "1f1b", "interleaved"})
-    for (int64_t pp : {2, 3, 4})
-      for (int64_t v : kind == "interleaved" ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{1})
-        for (int64_t m : kind == "interleaved" ? std::vector<int64_t>{pp, 2 * pp, 3 * pp} : std::vector<int64_t>{1, 3, 8}) {
-          SCOPED_TRACE(concat(kind, " pp ", pp, " v ", v, " m ", m));
-          const int64_t P = pp * v;
-          std::vector<std::vector<PipeStep>> steps;
-          for (int64_t s = 0; s < pp; ++s) {
-            steps.push_back(pipeline_schedule(kind, pp, s, m, v));
-            const auto& got = steps.back();
-            ASSERT_EQ(got.size(), static_cast<size_t>(2 * m * v));
-            std::vector<int64_t> next_forward(static_cast<size_t>(v)), next_backward(static_cast<size_t>(v));
-            int64_t held = 0, most = 0;
-            for (const PipeStep& p : got) {
-              ASSERT_TRUE(p.chunk >= 0 && p.chunk < v);
-              const auto c = static_cast<size_t>(p.chunk);
-              if (p.forward) {
-                EXPECT_EQ(p.micro, next_forward[c]++);
-                most = std::max(most, ++held);
-              } else {
-                EXPECT_EQ(p.micro, next_backward[c]++);
-                EXPECT_LT(p.micro, next_forward[c]) << "a backward before its forward";
-                --held;
-              }
-            }
-            const int64_t expected = kind == "gpipe" ? m
-                                     : kind == "1f1b" ? std::min(m, pp - s)
-                                                      : std::min(m * v, m == pp ? m * v : 2 * (pp - 1 - s) + (v - 1) * pp + 1);
-            EXPECT_EQ(most, expected) << "stage " << s;
-          }
-          // Run every stage's steps as far as its inputs allow: F(u, m) needs F(u - 1, m) of the
-          // virtual stage u - 1 before; B(u, m) needs B(u + 1, m) (the last: its own F).
-          std::vector<size_t> at(static_cast<size_t>(pp), 0);
-          std::vector<std::vector<bool>> fwd(static_cast<size_t>(P), std::vector<bool>(static_cast<size_t>(m))), bwd = fwd;
-          for (bool moved = true; moved;) {
-            moved = false;
-            for (int64_t s = 0; s < pp; ++s) {
-              const auto r = static_cast<size_t>(s);
-              if (at[r] == steps[r].size()) continue;
-              const PipeStep& p = steps[r][at[r]];
-              const auto u = static_cast<size_t>(p.chunk * pp + s), k = static_cast<size_t>(p.micro);
-              const bool ready = p.forward ? (u == 0 || fwd[u - 1][k]) : (u + 1 == static_cast<size_t>(P) ? fwd[u][k] : bwd[u + 1][k]);
-              if (!ready) continue;
-              (p.forward ? fwd : bwd)[u][k] = true;
-              ++at[r];
-              moved = true;
-            }
-          }
-          for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(at[static_cast<size_t>(s)], steps[static_cast<size_t>(s)].size()) << "deadlocks";
+  for_each_schedule([](const std::string& kind, int64_t pp, int64_t v, int64_t m) {
+    const int64_t P = pp * v;
+    std::vector<std::vector<PipeStep>> steps;
+    for (int64_t s = 0; s < pp; ++s) {
+      steps.push_back(pipeline_schedule(kind, pp, s, m, v));
+      const auto& got = steps.back();
+      ASSERT_EQ(got.size(), static_cast<size_t>(2 * m * v));
+      std::vector<int64_t> next_forward(static_cast<size_t>(v)), next_backward(static_cast<size_t>(v));
+      int64_t held = 0, most = 0;
+      for (const PipeStep& p : got) {
+        ASSERT_TRUE(p.chunk >= 0 && p.chunk < v);
+        const auto c = static_cast<size_t>(p.chunk);
+        if (p.forward) {
+          EXPECT_EQ(p.micro, next_forward[c]++);
+          most = std::max(most, ++held);
+        } else {
+          EXPECT_EQ(p.micro, next_backward[c]++);
+          EXPECT_LT(p.micro, next_forward[c]) << "a backward before its forward";
+          --held;
         }
+      }
+      const int64_t expected = kind == "gpipe" ? m
+                               : kind == "1f1b" ? std::min(m, pp - s)
+                                                : std::min(m * v, m == pp ? m * v : 2 * (pp - 1 - s) + (v - 1) * pp + 1);
+      EXPECT_EQ(most, expected) << "stage " << s;
+    }
+    // Run every stage's steps as far as its inputs allow: F(u, m) needs F(u - 1, m) of the
+    // virtual stage u - 1 before; B(u, m) needs B(u + 1, m) (the last: its own F).
+    std::vector<size_t> at(static_cast<size_t>(pp), 0);
+    std::vector<std::vector<bool>> fwd(static_cast<size_t>(P), std::vector<bool>(static_cast<size_t>(m))), bwd = fwd;
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int64_t s = 0; s < pp; ++s) {
+        const auto r = static_cast<size_t>(s);
+        if (at[r] == steps[r].size()) continue;
+        const PipeStep& p = steps[r][at[r]];
+        const auto u = static_cast<size_t>(p.chunk * pp + s), k = static_cast<size_t>(p.micro);
+        const bool ready = p.forward ? (u == 0 || fwd[u - 1][k]) : (u + 1 == static_cast<size_t>(P) ? fwd[u][k] : bwd[u + 1][k]);
+        if (!ready) continue;
+        (p.forward ? fwd : bwd)[u][k] = true;
+        ++at[r];
+        moved = true;
+      }
+    }
+    for (int64_t s = 0; s < pp; ++s) EXPECT_EQ(at[static_cast<size_t>(s)], steps[static_cast<size_t>(s)].size()) << "deadlocks";
+  });
   EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8), 3.0 / 8);
   EXPECT_DOUBLE_EQ(pipeline_bubble(4, 8, 2), 3.0 / 16);
+}
+
+// The pipeline's channels match no tags (NCCL has none): on every channel (a kind of transfer from
+// one stage to its neighbour) the receiving stage must post its receives in the order the sending
+// stage sends, under every schedule (interleaved: the chunks' transfers round from the last stage
+// to the first too); and the channels carry every micro-batch across each of the P - 1 boundaries
+// between virtual stages once each way.
+TEST(Pipeline, EveryChannelReceivesInTheOrderItsSenderSends) {
+  for_each_schedule([](const std::string& kind, int64_t pp, int64_t v, int64_t m) {
+    size_t crossings = 0;
+    for (const ChannelOrder& c : pipeline_channel_orders(kind, pp, m, v)) {
+      EXPECT_EQ(c.sent, c.received) << (c.kind == PipeChannels::activations ? "activations" : "gradients")
+                                    << " from stage " << c.from;
+      crossings += c.sent.size();
+    }
+    EXPECT_EQ(crossings, static_cast<size_t>(2 * m * (pp * v - 1)));
+  });
 }
 
 // The schedule simulated from per-chunk times (plan's bubble): equal stages without transfer

@@ -65,6 +65,16 @@ class Communicator {
   // no exchange): `in` and `out` stay alive, `in` unchanged and `out` unread until wait().
   virtual std::unique_ptr<Work> all_to_all_async(const torch::Tensor& in, const std::vector<int64_t>& in_rows,
                                                  torch::Tensor& out, const std::vector<int64_t>& out_rows);
+  // Point to point (the pipeline's stage transfers, PipeChannels): starts sending `t` to rank
+  // `peer`, or receiving into `t` (contiguous, the size the peer sends) from it, and returns at
+  // once; `t` stays alive and, sending, unchanged, receiving, unread until wait(). Messages from
+  // one rank to another arrive in the order sent, matched by that order alone (NCCL has no tags).
+  // MPI: a device tensor goes through host memory (a send copies it out at once, a receive lands
+  // in wait()); a receive never waited for is cancelled when its Work goes. NCCL: on the
+  // communication stream, after the work the caller's stream has queued so far. The default
+  // throws Error.
+  virtual std::unique_ptr<Work> send_async(const torch::Tensor& t, int peer);
+  virtual std::unique_ptr<Work> recv_async(torch::Tensor& t, int peer);
   // Throws Error if a collective already started has failed (NCCL's asynchronous errors).
   virtual void check_async_errors() {}
 

@@ -74,6 +74,9 @@ MpiRequest null_request();         // MPI_REQUEST_NULL (what wait() leaves; canc
 
 // MPI_Comm_split: color < 0 is MPI_UNDEFINED (this rank gets MpiComm{}).
 MpiComm split(MpiComm comm, int color, int key);
+// MPI_Comm_create_group: a communicator of `ranks` of `comm`, rank i of it `ranks[i]`; collective
+// over those ranks only, each calling it with the same list and `tag`.
+MpiComm create_group(MpiComm comm, const std::vector<int>& ranks, int tag);
 // The ranks of `comm` on this host (MPI_Comm_split_type SHARED).
 MpiComm split_host(MpiComm comm, int key);
 MpiComm dup(MpiComm comm);

@@ -25,12 +25,17 @@
 // Every schedule runs each chunk's backwards in micro-batch order, so every parameter's gradient
 // accumulates in the same order: the three train bitwise the same.
 //
-// Activations and their gradients travel as fp32 with MPI's point-to-point (MPI_Isend, each send's
-// buffer kept until the step ends; MPI_Irecv, each receive posted one step of the schedule ahead
-// and waited for under the watchdog: run_pipeline_steps). On a GPU they go
-// through host memory: a device-to-host copy before each send (which waits for the stage's work
-// so far) and a host-to-device copy after each receive, whatever comm.backend is (NCCL's
-// send/recv is not built: one GPU cannot test it, NCCL refusing two ranks on one device).
+// The step's activations and their gradients travel as fp32 on PipeChannels: each direction and
+// kind of transfer a communicator of its own two ranks, of comm.backend's kind. NCCL (a GPU's
+// default): ncclSend/ncclRecv on each channel's own stream, after the stage's work so far, the
+// stage's stream waiting for a receive on the GPU, the host never. MPI: MPI_Isend (each send's
+// buffer kept until the step ends) and MPI_Irecv, waited for under the watchdog, a device tensor
+// going through host memory. Each receive is posted one step of the schedule ahead
+// (run_pipeline_steps). Neither matches messages by tag: each channel's messages arrive in the
+// order sent, which is the order the receiving stage takes them in every schedule
+// (pipeline_channel_orders, checked by test_model), so the MPI runs on the CPU walk the same
+// channels in the same order as NCCL's on GPUs. Evaluation, sampling and plan's link timing use
+// PipeLink's tagged MPI messages instead.
 // With the fused block ops a chunk's last MLP output is added to the residual stream before it
 // travels (GPT::stage_forward), so every stage's stream is the unpipelined one.
 #pragma once
@@ -39,9 +44,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "mpitrain/comm.h"
 #include "mpitrain/model_fields.h"
 #include "mpitrain/mpi_ops.h"
 
@@ -116,21 +124,71 @@ class PipeLink {
   std::vector<std::pair<torch::Tensor, MpiRequest>> sending_;
 };
 
+// One rank's channels to its neighbouring stages (`pp`: Mesh::pp_mpi(), rank s of it in stage s):
+// activations to the next stage and from the previous, gradients to the previous and from the
+// next; with `wrap` (interleaved chunks) also from the last stage round to the first and back.
+// Each directed pair of stages and kind is a communicator of its two ranks made by
+// make_communicator(`backend`, ..., `device`), all made in one order on every rank (each making
+// blocks until its two ranks have both come). Not for pp 1.
+class PipeChannels {
+ public:
+  enum Kind { activations = 0, gradients = 1 };
+  PipeChannels(MpiComm pp, bool wrap, const std::string& backend, const torch::Device& device);
+  ~PipeChannels();
+  PipeChannels(const PipeChannels&) = delete;
+  PipeChannels& operator=(const PipeChannels&) = delete;
+  // `t` (sent as fp32) to the next stage (activations) or the previous one (gradients); nonblocking.
+  void send(const torch::Tensor& t, Kind kind);
+  // A receive of `numel` fp32 values from the previous stage (activations) or the next (gradients),
+  // started now; take() returns them, waited for (NCCL: by the caller's stream). One never taken
+  // is cancelled when it goes.
+  struct Incoming {
+    torch::Tensor buffer;
+    std::unique_ptr<Work> work;
+  };
+  Incoming post(int64_t numel, Kind kind);
+  torch::Tensor take(Incoming& incoming);
+  // Every send of this step on its way: MPI: delivered (their buffers may go); NCCL: the caller's
+  // stream after them.
+  void finish();
+  // The host waits for the transfers (MPI), so pipeline_wait_seconds() is the stages' waiting; with
+  // NCCL the GPU waits and the host does not.
+  bool host_waits() const { return host_waits_; }
+
+ private:
+  torch::Device device_;
+  bool host_waits_ = true;
+  MpiComm pair_[2][2] = {};                             // [kind][0: out, 1: in], owned
+  std::unique_ptr<Communicator> out_[2], in_[2];        // by kind
+  std::vector<std::unique_ptr<Work>> sending_;
+};
+
+// For every channel (kind, sending stage), the messages in the order the sending stage sends them
+// and in the order the receiving stage posts its receives, each as (micro-batch, receiving virtual
+// stage): the two lists of each channel must be equal, since the channels match no tags.
+struct ChannelOrder {
+  PipeChannels::Kind kind;
+  int64_t from;
+  std::vector<std::pair<int64_t, int64_t>> sent, received;
+};
+std::vector<ChannelOrder> pipeline_channel_orders(const std::string& schedule, int64_t stages, int64_t micro_batches,
+                                                  int64_t chunks = 1);
+
 // One optimizer step's micro-batches through this rank's stage (stage `stage` of `stages`, `chunks`
-// chunks: pipeline_schedule's steps) with their transfers over `link`. A forward of virtual stage
+// chunks: pipeline_schedule's steps) with their transfers over `channels`. A forward of virtual stage
 // vs = chunk x stages + stage takes its input from virtual stage vs - 1 (vs 0: none, the tokens), a
 // backward its output's gradient from vs + 1 (the last: none, the loss), each `numel` fp32 values
-// whose receive is posted one step ahead (PipeLink::post), so that it travels while the step before
-// runs. forward(step, received) and backward(step, received) run the step on what arrived
+// whose receive is posted one step ahead (PipeChannels::post), so that it travels while the step
+// before runs. forward(step, received) and backward(step, received) run the step on what arrived
 // (undefined at the ends) and return what goes on: the activation to vs + 1, the input's gradient
 // to vs - 1 (at the ends: nothing, an undefined tensor), sent at once (nonblocking). Every send is
 // delivered when it returns.
 using PipeStepFn = std::function<torch::Tensor(const PipeStep&, const torch::Tensor&)>;
-void run_pipeline_steps(PipeLink& link, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage, int64_t chunks,
-                        int64_t numel, const torch::Device& device, const PipeStepFn& forward, const PipeStepFn& backward);
+void run_pipeline_steps(PipeChannels& channels, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage, int64_t chunks,
+                        int64_t numel, const PipeStepFn& forward, const PipeStepFn& backward);
 
 // Seconds this process has spent waiting in the pipeline's receives and for its sends to complete
-// (PipeLink: the schedule's bubble and the transfers), since it started.
+// (PipeLink, PipeChannels: the schedule's bubble and the transfers), since it started.
 double pipeline_wait_seconds();
 
 // The tags of micro-batch m's activation leaving virtual stage `from` (forward) of `virtual_stages`

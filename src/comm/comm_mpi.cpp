@@ -149,6 +149,46 @@ class MpiWork final : public Work {
   bool done_ = false;
 };
 
+// A point-to-point transfer in flight (send_async, recv_async) on the contiguous host buffer `host`;
+// a receive staged for a device tensor lands in `target` in wait(). A receive never waited for is
+// cancelled when it goes (an error on the way), before its buffer does; a send is completed.
+class MpiP2pWork final : public Work {
+ public:
+  MpiP2pWork(torch::Tensor host, torch::Tensor target, bool receive)
+      : host_(std::move(host)), target_(std::move(target)), receive_(receive) {}
+  ~MpiP2pWork() override {
+    if (receive_) {
+      mpi::cancel(request_);
+      return;
+    }
+    try {
+      wait();
+    } catch (...) {  // only reachable when an MPI error is already ending the job
+    }
+  }
+  MpiRequest& request() { return request_; }
+  size_t bytes() const { return host_.nbytes(); }
+
+  void wait() override {
+    Watchdog::Scope watch(receive_ ? "receive from a neighbouring stage" : "send to a neighbouring stage");
+    if (receive_) {
+      if (request_ == mpi::null_request()) return;
+      mpi::wait_received(request_, bytes());
+      if (target_.defined()) target_.copy_(host_);
+    } else {
+      mpi::wait(request_);
+    }
+  }
+
+ private:
+  torch::Tensor host_, target_;
+  bool receive_;
+  MpiRequest request_ = mpi::null_request();
+};
+
+// The one tag of send_async / recv_async: MPI's order between two ranks is the messages' order.
+constexpr int kP2pTag = 0;
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
@@ -275,6 +315,22 @@ class MpiCommunicator final : public Communicator {
     return work;
   }
 
+  std::unique_ptr<Work> send_async(const torch::Tensor& t, int peer) override {
+    torch::Tensor host = t.is_cpu() && t.is_contiguous() ? t : t.contiguous().cpu();
+    auto work = std::make_unique<MpiP2pWork>(host, torch::Tensor(), false);
+    work->request() = mpi::isend(host.data_ptr(), work->bytes(), peer, kP2pTag, from_mpi(comm_));
+    return work;
+  }
+
+  std::unique_ptr<Work> recv_async(torch::Tensor& t, int peer) override {
+    MPITRAIN_CHECK(t.is_contiguous(), "recv_async: a contiguous tensor");
+    const bool staged = !t.is_cpu();
+    torch::Tensor host = staged ? host_output(t, t.options()) : t;
+    auto work = std::make_unique<MpiP2pWork>(host, staged ? t : torch::Tensor(), true);
+    work->request() = mpi::irecv(host.data_ptr(), work->bytes(), peer, kP2pTag, from_mpi(comm_));
+    return work;
+  }
+
   std::unique_ptr<Work> all_gather_async(const torch::Tensor& in, torch::Tensor& out) override {
     check_gather_sizes("all_gather", "out", out, in, size_);
     if (in.numel() > kMaxCount) throw Error("all_gather: input too large for one MPI call");
@@ -330,6 +386,14 @@ std::unique_ptr<Work> Communicator::all_to_all_async(const torch::Tensor& in, co
 std::unique_ptr<Work> Communicator::reduce_scatter_async(const torch::Tensor& in, torch::Tensor& out, ReduceOp op) {
   reduce_scatter(in, out, op);
   return std::make_unique<DoneWork>();
+}
+
+std::unique_ptr<Work> Communicator::send_async(const torch::Tensor&, int) {
+  throw Error(concat("the ", name(), " communicator has no point-to-point send"));
+}
+
+std::unique_ptr<Work> Communicator::recv_async(torch::Tensor&, int) {
+  throw Error(concat("the ", name(), " communicator has no point-to-point receive"));
 }
 
 void check_gather_sizes(const char* op, const char* whole_name, const torch::Tensor& whole,

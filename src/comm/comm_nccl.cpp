@@ -247,6 +247,22 @@ class NcclCommunicator final : public Communicator {
     return on_comm_stream({in, out}, [&](cudaStream_t s) { send_recv_rows(in, in_rows, out, out_rows, row, s); });
   }
 
+  // On the communication stream: each pipeline channel is a communicator of its own two ranks,
+  // so its transfers queue on a stream of their own (PipeChannels).
+  std::unique_ptr<Work> send_async(const torch::Tensor& t, int peer) override {
+    if (!on_device(t)) return host_->send_async(t, peer);
+    return on_comm_stream({t}, [&](cudaStream_t s) {
+      nccl_check(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t), peer, comm_, s), comm_, "ncclSend");
+    });
+  }
+
+  std::unique_ptr<Work> recv_async(torch::Tensor& t, int peer) override {
+    if (!on_device(t)) return host_->recv_async(t, peer);
+    return on_comm_stream({t}, [&](cudaStream_t s) {
+      nccl_check(ncclRecv(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t), peer, comm_, s), comm_, "ncclRecv");
+    });
+  }
+
   // Waits for this rank's GPU work (under the watchdog: a stuck NCCL kernel shows here), then
   // for every rank.
   void barrier() override {

@@ -170,6 +170,17 @@ MpiComm split(MpiComm comm, int color, int key) {
   return from_mpi(out);
 }
 
+MpiComm create_group(MpiComm comm, const std::vector<int>& ranks, int tag) {
+  MPI_Group all = MPI_GROUP_NULL, part = MPI_GROUP_NULL;
+  MPI_CHECK(MPI_Comm_group(to_mpi(comm), &all));
+  MPI_CHECK(MPI_Group_incl(all, static_cast<int>(ranks.size()), ranks.data(), &part));
+  MPI_Comm out = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_create_group(to_mpi(comm), part, tag, &out));
+  MPI_Group_free(&part);
+  MPI_Group_free(&all);
+  return from_mpi(out);
+}
+
 MpiComm split_host(MpiComm comm, int key) {
   MPI_Comm out = MPI_COMM_NULL;
   MPI_CHECK(MPI_Comm_split_type(to_mpi(comm), MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, &out));

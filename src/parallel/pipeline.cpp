@@ -179,28 +179,112 @@ void PipeLink::finish() {
   sending_.clear();
 }
 
-void run_pipeline_steps(PipeLink& link, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage, int64_t chunks,
-                        int64_t numel, const torch::Device& device, const PipeStepFn& forward, const PipeStepFn& backward) {
-  const int64_t P = stages * chunks, prev = (stage + stages - 1) % stages, next = (stage + 1) % stages;
+PipeChannels::PipeChannels(MpiComm pp, bool wrap, const std::string& backend, const torch::Device& device)
+    : device_(device) {
+  const int n = mpi::size(pp), me = mpi::rank(pp);
+  MPITRAIN_CHECK(n >= 2, "PipeChannels: a pipeline of two stages or more");
+  // Every directed pair in one order on every rank, each with a tag of its own: the activations'
+  // k -> k + 1, then the gradients' k + 1 -> k, for k = 0 ... n - 2 (with wrap: up to n - 1, round
+  // from the last stage to the first). A rank makes its own pairs in that order, so the pair
+  // first in the order of those not yet made always has both its ranks there.
+  int tag = 0;
+  for (const Kind kind : {activations, gradients})
+    for (int k = 0; k < (wrap ? n : n - 1); ++k, ++tag) {
+      const int a = k, b = (k + 1) % n;
+      const int from = kind == activations ? a : b, to = kind == activations ? b : a;
+      if (me != from && me != to) continue;
+      const int side = me == from ? 0 : 1;
+      Watchdog::Scope watch("pipeline: the channels to the neighbouring stages");
+      pair_[kind][side] = mpi::create_group(pp, {from, to}, tag);
+      (side == 0 ? out_ : in_)[kind] = make_communicator(backend, pair_[kind][side], device);
+      host_waits_ = (side == 0 ? out_ : in_)[kind]->name() != "nccl";
+    }
+}
+
+PipeChannels::~PipeChannels() {
+  try {
+    finish();
+  } catch (...) {  // (a destructor: the job is ending anyway)
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    out_[kind].reset(), in_[kind].reset();  // communicators before the MPI communicators they use
+    mpi::free(pair_[kind][0]);
+    mpi::free(pair_[kind][1]);
+  }
+}
+
+void PipeChannels::send(const torch::Tensor& t, Kind kind) {
+  MPITRAIN_CHECK(out_[kind] != nullptr, "PipeChannels::send: no channel that way");
+  sending_.push_back(out_[kind]->send_async(t.detach().to(torch::kFloat32).contiguous(), 1));
+}
+
+PipeChannels::Incoming PipeChannels::post(int64_t numel, Kind kind) {
+  MPITRAIN_CHECK(in_[kind] != nullptr, "PipeChannels::post: no channel that way");
+  Incoming in;
+  in.buffer = torch::empty({numel}, torch::dtype(torch::kFloat32).device(device_));
+  in.work = in_[kind]->recv_async(in.buffer, 0);
+  return in;
+}
+
+torch::Tensor PipeChannels::take(Incoming& incoming) {
+  waited([&] { incoming.work->wait(); });
+  incoming.work.reset();
+  return std::exchange(incoming.buffer, torch::Tensor());
+}
+
+void PipeChannels::finish() {
+  waited([&] {
+    for (auto& work : sending_) work->wait();
+  });
+  sending_.clear();
+}
+
+std::vector<ChannelOrder> pipeline_channel_orders(const std::string& schedule, int64_t stages, int64_t micro_batches,
+                                                  int64_t chunks) {
+  const int64_t P = stages * chunks;
+  std::vector<ChannelOrder> out;
+  for (const PipeChannels::Kind kind : {PipeChannels::activations, PipeChannels::gradients})
+    for (int64_t s = 0; s < stages; ++s) out.push_back({kind, s, {}, {}});
+  const auto channel = [&](PipeChannels::Kind kind, int64_t from) -> ChannelOrder& {
+    return out[static_cast<size_t>(kind * stages + (from + stages) % stages)];
+  };
+  for (int64_t s = 0; s < stages; ++s)
+    for (const PipeStep& p : pipeline_schedule(schedule, stages, s, micro_batches, chunks)) {
+      const int64_t vs = p.chunk * stages + s;
+      if (p.forward) {  // (run_pipeline_steps: the receive before the step, the send after it)
+        if (vs > 0) channel(PipeChannels::activations, s - 1).received.emplace_back(p.micro, vs);
+        if (vs + 1 < P) channel(PipeChannels::activations, s).sent.emplace_back(p.micro, vs + 1);
+      } else {
+        if (vs + 1 < P) channel(PipeChannels::gradients, s + 1).received.emplace_back(p.micro, vs);
+        if (vs > 0) channel(PipeChannels::gradients, s).sent.emplace_back(p.micro, vs - 1);
+      }
+    }
+  return out;
+}
+
+void run_pipeline_steps(PipeChannels& channels, const std::vector<PipeStep>& steps, int64_t stages, int64_t stage,
+                        int64_t chunks, int64_t numel, const PipeStepFn& forward, const PipeStepFn& backward) {
+  const int64_t P = stages * chunks;
   const auto virtual_stage = [&](const PipeStep& s) { return s.chunk * stages + stage; };
   // Step k's input posted (none at the ends).
   const auto post = [&](size_t k) {
     const PipeStep& s = steps[k];
     const int64_t vs = virtual_stage(s);
-    if (s.forward) return vs > 0 ? link.post({numel}, prev, activation_tag(s.micro, vs - 1, P)) : PipeLink::Incoming{};
-    return vs + 1 < P ? link.post({numel}, next, gradient_tag(s.micro, vs, P)) : PipeLink::Incoming{};
+    if (s.forward ? vs > 0 : vs + 1 < P)
+      return channels.post(numel, s.forward ? PipeChannels::activations : PipeChannels::gradients);
+    return PipeChannels::Incoming{};
   };
-  PipeLink::Incoming ahead = steps.empty() ? PipeLink::Incoming{} : post(0);
+  PipeChannels::Incoming ahead = steps.empty() ? PipeChannels::Incoming{} : post(0);
   for (size_t k = 0; k < steps.size(); ++k) {
-    PipeLink::Incoming mine = std::exchange(ahead, k + 1 < steps.size() ? post(k + 1) : PipeLink::Incoming{});
+    PipeChannels::Incoming mine = std::exchange(ahead, k + 1 < steps.size() ? post(k + 1) : PipeChannels::Incoming{});
     const PipeStep& s = steps[k];
     const int64_t vs = virtual_stage(s);
-    const torch::Tensor received = mine.host.defined() ? link.take(mine, device) : torch::Tensor();
+    const torch::Tensor received = mine.buffer.defined() ? channels.take(mine) : torch::Tensor();
     const torch::Tensor out = (s.forward ? forward : backward)(s, received);
-    if (s.forward && vs + 1 < P) link.send(out, next, activation_tag(s.micro, vs, P));
-    if (!s.forward && vs > 0) link.send(out, prev, gradient_tag(s.micro, vs - 1, P));
+    if (s.forward && vs + 1 < P) channels.send(out, PipeChannels::activations);
+    if (!s.forward && vs > 0) channels.send(out, PipeChannels::gradients);
   }
-  link.finish();
+  channels.finish();
 }
 
 }  // namespace mpitrain

@@ -296,9 +296,9 @@ void plan_pipeline(const Config& cfg, Startup& run, const PlanOptions& options, 
       count(s, t0);
       return back;
     };
+    PipeChannels channels(run.mesh->pp_mpi(), v > 1, cfg.comm.backend, device);
     for (int64_t it = 0; it <= options.iters; ++it) {
-      PipeLink link(run.mesh->pp_mpi());
-      run_pipeline_steps(link, steps, pp, d.pp_stage, v, micro * T * d.n_embd, device, forward, backward);
+      run_pipeline_steps(channels, steps, pp, d.pp_stage, v, micro * T * d.n_embd, forward, backward);
       zero_grads();
       warm = true;
     }

@@ -302,6 +302,9 @@ class Run {
   // parallel.pp: pipeline_wait_seconds() likewise; and over the whole run, the wall time of the
   // steps' micro-batches (pipeline_micro_batches) and the waits within it
   double pp_mark_ = 0, pp_in_eval_ = 0, step_seconds_ = 0, step_waits_ = 0;
+  std::unique_ptr<PipeChannels> channels_;  // parallel.pp: the step's transfers (made at the first step)
+  // parallel.pp: the host waits for the transfers (PipeChannels::host_waits), so the waiting is measured
+  bool pp_waits_measured() const { return !channels_ || channels_->host_waits(); }
 };
 
 // The model (this rank's modules: tp shards; ZeRO-3 without values), the parallelisms applied to
@@ -701,7 +704,8 @@ std::pair<std::vector<double>, double> Run::pipeline_expert_load() {
 // (log_step sums it over the pipeline).
 void Run::pipeline_micro_batches() {
   const GPTDims& d = model_->dims();
-  PipeLink link(s_.mesh->pp_mpi());
+  if (!channels_)  // (the first step: every rank of the pipeline makes its channels here)
+    channels_ = std::make_unique<PipeChannels>(s_.mesh->pp_mpi(), d.pp_virtual > 1, cfg_.comm.backend, device_);
   // Per chunk and micro-batch (interleaved: a chunk j is virtual stage j pp + stage, whose
   // neighbours are the previous and the next rank of the pipeline, round from the last to the first).
   const int64_t v = d.pp_virtual, P = d.virtual_stages();
@@ -784,7 +788,7 @@ void Run::pipeline_micro_batches() {
     if (routed) logs[at] = RouterLog(), totals[at] = torch::Tensor();
     return back;
   };
-  run_pipeline_steps(link, steps, d.pp, d.pp_stage, v, n + extra, device_, forward, backward);
+  run_pipeline_steps(*channels_, steps, d.pp, d.pp_stage, v, n + extra, forward, backward);
 }
 
 // The gradients averaged over the data-parallel ranks (ZeRO-1: reduce-scattered, each rank holds
@@ -900,7 +904,7 @@ void Run::log_step() {
     report.ep_seconds = std::max(0.0, now - ep_mark_ - ep_in_eval_);
     ep_mark_ = now, ep_in_eval_ = 0;
   }
-  if (par_.pipeline_parallel()) {
+  if (par_.pipeline_parallel() && pp_waits_measured()) {
     const double now = pipeline_wait_seconds();
     report.pp_wait_seconds = std::max(0.0, now - pp_mark_ - pp_in_eval_);
     pp_mark_ = now, pp_in_eval_ = 0;
@@ -1008,7 +1012,10 @@ TrainResult Run::finish() {
     s_.mesh->world().barrier();
   }
   result_.final_step = st_.step;
-  if (par_.pipeline_parallel()) {  // each stage's idle share of its forwards and backwards, against the bubble's
+  if (par_.pipeline_parallel() && !pp_waits_measured() && topo_.rank == 0)
+    log::info("pipeline: the waiting for the neighbouring stages is not measured: the GPUs wait for NCCL's transfers, "
+              "the host does not (comm.backend: mpi measures it)");
+  if (par_.pipeline_parallel() && pp_waits_measured()) {  // each stage's idle share of its forwards and backwards, against the bubble's
     const double mine[2] = {step_waits_, step_seconds_};
     std::vector<double> all(static_cast<size_t>(2 * topo_.size));
     mpi::gather(mine, all.data(), sizeof mine, 0, mpi_comm_);
