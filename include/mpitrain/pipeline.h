@@ -102,20 +102,6 @@ class PipeLink {
   void send(const torch::Tensor& t, int64_t to, int tag);
   // The tensor of `shape` (host fp32, then on `device`) that stage `from` sent with `tag`.
   torch::Tensor recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device);
-  // The same split in two: post() starts receiving into a host buffer (MPI_Irecv), so that the
-  // message travels while the caller computes; take() waits for it and returns it on `device`. One
-  // never taken (an error on the way) is cancelled when it goes, before its buffer does.
-  struct Incoming {
-    torch::Tensor host;
-    MpiRequest request = mpi::null_request();
-    Incoming() = default;
-    explicit Incoming(torch::Tensor h) : host(std::move(h)) {}
-    Incoming(Incoming&& o) noexcept : host(std::move(o.host)), request(std::exchange(o.request, mpi::null_request())) {}
-    Incoming& operator=(Incoming&& o) noexcept;
-    ~Incoming();
-  };
-  Incoming post(c10::IntArrayRef shape, int64_t from, int tag);
-  torch::Tensor take(Incoming& incoming, const torch::Device& device);
   // Every send of this step delivered (their buffers may go).
   void finish();
 

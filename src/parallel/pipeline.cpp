@@ -141,34 +141,14 @@ void PipeLink::send(const torch::Tensor& t, int64_t to, int tag) {
 }
 
 torch::Tensor PipeLink::recv(c10::IntArrayRef shape, int64_t from, int tag, const torch::Device& device) {
-  Incoming incoming = post(shape, from, tag);
-  return take(incoming, device);
-}
-
-PipeLink::Incoming& PipeLink::Incoming::operator=(Incoming&& o) noexcept {
-  if (this != &o) {
-    mpi::cancel(request);
-    host = std::move(o.host);
-    request = std::exchange(o.request, mpi::null_request());
-  }
-  return *this;
-}
-
-PipeLink::Incoming::~Incoming() { mpi::cancel(request); }
-
-PipeLink::Incoming PipeLink::post(c10::IntArrayRef shape, int64_t from, int tag) {
-  Incoming in(torch::empty(shape, torch::kFloat32));
-  in.request = mpi::irecv(in.host.data_ptr<float>(), static_cast<size_t>(in.host.numel()) * sizeof(float),
-                          static_cast<int>(from), tag, comm_);
-  return in;
-}
-
-torch::Tensor PipeLink::take(Incoming& incoming, const torch::Device& device) {
+  torch::Tensor host = torch::empty(shape, torch::kFloat32);
   {
     Watchdog::Scope watch("pipeline: receive from the neighbouring stage");
-    waited([&] { mpi::wait_received(incoming.request, static_cast<size_t>(incoming.host.numel()) * sizeof(float)); });
+    waited([&] {
+      mpi::recv(host.data_ptr<float>(), static_cast<size_t>(host.numel()) * sizeof(float), static_cast<int>(from), tag, comm_);
+    });
   }
-  return std::exchange(incoming.host, torch::Tensor()).to(device);
+  return host.to(device);
 }
 
 void PipeLink::finish() {
