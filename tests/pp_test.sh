@@ -5,7 +5,8 @@
 # no clip: a gradient's rounding error reaches the parameters linearly, where AdamW's own
 # normalisation would turn the last-bit noise of near-zero gradients into whole steps),
 # checkpoints at 4 and 8:
-#  - pp 2 and pp 4 (1f1b) train the one-rank run: its 8 losses and 3 validation losses within
+#  - pp 2, pp 4 and pp 2 with the step's rows as 8 micro-batches of 1 (parallel.pp_microbatches)
+#    (1f1b) train the one-rank run (2 rows x 4 micro-batches): its 8 losses and 3 validation losses within
 #    1e-5, its final parameters (the exports) within test_train.cpp's reordering bound (1.5e-3 of
 #    the last 4 steps' displacement; the tied embedding's two gradients, the first stage's and the
 #    last's, are summed in another order than one rank's backward sums them), bitwise for an
@@ -105,13 +106,18 @@ run g2g 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=gpipe
 run g2i 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2
 run g2f 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_first_stage_blocks=1
 run g4 4 gpt.yaml --set parallel.pp=4 --set checkpoint.writers=rank0 --set sample.tokens=30
-for n in g2 g4; do
+# parallel.pp_microbatches: the step's 8 rows as 8 micro-batches of 1 (the bubble 1/8, not 1/4);
+# evaluation reads eval.batches micro-batches, so 4 of 1 row are the one-rank run's 2 of 2
+run g2m 2 gpt.yaml --set parallel.pp=2 --set parallel.pp_microbatches=8 --set eval.batches=4
+for n in g2 g4 g2m; do
   close g1 $n > close_$n.out 2>&1
   rc=$?
   cat close_$n.out
   check "GPT-2 at parallel.pp ${n#g} (1f1b) trains the one-rank run: 8 losses and 3 val losses, final parameters (exit ${rc_of[$n]})" \
     "same g1 $n && [ $rc -eq 0 ]"
 done
+check "parallel.pp_microbatches 8 splits the step's 2 x 4 rows into 8 micro-batches of 1" \
+  "grep -q 'pipeline: 2 stages .*; 1f1b over 8 micro-batches per step: bubble (pp - 1) / m = 13% of the ideal step' g2m.out"
 sample_of() { sed -n '/ sample:$/,$p' $1.out | sed -n 2p; }
 check "the final sample generated through pp 4's stages is the one-rank run's" \
   "[ -n \"\$(sample_of g1)\" ] && [ \"\$(sample_of g1)\" = \"\$(sample_of g4)\" ]"
@@ -382,6 +388,9 @@ expect_own_usage "interleaved chunks that do not divide the blocks refused by na
 expect_own_usage "interleaved with micro-batches not in groups of pp refused by name" \
   "parallel.pp_schedule: interleaved needs a multiple of parallel.pp = 2 micro-batches per step (train.grad_accum), got 3" \
   "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.pp_virtual=2 --set train.grad_accum=3
+expect_own_usage "pipeline micro-batches that do not divide the step's rows refused by name" \
+  "gpt.yaml: parallel.pp_microbatches must divide the rows each replica trains per step, train.micro_batch x train.grad_accum = 2 x 4 = 8, got 3" \
+  "$MPIRUN" -np 2 "$BIN" gpt.yaml --set parallel.pp=2 --set parallel.pp_microbatches=3
 expect_own_usage "a first stage that leaves the others no block refused by name" \
   "parallel.pp_first_stage_blocks must be small enough to leave at least a block to each of the other 3 stages (model.n_layer 4)" \
   "$BIN" gpt.yaml --set parallel.pp=4 --set parallel.pp_first_stage_blocks=2

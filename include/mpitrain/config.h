@@ -223,6 +223,11 @@ struct ParallelConfig {
   // work (the embedding; the final norm, output layer and loss), as torchtitan's
   // first/last_stage_less_layers; the other stages share the rest as evenly. Not with interleaved.
   int64_t pp_first_stage_blocks = 0, pp_last_stage_blocks = 0;
+  // The pipeline's micro-batches per step (0: train.grad_accum's): the step's rows per replica,
+  // train.micro_batch x train.grad_accum, split into this many micro-batches (resolve_for_world
+  // sets train.micro_batch and train.grad_accum to the split; the global batch stays), as
+  // torchtitan's microbatch size: the bubble tuned without changing the optimisation.
+  int64_t pp_microbatches = 0;
 };
 
 // parallel.islands as a number: N, -1 for host (one per host), -2 for auto, 0 when it is none of

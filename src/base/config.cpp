@@ -110,7 +110,7 @@ const Field kFields[] = {
     MPITRAIN_FIELD(comm, powersgd_rank), MPITRAIN_FIELD(comm, powersgd_start),
     MPITRAIN_FIELD(parallel, tp),        MPITRAIN_FIELD(parallel, ep),        MPITRAIN_FIELD(parallel, islands),
     MPITRAIN_FIELD(parallel, slow_link_gbit), MPITRAIN_FIELD(parallel, pp),     MPITRAIN_FIELD(parallel, pp_schedule),
-    MPITRAIN_FIELD(parallel, pp_virtual),
+    MPITRAIN_FIELD(parallel, pp_virtual),  MPITRAIN_FIELD(parallel, pp_microbatches),
     MPITRAIN_FIELD(parallel, pp_first_stage_blocks), MPITRAIN_FIELD(parallel, pp_last_stage_blocks),
     MPITRAIN_FIELD(diloco, inner_steps), MPITRAIN_FIELD(diloco, outer_lr),
     MPITRAIN_FIELD(diloco, outer_momentum), MPITRAIN_FIELD(diloco, dtype),
@@ -808,6 +808,11 @@ void validate(const Config& c, const std::string& where) {
   check(one_of(c.parallel.pp_schedule, {"1f1b", "gpipe", "interleaved"}), "parallel.pp_schedule",
         "one of 1f1b|gpipe|interleaved", show(c.parallel.pp_schedule));
   check(c.parallel.pp_virtual >= 1, "parallel.pp_virtual", ">= 1", show(c.parallel.pp_virtual));
+  check(c.parallel.pp_microbatches >= 0, "parallel.pp_microbatches", ">= 0 (0: train.grad_accum micro-batches)",
+        show(c.parallel.pp_microbatches));
+  check(c.parallel.pp_microbatches == 0 || c.parallel.pp > 1, "parallel.pp_microbatches",
+        "0 without parallel.pp > 1 (the pipeline's micro-batches; train.grad_accum splits a step otherwise)",
+        show(c.parallel.pp_microbatches));
   const bool interleaved = c.parallel.pp_schedule == "interleaved";
   check(!interleaved || c.parallel.pp_virtual >= 2, "parallel.pp_virtual",
         ">= 2 with parallel.pp_schedule: interleaved (the chunks of blocks each rank holds)", show(c.parallel.pp_virtual));
@@ -994,6 +999,16 @@ void resolve_for_world(Config& cfg, int world_size) {
                          t.global_batch));
   }
   t.global_batch = times(per_micro_step, t.grad_accum);
+  // The pipeline's micro-batches: the same rows per replica and step, split another way.
+  if (const int64_t split = cfg.parallel.pp_microbatches; split > 0) {
+    const int64_t rows = t.micro_batch * t.grad_accum;
+    if (rows % split != 0)
+      throw UsageError(concat(where, ": parallel.pp_microbatches must divide the rows each replica trains per step, ",
+                              "train.micro_batch x train.grad_accum = ", t.micro_batch, " x ", t.grad_accum, " = ", rows,
+                              ", got ", split));
+    t.micro_batch = rows / split;
+    t.grad_accum = split;
+  }
 }
 
 std::string to_yaml(const Config& cfg) {

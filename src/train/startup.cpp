@@ -21,7 +21,6 @@
 #include "mpitrain/log.h"
 #include "mpitrain/netcheck.h"
 #include "mpitrain/preflight.h"
-#include "mpitrain/pipeline.h"
 #include "mpitrain/signals.h"
 #include "mpitrain/watchdog.h"
 
@@ -310,11 +309,8 @@ Startup start_up(Config& cfg, MpiComm mpi_comm, bool force_unlock, bool plan_onl
       // Interleaved: the schedule's micro-batches go round the stages in groups of pp (Megatron's).
       if (cfg.parallel.pp_schedule == "interleaved" && cfg.train.grad_accum % layout.pp != 0)
         throw UsageError(concat("parallel.pp_schedule: interleaved needs a multiple of parallel.pp = ", layout.pp,
-                                " micro-batches per step (train.grad_accum), got ", cfg.train.grad_accum));
-      if (activation_tag(cfg.train.grad_accum, 0, dims.virtual_stages()) >= kPipeTagEnd)
-        throw UsageError(concat("train.grad_accum: at most ", kPipeTagEnd / (2 * dims.virtual_stages()) - 1,
-                                " micro-batches per step through ", dims.virtual_stages(),
-                                " (virtual) stages (MPI's message tags), got ", cfg.train.grad_accum));
+                                " micro-batches per step (", cfg.parallel.pp_microbatches > 0 ? "parallel.pp_microbatches" : "train.grad_accum",
+                                "), got ", cfg.train.grad_accum));
     }
     const std::string attention = configure_attention(cfg.model.attention, dims, layout.tp, device, precision_dtype(precision));
     if (topo.rank == 0) log::info(concat("attention: ", attention));
